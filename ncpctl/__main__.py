@@ -1,0 +1,3 @@
+from ncpctl.cli.app import main
+
+main()

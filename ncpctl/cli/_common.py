@@ -1,0 +1,106 @@
+"""What every subcommand shares: options (defined once), output, and error handling.
+
+Output contract: human-readable progress and messages go to stderr; the command's result
+goes to stdout — as one JSON object with ``--json``, as a human summary otherwise — so
+``ncpctl tokenize r.yaml --json | jq .tokens.train`` works in CI pipelines.
+Exit codes: 0 success, 2 user error (bad recipe, bad input), 1 internal failure.
+This module must stay light: ``ncpctl --help`` may not import torch or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from ncpctl.errors import EXIT_INTERNAL, EXIT_USER, UserError
+
+RecipeArg = Annotated[str, typer.Argument(help="Recipe YAML file (see recipes/).", show_default=False)]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", metavar="KEY.PATH=VALUE",
+                 help="Override a recipe key (repeatable; wins over the YAML).", show_default=False),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (human output to stderr).")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+
+
+@dataclass
+class GlobalState:
+    json: bool = False
+    debug: bool = False
+
+
+STATE = GlobalState()
+
+
+class Output:
+    """stderr console for humans; ``result()`` for the one stdout result."""
+
+    def __init__(self, json_mode: bool):
+        from rich.console import Console
+
+        self.json = json_mode
+        self.err = Console(stderr=True, highlight=False)
+        self.out = Console(highlight=False, soft_wrap=True)
+
+    def info(self, msg: str) -> None:
+        self.err.print(msg)
+
+    def warn(self, msg: str) -> None:
+        self.err.print(f"[yellow]warning:[/] {msg}")
+
+    def result(self, data: dict[str, Any], human: Callable[[Any], None] | None = None) -> None:
+        if self.json:
+            sys.stdout.write(json.dumps({"ok": True, **data}, default=str) + "\n")
+            sys.stdout.flush()
+        elif human is not None:
+            human(self.out)
+
+
+def command(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a subcommand: merge global --json/--debug, format errors, set exit codes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        json_mode = kwargs.get("json_out", False) or STATE.json
+        debug = kwargs.get("debug", False) or STATE.debug
+        kwargs["json_out"], kwargs["debug"] = json_mode, debug
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except UserError as e:
+            if debug:
+                traceback.print_exc()
+            _fail(json_mode, e.problems, e.hint, EXIT_USER)
+        except KeyboardInterrupt:
+            _fail(json_mode, ["interrupted"], None, 130)
+        except Exception as e:  # internal bug: say so loudly, traceback with --debug
+            if debug:
+                raise
+            first = (str(e).strip().splitlines() or [""])[0]
+            _fail(json_mode, [f"internal error: {type(e).__name__}: {first}"],
+                  "rerun with --debug for the traceback, and please report it", EXIT_INTERNAL)
+
+    return wrapper
+
+
+def _fail(json_mode: bool, lines: list[str], hint: str | None, code: int) -> None:
+    for line in lines:
+        sys.stderr.write(f"error: {line}\n")
+    if hint:
+        sys.stderr.write(f"hint: {hint}\n")
+    if json_mode:
+        sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "errors": lines, "hint": hint}) + "\n")
+    raise typer.Exit(code)
+
+
+def not_yet(name: str, issue: int, what: str, json_mode: bool) -> None:
+    """For subcommands a later issue delivers: say so plainly and exit non-zero."""
+    _fail(json_mode, [f"`ncpctl {name}` is not implemented yet: {what} lands with issue #{issue}"], None, EXIT_INTERNAL)

@@ -1,0 +1,152 @@
+"""Corpus sources: local text / jsonl / parquet files and globs, hub datasets, and the
+zero-download built-in corpus ``builtin:python-stdlib`` (the running interpreter's stdlib).
+
+Structured files (jsonl, parquet) and hub datasets are read through ``datasets``. Plain
+text and the built-in corpus are read as bytes here so that a file with undecodable bytes
+is skipped and counted instead of aborting the whole run.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from ncpctl.errors import UserError
+from ncpctl.recipe.load import BUILTIN_STDLIB, source_kind
+from ncpctl.recipe.schema import SourceSpec
+
+# Directories of the stdlib that are not stdlib source, and those that are test suites.
+_NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
+_TEST_DIRS = {"test", "tests", "idle_test"}
+
+
+@dataclass
+class ReadStats:
+    """Counts of what reading skipped, reported to the user and stored in meta.json."""
+
+    undecodable: int = 0  # documents (files) skipped for invalid UTF-8
+    undecodable_examples: list[str] = field(default_factory=list)
+    too_short: int = 0  # documents under data.min_chars
+
+
+def stdlib_files(include_tests: bool = False) -> list[Path]:
+    """The ``.py`` files of the running interpreter's standard library, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = _NOT_STDLIB if include_tests else _NOT_STDLIB | _TEST_DIRS
+    out: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        out.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return sorted(out)
+
+
+def source_files(src: SourceSpec) -> list[Path]:
+    """Local files a file-based source refers to (sorted, deterministic)."""
+    kind = source_kind(src.path, src.type)
+    if kind == "builtin":
+        if src.path != BUILTIN_STDLIB:
+            raise UserError(f"data.sources: unknown builtin corpus {src.path!r}; available: {BUILTIN_STDLIB}")
+        return stdlib_files(src.include_tests)
+    if kind == "hf":
+        return []
+    files = sorted(Path(p) for p in glob.glob(os.path.expanduser(src.path), recursive=True) if Path(p).is_file())
+    if not files:
+        raise UserError(f"data.sources: no file matches {src.path!r}")
+    return files
+
+
+def fingerprint(sources: list[SourceSpec]) -> str:
+    """Cheap identity of the inputs: every file's path, size and mtime, plus the options.
+
+    Like make: a changed file changes its size or mtime. Hub datasets are identified by name.
+    """
+    h = hashlib.sha256()
+    for src in sources:
+        h.update(json.dumps(src.model_dump(mode="json"), sort_keys=True).encode())
+        if source_kind(src.path, src.type) == "builtin":
+            h.update(sys.version.encode())
+        for f in source_files(src):
+            st = f.stat()
+            h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def count_documents(src: SourceSpec) -> int | None:
+    """Number of documents if cheap to know (for the progress bar), else None."""
+    kind = source_kind(src.path, src.type)
+    if kind in ("builtin", "text") and src.sample_by == "document":
+        return len(source_files(src))
+    return None
+
+
+def _split_text(text: str, sample_by: str) -> list[str]:
+    if sample_by == "document":
+        return [text]
+    if sample_by == "line":
+        return [line for line in text.splitlines() if line.strip()]
+    return [p for p in text.split("\n\n") if p.strip()]
+
+
+def _iter_files_as_text(src: SourceSpec, stats: ReadStats) -> Iterator[str]:
+    for f in source_files(src):
+        try:
+            text = f.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            stats.undecodable += 1
+            if len(stats.undecodable_examples) < 3:
+                stats.undecodable_examples.append(str(f))
+            continue
+        except OSError as e:
+            raise UserError(f"{f}: cannot read ({e.strerror})") from None
+        yield from _split_text(text, src.sample_by)
+
+
+def _load_with_datasets(src: SourceSpec, kind: str):  # -> datasets.Dataset
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    try:
+        if kind == "hf":
+            name = src.path.removeprefix("hf:")
+            return datasets.load_dataset(name, src.name, split=src.split)
+        files = [str(f) for f in source_files(src)]
+        return datasets.load_dataset(kind, data_files=files, split="train")
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many types; the user needs one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        where = "the hub (is it reachable? set HF_DATASETS_OFFLINE=0)" if kind == "hf" else "its files"
+        raise UserError(f"data source {src.path!r}: cannot load from {where}: {first[:300]}") from None
+
+
+def iter_documents(src: SourceSpec, stats: ReadStats, batch: int = 1024) -> Iterator[list[str]]:
+    """Batches of document texts from one source, in a deterministic order."""
+    kind = source_kind(src.path, src.type)
+    if kind in ("builtin", "text"):
+        buf: list[str] = []
+        for doc in _iter_files_as_text(src, stats):
+            buf.append(doc)
+            if len(buf) == batch:
+                yield buf
+                buf = []
+        if buf:
+            yield buf
+        return
+    ds = _load_with_datasets(src, kind)
+    if src.field not in ds.column_names:
+        raise UserError(f"data source {src.path!r}: no field {src.field!r} (fields: {', '.join(ds.column_names)}); "
+                        "set `field:` in the source")
+    for rows in ds.select_columns([src.field]).iter(batch_size=batch):
+        texts = rows[src.field]
+        bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
+        if bad:
+            raise UserError(f"data source {src.path!r}: field {src.field!r} holds {type(texts[bad[0]]).__name__}, not text")
+        yield texts

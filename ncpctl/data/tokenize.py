@@ -1,0 +1,342 @@
+"""`ncpctl tokenize`: corpus -> byte-level BPE -> Megatron indexed datasets under run.dir/data.
+
+Output (the layout scripts rely on): ``data/train.{bin,idx}``, ``data/val.{bin,idx}``,
+``data/tokenizer.json``, ``data/meta.json``, ``data/recipe.resolved.yaml``.
+
+Safety: everything is written into ``run.dir/.data.tmp-PID`` and swapped in with renames
+only after it is complete, so an interrupted run never leaves a dataset that looks
+complete, and the previous dataset stays intact until the new one is whole. Re-running with
+unchanged inputs and settings is a no-op (fingerprint in meta.json).
+
+Speed: encoding runs in the tokenizers Rust thread pool (all cores) on batches of documents,
+while this thread turns the previous batch into a flat id array and writes it (a one-deep
+pipeline), so the Python side overlaps the Rust side instead of adding to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from ncpctl import __version__
+from ncpctl.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
+from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents
+from ncpctl.errors import UserError
+from ncpctl.recipe.load import Recipe
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _is_val(doc_index: np.ndarray, seed: int, fraction: float) -> np.ndarray:
+    """Deterministic per-document split: splitmix64(seed, index) -> uniform [0,1) < fraction.
+
+    Independent of batch size, source boundaries and machine; (n,) bool.
+    """
+    with np.errstate(over="ignore"):
+        z = doc_index.astype(np.uint64) + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
+
+
+def settings_fingerprint(recipe: Recipe) -> str:
+    """Everything that changes the output: sources (files, sizes, mtimes) and settings."""
+    d, t = recipe.data, recipe.tokenizer
+    settings = {
+        "format": FORMAT_VERSION,
+        "sources": fingerprint(d.sources),
+        "tokenizer": t.model_dump(mode="json"),
+        "tokenizer_file": _sha256(Path(t.path)) if t.path else None,
+        "split": [d.val_fraction, d.split_seed],
+        "dtype": d.dtype,
+        "min_chars": d.min_chars,
+        "max_documents": d.max_documents,
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def _up_to_date(data_dir: Path, fp: str) -> dict[str, Any] | None:
+    """meta.json of a complete dataset made with the same fingerprint, else None."""
+    meta_path = data_dir / "meta.json"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if meta.get("fingerprint") != fp:
+        return None
+    tok = data_dir / "tokenizer.json"
+    if not tok.is_file() or _sha256(tok) != meta.get("tokenizer", {}).get("sha256"):
+        return None
+    for split in SPLITS:
+        try:
+            ds = IndexedDataset(data_dir / split)
+        except UserError:
+            return None
+        if ds.num_tokens != meta["splits"][split]["tokens"]:
+            return None
+    return meta
+
+
+def _documents(recipe: Recipe, stats: ReadStats) -> Iterator[tuple[np.ndarray, list[str]]]:
+    """(global document indices, texts) batches over all sources, honouring min_chars/max_documents."""
+    d = recipe.data
+    index = 0
+    for src in d.sources:
+        for texts in iter_documents(src, stats, batch=d.batch_documents):
+            if d.max_documents is not None:
+                texts = texts[: max(0, d.max_documents - index)]
+            idx = np.arange(index, index + len(texts))
+            index += len(texts)
+            keep = [i for i, t in enumerate(texts) if len(t) >= max(d.min_chars, 1)]
+            stats.too_short += len(texts) - len(keep)
+            if len(keep) != len(texts):
+                idx, texts = idx[keep], [texts[i] for i in keep]
+            if texts:
+                yield idx, texts
+            if d.max_documents is not None and index >= d.max_documents:
+                return
+
+
+def train_bpe(recipe: Recipe, stats: ReadStats):  # -> tokenizers.Tokenizer
+    """A byte-level BPE trained on (at most train_max_bytes of) the training split."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t, d = recipe.tokenizer, recipe.data
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=t.vocab_size,
+        min_frequency=t.min_frequency,
+        special_tokens=[t.eod_token],  # id 0, as in Pythia's tokenizer
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+
+    def texts() -> Iterator[str]:
+        budget = t.train_max_bytes
+        for idx, batch in _documents(recipe, stats):
+            val = _is_val(idx, d.split_seed, d.val_fraction)
+            for text, v in zip(batch, val):
+                if v:
+                    continue
+                yield text
+                budget -= len(text)
+                if budget <= 0:
+                    return
+
+    tok.train_from_iterator(texts(), trainer)
+    return tok
+
+
+def load_or_train_tokenizer(recipe: Recipe, stats: ReadStats):
+    from tokenizers import Tokenizer
+
+    if recipe.tokenizer.path:
+        return Tokenizer.from_file(recipe.tokenizer.path), False
+    return train_bpe(recipe, stats), True
+
+
+def _flatten(encodings: list[Any], eod: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Encodings of n docs -> (flat ids with EOD after every doc (sum(len)+n,), lengths (n,))."""
+    ids = [e.ids for e in encodings]
+    lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    total = int(lens.sum())
+    # every id is checked against the dtype by the writer; int64 here avoids silent wrap-around
+    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=total)
+    out = np.empty(total + len(ids), dtype=np.int64)
+    ends = np.cumsum(lens + 1) - 1  # position of each doc's EOD
+    is_eod = np.zeros(out.shape[0], dtype=bool)
+    is_eod[ends] = True
+    out[is_eod] = eod
+    out[~is_eod] = flat
+    return out, lens + 1
+
+
+def _select(flat: np.ndarray, lens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The docs of a flat batch where mask is True (vectorised; no per-doc loop)."""
+    return flat[np.repeat(mask, lens)], lens[mask]
+
+
+def tokenize(
+    recipe: Recipe,
+    *,
+    force: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
+    on_total: Callable[[int | None], None] | None = None,
+    log: Callable[[str], None] = lambda msg: None,
+) -> dict[str, Any]:
+    """Run the whole tokenize stage for ``recipe``; returns meta.json's content.
+
+    ``on_progress(documents, tokens)`` is called after every batch (for a progress bar);
+    ``on_total(documents or None)`` when encoding starts; ``log(message)`` for stage messages.
+    """
+    run_dir, data_dir = recipe.run_dir, recipe.data_dir
+    fp = settings_fingerprint(recipe)
+    if not force and (meta := _up_to_date(data_dir, fp)) is not None:
+        return {**meta, "up_to_date": True}
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(run_dir)
+    tmp = run_dir / f".data.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        meta = _tokenize_into(recipe, tmp, fp, on_progress, on_total, log)
+        recipe.write_resolved(tmp)
+        _swap_in(tmp, data_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    recipe.write_resolved(run_dir)
+    return {**meta, "up_to_date": False}
+
+
+def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_total: Any, log: Any) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    d = recipe.data
+    stats = ReadStats()
+    if recipe.tokenizer.path:
+        log(f"loading tokenizer {recipe.tokenizer.path}")
+    else:
+        log(f"training a byte-level BPE (vocab {recipe.tokenizer.vocab_size}) on the train split")
+    tok, trained = load_or_train_tokenizer(recipe, stats)
+    stats = ReadStats()  # the BPE pass read a prefix; count skips over the full pass below
+    eod = tok.token_to_id(recipe.tokenizer.eod_token)
+    if eod is None:
+        raise UserError(f"tokenizer.eod_token: {recipe.tokenizer.eod_token!r} is not in the tokenizer's vocabulary")
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    dtype = best_dtype(vocab) if d.dtype == "auto" else np.dtype(d.dtype)
+    tok.save(str(out / "tokenizer.json"))
+    t_tok = time.perf_counter() - t0
+
+    log(f"encoding into {recipe.data_dir} ({np.dtype(dtype).name}, EOD id {eod})")
+    if on_total is not None:
+        counts = [count_documents(s) for s in d.sources]
+        total = None if None in counts else sum(c for c in counts if c is not None)
+        if total is not None and d.max_documents is not None:
+            total = min(total, d.max_documents)
+        on_total(total)
+
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: less Rust work
+    n_docs, n_tok = 0, 0
+    t1 = time.perf_counter()
+    with IndexedDatasetWriter(out / "train", dtype) as w_train, IndexedDatasetWriter(out / "val", dtype) as w_val, \
+            ThreadPoolExecutor(max_workers=1) as pool:
+        # One-deep pipeline: Rust encodes batch i+1 (GIL released) while we flatten/write batch i.
+        batches = _documents(recipe, stats)
+        nxt = next(batches, None)
+        pending = pool.submit(encode, nxt[1], add_special_tokens=False) if nxt is not None else None
+        while nxt is not None:
+            idx, texts = nxt
+            encs = pending.result()
+            nxt = next(batches, None)
+            pending = pool.submit(encode, nxt[1], add_special_tokens=False) if nxt is not None else None
+            flat, lens = _flatten(encs, eod, dtype)
+            val = _is_val(idx, d.split_seed, d.val_fraction)
+            for writer, mask in ((w_train, ~val), (w_val, val)):
+                if mask.any():
+                    writer.add_documents(*_select(flat, lens, mask))
+            n_docs += len(texts)
+            n_tok += int(flat.shape[0])
+            if on_progress is not None:
+                on_progress(len(texts), int(flat.shape[0]))
+        if n_docs == 0:
+            raise UserError(_empty_message(recipe, stats))
+        train_stats, val_stats = (dataclasses.asdict(w.finalize()) for w in (w_train, w_val))
+    t_enc = time.perf_counter() - t1
+
+    if train_stats["documents"] == 0:
+        raise UserError(f"data: all {n_docs} documents went to validation; lower data.val_fraction")
+    if d.val_fraction > 0 and val_stats["documents"] == 0:
+        raise UserError(f"data: the validation split is empty ({n_docs} documents, val_fraction={d.val_fraction}); "
+                        "add documents or raise data.val_fraction")
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "ncpctl_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "fingerprint": fp,
+        "source_fingerprint": fingerprint(d.sources),
+        "sources": [s.model_dump(mode="json") for s in d.sources],
+        "tokenizer": {
+            "sha256": _sha256(out / "tokenizer.json"),
+            "vocab_size": vocab,
+            "eod_id": eod,
+            "eod_token": recipe.tokenizer.eod_token,
+            "trained": trained,
+        },
+        "dtype": np.dtype(dtype).name,
+        "splits": {"train": train_stats, "val": val_stats},
+        "documents": n_docs,
+        "tokens": n_tok,
+        "skipped": {"undecodable": stats.undecodable, "undecodable_examples": stats.undecodable_examples,
+                    "too_short": stats.too_short},
+        "seconds": {"tokenizer": round(t_tok, 3), "encode": round(t_enc, 3)},
+        "tokens_per_second": round(n_tok / max(t_enc, 1e-9)),
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _empty_message(recipe: Recipe, stats: ReadStats) -> str:
+    why = []
+    if stats.undecodable:
+        why.append(f"{stats.undecodable} undecodable")
+    if stats.too_short:
+        why.append(f"{stats.too_short} shorter than data.min_chars={recipe.data.min_chars}")
+    paths = ", ".join(s.path for s in recipe.data.sources)
+    return f"data.sources: the corpus is empty ({paths})" + (f": all documents skipped ({'; '.join(why)})" if why else "")
+
+
+def _swap_in(tmp: Path, data_dir: Path) -> None:
+    """Replace ``data_dir`` with the complete ``tmp`` using renames (never a half state that
+    looks complete: meta.json only exists in a whole directory)."""
+    old = None
+    if data_dir.exists():
+        old = data_dir.with_name(f".data.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(data_dir, old)
+    os.replace(tmp, data_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_tmp(run_dir: Path) -> None:
+    """Leftovers of killed runs (.data.tmp-PID / .data.old-PID whose PID is gone)."""
+    for p in run_dir.glob(".data.*-*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            if p.name.startswith(".data.old-") and not (run_dir / "data").exists():
+                os.replace(p, run_dir / "data")  # killed between the two renames: restore
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

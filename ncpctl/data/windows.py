@@ -1,0 +1,140 @@
+"""Training windows over an indexed dataset: shuffled, data-parallel sharded, resumable.
+
+Like Megatron's GPTDataset, documents (each already ending in EOD) are one flat token
+stream, cut into windows of ``seq_len + 1`` tokens that overlap by one token::
+
+    window i = tokens[i*T : i*T + T + 1]      inputs = w[:, :-1], targets = w[:, 1:]
+    num_windows = (num_tokens - 1) // T
+
+Each epoch visits every window once in an order fixed by ``(seed, epoch)``. A step takes
+the next ``global_batch_size`` windows of that order (rolling into the next epoch when
+needed); rank ``r`` of ``world_size`` gets the contiguous slice ``r*B : (r+1)*B`` with
+``B = global_batch_size // world_size``, so the ranks together see exactly the batch a
+single process would. numpy only; the caller makes tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from ncpctl.data.indexed import IndexedDataset
+from ncpctl.errors import UserError
+
+STATE_VERSION = 1
+_RESUME_HINT = ("resume with the same data, train.seq_len, train.global_batch_size and train.seed as "
+                "the checkpoint, or start a fresh run (train.resume: never)")
+
+
+def epoch_order(num_windows: int, seed: int, epoch: int) -> np.ndarray:
+    """The permutation of ``range(num_windows)`` visited in ``epoch``: ``(num_windows,)``.
+
+    Sorted raw PCG64 draws rather than ``Generator.permutation``: numpy guarantees the raw
+    bit-generator stream (and SeedSequence) across versions and platforms (NEP 19), but not
+    the algorithms built on it, and the data order must not change when numpy is upgraded.
+    """
+    keys = np.random.PCG64(np.random.SeedSequence([seed, epoch])).random_raw(num_windows)  # (n,) uint64
+    order = np.argsort(keys, kind="stable")  # stable: ties (p ~ n^2 / 2^65) still break the same way
+    return order.astype(np.int32) if num_windows < 2**31 else order  # half the memory on big corpora
+
+
+class WindowLoader:
+    """Iterator over training batches, ``(global_batch_size // world_size, seq_len + 1)`` int64.
+
+    Never stops: epochs roll over inside a batch if needed. ``state_dict()`` after a batch
+    and ``load_state_dict()`` on a fresh loader continue with exactly the next batch. The
+    state does not depend on ``rank``/``world_size``, so a run may resume on more or fewer ranks.
+    """
+
+    def __init__(self, dataset: IndexedDataset, seq_len: int, global_batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world size {world_size}")
+        if seq_len < 1 or global_batch_size < 1:
+            raise ValueError(f"seq_len ({seq_len}) and global_batch_size ({global_batch_size}) must be >= 1")
+        problems = []
+        if seed < 0:
+            problems.append(f"train.seed must be >= 0 for the data order (got {seed})")
+        if global_batch_size % world_size:
+            problems.append(f"train.global_batch_size {global_batch_size} is not divisible by "
+                            f"the world size {world_size}")
+        self.num_windows = (dataset.num_tokens - 1) // seq_len
+        if self.num_windows < 1:
+            problems.append(f"{dataset.bin_path}: dataset has {dataset.num_tokens} tokens, fewer than "
+                            f"one window of seq_len+1 = {seq_len + 1}")
+        if problems:
+            raise UserError(*problems)
+
+        self.dataset, self.seq_len, self.seed = dataset, seq_len, seed
+        self.global_batch_size, self.rank, self.world_size = global_batch_size, rank, world_size
+        self.local_batch_size = global_batch_size // world_size
+        tokens = dataset.tokens  # (num_tokens,) memmap
+        # (num_windows, T+1) view whose row i starts at token i*T: a batch is one fancy-index
+        # gather of B rows, no per-token Python work and no copy of the corpus.
+        self._windows = as_strided(tokens, shape=(self.num_windows, seq_len + 1),
+                                   strides=(seq_len * tokens.strides[0], tokens.strides[0]),
+                                   writeable=False)
+        self.epoch = 0
+        self.position = 0  # windows of `epoch` already consumed (by all ranks together)
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            # Keep at most the previous epoch besides this one: a batch spans at most two
+            # epochs unless an epoch is smaller than a batch (then recomputing is cheap).
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = epoch_order(self.num_windows, self.seed, epoch)
+        return self._orders[epoch]
+
+    def next_window_ids(self) -> np.ndarray:
+        """Advance one step; the global batch's window ids ``(global_batch_size,)``."""
+        parts, need = [], self.global_batch_size
+        while need:
+            take = self._order(self.epoch)[self.position:self.position + need]
+            parts.append(take)
+            need -= take.size
+            self.position += take.size
+            if self.position == self.num_windows:
+                self.epoch, self.position = self.epoch + 1, 0
+        return np.concatenate(parts)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        ids = self.next_window_ids()
+        mine = ids[self.rank * self.local_batch_size:(self.rank + 1) * self.local_batch_size]  # (B,)
+        return self._windows[mine].astype(np.int64)  # (B, T+1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position plus what must match on resume (order and dataset)."""
+        return {
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "num_tokens": int(self.dataset.num_tokens),
+            "num_sequences": len(self.dataset),
+            "epoch": self.epoch,
+            "position": self.position,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
+        """Continue from ``state``; every mismatch is reported at once (``source`` names the file)."""
+        current = self.state_dict()
+        missing = sorted(set(current) - set(state))
+        if missing:
+            raise UserError(f"{source}: data loader state lacks {', '.join(missing)}", hint=_RESUME_HINT)
+        problems = [f"{source}: data loader {key} is {state[key]} in the checkpoint but {current[key]} now"
+                    for key in ("version", "seed", "seq_len", "global_batch_size", "num_tokens", "num_sequences")
+                    if state[key] != current[key]]
+        epoch, position = state["epoch"], state["position"]
+        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(position, int)
+                and 0 <= position < self.num_windows):
+            problems.append(f"{source}: data loader position (epoch {epoch}, window {position}) is outside "
+                            f"the {self.num_windows} windows of an epoch")
+        if problems:
+            raise UserError(*problems, hint=_RESUME_HINT)
+        self.epoch, self.position = epoch, position

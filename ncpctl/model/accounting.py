@@ -1,0 +1,441 @@
+"""Cost accounting for an NCP model: FLOPs (paper and exact view) and parameter counts.
+
+Spec: shared/docs/ncp-model.md section 6. Three views of one ``ModelConfig``:
+
+* ``paper_flops``: the ConceptLM App. C simplification. A token layer costs
+  ``12*T*d^2 + 2*T^2*d`` per sequence (forward), a concept layer the same on ``T/k``
+  positions; training = 3x forward. The two coefficients are returned so the formula can be
+  printed symbolically (PM: ``408*T*d^2 + 68*T^2*d``; ConceptLM: ``390*T*d^2 + 64.25*T^2*d``).
+* ``exact_flops``: matmul FLOPs (2 per multiply-add) with the real shapes (GQA, FFN width
+  and gating, sliding window, padded vocab, concept heads, codebook), by component.
+* ``count_parameters``: the real ``NCPModel`` built on the meta device, grouped by
+  component. Only this one imports torch (lazily), so the CLI can describe configs cheaply.
+
+Everything here is pure arithmetic on the config except ``count_parameters``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ncpctl.model.config import ModelConfig
+
+__all__ = [
+    "PaperFlops",
+    "ExactFlops",
+    "ParamCounts",
+    "Accounting",
+    "paper_flops",
+    "exact_flops",
+    "count_parameters",
+    "describe",
+    "saving",
+    "parameter_equivalent_layers",
+    "PARAM_GROUPS",
+]
+
+# Training = forward + backward (2x forward: grads w.r.t. activations and weights).
+TRAIN_MULTIPLIER = 3
+
+
+def _concept_layers(cfg: ModelConfig) -> int:
+    return cfg.concept.concept_layers if cfg.concept.enabled else 0
+
+
+def parameter_equivalent_layers(cfg: ModelConfig) -> int:
+    """Layers holding the same parameters: token layers + C (NCP-ArchPreview Table 2: 40)."""
+    return cfg.n_token_layers + _concept_layers(cfg)
+
+
+def saving(baseline: float, other: float) -> float:
+    """Fraction of ``baseline`` saved by ``other``: ``(baseline - other) / baseline``."""
+    return (baseline - other) / baseline
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+# --------------------------------------------------------------------------------------
+# Paper view (ConceptLM App. C)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PaperFlops:
+    """Forward cost per sequence = ``coef_Td2*T*d^2 + coef_T2d*T^2*d``; training = 3x."""
+
+    seq_len: int  # T
+    d_model: int  # d
+    token_layers: int  # E + D (+ PM's extra layers)
+    concept_layers: int  # C (0 without the concept path)
+    k: int | None  # tokens per concept block (None without the concept path)
+    coef_Td2: float  # 12 * (token layers + C/k)
+    coef_T2d: float  # 2 * (token layers + C/k^2)
+    block_equivalents: float  # token layers + C/k (from the config)
+    parameter_equivalent_layers: int  # token layers + C
+    forward_per_sequence: float
+    training_per_sequence: float
+    forward_per_token: float
+    training_per_token: float
+
+    @property
+    def formula(self) -> str:
+        """Forward formula, e.g. ``390*T*d^2 + 64.25*T^2*d``."""
+        return f"{_fmt(self.coef_Td2)}*T*d^2 + {_fmt(self.coef_T2d)}*T^2*d"
+
+    @property
+    def training_formula(self) -> str:
+        m = TRAIN_MULTIPLIER
+        return f"{_fmt(m * self.coef_Td2)}*T*d^2 + {_fmt(m * self.coef_T2d)}*T^2*d"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["formula"] = self.formula
+        out["training_formula"] = self.training_formula
+        return out
+
+
+def paper_flops(cfg: ModelConfig, seq_len: int | None = None) -> PaperFlops:
+    """ConceptLM App. C cost of ``cfg`` at ``seq_len`` (default ``cfg.max_seq_len``)."""
+    T = int(seq_len if seq_len is not None else cfg.max_seq_len)
+    if T <= 0:
+        raise ValueError(f"seq_len must be positive, got {T}")
+    d = cfg.d_model
+    L = cfg.n_token_layers
+    C = _concept_layers(cfg)
+    k = cfg.concept.k if cfg.concept.enabled else None
+    # A concept layer on T/k positions: 12*(T/k)*d^2 + 2*(T/k)^2*d.
+    coef_Td2 = 12.0 * L + (12.0 * C / k if C else 0.0)
+    coef_T2d = 2.0 * L + (2.0 * C / (k * k) if C else 0.0)
+    fwd = coef_Td2 * T * d * d + coef_T2d * T * T * d
+    return PaperFlops(
+        seq_len=T,
+        d_model=d,
+        token_layers=L,
+        concept_layers=C,
+        k=k,
+        coef_Td2=coef_Td2,
+        coef_T2d=coef_T2d,
+        block_equivalents=cfg.block_equivalents,
+        parameter_equivalent_layers=parameter_equivalent_layers(cfg),
+        forward_per_sequence=fwd,
+        training_per_sequence=TRAIN_MULTIPLIER * fwd,
+        forward_per_token=fwd / T,
+        training_per_token=TRAIN_MULTIPLIER * fwd / T,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Exact view (matmul FLOPs with the real shapes)
+# --------------------------------------------------------------------------------------
+
+
+def _keys_full(n: int, window: int | None) -> int:
+    """Query-key pairs SDPA computes for ``n`` queries: every query x min(n, window) keys."""
+    return n * (n if window is None else min(n, window))
+
+
+def _keys_causal(n: int, window: int | None) -> int:
+    """Query-key pairs actually attended under the causal (+ sliding window) mask.
+
+    Query i (0-based) sees min(i+1, window) keys: n(n+1)/2 without a window.
+    """
+    if window is None or window >= n:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
+def _layer_window(cfg: ModelConfig, layer_number: int) -> int | None:
+    """Window of the 1-based ``layer_number`` within its stack: every n-th layer is full."""
+    if cfg.sliding_window is None or layer_number % cfg.full_attn_every == 0:
+        return None
+    return cfg.sliding_window
+
+
+def _stack_flops(cfg: ModelConfig, n_layers: int, n: int) -> dict[str, int]:
+    """Forward matmul FLOPs of ``n_layers`` backbone layers on ``n`` positions (one sequence)."""
+    d, hd = cfg.d_model, cfg.head_dim
+    q_dim = cfg.n_heads * hd
+    kv_dim = cfg.n_kv_heads * hd
+    gate_mats = 3 if cfg.backbone == "llama" else 2  # SwiGLU: gate, up, down; GELU: up, down
+    qkv = 2 * n * d * (q_dim + 2 * kv_dim)
+    attn_out = 2 * n * q_dim * d
+    mlp = 2 * n * d * cfg.ffn_dim * gate_mats
+    full = causal = 0
+    for i in range(1, n_layers + 1):
+        w = _layer_window(cfg, i)
+        # scores Q K^T and values A V: 2 FLOPs x head_dim per pair per head, twice.
+        full += 2 * 2 * q_dim * _keys_full(n, w)
+        causal += 2 * 2 * q_dim * _keys_causal(n, w)
+    return {
+        "qkv": n_layers * qkv,
+        "attn_out": n_layers * attn_out,
+        "mlp": n_layers * mlp,
+        "attention": full,
+        "attention_causal": causal,
+    }
+
+
+@dataclass(frozen=True)
+class ExactFlops:
+    """Exact matmul FLOPs (2 per multiply-add) of one training/inference step.
+
+    ``components``: forward FLOPs of ONE sequence of ``seq_len`` tokens, attention counted
+    as SDPA computes it (every query against min(T, window) keys), except
+    ``concept.codebook_transform`` which runs once per step whatever the batch (the codes
+    are recomputed from the frozen base each forward). ``attention_causal`` gives the
+    causal-mask count for the attention entries. ``training_only``: per-sequence work done
+    only in training (nearest-code search for the VQ loss; no backward through the argmin).
+    Per-sequence and per-token totals spread the per-step work over ``batch_size``.
+    """
+
+    seq_len: int
+    batch_size: int
+    concept_positions: int  # M = T // k (0 without the concept path)
+    components: dict[str, int] = field(default_factory=dict)
+    attention_causal: dict[str, int] = field(default_factory=dict)
+    training_only: dict[str, int] = field(default_factory=dict)
+
+    PER_STEP = ("concept.codebook_transform",)
+
+    def _forward_step(self, causal: bool) -> int:
+        comps = dict(self.components)
+        if causal:
+            comps.update(self.attention_causal)
+        per_seq = sum(v for k, v in comps.items() if k not in self.PER_STEP)
+        per_step = sum(v for k, v in comps.items() if k in self.PER_STEP)
+        return self.batch_size * per_seq + per_step
+
+    def forward_per_step(self, causal: bool = False) -> int:
+        return self._forward_step(causal)
+
+    def training_per_step(self, causal: bool = False) -> int:
+        extra = self.batch_size * sum(self.training_only.values())
+        return TRAIN_MULTIPLIER * self._forward_step(causal) + extra
+
+    # ---- totals (full-attention count; *_causal with the causal mask) ----
+    @property
+    def forward_per_sequence(self) -> float:
+        return self.forward_per_step() / self.batch_size
+
+    @property
+    def forward_per_sequence_causal(self) -> float:
+        return self.forward_per_step(causal=True) / self.batch_size
+
+    @property
+    def training_per_sequence(self) -> float:
+        return self.training_per_step() / self.batch_size
+
+    @property
+    def training_per_sequence_causal(self) -> float:
+        return self.training_per_step(causal=True) / self.batch_size
+
+    @property
+    def forward_per_token(self) -> float:
+        return self.forward_per_sequence / self.seq_len
+
+    @property
+    def forward_per_token_causal(self) -> float:
+        return self.forward_per_sequence_causal / self.seq_len
+
+    @property
+    def training_per_token(self) -> float:
+        return self.training_per_sequence / self.seq_len
+
+    @property
+    def training_per_token_causal(self) -> float:
+        return self.training_per_sequence_causal / self.seq_len
+
+    @property
+    def layer_flops(self) -> int:
+        """Forward FLOPs of the token and concept layers only (per sequence, full count)."""
+        return sum(v for k, v in self.components.items() if k.startswith(("token_layers.", "concept_layers.")))
+
+    def _concept_share(self, causal: bool) -> float:
+        comps = dict(self.components)
+        if causal:
+            comps.update(self.attention_causal)
+        concept = sum(
+            (v if k in self.PER_STEP else self.batch_size * v)
+            for k, v in comps.items()
+            if k.startswith(("concept.", "concept_layers."))
+        )
+        return concept / self._forward_step(causal)
+
+    @property
+    def concept_share(self) -> float:
+        """Fraction of forward FLOPs spent on the concept path (pooling .. codebook)."""
+        return self._concept_share(causal=False)
+
+    @property
+    def concept_share_causal(self) -> float:
+        return self._concept_share(causal=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "concept_positions": self.concept_positions,
+            "components": dict(self.components),
+            "attention_causal": dict(self.attention_causal),
+            "training_only": dict(self.training_only),
+        }
+        for name in (
+            "forward_per_sequence", "forward_per_sequence_causal",
+            "training_per_sequence", "training_per_sequence_causal",
+            "forward_per_token", "forward_per_token_causal",
+            "training_per_token", "training_per_token_causal",
+            "layer_flops", "concept_share", "concept_share_causal",
+        ):
+            out[name] = getattr(self, name)
+        return out
+
+
+def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 1) -> ExactFlops:
+    """Exact matmul FLOPs of ``cfg`` at ``seq_len`` (default ``cfg.max_seq_len``).
+
+    Elementwise work (norms, rotary, softmax, residual adds) is not counted; pooling is,
+    as ``k`` adds/divides per pooled element.
+    """
+    T = int(seq_len if seq_len is not None else cfg.max_seq_len)
+    if T <= 0 or batch_size <= 0:
+        raise ValueError(f"seq_len and batch_size must be positive, got {T}, {batch_size}")
+    d = cfg.d_model
+    comps: dict[str, int] = {}
+    causal: dict[str, int] = {}
+    training_only: dict[str, int] = {}
+
+    tok = _stack_flops(cfg, cfg.n_token_layers, T)
+    for key in ("qkv", "attn_out", "mlp", "attention"):
+        comps[f"token_layers.{key}"] = tok[key]
+    causal["token_layers.attention"] = tok["attention_causal"]
+
+    M = 0
+    c = cfg.concept
+    if c.enabled:
+        M = T // c.k  # a trailing partial block is not pooled
+        S, N, ds = cfg.n_segments, c.codes, cfg.segment_dim
+        comps["concept.pooling"] = M * c.k * d
+        con = _stack_flops(cfg, c.concept_layers, M)
+        for key in ("qkv", "attn_out", "mlp", "attention"):
+            comps[f"concept_layers.{key}"] = con[key]
+        causal["concept_layers.attention"] = con["attention_causal"]
+        comps["concept.heads"] = 2 * M * d * S * N  # fused Linear(d, S*N): (B,M,d)->(B,M,S*N)
+        # einsum (B,M,S,N) x (S,N,d/S) -> (B,M,S,d/S)
+        comps["concept.codebook_einsum"] = 2 * M * S * N * ds
+        # codes = Linear(ds,2ds) -> ReLU -> Linear(2ds,ds) on the (S,N,ds) base, once per step
+        comps["concept.codebook_transform"] = 2 * S * N * (ds * 2 * ds) * 2 if c.codebook == "simvq" else 0
+        # nearest code per segment of sg(c): (B,M,S,ds) x (S,N,ds) distances, forward only
+        training_only["concept.vq_quantise"] = 2 * M * S * N * ds
+
+    comps["lm_head"] = 2 * T * d * cfg.padded_vocab_size
+    return ExactFlops(
+        seq_len=T,
+        batch_size=batch_size,
+        concept_positions=M,
+        components=comps,
+        attention_causal=causal,
+        training_only=training_only,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Parameter counts (the real module, on the meta device)
+# --------------------------------------------------------------------------------------
+
+# Groups in reporting order; the first matching prefix wins (see _param_group).
+PARAM_GROUPS = (
+    "embeddings",
+    "lm_head",
+    "token_layers",
+    "concept_layers",
+    "concept_heads",
+    "codebook",
+    "codebook_transform",
+    "norms_other",
+)
+
+_PREFIXES = (
+    ("embed.", "embeddings"),
+    ("lm_head.", "lm_head"),
+    ("encoder.", "token_layers"),
+    ("decoder.", "token_layers"),
+    ("concept.layers.", "concept_layers"),
+    ("concept.heads.", "concept_heads"),
+    ("concept.codebook.transform.", "codebook_transform"),
+    ("concept.codebook.", "codebook"),  # frozen base codes (or a plain learned codebook)
+)
+
+
+def _param_group(name: str) -> str:
+    for prefix, group in _PREFIXES:
+        if name.startswith(prefix):
+            return group
+    return "norms_other"  # final_norm, concept.norm / norm_h / norm_pred, residual mixers
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Exact parameter counts of ``NCPModel(cfg)`` by component (tied weights counted once)."""
+
+    components: dict[str, int]
+    total: int
+    trainable: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"components": dict(self.components), "total": self.total, "trainable": self.trainable}
+
+
+def count_parameters(cfg: ModelConfig) -> ParamCounts:
+    """Build ``NCPModel(cfg)`` on the meta device (no memory, no init cost) and count."""
+    import torch  # lazy: the CLI imports this module to describe configs without torch
+
+    from ncpctl.model.model import NCPModel
+
+    with torch.device("meta"):
+        model = NCPModel(cfg)
+    comps = {g: 0 for g in PARAM_GROUPS}
+    total = trainable = 0
+    for name, p in model.named_parameters():  # shared (tied) parameters are yielded once
+        n = p.numel()
+        comps[_param_group(name)] += n
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return ParamCounts(components=comps, total=total, trainable=trainable)
+
+
+# --------------------------------------------------------------------------------------
+# Everything at once (for `--json`)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Accounting:
+    config_name: str
+    paper: PaperFlops
+    exact: ExactFlops
+    params: ParamCounts | None  # None when not requested (no torch needed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config_name,
+            "paper": self.paper.to_dict(),
+            "exact": self.exact.to_dict(),
+            "params": self.params.to_dict() if self.params is not None else None,
+        }
+
+
+def describe(
+    cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 1, params: bool = True
+) -> Accounting:
+    """Paper and exact FLOPs of ``cfg`` and (with ``params``, which imports torch) its counts."""
+    return Accounting(
+        config_name=cfg.name,
+        paper=paper_flops(cfg, seq_len),
+        exact=exact_flops(cfg, seq_len, batch_size),
+        params=count_parameters(cfg) if params else None,
+    )

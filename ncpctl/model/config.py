@@ -1,0 +1,242 @@
+"""`ModelConfig`: the one typed description of an NCP model (shared/docs/ncp-model.md).
+
+Pure Python (no torch import) so recipes can be validated before any heavy import.
+Derived numbers (head size, padded vocab, FFN width, segment width, encoder/decoder split,
+block-equivalent count) are computed once in ``__post_init__``; nothing else recomputes
+them. Every way a config can be impossible is collected as ``(field, message)`` pairs and
+raised together as ``ConfigError`` so the recipe layer can report all of them at once.
+
+Named sizes are data (``SIZES``); ``build_config(size, **overrides)`` merges them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Backbone = Literal["neox", "llama"]
+
+
+class ConfigError(ValueError):
+    """Impossible model configuration; ``problems`` is a list of (field path, message)."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{k}: {m}" for k, m in problems))
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return ((x + multiple - 1) // multiple) * multiple
+
+
+@dataclass
+class ConceptConfig:
+    """The concept path (spec sections 1-3). Defaults follow ConceptLM (Pythia)."""
+
+    enabled: bool = False
+    k: int = 4  # tokens per concept block
+    encoder_layers: int = 1  # E: backbone layers before pooling (0 pools the embeddings)
+    concept_layers: int = 2  # C: causal layers of the concept transformer (on T/k positions)
+    segments: int | None = None  # S: product-quantisation segments; None -> n_heads
+    codes: int = 64  # N: codes per segment
+    codebook: Literal["simvq", "learned"] = "simvq"
+    code_weights: Literal["linear", "softmax"] = "linear"
+    add: Literal["raw", "normed"] = "raw"
+    detach_added_concept: bool = False
+    ncp_reduction: Literal["mean", "sum_dim"] = "mean"
+    ncp_weight: float = 1.0  # alpha
+    vq_weight: float = 1.0  # beta_vq
+    commitment: float = 0.25
+    rope_scale_by_k: bool = False  # concept positions j -> j*k in RoPE
+    copy_concept_layers_from_base: bool = False  # HF import: init concept layers from base's first C
+
+
+@dataclass
+class ModelConfig:
+    """One NCP model. With ``concept.enabled`` false it is exactly the HF backbone."""
+
+    name: str = "custom"
+    backbone: Backbone = "neox"
+    vocab_size: int = 50304  # real tokenizer vocab (padded_vocab_size is what the embedding holds)
+    pad_vocab_multiple: int = 128
+    d_model: int = 768
+    n_layers: int = 12  # backbone token layers (before extra_token_layers)
+    n_heads: int = 12
+    n_kv_heads: int | None = None  # GQA; None -> n_heads
+    ffn_dim: int | None = None  # None -> 4*d (neox); llama: 8/3*d rounded to 256
+    max_seq_len: int = 2048
+    rotary_pct: float | None = None  # None -> 0.25 (neox) / 1.0 (llama)
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    parallel_residual: bool | None = None  # None -> True for neox
+    bias: bool | None = None  # None -> True for neox, False for llama
+    tie_embeddings: bool = False
+    qk_norm: Literal["none", "layer", "head"] = "none"
+    sliding_window: int | None = None  # SWA window (llama); None -> full attention everywhere
+    full_attn_every: int = 1  # with SWA: every n-th layer (1-based: n, 2n, ...) is full
+    init_std: float = 0.02
+    extra_token_layers: int = 0  # PM baseline: +2 token layers
+    concept: ConceptConfig = field(default_factory=ConceptConfig)
+
+    # ---- derived (computed in __post_init__) ----
+    padded_vocab_size: int = field(init=False)
+    head_dim: int = field(init=False)
+    rotary_dim: int = field(init=False)
+    n_token_layers: int = field(init=False)
+    encoder_layers: int = field(init=False)  # E (0 when the concept path is off)
+    decoder_layers: int = field(init=False)  # D = n_token_layers - E
+    n_segments: int = field(init=False)  # S
+    segment_dim: int = field(init=False)  # d / S
+    block_equivalents: float = field(init=False)  # token layers + C / k
+
+    def __post_init__(self) -> None:
+        if isinstance(self.concept, dict):
+            self.concept = ConceptConfig(**self.concept)
+        c = self.concept
+        problems: list[tuple[str, str]] = []
+
+        def need_pos(name: str, value: Any) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append((name, f"must be a positive integer, got {value!r}"))
+
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "pad_vocab_multiple"):
+            need_pos(name, getattr(self, name))
+        if self.backbone not in ("neox", "llama"):
+            problems.append(("backbone", f"must be 'neox' or 'llama', got {self.backbone!r}"))
+        if problems:  # the rest divides by these
+            raise ConfigError(problems)
+
+        neox = self.backbone == "neox"
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_dim is None:
+            self.ffn_dim = 4 * self.d_model if neox else _round_up(int(8 * self.d_model / 3), 256)
+        if self.rotary_pct is None:
+            self.rotary_pct = 0.25 if neox else 1.0
+        if self.parallel_residual is None:
+            self.parallel_residual = neox
+        if self.bias is None:
+            self.bias = neox
+
+        if self.d_model % self.n_heads:
+            problems.append(("n_heads", f"{self.n_heads} does not divide d_model={self.d_model}"))
+        if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+            problems.append(("n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}"))
+        if not 0.0 < self.rotary_pct <= 1.0:
+            problems.append(("rotary_pct", f"must be in (0, 1], got {self.rotary_pct}"))
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            problems.append(("sliding_window", f"must be positive, got {self.sliding_window}"))
+        if self.full_attn_every <= 0:
+            problems.append(("full_attn_every", f"must be positive, got {self.full_attn_every}"))
+        if self.extra_token_layers < 0:
+            problems.append(("extra_token_layers", f"must be >= 0, got {self.extra_token_layers}"))
+        if self.qk_norm not in ("none", "layer", "head"):
+            problems.append(("qk_norm", f"must be none, layer or head, got {self.qk_norm!r}"))
+
+        self.padded_vocab_size = _round_up(self.vocab_size, self.pad_vocab_multiple)
+        self.head_dim = self.d_model // self.n_heads
+        # HF GPT-NeoX: rotary_ndims = int(head_size * rotary_pct)
+        self.rotary_dim = int(self.head_dim * self.rotary_pct)
+        if self.rotary_dim % 2:
+            problems.append(("rotary_pct", f"gives an odd rotary dimension {self.rotary_dim}"))
+        self.n_token_layers = self.n_layers + self.extra_token_layers
+
+        self.n_segments = c.segments if c.segments is not None else self.n_heads
+        self.segment_dim = self.d_model // self.n_segments if self.n_segments > 0 else 0
+        if c.enabled:
+            need_pos("concept.k", c.k)
+            need_pos("concept.codes", c.codes)
+            if not isinstance(c.concept_layers, int) or c.concept_layers < 0:
+                problems.append(("concept.concept_layers", f"must be >= 0, got {c.concept_layers!r}"))
+            if not isinstance(c.encoder_layers, int) or not 0 <= c.encoder_layers <= self.n_token_layers:
+                problems.append((
+                    "concept.encoder_layers",
+                    f"must be between 0 and the {self.n_token_layers} token layers, got {c.encoder_layers!r}",
+                ))
+            if self.n_segments <= 0 or self.d_model % self.n_segments:
+                problems.append(("concept.segments", f"{self.n_segments} does not divide d_model={self.d_model}"))
+            if isinstance(c.k, int) and c.k > self.max_seq_len:
+                problems.append(("concept.k", f"{c.k} exceeds max_seq_len={self.max_seq_len}"))
+            for name, allowed in (
+                ("codebook", ("simvq", "learned")),
+                ("code_weights", ("linear", "softmax")),
+                ("add", ("raw", "normed")),
+                ("ncp_reduction", ("mean", "sum_dim")),
+            ):
+                if getattr(c, name) not in allowed:
+                    problems.append((f"concept.{name}", f"must be one of {', '.join(allowed)}, got {getattr(c, name)!r}"))
+        if problems:
+            raise ConfigError(problems)
+
+        if c.enabled:
+            self.encoder_layers = c.encoder_layers
+            self.decoder_layers = self.n_token_layers - c.encoder_layers
+            self.block_equivalents = self.n_token_layers + c.concept_layers / c.k
+        else:
+            self.encoder_layers = 0
+            self.decoder_layers = self.n_token_layers
+            self.block_equivalents = float(self.n_token_layers)
+
+    # ---- (de)serialisation: checkpoints carry this dict (style rule 7) ----
+    def to_dict(self) -> dict[str, Any]:
+        """Init fields only (derived ones are recomputed on load)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        out["concept"] = dataclasses.asdict(self.concept)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["concept"] = ConceptConfig(**d.get("concept", {}))
+        return cls(**d)
+
+
+# Named sizes are data. Values not listed take the dataclass defaults.
+SIZES: dict[str, dict[str, Any]] = {
+    # Runs the whole pipeline on a laptop CPU in seconds. vocab_size is normally taken
+    # from the recipe's tokenizer.
+    "debug": dict(
+        backbone="neox", vocab_size=2048, d_model=64, n_layers=4, n_heads=4, max_seq_len=256,
+        concept=dict(k=4, encoder_layers=1, concept_layers=2, segments=4, codes=16),
+    ),
+    "llama-debug": dict(
+        backbone="llama", vocab_size=2048, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
+        ffn_dim=176, max_seq_len=256, norm_eps=1e-6, qk_norm="layer", sliding_window=32,
+        full_attn_every=2,
+        concept=dict(k=4, encoder_layers=1, concept_layers=2, segments=4, codes=16, code_weights="softmax"),
+    ),
+    # Pythia (GPT-NeoX): vocab 50277 padded to 50304; ConceptLM defaults E=1, C=2, N=64, S=n_heads.
+    "pythia-70m": dict(backbone="neox", vocab_size=50304, d_model=512, n_layers=6, n_heads=8, max_seq_len=2048),
+    "pythia-160m": dict(backbone="neox", vocab_size=50304, d_model=768, n_layers=12, n_heads=12, max_seq_len=2048),
+    "pythia-410m": dict(backbone="neox", vocab_size=50304, d_model=1024, n_layers=24, n_heads=16, max_seq_len=2048),
+    # NCP-ArchPreview 8.94B: E/C/D = 16/8/16 (spec section 4).
+    "ncp-archpreview-8.9b": dict(
+        backbone="llama", vocab_size=100278, d_model=4096, n_layers=32, n_heads=32, ffn_dim=11008,
+        max_seq_len=8192, rope_base=500000.0, norm_eps=1e-6, qk_norm="layer", sliding_window=4096,
+        full_attn_every=4,
+        concept=dict(
+            enabled=True, k=4, encoder_layers=16, concept_layers=8, segments=32, codes=128,
+            code_weights="softmax", ncp_reduction="sum_dim",
+        ),
+    ),
+}
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def build_config(size: str, **overrides: Any) -> ModelConfig:
+    """The named ``size`` with ``overrides`` (nested dict for ``concept``) applied."""
+    if size not in SIZES:
+        raise ConfigError([("size", f"unknown size {size!r}; known: {', '.join(SIZES)}")])
+    merged = _deep_merge(SIZES[size], {k: v for k, v in overrides.items() if v is not None})
+    merged.setdefault("name", size)
+    return ModelConfig.from_dict(merged)

@@ -1,0 +1,219 @@
+"""The one transformer block type (spec section 4), shared by the token and concept stacks.
+
+``neox`` (GPT-NeoX/Pythia) and ``llama`` (Llama/OLMo/Qwen3-style) are configurations of the
+same ``Block``: norm type, residual layout, MLP gating, rotary fraction, GQA, QK-norm and the
+per-layer sliding window all come from ``ModelConfig``. With matching weights a stack of
+these blocks is numerically the HF reference (tests/model/test_hf_parity.py).
+
+Layout choices (the HF converters in ``hf.py`` translate):
+* ``attn.qkv`` is one fused Linear whose rows are ``[q (H*hd); k (Hkv*hd); v (Hkv*hd)]``
+  (HF GPT-NeoX interleaves q/k/v per head; HF Llama has three Linears).
+* ``mlp.fc`` is ``Linear(d, ffn)`` (neox, GELU) or ``Linear(d, 2*ffn)`` = ``[gate; up]``
+  (llama, SwiGLU); ``mlp.proj`` maps back to d.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ncpctl.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, as HF ``LlamaRMSNorm`` (bit-for-bit in fp32)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=cfg.norm_eps) if cfg.backbone == "neox" else RMSNorm(dim, cfg.norm_eps)
+
+
+def layer_window(cfg: ModelConfig, number: int) -> int | None:
+    """Sliding window of the 1-based layer ``number`` in its stack; every n-th layer is full."""
+    if cfg.sliding_window is None or number % cfg.full_attn_every == 0:
+        return None
+    return cfg.sliding_window
+
+
+# ---- rotary position embedding ---------------------------------------------------------
+
+
+def rope(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (B|1, 1, T, rotary_dim) for integer ``positions`` (B|1, T).
+
+    Computed per call from the config (no buffer): exact HF formula, works for any
+    per-row positions (ragged decoding, concept positions scaled by k) and is unaffected
+    by ``model.to(dtype)`` or meta-device construction.
+    """
+    rd = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float, device=positions.device) / rd))
+    freqs = positions[..., None].float() * inv_freq  # (B, T, rd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, rd)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim dims of each head of x (B, H, T, hd) (HF rotate_half form)."""
+    rd = cos.shape[-1]
+    xr, xp = x[..., :rd], x[..., rd:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    out = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if xp.shape[-1] == 0 else torch.cat((out, xp), dim=-1)
+
+
+# ---- attention masks and KV cache ------------------------------------------------------
+
+
+def attn_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, k_valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Boolean SDPA mask (B|1, 1, Tq, Tk), True = attend.
+
+    Key j is visible from query i iff 0 <= pos_i - pos_j < window (HF's sliding-window rule:
+    the window counts the query itself) and the key is valid (not padding). A query always
+    sees itself, so a padding query never has an empty row (SDPA would return NaN).
+    """
+    diff = q_pos[..., :, None] - k_pos[..., None, :]  # (B|1, Tq, Tk)
+    m = diff >= 0
+    if window is not None:
+        m = m & (diff < window)
+    if k_valid is not None:
+        m = m & (k_valid[:, None, :] | (diff == 0))
+    return m[:, None]
+
+
+def causal_masks(windows: set, T: int, device: torch.device) -> dict:
+    """Masks for a plain (unpadded, uncached) sequence of length T, one per window.
+
+    ``None`` means SDPA ``is_causal=True`` (flash kernels on GPU); an explicit mask is built
+    only for a window shorter than the sequence.
+    """
+    out: dict = {}
+    for w in windows:
+        if w is None or T <= w:
+            out[w] = None
+        else:
+            pos = torch.arange(T, device=device)[None]
+            out[w] = attn_mask(pos, pos, w)
+    return out
+
+
+class KVCache:
+    """Preallocated keys/values of one attention layer: (B, Hkv, capacity, hd) each.
+
+    The caller sets ``at`` before a forward: an int writes the new T positions at
+    ``at:at+T`` for every row; a LongTensor (B,) writes the single new position of each row
+    at its own index. ``len`` is how many positions attention then reads.
+    """
+
+    def __init__(self, batch: int, n_kv: int, capacity: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(batch, n_kv, capacity, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.at: int | torch.Tensor = 0
+        self.len = 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(self.at, int):
+            self.k[:, :, self.at : self.at + k.shape[2]] = k
+            self.v[:, :, self.at : self.at + v.shape[2]] = v
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)
+            self.k[rows, :, self.at] = k[:, :, 0]
+            self.v[rows, :, self.at] = v[:, :, 0]
+        return self.k[:, :, : self.len], self.v[:, :, : self.len]
+
+
+# ---- the block -------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, window: int | None):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = window
+        self.qk_norm = cfg.qk_norm
+        q_dim, kv_dim = self.n_heads * self.hd, self.n_kv * self.hd
+        self.qkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=cfg.bias)
+        self.proj = nn.Linear(q_dim, cfg.d_model, bias=cfg.bias)
+        if cfg.qk_norm == "layer":  # OLMo-2 style: over the whole projection
+            self.q_norm, self.k_norm = RMSNorm(q_dim, cfg.norm_eps), RMSNorm(kv_dim, cfg.norm_eps)
+        elif cfg.qk_norm == "head":  # Qwen3 style: per head
+            self.q_norm, self.k_norm = RMSNorm(self.hd, cfg.norm_eps), RMSNorm(self.hd, cfg.norm_eps)
+
+    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        if self.qk_norm == "layer":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.hd)
+        k = k.view(B, T, self.n_kv, self.hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H|Hkv, T, hd)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, Hkv, len, hd)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
+        )
+        return self.proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.backbone == "llama"
+        self.fc = nn.Linear(cfg.d_model, (2 if self.gated else 1) * cfg.ffn_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x):
+        if self.gated:  # SwiGLU
+            gate, up = self.fc(x).chunk(2, dim=-1)
+            return self.proj(F.silu(gate) * up)
+        return self.proj(F.gelu(self.fc(x)))  # exact GELU, HF "gelu"
+
+
+class Block(nn.Module):
+    """Pre-norm block; parallel residual (neox) ``x + attn(n1(x)) + mlp(n2(x))`` or sequential."""
+
+    def __init__(self, cfg: ModelConfig, window: int | None = None):
+        super().__init__()
+        self.parallel = cfg.parallel_residual
+        self.attn_norm = make_norm(cfg, cfg.d_model)
+        self.attn = Attention(cfg, window)
+        self.mlp_norm = make_norm(cfg, cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
+        a = self.attn(self.attn_norm(x), cos, sin, mask, cache)
+        if self.parallel:  # same summation order as HF GPT-NeoX
+            return self.mlp(self.mlp_norm(x)) + a + x
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def run_stack(blocks, x, cos, sin, masks: dict, caches: list[KVCache] | None = None, at=0, length: int = 0):
+    """Run ``blocks`` on x (B, T, d); ``masks`` maps each block's window to its mask."""
+    for i, blk in enumerate(blocks):
+        cache = None
+        if caches is not None:
+            cache = caches[i]
+            cache.at, cache.len = at, length
+        x = blk(x, cos, sin, masks[blk.attn.window], cache)
+    return x
+
+
+def stack_windows(blocks) -> set:
+    return {blk.attn.window for blk in blocks}

@@ -1,0 +1,454 @@
+"""Load a recipe: YAML (+ ``extends:``) < ``--set key.path=value``, then validate everything.
+
+One precedence rule (style rule 5): schema defaults < recipe YAML (a child overrides what it
+``extends``) < repeated ``--set``. Every problem (unknown key, wrong type, missing file,
+impossible combination) is collected and raised together as one ``UserError`` with one
+line per problem: ``FILE: key.path: message``, where FILE is the file (or ``--set``) that
+set the key, so a mistake inherited through ``extends:`` points at the right file.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import glob
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from ncpctl.errors import UserError
+from ncpctl.model.config import ConfigError, ModelConfig, build_config
+from ncpctl.recipe.schema import (
+    SECTIONS,
+    DataSection,
+    DeepSpeedSection,
+    EvalSection,
+    ExportSection,
+    ModelSection,
+    RunSection,
+    TokenizerSection,
+    TrainSection,
+)
+
+BUILTIN_STDLIB = "builtin:python-stdlib"
+UINT16_LIMIT = 65536  # ids 0..65535 fit in uint16
+
+Problem = tuple[str, str]  # (key path, message)
+
+
+@dataclass
+class Recipe:
+    """A validated recipe. Sections are the typed pydantic models; derived values below."""
+
+    path: Path
+    name: str
+    run: RunSection
+    data: DataSection
+    tokenizer: TokenizerSection
+    model: ModelSection
+    train: TrainSection
+    deepspeed: DeepSpeedSection
+    eval: EvalSection
+    export: ExportSection
+    sets: list[str] = field(default_factory=list)
+    world_size: int = 1
+    # ---- derived once in load_recipe ----
+    run_dir: Path = field(default=Path("."))
+    model_config: ModelConfig | None = None
+    seq_len: int = 0
+    grad_accum_steps: int = 1
+    global_batch_size: int = 1
+    warmup_steps: int = 0
+
+    @property
+    def data_dir(self) -> Path:
+        return self.run_dir / "data"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe: every key with its effective value; loadable as a recipe."""
+        out: dict[str, Any] = {}
+        for name in SECTIONS:
+            section: BaseModel = getattr(self, name)
+            out[name] = section.model_dump(mode="json")
+        out["run"]["dir"] = str(self.run_dir)
+        out["run"]["name"] = self.name
+        if self.model_config is not None:  # pin the exact model, not just the size name
+            out["model"] = {"size": self.model.size, **self.model_config.to_dict()}
+        out["train"].update(
+            seq_len=self.seq_len, grad_accum_steps=self.grad_accum_steps,
+            global_batch_size=self.global_batch_size, warmup_steps=self.warmup_steps,
+        )
+        return out
+
+    def write_resolved(self, directory: Path) -> Path:
+        """Write ``recipe.resolved.yaml`` into ``directory`` (atomically)."""
+        from ncpctl import __version__
+
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / "recipe.resolved.yaml"
+        header = (
+            f"# Resolved by ncpctl {__version__} from {self.path}"
+            + (f" with --set {' --set '.join(self.sets)}" if self.sets else "")
+            + "\n# Every key with its effective value; usable as a recipe itself.\n"
+        )
+        tmp = target.with_suffix(".yaml.tmp")
+        tmp.write_text(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
+        os.replace(tmp, target)
+        return target
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        problems.append(f"{path}: file not found")
+        return None
+    except OSError as e:
+        problems.append(f"{path}: cannot read ({e.strerror})")
+        return None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problems.append(f"{path}{where}: invalid YAML ({getattr(e, 'problem', None) or e})")
+        return None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        problems.append(f"{path}: a recipe must be a mapping of sections, got {type(doc).__name__}")
+        return None
+    return doc
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any], origin: dict[str, str], src: str, prefix: str = "") -> None:
+    """Deep-merge ``over`` into ``base`` in place, recording which file set each leaf."""
+    for k, v in over.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v, origin, src, key + ".")
+        else:
+            base[k] = v
+            _record(v, origin, src, key)
+
+
+def _record(v: Any, origin: dict[str, str], src: str, key: str) -> None:
+    origin[key] = src
+    if isinstance(v, dict):
+        for k, sub in v.items():
+            _record(sub, origin, src, f"{key}.{k}")
+
+
+def _load_tree(path: Path, problems: list[str], origin: dict[str, str], stack: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The merged dict of ``path`` and everything it ``extends`` (parents first)."""
+    if path.resolve() in [p.resolve() for p in stack]:
+        chain = " -> ".join(str(p) for p in (*stack, path))
+        problems.append(f"{path}: extends: cycle ({chain})")
+        return {}
+    doc = _read_yaml(path, problems)
+    if doc is None:
+        return {}
+    merged: dict[str, Any] = {}
+    parents = doc.pop("extends", None)
+    if parents is not None:
+        if isinstance(parents, str):
+            parents = [parents]
+        if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+            problems.append(f"{path}: extends: must be a file name or a list of file names")
+            parents = []
+        for parent in parents:
+            ppath = Path(parent) if os.path.isabs(parent) else path.parent / parent
+            if not ppath.exists():
+                problems.append(f"{path}: extends: {parent}: file not found")
+                continue
+            _merge(merged, _load_tree(ppath, problems, origin, (*stack, path)), {}, "")
+    # re-record origins of parents were done inside the recursive call; now this file wins
+    _merge(merged, doc, origin, str(path))
+    return merged
+
+
+def parse_set(item: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a","b","c"], YAML-parsed value)."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise UserError(f"--set: {item}: expected KEY.PATH=VALUE, e.g. --set train.max_steps=10")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not valid YAML: take it as a plain string
+    return key.split("."), value
+
+
+def _apply_sets(tree: dict[str, Any], sets: Iterable[str], origin: dict[str, str], problems: list[str]) -> None:
+    for item in sets:
+        try:
+            parts, value = parse_set(item)
+        except UserError as e:
+            problems.extend(e.problems)
+            continue
+        node = tree
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                problems.append(f"--set: {'.'.join(parts[: i + 1])}: is a value, not a section; cannot set {item}")
+                break
+            node = nxt
+        else:
+            node[parts[-1]] = value
+            _record(value, origin, "--set", ".".join(parts))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _loc_to_key(section: str, loc: tuple[Any, ...]) -> str:
+    key = section
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return key
+
+
+def _prune(raw: dict[str, Any], loc: tuple[Any, ...]) -> None:
+    """Drop the value at ``loc`` (or the list holding it) so the rest can still validate."""
+    node: Any = raw
+    for i, part in enumerate(loc):
+        last = i == len(loc) - 1
+        if isinstance(node, dict) and part in node:
+            if last or not isinstance(node[part], (dict, list)) or isinstance(node[part], list):
+                del node[part]
+                return
+            node = node[part]
+        else:
+            return
+
+
+def _validate_section(name: str, cls: type[BaseModel], raw: Any) -> tuple[BaseModel | None, list[Problem]]:
+    """Validate one section. On errors, report them all, then validate what remains with the
+    offending keys removed, so cross-field checks still run on the rest (all errors at once)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        return None, [(name, f"must be a mapping, got {type(raw).__name__}")]
+    raw = copy.deepcopy(raw)
+    out: list[Problem] = []
+    for _ in range(8):  # each round removes at least one key; a handful is plenty
+        try:
+            return cls.model_validate(raw), out
+        except ValidationError as e:
+            errors = e.errors()
+            out.extend(_describe(name, cls, err) for err in errors)
+            for err in errors:
+                _prune(raw, tuple(err["loc"]))
+    return None, out
+
+
+def _describe(name: str, cls: type[BaseModel], err: Any) -> Problem:
+    loc = tuple(err["loc"])
+    key = _loc_to_key(name, loc)
+    if err["type"] == "extra_forbidden":
+        # the model the unknown key was looked up in, to suggest a near name
+        owner: Any = cls
+        for part in loc[:-1]:
+            f = owner.model_fields.get(part) if isinstance(part, str) else None
+            ann = getattr(f, "annotation", None)
+            cands = (ann, *getattr(ann, "__args__", ()))
+            owner = next((a for a in cands if isinstance(a, type) and issubclass(a, BaseModel)), owner)
+        near = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1)
+        return key, "unknown key" + (f" (did you mean '{near[0]}'?)" if near else "")
+    got = err.get("input")
+    return key, err["msg"] + (f", got {got!r}" if not isinstance(got, (dict, list)) else "")
+
+
+def _origin_of(key: str, origin: dict[str, str], default: str) -> str:
+    """The file that set ``key`` (or its closest set ancestor), else ``default``."""
+    while key:
+        if key in origin:
+            return origin[key]
+        cut = max(key.rfind("."), key.rfind("["))
+        if cut <= 0:
+            break
+        key = key[:cut]
+    return default
+
+
+def tokenizer_vocab_size(tok: TokenizerSection) -> int:
+    """Vocab size the data will have: the file's when ``path`` is set, else the configured one."""
+    if tok.path:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(tok.path).get_vocab_size(with_added_tokens=True)
+    return tok.vocab_size
+
+
+def source_kind(path: str, declared: str) -> str:
+    if declared != "auto":
+        return declared
+    if path.startswith("builtin:"):
+        return "builtin"
+    if path.startswith("hf:"):
+        return "hf"
+    lower = path.lower()
+    for ext, kind in ((".jsonl", "json"), (".json", "json"), (".jsonl.gz", "json"), (".parquet", "parquet")):
+        if lower.endswith(ext):
+            return kind
+    return "text"
+
+
+def _check_sources(data: DataSection) -> list[Problem]:
+    problems: list[Problem] = []
+    if not data.sources:
+        problems.append(("data.sources", "no sources given; e.g. sources: [builtin:python-stdlib]"))
+    for i, src in enumerate(data.sources):
+        key = f"data.sources[{i}]"
+        kind = source_kind(src.path, src.type)
+        if kind == "builtin":
+            if src.path != BUILTIN_STDLIB:
+                problems.append((f"{key}.path", f"unknown builtin corpus {src.path!r}; available: {BUILTIN_STDLIB}"))
+        elif kind == "hf":
+            if not src.path.removeprefix("hf:"):
+                problems.append((f"{key}.path", "hf: needs a dataset name, e.g. hf:wikitext"))
+        elif not glob.glob(os.path.expanduser(src.path), recursive=True):
+            problems.append((f"{key}.path", f"no file matches {src.path!r}"))
+    return problems
+
+
+def load_recipe(
+    path: str | os.PathLike[str],
+    sets: Iterable[str] = (),
+    *,
+    need_sources: bool = False,
+    world_size: int | None = None,
+) -> Recipe:
+    """Read, merge, validate. Raises one ``UserError`` listing every problem found.
+
+    ``need_sources``: also check that every ``data.sources`` entry exists (tokenize).
+    ``world_size``: data-parallel ranks for the batch-size check; default ``$WORLD_SIZE`` or 1.
+    """
+    path = Path(path)
+    sets = list(sets)
+    top = str(path)
+    file_problems: list[str] = []
+    origin: dict[str, str] = {}
+    tree = _load_tree(path, file_problems, origin)
+    if file_problems and not tree:
+        raise UserError(*file_problems)
+    _apply_sets(tree, sets, origin, file_problems)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+    problems: list[Problem] = []
+    sections: dict[str, BaseModel] = {}
+    for key in tree:
+        if key not in SECTIONS:
+            near = difflib.get_close_matches(key, list(SECTIONS), n=1)
+            problems.append((key, "unknown section" + (f" (did you mean '{near[0]}'?)" if near else
+                                                        f"; sections are {', '.join(SECTIONS)}")))
+    for name, cls in SECTIONS.items():
+        section, errs = _validate_section(name, cls, tree.get(name))
+        problems.extend(errs)
+        if section is not None:
+            sections[name] = section
+
+    name = (sections["run"].name if "run" in sections and sections["run"].name else None) or path.stem
+    derived: dict[str, Any] = {}
+    problems.extend(_check_combinations(sections, world_size, need_sources, name, derived))
+
+    lines = list(file_problems)
+    lines += [f"{_origin_of(key, origin, top)}: {key}: {msg}" for key, msg in problems]
+    if lines:
+        raise UserError(*lines, hint="fix the recipe (or the --set values) and run again")
+    return Recipe(path=path, name=name, sets=sets, world_size=world_size, **sections, **derived)  # type: ignore[arg-type]
+
+
+def _check_combinations(
+    s: dict[str, Any], world_size: int, need_sources: bool, name: str, derived: dict[str, Any]
+) -> list[Problem]:
+    """Cross-field checks over the sections that validated on their own."""
+    problems: list[Problem] = []
+    run, data, tok, model, train = (s.get(k) for k in ("run", "data", "tokenizer", "model", "train"))
+
+    if run is not None:
+        run_dir = Path(os.path.expanduser(run.dir.replace("{name}", name)))
+        derived["run_dir"] = run_dir
+        if run_dir.exists() and not run_dir.is_dir():
+            problems.append(("run.dir", f"{run_dir} exists and is not a directory"))
+
+    vocab: int | None = None
+    if tok is not None:
+        if tok.path:
+            if not Path(tok.path).is_file():
+                problems.append(("tokenizer.path", f"file not found: {tok.path}"))
+            else:
+                try:
+                    vocab = tokenizer_vocab_size(tok)
+                except Exception as e:  # tokenizers raises a bare Exception on a bad file
+                    problems.append(("tokenizer.path", f"not a valid tokenizer.json ({str(e).splitlines()[0]})"))
+        else:
+            vocab = tok.vocab_size
+
+    if data is not None:
+        if need_sources and not data.train_prefix:
+            problems.extend(_check_sources(data))
+        for key in ("train_prefix", "val_prefix"):
+            prefix = getattr(data, key)
+            if prefix:
+                missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
+                if missing:
+                    problems.append((f"data.{key}", f"{prefix}{' and '.join(missing)} not found (a Megatron dataset prefix)"))
+        if vocab is not None and data.dtype == "uint16" and vocab > UINT16_LIMIT:
+            problems.append(("data.dtype", f"uint16 holds ids below {UINT16_LIMIT}, but the tokenizer has {vocab} tokens; use int32 or auto"))
+
+    if model is not None:
+        overrides = model.model_dump(exclude={"size"}, exclude_none=True)
+        if overrides.get("vocab_size") is None and vocab is not None:
+            overrides["vocab_size"] = vocab
+        elif vocab is not None and overrides["vocab_size"] < vocab:
+            problems.append(("model.vocab_size", f"{overrides['vocab_size']} is smaller than the tokenizer's {vocab} tokens"))
+        try:
+            derived["model_config"] = build_config(model.size, **overrides)
+        except ConfigError as e:
+            problems.extend((f"model.{k}", m) for k, m in e.problems)
+        except TypeError as e:  # a field the dataclass rejects
+            problems.append(("model", str(e)))
+
+    cfg: ModelConfig | None = derived.get("model_config")
+    if train is not None:
+        seq = train.seq_len or (cfg.max_seq_len if cfg else None)
+        if seq is not None:
+            derived["seq_len"] = seq
+        if cfg is not None and seq is not None:
+            if seq > cfg.max_seq_len:
+                problems.append(("train.seq_len", f"{seq} exceeds model.max_seq_len={cfg.max_seq_len}"))
+            if cfg.concept.enabled and cfg.concept.k > seq:
+                problems.append(("model.concept.k", f"{cfg.concept.k} is longer than train.seq_len={seq}: no concept block fits"))
+        micro, accum, glob_bs = train.micro_batch_size, train.grad_accum_steps, train.global_batch_size
+        if glob_bs is None:
+            accum = accum or 1
+            glob_bs = micro * accum * world_size
+        elif accum is None:
+            if glob_bs % (micro * world_size):
+                problems.append(("train.global_batch_size",
+                                 f"{glob_bs} is not divisible by micro_batch_size x world size = {micro} x {world_size}"))
+            accum = max(1, glob_bs // (micro * world_size))
+        elif micro * accum * world_size != glob_bs:
+            problems.append(("train.global_batch_size",
+                             f"{glob_bs} != micro_batch_size x grad_accum_steps x world size = "
+                             f"{micro} x {accum} x {world_size} = {micro * accum * world_size}"))
+        derived.update(grad_accum_steps=accum, global_batch_size=glob_bs)
+        if train.min_lr > train.lr:
+            problems.append(("train.min_lr", f"{train.min_lr} is above train.lr={train.lr}"))
+        warm = train.warmup_steps if train.warmup_steps is not None else int(round(train.warmup_fraction * train.max_steps))
+        if warm > train.max_steps:
+            problems.append(("train.warmup_steps", f"{warm} exceeds train.max_steps={train.max_steps}"))
+        derived["warmup_steps"] = warm
+        if train.resume not in ("auto", "never") and not Path(train.resume).exists():
+            problems.append(("train.resume", f"checkpoint not found: {train.resume} (or use auto / never)"))
+    return problems

@@ -1,0 +1,160 @@
+"""The recipe schema: one typed section per concern, each field documented once, here.
+
+A recipe is YAML with top-level sections ``run``, ``data``, ``tokenizer``, ``model``,
+``train``, ``deepspeed``, ``eval``, ``export`` (plus ``extends:``). Every section is a
+strict pydantic model with ``extra="forbid"``, so unknown keys and wrong types are errors.
+The ``model`` section is generated from ``ModelConfig`` (the one place model fields are
+declared): ``size`` picks a named size and every other key overrides it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from ncpctl.model.config import ConceptConfig, ModelConfig
+
+
+class Section(BaseModel):
+    # strict: YAML already typed the values; "3" for an int or `true` for an int is a mistake.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False)
+
+
+class RunSection(Section):
+    dir: str = Field("runs/{name}", description="Everything the recipe produces goes under this "
+                     "directory ({name} = the recipe's file stem). Relative paths are relative to the current directory.")
+    name: Optional[str] = Field(None, description="Run name used in logs; default: the recipe's file stem.")
+
+
+class SourceSpec(Section):
+    """One corpus source. A bare string in YAML is shorthand for ``{path: STRING}``."""
+
+    path: str = Field(..., description="A local file or glob (`.txt`, `.jsonl`/`.json`, `.parquet`), "
+                      "`builtin:python-stdlib`, or `hf:NAME` for a dataset on a reachable hub.")
+    type: Literal["auto", "text", "json", "parquet", "hf", "builtin"] = Field(
+        "auto", description="Source kind; `auto` infers it from `path`.")
+    field: str = Field("text", description="Column holding the text (json, parquet, hf).")
+    split: str = Field("train", description="Dataset split to read (hf).")
+    name: Optional[str] = Field(None, description="Dataset configuration name (hf).")
+    sample_by: Literal["document", "line", "paragraph"] = Field(
+        "document", description="Text files: one document per file, per line or per blank-line paragraph.")
+    include_tests: bool = Field(False, description="builtin:python-stdlib: also include the stdlib test suites.")
+
+
+class DataSection(Section):
+    sources: list[SourceSpec] = Field(default_factory=list, description="Corpora to tokenize, in order "
+                                      "(a bare string is shorthand for `{path: STRING}`).")
+    val_fraction: float = Field(0.01, description="Fraction of documents held out for validation "
+                                "(deterministic per document from `split_seed`).", ge=0.0, lt=1.0)
+    split_seed: int = Field(1234, ge=0, description="Seed of the train/validation split.")
+    dtype: Literal["auto", "uint16", "int32"] = Field(
+        "auto", description="Token dtype of the .bin files; auto = uint16 when vocab < 65500 else int32.")
+    batch_documents: int = Field(1024, gt=0, description="Documents per encode batch.")
+    min_chars: int = Field(1, ge=0, description="Documents shorter than this (in characters) are dropped.")
+    max_documents: Optional[int] = Field(None, gt=0, description="Stop after this many documents (smoke tests).")
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _bare_strings(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [{"path": x} if isinstance(x, str) else x for x in v]
+        return v
+
+    train_prefix: Optional[str] = Field(None, description="Use an existing Megatron dataset (PREFIX.bin/.idx, "
+                                        "e.g. the pre-tokenized Pile) for training instead of `run.dir/data/train`.")
+    val_prefix: Optional[str] = Field(None, description="Existing Megatron dataset for validation.")
+
+
+class TokenizerSection(Section):
+    path: Optional[str] = Field(None, description="Load this tokenizer.json (e.g. Pythia's) instead of training one.")
+    vocab_size: int = Field(8192, gt=0, description="Vocabulary size of the byte-level BPE to train "
+                            "(ignored when `path` is set: the file's size is used).")
+    min_frequency: int = Field(2, ge=1, description="BPE: minimum pair frequency to merge.")
+    train_max_bytes: int = Field(50_000_000, gt=0, description="BPE training reads at most this many bytes of text.")
+    eod_token: str = Field("<|endoftext|>", description="Token appended after every document.")
+
+
+def _model_section(dc: type, name: str, nested: dict[str, type] | None = None) -> type[BaseModel]:
+    """A pydantic section whose keys are ``dc``'s init fields, all optional overrides."""
+    hints = typing.get_type_hints(dc)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(dc):
+        if not f.init:
+            continue
+        tp = nested.get(f.name) if nested and f.name in nested else hints[f.name]
+        fields[f.name] = (Optional[tp], None)
+    return create_model(name, __base__=Section, **fields)
+
+
+ConceptSection = _model_section(ConceptConfig, "ConceptSection")
+_ModelOverrides = _model_section(ModelConfig, "_ModelOverrides", nested={"concept": ConceptSection})
+
+
+class ModelSection(_ModelOverrides):  # type: ignore[valid-type,misc]
+    size: str = Field("debug", description="Named size (see `ncpctl.model.config.SIZES`); every other key "
+                      "overrides it. `vocab_size` defaults to the tokenizer's.")
+
+
+class TrainSection(Section):
+    max_steps: int = Field(100, gt=0, description="Optimizer steps to run.")
+    seed: int = Field(1234, ge=0, description="Seed for init, data order and dropout.")
+    seq_len: Optional[int] = Field(None, gt=0, description="Tokens per training window; default model.max_seq_len.")
+    micro_batch_size: int = Field(1, gt=0, description="Sequences per rank per forward/backward.")
+    global_batch_size: Optional[int] = Field(None, gt=0, description="Sequences per optimizer step over all ranks; "
+                                             "must equal micro_batch_size x grad_accum_steps x world size.")
+    grad_accum_steps: Optional[int] = Field(None, gt=0, description="Micro-batches per optimizer step; "
+                                            "derived from global_batch_size when omitted.")
+    lr: float = Field(6e-4, gt=0, description="Peak learning rate (Pythia: 6e-4).")
+    min_lr: float = Field(6e-5, ge=0, description="Final learning rate of the cosine decay.")
+    warmup_fraction: float = Field(0.01, ge=0, le=1, description="Linear warmup as a fraction of max_steps.")
+    warmup_steps: Optional[int] = Field(None, ge=0, description="Linear warmup in steps (overrides warmup_fraction).")
+    betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2, description="AdamW betas (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clipping (0 disables).")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 on GPU, fp32 on CPU.")
+    eval_every: int = Field(50, ge=0, description="Validation every N steps (0 = only at the end).")
+    eval_batches: int = Field(8, gt=0, description="Validation batches per evaluation.")
+    save_every: int = Field(100, ge=0, description="Checkpoint every N steps (0 = only at the end).")
+    keep_last: int = Field(2, gt=0, description="Checkpoints kept on disk.")
+    resume: str = Field("auto", description="`auto` (newest complete checkpoint), `never`, or a checkpoint path.")
+    init_from: Optional[str] = Field(None, description="midtrain/adapt-vq: checkpoint (or HF directory) to start from.")
+    load: Literal["weights", "all"] = Field("weights", description="midtrain: load weights only (fresh optimizer) or everything.")
+    max_nonfinite: int = Field(5, gt=0, description="Abort after this many non-finite steps in a row.")
+    log_every: int = Field(1, gt=0, description="Write metrics every N steps.")
+    plots: bool = Field(False, description="Write PNG loss curves and codebook-usage histograms.")
+    tensorboard: bool = Field(False, description="Also log to TensorBoard (needs `tensorboard`).")
+
+
+class DeepSpeedSection(Section):
+    zero_stage: Literal[0, 1, 2, 3] = Field(1, description="ZeRO stage.")
+    offload_optimizer: bool = Field(False, description="ZeRO-Offload the optimizer state to CPU.")
+    extra: dict[str, Any] = Field(default_factory=dict, description="Merged last into the generated DeepSpeed config.")
+
+
+class EvalSection(Section):
+    tasks: list[str] = Field(default_factory=list, description="lm-eval task or group names.")
+    batch_size: int = Field(8, gt=0, description="Requests per batch.")
+    limit: Optional[int] = Field(None, gt=0, description="Examples per task (smoke runs).")
+    num_fewshot: Optional[int] = Field(None, ge=0, description="Few-shot examples.")
+
+
+class ExportSection(Section):
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Weight dtype of the export.")
+    out: Optional[str] = Field(None, description="Output directory; default run.dir/export.")
+    verify: bool = Field(True, description="Reload the export and compare logits with the source.")
+    max_shard_size: str = Field("5GB", description="Shard safetensors above this size.")
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    "run": RunSection,
+    "data": DataSection,
+    "tokenizer": TokenizerSection,
+    "model": ModelSection,
+    "train": TrainSection,
+    "deepspeed": DeepSpeedSection,
+    "eval": EvalSection,
+    "export": ExportSection,
+}

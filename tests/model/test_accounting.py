@@ -1,0 +1,235 @@
+"""Cost accounting: ConceptLM App. C and NCP-ArchPreview Table 2 reproduced, exact FLOPs by
+hand on small shapes, parameter counts from the real module on the meta device."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ncpctl.model.accounting import (
+    PARAM_GROUPS,
+    count_parameters,
+    describe,
+    exact_flops,
+    paper_flops,
+    parameter_equivalent_layers,
+    saving,
+)
+from ncpctl.model.config import build_config
+
+T_APPC, D_APPC = 8192, 4096
+
+
+def _appc_base(**kw):
+    # A 32-layer backbone at the App. C width; only d, layer counts and k enter the formula.
+    return build_config("pythia-160m", d_model=D_APPC, n_layers=32, n_heads=32, max_seq_len=T_APPC, **kw)
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return _appc_base(extra_token_layers=2)
+
+
+@pytest.fixture(scope="module")
+def conceptlm():
+    return _appc_base(concept=dict(enabled=True, k=4, encoder_layers=1, concept_layers=2))
+
+
+@pytest.fixture(scope="module")
+def archpreview():
+    return build_config("ncp-archpreview-8.9b")
+
+
+# ---- paper view ------------------------------------------------------------------------
+
+
+def test_appc_pm_formula(pm):
+    f = paper_flops(pm, T_APPC)
+    assert pm.n_token_layers == 34
+    assert (f.coef_Td2, f.coef_T2d) == (408, 68)
+    assert f.formula == "408*T*d^2 + 68*T^2*d"
+    T, d = T_APPC, D_APPC
+    assert f.forward_per_sequence == 408 * T * d**2 + 68 * T**2 * d
+    assert f.training_per_sequence == 3 * f.forward_per_sequence
+    assert f.training_formula == "1224*T*d^2 + 204*T^2*d"
+    assert f.forward_per_token == f.forward_per_sequence / T
+
+
+def test_appc_conceptlm_formula_and_saving(pm, conceptlm):
+    f = paper_flops(conceptlm, T_APPC)
+    assert (f.token_layers, f.concept_layers, f.k) == (32, 2, 4)
+    assert (f.coef_Td2, f.coef_T2d) == (390, 64.25)
+    assert f.formula == "390*T*d^2 + 64.25*T^2*d"
+    T, d = T_APPC, D_APPC
+    assert f.forward_per_sequence == 390 * T * d**2 + 64.25 * T**2 * d
+    assert f.training_per_sequence == 3 * f.forward_per_sequence
+    base = paper_flops(pm, T_APPC)
+    assert saving(base.forward_per_sequence, f.forward_per_sequence) == 0.046875  # 4.6875%
+    assert saving(base.training_per_sequence, f.training_per_sequence) == 0.046875
+
+
+def test_archpreview_table2(archpreview):
+    cfg = archpreview
+    assert cfg.n_token_layers == 32  # the base model's depth
+    assert (cfg.encoder_layers, cfg.concept.concept_layers, cfg.decoder_layers) == (16, 8, 16)
+    f = paper_flops(cfg)
+    assert f.block_equivalents == 34 == 16 + 8 / 4 + 16  # PM-equivalent compute
+    assert f.parameter_equivalent_layers == parameter_equivalent_layers(cfg) == 40
+    assert f.block_equivalents / f.parameter_equivalent_layers == 0.85
+    assert f.coef_Td2 == 12 * 34
+
+
+def test_paper_view_without_concept_path():
+    cfg = build_config("pythia-160m")
+    f = paper_flops(cfg, 2048)
+    assert (f.coef_Td2, f.coef_T2d, f.concept_layers, f.k) == (144, 24, 0, None)
+    assert f.block_equivalents == 12 and f.parameter_equivalent_layers == 12
+
+
+# ---- exact view ------------------------------------------------------------------------
+
+
+def test_exact_pythia_by_hand():
+    cfg = build_config("pythia-160m")
+    T, d, V, L = 2048, 768, 50304, 12
+    e = exact_flops(cfg, T)
+    c = e.components
+    assert c["token_layers.qkv"] == L * 2 * T * d * 3 * d
+    assert c["token_layers.attn_out"] == L * 2 * T * d * d
+    assert c["token_layers.mlp"] == L * 2 * T * d * 4 * d * 2  # GELU: 2 matrices of 4d
+    assert c["token_layers.attention"] == L * 4 * T * T * d
+    assert e.attention_causal["token_layers.attention"] == L * 4 * d * T * (T + 1) // 2
+    assert c["lm_head"] == 2 * T * d * V
+    assert e.forward_per_sequence == L * (24 * T * d**2 + 4 * T**2 * d) + 2 * T * d * V
+    assert e.training_per_sequence == 3 * e.forward_per_sequence
+    assert e.forward_per_token == e.forward_per_sequence / T
+    assert e.concept_share == 0 and e.concept_positions == 0 and e.training_only == {}
+
+
+def test_exact_gqa_swiglu_sliding_window():
+    cfg = build_config("llama-debug", concept=dict(enabled=True))  # d=64, 4 heads, 2 kv heads, ffn 176, window 32, every 2nd full
+    T, d, hd = 64, 64, 16
+    e = exact_flops(cfg, T)
+    L = cfg.n_token_layers
+    assert e.components["token_layers.qkv"] == L * 2 * T * d * (d + 2 * 2 * hd)
+    assert e.components["token_layers.mlp"] == L * 2 * T * d * 176 * 3
+    # layers 2 and 4 full (T keys per query), 1 and 3 windowed (32 keys per query)
+    assert e.components["token_layers.attention"] == 4 * d * (2 * T * T + 2 * T * 32)
+    swa_causal = 32 * 33 // 2 + (T - 32) * 32
+    assert e.attention_causal["token_layers.attention"] == 4 * d * (2 * T * (T + 1) // 2 + 2 * swa_causal)
+    # concept layers run on M = 16 positions < window: all full
+    assert e.concept_positions == 16
+    assert e.components["concept_layers.attention"] == 2 * 4 * 16 * 16 * d
+
+
+def test_exact_concept_path_by_hand():
+    cfg = build_config("debug", concept=dict(enabled=True))  # d=64, k=4, C=2, S=4, N=16
+    T, d, S, N, ds, M = 256, 64, 4, 16, 16, 64
+    e = exact_flops(cfg, T)
+    c = e.components
+    assert c["concept.pooling"] == M * 4 * d
+    assert c["concept.heads"] == 2 * M * d * S * N
+    assert c["concept.codebook_einsum"] == 2 * M * S * N * ds
+    assert c["concept.codebook_transform"] == 2 * S * N * (ds * 2 * ds + 2 * ds * ds)
+    assert c["concept_layers.mlp"] == 2 * 2 * M * d * 4 * d * 2
+    assert e.training_only == {"concept.vq_quantise": 2 * M * S * N * ds}
+    assert e.training_per_sequence == 3 * e.forward_per_sequence + e.training_only["concept.vq_quantise"]
+    assert 0 < e.concept_share < 1 and 0 < e.concept_share_causal < 1
+    # the codebook transform runs once per step, not per sequence or token
+    e_long = exact_flops(cfg, 2 * T)
+    assert e_long.components["concept.codebook_transform"] == c["concept.codebook_transform"]
+    e_b4 = exact_flops(cfg, T, batch_size=4)
+    tr = c["concept.codebook_transform"]
+    assert e_b4.forward_per_step() == 4 * (e.forward_per_step() - tr) + tr
+    assert e_b4.forward_per_sequence < e.forward_per_sequence
+    # a learned codebook has no transform
+    learned = exact_flops(build_config("debug", concept=dict(enabled=True, codebook="learned")), T)
+    assert learned.components["concept.codebook_transform"] == 0
+
+
+def test_exact_trailing_partial_block_not_pooled():
+    cfg = build_config("debug", concept=dict(enabled=True))
+    e = exact_flops(cfg, 10)
+    assert e.concept_positions == 2
+    assert e.components["concept.pooling"] == 2 * 4 * 64
+
+
+@pytest.mark.parametrize("which", ["pm", "conceptlm", "archpreview"])
+def test_exact_covers_paper_layer_terms(which, request):
+    cfg = request.getfixturevalue(which)
+    p, e = paper_flops(cfg), exact_flops(cfg)
+    assert e.layer_flops >= p.forward_per_sequence
+    assert e.components["lm_head"] == 2 * cfg.max_seq_len * cfg.d_model * cfg.padded_vocab_size
+    assert e.forward_per_sequence >= e.layer_flops + e.components["lm_head"]
+    assert e.forward_per_sequence_causal < e.forward_per_sequence
+    assert e.training_per_token >= 3 * e.forward_per_token
+
+
+def test_archpreview_exact_numbers(archpreview):
+    e = exact_flops(archpreview)  # T = 8192, window 4096 on 3 of every 4 token layers
+    T, d = 8192, 4096
+    assert e.components["token_layers.attention"] == 4 * d * T * (8 * T + 24 * 4096)
+    assert e.concept_positions == 2048
+    assert e.components["concept.heads"] == 2 * 2048 * d * 32 * 128
+    assert 0.01 < e.concept_share < 0.25
+
+
+def test_to_dict_is_json():
+    cfg = build_config("debug", concept=dict(enabled=True))
+    acc = describe(cfg, seq_len=64, params=False)
+    d = json.loads(json.dumps(acc.to_dict()))
+    assert d["params"] is None
+    assert d["paper"]["formula"] == paper_flops(cfg, 64).formula
+    assert d["exact"]["forward_per_sequence"] == exact_flops(cfg, 64).forward_per_sequence
+
+
+def test_import_does_not_need_torch():
+    code = "import sys, ncpctl.model.accounting; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- parameter counts (the real NCPModel on the meta device) ---------------------------
+
+
+def _check_sums(p):
+    assert set(p.components) == set(PARAM_GROUPS)
+    assert sum(p.components.values()) == p.total
+
+
+def test_params_pythia_160m_base():
+    p = count_parameters(build_config("pythia-160m"))
+    _check_sums(p)
+    assert p.total == 162_322_944
+    assert p.trainable == p.total
+    assert p.components["embeddings"] == 38_633_472
+    assert p.components["lm_head"] == 38_633_472
+    assert p.total - p.components["embeddings"] - p.components["lm_head"] == 85_056_000
+    for g in ("concept_layers", "concept_heads", "codebook", "codebook_transform"):
+        assert p.components[g] == 0
+
+
+def test_params_archpreview():
+    cfg = build_config("ncp-archpreview-8.9b")
+    p = count_parameters(cfg)
+    _check_sums(p)
+    assert abs(p.total - 8.94e9) / 8.94e9 < 0.01
+    assert p.components["codebook"] == 524_288 == 128 * 4096  # frozen base codes (S, N, d/S)
+    assert p.trainable == p.total - p.components["codebook"]
+    assert p.components["concept_heads"] >= 4096 * 32 * 128
+    assert 2 * 128 * 256 <= p.components["codebook_transform"] <= 2 * 128 * 256 + 256 + 128
+    assert p.components["embeddings"] == p.components["lm_head"] == 100352 * 4096
+    # concept layers are token layers' shape: 8 of them vs 32
+    assert p.components["concept_layers"] * 4 == pytest.approx(p.components["token_layers"], rel=1e-3)
+
+
+def test_params_debug_concept_sums_and_describe():
+    cfg = build_config("debug", concept=dict(enabled=True))
+    acc = describe(cfg, seq_len=64)
+    p = acc.params
+    _check_sums(p)
+    assert p.components["codebook"] == 4 * 16 * 16
+    assert p.trainable == p.total - p.components["codebook"]
+    assert json.loads(json.dumps(acc.to_dict()))["params"]["total"] == p.total
