@@ -13,6 +13,7 @@ import copy
 import difflib
 import glob
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -38,6 +39,25 @@ BUILTIN_STDLIB = "builtin:python-stdlib"
 UINT16_LIMIT = 65536  # ids 0..65535 fit in uint16
 
 Problem = tuple[str, str]  # (key path, message)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads ``6e-4`` as a float (YAML 1.1 wants ``6.0e-4``; users write ``6e-4``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 @dataclass
@@ -114,7 +134,7 @@ def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any] | None:
         problems.append(f"{path}: cannot read ({e.strerror})")
         return None
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -181,7 +201,7 @@ def parse_set(item: str) -> tuple[list[str], Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise UserError(f"--set: {item}: expected KEY.PATH=VALUE, e.g. --set train.max_steps=10")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw  # not valid YAML: take it as a plain string
     return key.split("."), value
@@ -368,6 +388,22 @@ def load_recipe(
     return Recipe(path=path, name=name, sets=sets, world_size=world_size, **sections, **derived)  # type: ignore[arg-type]
 
 
+def _config_without(size: str, overrides: dict[str, Any], bad: list[str]) -> ModelConfig | None:
+    """The model config with the offending overrides dropped, so the other checks that need
+    it (sequence length, concept block size) still run; None if it is still impossible."""
+    trimmed = copy.deepcopy(overrides)
+    for key in bad:
+        *parents, leaf = key.split(".")
+        node = trimmed
+        for part in parents:
+            node = node.get(part, {})
+        node.pop(leaf, None)
+    try:
+        return build_config(size, **trimmed)
+    except ConfigError:
+        return None
+
+
 def _check_combinations(
     s: dict[str, Any], world_size: int, need_sources: bool, name: str, derived: dict[str, Any]
 ) -> list[Problem]:
@@ -382,6 +418,7 @@ def _check_combinations(
             problems.append(("run.dir", f"{run_dir} exists and is not a directory"))
 
     vocab: int | None = None
+    cfg: ModelConfig | None = None
     if tok is not None:
         if tok.path:
             if not Path(tok.path).is_file():
@@ -413,13 +450,11 @@ def _check_combinations(
         elif vocab is not None and overrides["vocab_size"] < vocab:
             problems.append(("model.vocab_size", f"{overrides['vocab_size']} is smaller than the tokenizer's {vocab} tokens"))
         try:
-            derived["model_config"] = build_config(model.size, **overrides)
+            derived["model_config"] = cfg = build_config(model.size, **overrides)
         except ConfigError as e:
             problems.extend((f"model.{k}", m) for k, m in e.problems)
-        except TypeError as e:  # a field the dataclass rejects
-            problems.append(("model", str(e)))
+            cfg = _config_without(model.size, overrides, [k for k, _ in e.problems])
 
-    cfg: ModelConfig | None = derived.get("model_config")
     if train is not None:
         seq = train.seq_len or (cfg.max_seq_len if cfg else None)
         if seq is not None:

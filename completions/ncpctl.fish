@@ -1,0 +1,1 @@
+complete --command ncpctl --no-files --arguments "(env _NCPCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) ncpctl)" --condition "env _NCPCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) ncpctl"

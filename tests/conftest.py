@@ -1,0 +1,51 @@
+"""Shared test fixtures. No network: hub access is forced offline for every test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+
+
+def ncpctl_cmd() -> list[str]:
+    """The real entry point: the installed console script next to this interpreter."""
+    script = Path(sys.executable).parent / "ncpctl"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ncpctl"]
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "COLUMNS": "200"}
+    return subprocess.run([*ncpctl_cmd(), *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout, **kw)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+def write_recipe(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def text_corpus(tmp_path: Path) -> Path:
+    """A small corpus of text files: deterministic, varied, a few KB each."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    words = ("concept", "token", "block", "codebook", "segment", "predict", "next", "mean", "pool", "layer")
+    for i in range(24):
+        body = " ".join(words[(i * 7 + j * 3) % len(words)] + str((i + j) % 13) for j in range(400))
+        (root / f"doc{i:02d}.txt").write_text(f"# document {i}\n{body}\n")
+    return root

@@ -1,0 +1,201 @@
+"""`ncpctl tokenize`: output layout and format, determinism, no-op re-runs, interruption
+safety, and bad input (undecodable bytes, empty corpus, wrong fields)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from ncpctl.data.indexed import IndexedDataset
+from ncpctl.data.tokenize import tokenize
+from ncpctl.errors import UserError
+from ncpctl.recipe import load_recipe
+
+from ..conftest import ncpctl_cmd, run_cli
+
+
+def recipe_file(tmp_path: Path, sources: str, extra: str = "", run: str = "run") -> Path:
+    p = tmp_path / f"{run}.yaml"
+    p.write_text(f"run: {{dir: {tmp_path / run}}}\ndata: {{sources: {sources}, val_fraction: 0.2}}\n"
+                 f"tokenizer: {{vocab_size: 300}}\n{extra}")
+    return p
+
+
+def test_text_corpus_layout_format_and_round_trip(tmp_path: Path, text_corpus: Path) -> None:
+    r = load_recipe(recipe_file(tmp_path, f"['{text_corpus}/*.txt']"), need_sources=True)
+    meta = tokenize(r)
+    data = tmp_path / "run" / "data"
+    for name in ("train.bin", "train.idx", "val.bin", "val.idx", "tokenizer.json", "meta.json", "recipe.resolved.yaml"):
+        assert (data / name).is_file(), name
+    assert (tmp_path / "run" / "recipe.resolved.yaml").is_file()
+    assert not list((tmp_path / "run").glob(".data.*"))  # no temp leftovers
+    on_disk = json.loads((data / "meta.json").read_text())
+    assert on_disk["documents"] == 24 and meta["documents"] == 24
+    assert on_disk["splits"]["train"]["documents"] + on_disk["splits"]["val"]["documents"] == 24
+    assert on_disk["splits"]["val"]["documents"] > 0
+    assert on_disk["dtype"] == "uint16" and on_disk["tokenizer"]["trained"] is True
+
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    eod = on_disk["tokenizer"]["eod_id"]
+    assert tok.get_vocab_size() <= 300
+    texts = {p.read_text() for p in text_corpus.glob("*.txt")}
+    decoded = set()
+    for split in ("train", "val"):
+        ds = IndexedDataset(data / split)
+        assert ds.dtype == np.uint16
+        assert ds.num_tokens == on_disk["splits"][split]["tokens"]
+        for i in range(len(ds)):
+            doc = ds[i]
+            assert doc[-1] == eod and eod not in doc[:-1]  # one EOD, at the end of every document
+            decoded.add(tok.decode(doc[:-1].tolist(), skip_special_tokens=False))
+    assert decoded == texts  # lossless byte-level BPE: every document comes back exactly
+
+
+def test_deterministic_and_noop_rerun(tmp_path: Path, text_corpus: Path) -> None:
+    a = load_recipe(recipe_file(tmp_path, f"['{text_corpus}/*.txt']", run="a"), need_sources=True)
+    b = load_recipe(recipe_file(tmp_path, f"['{text_corpus}/*.txt']", run="b"), need_sources=True)
+    assert tokenize(a)["up_to_date"] is False
+    tokenize(b)
+    for name in ("train.bin", "train.idx", "val.bin", "val.idx", "tokenizer.json"):
+        assert (a.data_dir / name).read_bytes() == (b.data_dir / name).read_bytes(), name
+
+    stamp = (a.data_dir / "train.bin").stat().st_mtime_ns
+    again = tokenize(a)
+    assert again["up_to_date"] is True
+    assert (a.data_dir / "train.bin").stat().st_mtime_ns == stamp  # nothing rewritten
+
+    # a changed input file re-tokenizes
+    f = text_corpus / "doc03.txt"
+    f.write_text(f.read_text() + "more text\n")
+    assert tokenize(a)["up_to_date"] is False
+    # a corrupted output is detected and rebuilt rather than trusted
+    with open(a.data_dir / "train.bin", "r+b") as fh:
+        fh.truncate(10)
+    assert tokenize(a)["up_to_date"] is False
+    assert IndexedDataset(a.data_dir / "train").num_tokens > 5
+
+
+def test_undecodable_files_are_skipped_and_counted(tmp_path: Path, text_corpus: Path) -> None:
+    (text_corpus / "bad1.txt").write_bytes(b"valid start \xff\xfe invalid utf-8")
+    (text_corpus / "bad2.txt").write_bytes(b"\xc3\x28")
+    p = recipe_file(tmp_path, f"['{text_corpus}/*.txt']")
+    r = run_cli("tokenize", str(p), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["skipped"]["undecodable"] == 2 and out["documents"] == 24
+    assert "skipped 2 documents with undecodable" in r.stderr
+
+
+def test_empty_and_missing_corpus_are_clear_errors(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    (empty / "b.txt").write_bytes(b"\xff\xff")
+    r = run_cli("tokenize", str(recipe_file(tmp_path, f"['{empty}/*.txt']")))
+    assert r.returncode == 2
+    assert "the corpus is empty" in r.stderr and "1 undecodable" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run" / "data").exists()
+    r = run_cli("tokenize", str(recipe_file(tmp_path, f"['{tmp_path}/nothing/*.txt']")))
+    assert r.returncode == 2 and "no file matches" in r.stderr
+
+
+def test_jsonl_and_parquet_sources_through_datasets(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"content": f"line {i} " + "alpha beta gamma " * (i % 7 + 1), "id": i} for i in range(40)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    srcs = f"[{{path: '{tmp_path}/c.jsonl', field: content}}, {{path: '{tmp_path}/c.parquet', field: content}}]"
+    r = load_recipe(recipe_file(tmp_path, srcs), need_sources=True)
+    meta = tokenize(r)
+    assert meta["documents"] == 80
+    # a missing field is named, with the fields that exist
+    bad = load_recipe(recipe_file(tmp_path, f"['{tmp_path}/c.jsonl']", run="bad"), need_sources=True)
+    with pytest.raises(UserError, match="no field 'text' \\(fields: content, id\\)"):
+        tokenize(bad)
+
+
+def test_unreachable_hub_dataset_is_one_line_error(tmp_path: Path) -> None:
+    r = run_cli("tokenize", str(recipe_file(tmp_path, "['hf:some-org/some-dataset']")))
+    assert r.returncode == 2
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "some-org/some-dataset" in errors[0] and "Traceback" not in r.stderr
+
+
+def test_existing_tokenizer_is_loaded_and_saved(tmp_path: Path, text_corpus: Path) -> None:
+    first = load_recipe(recipe_file(tmp_path, f"['{text_corpus}/*.txt']", run="first"), need_sources=True)
+    tokenize(first)
+    tok_path = first.data_dir / "tokenizer.json"
+    second = load_recipe(recipe_file(tmp_path, f"['{text_corpus}/*.txt']", run="second"),
+                         [f"tokenizer.path={tok_path}"], need_sources=True)
+    meta = tokenize(second)
+    assert meta["tokenizer"]["trained"] is False
+    assert (second.data_dir / "tokenizer.json").read_bytes() == tok_path.read_bytes()
+    assert (second.data_dir / "train.bin").read_bytes() == (first.data_dir / "train.bin").read_bytes()
+    with pytest.raises(UserError, match="eod_token"):
+        tokenize(load_recipe(second.path, [f"tokenizer.path={tok_path}", "tokenizer.eod_token=<eos>",
+                                           f"run.dir={tmp_path / 'third'}"], need_sources=True))
+
+
+def test_builtin_stdlib_corpus(tmp_path: Path) -> None:
+    p = recipe_file(tmp_path, "[builtin:python-stdlib]")
+    r = load_recipe(p, ["data.max_documents=40"], need_sources=True)
+    meta = tokenize(r)
+    assert meta["documents"] + meta["skipped"]["too_short"] == 40
+    assert meta["tokens"] > 10_000
+
+
+def _wait_for(pred, timeout: float) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_interrupted_run_leaves_nothing_that_looks_complete(tmp_path: Path, text_corpus: Path) -> None:
+    """kill -9 in the middle of encoding: no data/ appears; a previous dataset stays intact;
+    the next run cleans up and completes."""
+    big = tmp_path / "big"
+    big.mkdir()
+    words = [f"w{i}" for i in range(5000)]
+    rng = np.random.default_rng(0)
+    for i in range(1500):
+        (big / f"{i:05d}.txt").write_text(" ".join(rng.choice(words, 400)))
+    p = recipe_file(tmp_path, f"['{big}/*.txt']")
+    run_dir = tmp_path / "run"
+
+    def kill_mid_encode() -> None:
+        proc = subprocess.Popen([*ncpctl_cmd(), "tokenize", str(p), "--set", "data.batch_documents=16", "--force"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            grew = _wait_for(lambda: any(f.stat().st_size > 0 for f in run_dir.glob(".data.tmp-*/train.bin.tmp")), 120)
+            assert grew, "encoding never started"
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+    kill_mid_encode()
+    assert not (run_dir / "data").exists()
+    assert list(run_dir.glob(".data.tmp-*"))  # the partial work is only in the temp dir
+
+    # a complete dataset, then another interrupted run: the old dataset is untouched
+    r = run_cli("tokenize", str(p))
+    assert r.returncode == 0, r.stderr
+    assert not list(run_dir.glob(".data.*"))  # stale temp dir of the killed run removed
+    before = {f.name: f.read_bytes() for f in (run_dir / "data").iterdir()}
+    kill_mid_encode()
+    after = {f.name: f.read_bytes() for f in (run_dir / "data").iterdir()}
+    assert before == after
+    r = run_cli("tokenize", str(p), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["up_to_date"] is True

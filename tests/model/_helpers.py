@@ -1,0 +1,54 @@
+"""Shared helpers for the model tests: tiny configs, random weights, HF construction."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from ncpctl.model.config import ModelConfig
+from ncpctl.model.model import NCPModel
+
+torch.set_num_threads(1)
+
+
+def tiny(backbone: str = "neox", concept: dict | None = None, **kw) -> ModelConfig:
+    """A 2-4 layer, d=32 config that runs in milliseconds."""
+    base = dict(
+        backbone=backbone, vocab_size=200, pad_vocab_multiple=64, d_model=32, n_layers=3, n_heads=4,
+        max_seq_len=64, ffn_dim=48 if backbone == "llama" else None,
+    )
+    if backbone == "llama":
+        base.update(n_kv_heads=2, rope_base=500000.0, norm_eps=1e-6)
+    base.update(kw)
+    if concept is not None:
+        base["concept"] = dict(dict(enabled=True, k=4, encoder_layers=1, concept_layers=2, segments=4, codes=8), **concept)
+    return ModelConfig(**base)
+
+
+def build(cfg: ModelConfig, seed: int = 0, scale: float = 0.1) -> NCPModel:
+    """NCPModel with large random weights (norm gains/biases perturbed too), so that a
+    wrong mapping or a causality leak shows up well above fp32 noise."""
+    torch.manual_seed(seed)
+    model = NCPModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "codebook.base" in name:
+                continue
+            p.add_(torch.randn_like(p) * scale)
+    return model
+
+
+def hf_model(cls, hf_cfg):
+    """HF model from a config with eager attention/experts: an independent reference."""
+    hf_cfg._attn_implementation = "eager"
+    if hasattr(hf_cfg, "_experts_implementation"):
+        hf_cfg._experts_implementation = "eager"
+    return cls(hf_cfg).eval()
+
+
+def tokens(cfg: ModelConfig, B: int, T: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (B, T), generator=g)

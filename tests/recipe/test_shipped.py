@@ -1,0 +1,79 @@
+"""Every shipped recipe loads and validates; the Pythia trio differs in one key each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ncpctl.data.indexed import IndexedDatasetWriter
+from ncpctl.recipe import load_recipe
+
+from ..conftest import RECIPES
+
+PYTHIA = ["pythia70m", "pythia160m", "pythia160m-base", "pythia160m-pm", "pythia410m"]
+
+
+@pytest.fixture(scope="module")
+def pile_like(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Stand-ins for the files the Pythia recipes point at: a Megatron dataset and a
+    tokenizer.json with Pythia's 50,277 tokens."""
+    from tokenizers import Tokenizer, models
+
+    root = tmp_path_factory.mktemp("pile")
+    for split in ("train", "val"):
+        with IndexedDatasetWriter(root / split, "uint16") as w:
+            w.add_document([1, 2, 3, 0])
+    vocab = {f"t{i}": i for i in range(50277)}
+    Tokenizer(models.WordLevel(vocab, unk_token="t1")).save(str(root / "tokenizer.json"))
+    return [f"data.train_prefix={root / 'train'}", f"data.val_prefix={root / 'val'}",
+            f"tokenizer.path={root / 'tokenizer.json'}"]
+
+
+def test_every_recipe_file_is_covered() -> None:
+    shipped = {p.stem for p in RECIPES.glob("*.yaml")}
+    assert shipped == {"debug", "pythia-common", *PYTHIA}
+
+
+def test_debug_recipe() -> None:
+    r = load_recipe(RECIPES / "debug.yaml", need_sources=True)
+    cfg = r.model_config
+    assert r.run_dir == Path("runs/debug")
+    assert cfg.concept.enabled and cfg.name == "debug" and cfg.vocab_size == r.tokenizer.vocab_size
+    assert r.seq_len == 256 and r.global_batch_size == 8
+
+
+@pytest.mark.parametrize("name", PYTHIA)
+def test_pythia_recipes_validate(name: str, pile_like: list[str]) -> None:
+    r = load_recipe(RECIPES / f"{name}.yaml", pile_like)
+    cfg = r.model_config
+    assert cfg.vocab_size == 50277 and cfg.padded_vocab_size == 50304  # Pythia's padding
+    assert r.seq_len == 2048 and r.global_batch_size == 1024 and r.grad_accum_steps == 128
+    assert r.deepspeed.zero_stage == 1 and r.train.precision == "bf16"
+    assert r.run_dir == Path("runs") / name
+    assert cfg.name == {"pythia70m": "pythia-70m", "pythia410m": "pythia-410m"}.get(name, "pythia-160m")
+    # on 8 ranks the same recipe needs 16 micro-batches of 8 per step
+    assert load_recipe(RECIPES / f"{name}.yaml", pile_like, world_size=8).grad_accum_steps == 16
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v)
+    return out
+
+
+def test_three_way_comparison_differs_in_one_key(pile_like: list[str]) -> None:
+    """ConceptLM vs base vs parameter-matched: one model key apart (plus the run's name)."""
+    flat = {n: _flat(load_recipe(RECIPES / f"{n}.yaml", pile_like).to_dict())
+            for n in ("pythia160m", "pythia160m-base", "pythia160m-pm")}
+
+    def diff(a: str, b: str) -> set[str]:
+        return {k for k in flat[a] if flat[a][k] != flat[b][k]} - {"run.dir", "run.name"}
+
+    assert diff("pythia160m", "pythia160m-base") == {"model.concept.enabled"}
+    assert diff("pythia160m-base", "pythia160m-pm") == {"model.extra_token_layers"}
