@@ -157,7 +157,8 @@ class ConceptModule(nn.Module):
         aux.vq_loss = F.mse_loss(q, cs) + cfg.commitment * F.mse_loss(cs, q.detach())
         with torch.no_grad():  # metrics as tensors: no host sync on the hot path
             counts = torch.zeros(self.S, self.N, device=c.device)
-            counts.scatter_add_(1, idx.reshape(-1, self.S).t(), torch.ones_like(idx.reshape(-1, self.S).t(), dtype=counts.dtype))
+            flat = idx.reshape(-1, self.S).t()  # (S, B*M)
+            counts.scatter_add_(1, flat, torch.ones_like(flat, dtype=counts.dtype))  # (S, N) hits per code
             aux.code_usage = (counts > 0).float().mean(-1)
             p = counts / counts.sum(-1, keepdim=True)
             aux.code_perplexity = torch.exp(-(p * p.clamp_min(1e-12).log()).sum(-1))

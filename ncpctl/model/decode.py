@@ -147,14 +147,14 @@ def _concept_step(cm, st: DecodeState, h: torch.Tensor) -> torch.Tensor:
     done = [p % k == k - 1 for p in pos]
     if any(done):
         j = [p // k for p in pos]  # block index (done rows: the block just completed)
-        j_t = torch.tensor(j, device=dev)
+        pos_t = st.slot - st.pad_t  # (B,) the same on the device, without a host->device copy
+        j_t, done_t = pos_t // k, (pos_t % k == k - 1)[:, None]
         c = (st.block_sum / k)[:, None]  # (B, 1, d) pooled block
         cos, sin = rope(cm.positions(j_t)[:, None], cm.cfg, h.dtype)
         keys = torch.arange(max(j) + 1, device=dev)
         masks = {w: attn_mask(j_t[:, None], keys[None], w) for w in stack_windows(cm.layers)}
         u = run_stack(cm.layers, c, cos, sin, masks, st.con, j_t, max(j) + 1)
         new = cm.added_term(cm.predict(u, st.codes))[:, 0]  # (B, d)
-        done_t = torch.tensor(done, device=dev)[:, None]
         st.pred = torch.where(done_t, new, st.pred)
         st.block_sum = st.block_sum.masked_fill(done_t, 0.0)
     return cm.combine(h, st.pred[:, None])

@@ -137,7 +137,7 @@ def config_from_hf(hf, **overrides: Any) -> ModelConfig:
                 base.update(sliding_window=hf.sliding_window, full_attn_every=every)
                 want = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(len(types))]
                 if types != want:
-                    problems.append(("layer_types", "only 'every n-th layer full' sliding-window patterns are supported"))
+                    problems.append(("layer_types", "only 'every n-th layer full' window patterns are supported"))
         if problems:
             raise ConfigError(problems)
     else:

@@ -80,7 +80,7 @@ class NCPModel(nn.Module):
         """idx (B, T) token ids; targets (B, T) next-token ids aligned with idx (targets[:, p]
         = x[p+1]), -100 = ignore. Returns logits (B, T, V) and, with targets, the losses."""
         cfg = self.cfg
-        B, T = idx.shape
+        T = idx.shape[1]
         x = self.embed(idx)  # (B, T, d)
         cos, sin = rope(torch.arange(T, device=idx.device)[None], cfg, x.dtype)
         masks = causal_masks(stack_windows(self.token_layers()), T, idx.device)
@@ -99,7 +99,8 @@ class NCPModel(nn.Module):
             c = cfg.concept
             out.loss = out.ntp_loss + c.ncp_weight * aux.ncp_loss + c.vq_weight * aux.vq_loss
             out.ncp_loss, out.vq_loss = aux.ncp_loss, aux.vq_loss
-            out.code_usage, out.code_perplexity, out.ncp_code_acc = aux.code_usage, aux.code_perplexity, aux.ncp_code_acc
+            out.code_usage, out.code_perplexity = aux.code_usage, aux.code_perplexity
+            out.ncp_code_acc = aux.ncp_code_acc
         return out
 
     # ---- incremental decoding (spec section 5; see decode.py) ----

@@ -24,7 +24,8 @@ def tiny(backbone: str = "neox", concept: dict | None = None, **kw) -> ModelConf
         base.update(n_kv_heads=2, rope_base=500000.0, norm_eps=1e-6)
     base.update(kw)
     if concept is not None:
-        base["concept"] = dict(dict(enabled=True, k=4, encoder_layers=1, concept_layers=2, segments=4, codes=8), **concept)
+        defaults = dict(enabled=True, k=4, encoder_layers=1, concept_layers=2, segments=4, codes=8)
+        base["concept"] = {**defaults, **concept}
     return ModelConfig(**base)
 
 

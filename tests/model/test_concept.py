@@ -1,0 +1,230 @@
+"""The concept path against the spec (sections 1-3): shift table, causality, losses and
+where their gradients go, codebook, metrics, one training step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ncpctl.model.concept import nearest_code, shift_blocks
+from ncpctl.model.config import build_config
+from ncpctl.model.model import NCPModel
+
+from ._helpers import build, tiny, tokens
+
+
+def _capture(model):
+    """Hooks recording h (encoder output, with grad) and z (decoder input)."""
+    seen = {}
+
+    def keep_h(_m, _inp, out):
+        out.retain_grad()
+        seen["h"] = out
+
+    def keep_z(_m, args):
+        seen["z"] = args[0]
+
+    if len(model.encoder):
+        model.encoder[-1].register_forward_hook(keep_h)
+    model.decoder[0].register_forward_pre_hook(keep_z)
+    return seen
+
+
+def test_shift_table_k4_literal():
+    pred = torch.arange(1, 4, dtype=torch.float).view(1, 3, 1).expand(1, 3, 2)  # pred[j] = j+1
+    s = shift_blocks(pred, 4, 11)[0, :, 0].tolist()
+    assert s == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]  # p=0,1,2 -> 0; 3..6 -> pred[0]; 7..10 -> pred[1]
+    assert shift_blocks(pred, 4, 12)[0, :, 0].tolist() == s + [3]  # p=11 ends block 2 -> pred[2]
+    # repeat_interleave form of the spec
+    ref = torch.cat([torch.zeros(1, 1, 2), pred], 1).repeat_interleave(4, dim=1)[:, 1:12]
+    assert torch.equal(shift_blocks(pred, 4, 11), ref)
+
+
+def test_model_adds_shifted_pred():
+    """z = h + shift(pred) inside the model, with the k=4 table, T=11 (trailing partial block)."""
+    model = build(tiny("neox", concept={}))
+    seen = _capture(model)
+    out = model(tokens(model.cfg, 2, 11))
+    h, z, pred = seen["h"], seen["z"], out.pred
+    assert pred.shape == (2, 2, 32)
+    added = z - h
+    assert torch.all(added[:, 0:3] == 0)
+    torch.testing.assert_close(added[:, 3:7], pred[:, 0:1].expand(2, 4, 32))
+    torch.testing.assert_close(added[:, 7:11], pred[:, 1:2].expand(2, 4, 32))
+    # pooling: c[j] = mean(h[j*k : j*k+k]); pred comes from the concept stack on c
+    c = h.reshape(2, -1, 32)[:, :8].reshape(2, 2, 4, 32).mean(2)
+    cm = model.concept
+    from ncpctl.model.layers import causal_masks, rope, run_stack
+
+    cos, sin = rope(torch.arange(2)[None], model.cfg, h.dtype)
+    u = run_stack(cm.layers, c, cos, sin, causal_masks({None}, 2, c.device))
+    torch.testing.assert_close(cm.predict(u, cm.codebook()), pred)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_causality(k):
+    cfg = tiny("neox", concept=dict(k=k))
+    model = build(cfg, scale=0.3)
+    T = 13  # not a multiple of 2, 4, 8
+    x = tokens(cfg, 1, T)
+    ref = model(x).logits
+    g = torch.Generator().manual_seed(k)
+    for p in range(T - 1):
+        y = x.clone()
+        y[:, p + 1 :] = torch.randint(0, cfg.vocab_size, (1, T - p - 1), generator=g)
+        y[:, p + 1] = (x[:, p + 1] + 1) % cfg.vocab_size  # surely changed
+        got = model(y).logits
+        assert torch.allclose(got[:, : p + 1], ref[:, : p + 1], atol=1e-6, rtol=0), p
+        assert not torch.allclose(got[:, p + 1], ref[:, p + 1], atol=1e-3)  # the change is visible
+
+
+def test_heads_are_one_matmul_equal_to_segment_heads():
+    cfg = tiny("llama", concept=dict(code_weights="softmax"))
+    cm = build(cfg).concept
+    S, N, d, ds = 4, 8, 32, 8
+    assert isinstance(cm.heads, torch.nn.Linear) and cm.heads.weight.shape == (S * N, d)
+    u = torch.randn(2, 3, d)
+    codes = cm.codebook()
+    ref = []
+    un = cm.norm(u)
+    for s in range(S):  # S separate heads, each with its own codebook segment
+        w = F.linear(un, cm.heads.weight[s * N : (s + 1) * N]).softmax(-1)  # (B, M, N)
+        ref.append(w @ codes[s])  # (B, M, ds)
+    torch.testing.assert_close(cm.predict(u, codes), torch.cat(ref, -1))
+
+
+def test_codebook_simvq_and_learned():
+    cfg = tiny("neox", concept={})
+    cb = NCPModel(cfg).concept.codebook
+    assert cb.base.shape == (4, 8, 8) and not cb.base.requires_grad
+    assert [type(m).__name__ for m in cb.transform] == ["Linear", "ReLU", "Linear"]
+    assert cb.transform[0].weight.shape == (16, 8) and cb.transform[2].weight.shape == (8, 16)
+    assert abs(cb.base.std().item() - 8**-0.5) < 0.1
+    assert "concept.codebook.base" in NCPModel(cfg).state_dict()
+    learned = NCPModel(tiny("neox", concept=dict(codebook="learned"))).concept.codebook
+    assert learned.base.requires_grad and learned.transform is None
+
+
+def test_losses_match_the_formulas():
+    for red in ("mean", "sum_dim"):
+        cfg = tiny("neox", concept=dict(ncp_reduction=red, ncp_weight=0.5, vq_weight=2.0))
+        model = build(cfg)
+        seen = _capture(model)
+        x = tokens(cfg, 2, 18)
+        y = tokens(cfg, 2, 18, seed=5)
+        out = model(x, y)
+        h, pred, codes = seen["h"], out.pred, model.concept.codebook()
+        c = h[:, :16].reshape(2, 4, 4, 32).mean(2)
+        err = (pred[:, :-1] - c[:, 1:]) ** 2
+        ncp = err.mean() if red == "mean" else err.sum(-1).mean()
+        idx = nearest_code(c, codes)
+        q = torch.stack([codes[s][idx[..., s]] for s in range(4)], 2).reshape(2, 4, 32)
+        vq = 1.25 * ((c - q) ** 2).mean()
+        ntp = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1))
+        torch.testing.assert_close(out.ncp_loss, ncp)
+        torch.testing.assert_close(out.vq_loss, vq)
+        torch.testing.assert_close(out.ntp_loss, ntp)
+        torch.testing.assert_close(out.loss, ntp + 0.5 * ncp + 2.0 * vq)
+        # metrics: shapes and ranges; accuracy = nearest code of pred == of the next block
+        assert out.code_usage.shape == out.code_perplexity.shape == out.ncp_code_acc.shape == (4,)
+        assert torch.all((out.code_usage > 0) & (out.code_usage <= 1))
+        assert torch.all((out.code_perplexity >= 1) & (out.code_perplexity <= 8 + 1e-4))
+        acc = (nearest_code(pred[:, :-1], codes) == idx[:, 1:]).float().mean((0, 1))
+        torch.testing.assert_close(out.ncp_code_acc, acc)
+        used = torch.tensor([len(set(idx[..., s].flatten().tolist())) / 8 for s in range(4)])
+        torch.testing.assert_close(out.code_usage, used)
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+
+
+def test_vq_loss_trains_only_the_codebook_transform():
+    model = build(tiny("neox", concept={}))
+    x = tokens(model.cfg, 2, 16)
+    model(x, x).vq_loss.backward()
+    g = _grads(model)
+    assert g and all(n.startswith("concept.codebook.transform.") for n in g)
+    assert len(g) == 4  # both Linears, weights and biases
+
+
+def test_ncp_target_carries_no_gradient():
+    model = build(tiny("neox", concept={}))
+    seen = _capture(model)
+    x = tokens(model.cfg, 2, 18)  # M = 4 blocks, 2 trailing tokens
+    out = model(x, x)
+    out.ncp_loss.backward()
+    gh = seen["h"].grad.abs().sum(-1)  # (B, T)
+    assert torch.all(gh[:, :12] > 0)  # blocks 0..2 feed pred[0..2] through the concept stack
+    assert torch.all(gh[:, 12:] == 0)  # block 3 is only a target (detached); trailing tokens unused
+    g = _grads(model)
+    for name in ("concept.heads.weight", "concept.layers.0.attn.qkv.weight", "concept.codebook.transform.0.weight",
+                 "encoder.0.attn.qkv.weight", "embed.weight"):
+        assert name in g, name
+    assert not any(n.startswith(("decoder.", "lm_head", "final_norm")) for n in g)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_ntp_reaches_concept_heads_unless_detached(detach):
+    model = build(tiny("neox", concept=dict(detach_added_concept=detach)))
+    x = tokens(model.cfg, 2, 16)
+    model(x, x).ntp_loss.backward()
+    g = _grads(model)
+    assert ("concept.heads.weight" in g) == (not detach)
+    assert ("concept.codebook.transform.2.weight" in g) == (not detach)
+    assert "encoder.0.mlp.fc.weight" in g and "decoder.0.mlp.fc.weight" in g
+
+
+@pytest.mark.parametrize("T", [1, 3, 4, 7])
+def test_fewer_than_two_blocks(T):
+    """M = T // 4 < 2: no NCP target; the step still runs and backpropagates."""
+    model = build(tiny("neox", concept={}))
+    x = tokens(model.cfg, 2, T)
+    out = model(x, x)
+    assert out.ncp_loss.item() == 0 and out.ncp_code_acc is None
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    if T < 4:
+        assert out.vq_loss.item() == 0 and out.code_usage is None
+
+
+@pytest.mark.parametrize("variant", [
+    dict(),
+    dict(add="normed", code_weights="softmax", rope_scale_by_k=True, encoder_layers=0),
+    dict(codebook="learned", ncp_reduction="sum_dim"),
+])
+def test_variants_run(variant):
+    for backbone in ("neox", "llama"):
+        model = build(tiny(backbone, concept=variant))
+        x = tokens(model.cfg, 2, 17)
+        out = model(x, x)
+        out.loss.backward()
+        assert out.logits.shape == (2, 17, 256) and torch.isfinite(out.loss)
+
+
+def test_normed_add_and_e0():
+    model = build(tiny("llama", concept=dict(add="normed", encoder_layers=0)))
+    assert len(model.encoder) == 0 and len(model.decoder) == 3
+    seen = _capture(model)
+    x = tokens(model.cfg, 1, 9)
+    out = model(x)
+    h = model.embed(x)  # E = 0 pools the embeddings
+    cm = model.concept
+    want = cm.norm_h(h) + shift_blocks(cm.norm_pred(out.pred), 4, 9)
+    torch.testing.assert_close(seen["z"], want)
+    assert torch.equal(seen["z"][:, :3], cm.norm_h(h)[:, :3])  # nothing added before block 0 ends
+
+
+def test_one_step_lowers_the_loss():
+    torch.manual_seed(0)
+    cfg = build_config("debug", concept=dict(enabled=True))
+    model = NCPModel(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 33))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    before = model(x[:, :-1], x[:, 1:])
+    before.loss.backward()
+    opt.step()
+    after = model(x[:, :-1], x[:, 1:])
+    assert after.loss.item() < before.loss.item()
+    assert after.ntp_loss.item() < before.ntp_loss.item()
