@@ -32,7 +32,10 @@ demo() {
   local recipe="${1:-recipes/debug.yaml}"
   echo "== ncpctl tokenize $recipe" >&2
   "$VENV/bin/ncpctl" tokenize "$recipe"
-  # pretrain (issue #4) and eval (issue #5) join here as they land.
+  echo "== ncpctl pretrain $recipe" >&2
+  "$VENV/bin/ncpctl" pretrain "$recipe"   # resume: auto -> a second run only re-evaluates
+  echo "== ncpctl eval $recipe" >&2
+  "$VENV/bin/ncpctl" eval "$recipe"
 }
 
 case "${1:-}" in

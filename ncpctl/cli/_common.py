@@ -99,8 +99,3 @@ def _fail(json_mode: bool, lines: list[str], hint: str | None, code: int) -> Non
     if json_mode:
         sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "errors": lines, "hint": hint}) + "\n")
     raise typer.Exit(code)
-
-
-def not_yet(name: str, issue: int, what: str, json_mode: bool) -> None:
-    """For subcommands a later issue delivers: say so plainly and exit non-zero."""
-    _fail(json_mode, [f"`ncpctl {name}` is not implemented yet: {what} lands with issue #{issue}"], None, EXIT_INTERNAL)

@@ -1,20 +1,16 @@
-"""`ncpctl adapt-vq`: codebook adaptation (delivered by issue #4)."""
+"""`ncpctl adapt-vq RECIPE`: adapt the codebook transform and concept heads to new data."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
-from ncpctl.cli._common import DebugOpt, JsonOpt, SetOpt, command, not_yet
+from ncpctl.cli._common import DebugOpt, JsonOpt, RecipeArg, SetOpt, command
 
 
 @command
-def main(
-    recipe: Annotated[str, typer.Argument(help="Recipe YAML file.", show_default=False)],
-    set_: SetOpt = None,
-    json_out: JsonOpt = False,
-    debug: DebugOpt = False,
-) -> None:
-    """Adapt the codebook transform and concept heads to new data (not implemented yet: issue #4)."""
-    not_yet("adapt-vq", 4, "codebook adaptation", json_out)
+def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+    """Adapt the codebook transform and concept heads to this recipe's data; all else stays frozen.
+
+    Starts from `train.init_from` (NCP-ArchPreview §5.1); frozen weights stay bit-identical.
+    """
+    from ncpctl.cli._train import run_stage
+
+    run_stage("adapt-vq", recipe, set_ or [], json_out)

@@ -56,4 +56,9 @@ app.command("profile-kernels")(profile_kernels.main)
 
 
 def main() -> None:
-    app(prog_name="ncpctl")
+    import sys
+
+    # The deepspeed launcher runs `ncpctl --local_rank=N <command> ...`; the rank comes from
+    # the environment it also sets (LOCAL_RANK), so the flag is dropped before typer sees it.
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank=")]
+    app(prog_name="ncpctl", args=args)

@@ -1,20 +1,46 @@
-"""`ncpctl eval`: evaluation through lm-evaluation-harness (delivered by issue #5)."""
+"""`ncpctl eval`: evaluation through lm-evaluation-harness (ncpctl.evaluate)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, SetOpt, command, not_yet
+from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, command
 
 
 @command
 def main(
-    target: Annotated[str, typer.Argument(help="Checkpoint directory or recipe YAML.", show_default=False)],
+    target: Annotated[str, typer.Argument(help="Checkpoint directory, run directory or recipe YAML.",
+                                          show_default=False)],
+    tasks: Annotated[Optional[str], typer.Option(
+        "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: the recipe's eval.tasks). "
+        "Offline: ncp_offline; the ConceptLM paper: conceptlm, conceptlm_downstream, conceptlm_ppl.",
+        show_default=False)] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Examples per task (smoke runs).",
+                                                 show_default=False)] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help="Requests per batch.",
+                                                      show_default=False)] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples.",
+                                                       show_default=False)] = None,
+    out: Annotated[Optional[str], typer.Option("--out", help="Output directory (default run.dir/eval).",
+                                               show_default=False)] = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Evaluate a checkpoint with lm-evaluation-harness (not implemented yet: issue #5)."""
-    not_yet("eval", 5, "evaluation through lm-evaluation-harness", json_out)
+    """Evaluate a checkpoint with lm-evaluation-harness; results JSON + markdown go to run.dir/eval/.
+
+    Perplexity sets are summarised twice: the mean of per-set perplexities (the ConceptLM
+    paper's average) and the token-weighted perplexity over all their tokens.
+    """
+    from ncpctl.evaluate.run import evaluate, resolve_target, rich_table
+
+    out_ = Output(json_out)
+    names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
+    t = resolve_target(target, set_ or [], names, batch_size, limit, num_fewshot, out)
+    summary = evaluate(t, log=lambda m: out_.info(f"[dim]{m}[/]"))
+    out_.result({"command": "eval", **summary}, lambda con: (
+        con.print(rich_table(summary)),
+        con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),
+    ))

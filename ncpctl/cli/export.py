@@ -1,20 +1,61 @@
-"""`ncpctl export`: Hugging Face export (delivered by issue #5)."""
+"""`ncpctl export`: a checkpoint -> a complete, self-checked Hugging Face directory."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, SetOpt, command, not_yet
+from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, command
 
 
 @command
 def main(
-    checkpoint: Annotated[str, typer.Argument(help="Checkpoint directory.", show_default=False)],
+    checkpoint: Annotated[str, typer.Argument(help="Checkpoint or run directory.", show_default=False)],
+    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Output directory (default: the checkpoint "
+                                               "recipe's export.out, else run.dir/export).", show_default=False)] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weight dtype: fp32 or bf16 (default export.dtype).",
+                                                 show_default=False)] = None,
+    skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Do not reload the export and compare logits.")] = False,
+    max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Shard safetensors above this "
+                                                          "size, e.g. 5GB (default export.max_shard_size).",
+                                                          show_default=False)] = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Export a checkpoint as a Hugging Face directory (not implemented yet: issue #5)."""
-    not_yet("export", 5, "Hugging Face export", json_out)
+    """Export a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer).
+
+    Base models become native GPTNeoXForCausalLM / LlamaForCausalLM; ConceptLM models carry their
+    own modeling code (load with trust_remote_code=True). The export reloads itself and compares
+    logits with the source on a probe batch; above tolerance nothing is written.
+    """
+    from pathlib import Path
+
+    from ncpctl.checkpoint import read_meta, resolve
+    from ncpctl.errors import UserError
+    from ncpctl.interop.hf_export import export
+
+    o = Output(json_out)
+    if set_:
+        raise UserError("--set does not apply to export (a checkpoint carries its recipe)",
+                        hint="use --out/--dtype/--max-shard-size/--skip-verify")
+    ck = resolve(checkpoint)
+    section = ((read_meta(ck).get("recipe") or {}).get("export") or {})
+    run_dir = ck.parent.parent if ck.parent.name == "checkpoints" else ck
+    target = Path(out or section.get("out") or run_dir / "export")
+    verify = not skip_verify and section.get("verify", True)
+    info = export(ck, target, dtype=dtype or section.get("dtype", "fp32"), verify=verify,
+                  max_shard_size=max_shard_size or section.get("max_shard_size", "5GB"),
+                  log=lambda m: o.info(f"[dim]{m}[/]"))
+
+    def human(con) -> None:
+        con.print(f"exported {ck} -> [bold]{info['out']}[/] as {info['architecture']} ({info['dtype']}, "
+                  f"{info['parameters']:,} parameters, {info['shards']} shard(s))")
+        if info.get("remote_code"):
+            con.print("  load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
+        v = info.get("verify")
+        con.print(f"  verified: max |logit diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:.3g}; tokenizer identical"
+                  if v else "  [yellow]not verified (--skip-verify)[/]")
+
+    o.result({"command": "export", "checkpoint": str(ck), **info}, human)

@@ -1,20 +1,16 @@
-"""`ncpctl midtrain`: continued training from a checkpoint (delivered by issue #4)."""
+"""`ncpctl midtrain RECIPE`: continue from a checkpoint with a new data mix and schedule."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
-from ncpctl.cli._common import DebugOpt, JsonOpt, SetOpt, command, not_yet
+from ncpctl.cli._common import DebugOpt, JsonOpt, RecipeArg, SetOpt, command
 
 
 @command
-def main(
-    recipe: Annotated[str, typer.Argument(help="Recipe YAML file.", show_default=False)],
-    set_: SetOpt = None,
-    json_out: JsonOpt = False,
-    debug: DebugOpt = False,
-) -> None:
-    """Continue training from a checkpoint with a new data mix (not implemented yet: issue #4)."""
-    not_yet("midtrain", 4, "continued training from a checkpoint", json_out)
+def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+    """Continue from `train.init_from` (an ncpctl checkpoint or HF directory) with this recipe's data and schedule.
+
+    `train.load: weights` starts a fresh optimizer; `all` also loads the checkpoint's optimizer state.
+    """
+    from ncpctl.cli._train import run_stage
+
+    run_stage("midtrain", recipe, set_ or [], json_out)

@@ -1,20 +1,18 @@
-"""`ncpctl pretrain`: training on DeepSpeed ZeRO (delivered by issue #4)."""
+"""`ncpctl pretrain RECIPE`: train a model from scratch on DeepSpeed ZeRO."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
-from ncpctl.cli._common import DebugOpt, JsonOpt, SetOpt, command, not_yet
+from ncpctl.cli._common import DebugOpt, JsonOpt, RecipeArg, SetOpt, command
 
 
 @command
-def main(
-    recipe: Annotated[str, typer.Argument(help="Recipe YAML file.", show_default=False)],
-    set_: SetOpt = None,
-    json_out: JsonOpt = False,
-    debug: DebugOpt = False,
-) -> None:
-    """Pretrain a model from a recipe (not implemented yet: issue #4)."""
-    not_yet("pretrain", 4, "training on DeepSpeed ZeRO", json_out)
+def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+    """Pretrain a model from a recipe on DeepSpeed ZeRO (checkpoints in run.dir/checkpoints).
+
+    Several GPUs or nodes: the same command under the launcher, `deepspeed --num_gpus 8 $(which ncpctl) pretrain RECIPE`.
+
+    `train.resume: auto` continues from the newest complete checkpoint; SIGINT/SIGTERM save and exit.
+    """
+    from ncpctl.cli._train import run_stage
+
+    run_stage("pretrain", recipe, set_ or [], json_out)

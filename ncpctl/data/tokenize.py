@@ -8,9 +8,12 @@ only after it is complete, so an interrupted run never leaves a dataset that loo
 complete, and the previous dataset stays intact until the new one is whole. Re-running with
 unchanged inputs and settings is a no-op (fingerprint in meta.json).
 
-Speed: encoding runs in the tokenizers Rust thread pool (all cores) on batches of documents,
-while this thread turns the previous batch into a flat id array and writes it (a one-deep
-pipeline), so the Python side overlaps the Rust side instead of adding to it.
+Speed: encoding runs in the tokenizers Rust thread pool (all cores) on chunks of documents
+(at most ``data.batch_documents`` documents and about ``ENCODE_CHARS`` characters each), with
+up to ``ENCODE_DEPTH`` chunks in flight, while this thread reads the next documents and turns
+finished chunks into flat id arrays and writes them. The Python side (reading, flattening,
+writing) so overlaps the Rust side instead of adding to it, and the Rust pool always has other
+chunks to work on while one long document finishes. ``bench/tokenize.py`` measures it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
-from itertools import chain
+from array import array
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -36,6 +40,11 @@ from ncpctl.recipe.load import Recipe
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
+# Encode chunks: ~1M characters (~0.3M tokens) is large next to the per-call cost, small enough
+# that reading/flattening/writing overlaps encoding even on a corpus of one batch. DEPTH chunks
+# in flight keep both the Rust pool busy and memory bounded (~DEPTH chunks of Encodings).
+ENCODE_CHARS = 1 << 20
+ENCODE_DEPTH = 4
 
 
 def _sha256(path: Path) -> str:
@@ -155,20 +164,34 @@ def load_or_train_tokenizer(recipe: Recipe, stats: ReadStats):
     return train_bpe(recipe, stats), True
 
 
-def _flatten(encodings: list[Any], eod: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Encodings of n docs -> (flat ids with EOD after every doc (sum(len)+n,), lengths (n,))."""
-    ids = [e.ids for e in encodings]
-    lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    total = int(lens.sum())
-    # every id is checked against the dtype by the writer; int64 here avoids silent wrap-around
-    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=total)
-    out = np.empty(total + len(ids), dtype=np.int64)
-    ends = np.cumsum(lens + 1) - 1  # position of each doc's EOD
-    is_eod = np.zeros(out.shape[0], dtype=bool)
-    is_eod[ends] = True
-    out[is_eod] = eod
-    out[~is_eod] = flat
-    return out, lens + 1
+def _flatten(encodings: list[Any], eod: int, dtype: np.dtype | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Encodings of n docs -> (flat ids with EOD after every doc (sum(len)+n,), lengths (n,)).
+
+    The flat array is uint32, the type tokenizers ids have, so no id can wrap around; the
+    writer checks every id against the dataset dtype. ``dtype`` is unused (kept for callers).
+    """
+    buf = array("I")  # appends in C: no per-token Python work beyond the .ids list itself
+    assert buf.itemsize == 4
+    lens = np.empty(len(encodings), dtype=np.int64)
+    for i, e in enumerate(encodings):
+        ids = e.ids
+        buf.extend(ids)
+        buf.append(eod)
+        lens[i] = len(ids) + 1
+    return np.frombuffer(buf, dtype=np.uint32), lens
+
+
+def _chunks(batches: Iterator[tuple[np.ndarray, list[str]]]) -> Iterator[tuple[np.ndarray, list[str]]]:
+    """Split document batches into encode chunks of about ENCODE_CHARS characters (whole documents)."""
+    for idx, texts in batches:
+        start, chars = 0, 0
+        for i, text in enumerate(texts):
+            chars += len(text)
+            if chars >= ENCODE_CHARS:
+                yield idx[start:i + 1], texts[start:i + 1]
+                start, chars = i + 1, 0
+        if start < len(texts):
+            yield idx[start:], texts[start:]
 
 
 def _select(flat: np.ndarray, lens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -239,25 +262,27 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
     n_docs, n_tok = 0, 0
     t1 = time.perf_counter()
     with IndexedDatasetWriter(out / "train", dtype) as w_train, IndexedDatasetWriter(out / "val", dtype) as w_val, \
-            ThreadPoolExecutor(max_workers=1) as pool:
-        # One-deep pipeline: Rust encodes batch i+1 (GIL released) while we flatten/write batch i.
-        batches = _documents(recipe, stats)
-        nxt = next(batches, None)
-        pending = pool.submit(encode, nxt[1], add_special_tokens=False) if nxt is not None else None
-        while nxt is not None:
-            idx, texts = nxt
-            encs = pending.result()
-            nxt = next(batches, None)
-            pending = pool.submit(encode, nxt[1], add_special_tokens=False) if nxt is not None else None
-            flat, lens = _flatten(encs, eod, dtype)
+            ThreadPoolExecutor(max_workers=ENCODE_DEPTH) as pool:
+        # Up to DEPTH chunks encode in the Rust pool (GIL released) while this thread reads the
+        # next chunk and flattens/writes the oldest finished one, in corpus order.
+        in_flight: deque[tuple[np.ndarray, Future[Any]]] = deque()
+        chunks = _chunks(_documents(recipe, stats))
+        while True:
+            while len(in_flight) < ENCODE_DEPTH and (chunk := next(chunks, None)) is not None:
+                idx, texts = chunk
+                in_flight.append((idx, pool.submit(encode, texts, add_special_tokens=False)))
+            if not in_flight:
+                break
+            idx, pending = in_flight.popleft()
+            flat, lens = _flatten(pending.result(), eod)
             val = _is_val(idx, d.split_seed, d.val_fraction)
             for writer, mask in ((w_train, ~val), (w_val, val)):
                 if mask.any():
                     writer.add_documents(*_select(flat, lens, mask))
-            n_docs += len(texts)
+            n_docs += len(idx)
             n_tok += int(flat.shape[0])
             if on_progress is not None:
-                on_progress(len(texts), int(flat.shape[0]))
+                on_progress(len(idx), int(flat.shape[0]))
         if n_docs == 0:
             raise UserError(_empty_message(recipe, stats))
         train_stats, val_stats = (dataclasses.asdict(w.finalize()) for w in (w_train, w_val))

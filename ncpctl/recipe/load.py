@@ -486,4 +486,19 @@ def _check_combinations(
         derived["warmup_steps"] = warm
         if train.resume not in ("auto", "never") and not Path(train.resume).exists():
             problems.append(("train.resume", f"checkpoint not found: {train.resume} (or use auto / never)"))
+        if train.init_from and not Path(train.init_from).exists():
+            problems.append(("train.init_from", f"checkpoint not found: {train.init_from}"))
+    ds = s.get("deepspeed")
+    if ds is not None:
+        # one source of truth: the train section owns batch sizes, clipping and precision
+        owned = {"train_batch_size": "train.global_batch_size", "train_micro_batch_size_per_gpu":
+                 "train.micro_batch_size", "gradient_accumulation_steps": "train.grad_accum_steps",
+                 "gradient_clipping": "train.grad_clip", "bf16.enabled": "train.precision",
+                 "fp16.enabled": "train.precision (fp16 is not supported; use bf16)",
+                 "optimizer": "train.lr / betas / eps / weight_decay", "scheduler": "train.lr / min_lr / warmup_*",
+                 "zero_optimization.stage": "deepspeed.zero_stage"}
+        for key, what in owned.items():
+            head, _, leaf = key.partition(".")
+            if head in ds.extra and (not leaf or (isinstance(ds.extra[head], dict) and leaf in ds.extra[head])):
+                problems.append((f"deepspeed.extra.{key}", f"set by ncpctl from {what}; set that instead"))
     return problems

@@ -122,6 +122,8 @@ class TrainSection(Section):
     resume: str = Field("auto", description="`auto` (newest complete checkpoint), `never`, or a checkpoint path.")
     init_from: Optional[str] = Field(None, description="midtrain/adapt-vq: checkpoint (or HF directory) to start from.")
     load: Literal["weights", "all"] = Field("weights", description="midtrain: load weights only (fresh optimizer) or everything.")
+    zero_concept_output: bool = Field(False, description="midtrain from a Hugging Face directory: start the codebook's "
+                                      "output projection at zero, so step 0 computes exactly the base model's logits.")
     max_nonfinite: int = Field(5, gt=0, description="Abort after this many non-finite steps in a row.")
     log_every: int = Field(1, gt=0, description="Write metrics every N steps.")
     plots: bool = Field(False, description="Write PNG loss curves and codebook-usage histograms.")
@@ -135,7 +137,11 @@ class DeepSpeedSection(Section):
 
 
 class EvalSection(Section):
-    tasks: list[str] = Field(default_factory=list, description="lm-eval task or group names.")
+    tasks: list[str] = Field(default_factory=list, description="lm-eval task or group names: `ncp_offline` "
+                             "(held-out perplexity, next-block cloze, last-identifier completion from the "
+                             "validation split; no network), `conceptlm` / `conceptlm_downstream` / "
+                             "`conceptlm_ppl` (the ConceptLM paper's benchmarks; need the hub or a cache), "
+                             "or any lm-eval task.")
     batch_size: int = Field(8, gt=0, description="Requests per batch.")
     limit: Optional[int] = Field(None, gt=0, description="Examples per task (smoke runs).")
     num_fewshot: Optional[int] = Field(None, ge=0, description="Few-shot examples.")

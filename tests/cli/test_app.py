@@ -42,16 +42,6 @@ def test_version() -> None:
     assert r.returncode == 0 and r.stdout.strip() == f"ncpctl {__version__}"
 
 
-@pytest.mark.parametrize("name,issue", [("pretrain", 4), ("midtrain", 4), ("adapt-vq", 4), ("eval", 5),
-                                        ("generate", 5), ("export", 5), ("profile-kernels", 6)])
-def test_unimplemented_commands_say_so_and_fail(name: str, issue: int) -> None:
-    r = run_cli(name, str(RECIPES / "debug.yaml"))
-    assert r.returncode == 1
-    assert f"not implemented yet" in r.stderr and f"issue #{issue}" in r.stderr
-    r = run_cli(name, str(RECIPES / "debug.yaml"), "--json")
-    assert json.loads(r.stdout)["ok"] is False
-
-
 def test_bad_recipe_exit_2_one_line_each_no_traceback(tmp_path: Path) -> None:
     p = tmp_path / "bad.yaml"
     p.write_text("model: {size: debug, concept: {enabled: true, segments: 5}}\ntrain: {max_steps: many}\nfoo: 1\n")

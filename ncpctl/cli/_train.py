@@ -1,0 +1,65 @@
+"""What `pretrain`, `midtrain` and `adapt-vq` share: load the recipe, run the stage, report.
+
+Kept light (no torch import at module level) so `ncpctl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Iterator
+
+from ncpctl.cli._common import Output
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """DeepSpeed logs and prints to stdout (its logger, the op builder); stdout is reserved for
+    the result (`--json`), so while it runs both Python's sys.stdout and fd 1 point at stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run_stage(stage_name: str, recipe_path: str, sets: list[str], json_out: bool) -> None:
+    from ncpctl.recipe import load_recipe
+
+    out = Output(json_out)
+    r = load_recipe(recipe_path, sets)
+    with _stdout_to_stderr():
+        from ncpctl.train.loop import make_stage, train
+
+        stage = make_stage(r, stage_name)
+        summary = train(r, stage, out)
+    if os.environ.get("RANK", "0") != "0":  # under a launcher only rank 0 reports
+        return
+    out.result({"command": stage_name, **summary}, lambda con: _human(con, summary))
+
+
+def _human(con: Any, s: dict[str, Any]) -> None:
+    state = "interrupted (checkpoint saved)" if s["interrupted"] else "done"
+    con.print(f"{s['stage']} {state}: step {s['step']}/{s['max_steps']}, {s['tokens']:,} tokens, "
+              f"{s['trainable_parameters']:,} of {s['parameters']:,} parameters trained")
+    val = s["val"].get("loss")
+    if val is not None:
+        line = f"val loss {val:.4f}"
+        if "ntp_loss" in s["val"]:
+            line += f" (ntp {s['val']['ntp_loss']:.4f})"
+        if s.get("unigram_entropy") is not None:
+            line += f"; unigram entropy of the training data {s['unigram_entropy']:.4f} nats"
+        con.print(line)
+    if s.get("steps_per_s"):
+        con.print(f"{s['steps_per_s']:.2f} steps/s, {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}%"
+                  + (f", {s['nonfinite_steps']} non-finite steps skipped" if s["nonfinite_steps"] else ""))
+    if s["checkpoint"]:
+        con.print(f"checkpoint: {s['checkpoint']}")
+    for p in s.get("plots") or []:
+        con.print(f"plot: {s['run_dir']}/{p}")

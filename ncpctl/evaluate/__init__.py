@@ -1,0 +1,16 @@
+"""Evaluation through lm-evaluation-harness.
+
+* ``ncpctl.evaluate.lm``: ``NCPLM``, our model as the lm-eval model ``ncpctl``.
+* ``ncpctl.evaluate.offline``: offline tasks from the tokenized validation split.
+* ``ncpctl.evaluate.tasks/``: task YAMLs (``ncp_offline``; the ConceptLM paper groups).
+* ``ncpctl.evaluate.run``: ``evaluate(...)``, what ``ncpctl eval`` calls.
+* ``python -m ncpctl.evaluate ...``: the ``lm_eval`` command line with ``--model ncpctl``
+  registered and our task directory included (lm-eval 0.4 has no plugin discovery).
+
+Nothing heavy is imported here (``ncpctl --help`` stays fast).
+"""
+
+from pathlib import Path
+
+TASKS_DIR = Path(__file__).parent / "tasks"
+OFFLINE_TASKS = ("ncp_offline", "ncp_heldout_ppl", "ncp_cloze", "ncp_last_ident")

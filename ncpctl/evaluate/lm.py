@@ -1,0 +1,240 @@
+"""``NCPLM``: our model as an lm-evaluation-harness model, registered as ``ncpctl``.
+
+Scoring (``loglikelihood``, ``loglikelihood_rolling``) runs full forwards on right-padded
+batches sorted by length: right padding never reaches a real position (every stack is
+causal and a concept block containing padding only feeds positions at or after its own
+last slot, which is padding), so a ConceptLM sees exactly what a lone full forward sees.
+Only the positions being scored go through the LM head (the rest of a sequence needs
+just its hidden states), and identical requests are computed once. Generation
+(``generate_until``) runs on the incremental decoder (``ncpctl.inference``).
+
+Scores are normalised over the tokenizer's vocabulary (``cfg.vocab_size``), not the padded
+rows of the embedding, which no text can produce.
+
+Log-likelihoods are also accumulated per task (``token_stats``: NLL and scored tokens) so ``ncpctl eval`` can report token-weighted perplexities across perplexity sets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from torch import nn
+
+
+@contextlib.contextmanager
+def hidden_states_only(model):
+    """Make ``model(idx).logits`` return the final-norm hidden states (B, T, d): the LM head
+    then runs only on the rows that are scored (a large share of the work at small d)."""
+    head = model.lm_head
+    model.lm_head = nn.Identity()
+    try:
+        yield head
+    finally:
+        model.lm_head = head
+
+
+@register_model("ncpctl")
+class NCPLM(TemplateLM):
+    """``lm_eval`` model args: ``checkpoint=DIR`` (checkpoint or run dir), ``batch_size``,
+    ``max_length`` (default the model's ``max_seq_len``), ``dtype`` (float32|bfloat16),
+    ``device`` (cpu|cuda...), ``data=DIR`` (offline tasks' data, else found from the checkpoint)."""
+
+    def __init__(self, checkpoint: str | None = None, *, loaded=None, batch_size: int | str = 8,
+                 max_length: int | None = None, dtype: str = "float32", device: str | None = None,
+                 max_gen_toks: int = 256, **_: Any):
+        super().__init__()
+        if loaded is None:
+            if checkpoint is None:
+                raise ValueError("the ncpctl lm-eval model needs checkpoint=DIR")
+            from ncpctl.checkpoint import load_model
+
+            loaded = load_model(checkpoint)
+        if loaded.tokenizer is None:
+            from ncpctl.errors import UserError
+
+            raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint (needed for evaluation)")
+        dev = torch.device(device or "cpu")
+        if dev.type == "cuda" and not torch.cuda.is_available():  # lm-eval's CLI defaults to cuda:0
+            dev = torch.device("cpu")
+        self.loaded = loaded
+        self.model = loaded.model.to(dev, dtype=getattr(torch, dtype)).eval()
+        self.cfg = loaded.config
+        self.tok = loaded.tokenizer
+        self._device = dev
+        self._batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+        self._max_length = int(max_length or self.cfg.max_seq_len)
+        self._max_gen_toks = int(max_gen_toks)
+        eod_token = ((loaded.meta.get("recipe") or {}).get("tokenizer") or {}).get("eod_token", "<|endoftext|>")
+        eot = self.tok.token_to_id(eod_token)
+        self._eot = eot if eot is not None else 0
+        self.token_stats: dict[str, dict[str, float]] = {}
+
+    # ---- what lm-eval asks of a model ----
+
+    @property
+    def eot_token_id(self) -> int:
+        return self._eot
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.loaded.path / "tokenizer.json")
+
+    def get_model_info(self) -> dict[str, Any]:
+        return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+                "model_dtype": str(self.model.embed.weight.dtype), "model_name": str(self.loaded.path)}
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kw) -> list[int]:
+        return self.tok.encode(string, add_special_tokens=False).ids
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tok.decode(tokens, skip_special_tokens=False)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """TemplateLM's encoding (trailing context spaces move to the continuation; empty
+        context -> the EOT token), with all strings tokenized in one parallel batch."""
+        strings: list[str] = []
+        pairs = []
+        for req in requests:
+            ctx, cont = req.args
+            if ctx == "":
+                pairs.append(("", cont, len(strings)))
+                strings.append(cont)
+                continue
+            n = len(ctx) - len(ctx.rstrip())
+            if n:
+                ctx, cont = ctx[:-n], ctx[-n:] + cont
+            pairs.append((ctx, cont, len(strings)))
+            strings += [ctx + cont, ctx]
+        enc = [e.ids for e in self.tok.encode_batch(strings, add_special_tokens=False)] if strings else []
+        new = []
+        for req, (ctx, cont, i) in zip(requests, pairs):
+            if ctx == "":
+                c = enc[i]
+                ctx_enc, cont_enc = ([self._eot], c) if c[:1] != [self._eot] else (c[:1], c[1:])
+            else:
+                whole, ctx_enc = enc[i], enc[i + 1]
+                cont_enc = whole[len(ctx_enc):]
+            new.append((req.args, ctx_enc, cont_enc))
+        out = self._loglikelihood_tokens(new, disable_tqdm=disable_tqdm)
+        for req, (ll, _), (_, _, cont) in zip(requests, out, new):
+            self._account(req, ll, len(cont))
+        return out
+
+    def _account(self, req, ll: float, n_tokens: int) -> None:
+        """Per-task NLL and token counts (for token-weighted perplexities across sets)."""
+        st = self.token_stats.setdefault(getattr(req, "task_name", None) or "?", {"nll": 0.0, "tokens": 0})
+        st["nll"] -= ll
+        st["tokens"] += n_tokens
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval import utils
+
+        windows, owner = [], []
+        for r, req in enumerate(requests):
+            (string,) = req.args
+            for ctx, cont in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, ctx, cont))
+                owner.append(r)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        counts = [0] * len(requests)
+        for r, (ll, _), (_, _, cont) in zip(owner, scores, windows):
+            totals[r] += ll
+            counts[r] += len(cont)
+        for req, ll, n in zip(requests, totals, counts):
+            self._account(req, ll, n)
+        return totals
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **_) -> list[tuple[float, bool]]:
+        """requests: (key, context ids, continuation ids) -> (sum log p(cont), greedy?)."""
+        L, V = self.max_length, self.cfg.vocab_size
+        # (input ids, number of scored positions, continuation ids), left-truncated like HFLM
+        items, index = [], {}
+        which = []
+        for _, ctx, cont in requests:
+            seq = (list(ctx) + list(cont))[-(L + 1):]
+            inp, n = tuple(seq[:-1]), len(cont)
+            key = (inp, n)
+            if key not in index:
+                index[key] = len(items)
+                items.append((inp, n, list(cont)))
+            which.append(index[key])
+        order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
+        results: list[tuple[float, bool] | None] = [None] * len(items)
+        dev = self._device
+        bs = self._batch_size
+        with hidden_states_only(self.model) as head:
+            for s in range(0, len(order), bs):
+                idx = order[s : s + bs]
+                T = len(items[idx[0]][0])
+                x = torch.zeros(len(idx), T, dtype=torch.long)
+                rows, cols, targets = [], [], []
+                for r, i in enumerate(idx):
+                    inp, n, cont = items[i]
+                    x[r, : len(inp)] = torch.tensor(inp)
+                    rows += [r] * n
+                    cols += range(len(inp) - n, len(inp))
+                    targets += cont
+                h = self.model(x.to(dev)).logits  # (B, T, d) final-norm hidden states
+                sel = h[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)]  # (N, d)
+                logp = head(sel)[:, :V].float().log_softmax(-1)  # (N, V)
+                tgt = torch.tensor(targets, device=dev)
+                tok_lp = logp.gather(1, tgt[:, None])[:, 0].cpu()
+                greedy = (logp.argmax(-1) == tgt).cpu()
+                at = 0
+                for i in idx:
+                    n = items[i][1]
+                    results[i] = (float(tok_lp[at : at + n].sum()), bool(greedy[at : at + n].all()))
+                    at += n
+        return [results[w] for w in which]  # type: ignore[misc]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from ncpctl.inference import SamplingParams, generate
+
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        out: list[str | None] = [None] * len(requests)
+        for key, members in groups.items():
+            kw = dict(json.loads(key))
+            until = kw.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            eot_text = self.tok_decode([self._eot])
+            if eot_text not in until:
+                until.append(eot_text)
+            sample = bool(kw.pop("do_sample", False))
+            temp = float(kw.pop("temperature", 1.0 if sample else 0.0))
+            params = SamplingParams(
+                max_new_tokens=int(kw.pop("max_gen_toks", self._max_gen_toks)), temperature=temp,
+                greedy=not sample or temp == 0.0, top_k=kw.pop("top_k", None), top_p=kw.pop("top_p", None),
+                seed=kw.pop("seed", None), stop=until,
+            )
+            enc = [self.tok_encode(requests[i].args[0]) or [self._eot] for i in members]
+            order = sorted(range(len(members)), key=lambda j: -len(enc[j]))
+            for s in range(0, len(order), self._batch_size):
+                part = order[s : s + self._batch_size]
+                done = generate(self.model, [enc[j] for j in part], params, self.tok_decode, eod_id=self._eot,
+                                vocab_size=self.cfg.vocab_size, max_len=self.max_length)
+                for j, c in zip(part, done):
+                    out[members[j]] = c.text
+        return out  # type: ignore[return-value]

@@ -1,0 +1,238 @@
+"""Offline lm-eval tasks built from the tokenized corpus's validation split (no network).
+
+Three tasks (YAMLs in ``ncpctl/evaluate/tasks/``, group ``ncp_offline``):
+
+* ``ncp_heldout_ppl`` (``loglikelihood_rolling``): held-out perplexity of whole validation
+  documents. Metrics: ``token_perplexity`` (exp of the mean NLL per token of the data's own
+  tokenizer; token-weighted over documents), ``word_perplexity``, ``byte_perplexity``,
+  ``bits_per_byte`` (lm-eval's usual, tokenizer-independent ones).
+* ``ncp_cloze`` (``multiple_choice``): given up to 12 lines of a file, choose the true next
+  block of 3 lines among 4 (3 distractor blocks from the same file). ``acc``, ``acc_norm``.
+* ``ncp_last_ident`` (``generate_until``): LAMBADA for code: the text up to the last
+  identifier of a line, where that identifier already occurred in the preceding context;
+  greedy generation, first identifier of the output, ``exact_match``.
+
+The data: the documents of ``DATA/val.bin/.idx`` decoded with ``DATA/tokenizer.json``
+(``DATA`` = ``run.dir/data``, written by ``ncpctl tokenize``), turned into JSONL files under
+``run.dir/eval/offline/`` (rebuilt when the validation split or the tokenizer changes) and
+read back as a ``datasets`` dataset. lm-eval calls the ``custom_dataset`` functions below
+with its metadata, which includes the model arguments: ``checkpoint=DIR`` (the data is
+found through the checkpoint's run directory or recipe) or ``data=DIR`` (a data directory).
+Examples are chosen deterministically, so every model sees the same items.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import keyword
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from ncpctl.errors import UserError
+
+FORMAT_VERSION = 2
+TASKS = ("ncp_heldout_ppl", "ncp_cloze", "ncp_last_ident")
+GROUP = "ncp_offline"
+MAX_DOCS = 200  # validation documents used (the debug recipe has ~7)
+MAX_DOC_TOKENS = 4096  # perplexity: first tokens of each document
+CLOZE_LINES, CLOZE_CONTEXT_LINES, CLOZE_CHOICES = 3, 12, 4
+PER_DOC, MAX_EXAMPLES = 40, 400
+IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+LAST_IDENT = re.compile(r"(?P<prefix>.*?)(?P<space>\s*)(?P<ident>[A-Za-z_][A-Za-z0-9_]*)\s*$")
+
+
+# ---- where the data is -------------------------------------------------------------------
+
+
+def data_dir_for(checkpoint: str | None = None, data: str | None = None) -> tuple[Path, Path]:
+    """(data dir with val.bin/.idx + tokenizer.json, cache dir for the JSONL files)."""
+    if data:
+        d = Path(data)
+        if not (d / "val.idx").is_file():
+            raise UserError(f"{d}: no val.bin/val.idx (offline tasks need `ncpctl tokenize` output)")
+        return d, d.parent / "eval" / "offline"
+    if not checkpoint:
+        raise UserError("offline ncp_* tasks need the tokenized validation split: pass checkpoint=DIR or data=DIR "
+                        "(lm-eval: --model_args or --metadata)")
+    from ncpctl.checkpoint import read_meta, resolve
+
+    ckpt = resolve(checkpoint)
+    meta = read_meta(ckpt)
+    candidates: list[Path] = []
+    if ckpt.parent.name == "checkpoints":  # run.dir/checkpoints/step_N -> run.dir/data
+        candidates.append(ckpt.parent.parent / "data")
+    recipe = meta.get("recipe") or {}
+    run_dir = (recipe.get("run") or {}).get("dir")
+    if run_dir:
+        candidates.append(Path(run_dir) / "data")
+    val_prefix = (recipe.get("data") or {}).get("val_prefix")
+    if val_prefix:
+        candidates.append(Path(val_prefix).parent)
+    for d in candidates:
+        if (d / "val.idx").is_file() and (d / "val.bin").is_file():
+            return d, d.parent / "eval" / "offline"
+    raise UserError(f"{ckpt}: cannot find the validation split for the offline tasks "
+                    f"(looked in {', '.join(str(c) for c in candidates) or 'nothing: no recipe in the checkpoint'})",
+                    hint="run `ncpctl tokenize RECIPE` or pass data=RUN_DIR/data")
+
+
+def _fingerprint(data: Path) -> str:
+    h = hashlib.sha256(f"v{FORMAT_VERSION}".encode())
+    for name in ("val.idx", "tokenizer.json"):
+        p = data / name
+        if p.is_file():
+            h.update(p.read_bytes())
+    h.update(str((data / "val.bin").stat().st_size).encode())
+    return h.hexdigest()[:16]
+
+
+def build(data: Path, out: Path, tokenizer=None) -> dict[str, Path]:
+    """Write (or reuse) the JSONL files of the three tasks; returns {task: path}."""
+    fp = _fingerprint(data)
+    paths = {t: out / f"{t}.jsonl" for t in TASKS}
+    stamp = out / "fingerprint"
+    if stamp.is_file() and stamp.read_text().strip() == fp and all(p.is_file() for p in paths.values()):
+        return paths
+    from ncpctl.data.indexed import IndexedDataset
+
+    if tokenizer is None:
+        from tokenizers import Tokenizer
+
+        tok_path = data / "tokenizer.json"
+        if not tok_path.is_file():
+            raise UserError(f"{tok_path}: missing (needed to decode the validation split)")
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    eod = _eod_id(data, tokenizer)
+    ds = IndexedDataset(data / "val")
+    texts = []
+    for i in range(min(len(ds), MAX_DOCS)):
+        ids = [int(t) for t in ds[i]]
+        if ids and ids[-1] == eod:
+            ids = ids[:-1]
+        text = tokenizer.decode(ids[:MAX_DOC_TOKENS])
+        if text.strip():
+            texts.append(text)
+    if not texts:
+        raise UserError(f"{data / 'val'}: the validation split is empty")
+    rows = {
+        "ncp_heldout_ppl": [dict(text=t, n_tokens=len(tokenizer.encode(t).ids)) for t in texts],
+        "ncp_cloze": _cloze(texts),
+        "ncp_last_ident": _last_ident(texts),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    for task, items in rows.items():
+        tmp = paths[task].with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in items))
+        os.replace(tmp, paths[task])
+    stamp.write_text(fp + "\n")
+    return paths
+
+
+def _eod_id(data: Path, tokenizer) -> int | None:
+    try:
+        return json.loads((data / "meta.json").read_text())["tokenizer"]["eod_id"]
+    except (OSError, KeyError, json.JSONDecodeError):
+        return tokenizer.token_to_id("<|endoftext|>")
+
+
+def _rng(text: str) -> random.Random:
+    return random.Random(int(hashlib.sha256(text.encode()).hexdigest()[:12], 16))
+
+
+def _cloze(texts: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for text in texts:
+        lines = text.splitlines(keepends=True)
+        n = CLOZE_LINES
+        blocks = [(s, "".join(lines[s : s + n])) for s in range(0, len(lines) - n + 1, n)]
+        blocks = [(s, b) for s, b in blocks if len(b.strip()) >= 20]
+        rng = _rng(text)
+        cands = [(s, b) for s, b in blocks if s >= CLOZE_CONTEXT_LINES // 2]
+        rng.shuffle(cands)
+        for s, true in cands[:PER_DOC]:
+            context = "".join(lines[max(0, s - CLOZE_CONTEXT_LINES) : s])
+            # distractors: blocks outside the context window and the true block's neighbours,
+            # whose text is not in the context (a copying model would otherwise prefer them)
+            others = sorted({b for t, b in blocks
+                             if (t >= s + 2 * n or t + n <= s - CLOZE_CONTEXT_LINES)
+                             and b.strip() != true.strip() and b.strip() not in context})
+            if len(others) < CLOZE_CHOICES - 1:
+                continue
+            choices = rng.sample(others, CLOZE_CHOICES - 1) + [true]
+            rng.shuffle(choices)
+            out.append(dict(context=context, choices=choices, label=choices.index(true)))
+    return _cap(out)
+
+
+def _last_ident(texts: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for text in texts:
+        lines = text.splitlines(keepends=True)
+        offsets = [0]
+        for ln in lines:
+            offsets.append(offsets[-1] + len(ln))
+        items = []
+        for i, ln in enumerate(lines):
+            m = LAST_IDENT.match(ln.rstrip("\n"))
+            if not m or not m.group("prefix").strip():
+                continue
+            ident = m.group("ident")
+            if len(ident) < 3 or keyword.iskeyword(ident):
+                continue
+            before = text[max(0, offsets[i] - 1500) : offsets[i]] + m.group("prefix")
+            if ident not in IDENT.findall(before):  # predictable from the context, as in LAMBADA
+                continue
+            items.append(dict(context=before, target=ident))
+        rng = _rng(text)
+        rng.shuffle(items)
+        out.extend(items[:PER_DOC])
+    return _cap(out)
+
+
+def _cap(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if len(items) > MAX_EXAMPLES:
+        items = random.Random(0).sample(items, MAX_EXAMPLES)
+    return items
+
+
+# ---- lm-eval hooks (``custom_dataset`` / ``process_results`` in the task YAMLs) ------------
+
+
+def _dataset(task: str, metadata: dict[str, Any]):
+    import datasets
+
+    data, cache = data_dir_for(metadata.get("checkpoint"), metadata.get("data"))
+    path = build(data, cache)[task]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise UserError(f"{path}: no examples could be made from the validation split for {task}")
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def heldout_ppl(**metadata: Any):
+    return _dataset("ncp_heldout_ppl", metadata)
+
+
+def cloze(**metadata: Any):
+    return _dataset("ncp_cloze", metadata)
+
+
+def last_ident(**metadata: Any):
+    return _dataset("ncp_last_ident", metadata)
+
+
+def ppl_results(doc: dict[str, Any], results: list[float]) -> dict[str, tuple[float, int]]:
+    """Rolling log-likelihood -> (ll, count) pairs for lm-eval's weighted perplexities."""
+    (ll,) = results
+    text = doc["text"]
+    n_bytes = len(text.encode("utf-8"))
+    return {
+        "token_perplexity": (ll, doc["n_tokens"]),
+        "word_perplexity": (ll, len(re.split(r"\s+", text))),
+        "byte_perplexity": (ll, n_bytes),
+        "bits_per_byte": (ll, n_bytes),
+    }

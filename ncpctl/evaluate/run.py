@@ -1,0 +1,241 @@
+"""``evaluate``: a checkpoint through lm-evaluation-harness, in-process (``ncpctl eval``).
+
+Writes ``results_<tag>.json`` (lm-eval's results object plus our ``perplexity`` summary)
+and ``results_<tag>.md`` (lm-eval's markdown table plus the perplexity summary) into
+``run.dir/eval/`` (a checkpoint outside a run directory: ``CHECKPOINT/eval/``).
+
+Perplexity across sets (the ``perplexity`` entry), from the scored tokens of each set:
+  * ``per_set[task].token_perplexity`` = exp(NLL / tokens) of that set;
+  * ``mean_of_sets`` = the arithmetic mean of the per-set perplexities (how the ConceptLM
+    paper averages its perplexity sets);
+  * ``token_weighted`` = exp(sum of NLL / sum of tokens) over all sets (big sets weigh more).
+Sets are the tasks whose lm-eval metrics include a perplexity.
+
+Hub tasks whose data cannot be loaded (no network, no cache) fail before any model work,
+with one line per task naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from ncpctl.errors import UserError
+from ncpctl.evaluate import TASKS_DIR
+
+PPL_METRICS = ("perplexity", "word_perplexity", "token_perplexity", "byte_perplexity")
+
+
+@dataclass
+class EvalTarget:
+    checkpoint: Path
+    out_dir: Path
+    tasks: list[str]
+    batch_size: int
+    limit: int | None
+    num_fewshot: int | None
+
+
+def resolve_target(target: str, sets: list[str], tasks: list[str] | None, batch_size: int | None,
+                   limit: int | None, num_fewshot: int | None, out: str | None) -> EvalTarget:
+    """A recipe YAML (its run dir's newest checkpoint, its ``eval`` section) or a checkpoint."""
+    from ncpctl.checkpoint import resolve
+
+    p = Path(target)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        from ncpctl.recipe import load_recipe
+
+        r = load_recipe(p, sets)
+        ckpt = resolve(r.run_dir)
+        ev = r.eval
+        tasks = tasks or list(ev.tasks)
+        batch_size = batch_size or ev.batch_size
+        limit = limit if limit is not None else ev.limit
+        num_fewshot = num_fewshot if num_fewshot is not None else ev.num_fewshot
+        out_dir = Path(out) if out else r.run_dir / "eval"
+    else:
+        if sets:
+            raise UserError("--set applies to recipes; a checkpoint carries its own recipe",
+                            hint="pass the recipe instead, or use --tasks/--limit/--batch-size")
+        ckpt = resolve(p)
+        out_dir = Path(out) if out else (ckpt.parent.parent / "eval" if ckpt.parent.name == "checkpoints"
+                                         else ckpt / "eval")
+    if not tasks:
+        raise UserError("no tasks to evaluate", hint="pass --tasks (e.g. --tasks ncp_offline) or set eval.tasks")
+    return EvalTarget(ckpt, out_dir, tasks, batch_size or 8, limit, num_fewshot)
+
+
+def _our_tasks() -> dict[str, dict[str, Any]]:
+    """Our task and group YAMLs by name (a loader that ignores ``!function`` tags)."""
+    class _L(yaml.SafeLoader):
+        pass
+
+    _L.add_constructor("!function", lambda loader, node: None)
+    out = {}
+    for f in sorted(TASKS_DIR.glob("*.yaml")):
+        d = yaml.load(f.read_text(), Loader=_L)  # noqa: S506 - SafeLoader subclass
+        out[d.get("group") or d.get("task")] = d
+    return out
+
+
+def _leaves(name: str, ours: dict[str, dict[str, Any]]) -> list[str]:
+    d = ours.get(name)
+    if d is None or "group" not in d:
+        return [name]
+    return [leaf for t in d["task"] for leaf in _leaves(t, ours)]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".strip()
+
+
+def load_tasks(names: list[str], metadata: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """(TaskManager, loaded task/group objects). lm-eval's own ~200 task folders are indexed
+    only when a name is not one of ours (that takes ~10 s). Every task that cannot be
+    loaded is reported at once, one line each."""
+    from lm_eval.tasks import TaskManager
+
+    ours = _our_tasks()
+    defaults = any(leaf not in ours for n in names for leaf in _leaves(n, ours))
+    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=defaults, metadata=metadata)
+    known = set(tm.all_tasks)
+    problems, objs = [], []
+    for name in names:
+        if name not in known:
+            near = [k for k in known if name in k][:3]
+            problems.append(f"task {name}: unknown to lm-eval" + (f" (did you mean {', '.join(near)}?)" if near else ""))
+            continue
+        try:
+            loaded = tm.load([name])
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a task's data loader can raise anything
+            failing = []
+            for leaf in _leaves(name, ours):  # name the task(s) whose data is unreachable
+                if leaf == name:
+                    continue
+                try:
+                    tm.load([leaf])
+                except Exception as e2:  # noqa: BLE001
+                    failing.append(f"task {leaf} (in {name}): cannot load its data ({_first_line(e2)})")
+            problems += failing or [f"task {name}: cannot load its data ({_first_line(e)})"]
+            continue
+        top = loaded["groups"].get(name) or loaded["tasks"].get(name)
+        objs += [top] if top is not None else list(loaded["tasks"].values())
+    if problems:
+        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        raise UserError(*problems, hint="hub datasets need the network or a local datasets cache"
+                        + (" (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE are set)" if offline else "")
+                        + "; the offline tasks are `ncp_offline`")
+    return tm, objs
+
+
+def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None) -> dict[str, Any]:
+    """Run lm-eval on ``t``; write the JSON and markdown; return the summary."""
+    from lm_eval import simple_evaluate
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    from ncpctl.evaluate.lm import NCPLM
+
+    for name in ("lm-eval", "lm_eval"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    t0 = time.time()
+    if lm is None:
+        lm = NCPLM(str(t.checkpoint), batch_size=t.batch_size)
+    tm, objs = load_tasks(t.tasks, {"checkpoint": str(t.checkpoint)})
+    log(f"evaluating {t.checkpoint} on {', '.join(t.tasks)}" + (f" (limit {t.limit})" if t.limit else ""))
+    res = simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=t.limit, num_fewshot=t.num_fewshot,
+                          batch_size=t.batch_size, log_samples=False, bootstrap_iters=1000,
+                          metadata={"checkpoint": str(t.checkpoint)})
+    res.pop("samples", None)
+    ppl = perplexity_summary(res["results"], lm.token_stats)
+    res["perplexity"] = ppl
+    tag = t.checkpoint.name
+    t.out_dir.mkdir(parents=True, exist_ok=True)
+    js, md = t.out_dir / f"results_{tag}.json", t.out_dir / f"results_{tag}.md"
+    js.write_text(json.dumps(res, indent=2, default=handle_non_serializable) + "\n")
+    table = make_table(res) + ("\n" + make_table(res, "groups") if res.get("groups") else "")
+    md.write_text(f"# {t.checkpoint}\n\n{table}\n{_ppl_markdown(ppl)}")
+    return {
+        "checkpoint": str(t.checkpoint), "tasks": t.tasks, "limit": t.limit,
+        "results": metrics(res["results"]), "groups": metrics(res.get("groups", {})), "perplexity": ppl,
+        "files": {"json": str(js), "markdown": str(md)}, "seconds": round(time.time() - t0, 2),
+    }
+
+
+def metrics(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} with lm-eval's ``metric,filter`` keys simplified."""
+    out: dict[str, dict[str, float]] = {}
+    for task, m in results.items():
+        row = {}
+        for k, v in m.items():
+            if "," not in k or "_stderr" in k or not isinstance(v, (int, float)):
+                continue
+            metric, flt = k.split(",", 1)
+            row[metric if flt in ("none", "first_identifier") else f"{metric}[{flt}]"] = v
+            se = m.get(f"{metric}_stderr,{flt}")
+            if isinstance(se, (int, float)):
+                row[(metric if flt in ("none", "first_identifier") else f"{metric}[{flt}]") + "_stderr"] = se
+        if row:
+            out[task] = row
+    return out
+
+
+def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict[str, float]]) -> dict[str, Any]:
+    sets = {}
+    for task, m in results.items():
+        if not any(k.split(",")[0] in PPL_METRICS for k in m):
+            continue
+        st = stats.get(task)
+        if not st or not st["tokens"]:
+            continue
+        sets[task] = {"token_perplexity": math.exp(st["nll"] / st["tokens"]), "tokens": int(st["tokens"]),
+                      "nll": st["nll"]}
+    if not sets:
+        return {}
+    nll, n = sum(s["nll"] for s in sets.values()), sum(s["tokens"] for s in sets.values())
+    return {"per_set": sets, "mean_of_sets": sum(s["token_perplexity"] for s in sets.values()) / len(sets),
+            "token_weighted": math.exp(nll / n)}
+
+
+def _ppl_markdown(ppl: dict[str, Any]) -> str:
+    if not ppl:
+        return ""
+    lines = ["", "## Perplexity across sets (per scored token)", "",
+             "| set | tokens | token perplexity |", "|---|---:|---:|"]
+    lines += [f"| {k} | {v['tokens']} | {v['token_perplexity']:.4f} |" for k, v in ppl["per_set"].items()]
+    lines += ["", f"- mean of per-set perplexities (the ConceptLM paper's average): {ppl['mean_of_sets']:.4f}",
+              f"- token-weighted perplexity (all sets' tokens pooled): {ppl['token_weighted']:.4f}", ""]
+    return "\n".join(lines)
+
+
+def rich_table(summary: dict[str, Any]):
+    from rich.table import Table
+
+    table = Table(title=f"{summary['checkpoint']}", title_justify="left")
+    for col, just in (("task", "left"), ("metric", "left"), ("value", "right"), ("± stderr", "right")):
+        table.add_column(col, justify=just)
+    for section in ("results", "groups"):
+        for task, m in summary[section].items():
+            for k, v in m.items():
+                if k.endswith("_stderr"):
+                    continue
+                se = m.get(k + "_stderr")
+                table.add_row(task, k, f"{v:.4f}", f"{se:.4f}" if isinstance(se, float) and not math.isnan(se) else "")
+    ppl = summary.get("perplexity") or {}
+    if ppl:
+        table.add_section()
+        table.add_row("perplexity sets", "mean of per-set ppl", f"{ppl['mean_of_sets']:.4f}", "")
+        table.add_row("perplexity sets", "token-weighted ppl", f"{ppl['token_weighted']:.4f}", "")
+    return table
+
+

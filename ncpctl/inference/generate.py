@@ -1,0 +1,162 @@
+"""Batched generation on the incremental decoder (spec section 5).
+
+Prompts are left-padded into one batch, run once through ``model.prefill`` and then one
+token per step through ``model.decode_step`` (KV caches, per-row concept-block phase), so
+a ConceptLM sees exactly the tokens a full forward would. Each row samples with its own
+``torch.Generator`` seeded ``seed + row``: a prompt's output does not depend on which other
+prompts share its batch, and the same seed gives the same text.
+
+Stop strings are checked on the decoded text of the new tokens; the text returned ends
+before the first stop string (lm-eval's ``until`` semantics). The end-of-document token
+always stops a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` (or ``greedy``) is argmax."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int | None = None  # keep the k most likely tokens (None/0: all)
+    top_p: float | None = None  # keep the smallest set with probability >= top_p (None/1: all)
+    greedy: bool = False
+    seed: int | None = None  # None: torch's global RNG
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0.0
+
+
+@dataclass
+class Completion:
+    text: str  # generated text, cut before the first stop string
+    tokens: list[int]  # generated token ids (up to and including the stopping token)
+    finish_reason: str  # "stop" (stop string), "eod" (end of document), "length"
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p on logits (B, V); removed entries become -inf."""
+    logits = logits.float() / p.temperature
+    V = logits.shape[-1]
+    if p.top_k and p.top_k < V:
+        kth = logits.topk(p.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p is not None and p.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # mass before this token already >= top_p
+        drop[:, 0] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return logits
+
+
+def _pick(logits: torch.Tensor, p: SamplingParams, gens: list[torch.Generator | None]) -> torch.Tensor:
+    """Next token per row (B,) from logits (B, V)."""
+    if p.is_greedy:
+        return logits.argmax(-1)
+    probs = filter_logits(logits, p).softmax(-1)
+    return torch.cat([torch.multinomial(probs[b : b + 1], 1, generator=g)[0] for b, g in enumerate(gens)])
+
+
+def _cut(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    decode: Callable[[list[int]], str],
+    *,
+    eod_id: int | None = None,
+    vocab_size: int | None = None,
+    max_len: int | None = None,
+    on_text: Callable[[int, str], None] | None = None,
+) -> list[Completion]:
+    """Continue each prompt (token ids, at least one each). ``decode`` turns ids into text
+    (for stop strings and streaming); ``vocab_size`` hides padded-vocab rows; ``max_len``
+    keeps only the last ``max_len - max_new_tokens`` prompt tokens; ``on_text(row, delta)``
+    streams new text as it becomes final."""
+    B = len(prompts)
+    if B == 0:
+        return []
+    n_new = params.max_new_tokens
+    prompts = [list(t) for t in prompts]
+    if any(len(t) == 0 for t in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_len is not None:
+        keep = max(1, max_len - n_new)
+        prompts = [t[-keep:] for t in prompts]
+    if n_new == 0:
+        return [Completion("", [], "length") for _ in prompts]
+    dev = model.embed.weight.device
+    lengths = [len(t) for t in prompts]
+    Tp = max(lengths)
+    x = torch.zeros(B, Tp, dtype=torch.long, device=dev)
+    for b, t in enumerate(prompts):
+        x[b, Tp - len(t):] = torch.tensor(t, dtype=torch.long)
+    gens: list[torch.Generator | None] = [None] * B
+    if params.seed is not None:
+        gens = [torch.Generator(device=dev).manual_seed(params.seed + b) for b in range(B)]
+    logits, state = model.prefill(x, lengths, max_len=Tp + n_new)
+    last = logits[:, -1]  # (B, V): the last slot is every row's last real token
+    out: list[list[int]] = [[] for _ in range(B)]
+    texts = [""] * B
+    shown = [0] * B
+    done: list[str | None] = [None] * B
+    for step in range(n_new):
+        if vocab_size is not None:
+            last = last[:, :vocab_size]
+        nxt = _pick(last, params, gens)  # (B,)
+        ids = nxt.tolist()
+        for b in range(B):
+            if done[b]:
+                continue
+            out[b].append(ids[b])
+            if eod_id is not None and ids[b] == eod_id:
+                done[b] = "eod"
+                out_text = decode(out[b][:-1])
+            else:
+                out_text = decode(out[b])
+            cut, hit = _cut(out_text, params.stop)
+            if hit:
+                done[b] = "stop"
+            texts[b] = cut
+            if on_text is not None:
+                # hold back text that a stop string or an unfinished UTF-8 sequence may still change
+                safe = len(cut) if done[b] else len(cut) - max([len(s) - 1 for s in params.stop] + [0])
+                while safe > shown[b] and cut[safe - 1] == "\ufffd":
+                    safe -= 1
+                if safe > shown[b]:
+                    on_text(b, cut[shown[b]:safe])
+                    shown[b] = safe
+        if all(done) or step == n_new - 1:
+            break
+        last = model.decode_step(state, nxt)
+    result = []
+    for b in range(B):
+        if on_text is not None and len(texts[b]) > shown[b]:
+            on_text(b, texts[b][shown[b]:])
+        result.append(Completion(texts[b], out[b], done[b] or "length"))
+    return result

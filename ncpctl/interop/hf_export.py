@@ -1,0 +1,202 @@
+"""``export``: an ncpctl checkpoint -> a complete Hugging Face model directory.
+
+* Base models (no concept path) become native ``GPTNeoXForCausalLM`` / ``LlamaForCausalLM``
+  (``Qwen3ForCausalLM`` with per-head QK-norm) through ``ncpctl.model.hf``.
+* ConceptLM models become ``NCPForCausalLM``: ``configuration_ncp.py`` and
+  ``modeling_ncp.py`` (self-contained, ``ncpctl/interop/remote/``) are copied into the
+  directory and ``config.json`` maps them with ``auto_map``, so
+  ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` needs no ncpctl.
+
+Files: ``config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` +
+``model.safetensors.index.json`` above ``max_shard_size``), ``generation_config.json``,
+``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json``
+(``PreTrainedTokenizerFast``).
+
+The directory is written next to ``out`` and renamed into place only after it verified:
+it is reloaded with transformers and its logits on a probe batch are compared with the
+source model's (for ``bf16`` against the source with bf16-rounded weights, which isolates
+conversion errors from rounding; the difference to the fp32 source is reported too); the
+tokenizer must encode a probe text to the same ids. Above the tolerance nothing is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from ncpctl.errors import UserError
+
+REMOTE = Path(__file__).parent / "remote"
+PROBE_TEXT = "def f(x):\n    return x + 1  # probe: ünïcode, tabs\tand  spaces\n"
+TOLERANCE = 1e-4  # max |logit difference| allowed, relative to max(1, max |logit|)
+
+
+def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", verify: bool = True,
+           max_shard_size: str | int = "5GB", log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    import torch
+
+    from ncpctl.checkpoint import load_model
+
+    if dtype not in ("fp32", "bf16"):
+        raise UserError(f"--dtype: {dtype!r} is not one of fp32, bf16")
+    loaded = load_model(checkpoint)
+    if loaded.tokenizer is None:
+        raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint; an export needs one")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise UserError(f"{out}: a non-empty directory that is not an HF export; refusing to replace it",
+                        hint="pick an empty or new --out directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        info = _write(loaded, tmp, getattr(torch, "bfloat16" if dtype == "bf16" else "float32"), max_shard_size)
+        info["dtype"] = dtype
+        if verify:
+            log("verifying: reloading the export with transformers and comparing logits")
+            info["verify"] = _verify(loaded, tmp, dtype)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    info["out"] = str(out)
+    info["files"] = sorted(p.name for p in out.iterdir())
+    return info
+
+
+def _eod(loaded) -> tuple[str, int]:
+    token = ((loaded.meta.get("recipe") or {}).get("tokenizer") or {}).get("eod_token", "<|endoftext|>")
+    tid = loaded.tokenizer.token_to_id(token)
+    if tid is None:
+        raise UserError(f"{loaded.path}: the tokenizer has no end-of-document token {token!r}")
+    return token, tid
+
+
+def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    cfg, model = loaded.config, loaded.model
+    eod_token, eod = _eod(loaded)
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    if cfg.concept.enabled:
+        arch = "NCPForCausalLM"
+        config = {
+            "architectures": [arch], "model_type": "ncp",
+            "auto_map": {"AutoConfig": "configuration_ncp.NCPConfig",
+                         "AutoModelForCausalLM": "modeling_ncp.NCPForCausalLM"},
+            "ncp": cfg.to_dict(), "derived": _derived(cfg),
+            "vocab_size": cfg.padded_vocab_size, "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads,
+            "num_hidden_layers": cfg.n_token_layers, "max_position_embeddings": cfg.max_seq_len,
+            "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
+            "bos_token_id": eod, "eos_token_id": eod, "dtype": dtype_name,
+        }
+        (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in ("configuration_ncp.py", "modeling_ncp.py"):
+            shutil.copyfile(REMOTE / f, d / f)
+        state = {k: v for k, v in model.state_dict().items()}
+        if cfg.tie_embeddings:
+            state.pop("lm_head.weight", None)
+    else:
+        from ncpctl.model.config import ConfigError
+        from ncpctl.model.hf import hf_config, to_hf_state_dict
+
+        try:
+            hf = hf_config(cfg)
+        except ConfigError as e:
+            raise UserError(*(f"model.{k}: {m} (no HF model holds this)" for k, m in e.problems)) from None
+        arch = {"gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}[hf.model_type]
+        hf.architectures = [arch]
+        hf.bos_token_id = hf.eos_token_id = eod
+        hf.dtype = dtype_name
+        hf.save_pretrained(d)
+        state = to_hf_state_dict(model)
+        if cfg.tie_embeddings:
+            state.pop("lm_head.weight", None)
+    shards = _save_weights(state, d, torch_dtype, max_shard_size)
+    GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod, do_sample=False,
+                     max_new_tokens=min(256, cfg.max_seq_len)).save_pretrained(d)
+    tok = PreTrainedTokenizerFast(tokenizer_object=loaded.tokenizer, bos_token=eod_token, eos_token=eod_token,
+                                  unk_token=eod_token, pad_token=eod_token, model_max_length=cfg.max_seq_len)
+    tok.save_pretrained(d)
+    return {"architecture": arch, "remote_code": cfg.concept.enabled, "shards": shards,
+            "parameters": sum(t.numel() for t in state.values())}
+
+
+def _derived(cfg) -> dict[str, Any]:
+    names = ("padded_vocab_size", "head_dim", "rotary_dim", "n_token_layers", "encoder_layers", "decoder_layers",
+             "n_segments", "segment_dim")
+    return {n: getattr(cfg, n) for n in names}
+
+
+def _save_weights(state: dict[str, Any], d: Path, torch_dtype, max_shard_size) -> int:
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    # contiguous, de-aliased copies in the export dtype (safetensors refuses shared storage)
+    tensors = {k: v.detach().to("cpu", dtype=torch_dtype if v.is_floating_point() else v.dtype).contiguous().clone()
+               for k, v in state.items()}
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size,
+                                               filename_pattern="model{suffix}.safetensors")
+    for fname, keys in split.filename_to_tensors.items():
+        save_file({k: tensors[k] for k in keys}, str(d / fname), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": split.tensor_to_filename}
+        (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return len(split.filename_to_tensors)
+
+
+def _probe(cfg, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    T = min(cfg.max_seq_len, max(4 * cfg.concept.k + 3, 37))  # several concept blocks + a partial one
+    return torch.randint(0, cfg.vocab_size, (2, T), generator=g)
+
+
+def _verify(loaded, d: Path, dtype: str) -> dict[str, Any]:
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    cfg = loaded.config
+    x = _probe(cfg)
+    src = loaded.model
+    with torch.no_grad():
+        ref_fp32 = src(x).logits.float()
+        if dtype == "bf16":
+            rounded = copy.deepcopy(src)
+            for p in rounded.parameters():
+                p.data = p.data.to(torch.bfloat16).float()
+            ref = rounded(x).logits.float()
+        else:
+            ref = ref_fp32
+        hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, trust_remote_code=cfg.concept.enabled)
+        hf.eval()
+        got = hf(input_ids=x).logits.float()
+    if got.shape != ref.shape:
+        raise UserError(f"export check failed: logits shape {tuple(got.shape)} != source {tuple(ref.shape)}")
+    diff = (got - ref).abs().max().item()
+    scale = max(1.0, ref.abs().max().item())
+    tol = TOLERANCE * scale
+    result = {"max_abs_diff": diff, "tolerance": tol, "probe": list(x.shape),
+              "max_abs_diff_vs_fp32_source": (got - ref_fp32).abs().max().item()}
+    if not diff <= tol:
+        raise UserError(f"export check failed: max |logit difference| {diff:.3g} > tolerance {tol:.3g} "
+                        f"on a {x.shape[0]}x{x.shape[1]} probe batch; nothing was written",
+                        hint="this is a conversion bug: please report it (rerun with --debug)")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(d))
+    ours = loaded.tokenizer.encode(PROBE_TEXT, add_special_tokens=False).ids
+    theirs = tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    if ours != theirs or tok.decode(theirs) != loaded.tokenizer.decode(ours):
+        raise UserError("export check failed: the exported tokenizer encodes the probe text differently")
+    result["tokenizer"] = "identical on the probe text"
+    return result

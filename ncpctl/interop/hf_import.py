@@ -1,0 +1,100 @@
+"""``load_hf_pretrained``: a local Hugging Face directory -> ``NCPModel`` (midtrain's
+``train.init_from: <HF dir>``).
+
+Reads ``config.json`` (``GPTNeoXForCausalLM`` such as Pythia, ``LlamaForCausalLM``,
+``Qwen3ForCausalLM``) and the weights (``model.safetensors``, sharded safetensors with an
+index, or ``pytorch_model.bin``), builds the ``ModelConfig`` with ``config_from_hf`` plus
+the caller's overrides, and loads the backbone with ``ncpctl.model.hf``. With a concept
+path (``concept={"enabled": True, ...}``) the encoder is the base's first E layers and
+the decoder the rest; the concept layers are fresh, or copied from the base's first C
+layers with ``concept.copy_concept_layers_from_base`` (ConceptLM 8B). With
+``zero_concept_output`` the codebook's output projection starts at zero, so the predicted
+concept is 0 and (with ``add: raw``) the model computes exactly the base's logits at step 0;
+training moves it from there.
+
+No network: the directory must be local (``HF_HUB_OFFLINE`` or not).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ncpctl.errors import UserError
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and not (p / "ncpctl.json").is_file()
+
+
+def read_hf_state_dict(directory: Path) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        sd: dict[str, Any] = {}
+        for f in files:
+            sd.update(load_file(str(directory / f)))
+        return sd
+    binf = directory / "pytorch_model.bin"
+    if binf.is_file():
+        return torch.load(str(binf), map_location="cpu", weights_only=True)
+    raise UserError(f"{directory}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
+
+
+def load_hf_pretrained(directory: str | Path, *, concept: dict[str, Any] | None = None,
+                       zero_concept_output: bool = False, **model_overrides: Any):
+    """An ``NCPModel`` (fp32, CPU, train mode) initialised from the HF directory.
+
+    ``concept``: ``ConceptConfig`` fields (e.g. ``{"enabled": True, "k": 4, "encoder_layers": 1,
+    "copy_concept_layers_from_base": True}``); ``model_overrides``: other ``ModelConfig``
+    fields (``extra_token_layers``, ``max_seq_len``, ``vocab_size``, ...)."""
+    import torch
+    from transformers import AutoConfig
+
+    from ncpctl.model.config import ConfigError
+    from ncpctl.model.hf import config_from_hf, load_hf_state_dict
+    from ncpctl.model.model import NCPModel
+
+    d = Path(directory)
+    if not (d / "config.json").is_file():
+        raise UserError(f"{d}: not a Hugging Face model directory (no config.json)")
+    try:
+        hf_cfg = AutoConfig.from_pretrained(str(d), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{d / 'config.json'}: unreadable HF config ({str(e).splitlines()[0]})") from None
+    overrides = dict(model_overrides)
+    if concept is not None:
+        overrides["concept"] = dict(concept)
+    try:
+        cfg = config_from_hf(hf_cfg, **overrides)
+    except ConfigError as e:
+        raise UserError(*(f"{d / 'config.json'}: {k}: {m}" for k, m in e.problems)) from None
+    model = NCPModel(cfg)
+    try:
+        missing = load_hf_state_dict(model, read_hf_state_dict(d))
+    except (ConfigError, KeyError, RuntimeError) as e:
+        raise UserError(f"{d}: weights do not fit the config ({str(e).splitlines()[0]})") from None
+    expected = ("concept.",) + tuple(f"decoder.{i}." for i in range(cfg.decoder_layers - cfg.extra_token_layers,
+                                                                     cfg.decoder_layers))
+    unexpected_missing = [k for k in missing if not k.startswith(expected)]
+    if unexpected_missing:
+        raise UserError(f"{d}: the HF weights lack {', '.join(sorted(unexpected_missing)[:4])}"
+                        + (" ..." if len(unexpected_missing) > 4 else ""))
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    if zero_concept_output and model.concept is not None:
+        with torch.no_grad():
+            cb = model.concept.codebook
+            if cb.transform is not None:
+                cb.transform[-1].weight.zero_()
+                cb.transform[-1].bias.zero_()
+            else:
+                cb.base.zero_()
+    return model

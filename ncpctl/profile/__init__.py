@@ -1,0 +1,16 @@
+"""Where every FLOP and second goes: the library behind ``ncpctl profile-kernels`` (issue #6).
+
+Sections (each a function returning a JSON-ready dict; ``run.profile`` runs the chosen ones):
+
+* ``accounting``: parameters by component and training FLOPs per token / per step for the
+  recipe and its base and PM siblings, paper view and exact view (``ncpctl.model.accounting``).
+* ``kernels``: timed micro-benchmarks (token vs concept layer, SDPA backends, the concept
+  path's pooling/heads/codebook, the DLCM cross-attention trick over a grid).
+* ``step``: one full training step (fwd+bwd+AdamW), achieved FLOP/s vs a measured GEMM peak
+  (CPU) or the known bf16 peak (GPU).
+* ``trace``: a ``torch.profiler`` Chrome trace of a few steps and its top operators.
+
+Model code stays free of timing and I/O (style rule 3): everything here wraps it from outside.
+"""
+
+SECTIONS = ("accounting", "kernels", "step", "trace")

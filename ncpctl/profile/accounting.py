@@ -1,0 +1,109 @@
+"""``accounting`` section: parameters and training FLOPs of a recipe and its siblings.
+
+Siblings (spec section 6, ConceptLM's three-way comparison):
+
+* ``recipe``: the model as the recipe configures it;
+* ``base``:   the same backbone without the concept path (and no extra token layers);
+* ``pm``:     the parameter-matched baseline: base + C token layers (C = the recipe's
+              concept layers, default 2), no concept path.
+
+Each gets the paper view (ConceptLM App. C formula) and the exact view (real shapes,
+matmul FLOPs; attention counted under the causal mask, as flash kernels skip masked
+blocks, with the full-square count alongside) side by side, plus its share of compute in
+the concept path. Pure arithmetic on the config apart from the parameter count, which
+builds the model on the meta device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ncpctl.model.accounting import count_parameters, exact_flops, paper_flops, saving
+from ncpctl.model.config import ModelConfig
+
+VARIANTS = ("recipe", "base", "pm")
+
+
+def siblings(cfg: ModelConfig) -> dict[str, ModelConfig]:
+    """The recipe's model and its base and PM siblings."""
+    d = cfg.to_dict()
+    C = d["concept"]["concept_layers"]
+    base = {**d, "extra_token_layers": 0, "concept": {**d["concept"], "enabled": False}}
+    pm = {**base, "extra_token_layers": C}
+    out = {"recipe": cfg, "base": ModelConfig.from_dict(base), "pm": ModelConfig.from_dict(pm)}
+    out["base"].name, out["pm"].name = f"{cfg.name} base", f"{cfg.name} PM (+{C} token layers)"
+    return out
+
+
+def describe_variant(cfg: ModelConfig, seq_len: int, micro_batch: int, global_batch: int,
+                     params: bool = True) -> dict[str, Any]:
+    paper = paper_flops(cfg, seq_len)
+    exact = exact_flops(cfg, seq_len, micro_batch)
+    tokens_per_step = seq_len * global_batch
+    accum = global_batch / micro_batch  # micro-batches per optimizer step (all ranks)
+    out: dict[str, Any] = {
+        "name": cfg.name,
+        "concept": cfg.concept.enabled,
+        "token_layers": cfg.n_token_layers,
+        "concept_layers": cfg.concept.concept_layers if cfg.concept.enabled else 0,
+        "k": cfg.concept.k if cfg.concept.enabled else None,
+        "d_model": cfg.d_model,
+        "block_equivalents": cfg.block_equivalents,
+        "parameter_equivalent_layers": paper.parameter_equivalent_layers,
+        "params": count_parameters(cfg).to_dict() if params else None,
+        "paper": {
+            "formula": paper.formula,
+            "training_formula": paper.training_formula,
+            "forward_per_token": paper.forward_per_token,
+            "training_per_token": paper.training_per_token,
+            "training_per_step": paper.training_per_token * tokens_per_step,
+        },
+        "exact": {
+            "components": exact.components,
+            "attention_causal": exact.attention_causal,
+            "training_only": exact.training_only,
+            "training_per_token": exact.training_per_token_causal,
+            "training_per_token_full_attention": exact.training_per_token,
+            # per optimizer step: micro-batch FLOPs (per-step work like the codebook transform
+            # runs once per micro-batch) times the micro-batches of the step
+            "training_per_step": exact.training_per_step(causal=True) * accum,
+            "training_per_micro_batch": exact.training_per_step(causal=True),
+            "concept_share": exact.concept_share_causal,
+            "concept_share_full_attention": exact.concept_share,
+        },
+    }
+    return out
+
+
+def accounting_section(cfg: ModelConfig, seq_len: int, micro_batch: int = 1, global_batch: int | None = None,
+                       params: bool = True) -> dict[str, Any]:
+    """Paper and exact FLOPs, parameters, savings of ``recipe`` vs ``base`` and ``pm``."""
+    global_batch = global_batch or micro_batch
+    variants = {name: describe_variant(c, seq_len, micro_batch, global_batch, params)
+                for name, c in siblings(cfg).items()}
+    savings: dict[str, Any] = {}
+    for other in ("base", "pm"):
+        savings[f"recipe_vs_{other}"] = {
+            "paper": saving(variants[other]["paper"]["training_per_token"], variants["recipe"]["paper"]["training_per_token"]),
+            "exact": saving(variants[other]["exact"]["training_per_token"], variants["recipe"]["exact"]["training_per_token"]),
+            "flops_ratio_exact": variants["recipe"]["exact"]["training_per_token"] / variants[other]["exact"]["training_per_token"],
+            "flops_ratio_paper": variants["recipe"]["paper"]["training_per_token"] / variants[other]["paper"]["training_per_token"],
+        }
+    return {
+        "seq_len": seq_len,
+        "micro_batch_size": micro_batch,
+        "global_batch_size": global_batch,
+        "tokens_per_step": seq_len * global_batch,
+        "variants": variants,
+        "savings": savings,
+    }
+
+
+def config_summary(cfg: ModelConfig) -> dict[str, Any]:
+    """The few config fields a profile report needs to be read on its own."""
+    keep = ("name", "backbone", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+            "padded_vocab_size", "n_token_layers", "extra_token_layers", "sliding_window")
+    out = {k: getattr(cfg, k) for k in keep}
+    out["concept"] = dataclasses.asdict(cfg.concept) if cfg.concept.enabled else None
+    return out

@@ -1,0 +1,238 @@
+"""``kernels`` section: timed micro-benchmarks at the recipe's shapes on the current device.
+
+* ``layers``: one token layer on (B, T, d) vs one concept layer on (B, T/k, d), forward +
+  backward; the time ratio is what the concept path actually saves per layer (ideal: the
+  FLOPs ratio, about 1/k for short sequences).
+* ``sdpa``: causal attention of the recipe's shape (B, H, T, hd) through each SDPA backend
+  that runs on this device (``torch.nn.attention.sdpa_kernel``).
+* ``concept``: the concept path's pieces, forward + backward: pooling (a reshape + mean),
+  heads + codebook (one Linear, one einsum), the causal shift, the nearest-code search.
+* ``dlcm``: the DLCM cross-attention trick (DLCM Table 6). Tokens attend to the concepts
+  completed so far; segments have irregular lengths. ``irregular_mask``: queries (B,H,T,hd)
+  against the M concept keys with a boolean (T, M) mask; ``repeat_causal``: each concept's
+  K/V is repeated for the tokens of its segment, so keys are (B,H,T,hd) and the plain
+  causal mask (``is_causal=True``, flash kernels) applies (a token then also sees its own,
+  unfinished segment's concept and each concept once per token: DLCM's form). Forward,
+  over a grid of sequence lengths x widths (reduced on CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ncpctl.model.config import ModelConfig
+from ncpctl.profile.timing import measure
+
+GPU_GRID = {"seq_len": [2048, 4096, 8192, 16384], "hidden": [1024, 2048, 4096], "head_dim": 128}
+CPU_GRID = {"seq_len": [512, 1024, 2048], "hidden": [256, 512], "head_dim": 64}
+QUICK_GRID = {"seq_len": [128, 256], "hidden": [64], "head_dim": 16}
+
+
+def _row(group: str, name: str, shape: dict[str, Any], st, flops: float | None = None) -> dict[str, Any]:
+    return {"group": group, "name": name, "shape": shape, **st.to_dict(flops)}
+
+
+def _fwd_bwd(fn, inputs):
+    def run():
+        for t in inputs:
+            t.grad = None
+        out = fn()
+        out.float().sum().backward()
+    return run
+
+
+def layer_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, repeats: int) -> list[dict[str, Any]]:
+    import torch
+
+    from ncpctl.model.accounting import _stack_flops
+    from ncpctl.model.layers import Block, causal_masks, rope
+
+    k = cfg.concept.k
+    blk = Block(cfg).to(device=device, dtype=dtype)
+    rows = []
+    for name, n in (("token layer", T), ("concept layer", max(1, T // k))):
+        x = torch.randn(B, n, cfg.d_model, device=device, dtype=dtype, requires_grad=True)
+        cos, sin = rope(torch.arange(n, device=device)[None], cfg, dtype)
+        mask = causal_masks({None}, n, device)[None]
+        st = measure(_fwd_bwd(lambda: blk(x, cos, sin, mask), [x]), device, warmup, repeats)
+        f = _stack_flops(cfg, 1, n)
+        flops = 3 * B * (f["qkv"] + f["attn_out"] + f["mlp"] + f["attention_causal"])
+        rows.append(_row("layers", name, {"B": B, "T": n, "d": cfg.d_model}, st, flops))
+    return rows
+
+
+def sdpa_backends(device) -> list[Any]:
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    names = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]
+    if torch.device(device).type != "cuda":
+        names = ["FLASH_ATTENTION", "MATH"]  # the CPU has a flash kernel and the math path
+    return [getattr(SDPBackend, n) for n in names if hasattr(SDPBackend, n)]
+
+
+def sdpa_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, repeats: int) -> list[dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    H, hd = cfg.n_heads, cfg.head_dim
+    q, k, v = (torch.randn(B, H, T, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    flops = 3 * 2 * 2 * B * H * hd * T * (T + 1) / 2  # fwd+bwd, causal pairs
+    rows = []
+    for backend in sdpa_backends(device):
+        name = backend.name.lower()
+
+        def run(backend=backend):
+            with sdpa_kernel([backend]):
+                for t in (q, k, v):
+                    t.grad = None
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        try:
+            st = measure(run, device, warmup, repeats)
+        except RuntimeError as e:  # this backend does not run here (dtype, device, shape)
+            rows.append({"group": "sdpa", "name": name, "shape": {"B": B, "H": H, "T": T, "hd": hd},
+                         "available": False, "reason": str(e).strip().splitlines()[0][:120]})
+            continue
+        rows.append({**_row("sdpa", name, {"B": B, "H": H, "T": T, "hd": hd}, st, flops), "available": True})
+    return rows
+
+
+def concept_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, repeats: int) -> list[dict[str, Any]]:
+    import torch
+
+    from ncpctl.model.concept import ConceptModule, nearest_code, shift_blocks
+
+    if not cfg.concept.enabled:
+        cfg = _with_concept(cfg)
+    cm = ConceptModule(cfg).to(device=device, dtype=dtype)
+    k, d = cfg.concept.k, cfg.d_model
+    M = T // k
+    S, N = cfg.n_segments, cfg.concept.codes
+    h = torch.randn(B, T, d, device=device, dtype=dtype, requires_grad=True)
+    u = torch.randn(B, M, d, device=device, dtype=dtype, requires_grad=True)
+    shape = {"B": B, "T": T, "M": M, "d": d, "S": S, "N": N}
+    rows = []
+
+    def pool():
+        return h[:, : M * k].reshape(B, M, k, d).mean(dim=2)
+
+    st = measure(_fwd_bwd(pool, [h]), device, warmup, repeats)
+    rows.append(_row("concept", "pooling (reshape+mean)", shape, st, 3.0 * B * M * k * d))
+
+    def heads_codebook():
+        return cm.predict(u, cm.codebook())
+
+    st = measure(_fwd_bwd(heads_codebook, [u]), device, warmup, repeats)
+    rows.append(_row("concept", "heads + codebook (Linear + einsum)", shape, st,
+                     3.0 * (2 * B * M * d * S * N * 2)))
+
+    st = measure(_fwd_bwd(lambda: shift_blocks(u, k, T), [u]), device, warmup, repeats)
+    rows.append(_row("concept", "causal shift (expand+reshape)", shape, st))
+
+    codes = cm.codebook().detach()
+    st = measure(lambda: nearest_code(u.detach(), codes), device, warmup, repeats)
+    rows.append(_row("concept", "nearest code (VQ, no grad)", shape, st, 2.0 * B * M * S * N * cfg.segment_dim))
+    return rows
+
+
+def _with_concept(cfg: ModelConfig) -> ModelConfig:
+    d = cfg.to_dict()
+    d["concept"] = {**d["concept"], "enabled": True}
+    d["extra_token_layers"] = 0
+    return ModelConfig.from_dict(d)
+
+
+def _segments(T: int, mean_len: int, gen) -> list[int]:
+    """Irregular segment lengths (uniform in [1, 2*mean-1]) covering T tokens."""
+    import torch
+
+    lens, total = [], 0
+    while total < T:
+        n = int(torch.randint(1, 2 * mean_len, (1,), generator=gen))
+        n = min(n, T - total)
+        lens.append(n)
+        total += n
+    return lens
+
+
+def dlcm_rows(grid: dict[str, Any], k: int, device, dtype, warmup: int, repeats: int) -> list[dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    hd = grid["head_dim"]
+    rows = []
+    for d in grid["hidden"]:
+        H = max(1, d // hd)
+        for T in grid["seq_len"]:
+            lens = torch.tensor(_segments(T, k, gen))
+            M = len(lens)
+            seg = torch.repeat_interleave(torch.arange(M), lens).to(device)  # (T,) segment of each token
+            end = (torch.cumsum(lens, 0) - 1).to(device)  # (M,) last token of each segment
+            q = torch.randn(1, H, T, hd, device=device, dtype=dtype)
+            kc = torch.randn(1, H, M, hd, device=device, dtype=dtype)
+            vc = torch.randn(1, H, M, hd, device=device, dtype=dtype)
+            # token t sees concept j once segment j is complete (end_j <= t); the current,
+            # unfinished segment is not visible. Rows before the first completed segment see
+            # nothing: give them the first concept so SDPA has no empty row (never NaN).
+            mask = end[None, :] <= torch.arange(T, device=device)[:, None]  # (T, M)
+            mask[:, 0] |= True
+            shape = {"T": T, "d": d, "H": H, "hd": hd, "M": M}
+
+            def irregular():
+                return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
+
+            def repeat_causal():
+                # K/V of concept seg(t) repeated at every token t of the segment: (1,H,T,hd)
+                kr, vr = kc.index_select(2, seg), vc.index_select(2, seg)
+                return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+
+            pairs_irr = int(mask.sum())
+            for name, fn, pairs in (("irregular_mask", irregular, T * M),
+                                    ("repeat_causal", repeat_causal, T * (T + 1) // 2)):
+                with torch.no_grad():
+                    st = measure(fn, device, warmup, repeats)
+                row = _row("dlcm", name, shape, st, 2.0 * 2 * H * hd * pairs)
+                row["attended_pairs"] = pairs_irr
+                rows.append(row)
+    return rows
+
+
+def kernels_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, warmup: int = 1, repeats: int = 5,
+                    grid: dict[str, Any] | None = None) -> dict[str, Any]:
+    import torch
+
+    dev = torch.device(device)
+    if grid is None:
+        grid = GPU_GRID if dev.type == "cuda" else CPU_GRID
+    k = cfg.concept.k
+    rows = layer_rows(cfg, batch, seq_len, dev, dtype, warmup, repeats)
+    tok, con = rows[0], rows[1]
+    rows += sdpa_rows(cfg, batch, seq_len, dev, dtype, warmup, repeats)
+    rows += concept_rows(cfg, batch, seq_len, dev, dtype, warmup, repeats)
+    dlcm = dlcm_rows(grid, k, dev, dtype, warmup, repeats)
+    ratio = {
+        "concept_over_token_time": con["median_s"] / tok["median_s"],
+        "concept_over_token_flops": con["flops"] / tok["flops"],
+        "k": k,
+    }
+    # repeat_causal / irregular_mask per grid point (< 1: the repeat trick is faster)
+    speedup = []
+    by_key: dict[tuple, dict[str, float]] = {}
+    for r in dlcm:
+        by_key.setdefault((r["shape"]["T"], r["shape"]["d"]), {})[r["name"]] = r["median_s"]
+    for (T, d), v in sorted(by_key.items()):
+        speedup.append({"T": T, "d": d, "repeat_over_irregular": v["repeat_causal"] / v["irregular_mask"]})
+    return {
+        "device": str(dev),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "warmup": warmup,
+        "repeats": repeats,
+        "batch_size": batch,
+        "seq_len": seq_len,
+        "rows": rows,
+        "layer_ratio": ratio,
+        "dlcm": {"grid": grid, "rows": dlcm, "repeat_over_irregular": speedup},
+    }

@@ -1,0 +1,10 @@
+"""Training on DeepSpeed ZeRO: one loop shared by ``pretrain``, ``midtrain`` and ``adapt-vq``.
+
+``config``      the DeepSpeed config, AdamW parameter groups and the lr schedule, all from the recipe
+``checkpoint``  save / find / load checkpoints (DeepSpeed's plus our self-describing metadata)
+``loop``        the training loop (``train(recipe, stage)``) and the three stages' set-up
+``metrics``     metrics.jsonl, TensorBoard, the MFU peak, plots
+``display``     the rich live display on stderr
+
+Nothing here is imported by ``ncpctl --help``; torch and DeepSpeed load inside these modules.
+"""

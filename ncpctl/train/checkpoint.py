@@ -1,0 +1,223 @@
+"""Checkpoints: DeepSpeed's engine state plus our self-describing metadata (style rule 7).
+
+Layout under ``run.dir/checkpoints/``::
+
+    step_0000100/                     one checkpoint (a DeepSpeed tag)
+        mp_rank_00_model_states.pt    DeepSpeed: module (stages 0-2), lr scheduler, client state
+        *_optim_states.pt             DeepSpeed: optimizer state (per rank under ZeRO)
+        rng_rank{r}.pt                python / numpy / torch RNG states of rank r
+        recipe.resolved.yaml          the recipe that produced it (usable as a recipe)
+        model.safetensors             consolidated fp32 weights (the inference view that
+        tokenizer.json                eval / generate / export read: ncpctl.checkpoint)
+        ncpctl.json                   META in ncpctl.checkpoint's format (format, version,
+                                      step, tokens_seen, model_config, recipe) plus the
+                                      training state: stage, data loader state, world size,
+                                      ZeRO stage, non-finite count; written last
+    latest                            the tag of the newest *complete* checkpoint
+
+``latest`` has DeepSpeed's format (one line, the tag) so DeepSpeed's own tools
+(``zero_to_fp32.py``, ``load_checkpoint(dir)``) work on the directory, but we write it
+ourselves, atomically (tmp + ``os.replace``), and only after every rank finished writing
+(barrier). A kill at any moment therefore leaves ``latest`` naming a loadable checkpoint;
+a half-written ``step_*`` directory is never named by it and is removed by the next save
+or the ``keep_last`` clean-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ncpctl.errors import UserError
+
+META = "ncpctl.json"
+LATEST = "latest"
+META_VERSION = 1
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+# ----------------------------------------------------------------------------- finding
+
+
+def is_complete(path: Path) -> bool:
+    return (path / META).is_file()
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint ``root/latest`` names, if it names a complete one."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    tag = pointer.read_text().strip()
+    path = root / tag
+    return path if tag and is_complete(path) else None
+
+
+def resolve(spec: str, what: str) -> Path:
+    """A user-given checkpoint (a ``step_*`` directory, a ``checkpoints`` directory or a run
+    directory, then its ``latest``), via ``ncpctl.checkpoint.resolve``; errors name ``what``."""
+    from ncpctl.checkpoint import resolve as resolve_checkpoint
+
+    try:
+        return resolve_checkpoint(spec)
+    except UserError as e:
+        raise UserError(*(f"{what}: {p}" for p in e.problems), hint=e.hint) from None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    return json.loads((path / META).read_text())
+
+
+# ----------------------------------------------------------------------------- compatibility
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "model.") -> list[str]:
+    """``key: saved -> current`` for every model-config field that differs (nested for concept)."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} in the checkpoint, {b!r} now")
+    return out
+
+
+def check_compatible(path: Path, meta: dict[str, Any], model_config: dict[str, Any], *,
+                     world_size: int, zero_stage: int, optimizer_state: bool) -> None:
+    """Raise a UserError (before any training) when ``path`` cannot continue this run."""
+    problems = [f"{path}: {d}" for d in config_differences(meta["model_config"], model_config)]
+    if optimizer_state:  # DeepSpeed's optimizer partitions are per (stage, world size)
+        if meta["zero_stage"] != zero_stage:
+            problems.append(f"{path}: saved with deepspeed.zero_stage={meta['zero_stage']}, now {zero_stage}")
+        if meta["world_size"] != world_size:
+            problems.append(f"{path}: saved by {meta['world_size']} ranks, now {world_size}")
+    if problems:
+        raise UserError(*problems, hint="the checkpoint comes from an incompatible configuration: match it "
+                        f"(see {path / 'recipe.resolved.yaml'}), load weights only, or start fresh (train.resume: never)")
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def consolidated_weights(engine: Any, zero_stage: int, tie_embeddings: bool) -> dict[str, torch.Tensor] | None:
+    """The full state dict as fp32 on rank 0 (collective under ZeRO-3, None on the other ranks
+    there; bf16 runs save their bf16 module weights upcast)."""
+    if zero_stage == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # what save_16bit_model uses; rank 0 only
+    else:
+        state = engine.module.state_dict()
+    if state is None:
+        return None
+    out = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
+           for k, v in state.items()}
+    if tie_embeddings:  # safetensors refuses shared storage; the loader re-ties it
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def save(engine: Any, root: Path, step: int, meta: dict[str, Any], recipe: Any, *, rank: int,
+         keep_last: int, barrier: Any, fault: Any = None) -> Path:
+    """Write checkpoint ``step`` on every rank (collective), then point ``latest`` at it.
+
+    ``meta`` is the training state ncpctl.json records (step, tokens_seen, data state, ...);
+    ``barrier()`` syncs ranks; ``fault(where, step)`` is the test hook (see loop.Faults).
+    """
+    from ncpctl.checkpoint import save_model_files
+
+    tag = tag_for(step)
+    path = root / tag
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # a partial save from a killed run (latest never named it)
+            shutil.rmtree(path)
+    barrier()
+    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    torch.save(rng_state(), path / f"rng_rank{rank}.pt")
+    weights = consolidated_weights(engine, meta["zero_stage"], recipe.model_config.tie_embeddings)
+    if fault is not None:
+        fault("save", step)
+    barrier()  # every rank's files are on disk
+    if rank == 0:
+        recipe.write_resolved(path)
+        tok = Path(recipe.tokenizer.path) if recipe.tokenizer.path else recipe.data_dir / "tokenizer.json"
+        # weights first, ncpctl.json last (atomically): a directory with ncpctl.json is complete
+        save_model_files(path, weights, step=step, tokens_seen=meta["tokens_seen"], recipe=recipe.to_dict(),
+                         tokenizer_path=tok if tok.is_file() else None,
+                         extra={"saved_at": time.time(), "training_version": META_VERSION, **meta})
+        _atomic_write(root / LATEST, tag + "\n")
+        _prune(root, keep_last, keep=tag)
+    barrier()
+    return path
+
+
+def _prune(root: Path, keep_last: int, keep: str) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints (always ``keep``); drop partial ones."""
+    dirs = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    complete = [p for p in dirs if is_complete(p)]
+    kept = set(p.name for p in complete[-keep_last:]) | {keep}
+    for p in dirs:
+        if p.name not in kept:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_rng(path: Path, rank: int) -> None:
+    f = path / f"rng_rank{rank}.pt"
+    if f.is_file():  # a different world size: the extra ranks keep their seeded state
+        set_rng_state(torch.load(f, weights_only=False))
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 model state dict of checkpoint ``path`` (its model.safetensors)."""
+    from safetensors.torch import load_file
+
+    from ncpctl.checkpoint import WEIGHTS
+
+    state = load_file(str(path / WEIGHTS))
+    cfg = read_meta(path)["model_config"]
+    if cfg.get("tie_embeddings"):
+        state.setdefault("lm_head.weight", state["embed.weight"])
+    return state

@@ -1,0 +1,136 @@
+"""What DeepSpeed is given, all derived from the recipe (one source of truth for batch sizes).
+
+* ``deepspeed_config(recipe, on_gpu)``: the DeepSpeed JSON config; ``deepspeed.extra`` merged last.
+* ``param_groups(model, weight_decay)``: AdamW groups. No weight decay on 1-D parameters
+  (norm weights, biases) nor on the token embedding (GPT-NeoX / nanoGPT practice); frozen
+  parameters (the SimVQ codebook base, everything adapt-vq freezes) are left out entirely.
+* ``GuardedAdamW``: torch AdamW that skips a step whose gradient is not finite. DeepSpeed's
+  ZeRO optimizers (stages 1-3) already skip such steps in fp32 (an invalid global norm marks
+  an overflow); the plain stage-0 fp32 path does not, so there this optimizer clips, measures
+  the norm and skips, and DeepSpeed's own clipping is switched off (same ``train.grad_clip``).
+* ``lr_schedule(recipe)``: linear warmup to ``train.lr`` then cosine decay to ``train.min_lr``
+  at ``train.max_steps``, as the multiplier a ``torch.optim.lr_scheduler.LambdaLR`` expects.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ncpctl.recipe.load import Recipe
+
+
+def use_bf16(recipe: Recipe, on_gpu: bool) -> bool:
+    """``train.precision``: auto = bf16 on GPU, fp32 on CPU."""
+    p = recipe.train.precision
+    return p == "bf16" or (p == "auto" and on_gpu)
+
+
+def guard_in_optimizer(recipe: Recipe, on_gpu: bool) -> bool:
+    """Stage 0 fp32: DeepSpeed hands our optimizer the raw gradients, so it must guard them."""
+    return recipe.deepspeed.zero_stage == 0 and not use_bf16(recipe, on_gpu)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def deepspeed_config(recipe: Recipe, on_gpu: bool) -> dict[str, Any]:
+    """The DeepSpeed config for ``recipe``; ``deepspeed.extra`` is merged in last."""
+    t, ds = recipe.train, recipe.deepspeed
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    bf16 = use_bf16(recipe, on_gpu)
+    cfg: dict[str, Any] = {
+        "train_batch_size": recipe.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": recipe.grad_accum_steps,
+        # stage 0 fp32: GuardedAdamW clips (and reports the pre-clip norm); see the module doc
+        "gradient_clipping": 0.0 if guard_in_optimizer(recipe, on_gpu) else t.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,  # our torch AdamW (subclass) under ZeRO
+        "steps_per_print": 2**62,  # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+    if bf16:  # ZeRO skips a step on a non-finite gradient only when asked to under bf16
+        cfg["bf16"]["check_grad_overflow"] = True
+    return deep_merge(cfg, ds.extra)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters split into decayed matrices and undecayed vectors/embeddings."""
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:  # frozen, or a tied weight already listed
+            continue
+        seen.add(id(p))
+        (no_decay if p.ndim < 2 or name.startswith("embed.") else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [g for g in groups if g["params"]]
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that (optionally) clips and skips non-finite steps, the way DeepSpeed's ZeRO
+    optimizers do: ``overflow`` tells the engine the step was skipped (it then counts it and
+    does not advance the lr schedule), ``_global_grad_norm`` is the pre-clip norm it reports.
+
+    With ``guard=False`` (ZeRO stages: their wrapper guards, clips and measures) this is plain AdamW.
+    """
+
+    def __init__(self, params: Iterable[Any], *, guard: bool, max_norm: float, **kw: Any):
+        super().__init__(params, **kw)
+        self.guard, self.max_norm = guard, max_norm
+        self.overflow = False
+        self._global_grad_norm: float | None = None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if not self.guard:
+            return super().step(closure)
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        self._global_grad_norm = float(norm)  # before clipping, like DeepSpeed reports it
+        self.overflow = not math.isfinite(self._global_grad_norm)
+        if self.overflow:  # leave the weights and the moments untouched; the engine counts it
+            return None
+        if self.max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
+        return super().step(closure)
+
+
+def make_optimizer(model: torch.nn.Module, recipe: Recipe, on_gpu: bool) -> GuardedAdamW:
+    t = recipe.train
+    return GuardedAdamW(param_groups(model, t.weight_decay), guard=guard_in_optimizer(recipe, on_gpu),
+                        max_norm=t.grad_clip, lr=t.lr, betas=(t.betas[0], t.betas[1]), eps=t.eps,
+                        weight_decay=t.weight_decay)
+
+
+def lr_schedule(recipe: Recipe) -> Callable[[int], float]:
+    """``step -> lr / train.lr`` for the step about to be taken (0-based).
+
+    Warmup: (step+1)/warmup for step < warmup (the first step already has a non-zero lr).
+    Then cosine from 1 to min_lr/lr over the remaining steps, reaching min_lr at max_steps.
+    A plain function (not a callable object) so LambdaLR's state_dict does not pickle it:
+    midtrain's new schedule is never replaced by the checkpoint's.
+    """
+    warm, total = recipe.warmup_steps, recipe.train.max_steps
+    floor = recipe.train.min_lr / recipe.train.lr
+
+    def multiplier(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier

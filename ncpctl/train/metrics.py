@@ -1,0 +1,163 @@
+"""Observability: ``run.dir/metrics.jsonl`` (always), TensorBoard (when asked and installed),
+the MFU peak, the unigram-entropy baseline, and the ``train.plots`` PNGs.
+
+metrics.jsonl holds one JSON object per line. Training records (``"split": "train"``):
+step, lr, loss, ntp_loss, ncp_loss, vq_loss, grad_norm, tokens, tokens_per_s, step_time,
+mfu, code_usage (mean over segments), code_usage_per_segment, code_perplexity, ncp_code_acc,
+nonfinite (skipped steps so far). Validation records (``"split": "val"``): step, loss and
+the same loss terms. The names are the recipe's and the model's (one vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+METRICS = "metrics.jsonl"
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; first match wins.
+GPU_BF16_PEAK = (("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("A100", 312e12), ("L40S", 362e12),
+                 ("A10G", 70e12), ("L4", 121e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("V100", 125e12))
+
+
+def measure_matmul_peak(n: int = 1024, reps: int = 4) -> float:
+    """FLOP/s of an ``n x n`` fp32 matmul on this process's threads (the CPU "peak")."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def device_peak(on_gpu: bool) -> tuple[float, str]:
+    """Per-rank peak FLOP/s for MFU and where it came from."""
+    if on_gpu:
+        import torch
+
+        name = torch.cuda.get_device_name()
+        for key, peak in GPU_BF16_PEAK:
+            if key in name:
+                return peak, f"{name} bf16 peak"
+        return measure_matmul_peak(4096), f"{name}: measured fp32 matmul (unknown device)"
+    return measure_matmul_peak(), "measured fp32 1024x1024 matmul"
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int, limit: int = 200_000_000) -> float:
+    """Entropy in nats of the unigram token distribution (the loss a model knowing only
+    token frequencies would reach; a trained model must get clearly below it)."""
+    counts = np.bincount(np.asarray(tokens[:limit]), minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+class MetricsLog:
+    """Appends records to metrics.jsonl (rank 0 only) and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None, warn: Any):
+        self.path = run_dir / METRICS
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        elif resume_step is None and self.path.exists():
+            os.replace(self.path, self.path.with_suffix(".jsonl.prev"))  # a fresh run: keep one old log
+        self.file = open(self.path, "a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step)
+            except ImportError:
+                warn("train.tensorboard is set but tensorboard is not installed (pip install tensorboard); skipping it")
+
+    def _truncate_after(self, step: int) -> None:
+        """Resumed from ``step``: drop the records a killed run wrote after it (atomically)."""
+        keep = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            split = record.get("split", "train")
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "split") and math.isfinite(value):
+                    self.tb.add_scalar(f"{split}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / METRICS
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any) -> list[str]:
+    """``loss_curves.png`` (train loss terms and validation loss against step) and
+    ``codebook_usage.png`` (one panel per codebook segment: how often each code is the nearest
+    code of a predicted concept over the final validation pass, sorted; ConceptLM Fig. 5).
+    Returns the file names written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warn("train.plots is set but matplotlib is not installed (pip install 'ncpctl[plots]'); skipping plots")
+        return []
+    records = read_metrics(run_dir)
+    train = [r for r in records if r.get("split") == "train"]
+    val = [r for r in records if r.get("split") == "val"]
+    written = []
+    terms = [k for k in ("loss", "ntp_loss", "ncp_loss", "vq_loss") if any(r.get(k) is not None for r in train)]
+    fig, axes = plt.subplots(1, len(terms), figsize=(4 * len(terms), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], terms):
+        pts = [(r["step"], r[key]) for r in train if r.get(key) is not None and math.isfinite(r[key])]
+        if pts:
+            ax.plot(*zip(*pts), label="train", lw=1)
+        vpts = [(r["step"], r[key]) for r in val if r.get(key) is not None]
+        if vpts:
+            ax.plot(*zip(*vpts), "o-", label="val", ms=3)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "loss_curves.png", dpi=110)
+    plt.close(fig)
+    written.append("loss_curves.png")
+    if code_counts is not None:
+        S = code_counts.shape[0]
+        cols = min(S, 4)
+        rows = math.ceil(S / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+        for s in range(S):
+            ax = axes[s // cols][s % cols]
+            freq = np.sort(code_counts[s])[::-1] / max(1, code_counts[s].sum())
+            used = int((code_counts[s] > 0).sum())
+            ax.bar(np.arange(len(freq)), freq, width=1.0)
+            ax.set_title(f"segment {s}: {used}/{len(freq)} codes used", fontsize=9)
+            ax.set_xlabel("code (by frequency)", fontsize=8)
+        for s in range(S, rows * cols):
+            axes[s // cols][s % cols].axis("off")
+        fig.tight_layout()
+        fig.savefig(run_dir / "codebook_usage.png", dpi=110)
+        plt.close(fig)
+        written.append("codebook_usage.png")
+    return written

@@ -1,0 +1,117 @@
+"""`ncpctl export`: complete HF directories that reload with equal logits; ConceptLM through
+remote code with ncpctl unimportable; a wrong conversion is caught and nothing is kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+
+from ncpctl.checkpoint import load_model
+from ncpctl.errors import UserError
+from ncpctl.interop import hf_export
+from ncpctl.interop.hf_export import export
+
+from ..conftest import run_cli
+
+torch.set_num_threads(1)
+
+
+def test_base_export_is_native_and_sharded(runs, tmp_path):
+    out = tmp_path / "hf"
+    info = export(runs["base"], out, max_shard_size="200KB")
+    assert info["architecture"] == "GPTNeoXForCausalLM" and info["shards"] > 1
+    assert info["verify"]["max_abs_diff"] <= 1e-5
+    for f in ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+              "tokenizer_config.json"):
+        assert (out / f).is_file(), f
+    hf = transformers.GPTNeoXForCausalLM.from_pretrained(out).eval()
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(out)
+    src = load_model(runs["base"])
+    ids = tok("def f(x):\n    return x\n", return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == src.tokenizer.encode("def f(x):\n    return x\n").ids
+    with torch.no_grad():
+        assert (hf(ids).logits - src.model(ids).logits).abs().max() <= 1e-5
+    assert tok.eos_token == "<|endoftext|>" and json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 0
+
+
+def test_conceptlm_loads_without_ncpctl(runs, tmp_path):
+    out = tmp_path / "ncp"
+    info = export(runs["concept"], out)
+    assert info["architecture"] == "NCPForCausalLM" and info["remote_code"]
+    assert {"modeling_ncp.py", "configuration_ncp.py"} <= set(info["files"])
+    src = load_model(runs["concept"]).model
+    x = torch.randint(0, 1024, (2, 45), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = src(x).logits
+    torch.save({"x": x, "ref": ref}, tmp_path / "probe.pt")
+    script = textwrap.dedent(f"""
+        import importlib.abc, sys
+        class Block(importlib.abc.MetaPathFinder):  # the venv has ncpctl installed: hide it
+            def find_spec(self, name, path=None, target=None):
+                if name == "ncpctl" or name.startswith("ncpctl."):
+                    raise ImportError("ncpctl is hidden")
+        sys.meta_path.insert(0, Block())
+        try:
+            import ncpctl
+            raise SystemExit("ncpctl importable")
+        except ImportError:
+            pass
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        AutoTokenizer.from_pretrained({str(out)!r})
+        p = torch.load({str(tmp_path / 'probe.pt')!r})
+        with torch.no_grad():
+            d = (m(input_ids=p["x"]).logits - p["ref"]).abs().max().item()
+        assert type(m).__name__ == "NCPForCausalLM" and "ncpctl" not in sys.modules, sys.modules.keys()
+        print("DIFF", d)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    r = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.split("DIFF")[-1]) <= 1e-5
+
+
+def test_bf16_export_verifies(runs, tmp_path):
+    info = export(runs["concept"], tmp_path / "bf16", dtype="bf16")
+    v = info["verify"]
+    assert v["max_abs_diff"] <= v["tolerance"] and v["max_abs_diff_vs_fp32_source"] > 0
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("embed.weight").dtype == torch.bfloat16
+
+
+def test_wrong_conversion_is_caught_and_nothing_kept(runs, tmp_path, monkeypatch):
+    real = hf_export._save_weights
+
+    def broken(state, d, dtype, shard):
+        state = dict(state)
+        k = next(k for k in state if "dense_h_to_4h.weight" in k)
+        state[k] = state[k] + 0.01
+        return real(state, d, dtype, shard)
+
+    monkeypatch.setattr(hf_export, "_save_weights", broken)
+    with pytest.raises(UserError, match="export check failed"):
+        export(runs["base"], tmp_path / "bad")
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.*"))
+    export(runs["base"], tmp_path / "unchecked", verify=False)  # --skip-verify keeps it
+    assert (tmp_path / "unchecked" / "config.json").is_file()
+
+
+def test_cli_export_json(runs, tmp_path):
+    r = run_cli("export", str(runs["concept"]), "--out", str(tmp_path / "x"), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["architecture"] == "NCPForCausalLM" and out["verify"]["max_abs_diff"] <= 1e-5
+    bad = run_cli("export", str(runs["concept"]), "--out", str(tmp_path / "y"), "--dtype", "fp16")
+    assert bad.returncode == 2 and "fp16" in bad.stderr

@@ -1,0 +1,71 @@
+"""The `accounting` section against the papers: ConceptLM App. C (4.6875% saving vs PM at
+T=8192, d=4096) and NCP-ArchPreview Table 2 (34 block-equivalents for 40 blocks of
+parameters), through the library and through the real CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ncpctl.model.config import build_config
+from ncpctl.profile.accounting import accounting_section, siblings
+
+from ..conftest import RECIPES, run_cli
+
+APPC = dict(d_model=4096, n_layers=32, n_heads=32, max_seq_len=8192)
+
+
+def test_siblings_are_base_and_pm() -> None:
+    cfg = build_config("pythia-160m", concept=dict(enabled=True, concept_layers=2))
+    sib = siblings(cfg)
+    assert sib["recipe"] is cfg
+    assert not sib["base"].concept.enabled and sib["base"].n_token_layers == 12
+    assert not sib["pm"].concept.enabled and sib["pm"].n_token_layers == 14
+
+
+def test_appc_saving_through_the_section() -> None:
+    cfg = build_config("pythia-160m", **APPC, concept=dict(enabled=True, k=4, encoder_layers=1, concept_layers=2))
+    a = accounting_section(cfg, seq_len=8192, micro_batch=1, params=False)
+    v = a["variants"]
+    assert v["pm"]["paper"]["formula"] == "408*T*d^2 + 68*T^2*d"
+    assert v["recipe"]["paper"]["formula"] == "390*T*d^2 + 64.25*T^2*d"
+    assert a["savings"]["recipe_vs_pm"]["paper"] == 0.046875  # ConceptLM App. C: 4.6875%
+    # the exact view counts what the formula leaves out (LM head, heads, codebook, causal attention)
+    assert 0 < a["savings"]["recipe_vs_pm"]["exact"] < 0.1
+    assert 0 < v["recipe"]["exact"]["concept_share"] < 0.05
+
+
+def test_archpreview_34_of_40_through_the_section() -> None:
+    a = accounting_section(build_config("ncp-archpreview-8.9b"), seq_len=8192, params=False)
+    r = a["variants"]["recipe"]
+    assert r["block_equivalents"] == 34 and r["parameter_equivalent_layers"] == 40
+    assert a["variants"]["pm"]["token_layers"] == 40  # PM: base 32 + C=8 token layers
+
+
+@pytest.mark.parametrize("sets,check", [
+    # App. C through the CLI: a 32-layer ConceptLM at d=4096, T=8192
+    (["model.size=pythia-160m", "model.d_model=4096", "model.n_layers=32", "model.n_heads=32",
+      "model.max_seq_len=8192", "train.seq_len=8192"],
+     lambda a: a["savings"]["recipe_vs_pm"]["paper"] == 0.046875),
+    (["model.size=ncp-archpreview-8.9b", "model.max_seq_len=8192", "train.seq_len=8192"],
+     lambda a: (a["variants"]["recipe"]["block_equivalents"], a["variants"]["recipe"]["parameter_equivalent_layers"])
+     == (34, 40)),
+])
+def test_paper_numbers_through_the_cli(sets, check) -> None:
+    args = [x for s in sets for x in ("--set", s)]
+    r = run_cli("profile-kernels", str(RECIPES / "debug.yaml"), "--only", "accounting", "--json", *args)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["ok"] and res["sections"] == ["accounting"]
+    assert check(res["accounting"])
+
+
+def test_pythia_recipe_without_data_files_profiles_the_shapes() -> None:
+    r = run_cli("profile-kernels", str(RECIPES / "pythia160m.yaml"), "--only", "accounting", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert "file not found" in r.stderr and res["notes"]
+    v = res["accounting"]["variants"]
+    assert res["model"]["padded_vocab_size"] == 50304
+    assert v["base"]["params"]["total"] == 162_322_944  # spec section 4: Pythia-160M exactly

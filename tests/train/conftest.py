@@ -1,0 +1,133 @@
+"""Fixtures for the training tests: one tiny tokenized dataset per test session (per xdist
+worker), tiny recipes (debug size, seq_len 32, global batch 8), and helpers to run the real
+``ncpctl`` entry point (optionally under the ``deepspeed`` launcher) and read what a run wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ncpctl_cmd
+
+# One thread per process: the runs are deterministic for a fixed thread count, and two xdist
+# workers (or two ranks) share the 2-core CI machine without oversubscription.
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "COLUMNS": "200",
+       "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+RECIPE = """\
+model:
+  size: debug
+  max_seq_len: 64
+  concept: {{enabled: true}}
+tokenizer:
+  vocab_size: 512
+data:
+  train_prefix: {data}/train
+  val_prefix: {data}/val
+run:
+  dir: {run}
+train:
+  max_steps: 12
+  seq_len: 32
+  micro_batch_size: 4
+  global_batch_size: 8
+  lr: 3.0e-3
+  min_lr: 3.0e-4
+  warmup_steps: 2
+  eval_every: 6
+  eval_batches: 2
+  save_every: 3
+  keep_last: 2
+deepspeed:
+  zero_stage: 0
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``run/data`` of the built-in corpus cut to 60 documents, 512-token BPE (a few seconds)."""
+    root = tmp_path_factory.mktemp("tiny_data")
+    recipe = root / "tiny.yaml"
+    recipe.write_text(f"data:\n  sources: [builtin:python-stdlib]\n  max_documents: 60\n  val_fraction: 0.1\n"
+                      f"tokenizer:\n  vocab_size: 512\nrun:\n  dir: {root / 'run'}\n")
+    proc = subprocess.run([*ncpctl_cmd(), "tokenize", str(recipe)], capture_output=True, text=True, env=ENV,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return root / "run" / "data"
+
+
+@pytest.fixture
+def make_recipe(tmp_path: Path, tiny_data: Path):
+    """``make_recipe(name)`` -> path of a tiny recipe whose run.dir is ``tmp_path/name``."""
+
+    def make(name: str = "run") -> Path:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(RECIPE.format(data=tiny_data, run=tmp_path / name))
+        return path
+
+    return make
+
+
+def ncpctl(*args: str, env: dict[str, str] | None = None, launcher_ranks: int = 0, timeout: float = 300,
+           ) -> subprocess.CompletedProcess[str]:
+    """Run the real entry point; ``launcher_ranks`` > 0 runs it under ``deepspeed --num_gpus N``."""
+    cmd = [*ncpctl_cmd(), *args]
+    if launcher_ranks:
+        port = str(30000 + os.getpid() % 2000)  # xdist workers must not share the rendezvous port
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(launcher_ranks),
+               "--master_port", port, *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout)
+
+
+def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([*ncpctl_cmd(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, **(env or {})})
+
+
+def result(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The ``--json`` object (the last JSON line on stdout)."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])
+
+
+def metrics(run_dir: Path, split: str = "train") -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("split") == split]
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in metrics(run_dir)]
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[str], timeout: float = 240) -> None:
+    """Poll metrics.jsonl until it has a training record for ``step`` or later."""
+    path, end = run_dir / "metrics.jsonl", time.time() + timeout
+    while time.time() < end:
+        assert proc.poll() is None, f"run ended before step {step}: {proc.stderr.read()[-2000:]}"
+        if path.exists():
+            done = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+            if any(r.get("split") == "train" and r["step"] >= step for r in done):
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def weights(checkpoint: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
