@@ -12,7 +12,10 @@
 Weights are random (speed does not depend on them). The default shape is the debug size
 widened to d=512, 6 layers, 8 heads (Pythia-70M's body with a 4096-token vocabulary): big
 enough that the model's arithmetic, not Python overhead, is what is measured. Usage:
-    python bench/eval.py [--size debug] [--d-model 512 --layers 6 --heads 8] [--requests 256]
+    python bench/eval.py [--size debug] [--d-model 512 --layers 6 --heads 8] [--requests 256] [--json]
+
+With ``--json`` the progress lines go to stderr and one JSON object (the measurements and a
+``ratios`` dict: name -> value, goal, met) to stdout; ``bench/run_all.py`` reads that.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -147,34 +151,49 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8, help="override the size's heads (0: keep)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (decoding small matrices is "
                     "latency-bound: extra threads on shared cores only add contention)")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout (progress on stderr)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    out = sys.stderr if args.json else sys.stdout
+
+    def say(msg: str = "") -> None:
+        print(msg, file=out, flush=True)
+
     SHAPE.update({k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers), ("n_heads", args.heads)) if v})
-    print(f"size {args.size} {SHAPE}, vocab {args.vocab}, {args.threads} thread(s), torch {torch.__version__}",
-          flush=True)
+    say(f"size {args.size} {SHAPE}, vocab {args.vocab}, {args.threads} thread(s), torch {torch.__version__}")
 
     ours, hf, diff = bench_loglikelihood(args.size, args.vocab, args.requests, args.batch_size)
     # (each section prints as it finishes; the ratios come last)
-    print(f"loglikelihood: ours {ours:.1f} req/s, lm-eval hf {hf:.1f} req/s ({args.requests} requests, "
-          f"batch {args.batch_size}; max |ll diff| {diff:.2e})", flush=True)
+    say(f"loglikelihood: ours {ours:.1f} req/s, lm-eval hf {hf:.1f} req/s ({args.requests} requests, "
+        f"batch {args.batch_size}; max |ll diff| {diff:.2e})")
 
     base = build(args.size, args.vocab, concept=False, max_seq_len=16 + args.new_tokens)
     cached = decode_times(base, 16, args.new_tokens, full=False)
     full = decode_times(base, 16, args.new_tokens, full=True)
-    print(f"decode {args.new_tokens} tokens: cached {cached:.2f} s, full recompute {full:.2f} s", flush=True)
+    say(f"decode {args.new_tokens} tokens: cached {cached:.2f} s, full recompute {full:.2f} s")
 
     concept = build(args.size, args.vocab, concept=True, max_seq_len=16 + args.new_tokens)
     t_base, t_con = per_token_decode([base, concept], args.new_tokens)
-    print(f"per-token decode: base {t_base * 1e3:.3f} ms, ConceptLM {t_con * 1e3:.3f} ms", flush=True)
+    say(f"per-token decode: base {t_base * 1e3:.3f} ms, ConceptLM {t_con * 1e3:.3f} ms")
 
     rows = [("loglikelihood req/s, ours / lm-eval hf", ours / hf, ">= 1.0", ours / hf >= 1.0),
             (f"cached vs full recompute ({args.new_tokens} new tokens)", full / cached, ">= 10", full / cached >= 10),
             ("ConceptLM / base per-token decode cost", t_con / t_base, "<= 1.15", t_con / t_base <= 1.15)]
+    if args.json:
+        print(json.dumps({
+            "shape": {"size": args.size, **SHAPE, "vocab": args.vocab}, "threads": args.threads,
+            "torch": torch.__version__,
+            "loglikelihood": {"ours_req_per_s": ours, "hf_req_per_s": hf, "requests": args.requests,
+                              "batch_size": args.batch_size, "max_abs_ll_diff": diff},
+            "decode": {"new_tokens": args.new_tokens, "cached_s": cached, "full_recompute_s": full,
+                       "per_token_s": {"base": t_base, "concept": t_con}},
+            "ratios": {name: {"value": round(ratio, 3), "goal": goal, "met": ok} for name, ratio, goal, ok in rows},
+        }, indent=2))
+        return
     print()
     for name, ratio, goal, ok in rows:
         print(f"{name:<52} {ratio:7.2f}x  goal {goal:<7} {'met' if ok else 'MISSED'}")
     sys.stdout.flush()
-
 
 if __name__ == "__main__":
     main()

@@ -54,40 +54,26 @@ def main(
     import torch
 
     from ncpctl.checkpoint import load_model
-    from ncpctl.inference import SamplingParams, generate
+    from ncpctl.inference import SamplingParams, generate_texts
 
-    loaded = load_model(checkpoint)
-    if loaded.tokenizer is None:
-        raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint")
-    tok = loaded.tokenizer
-    eod_token = ((loaded.meta.get("recipe") or {}).get("tokenizer") or {}).get("eod_token", "<|endoftext|>")
-    eod = tok.token_to_id(eod_token)
     try:
         params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 greedy=greedy, seed=seed, stop=list(stop or []))
     except ValueError as e:
         raise UserError(str(e)) from None
+    loaded = load_model(checkpoint)
     if seed is not None:
         torch.manual_seed(seed)
-    encoded = [tok.encode(p, add_special_tokens=False).ids or ([eod] if eod is not None else []) for p in prompts]
-    if any(not e for e in encoded):
-        raise UserError("an empty prompt needs an end-of-document token in the tokenizer")
-    decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
     stream = len(prompts) == 1 and not json_out
-    results = []
-    for s in range(0, len(prompts), batch_size):
-        part = encoded[s : s + batch_size]
-        if stream:
-            sys.stdout.write(prompts[0])
-            sys.stdout.flush()
-        on_text = (lambda row, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None
-        done = generate(loaded.model, part, params, decode, eod_id=eod, vocab_size=loaded.config.vocab_size,
-                        max_len=loaded.config.max_seq_len, on_text=on_text)
-        if stream:
-            sys.stdout.write("\n")
-        for i, c in enumerate(done):
-            results.append({"prompt": prompts[s + i], "text": c.text, "tokens": len(c.tokens),
-                            "finish_reason": c.finish_reason})
+    if stream:
+        sys.stdout.write(prompts[0])
+        sys.stdout.flush()
+    done = generate_texts(loaded, prompts, params, batch_size=batch_size,
+                          on_text=(lambda i, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None)
+    if stream:
+        sys.stdout.write("\n")
+    results = [{"prompt": p, "text": c.text, "tokens": len(c.tokens), "finish_reason": c.finish_reason}
+               for p, c in zip(prompts, done)]
 
     def human(con) -> None:
         if stream:

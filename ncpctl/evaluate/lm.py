@@ -5,7 +5,8 @@ batches sorted by length: right padding never reaches a real position (every sta
 causal and a concept block containing padding only feeds positions at or after its own
 last slot, which is padding), so a ConceptLM sees exactly what a lone full forward sees.
 Only the positions being scored go through the LM head (the rest of a sequence needs
-just its hidden states), and identical requests are computed once. Generation
+just its hidden states); requests with the same input (e.g. one-token answers to one
+question) share a forward, each scored on its own continuation. Generation
 (``generate_until``) runs on the incremental decoder (``ncpctl.inference``).
 
 Scores are normalised over the tokenizer's vocabulary (``cfg.vocab_size``), not the padded
@@ -69,8 +70,9 @@ class NCPLM(TemplateLM):
         self._batch_size = int(batch_size) if str(batch_size).isdigit() else 8
         self._max_length = int(max_length or self.cfg.max_seq_len)
         self._max_gen_toks = int(max_gen_toks)
-        eod_token = ((loaded.meta.get("recipe") or {}).get("tokenizer") or {}).get("eod_token", "<|endoftext|>")
-        eot = self.tok.token_to_id(eod_token)
+        from ncpctl.inference import eod_token
+
+        eot = eod_token(loaded)[1]
         self._eot = eot if eot is not None else 0
         self.token_stats: dict[str, dict[str, float]] = {}
 
@@ -166,35 +168,53 @@ class NCPLM(TemplateLM):
 
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **_) -> list[tuple[float, bool]]:
-        """requests: (key, context ids, continuation ids) -> (sum log p(cont), greedy?)."""
+        """requests: (key, context ids, continuation ids) -> (sum log p(cont), greedy?).
+
+        The model input is context + continuation minus its last token, left-truncated to
+        ``max_length`` like HFLM. Requests with the same input share one forward but are each
+        scored on their own continuation: one-token answers to the same question have equal
+        inputs and differ only in the target. Identical requests are scored once."""
         L, V = self.max_length, self.cfg.vocab_size
-        # (input ids, number of scored positions, continuation ids), left-truncated like HFLM
-        items, index = [], {}
+        inputs: dict[tuple[int, ...], int] = {}  # input ids -> forward index
+        scored: dict[tuple[int, tuple[int, ...]], int] = {}  # (forward, continuation) -> score index
+        per_input: list[list[int]] = []  # forward index -> its score indices
+        conts: list[tuple[int, ...]] = []
         which = []
         for _, ctx, cont in requests:
             seq = (list(ctx) + list(cont))[-(L + 1):]
-            inp, n = tuple(seq[:-1]), len(cont)
-            key = (inp, n)
-            if key not in index:
-                index[key] = len(items)
-                items.append((inp, n, list(cont)))
-            which.append(index[key])
-        order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
-        results: list[tuple[float, bool] | None] = [None] * len(items)
+            inp = tuple(seq[:-1])
+            cont = tuple(cont)[len(cont) - min(len(cont), len(inp)):]  # longer than the window: its last tokens
+            f = inputs.setdefault(inp, len(inputs))
+            if f == len(per_input):
+                per_input.append([])
+            key = (f, cont)
+            if key not in scored:
+                scored[key] = len(conts)
+                conts.append(cont)
+                per_input[f].append(scored[key])
+            which.append(scored[key])
+        input_ids = list(inputs)  # in forward-index order
+        order = sorted(range(len(input_ids)), key=lambda i: -len(input_ids[i]))
+        results: list[tuple[float, bool] | None] = [None] * len(conts)
         dev = self._device
         bs = self._batch_size
         with hidden_states_only(self.model) as head:
             for s in range(0, len(order), bs):
                 idx = order[s : s + bs]
-                T = len(items[idx[0]][0])
+                T = len(input_ids[idx[0]])
+                # right padding only: every row starts at position 0, so concept blocks are
+                # aligned as in a lone full forward and padding never feeds a scored position
                 x = torch.zeros(len(idx), T, dtype=torch.long)
-                rows, cols, targets = [], [], []
-                for r, i in enumerate(idx):
-                    inp, n, cont = items[i]
+                rows, cols, targets, spans = [], [], [], []
+                for r, f in enumerate(idx):
+                    inp = input_ids[f]
                     x[r, : len(inp)] = torch.tensor(inp)
-                    rows += [r] * n
-                    cols += range(len(inp) - n, len(inp))
-                    targets += cont
+                    for j in per_input[f]:
+                        n = len(conts[j])
+                        rows += [r] * n
+                        cols += range(len(inp) - n, len(inp))
+                        targets += conts[j]
+                        spans.append((j, n))
                 h = self.model(x.to(dev)).logits  # (B, T, d) final-norm hidden states
                 sel = h[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)]  # (N, d)
                 logp = head(sel)[:, :V].float().log_softmax(-1)  # (N, V)
@@ -202,9 +222,8 @@ class NCPLM(TemplateLM):
                 tok_lp = logp.gather(1, tgt[:, None])[:, 0].cpu()
                 greedy = (logp.argmax(-1) == tgt).cpu()
                 at = 0
-                for i in idx:
-                    n = items[i][1]
-                    results[i] = (float(tok_lp[at : at + n].sum()), bool(greedy[at : at + n].all()))
+                for j, n in spans:
+                    results[j] = (float(tok_lp[at : at + n].sum()), bool(greedy[at : at + n].all()))
                     at += n
         return [results[w] for w in which]  # type: ignore[misc]
 

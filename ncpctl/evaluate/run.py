@@ -4,12 +4,16 @@ Writes ``results_<tag>.json`` (lm-eval's results object plus our ``perplexity`` 
 and ``results_<tag>.md`` (lm-eval's markdown table plus the perplexity summary) into
 ``run.dir/eval/`` (a checkpoint outside a run directory: ``CHECKPOINT/eval/``).
 
-Perplexity across sets (the ``perplexity`` entry), from the scored tokens of each set:
-  * ``per_set[task].token_perplexity`` = exp(NLL / tokens) of that set;
-  * ``mean_of_sets`` = the arithmetic mean of the per-set perplexities (how the ConceptLM
-    paper averages its perplexity sets);
-  * ``token_weighted`` = exp(sum of NLL / sum of tokens) over all sets (big sets weigh more).
-Sets are the tasks whose lm-eval metrics include a perplexity.
+Perplexity across sets (the ``perplexity`` entry; sets = the tasks whose lm-eval metrics
+include a perplexity):
+  * ``per_set[task]``: ``metric`` and ``value``, the set's own lm-eval perplexity (the first
+    of token_perplexity, perplexity, word_perplexity, byte_perplexity it reports: wikitext
+    and the Pile report word perplexity, LAMBADA the target perplexity), plus
+    ``token_perplexity`` = exp(NLL / tokens) over its scored tokens, ``tokens`` and ``nll``;
+  * ``mean_of_sets`` = the arithmetic mean of the per-set ``value``s (how the ConceptLM
+    paper averages its perplexity sets; the units differ between sets, as in the paper);
+  * ``token_weighted`` = exp(sum of NLL / sum of tokens) over all sets' scored tokens
+    (big sets weigh more; one unit: our tokenizer's tokens).
 
 Hub tasks whose data cannot be loaded (no network, no cache) fail before any model work,
 with one line per task naming it.
@@ -31,7 +35,7 @@ import yaml
 from ncpctl.errors import UserError
 from ncpctl.evaluate import TASKS_DIR
 
-PPL_METRICS = ("perplexity", "word_perplexity", "token_perplexity", "byte_perplexity")
+PPL_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity")  # preference order
 
 
 @dataclass
@@ -193,28 +197,32 @@ def metrics(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
 def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict[str, float]]) -> dict[str, Any]:
     sets = {}
     for task, m in results.items():
-        if not any(k.split(",")[0] in PPL_METRICS for k in m):
-            continue
+        reported = {k.split(",")[0]: v for k, v in m.items()
+                    if "," in k and k.split(",")[0] in PPL_METRICS and isinstance(v, (int, float))}
         st = stats.get(task)
-        if not st or not st["tokens"]:
+        if not reported or not st or not st["tokens"]:
             continue
-        sets[task] = {"token_perplexity": math.exp(st["nll"] / st["tokens"]), "tokens": int(st["tokens"]),
+        metric = next(name for name in PPL_METRICS if name in reported)
+        sets[task] = {"metric": metric, "value": float(reported[metric]),
+                      "token_perplexity": math.exp(st["nll"] / st["tokens"]), "tokens": int(st["tokens"]),
                       "nll": st["nll"]}
     if not sets:
         return {}
     nll, n = sum(s["nll"] for s in sets.values()), sum(s["tokens"] for s in sets.values())
-    return {"per_set": sets, "mean_of_sets": sum(s["token_perplexity"] for s in sets.values()) / len(sets),
+    return {"per_set": sets, "mean_of_sets": sum(s["value"] for s in sets.values()) / len(sets),
             "token_weighted": math.exp(nll / n)}
 
 
 def _ppl_markdown(ppl: dict[str, Any]) -> str:
     if not ppl:
         return ""
-    lines = ["", "## Perplexity across sets (per scored token)", "",
-             "| set | tokens | token perplexity |", "|---|---:|---:|"]
-    lines += [f"| {k} | {v['tokens']} | {v['token_perplexity']:.4f} |" for k, v in ppl["per_set"].items()]
-    lines += ["", f"- mean of per-set perplexities (the ConceptLM paper's average): {ppl['mean_of_sets']:.4f}",
-              f"- token-weighted perplexity (all sets' tokens pooled): {ppl['token_weighted']:.4f}", ""]
+    lines = ["", "## Perplexity across sets", "",
+             "| set | lm-eval metric | value | scored tokens | token perplexity |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {k} | {v['metric']} | {v['value']:.4f} | {v['tokens']} | {v['token_perplexity']:.4f} |"
+              for k, v in ppl["per_set"].items()]
+    lines += ["", f"- mean of per-set perplexities (the `value` column; the ConceptLM paper's average): "
+              f"{ppl['mean_of_sets']:.4f}",
+              f"- token-weighted perplexity (all sets' scored tokens pooled): {ppl['token_weighted']:.4f}", ""]
     return "\n".join(lines)
 
 
@@ -234,8 +242,8 @@ def rich_table(summary: dict[str, Any]):
     ppl = summary.get("perplexity") or {}
     if ppl:
         table.add_section()
-        table.add_row("perplexity sets", "mean of per-set ppl", f"{ppl['mean_of_sets']:.4f}", "")
-        table.add_row("perplexity sets", "token-weighted ppl", f"{ppl['token_weighted']:.4f}", "")
+        table.add_row("perplexity sets", "mean of per-set ppl (paper's average)", f"{ppl['mean_of_sets']:.4f}", "")
+        table.add_row("perplexity sets", "token-weighted ppl (tokens pooled)", f"{ppl['token_weighted']:.4f}", "")
     return table
 
 

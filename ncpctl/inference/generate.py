@@ -13,7 +13,7 @@ always stops a row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -160,3 +160,36 @@ def generate(
             on_text(b, texts[b][shown[b]:])
         result.append(Completion(texts[b], out[b], done[b] or "length"))
     return result
+
+
+def eod_token(loaded) -> tuple[str, int | None]:
+    """The end-of-document token of a loaded checkpoint (its recipe's ``tokenizer.eod_token``,
+    default ``<|endoftext|>``) and its id in the checkpoint's tokenizer (None if absent)."""
+    token = ((loaded.meta.get("recipe") or {}).get("tokenizer") or {}).get("eod_token", "<|endoftext|>")
+    return token, (loaded.tokenizer.token_to_id(token) if loaded.tokenizer is not None else None)
+
+
+def generate_texts(loaded, prompts: Sequence[str], params: SamplingParams, *, batch_size: int = 8,
+                   on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+    """Text in, completions out, for a ``LoadedModel`` (``ncpctl generate``): prompts are
+    encoded with the checkpoint's tokenizer (an empty prompt = the end-of-document token)
+    and decoded ``batch_size`` at a time; prompt i samples with ``seed + i``, so its text
+    does not depend on the batch size; ``on_text(i, delta)`` streams prompt i's text."""
+    from ncpctl.errors import UserError
+
+    tok = loaded.tokenizer
+    if tok is None:
+        raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint")
+    _, eod = eod_token(loaded)
+    encoded = [tok.encode(p, add_special_tokens=False).ids or ([eod] if eod is not None else []) for p in prompts]
+    if any(not e for e in encoded):
+        raise UserError("an empty prompt needs an end-of-document token in the tokenizer")
+    out: list[Completion] = []
+    for s in range(0, len(encoded), batch_size):
+        cb = None if on_text is None else (lambda row, delta, s=s: on_text(s + row, delta))
+        # prompt i samples with seed + i whatever the batch size (generate seeds row b with seed + b)
+        p = params if params.seed is None else replace(params, seed=params.seed + s)
+        out += generate(loaded.model, encoded[s : s + batch_size], p,
+                        lambda ids: tok.decode(ids, skip_special_tokens=False), eod_id=eod,
+                        vocab_size=loaded.config.vocab_size, max_len=loaded.config.max_seq_len, on_text=cb)
+    return out

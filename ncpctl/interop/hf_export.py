@@ -71,8 +71,9 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
 
 
 def _eod(loaded) -> tuple[str, int]:
-    token = ((loaded.meta.get("recipe") or {}).get("tokenizer") or {}).get("eod_token", "<|endoftext|>")
-    tid = loaded.tokenizer.token_to_id(token)
+    from ncpctl.inference import eod_token
+
+    token, tid = eod_token(loaded)
     if tid is None:
         raise UserError(f"{loaded.path}: the tokenizer has no end-of-document token {token!r}")
     return token, tid

@@ -30,54 +30,67 @@ def _round_up(x: int, multiple: int) -> int:
     return ((x + multiple - 1) // multiple) * multiple
 
 
+def _f(default: Any, doc: str) -> Any:
+    """A dataclass field with its documentation (the recipe schema and reference read it)."""
+    if isinstance(default, type):
+        return field(default_factory=default, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
 @dataclass
 class ConceptConfig:
     """The concept path (spec sections 1-3). Defaults follow ConceptLM (Pythia)."""
 
-    enabled: bool = False
-    k: int = 4  # tokens per concept block
-    encoder_layers: int = 1  # E: backbone layers before pooling (0 pools the embeddings)
-    concept_layers: int = 2  # C: causal layers of the concept transformer (on T/k positions)
-    segments: int | None = None  # S: product-quantisation segments; None -> n_heads
-    codes: int = 64  # N: codes per segment
-    codebook: Literal["simvq", "learned"] = "simvq"
-    code_weights: Literal["linear", "softmax"] = "linear"
-    add: Literal["raw", "normed"] = "raw"
-    detach_added_concept: bool = False
-    ncp_reduction: Literal["mean", "sum_dim"] = "mean"
-    ncp_weight: float = 1.0  # alpha
-    vq_weight: float = 1.0  # beta_vq
-    commitment: float = 0.25
-    rope_scale_by_k: bool = False  # concept positions j -> j*k in RoPE
-    copy_concept_layers_from_base: bool = False  # HF import: init concept layers from base's first C
+    enabled: bool = _f(False, "Turn the concept path on (ConceptLM); off = exactly the HF backbone.")
+    k: int = _f(4, "Tokens per concept block.")
+    encoder_layers: int = _f(1, "E: token layers before pooling (0 pools the embeddings, the GPT-2 variant).")
+    concept_layers: int = _f(2, "C: causal layers of the concept transformer, run on T/k positions.")
+    segments: int | None = _f(None, "S: product-quantisation segments (must divide d_model); null = n_heads.")
+    codes: int = _f(64, "N: codes per segment (ConceptLM 64, NCP-ArchPreview 128).")
+    codebook: Literal["simvq", "learned"] = _f(
+        "simvq", "simvq = frozen Gaussian codes through a trained MLP transform; learned = plain trained codes.")
+    code_weights: Literal["linear", "softmax"] = _f(
+        "linear", "linear = raw head outputs weight the codes (ConceptLM); softmax = per segment (NCP-ArchPreview).")
+    add: Literal["raw", "normed"] = _f("raw", "raw = h + pred; normed = norm(h) + norm(pred) (GPT-2 variant).")
+    detach_added_concept: bool = _f(False, "Stop next-token gradients at the added prediction (ConceptLM Llama variant).")
+    ncp_reduction: Literal["mean", "sum_dim"] = _f(
+        "mean", "NCP loss: mean over all elements (ConceptLM) or sum over d, mean over blocks (NCP-ArchPreview).")
+    ncp_weight: float = _f(1.0, "alpha: weight of the next-concept MSE loss.")
+    vq_weight: float = _f(1.0, "beta_vq: weight of the codebook loss.")
+    commitment: float = _f(0.25, "Commitment weight inside the VQ loss.")
+    rope_scale_by_k: bool = _f(False, "Concept transformer RoPE positions j -> j*k (token-aligned).")
+    copy_concept_layers_from_base: bool = _f(
+        False, "HF import: initialise the concept layers from the base's first C layers (else fresh).")
 
 
 @dataclass
 class ModelConfig:
     """One NCP model. With ``concept.enabled`` false it is exactly the HF backbone."""
 
-    name: str = "custom"
-    backbone: Backbone = "neox"
-    vocab_size: int = 50304  # real tokenizer vocab (padded_vocab_size is what the embedding holds)
-    pad_vocab_multiple: int = 128
-    d_model: int = 768
-    n_layers: int = 12  # backbone token layers (before extra_token_layers)
-    n_heads: int = 12
-    n_kv_heads: int | None = None  # GQA; None -> n_heads
-    ffn_dim: int | None = None  # None -> 4*d (neox); llama: 8/3*d rounded to 256
-    max_seq_len: int = 2048
-    rotary_pct: float | None = None  # None -> 0.25 (neox) / 1.0 (llama)
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-5
-    parallel_residual: bool | None = None  # None -> True for neox
-    bias: bool | None = None  # None -> True for neox, False for llama
-    tie_embeddings: bool = False
-    qk_norm: Literal["none", "layer", "head"] = "none"
-    sliding_window: int | None = None  # SWA window (llama); None -> full attention everywhere
-    full_attn_every: int = 1  # with SWA: every n-th layer (1-based: n, 2n, ...) is full
-    init_std: float = 0.02
-    extra_token_layers: int = 0  # PM baseline: +2 token layers
-    concept: ConceptConfig = field(default_factory=ConceptConfig)
+    name: str = _f("custom", "Name recorded in checkpoints (default: the size).")
+    backbone: Backbone = _f("neox", "neox (Pythia: LayerNorm, parallel residual, partial rotary, GELU) or "
+                                    "llama (RMSNorm, SwiGLU, RoPE, GQA).")
+    vocab_size: int = _f(50304, "Real vocabulary (default: the tokenizer's); the embedding holds padded_vocab_size.")
+    pad_vocab_multiple: int = _f(128, "Pad the embedding/LM head rows to a multiple of this.")
+    d_model: int = _f(768, "Hidden size d.")
+    n_layers: int = _f(12, "Backbone token layers (E + D; PM adds extra_token_layers).")
+    n_heads: int = _f(12, "Attention heads.")
+    n_kv_heads: int | None = _f(None, "Key/value heads for GQA; null = n_heads.")
+    ffn_dim: int | None = _f(None, "MLP width; null = 4*d (neox) or 8/3*d rounded to 256 (llama).")
+    max_seq_len: int = _f(2048, "Longest sequence the model is built for.")
+    rotary_pct: float | None = _f(None, "Fraction of head dims with rotary; null = 0.25 (neox) / 1.0 (llama).")
+    rope_base: float = _f(10000.0, "RoPE base (theta).")
+    norm_eps: float = _f(1e-5, "Epsilon of LayerNorm/RMSNorm.")
+    parallel_residual: bool | None = _f(None, "GPT-NeoX parallel attention+MLP residual; null = true for neox.")
+    bias: bool | None = _f(None, "Biases in linear layers; null = true for neox, false for llama.")
+    tie_embeddings: bool = _f(False, "Share the token embedding with the LM head.")
+    qk_norm: Literal["none", "layer", "head"] = _f(
+        "none", "RMSNorm on queries/keys: over the whole projection (layer, OLMo-2) or per head (head, Qwen3).")
+    sliding_window: int | None = _f(None, "Sliding-window attention width; null = full attention everywhere.")
+    full_attn_every: int = _f(1, "With a sliding window: every n-th layer (n, 2n, ...) attends fully.")
+    init_std: float = _f(0.02, "Std of the normal init of matrices and embeddings.")
+    extra_token_layers: int = _f(0, "Extra token layers: 2 = the parameter-matched (PM) baseline.")
+    concept: ConceptConfig = _f(ConceptConfig, "The concept path.")
 
     # ---- derived (computed in __post_init__) ----
     padded_vocab_size: int = field(init=False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ncpctl.model.config import ModelConfig
 
@@ -64,20 +65,53 @@ def rope(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> tuple
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rotary_dim dims of each head of x (B, H, T, hd) (HF rotate_half form).
+def _rotate(x: torch.Tensor, cos: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A new contiguous copy of x whose first rd = cos.shape[-1] dims of the last axis are
+    ``[x1 * c1 + x2 * a, x2 * c2 + x1 * b]`` (x1, x2 the halves of those dims); the rest copied.
 
-    ``rotate_half(xr) * sin`` is computed as ``swap_halves(xr) * [-sin1, sin2]``: the sign
-    moves onto the small (.., T, rd) table, which is bit-identical (a sign flip is exact) and
-    saves one full pass (the ``neg``) over q and k per layer.
+    Written with ``out=`` kernels into one preallocated tensor: no flipped copy, no ``cat``,
+    and no zero-filled slice gradients when used in a backward."""
+    rd, h = cos.shape[-1], cos.shape[-1] // 2
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rd < x.shape[-1]:
+        out[..., rd:].copy_(x[..., rd:])
+    o = out[..., :rd]
+    torch.mul(x[..., :rd], cos, out=o)
+    tmp = torch.empty(o.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x[..., h:rd], a, out=tmp[..., :h])
+    torch.mul(x[..., :h], b, out=tmp[..., h:])
+    o.add_(tmp)
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    """HF ``rotate_half`` rotary embedding: ``xr * cos + cat(-x2, x1) * sin`` on the first
+    rotary dims, the rest passed through, bit for bit (same products, same sums), forward
+    and backward. The backward is the inverse rotation ``[g1*c1 + g2*s2, g2*c2 - g1*s1]``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = cos.shape[-1] // 2
+        s1, s2 = sin[..., :h], sin[..., h:]
+        ns1 = -s1  # tiny table: the sign is exact
+        ctx.save_for_backward(cos, ns1, s2)
+        return _rotate(x, cos, ns1, s2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: torch.Tensor):
+        cos, ns1, s2 = ctx.saved_tensors
+        return _rotate(g, cos, s2, ns1), None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim dims of each head of x (HF rotate_half form), bit-identical
+    to HF's ``apply_rotary_pos_emb``; returns a new contiguous tensor.
+
+    x is (B, H, T, hd) with cos, sin (B|1, 1, T, rotary_dim) as from ``rope``, or any layout
+    that broadcasts against the tables (e.g. (B, T, H, hd) with ``cos.transpose(1, 2)``).
     """
-    rd = cos.shape[-1]
-    xr = x[..., :rd]
-    s1, s2 = sin.chunk(2, dim=-1)
-    sin_signed = torch.cat((-s1, s2), dim=-1)  # (B|1, 1, T, rd), tiny
-    swapped = xr.unflatten(-1, (2, rd // 2)).flip(-2).flatten(-2)  # [x2, x1]
-    out = xr * cos + swapped * sin_signed
-    return out if rd == x.shape[-1] else torch.cat((out, x[..., rd:]), dim=-1)
+    return _Rope.apply(x, cos, sin)
 
 
 # ---- attention masks and KV cache ------------------------------------------------------
@@ -161,15 +195,21 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
-        if self.qk_norm == "layer":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, T, self.n_heads, self.hd)
-        k = k.view(B, T, self.n_kv, self.hd)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H|Hkv, T, hd)
+        H, Hkv, hd = self.n_heads, self.n_kv, self.hd
+        if self.qk_norm is None:  # q and k are adjacent in qkv: rotate both in one pass
+            qk, v = self.qkv(x).split([(H + Hkv) * hd, Hkv * hd], dim=-1)
+            qk = apply_rope(qk.view(B, T, H + Hkv, hd), cos.transpose(1, 2), sin.transpose(1, 2))
+            q, k = qk.split([H, Hkv], dim=2)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H|Hkv, T, hd)
+        else:
+            q, k, v = self.qkv(x).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+            if self.qk_norm == "layer":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.view(B, T, H, hd), k.view(B, T, Hkv, hd)
+            if self.qk_norm == "head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.view(B, T, Hkv, hd).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, len, hd)
         y = F.scaled_dot_product_attention(

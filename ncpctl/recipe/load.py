@@ -287,6 +287,12 @@ def _describe(name: str, cls: type[BaseModel], err: Any) -> Problem:
     return key, err["msg"] + (f", got {got!r}" if not isinstance(got, (dict, list)) else "")
 
 
+def _related(a: str, b: str) -> bool:
+    """True when key path ``a`` is ``b``, or one is inside the other (``data.sources`` / ``data.sources[0].path``)."""
+    return a == b or any(long.startswith(short) and long[len(short)] in ".[" for short, long in ((a, b), (b, a))
+                         if len(long) > len(short))
+
+
 def _origin_of(key: str, origin: dict[str, str], default: str) -> str:
     """The file that set ``key`` (or its closest set ancestor), else ``default``."""
     while key:
@@ -379,7 +385,11 @@ def load_recipe(
 
     name = (sections["run"].name if "run" in sections and sections["run"].name else None) or path.stem
     derived: dict[str, Any] = {}
-    problems.extend(_check_combinations(sections, world_size, need_sources, name, derived))
+    # A key that already failed validation was dropped before the cross-field checks, so a
+    # check on it (or on its section path) would report a consequence, not a new problem.
+    bad = [key for key, _ in problems]
+    problems.extend(p for p in _check_combinations(sections, world_size, need_sources, name, derived)
+                    if not any(_related(p[0], key) for key in bad))
 
     lines = list(file_problems)
     lines += [f"{_origin_of(key, origin, top)}: {key}: {msg}" for key, msg in problems]
@@ -401,6 +411,19 @@ def _config_without(size: str, overrides: dict[str, Any], bad: list[str]) -> Mod
     try:
         return build_config(size, **trimmed)
     except ConfigError:
+        return None
+
+
+def _init_from_model(train: Any) -> ModelConfig | None:
+    """The model config stored in ``train.init_from`` when that is an ncpctl checkpoint (or a
+    run directory); None otherwise (a Hugging Face directory, or a problem reported elsewhere)."""
+    if train is None or not train.init_from:
+        return None
+    from ncpctl.checkpoint import read_meta, resolve
+
+    try:
+        return ModelConfig.from_dict(read_meta(resolve(train.init_from))["model_config"])
+    except (UserError, ConfigError, KeyError, TypeError):
         return None
 
 
@@ -443,7 +466,12 @@ def _check_combinations(
         if vocab is not None and data.dtype == "uint16" and vocab > UINT16_LIMIT:
             problems.append(("data.dtype", f"uint16 holds ids below {UINT16_LIMIT}, but the tokenizer has {vocab} tokens; use int32 or auto"))
 
-    if model is not None:
+    base = _init_from_model(train) if model is not None and not model.model_fields_set else None
+    if base is not None:
+        # midtrain / adapt-vq with no `model:` section: the checkpoint describes the model
+        # (style rule 7), so the recipe needs only train.init_from
+        derived["model_config"] = cfg = base
+    elif model is not None:
         overrides = model.model_dump(exclude={"size"}, exclude_none=True)
         if overrides.get("vocab_size") is None and vocab is not None:
             overrides["vocab_size"] = vocab

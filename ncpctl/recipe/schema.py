@@ -55,16 +55,16 @@ class DataSection(Section):
     batch_documents: int = Field(1024, gt=0, description="Documents per encode batch.")
     min_chars: int = Field(1, ge=0, description="Documents shorter than this (in characters) are dropped.")
     max_documents: Optional[int] = Field(None, gt=0, description="Stop after this many documents (smoke tests).")
+    train_prefix: Optional[str] = Field(None, description="Use an existing Megatron dataset (PREFIX.bin/.idx, "
+                                        "e.g. the pre-tokenized Pile) for training instead of `run.dir/data/train`.")
+    val_prefix: Optional[str] = Field(None, description="Existing Megatron dataset for validation.")
+
     @field_validator("sources", mode="before")
     @classmethod
     def _bare_strings(cls, v: Any) -> Any:
         if isinstance(v, list):
             return [{"path": x} if isinstance(x, str) else x for x in v]
         return v
-
-    train_prefix: Optional[str] = Field(None, description="Use an existing Megatron dataset (PREFIX.bin/.idx, "
-                                        "e.g. the pre-tokenized Pile) for training instead of `run.dir/data/train`.")
-    val_prefix: Optional[str] = Field(None, description="Existing Megatron dataset for validation.")
 
 
 class TokenizerSection(Section):
@@ -84,7 +84,7 @@ def _model_section(dc: type, name: str, nested: dict[str, type] | None = None) -
         if not f.init:
             continue
         tp = nested.get(f.name) if nested and f.name in nested else hints[f.name]
-        fields[f.name] = (Optional[tp], None)
+        fields[f.name] = (Optional[tp], Field(None, description=f.metadata.get("doc")))
     return create_model(name, __base__=Section, **fields)
 
 
@@ -120,7 +120,8 @@ class TrainSection(Section):
     save_every: int = Field(100, ge=0, description="Checkpoint every N steps (0 = only at the end).")
     keep_last: int = Field(2, gt=0, description="Checkpoints kept on disk.")
     resume: str = Field("auto", description="`auto` (newest complete checkpoint), `never`, or a checkpoint path.")
-    init_from: Optional[str] = Field(None, description="midtrain/adapt-vq: checkpoint (or HF directory) to start from.")
+    init_from: Optional[str] = Field(None, description="midtrain/adapt-vq: checkpoint, run directory or HF "
+                                     "directory to start from; a recipe without a `model:` section takes the checkpoint's model.")
     load: Literal["weights", "all"] = Field("weights", description="midtrain: load weights only (fresh optimizer) or everything.")
     zero_concept_output: bool = Field(False, description="midtrain from a Hugging Face directory: start the codebook's "
                                       "output projection at zero, so step 0 computes exactly the base model's logits.")

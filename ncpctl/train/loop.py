@@ -18,6 +18,7 @@ environment the launcher sets). Every rank executes the same collectives in the 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import random
@@ -102,11 +103,37 @@ class Faults:
     """Failure injection for the tests, from ``$NCPCTL_FAULT`` (comma-separated):
     ``nan@S`` makes step S's loss NaN; ``kill_in_save@S`` SIGKILLs the process after DeepSpeed
     wrote checkpoint S but before it became ``latest``; ``sleep@SECONDS`` pauses after every
-    step (so a test can kill a run mid-way). Unset in normal use."""
+    step (so a test can kill a run mid-way). Unset in normal use.
+
+    An environment variable rather than a recipe key: the faults must reach the real entry
+    point (also under the launcher) without becoming part of the documented recipe. So that it
+    cannot act unnoticed, any item that is not exactly one of the forms above is an error before
+    training starts, and an active spec is announced on stderr (``announce``)."""
+
+    KINDS = {"nan": int, "kill_in_save": int, "sleep": float}
 
     def __init__(self, spec: str):
-        self.items = {tuple(x.split("@")) for x in spec.split(",") if "@" in x}
-        self.sleep = next((float(v) for k, v in self.items if k == "sleep"), 0.0)
+        self.spec = spec.strip()
+        self.items: set[tuple[str, str]] = set()
+        self.sleep = 0.0
+        for item in filter(None, (x.strip() for x in self.spec.split(","))):
+            kind, _, value = item.partition("@")
+            try:
+                number = self.KINDS[kind](value)
+                if number < 0:
+                    raise ValueError(value)
+            except (KeyError, ValueError):
+                raise UserError(f"${FAULT_ENV}={spec!r}: {item!r} is not a test fault "
+                                "(nan@STEP, kill_in_save@STEP or sleep@SECONDS)",
+                                hint=f"{FAULT_ENV} is a test hook; unset it for real runs") from None
+            if kind == "sleep":
+                self.sleep = float(number)
+            else:
+                self.items.add((kind, str(number)))
+
+    def announce(self, warn: Callable[[str], None]) -> None:
+        if self.spec:
+            warn(f"{FAULT_ENV}={self.spec}: test fault injection is active (unset it for real runs)")
 
     def nan(self, step: int) -> bool:
         return ("nan", str(step)) in self.items
@@ -181,8 +208,6 @@ def _dataset(recipe: Recipe, split: str) -> IndexedDataset:
 
 def _check_vocab(recipe: Recipe, ds: IndexedDataset, vocab: int) -> None:
     """The data's token ids must fit the model's embedding (checked before training)."""
-    import json
-
     meta_path = Path(str(ds.bin_path)[: -len(".bin")]).parent / "meta.json"
     if meta_path.is_file():
         data_vocab = json.loads(meta_path.read_text())["tokenizer"]["vocab_size"]
@@ -234,12 +259,13 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
 
     t, cfg = recipe.train, recipe.model_config
     assert cfg is not None
+    faults = Faults(os.environ.get(FAULT_ENV, ""))  # test hook; a malformed spec fails here
     d = init_distributed()
     lead = d.rank == 0
     info = out.info if lead else (lambda msg: None)
     warn = out.warn if lead else (lambda msg: None)
+    faults.announce(warn)
     on_gpu = d.device.type != "cpu"
-    faults = Faults(os.environ.get(FAULT_ENV, ""))
     run_dir, root = recipe.run_dir, ckpt.checkpoints_dir(recipe.run_dir)
     T, micro, G = recipe.seq_len, t.micro_batch_size, recipe.global_batch_size
 

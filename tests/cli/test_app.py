@@ -8,8 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
+from typer.testing import CliRunner
 
 from ncpctl import __version__
+from ncpctl.cli._common import DebugOpt, JsonOpt, command
+from ncpctl.errors import UserError
 
 from ..conftest import RECIPES, run_cli
 
@@ -79,3 +83,66 @@ def test_missing_recipe_and_bad_set_are_user_errors(tmp_path: Path) -> None:
 def test_python_dash_m_entry_point() -> None:
     r = subprocess.run([sys.executable, "-m", "ncpctl", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and __version__ in r.stdout
+
+
+def test_help_is_light_through_the_entry_point() -> None:
+    """`ncpctl --help` and every `ncpctl CMD --help` run with torch and deepspeed made
+    unimportable (so none of them imports either), and `ncpctl --help` costs under a second
+    of CPU time (CPU, not wall time: the test box is shared)."""
+    code = ("import sys; sys.modules.update(torch=None, deepspeed=None, transformers=None, datasets=None); "
+            "from ncpctl.cli.app import main; sys.argv = ['ncpctl', *sys.argv[1:]]; main()")
+    for args in (["--help"], *([name, "--help"] for name in COMMANDS)):
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+        assert r.returncode == 0, (args, r.stderr[-2000:])
+        assert "Usage" in r.stdout, args
+    import resource
+
+    best = float("inf")
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert run_cli("--help").returncode == 0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        best = min(best, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
+    assert best < 1.0, f"ncpctl --help took {best:.2f} s of CPU"
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("where", ["global", "command"])
+def test_json_on_every_command(name: str, where: str, tmp_path: Path) -> None:
+    """--json (before or after the command) puts exactly one JSON object on stdout, also on
+    errors; human messages stay on stderr."""
+    target = str(tmp_path / "missing.yaml")
+    args = ["--json", name, target] if where == "global" else [name, target, "--json"]
+    if name == "generate":
+        args += ["--prompt", "x"]
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    out = json.loads(r.stdout)  # the whole stdout is one JSON document
+    assert out["ok"] is False and out["exit_code"] == 2 and out["errors"]
+    assert all(target in e for e in out["errors"]), out
+    assert f"error: {out['errors'][0]}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_internal_failure_is_exit_1_and_debug_reraises() -> None:
+    """Exit codes of the shared wrapper: a bug is exit 1 with one line (traceback with --debug);
+    a UserError is exit 2; --json reports either as JSON on stdout."""
+    app = typer.Typer()
+
+    @app.command()
+    @command
+    def boom(kind: str, json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+        if kind == "bug":
+            raise ZeroDivisionError("division by zero\nsecond line")
+        raise UserError("bad input", "another problem")
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["bug"])
+    assert r.exit_code == 1
+    assert "error: internal error: ZeroDivisionError: division by zero\n" in r.output
+    assert "second line" not in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, ["bug", "--debug"])
+    assert isinstance(r.exception, ZeroDivisionError)  # re-raised: the full traceback
+    r = runner.invoke(app, ["bug", "--json"])
+    assert r.exit_code == 1 and '"exit_code": 1' in r.output
+    r = runner.invoke(app, ["user"])
+    assert r.exit_code == 2 and "error: bad input\nerror: another problem\n" in r.output

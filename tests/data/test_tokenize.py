@@ -42,6 +42,11 @@ def test_text_corpus_layout_format_and_round_trip(tmp_path: Path, text_corpus: P
     assert on_disk["splits"]["train"]["documents"] + on_disk["splits"]["val"]["documents"] == 24
     assert on_disk["splits"]["val"]["documents"] > 0
     assert on_disk["dtype"] == "uint16" and on_disk["tokenizer"]["trained"] is True
+    import hashlib
+
+    assert on_disk["tokenizer"]["sha256"] == hashlib.sha256((data / "tokenizer.json").read_bytes()).hexdigest()
+    assert len(on_disk["source_fingerprint"]) == 64 and on_disk["tokens"] == sum(
+        on_disk["splits"][s]["tokens"] for s in ("train", "val"))
 
     tok = Tokenizer.from_file(str(data / "tokenizer.json"))
     eod = on_disk["tokenizer"]["eod_id"]
@@ -199,3 +204,22 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(tmp_path: Path, text
     assert before == after
     r = run_cli("tokenize", str(p), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["up_to_date"] is True
+
+
+def test_large_vocab_is_written_as_int32(tmp_path: Path, text_corpus: Path) -> None:
+    """A loaded tokenizer with >= 65500 tokens switches the .bin to int32 (Megatron's rule),
+    and ids above 65535 round-trip."""
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"t{i}": i for i in range(2, 70000)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "big.json"))
+    (text_corpus / "high.txt").write_text("t69999 t65536 t3")
+    r = load_recipe(recipe_file(tmp_path, f"['{text_corpus}/*.txt']"),
+                    [f"tokenizer.path={tmp_path / 'big.json'}", "data.val_fraction=0.0"], need_sources=True)
+    meta = tokenize(r)
+    assert meta["dtype"] == "int32" and meta["tokenizer"]["vocab_size"] == 70000
+    ds = IndexedDataset(r.data_dir / "train")
+    assert ds.dtype == np.int32
+    assert [69999, 65536, 3, 0] in [ds[i].tolist() for i in range(len(ds))]

@@ -89,3 +89,20 @@ def test_cli_generate_json_seeded(runs, tmp_path):
     assert streamed.returncode == 0 and streamed.stdout.startswith("def main(")
     bad = run_cli("generate", str(runs["concept"]))
     assert bad.returncode == 2 and "no prompt" in bad.stderr
+
+
+def test_generate_texts_seed_does_not_depend_on_batch_size(lm):
+    """`ncpctl generate --seed S --prompts-file F`: prompt i samples with seed S+i, whether the
+    prompts are decoded one at a time or together (a later batch must not reuse S+0...)."""
+    from ncpctl.inference import generate_texts
+
+    prompts = ["def main(", "import", "class A:", ""]
+    p = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, seed=5)
+    one = generate_texts(lm, prompts, p, batch_size=1)
+    two = generate_texts(lm, prompts, p, batch_size=2)
+    assert [c.tokens for c in one] == [c.tokens for c in two]
+    assert one[0].tokens != generate_texts(lm, prompts[:1], SamplingParams(max_new_tokens=10, temperature=1.0,
+                                                                           top_k=50, seed=6), batch_size=1)[0].tokens
+    streamed: dict[int, str] = {}
+    generate_texts(lm, prompts[:3], p, batch_size=2, on_text=lambda i, d: streamed.__setitem__(i, streamed.get(i, "") + d))
+    assert [streamed.get(i, "") for i in range(3)] == [c.text for c in one[:3]]

@@ -62,9 +62,20 @@ def test_model_adds_shifted_pred():
     torch.testing.assert_close(cm.predict(u, cm.codebook()), pred)
 
 
+CAUSAL_VARIANTS = {
+    "neox-conceptlm": ("neox", {}),
+    # every other switch that touches the decoder input: E=0, normed add, softmax, scaled RoPE, SWA
+    "llama-archpreview-like": ("llama", dict(encoder_layers=0, add="normed", code_weights="softmax",
+                                             rope_scale_by_k=True)),
+}
+
+
+@pytest.mark.parametrize("variant", list(CAUSAL_VARIANTS))
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_causality(k):
-    cfg = tiny("neox", concept=dict(k=k))
+def test_causality(k, variant):
+    backbone, concept = CAUSAL_VARIANTS[variant]
+    extra = dict(sliding_window=3, full_attn_every=2, qk_norm="layer") if backbone == "llama" else {}
+    cfg = tiny(backbone, concept=dict(k=k, **concept), **extra)
     model = build(cfg, scale=0.3)
     T = 13  # not a multiple of 2, 4, 8
     x = tokens(cfg, 1, T)
@@ -228,3 +239,75 @@ def test_one_step_lowers_the_loss():
     after = model(x[:, :-1], x[:, 1:])
     assert after.loss.item() < before.loss.item()
     assert after.ntp_loss.item() < before.ntp_loss.item()
+
+
+def test_linear_code_weights_are_raw_head_outputs():
+    """`linear` (ConceptLM reference): the head outputs multiply the codebook unnormalised;
+    `softmax` (NCP-ArchPreview): per-segment convex weights."""
+    cm = build(tiny("neox", concept=dict(code_weights="linear"))).concept
+    u = torch.randn(2, 3, 32)
+    codes = cm.codebook()
+    w = cm.heads(cm.norm(u)).view(2, 3, 4, 8)  # (B, M, S, N), no normalisation
+    want = torch.stack([w[:, :, s] @ codes[s] for s in range(4)], 2).reshape(2, 3, 32)
+    torch.testing.assert_close(cm.predict(u, codes), want)
+    assert not torch.allclose(w.sum(-1), torch.ones(2, 3, 4))  # really unnormalised here
+
+
+@pytest.mark.parametrize("codebook", ["simvq", "learned"])
+def test_codebook_base_init_std(codebook):
+    """Gaussian base with std d_seg**-0.5 (spec 2), also after NCPModel's own init."""
+    cfg = tiny("neox", concept=dict(codes=64, codebook=codebook))  # S=4, N=64, d_seg=8: 2048 values
+    base = NCPModel(cfg).concept.codebook.base
+    assert abs(base.std().item() - 8**-0.5) < 0.03
+    assert abs(base.mean().item()) < 0.03
+
+
+# Where the published designs disagree (spec 1-3): each is a recipe key under model.concept,
+# with the spec's default (ConceptLM unless the spec says otherwise).
+SPEC_DEFAULTS = dict(
+    k=4, encoder_layers=1, concept_layers=2, codes=64, segments=None, codebook="simvq", code_weights="linear",
+    add="raw", detach_added_concept=False, ncp_reduction="mean", ncp_weight=1.0, vq_weight=1.0, commitment=0.25,
+    rope_scale_by_k=False,
+)
+
+
+def test_design_choices_are_keys_with_spec_defaults(tmp_path):
+    from ncpctl.model.config import ConceptConfig
+    from ncpctl.recipe import load_recipe
+
+    defaults = ConceptConfig()
+    assert {k: getattr(defaults, k) for k in SPEC_DEFAULTS} == SPEC_DEFAULTS
+    cfg = build_config("pythia-160m", concept=dict(enabled=True))
+    assert (cfg.n_segments, cfg.segment_dim) == (12, 64)  # S defaults to n_heads
+    # each is settable from a recipe (the model section is generated from ModelConfig)
+    r = tmp_path / "r.yaml"
+    r.write_text("model: {size: debug, concept: {enabled: true}}\n")
+    other = dict(k=2, encoder_layers=0, concept_layers=1, codes=8, segments=2, codebook="learned",
+                 code_weights="softmax", add="normed", detach_added_concept=True, ncp_reduction="sum_dim",
+                 ncp_weight=0.5, vq_weight=2.0, commitment=0.5, rope_scale_by_k=True)
+    assert set(other) == set(SPEC_DEFAULTS)
+    got = load_recipe(r, [f"model.concept.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                          for k, v in other.items()]).model_config.concept
+    assert {k: getattr(got, k) for k in other} == other
+
+
+def test_commitment_weight_enters_the_vq_loss():
+    """VQ = ||sg(c) - q||^2 + commitment * ||c - sg(q)||^2 with c detached: value (1 + beta) * mse."""
+    values = {}
+    for beta in (0.25, 1.0):
+        model = build(tiny("neox", concept=dict(commitment=beta)))  # same seed: same weights
+        x = tokens(model.cfg, 2, 16)
+        values[beta] = model(x, x).vq_loss
+    torch.testing.assert_close(values[1.0] / values[0.25], torch.tensor(2.0 / 1.25))
+
+
+@pytest.mark.parametrize("size", ["debug", "llama-debug", "pythia-70m", "pythia-160m", "pythia-410m",
+                                  "ncp-archpreview-8.9b"])
+def test_every_size_as_base_pm_and_conceptlm(size):
+    """The paper's three-way comparison is one key apart for every named size."""
+    base = build_config(size, concept=dict(enabled=False))
+    pm = build_config(size, concept=dict(enabled=False), extra_token_layers=2)
+    clm = build_config(size, concept=dict(enabled=True))
+    assert pm.n_token_layers == base.n_token_layers + 2 == clm.n_token_layers + 2
+    assert not base.concept.enabled and clm.concept.enabled
+    assert clm.encoder_layers + clm.decoder_layers == base.n_token_layers

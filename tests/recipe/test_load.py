@@ -176,3 +176,64 @@ def test_resolved_recipe_round_trips(base: Path, tmp_path: Path) -> None:
     assert again.model_config == r.model_config
     assert yaml.safe_load(text)["model"]["concept"]["k"] == 2
     json.dumps(r.to_dict())  # JSON-serialisable, for --json output
+
+
+# One test per error kind of issue #2, each from a recipe file (not --set): exactly one
+# line, naming that file and the key path. A check that stops firing fails its own case.
+ERROR_KINDS = {
+    "unknown key": ("train: {max_stpes: 3}\n", "train.max_stpes: unknown key (did you mean 'max_steps'?)"),
+    "wrong type": ("train: {seed: abc}\n", "train.seed: Input should be a valid integer, got 'abc'"),
+    "missing tokenizer file": ("tokenizer: {path: /no/such/tokenizer.json}\n",
+                               "tokenizer.path: file not found: /no/such/tokenizer.json"),
+    "missing dataset prefix": ("data: {train_prefix: /no/such/pile}\n",
+                               "data.train_prefix: /no/such/pile.bin and .idx not found (a Megatron dataset prefix)"),
+    "missing source files": ("data: {sources: ['/no/such/*.txt']}\n",
+                             "data.sources[0].path: no file matches '/no/such/*.txt'"),
+    "S does not divide d": ("model: {concept: {segments: 5}}\n", "model.concept.segments: 5 does not divide d_model=64"),
+    "global batch != micro x accum x world": (
+        "train: {global_batch_size: 7, grad_accum_steps: 2}\n",
+        "train.global_batch_size: 7 != micro_batch_size x grad_accum_steps x world size = 2 x 2 x 1 = 4"),
+    "vocab larger than the token dtype": (
+        "tokenizer: {vocab_size: 70000}\ndata: {dtype: uint16}\n",
+        "data.dtype: uint16 holds ids below 65536, but the tokenizer has 70000 tokens; use int32 or auto"),
+}
+
+
+@pytest.mark.parametrize("kind", list(ERROR_KINDS))
+def test_each_error_kind_alone(kind: str, base: Path, tmp_path: Path) -> None:
+    text, message = ERROR_KINDS[kind]
+    c = child(tmp_path, text)
+    assert errors_of(c, need_sources=True) == [f"{c}: {message}"]
+
+
+def test_every_error_kind_at_once(base: Path, tmp_path: Path) -> None:
+    """All the kinds above in one recipe: every line reported in one go (the data ones merged)."""
+    c = child(tmp_path, "train: {max_stpes: 3, seed: abc, global_batch_size: 7, grad_accum_steps: 2}\n"
+                        "tokenizer: {vocab_size: 70000}\n"
+                        "data: {dtype: uint16, sources: ['/no/such/*.txt']}\n"
+                        "model: {concept: {segments: 5}}\n")
+    errs = errors_of(c, need_sources=True)
+    want = {ERROR_KINDS[k][1] for k in ("unknown key", "wrong type", "missing source files", "S does not divide d",
+                                        "global batch != micro x accum x world",
+                                        "vocab larger than the token dtype")}
+    assert sorted(errs) == sorted(f"{c}: {m}" for m in want)
+
+
+def test_no_follow_on_errors_from_dropped_keys(base: Path, tmp_path: Path) -> None:
+    """A bad source entry is reported once; the cross-field check must not add 'no sources
+    given' for the list that validation had to drop."""
+    c = child(tmp_path, "data: {sources: [{path: builtin:python-stdlib, feild: text}]}\n")
+    assert errors_of(c, need_sources=True) == [f"{c}: data.sources[0].feild: unknown key (did you mean 'field'?)"]
+
+
+def test_stable_names(base: Path) -> None:
+    """The recipe keys scripts rely on (issue #2) exist, take --set and land where documented."""
+    r = load_recipe(base, ["run.dir=/tmp/somewhere", "data.sources=[builtin:python-stdlib]",
+                           "tokenizer.vocab_size=1000", "train.max_steps=3", "train.seed=7",
+                           "model.size=llama-debug", "model.concept.enabled=false"])
+    assert r.run_dir == Path("/tmp/somewhere") and r.data_dir == Path("/tmp/somewhere/data")
+    assert [s.path for s in r.data.sources] == ["builtin:python-stdlib"]
+    assert r.tokenizer.vocab_size == 1000 == r.model_config.vocab_size
+    assert (r.train.max_steps, r.train.seed) == (3, 7)
+    assert r.model_config.name == "llama-debug" and r.model_config.concept.enabled is False
+    assert load_recipe(base, ["model.concept.enabled=true"]).model_config.concept.enabled is True

@@ -95,3 +95,52 @@ def test_extra_may_not_override_what_the_recipe_owns() -> None:
     text = "\n".join(e.value.problems)
     assert "deepspeed.extra.train_batch_size: set by ncpctl from train.global_batch_size" in text
     assert "deepspeed.extra.gradient_clipping" in text and "deepspeed.extra.zero_optimization.stage" in text
+
+
+def test_fault_hook_is_strict_and_inert_when_unset() -> None:
+    """$NCPCTL_FAULT (loop.Faults) is a test hook: unset it does nothing, and anything but the
+    documented forms is an error, so a stray value can never silently alter a real run."""
+    from ncpctl.errors import UserError
+    from ncpctl.train.loop import Faults
+
+    none = Faults("")
+    assert not none.items and none.sleep == 0 and not none.nan(1)
+    warned: list[str] = []
+    none.announce(warned.append)
+    assert not warned
+    f = Faults("nan@4, kill_in_save@6,sleep@0.5")
+    assert f.nan(4) and not f.nan(5) and f.sleep == 0.5 and ("kill_in_save", "6") in f.items
+    f.announce(warned.append)
+    assert warned and "test fault injection is active" in warned[0]
+    for bad in ("1", "nan", "nan@x", "nan@-1", "kill@3", "NAN@4", "sleep@"):
+        with pytest.raises(UserError, match="is not a test fault"):
+            Faults(bad)
+
+
+def test_optimizer_gets_the_recipes_hyperparameters() -> None:
+    """betas, eps, weight decay, lr and clipping reach the optimizer and DeepSpeed unchanged."""
+    from ncpctl.model.model import NCPModel
+
+    sets = ("train.betas=[0.8, 0.9]", "train.eps=1e-6", "train.weight_decay=0.05", "train.lr=2e-3",
+            "train.grad_clip=0.7")
+    for stage in (0, 1, 3):
+        r = recipe(*sets, f"deepspeed.zero_stage={stage}")
+        opt = make_optimizer(NCPModel(r.model_config), r, on_gpu=False)
+        for g in opt.param_groups:
+            assert g["betas"] == (0.8, 0.9) and g["eps"] == 1e-6 and g["lr"] == 2e-3
+            assert g["weight_decay"] == (0.05 if g["name"] == "decay" else 0.0)
+        clip = deepspeed_config(r, on_gpu=False)["gradient_clipping"]
+        # stage 0 fp32: our optimizer clips; ZeRO: DeepSpeed clips. Exactly one of them, at 0.7.
+        assert (opt.guard, opt.max_norm, clip) == ((True, 0.7, 0.0) if stage == 0 else (False, 0.7, 0.7))
+
+
+def test_pythia_schedule() -> None:
+    """Pythia: warmup 1% of the steps, cosine from lr to min_lr = lr/10 at the last step."""
+    r = load_recipe(RECIPES / "pythia160m.yaml", ["data.train_prefix=", "data.val_prefix=",
+                                                    "tokenizer.path=", "tokenizer.vocab_size=50277"])
+    t = r.train
+    assert (t.lr, t.min_lr, t.betas, t.eps, t.weight_decay, t.grad_clip) == (6e-4, 6e-5, [0.9, 0.95], 1e-8, 0.1, 1.0)
+    assert r.warmup_steps == round(0.01 * t.max_steps) == 1430
+    f = lr_schedule(r)
+    assert f(0) == pytest.approx(1 / 1430) and f(1429) == pytest.approx(1.0)
+    assert f(t.max_steps) == pytest.approx(0.1) and f(t.max_steps - 1) > 0.1

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import losses, ncpctl, result
+import torch
+
+from .conftest import losses, metrics, ncpctl, result, weights
 
 # micro batch 2, global 8: one process accumulates 4 micro-batches, two ranks 2 each
 SETS = ["--set", "train.max_steps=5", "--set", "train.micro_batch_size=2", "--set", "train.eval_every=0",
@@ -22,7 +24,7 @@ def single(tmp_path_factory, tiny_data):
     recipe.write_text(RECIPE.format(data=tiny_data, run=root / "one"))
     r = result(ncpctl("pretrain", str(recipe), "--json", *SETS))
     assert r["world_size"] == 1 and r["zero_stage"] == 0
-    return losses(root / "one")
+    return root / "one"
 
 
 @pytest.mark.slow
@@ -33,7 +35,15 @@ def test_two_ranks_match_one_process(stage: int, single, make_recipe, tmp_path) 
                   launcher_ranks=2, timeout=600)
     r = result(proc)
     assert r["world_size"] == 2 and r["zero_stage"] == stage
-    got = losses(tmp_path / f"z{stage}")
-    assert [s for s, _ in got] == [s for s, _ in single] == [1, 2, 3, 4, 5]
-    for (_, a), (_, b) in zip(single, got):
-        assert abs(a - b) / abs(a) <= 1e-4, (single, got)
+    one, two = losses(single), losses(tmp_path / f"z{stage}")
+    assert [s for s, _ in two] == [s for s, _ in one] == [1, 2, 3, 4, 5]
+    for (_, a), (_, b) in zip(one, two):
+        assert abs(a - b) / abs(a) <= 1e-4, (one, two)
+    # the updates really happened and agree: later losses moved, grad norms and weights match
+    assert one[-1][1] < one[0][1] - 0.05
+    for a, b in zip(metrics(single), metrics(tmp_path / f"z{stage}")):
+        assert abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] <= 1e-4, (a["grad_norm"], b["grad_norm"])
+    w1, w2 = weights(single / "checkpoints" / "step_0000005"), weights(tmp_path / f"z{stage}" / "checkpoints" / "step_0000005")
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-4, msg=k)

@@ -23,8 +23,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> Path
     root = tmp_path_factory.mktemp("reference")
     recipe = root / "ref.yaml"
     recipe.write_text(RECIPE.format(data=tiny_data, run=root / "run"))
-    r = result(ncpctl("pretrain", str(recipe), "--json", "--set", "train.plots=true"))
+    proc = ncpctl("pretrain", str(recipe), "--json", "--set", "train.plots=true", "--set", "train.tensorboard=true")
+    r = result(proc)
     assert r["step"] == 12 and r["nonfinite_steps"] == 0
+    # stdout is the summary and nothing else (DeepSpeed's own logging goes to stderr)
+    assert proc.stdout.count("\n") == 1 and json.loads(proc.stdout) == r, proc.stdout
     return root / "run"
 
 
@@ -35,6 +38,13 @@ def test_pretrain_outputs(reference: Path) -> None:
                 "code_usage_per_segment", "tokens"):
         assert all(r[key] is not None for r in recs), key
     assert recs[0]["lr"] == pytest.approx(1.5e-3) and recs[1]["lr"] == pytest.approx(3e-3)  # warmup 2
+    # the whole logged lr sequence is the recipe's warmup + cosine schedule
+    from ncpctl.recipe import load_recipe
+    from ncpctl.train.config import lr_schedule
+
+    f = lr_schedule(load_recipe(reference.parent / "ref.yaml"))
+    assert [r["lr"] for r in recs] == pytest.approx([3e-3 * f(s - 1) for s in range(1, 13)], rel=1e-12)
+    assert recs[-1]["lr"] > 3e-4 and f(12) == pytest.approx(0.1)  # cosine reaches min_lr at max_steps
     assert recs[-1]["loss"] < recs[0]["loss"]
     assert [r["step"] for r in metrics(reference, "val")] == [6, 12]
     ck = reference / "checkpoints"
@@ -45,6 +55,7 @@ def test_pretrain_outputs(reference: Path) -> None:
     assert meta["data"]["train"]["position"] == 12 * 8
     assert (reference / "recipe.resolved.yaml").is_file() and (reference / "loss_curves.png").is_file()
     assert (reference / "codebook_usage.png").is_file()
+    assert list((reference / "tensorboard").glob("events.out.tfevents.*"))  # train.tensorboard
     # the inference view loads without DeepSpeed
     from ncpctl.checkpoint import load_model
 
@@ -60,9 +71,12 @@ def test_resume_after_kill9_is_bit_identical(reference: Path, make_recipe, tmp_p
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert (run_dir / "checkpoints" / "latest").is_file()
-    r = result(ncpctl("pretrain", str(recipe), "--json"))
-    assert r["resumed_from"] and r["step"] == 12
+    proc = ncpctl("pretrain", str(recipe), "--json")
+    r = result(proc)
+    assert r["resumed_from"] and r["step"] == 12 and r["steps_run"] > 0
+    assert proc.stdout.count("\n") == 1  # DeepSpeed's checkpoint-loading logs stay off stdout
     assert losses(run_dir) == losses(reference)  # exact, step by step
+    assert metrics(run_dir, "val")[-1] == metrics(reference, "val")[-1]
     a, b = weights(reference / "checkpoints" / "step_0000012"), weights(run_dir / "checkpoints" / "step_0000012")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -94,13 +108,18 @@ def test_sigterm_saves_and_exits_cleanly(make_recipe, tmp_path: Path) -> None:
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{r['step']:07d}"
 
 
-def test_nan_step_is_skipped_and_counted(make_recipe, tmp_path: Path) -> None:
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])  # stage 0: GuardedAdamW skips; 1-3: DeepSpeed's ZeRO optimizer
+def test_nan_step_is_skipped_and_counted(zero_stage: int, make_recipe, tmp_path: Path) -> None:
     recipe = make_recipe("nan")
-    r = result(ncpctl("pretrain", str(recipe), "--json", env={"NCPCTL_FAULT": "nan@4"}))
+    proc = ncpctl("pretrain", str(recipe), "--json", "--set", f"deepspeed.zero_stage={zero_stage}",
+                  env={"NCPCTL_FAULT": "nan@4"})
+    r = result(proc)
+    assert "NCPCTL_FAULT=nan@4: test fault injection is active" in proc.stderr
     assert r["nonfinite_steps"] == 1 and r["step"] == 12 and np.isfinite(r["val"]["loss"])
     recs = {x["step"]: x for x in metrics(tmp_path / "nan")}
     assert recs[3]["nonfinite"] == 0 and recs[4]["nonfinite"] == 1 and not np.isfinite(recs[4]["loss"])
     assert recs[5]["lr"] == recs[4]["lr"]  # a skipped step does not advance the schedule
+    assert np.isfinite(recs[5]["loss"]) and np.isfinite(recs[5]["grad_norm"])  # the weights stayed finite
 
 
 def test_nonfinite_in_a_row_aborts_with_last_checkpoint_intact(make_recipe, tmp_path: Path) -> None:
@@ -184,6 +203,18 @@ def test_adapt_vq_trains_only_codebook_transform_and_heads(reference: Path, make
             assert not torch.equal(before[k], after[k]), k
         else:
             assert torch.equal(before[k], after[k]), k  # frozen: bit-identical
+
+
+def test_adapt_vq_needs_only_the_checkpoint_for_the_model(reference: Path, make_recipe, tmp_path: Path) -> None:
+    """Checkpoints describe themselves: a recipe without a `model:` section takes the model
+    config of train.init_from (the default size would be a different model)."""
+    recipe = make_recipe("nomodel")
+    text = recipe.read_text()
+    recipe.write_text(text[text.index("tokenizer:"):])  # drop the model section
+    ckpt = reference / "checkpoints" / "step_0000012"
+    r = result(ncpctl("adapt-vq", str(recipe), "--json", "--set", "train.max_steps=2", "--set", f"train.init_from={ckpt}"))
+    saved = json.loads((ckpt / "ncpctl.json").read_text())["model_config"]
+    assert json.loads((Path(r["checkpoint"]) / "ncpctl.json").read_text())["model_config"] == saved
 
 
 def test_midtrain_needs_init_from(make_recipe) -> None:

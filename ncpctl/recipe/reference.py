@@ -1,0 +1,65 @@
+"""The recipe reference (docs/recipes.md), generated from the schema where every field is
+documented once. Regenerate with ``python -m ncpctl.recipe.reference``; a test checks it is current."""
+
+from __future__ import annotations
+
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from ncpctl.recipe.schema import SECTIONS
+
+
+def _type_name(tp: Any) -> str:
+    text = str(tp).replace("typing.", "").replace("NoneType", "null").replace("Optional[", "")
+    for name in ("ncpctl.recipe.schema.", "ncpctl.model.config."):
+        text = text.replace(name, "")
+    text = text.replace("<class '", "").replace("'>", "")
+    return text.rstrip("]") if str(tp).startswith("typing.Optional[") else text
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = []
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        nested = next((a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if nested is not None and name != "sources":
+            rows += _rows(nested, f"{prefix}{name}.")
+            continue
+        if f.is_required():
+            shown = "required"
+        elif prefix.startswith("model.") and name != "size":
+            shown = "(from model.size)"
+        else:
+            shown = f"`{f.get_default(call_default_factory=True)!r}`"
+        desc = (f.description or "").replace("|", "\\|")
+        rows.append(f"| `{prefix}{name}` | {_type_name(ann).replace('|', '/')} | {shown} | {desc} |")
+    return rows
+
+
+def render() -> str:
+    out = ["# Recipe reference", "",
+           "Generated from `ncpctl/recipe/schema.py` and `ncpctl/model/config.py` by "
+           "`python -m ncpctl.recipe.reference`; do not edit by hand.", "",
+           "Precedence: defaults < recipe YAML (a child over what it `extends:`) < `--set KEY.PATH=VALUE`.", ""]
+    for section, model in SECTIONS.items():
+        out += [f"## `{section}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        out += _rows(model, f"{section}.")
+        if section == "data":
+            from ncpctl.recipe.schema import SourceSpec
+
+            out += ["", "Each entry of `data.sources` (a bare string is shorthand for `{path: ...}`):", "",
+                    "| key | type | default | meaning |", "|---|---|---|---|"]
+            out += _rows(SourceSpec, "")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(render())
+    print(target)

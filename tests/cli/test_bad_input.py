@@ -1,0 +1,58 @@
+"""Bad input reaches the user through the real entry point as one `error:` line per problem,
+exit code 2, no traceback (issue #2): ids that do not fit the token dtype, a truncated .bin,
+an .idx that disagrees with its .bin. (Missing/empty corpora and undecodable files:
+tests/data/test_tokenize.py, also through the CLI.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ncpctl.data.indexed import IndexedDatasetWriter
+
+from ..conftest import run_cli
+
+
+def _errors(r) -> list[str]:
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    return [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+
+
+def test_vocab_that_does_not_fit_the_dtype(tmp_path: Path) -> None:
+    p = tmp_path / "r.yaml"
+    p.write_text(f"run: {{dir: {tmp_path / 'run'}}}\ndata: {{sources: [builtin:python-stdlib], dtype: uint16}}\n"
+                 "tokenizer: {vocab_size: 70000}\n")
+    (err,) = _errors(run_cli("tokenize", str(p)))
+    assert err == (f"error: {p}: data.dtype: uint16 holds ids below 65536, but the tokenizer has 70000 tokens; "
+                   "use int32 or auto")
+    assert not (tmp_path / "run").exists()  # reported before any work
+
+
+def _dataset(prefix: Path) -> None:
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        w.add_documents(np.arange(3000) % 500, np.array([1000, 1000, 1000]))
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda b, i: b.write_bytes(b.read_bytes()[:-1]), "train.bin: truncated .bin (5999 bytes is not a multiple"),
+    (lambda b, i: b.write_bytes(b.read_bytes()[:-2]), "train.idx: index does not match train.bin (sequences end at "
+                                                      "byte 6000, .bin has 5998 bytes)"),
+])
+def test_corrupt_dataset_through_pretrain(tmp_path: Path, corrupt, message: str) -> None:
+    for split in ("train", "val"):
+        _dataset(tmp_path / split)
+    corrupt(tmp_path / "train.bin", tmp_path / "train.idx")
+    p = tmp_path / "r.yaml"
+    p.write_text(f"run: {{dir: {tmp_path / 'run'}}}\n"
+                 f"data: {{train_prefix: {tmp_path / 'train'}, val_prefix: {tmp_path / 'val'}}}\n"
+                 "tokenizer: {vocab_size: 512}\nmodel: {size: debug, concept: {enabled: true}}\n"
+                 "train: {max_steps: 2, micro_batch_size: 2, seq_len: 64}\n")
+    r = run_cli("pretrain", str(p), "--json")
+    (err,) = _errors(r)
+    assert message in err and str(tmp_path) in err
+    assert json.loads(r.stdout)["errors"] == [err.removeprefix("error: ")]
+    assert not list((tmp_path / "run").glob("checkpoints/*"))

@@ -1,0 +1,22 @@
+"""docs/recipes.md is generated from the schema (every field documented once) and current."""
+
+from __future__ import annotations
+
+from ncpctl.recipe.reference import render
+from ncpctl.recipe.schema import SECTIONS
+
+from ..conftest import REPO
+
+
+def test_reference_is_current() -> None:
+    shipped = (REPO / "docs" / "recipes.md").read_text()
+    assert shipped == render(), "docs/recipes.md is stale: run python -m ncpctl.recipe.reference"
+
+
+def test_every_key_is_documented() -> None:
+    text = render()
+    undocumented = [line for line in text.splitlines() if line.startswith("| `") and line.rstrip().endswith("|  |")]
+    assert undocumented == []
+    for section in SECTIONS:
+        assert f"## `{section}`" in text
+    assert "| `model.concept.segments` |" in text and "| `train.max_steps` |" in text
