@@ -164,11 +164,11 @@ def load_or_train_tokenizer(recipe: Recipe, stats: ReadStats):
     return train_bpe(recipe, stats), True
 
 
-def _flatten(encodings: list[Any], eod: int, dtype: np.dtype | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _flatten(encodings: list[Any], eod: int) -> tuple[np.ndarray, np.ndarray]:
     """Encodings of n docs -> (flat ids with EOD after every doc (sum(len)+n,), lengths (n,)).
 
     The flat array is uint32, the type tokenizers ids have, so no id can wrap around; the
-    writer checks every id against the dataset dtype. ``dtype`` is unused (kept for callers).
+    writer checks every id against the dataset dtype.
     """
     buf = array("I")  # appends in C: no per-token Python work beyond the .ids list itself
     assert buf.itemsize == 4
