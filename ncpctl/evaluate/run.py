@@ -143,6 +143,11 @@ def load_tasks(names: list[str], metadata: dict[str, Any]) -> tuple[Any, list[An
     return tm, objs
 
 
+class _DropMetadataAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
 def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None) -> dict[str, Any]:
     """Run lm-eval on ``t``; write the JSON and markdown; return the summary."""
     from lm_eval import simple_evaluate
@@ -152,6 +157,11 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
 
     for name in ("lm-eval", "lm_eval"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Our offline tasks build their data with a custom_dataset function; lm-eval then advises
+    # about `--metadata` once per task, which is noise for our users.
+    task_log = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _DropMetadataAdvice) for f in task_log.filters):
+        task_log.addFilter(_DropMetadataAdvice())
     t0 = time.time()
     if lm is None:
         lm = NCPLM(str(t.checkpoint), batch_size=t.batch_size)
