@@ -104,10 +104,22 @@ def read_meta(directory: Path) -> dict[str, Any]:
     return meta
 
 
+def read_weights(directory: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The full fp32 state dict of checkpoint ``directory`` (tied lm_head restored)."""
+    from safetensors.torch import load_file
+
+    weights = directory / WEIGHTS
+    if not weights.is_file():
+        raise UserError(f"{weights}: missing (the checkpoint is incomplete)")
+    state = load_file(str(weights))
+    if (meta or read_meta(directory)).get("model_config", {}).get("tie_embeddings"):
+        state.setdefault("lm_head.weight", state["embed.weight"])
+    return state
+
+
 def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> LoadedModel:
     """NCPModel (fp32, CPU, eval mode) + tokenizer + metadata from a checkpoint or run dir."""
     import torch
-    from safetensors.torch import load_file
 
     from ncpctl.model.model import NCPModel
 
@@ -117,17 +129,12 @@ def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> 
         cfg = ModelConfig.from_dict(meta["model_config"])
     except (ConfigError, TypeError, KeyError) as e:
         raise UserError(f"{directory / META}: invalid model_config ({e})") from None
-    weights = directory / WEIGHTS
-    if not weights.is_file():
-        raise UserError(f"{weights}: missing (the checkpoint is incomplete)")
+    state = read_weights(directory, meta)
     with torch.device("meta"):
         model = NCPModel(cfg)
-    state = load_file(str(weights))
-    if cfg.tie_embeddings:
-        state.setdefault("lm_head.weight", state["embed.weight"])
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
-        raise UserError(f"{weights}: weights do not match the model config "
+        raise UserError(f"{directory / WEIGHTS}: weights do not match the model config "
                         f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight

@@ -25,7 +25,6 @@ or the ``keep_last`` clean-up.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -36,9 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ncpctl.checkpoint import META, read_meta, read_weights  # noqa: F401  (one reader for every command)
 from ncpctl.errors import UserError
 
-META = "ncpctl.json"
 LATEST = "latest"
 META_VERSION = 1
 
@@ -77,10 +76,6 @@ def resolve(spec: str, what: str) -> Path:
         return resolve_checkpoint(spec)
     except UserError as e:
         raise UserError(*(f"{what}: {p}" for p in e.problems), hint=e.hint) from None
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    return json.loads((path / META).read_text())
 
 
 # ----------------------------------------------------------------------------- compatibility
@@ -208,16 +203,3 @@ def load_rng(path: Path, rank: int) -> None:
     f = path / f"rng_rank{rank}.pt"
     if f.is_file():  # a different world size: the extra ranks keep their seeded state
         set_rng_state(torch.load(f, weights_only=False))
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The full fp32 model state dict of checkpoint ``path`` (its model.safetensors)."""
-    from safetensors.torch import load_file
-
-    from ncpctl.checkpoint import WEIGHTS
-
-    state = load_file(str(path / WEIGHTS))
-    cfg = read_meta(path)["model_config"]
-    if cfg.get("tie_embeddings"):
-        state.setdefault("lm_head.weight", state["embed.weight"])
-    return state
