@@ -16,58 +16,10 @@ from torch import nn
 from ncpctl.model import decode
 from ncpctl.model.concept import ConceptModule
 from ncpctl.model.config import ModelConfig
+from ncpctl.model.head import LMHead
 from ncpctl.model.layers import (
     Block, RMSNorm, causal_masks, layer_window, make_norm, rope, run_stack, stack_windows,
 )
-
-
-class _CrossEntropy(torch.autograd.Function):
-    """Mean next-token cross-entropy of logits (N, V) against targets (N,) (-100 = ignore).
-
-    Same value and gradient as ``F.cross_entropy(logits.float(), targets)``, but the
-    (N, V) intermediates are not kept: the forward runs ``log_softmax`` on blocks of rows
-    that stay in cache and keeps only the picked log-probabilities; the backward recomputes
-    ``softmax(logits)`` (one fused pass) into the only (N, V) buffer it allocates, the
-    gradient itself. The reference path allocates and fills three (N, V) tensors (the
-    log-probs, a zero-filled one-hot gradient and the log_softmax gradient): at Pythia's
-    vocabulary that is most of the non-matmul time of a CPU step. Low-precision logits are
-    upcast per block (no fp32 copy of the whole logits tensor).
-    """
-
-    ROWS = 32  # rows per forward block: 32 x 50304 fp32 = 6.4 MB
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        valid = targets != -100  # (N,)
-        safe = targets.clamp_min(0)[:, None]  # (N, 1) gather index (ignored rows masked below)
-        picked = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
-        for s in range(0, logits.shape[0], _CrossEntropy.ROWS):
-            e = s + _CrossEntropy.ROWS
-            picked[s:e] = torch.log_softmax(logits[s:e].float(), dim=-1).gather(1, safe[s:e])[:, 0]
-        count = valid.sum()
-        loss = -(picked * valid).sum() / count  # NaN when every target is ignored, as F.cross_entropy
-        ctx.save_for_backward(logits, safe, valid, count)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        logits, safe, valid, count = ctx.saved_tensors
-        scale = (grad_loss / count * valid)[:, None]  # (N, 1); 0 on ignored rows
-        if logits.dtype == torch.float32:
-            grad = torch.softmax(logits, dim=-1).mul_(scale)
-            grad.scatter_add_(1, safe, -scale)
-            return grad, None
-        grad = torch.empty_like(logits)
-        for s in range(0, logits.shape[0], _CrossEntropy.ROWS):
-            e = s + _CrossEntropy.ROWS
-            g = torch.softmax(logits[s:e].float(), dim=-1).mul_(scale[s:e])
-            grad[s:e] = g.scatter_add_(1, safe[s:e], -scale[s:e])
-        return grad, None
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the non-ignored (-100) targets; logits (..., V), targets (...)."""
-    return _CrossEntropy.apply(logits.flatten(0, -2), targets.flatten())
 
 
 @dataclass
@@ -77,7 +29,10 @@ class NCPOutput:
     Metrics are detached tensors (no host sync); ``.item()`` them when logging.
     """
 
-    logits: torch.Tensor  # (B, T, padded_vocab_size)
+    # (B, T, padded_vocab_size); None when a loss that will be differentiated is computed
+    # (targets given, grad enabled): the fused LM head then reuses the logits' memory for
+    # their gradient (head.py). Run under torch.no_grad() or without targets to get them.
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None  # ntp + alpha*ncp + beta_vq*vq
     ntp_loss: torch.Tensor | None = None
     ncp_loss: torch.Tensor | None = None
@@ -100,7 +55,7 @@ class NCPModel(nn.Module):
         self.decoder = nn.ModuleList(blocks[E:])
         self.concept = ConceptModule(cfg) if cfg.concept.enabled else None
         self.final_norm = make_norm(cfg, d)
-        self.lm_head = nn.Linear(d, cfg.padded_vocab_size, bias=False)
+        self.lm_head = LMHead(d, cfg.padded_vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.init_weights()
@@ -137,12 +92,12 @@ class NCPModel(nn.Module):
         if self.concept is not None:
             x, aux = self.concept(x, losses=targets is not None)  # z (B, T, d)
         x = run_stack(self.decoder, x, cos, sin, masks)
-        logits = self.lm_head(self.final_norm(x))  # (B, T, V)
-        out = NCPOutput(logits=logits, pred=aux.pred if aux is not None else None)
+        h = self.final_norm(x)  # (B, T, d)
+        pred = aux.pred if aux is not None else None
         if targets is None:
-            return out
-        out.ntp_loss = cross_entropy(logits, targets)  # == F.cross_entropy(logits.float(), ...), leaner
-        out.loss = out.ntp_loss
+            return NCPOutput(logits=self.lm_head(h), pred=pred)  # (B, T, V)
+        logits, ntp = self.lm_head(h, targets)  # == F.cross_entropy(lm_head(h).float(), targets)
+        out = NCPOutput(logits=logits, pred=pred, ntp_loss=ntp, loss=ntp)
         if aux is not None:
             c = cfg.concept
             out.loss = out.ntp_loss + c.ncp_weight * aux.ncp_loss + c.vq_weight * aux.vq_loss

@@ -1,5 +1,6 @@
-"""The performance rewrites of issue 6 against their references: the lean cross-entropy of
-``NCPModel`` vs ``F.cross_entropy`` (value and gradient, ignored targets, bf16) and the
+"""The performance rewrites of issue 6 against their references: the fused LM head + loss of
+``NCPModel`` vs ``F.cross_entropy`` (value and gradient, ignored targets, bf16, its kept
+workspace) and the
 sign-folded rotary embedding vs HF's ``rotate_half`` form (bit-identical)."""
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import torch.nn.functional as F
 
 from ncpctl.model.config import build_config
 from ncpctl.model.layers import apply_rope, rope
-from ncpctl.model.model import NCPModel, cross_entropy
+from ncpctl.model.head import LMHead, cross_entropy
+from ncpctl.model.model import NCPModel
 
 
 def _hf_rope(x, cos, sin):  # HF apply_rotary_pos_emb on the first rotary dims
@@ -32,26 +34,82 @@ def test_rope_is_bit_identical_to_rotate_half(size: str) -> None:
     assert torch.equal(torch.autograd.grad(ours, x, g)[0], torch.autograd.grad(ref, x, g)[0])
 
 
+def _reference(h, w, y):
+    return F.cross_entropy(F.linear(h, w).float(), y, ignore_index=-100)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cross_entropy_matches_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("grad_scale", [2.5, -1.5])  # backward of the fused head with either sign
+def test_fused_head_matches_reference(dtype: torch.dtype, grad_scale: float) -> None:
     torch.manual_seed(0)
-    x = (3 * torch.randn(3, 45, 300)).to(dtype).requires_grad_()  # 135 rows: several row blocks
+    head = LMHead(16, 300).to(dtype)
+    h = torch.randn(135, 16, dtype=dtype, requires_grad=True)  # 135 rows: several row blocks
+    y = torch.randint(0, 300, (135,))
+    y[:7] = -100
+    logits, ours = head(h, y)
+    assert logits is None  # the logits' memory becomes their gradient
+    ref = _reference(h, head.weight, y)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    g_ours = torch.autograd.grad(grad_scale * ours, [h, head.weight])
+    g_ref = torch.autograd.grad(grad_scale * ref, [h, head.weight])
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+    for a, b in zip(g_ours, g_ref):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    assert (g_ours[0][:7] == 0).all()  # ignored positions get no gradient
+
+
+def test_cross_entropy_value_matches_reference() -> None:
+    x = 3 * torch.randn(3, 45, 300)
     y = torch.randint(0, 300, (3, 45))
     y[0, :7] = -100
-    ours = cross_entropy(x, y)
-    ref = F.cross_entropy(x.float().flatten(0, 1), y.flatten(), ignore_index=-100)
-    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
-    g_ours, = torch.autograd.grad(2.5 * ours, x)
-    g_ref, = torch.autograd.grad(2.5 * ref, x)
-    assert g_ours.dtype == dtype
-    torch.testing.assert_close(g_ours.float(), g_ref.float(), rtol=1e-5, atol=1e-6)
-    assert (g_ours[0, :7] == 0).all()  # ignored positions get no gradient
+    ref = F.cross_entropy(x.flatten(0, 1), y.flatten(), ignore_index=-100)
+    torch.testing.assert_close(cross_entropy(x, y), ref, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # no graph: the head is a plain Linear and returns its logits
+        head = LMHead(16, 300)
+        hh = torch.randn(3, 45, 16)
+        logits, loss = head(hh, y)
+        torch.testing.assert_close(loss, _reference(hh.flatten(0, 1), head.weight, y.flatten()), rtol=1e-6, atol=1e-6)
+        assert logits.shape == (3, 45, 300)
 
 
 def test_cross_entropy_all_ignored_is_nan_like_reference() -> None:
     x = torch.randn(4, 10, requires_grad=True)
     y = torch.full((4,), -100)
     assert torch.isnan(cross_entropy(x, y)) and torch.isnan(F.cross_entropy(x, y))
+    assert torch.isnan(LMHead(10, 7)(x, y)[1])
+
+
+def test_head_workspace_is_reused_and_never_shared() -> None:
+    torch.manual_seed(0)
+    head = LMHead(8, 50)
+    y = torch.randint(0, 50, (20,))
+    hs = [torch.randn(20, 8, requires_grad=True) for _ in range(3)]
+    refs = [torch.autograd.grad(_reference(h, head.weight, y), [h, head.weight]) for h in hs]
+
+    def grads(loss, h):
+        return torch.autograd.grad(loss, [h, head.weight])
+
+    got0 = grads(head(hs[0], y)[1], hs[0])
+    ws = head._workspace.data_ptr()
+    got1 = grads(head(hs[1], y)[1], hs[1])
+    assert head._workspace.data_ptr() == ws  # the next step reuses the kept buffer
+    # two forwards before their backwards: the second must not write into the first's buffer
+    l1, l2 = head(hs[1], y)[1], head(hs[2], y)[1]
+    got2, got1b = grads(l2, hs[2]), grads(l1, hs[1])
+    for got, ref in [(got0, refs[0]), (got1, refs[1]), (got2, refs[2]), (got1b, refs[1])]:
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # a graph dropped without backward frees the workspace for the next forward
+    dropped = head(hs[0], y)[1]
+    del dropped
+    kept = head(hs[1], y)[1]
+    assert head._holder() is not None and head._workspace.data_ptr() == ws
+    # the backward overwrote what it saved: a second backward is refused, not wrong
+    loss = kept * 1.0
+    torch.autograd.grad(loss, hs[1], retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        torch.autograd.grad(loss, hs[1])
 
 
 def test_model_loss_and_grads_match_reference_loss() -> None:
@@ -61,8 +119,13 @@ def test_model_loss_and_grads_match_reference_loss() -> None:
     x = torch.randint(0, cfg.vocab_size, (2, 33))
     y = torch.randint(0, cfg.vocab_size, (2, 33))
     out = model(x, y)
-    ref = F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten())
+    assert out.logits is None
+    ref = F.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten())
     torch.testing.assert_close(out.ntp_loss, ref, rtol=1e-6, atol=1e-6)
-    g_ours = torch.autograd.grad(out.ntp_loss, model.lm_head.weight, retain_graph=True)[0]
+    g_ours = torch.autograd.grad(out.ntp_loss, model.lm_head.weight)[0]
     g_ref = torch.autograd.grad(ref, model.lm_head.weight)[0]
     torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # evaluation: the same loss, and the logits
+        ev = model(x, y)
+    torch.testing.assert_close(ev.ntp_loss, out.ntp_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ev.logits, model(x).logits)

@@ -1,0 +1,150 @@
+"""The LM head and next-token loss, fused for training (spec section 4: ``lm_head`` + NTP).
+
+At Pythia's vocabulary the logits (N, V) are the largest tensors of a training step (N = B*T
+tokens; 2048 x 50304 fp32 = 412 MB at Pythia-70m, batch 4 x 512), and the plain path
+``F.cross_entropy(lm_head(h))`` writes several of them: the logits, the log-probabilities,
+their gradient and the gradient of the logits. ``LMHead`` computes the same loss and the same
+gradients with ONE (N, V) buffer:
+
+* forward: logits = h @ W^T into the buffer; the loss from a row-blocked ``log_softmax``
+  whose blocks stay in cache (only the picked log-probability and the row's log-sum-exp
+  are kept);
+* backward: the buffer is overwritten in place, block by block, with the logits' gradient
+  ``(softmax - onehot) * scale`` (the logits are not needed any more), then
+  grad_h = G @ W and grad_W = G^T @ h.
+
+On the CPU the buffer is also kept between steps (``LMHead._workspace``): a fresh 400 MB
+allocation is a fresh ``mmap`` whose first touch page-faults every page, which costs as much
+as a pass over the tensor. CUDA's caching allocator already recycles memory, so there a
+new buffer is taken every step.
+
+The price is that the logits are not returned when a loss that will be differentiated is
+computed (``forward`` gives ``logits=None``), as Liger-style fused heads do; without targets,
+or under ``torch.no_grad()``, the head is a plain Linear and the logits are returned.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+ROWS = 32  # rows per block: 32 x 50304 fp32 = 6.4 MB, about what stays in this cache
+
+
+def _picked_and_lse(logits: torch.Tensor, safe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-blocked log-softmax of logits (N, V) at the columns ``safe`` (N, 1).
+
+    Returns (picked log-probabilities (N,), log-sum-exp per row (N,)), fp32. The log-sum-exp
+    is recovered as ``x_t - logp_t`` from the same block (no second reduction pass)."""
+    N = logits.shape[0]
+    picked = torch.empty(N, device=logits.device, dtype=torch.float32)
+    lse = torch.empty_like(picked)
+    for s in range(0, N, ROWS):
+        blk = logits[s : s + ROWS].float()
+        x_t = blk.gather(1, safe[s : s + ROWS])[:, 0]
+        picked[s : s + ROWS] = torch.log_softmax(blk, dim=-1).gather(1, safe[s : s + ROWS])[:, 0]
+        lse[s : s + ROWS] = x_t - picked[s : s + ROWS]
+    return picked, lse
+
+
+def _mean_nll(picked: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    count = valid.sum()
+    return -(picked * valid).sum() / count, count  # NaN when every target is ignored, as F.cross_entropy
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the non-ignored (-100) targets; logits (..., V), targets (...).
+
+    The value of ``F.cross_entropy(logits.float(), targets)`` without its (N, V) fp32
+    log-probabilities; for evaluation (it has no backward of its own: training goes through
+    ``LMHead``)."""
+    with torch.no_grad():
+        targets = targets.flatten()
+        picked, _ = _picked_and_lse(logits.flatten(0, -2), targets.clamp_min(0)[:, None])
+        return _mean_nll(picked, targets != -100)[0]
+
+
+class _HeadLoss(torch.autograd.Function):
+    """loss = mean CE(h @ W^T, targets) over non-ignored targets; h (N, d), W (V, d)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, head: "LMHead") -> torch.Tensor:
+        buf, ctx.lease = head._take_buffer((h.shape[0], weight.shape[0]), h)
+        torch.mm(h, weight.t(), out=buf)  # (N, V) logits
+        valid = targets != -100  # (N,)
+        safe = targets.clamp_min(0)[:, None]  # (N, 1); ignored rows masked by ``valid``
+        picked, lse = _picked_and_lse(buf, safe)
+        loss, count = _mean_nll(picked, valid)
+        ctx.save_for_backward(h, weight, buf, safe, valid, count, lse)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        h, weight, buf, safe, valid, count, lse = ctx.saved_tensors
+        scale = (grad_loss / count * valid)[:, None]  # (N, 1) fp32; 0 on ignored rows
+        for s in range(0, buf.shape[0], ROWS):  # buf := (softmax(buf) - onehot) * scale, in place
+            blk, sc, t = buf[s : s + ROWS], scale[s : s + ROWS], safe[s : s + ROWS]
+            g = torch.exp(blk.float() - lse[s : s + ROWS, None]).mul_(sc) if blk.dtype != torch.float32 else None
+            if g is None:  # fp32: softmax in one fused pass, then scale into the buffer
+                torch.mul(torch.softmax(blk, dim=-1), sc, out=blk)
+                blk.scatter_add_(1, t, -sc)
+            else:  # low precision: compute in fp32, round once
+                blk.copy_(g.scatter_add_(1, t, -sc))
+        gh = torch.mm(buf, weight) if ctx.needs_input_grad[0] else None  # (N, d)
+        gw = torch.mm(buf.t(), h) if ctx.needs_input_grad[1] else None  # (V, d)
+        ctx.lease.done = True  # the next forward may take the workspace
+        return gh, gw, None, None
+
+
+class _Lease:
+    """Who holds the CPU workspace: the graph of one forward, until its backward has run
+    (``done``) or the graph is freed without one (the lease is garbage then)."""
+
+    done = False
+
+
+class LMHead(nn.Linear):
+    """``nn.Linear(d, V, bias=False)`` (state-dict key ``lm_head.weight`` as before) whose
+    ``forward(h, targets)`` also gives the fused next-token loss; see the module docstring.
+
+    ``forward(h)`` -> logits (..., V). ``forward(h, targets)`` -> (logits or None, loss):
+    logits None when the loss will be differentiated (grad enabled and h or W needs grad).
+    Its backward overwrites the buffer it saved, so differentiating the same loss twice
+    (``retain_graph=True``) is refused by autograd's in-place check instead of going wrong.
+    """
+
+    def __init__(self, d: int, vocab: int):
+        super().__init__(d, vocab, bias=False)
+        self._workspace: torch.Tensor | None = None  # CPU only; not state (not saved, not moved)
+        self._holder: weakref.ref | None = None  # the _Lease of the forward holding the workspace
+
+    def __getstate__(self):  # pickle / deepcopy: the workspace is scratch, not state
+        return {**super().__getstate__(), "_workspace": None, "_holder": None}
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None):
+        if targets is None:
+            return F.linear(h, self.weight)
+        if not (torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad)):
+            logits = F.linear(h, self.weight)
+            return logits, cross_entropy(logits, targets)
+        loss = _HeadLoss.apply(h.flatten(0, -2), self.weight, targets.flatten(), self)
+        return None, loss
+
+    def _take_buffer(self, shape: tuple[int, int], like: torch.Tensor) -> tuple[torch.Tensor, _Lease]:
+        """The (N, V) buffer of one forward and its lease: on the CPU the kept workspace,
+        unless another forward's graph still holds it (two forwards before a backward)."""
+        lease, n = _Lease(), shape[0] * shape[1]
+        held = self._holder() if self._holder is not None else None
+        if like.device.type != "cpu" or (held is not None and not held.done):
+            return torch.empty(shape, device=like.device, dtype=like.dtype), lease
+        ws = self._workspace
+        if ws is None or ws.dtype != like.dtype or ws.numel() < n:
+            self._workspace = None  # free the old one first: peak memory of one workspace
+            ws = self._workspace = torch.empty(n, dtype=like.dtype)
+        self._holder = weakref.ref(lease)
+        return ws[:n].view(shape), lease
