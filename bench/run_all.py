@@ -34,7 +34,7 @@ RESULTS = HERE / "results"
 # name -> (script, extra args keeping the whole suite under budget on 2 cores, what it measures)
 # train_step runs first: it is the longest and the one this suite exists for.
 BENCHES: dict[str, tuple[str, list[str], str]] = {
-    "train_step": ("train_step.py", ["--rounds", "3"], "training step: ours vs HF, ConceptLM vs PM, FLOP/s vs GEMM peak"),
+    "train_step": ("train_step.py", ["--rounds", "5"], "training step: ours vs HF, ConceptLM vs PM, FLOP/s vs GEMM peak"),
     "tokenize": ("tokenize.py", ["--repeat", "2", "--no-num-proc"], "ncpctl tokenize vs raw encode_batch / datasets.map"),
     "eval": ("eval.py", [], "ncpctl eval vs lm-eval's HF backend (issue #5)"),
 }
@@ -105,6 +105,8 @@ def _ratio_rows(name: str, data: dict[str, Any]) -> list[tuple[str, str, str, st
             extra.append(f"median {v['median']}")
         if "best_rounds" in v:
             extra.append(f"best rounds {v['best_rounds']}")
+        if "shared_kernel_floor" in v:
+            extra.append(f"shared-kernel floor {v['shared_kernel_floor']}")
         if "flops_ratio" in v:
             extra.append(f"FLOPs ratio {v['flops_ratio']}")
         if "hf" in v:
