@@ -13,10 +13,10 @@ gradients with ONE (N, V) buffer:
   ``(softmax - onehot) * scale`` (the logits are not needed any more), then
   grad_h = G @ W and grad_W = G^T @ h.
 
-On the CPU the buffer is also kept between steps (``LMHead._workspace``): a fresh 400 MB
+The buffer is also kept between steps (``LMHead._workspace``): on the CPU a fresh 400 MB
 allocation is a fresh ``mmap`` whose first touch page-faults every page, which costs as much
-as a pass over the tensor. CUDA's caching allocator already recycles memory, so there a
-new buffer is taken every step.
+as a pass over the tensor. (On CUDA this changes nothing: the caching allocator would keep
+that block for the next step anyway.)
 
 The price is that the logits are not returned when a loss that will be differentiated is
 computed (``forward`` gives ``logits=None``), as Liger-style fused heads do; without targets,
@@ -120,7 +120,7 @@ class LMHead(nn.Linear):
 
     def __init__(self, d: int, vocab: int):
         super().__init__(d, vocab, bias=False)
-        self._workspace: torch.Tensor | None = None  # CPU only; not state (not saved, not moved)
+        self._workspace: torch.Tensor | None = None  # scratch, not state (not saved, not moved)
         self._holder: weakref.ref | None = None  # the _Lease of the forward holding the workspace
 
     def __getstate__(self):  # pickle / deepcopy: the workspace is scratch, not state
@@ -136,15 +136,15 @@ class LMHead(nn.Linear):
         return None, loss
 
     def _take_buffer(self, shape: tuple[int, int], like: torch.Tensor) -> tuple[torch.Tensor, _Lease]:
-        """The (N, V) buffer of one forward and its lease: on the CPU the kept workspace,
-        unless another forward's graph still holds it (two forwards before a backward)."""
+        """The (N, V) buffer of one forward and its lease: the kept workspace, unless another
+        forward's graph still holds it (two forwards before a backward)."""
         lease, n = _Lease(), shape[0] * shape[1]
         held = self._holder() if self._holder is not None else None
-        if like.device.type != "cpu" or (held is not None and not held.done):
+        if held is not None and not held.done:
             return torch.empty(shape, device=like.device, dtype=like.dtype), lease
         ws = self._workspace
-        if ws is None or ws.dtype != like.dtype or ws.numel() < n:
+        if ws is None or ws.dtype != like.dtype or ws.device != like.device or ws.numel() < n:
             self._workspace = None  # free the old one first: peak memory of one workspace
-            ws = self._workspace = torch.empty(n, dtype=like.dtype)
+            ws = self._workspace = torch.empty(n, device=like.device, dtype=like.dtype)
         self._holder = weakref.ref(lease)
         return ws[:n].view(shape), lease
