@@ -26,7 +26,14 @@ def main(argv: list[str] | None = None) -> int | None:
         else:
             args += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm_eval", *args]
-    return cli_evaluate()
+    from ncpctl.errors import EXIT_USER, UserError
+
+    try:
+        return cli_evaluate()
+    except UserError as e:  # a bad model arg or checkpoint: one line each, exit 2, as ncpctl's own commands
+        for line in e.problems:
+            sys.stderr.write(f"error: {line}\n")
+        return EXIT_USER
 
 
 if __name__ == "__main__":

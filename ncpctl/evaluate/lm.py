@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from typing import Any
 
 import torch
@@ -39,6 +40,20 @@ def hidden_states_only(model):
         model.lm_head = head
 
 
+def _batch_size(value: int | str) -> int:
+    """lm-eval hands over ints or strings ("8", "auto", "auto:4"). ``auto`` does not probe
+    memory here (scoring batches are right-padded full forwards, sized by the caller): 8."""
+    from ncpctl.errors import UserError
+
+    s = str(value).strip()
+    if s.isdigit() and int(s) > 0:
+        return int(s)
+    if s == "auto" or s.startswith("auto:"):
+        logging.getLogger(__name__).info("batch_size=%s is taken as 8 (no automatic batch size search)", s)
+        return 8
+    raise UserError(f"batch_size={value!r}: expected a positive integer or auto")
+
+
 @register_model("ncpctl")
 class NCPLM(TemplateLM):
     """``lm_eval`` model args: ``checkpoint=DIR`` (checkpoint or run dir), ``batch_size``,
@@ -49,15 +64,18 @@ class NCPLM(TemplateLM):
                  max_length: int | None = None, dtype: str = "float32", device: str | None = None,
                  max_gen_toks: int = 256, **_: Any):
         super().__init__()
+        from ncpctl.errors import UserError
+
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise UserError(f"dtype={dtype!r}: expected float32, bfloat16 or float16")
+        self._batch_size = _batch_size(batch_size)
         if loaded is None:
             if checkpoint is None:
-                raise ValueError("the ncpctl lm-eval model needs checkpoint=DIR")
+                raise UserError("the ncpctl lm-eval model needs checkpoint=DIR")
             from ncpctl.checkpoint import load_model
 
             loaded = load_model(checkpoint)
         if loaded.tokenizer is None:
-            from ncpctl.errors import UserError
-
             raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint (needed for evaluation)")
         dev = torch.device(device or "cpu")
         if dev.type == "cuda" and not torch.cuda.is_available():  # lm-eval's CLI defaults to cuda:0
@@ -67,7 +85,6 @@ class NCPLM(TemplateLM):
         self.cfg = loaded.config
         self.tok = loaded.tokenizer
         self._device = dev
-        self._batch_size = int(batch_size) if str(batch_size).isdigit() else 8
         self._max_length = int(max_length or self.cfg.max_seq_len)
         self._max_gen_toks = int(max_gen_toks)
         from ncpctl.inference import eod_token

@@ -13,6 +13,7 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
+from ncpctl.errors import UserError
 from ncpctl.evaluate.lm import NCPLM
 from ncpctl.evaluate.run import evaluate, resolve_target
 
@@ -134,6 +135,12 @@ def test_through_the_lm_eval_command_line(runs, tmp_path):
     assert files
     res = json.loads(files[0].read_text())["results"]
     assert {"ncp_heldout_ppl", "ncp_cloze", "ncp_last_ident"} <= set(res)
+    bad = subprocess.run([sys.executable, "-m", "ncpctl.evaluate", "run", "--model", "ncpctl", "--model_args",
+                          f"checkpoint={runs['concept']}", "--batch_size", "lots", "--tasks", "ncp_offline",
+                          "--device", "cpu"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "error: batch_size='lots': expected a positive integer or auto" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 @pytest.mark.parametrize("kind", ["concept", "base"])
@@ -175,3 +182,13 @@ def test_perplexity_summary_labels_both_averages():
     assert p["per_set"]["lambada_openai"]["token_perplexity"] == pytest.approx(math.exp(2.0))
     assert p["mean_of_sets"] == pytest.approx(20.0)  # (30 + 10) / 2, the paper's average
     assert p["token_weighted"] == pytest.approx(math.exp(320.0 / 110))
+
+
+def test_model_args_are_checked_before_loading(runs):
+    assert NCPLM(str(runs["base"]), batch_size="auto").batch_size == 8
+    assert NCPLM(str(runs["base"]), batch_size="3").batch_size == 3
+    for bad in ("0", "eight", "-2"):
+        with pytest.raises(UserError, match="batch_size"):
+            NCPLM(str(runs["base"]), batch_size=bad)
+    with pytest.raises(UserError, match="dtype='float64'"):
+        NCPLM("/nonexistent", dtype="float64")  # named before the checkpoint is even opened
