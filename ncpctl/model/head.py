@@ -32,7 +32,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-ROWS = 32  # rows per block: 32 x 50304 fp32 = 6.4 MB, about what stays in this cache
+CPU_BLOCK = 32  # rows: 32 x 50304 fp32 = 6.4 MB stays in cache between a block's passes
+ACCEL_BLOCK_BYTES = 256 * 2**20  # fp32 scratch per block elsewhere
+
+
+def block_rows(logits: torch.Tensor) -> int:
+    """Rows per block of the loss loops over logits (N, V).
+
+    On the CPU small blocks keep the two passes over a block in cache. On a GPU every block is
+    a few kernel launches, and N/32 of them would cost as much as the step (16k tokens ->
+    5k launches): there blocks only bound the fp32 scratch (256 MiB, 1334 rows at V=50304)."""
+    if logits.device.type == "cpu":
+        return CPU_BLOCK
+    return max(CPU_BLOCK, ACCEL_BLOCK_BYTES // (4 * logits.shape[-1]))
 
 
 def _picked_and_lse(logits: torch.Tensor, safe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,14 +52,14 @@ def _picked_and_lse(logits: torch.Tensor, safe: torch.Tensor) -> tuple[torch.Ten
 
     Returns (picked log-probabilities (N,), log-sum-exp per row (N,)), fp32. The log-sum-exp
     is recovered as ``x_t - logp_t`` from the same block (no second reduction pass)."""
-    N = logits.shape[0]
+    N, R = logits.shape[0], block_rows(logits)
     picked = torch.empty(N, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(picked)
-    for s in range(0, N, ROWS):
-        blk = logits[s : s + ROWS].float()
-        x_t = blk.gather(1, safe[s : s + ROWS])[:, 0]
-        picked[s : s + ROWS] = torch.log_softmax(blk, dim=-1).gather(1, safe[s : s + ROWS])[:, 0]
-        lse[s : s + ROWS] = x_t - picked[s : s + ROWS]
+    for s in range(0, N, R):
+        blk = logits[s : s + R].float()
+        x_t = blk.gather(1, safe[s : s + R])[:, 0]
+        picked[s : s + R] = torch.log_softmax(blk, dim=-1).gather(1, safe[s : s + R])[:, 0]
+        lse[s : s + R] = x_t - picked[s : s + R]
     return picked, lse
 
 
@@ -87,13 +99,14 @@ class _HeadLoss(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         h, weight, buf, safe, valid, count, lse = ctx.saved_tensors
         scale = (grad_loss / count * valid)[:, None]  # (N, 1) fp32; 0 on ignored rows
-        for s in range(0, buf.shape[0], ROWS):  # buf := (softmax(buf) - onehot) * scale, in place
-            blk, sc, t = buf[s : s + ROWS], scale[s : s + ROWS], safe[s : s + ROWS]
-            g = torch.exp(blk.float() - lse[s : s + ROWS, None]).mul_(sc) if blk.dtype != torch.float32 else None
-            if g is None:  # fp32: softmax in one fused pass, then scale into the buffer
+        R = block_rows(buf)
+        for s in range(0, buf.shape[0], R):  # buf := (softmax(buf) - onehot) * scale, in place
+            blk, sc, t = buf[s : s + R], scale[s : s + R], safe[s : s + R]
+            if blk.dtype == torch.float32:  # softmax in one fused pass, scaled into the buffer
                 torch.mul(torch.softmax(blk, dim=-1), sc, out=blk)
                 blk.scatter_add_(1, t, -sc)
-            else:  # low precision: compute in fp32, round once
+            else:  # low precision: exp(x - lse) in an fp32 copy, onehot subtracted, rounded once
+                g = blk.float().sub_(lse[s : s + R, None]).exp_().mul_(sc)
                 blk.copy_(g.scatter_add_(1, t, -sc))
         gh = torch.mm(buf, weight) if ctx.needs_input_grad[0] else None  # (N, d)
         gw = torch.mm(buf.t(), h) if ctx.needs_input_grad[1] else None  # (V, d)

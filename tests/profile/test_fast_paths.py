@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ncpctl.model.config import build_config
 from ncpctl.model.layers import apply_rope, rope
-from ncpctl.model.head import LMHead, cross_entropy
+from ncpctl.model.head import LMHead, block_rows, cross_entropy
 from ncpctl.model.model import NCPModel
 
 
@@ -71,6 +71,11 @@ def test_cross_entropy_value_matches_reference() -> None:
         logits, loss = head(hh, y)
         torch.testing.assert_close(loss, _reference(hh.flatten(0, 1), head.weight, y.flatten()), rtol=1e-6, atol=1e-6)
         assert logits.shape == (3, 45, 300)
+
+
+def test_loss_blocks_are_cache_sized_on_cpu_and_few_elsewhere() -> None:
+    assert block_rows(torch.empty(2048, 50304)) == 32
+    assert block_rows(torch.empty(16384, 50304, device="meta")) == 1334  # 13 blocks, not 512 launches
 
 
 def test_cross_entropy_all_ignored_is_nan_like_reference() -> None:
