@@ -1,5 +1,6 @@
 """`ncpctl export`: complete HF directories that reload with equal logits; ConceptLM through
-remote code with ncpctl unimportable; a wrong conversion is caught and nothing is kept."""
+remote code with ncpctl unimportable (its cached generate continues like ncpctl's own decoder);
+a wrong conversion is caught and nothing is kept."""
 
 from __future__ import annotations
 
@@ -48,9 +49,18 @@ def test_conceptlm_loads_without_ncpctl(runs, tmp_path):
     assert {"modeling_ncp.py", "configuration_ncp.py"} <= set(info["files"])
     src = load_model(runs["concept"]).model
     x = torch.randint(0, 1024, (2, 45), generator=torch.Generator().manual_seed(1))
+    # ncpctl's own incremental decoder on two left-padded prompts (13 and 6 tokens): the greedy
+    # continuation that the remote code's cached generate must reproduce
+    xp = torch.zeros(2, 13, dtype=torch.long)
+    xp[0], xp[1, 7:] = x[0, :13], x[1, :6]
+    mask = (torch.arange(13) >= torch.tensor([[0], [7]])).long()
     with torch.no_grad():
         ref = src(x).logits
-    torch.save({"x": x, "ref": ref}, tmp_path / "probe.pt")
+        logits, state = src.prefill(xp, [13, 6], max_len=13 + 12)
+        new = [logits[:, -1].argmax(-1)]
+        for _ in range(11):
+            new.append(src.decode_step(state, new[-1]).argmax(-1))
+    torch.save({"x": x, "ref": ref, "xp": xp, "mask": mask, "new": torch.stack(new, 1)}, tmp_path / "probe.pt")
     script = textwrap.dedent(f"""
         import importlib.abc, sys
         class Block(importlib.abc.MetaPathFinder):  # the venv has ncpctl installed: hide it
@@ -70,6 +80,11 @@ def test_conceptlm_loads_without_ncpctl(runs, tmp_path):
         p = torch.load({str(tmp_path / 'probe.pt')!r})
         with torch.no_grad():
             d = (m(input_ids=p["x"]).logits - p["ref"]).abs().max().item()
+        kw = dict(attention_mask=p["mask"], max_new_tokens=12, do_sample=False, eos_token_id=None)
+        out = m.generate(p["xp"], return_dict_in_generate=True, **kw)
+        assert type(out.cache).__name__ == "NCPCache", type(out.cache)
+        assert torch.equal(out.sequences[:, 13:], p["new"]), (out.sequences, p["new"])
+        assert torch.equal(m.generate(p["xp"], use_cache=False, **kw), out.sequences)
         assert type(m).__name__ == "NCPForCausalLM" and "ncpctl" not in sys.modules, sys.modules.keys()
         print("DIFF", d)
     """)
