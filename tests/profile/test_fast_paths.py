@@ -110,6 +110,12 @@ def test_head_workspace_is_reused_and_never_shared() -> None:
     del dropped
     kept = head(hs[1], y)[1]
     assert head._holder() is not None and head._workspace.data_ptr() == ws
+    # scratch, not state: copies and pickles of the head come without it
+    import copy
+    import pickle
+
+    for clone in (copy.deepcopy(head), pickle.loads(pickle.dumps(head))):
+        assert clone._workspace is None and torch.equal(clone.weight, head.weight)
     # the backward overwrote what it saved: a second backward is refused, not wrong
     loss = kept * 1.0
     torch.autograd.grad(loss, hs[1], retain_graph=True)
