@@ -4,7 +4,7 @@
 #   ./dev.sh test    set up, then run the whole test suite (what CI runs)
 #   ./dev.sh setup   only create .venv and install ncpctl with its dev extras
 # TORCH_SPEC picks the torch build (default: the CPU wheel torch==2.13.0; a GPU box can use
-# e.g. TORCH_SPEC="torch>=2.4"). PYTHON picks the interpreter (default python3).
+# e.g. TORCH_SPEC="torch>=2.5"). PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"
