@@ -13,10 +13,15 @@ gradients with ONE (N, V) buffer:
   ``(softmax - onehot) * scale`` (the logits are not needed any more), then
   grad_h = G @ W and grad_W = G^T @ h.
 
-The buffer is also kept between steps (``LMHead._workspace``): on the CPU a fresh 400 MB
+On the CPU the buffer is also kept between steps (``LMHead._workspace``): a fresh 400 MB
 allocation is a fresh ``mmap`` whose first touch page-faults every page, which costs as much
-as a pass over the tensor. (On CUDA this changes nothing: the caching allocator would keep
-that block for the next step anyway.)
+as a pass over the tensor. Elsewhere a new buffer is taken each step: CUDA's caching
+allocator already reuses the block, and a kept one would pin N x V memory through the
+optimizer step, evaluation and checkpointing.
+
+Under autocast the head runs in the autocast dtype, as ``F.linear`` would (the custom op
+itself is not autocast-aware). Targets must be in [0, V) or -100; other negatives are not
+checked (a check is a host sync per step) and count as class 0.
 
 The price is that the logits are not returned when a loss that will be differentiated is
 computed (``forward`` gives ``logits=None``), as Liger-style fused heads do; without targets,
@@ -98,7 +103,8 @@ class _HeadLoss(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
         h, weight, buf, safe, valid, count, lse = ctx.saved_tensors
-        scale = (grad_loss / count * valid)[:, None]  # (N, 1) fp32; 0 on ignored rows
+        # (N, 1) fp32; exactly 0 on ignored rows, even when all are (count 0) or grad_loss is not finite
+        scale = torch.where(valid, grad_loss / count.clamp_min(1), 0.0)[:, None]
         R = block_rows(buf)
         for s in range(0, buf.shape[0], R):  # buf := (softmax(buf) - onehot) * scale, in place
             blk, sc, t = buf[s : s + R], scale[s : s + R], safe[s : s + R]
@@ -133,7 +139,7 @@ class LMHead(nn.Linear):
 
     def __init__(self, d: int, vocab: int):
         super().__init__(d, vocab, bias=False)
-        self._workspace: torch.Tensor | None = None  # scratch, not state (not saved, not moved)
+        self._workspace: torch.Tensor | None = None  # CPU scratch, not state (not saved or moved)
         self._holder: weakref.ref | None = None  # the _Lease of the forward holding the workspace
 
     def __getstate__(self):  # pickle / deepcopy: the workspace is scratch, not state
@@ -145,15 +151,24 @@ class LMHead(nn.Linear):
         if not (torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad)):
             logits = F.linear(h, self.weight)
             return logits, cross_entropy(logits, targets)
-        loss = _HeadLoss.apply(h.flatten(0, -2), self.weight, targets.flatten(), self)
-        return None, loss
+        w, dev = self.weight, h.device.type
+        if torch.is_autocast_enabled(dev):  # what F.linear would do: both operands in the autocast dtype
+            dt = torch.get_autocast_dtype(dev)
+            h, w = h.to(dt), w.to(dt)  # differentiable casts: an fp32 weight gets an fp32 gradient
+            with torch.autocast(dev, enabled=False):
+                return None, _HeadLoss.apply(h.flatten(0, -2), w, targets.flatten(), self)
+        return None, _HeadLoss.apply(h.flatten(0, -2), w, targets.flatten(), self)
+
+    def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half(): drop the scratch with the old layout
+        self._workspace, self._holder = None, None
+        return super()._apply(fn, recurse)
 
     def _take_buffer(self, shape: tuple[int, int], like: torch.Tensor) -> tuple[torch.Tensor, _Lease]:
-        """The (N, V) buffer of one forward and its lease: the kept workspace, unless another
-        forward's graph still holds it (two forwards before a backward)."""
+        """The (N, V) buffer of one forward and its lease: on the CPU the kept workspace,
+        unless another forward's graph still holds it (two forwards before a backward)."""
         lease, n = _Lease(), shape[0] * shape[1]
         held = self._holder() if self._holder is not None else None
-        if held is not None and not held.done:
+        if like.device.type != "cpu" or (held is not None and not held.done):
             return torch.empty(shape, device=like.device, dtype=like.dtype), lease
         ws = self._workspace
         if ws is None or ws.dtype != like.dtype or ws.device != like.device or ws.numel() < n:

@@ -5,6 +5,9 @@ sign-folded rotary embedding vs HF's ``rotate_half`` form (bit-identical)."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,7 +85,28 @@ def test_cross_entropy_all_ignored_is_nan_like_reference() -> None:
     x = torch.randn(4, 10, requires_grad=True)
     y = torch.full((4,), -100)
     assert torch.isnan(cross_entropy(x, y)) and torch.isnan(F.cross_entropy(x, y))
-    assert torch.isnan(LMHead(10, 7)(x, y)[1])
+    head = LMHead(10, 7)
+    loss = head(x, y)[1]
+    assert torch.isnan(loss)
+    for g in torch.autograd.grad(loss, [x, head.weight]):  # zero gradients, as the reference's
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_fused_head_under_autocast_is_linear_under_autocast() -> None:
+    torch.manual_seed(0)
+    head = LMHead(16, 300)
+    y = torch.randint(0, 300, (40,))
+    for h in (torch.randn(40, 16, requires_grad=True), torch.randn(40, 16).bfloat16().requires_grad_()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours = head(h, y)[1]
+            ref = F.cross_entropy(F.linear(h, head.weight).float(), y)  # F.linear runs in bf16 here
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+        g_ours = torch.autograd.grad(ours, [h, head.weight])
+        g_ref = torch.autograd.grad(ref, [h, head.weight])
+        assert g_ours[1].dtype == torch.float32  # the fp32 weight gets an fp32 gradient
+        for a, b in zip(g_ours, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert head._workspace.dtype == torch.bfloat16  # the logits were bf16, as F.linear's
 
 
 def test_head_workspace_is_reused_and_never_shared() -> None:
@@ -110,10 +134,11 @@ def test_head_workspace_is_reused_and_never_shared() -> None:
     del dropped
     kept = head(hs[1], y)[1]
     assert head._holder() is not None and head._workspace.data_ptr() == ws
-    # scratch, not state: copies and pickles of the head come without it
-    import copy
-    import pickle
-
+    # scratch, not state: moving the head drops it; copies and pickles come without it
+    head.to(torch.float64).to(torch.float32)
+    assert head._workspace is None
+    head(hs[1], y)[1].backward()  # and a new one is taken
+    assert head._workspace is not None
     for clone in (copy.deepcopy(head), pickle.loads(pickle.dumps(head))):
         assert clone._workspace is None and torch.equal(clone.weight, head.weight)
     # the backward overwrote what it saved: a second backward is refused, not wrong
