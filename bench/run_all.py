@@ -35,7 +35,7 @@ RESULTS = HERE / "results"
 # train_step runs first: it is the longest and the one this suite exists for.
 BENCHES: dict[str, tuple[str, list[str], str]] = {
     "train_step": ("train_step.py", ["--rounds", "5"], "training step: ours vs HF, ConceptLM vs PM, FLOP/s vs GEMM peak"),
-    "tokenize": ("tokenize.py", ["--repeat", "2", "--no-num-proc"], "ncpctl tokenize vs raw encode_batch / datasets.map"),
+    "tokenize": ("tokenize.py", ["--repeat", "3", "--no-num-proc"], "ncpctl tokenize vs raw encode_batch / datasets.map"),
     "eval": ("eval.py", [], "ncpctl eval vs lm-eval's HF backend (issue #5)"),
 }
 
