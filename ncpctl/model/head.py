@@ -30,6 +30,7 @@ or under ``torch.no_grad()``, the head is a plain Linear and the logits are retu
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -151,13 +152,13 @@ class LMHead(nn.Linear):
         if not (torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad)):
             logits = F.linear(h, self.weight)
             return logits, cross_entropy(logits, targets)
-        w, dev = self.weight, h.device.type
+        w, dev, amp = self.weight, h.device.type, contextlib.nullcontext()
         if torch.is_autocast_enabled(dev):  # what F.linear would do: both operands in the autocast dtype
             dt = torch.get_autocast_dtype(dev)
             h, w = h.to(dt), w.to(dt)  # differentiable casts: an fp32 weight gets an fp32 gradient
-            with torch.autocast(dev, enabled=False):
-                return None, _HeadLoss.apply(h.flatten(0, -2), w, targets.flatten(), self)
-        return None, _HeadLoss.apply(h.flatten(0, -2), w, targets.flatten(), self)
+            amp = torch.autocast(dev, enabled=False)  # the op's own mm(out=) is not autocast-aware
+        with amp:
+            return None, _HeadLoss.apply(h.flatten(0, -2), w, targets.flatten(), self)
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half(): drop the scratch with the old layout
         self._workspace, self._holder = None, None
@@ -171,8 +172,8 @@ class LMHead(nn.Linear):
         if like.device.type != "cpu" or (held is not None and not held.done):
             return torch.empty(shape, device=like.device, dtype=like.dtype), lease
         ws = self._workspace
-        if ws is None or ws.dtype != like.dtype or ws.device != like.device or ws.numel() < n:
+        if ws is None or ws.dtype != like.dtype or ws.numel() < n:
             self._workspace = None  # free the old one first: peak memory of one workspace
-            ws = self._workspace = torch.empty(n, device=like.device, dtype=like.dtype)
+            ws = self._workspace = torch.empty(n, dtype=like.dtype)
         self._holder = weakref.ref(lease)
         return ws[:n].view(shape), lease
