@@ -155,6 +155,11 @@ def breakdown(step: Callable[[], float]) -> dict[str, float]:
     return out
 
 
+def _print_kernels(kernels: dict[str, dict[str, float]]) -> None:
+    for name, k in kernels.items():
+        print(f"{'':12} {name:7} one profiled step: " + ", ".join(f"{c} {v:.2f} s" for c, v in k.items()))
+
+
 def ours_vs_hf(size: str, B: int, T: int, rounds: int) -> dict[str, Any]:
     from transformers import GPTNeoXForCausalLM
 
@@ -283,13 +288,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(first loss {r['first_loss']['ours']:.4f} / {r['first_loss']['hf']:.4f})  "
               f"{r['achieved_flop_per_s']['ours'] / 1e9:.1f} / {r['achieved_flop_per_s']['hf'] / 1e9:.1f} GFLOP/s, "
               f"GEMM peak {r['gemm_peak_flop_per_s'] / 1e9:.1f} GFLOP/s")
-        for n, k in r["kernel_seconds"].items():
-            print(f"{'':12} {n:4} one profiled step: " + ", ".join(f"{c} {v:.2f} s" for c, v in k.items()))
+        _print_kernels(r["kernel_seconds"])
     if "concept_vs_pm" in result:
         c = result["concept_vs_pm"]
         print(f"{c['size']:12} best ConceptLM {c['best_s']['concept']:.2f} s  PM {c['best_s']['pm']:.2f} s")
-        for n, k in c["kernel_seconds"].items():
-            print(f"{'':12} {n:7} one profiled step: " + ", ".join(f"{c_} {v:.2f} s" for c_, v in k.items()))
+        _print_kernels(c["kernel_seconds"])
     for name, v in ratios.items():
         extra = f" (flops ratio {v['flops_ratio']})" if "flops_ratio" in v else (f" (hf {v['hf']})" if "hf" in v else "")
         if "best_rounds" in v:

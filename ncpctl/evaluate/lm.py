@@ -27,6 +27,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from torch import nn
 
+from ncpctl.errors import UserError
+
 
 @contextlib.contextmanager
 def hidden_states_only(model):
@@ -43,8 +45,6 @@ def hidden_states_only(model):
 def _batch_size(value: int | str) -> int:
     """lm-eval hands over ints or strings ("8", "auto", "auto:4"). ``auto`` does not probe
     memory here (scoring batches are right-padded full forwards, sized by the caller): 8."""
-    from ncpctl.errors import UserError
-
     s = str(value).strip()
     if s.isdigit() and int(s) > 0:
         return int(s)
@@ -64,8 +64,6 @@ class NCPLM(TemplateLM):
                  max_length: int | None = None, dtype: str = "float32", device: str | None = None,
                  max_gen_toks: int = 256, **_: Any):
         super().__init__()
-        from ncpctl.errors import UserError
-
         if dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"dtype={dtype!r}: expected float32, bfloat16 or float16")
         self._batch_size = _batch_size(batch_size)
