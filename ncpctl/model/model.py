@@ -8,8 +8,6 @@ the model is exactly HF ``GPTNeoXForCausalLM`` / ``LlamaForCausalLM``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -17,30 +15,10 @@ from ncpctl.model import decode
 from ncpctl.model.concept import ConceptModule
 from ncpctl.model.config import ModelConfig
 from ncpctl.model.head import LMHead
+from ncpctl.model.outputs import LogKey, NCPOutput
 from ncpctl.model.layers import (
     Block, RMSNorm, causal_masks, layer_window, make_norm, rope, run_stack, stack_windows,
 )
-
-
-@dataclass
-class NCPOutput:
-    """Forward result. Loss terms are None without ``targets``; concept terms None when off.
-
-    Metrics are detached tensors (no host sync); ``.item()`` them when logging.
-    """
-
-    # (B, T, padded_vocab_size); None when a loss that will be differentiated is computed
-    # (targets given, grad enabled): the fused LM head then reuses the logits' memory for
-    # their gradient (head.py). Run under torch.no_grad() or without targets to get them.
-    logits: torch.Tensor | None
-    loss: torch.Tensor | None = None  # ntp + alpha*ncp + beta_vq*vq
-    ntp_loss: torch.Tensor | None = None
-    ncp_loss: torch.Tensor | None = None
-    vq_loss: torch.Tensor | None = None
-    code_usage: torch.Tensor | None = None  # (S,) fraction of codes used per segment
-    code_perplexity: torch.Tensor | None = None  # (S,) perplexity of code usage
-    ncp_code_acc: torch.Tensor | None = None  # (S,) nearest code of pred == of the true next block
-    pred: torch.Tensor | None = None  # (B, M, d) predicted next-block concepts
 
 
 class NCPModel(nn.Module):
@@ -93,18 +71,36 @@ class NCPModel(nn.Module):
             x, aux = self.concept(x, losses=targets is not None)  # z (B, T, d)
         x = run_stack(self.decoder, x, cos, sin, masks)
         h = self.final_norm(x)  # (B, T, d)
-        pred = aux.pred if aux is not None else None
         if targets is None:
-            return NCPOutput(logits=self.lm_head(h), pred=pred)  # (B, T, V)
+            return NCPOutput(logits=self.lm_head(h), concept=aux)  # (B, T, V)
         logits, ntp = self.lm_head(h, targets)  # == F.cross_entropy(lm_head(h).float(), targets)
-        out = NCPOutput(logits=logits, pred=pred, ntp_loss=ntp, loss=ntp)
+        out = NCPOutput(logits=logits, loss=ntp, losses={"ntp_loss": ntp}, concept=aux)
         if aux is not None:
             c = cfg.concept
-            out.loss = out.ntp_loss + c.ncp_weight * aux.ncp_loss + c.vq_weight * aux.vq_loss
-            out.ncp_loss, out.vq_loss = aux.ncp_loss, aux.vq_loss
-            out.code_usage, out.code_perplexity = aux.code_usage, aux.code_perplexity
-            out.ncp_code_acc = aux.ncp_code_acc
+            out.loss = ntp + c.ncp_weight * aux.ncp_loss + c.vq_weight * aux.vq_loss
+            out.losses.update(ncp_loss=aux.ncp_loss, vq_loss=aux.vq_loss)
+            for name in ("code_usage", "code_perplexity", "ncp_code_acc"):
+                if getattr(aux, name) is not None:
+                    out.metrics[name] = getattr(aux, name)
         return out
+
+    # ---- what the training loop logs (declared once, the same on every rank) ----
+
+    def log_keys(self) -> list[LogKey]:
+        keys = [LogKey("loss"), LogKey("ntp_loss")]
+        if self.concept is not None:
+            S = self.cfg.n_segments
+            keys += [LogKey("ncp_loss"), LogKey("vq_loss"), LogKey("code_perplexity", S),
+                     LogKey("ncp_code_acc", S), LogKey("code_usage", S, per="segment")]
+        return keys
+
+    def stat_keys(self) -> list[str]:
+        """Names of the per-step global statistics (``NCPOutput.stats``), in a fixed order."""
+        return []
+
+    def on_step_end(self, stats: dict[str, float]) -> None:
+        """The per-step hook: ``stats`` are the totals of ``NCPOutput.stats`` over every
+        micro-batch of the step on every rank (called on every rank after the step)."""
 
     # ---- incremental decoding (spec section 5; see decode.py) ----
 
