@@ -17,7 +17,6 @@ Log-likelihoods are also accumulated per task (``token_stats``: NLL and scored t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from typing import Any
@@ -25,21 +24,8 @@ from typing import Any
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from torch import nn
 
 from ncpctl.errors import UserError
-
-
-@contextlib.contextmanager
-def hidden_states_only(model):
-    """Make ``model(idx).logits`` return the final-norm hidden states (B, T, d): the LM head
-    then runs only on the rows that are scored (a large share of the work at small d)."""
-    head = model.lm_head
-    model.lm_head = nn.Identity()
-    try:
-        yield head
-    finally:
-        model.lm_head = head
 
 
 def _batch_size(value: int | str) -> int:
@@ -213,33 +199,34 @@ class NCPLM(TemplateLM):
         results: list[tuple[float, bool] | None] = [None] * len(conts)
         dev = self._device
         bs = self._batch_size
-        with hidden_states_only(self.model) as head:
-            for s in range(0, len(order), bs):
-                idx = order[s : s + bs]
-                T = len(input_ids[idx[0]])
-                # right padding only: every row starts at position 0, so concept blocks are
-                # aligned as in a lone full forward and padding never feeds a scored position
-                x = torch.zeros(len(idx), T, dtype=torch.long)
-                rows, cols, targets, spans = [], [], [], []
-                for r, f in enumerate(idx):
-                    inp = input_ids[f]
-                    x[r, : len(inp)] = torch.tensor(inp)
-                    for j in per_input[f]:
-                        n = len(conts[j])
-                        rows += [r] * n
-                        cols += range(len(inp) - n, len(inp))
-                        targets += conts[j]
-                        spans.append((j, n))
-                h = self.model(x.to(dev)).logits  # (B, T, d) final-norm hidden states
-                sel = h[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)]  # (N, d)
-                logp = head(sel)[:, :V].float().log_softmax(-1)  # (N, V)
-                tgt = torch.tensor(targets, device=dev)
-                tok_lp = logp.gather(1, tgt[:, None])[:, 0].cpu()
-                greedy = (logp.argmax(-1) == tgt).cpu()
-                at = 0
-                for j, n in spans:
-                    results[j] = (float(tok_lp[at : at + n].sum()), bool(greedy[at : at + n].all()))
-                    at += n
+        head = self.model.head
+        for s in range(0, len(order), bs):
+            idx = order[s : s + bs]
+            T = len(input_ids[idx[0]])
+            # right padding only: every row starts at position 0, so concept blocks are
+            # aligned as in a lone full forward and padding never feeds a scored position
+            x = torch.zeros(len(idx), T, dtype=torch.long)
+            rows, cols, targets, spans = [], [], [], []
+            for r, f in enumerate(idx):
+                inp = input_ids[f]
+                x[r, : len(inp)] = torch.tensor(inp)
+                for j in per_input[f]:
+                    n = len(conts[j])
+                    rows += [r] * n
+                    cols += range(len(inp) - n, len(inp))
+                    targets += conts[j]
+                    spans.append((j, n))
+            # final-norm hidden states (B, T, d): the LM head runs only on the scored rows
+            h = self.model(x.to(dev), return_hidden=True, compute_logits=False).hidden
+            sel = h[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)]  # (N, d)
+            logp = head(sel)[:, :V].float().log_softmax(-1)  # (N, V)
+            tgt = torch.tensor(targets, device=dev)
+            tok_lp = logp.gather(1, tgt[:, None])[:, 0].cpu()
+            greedy = (logp.argmax(-1) == tgt).cpu()
+            at = 0
+            for j, n in spans:
+                results[j] = (float(tok_lp[at : at + n].sum()), bool(greedy[at : at + n].all()))
+                at += n
         return [results[w] for w in which]  # type: ignore[misc]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

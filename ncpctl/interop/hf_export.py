@@ -2,10 +2,14 @@
 
 * Base models (no concept path) become native ``GPTNeoXForCausalLM`` / ``LlamaForCausalLM``
   (``Qwen3ForCausalLM`` with per-head QK-norm) through ``ncpctl.model.hf``.
-* ConceptLM models become ``NCPForCausalLM``: ``configuration_ncp.py`` and
-  ``modeling_ncp.py`` (self-contained, ``ncpctl/interop/remote/``) are copied into the
-  directory and ``config.json`` maps them with ``auto_map``, so
-  ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` needs no ncpctl.
+* ConceptLM models become ``NCPForCausalLM``: the HF adapter (``configuration_ncp.py``,
+  ``modeling_ncp.py`` from ``ncpctl/interop/remote/``) and the modules of ``ncpctl/model/``
+  it imports (``model.py``, ``layers.py``, ..., found by following their relative imports)
+  are copied verbatim into the directory, and ``config.json`` maps them with ``auto_map``:
+  the modeling code exists once, and ``AutoModelForCausalLM.from_pretrained(DIR,
+  trust_remote_code=True)`` needs no ncpctl (transformers copies the files a module imports
+  with ``from .x import y``; the model package imports nothing outside itself). A model whose
+  segmentation, coupling or residual is not built in cannot be exported this way.
 
 Files: ``config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` +
 ``model.safetensors.index.json`` above ``max_shard_size``), ``generation_config.json``,
@@ -22,6 +26,7 @@ tokenizer must encode a probe text to the same ids. Above the tolerance nothing 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -30,6 +35,8 @@ from typing import Any, Callable
 from ncpctl.errors import UserError
 
 REMOTE = Path(__file__).parent / "remote"
+MODEL_PACKAGE = Path(__file__).parents[1] / "model"
+_RELATIVE = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.MULTILINE)
 PROBE_TEXT = "def f(x):\n    return x + 1  # probe: ünïcode, tabs\tand  spaces\n"
 TOLERANCE = 1e-4  # max |logit difference| allowed, relative to max(1, max |logit|)
 
@@ -98,8 +105,9 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
             "bos_token_id": eod, "eos_token_id": eod, "dtype": dtype_name,
         }
         (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for f in ("configuration_ncp.py", "modeling_ncp.py"):
-            shutil.copyfile(REMOTE / f, d / f)
+        _check_builtin(cfg)
+        for src in remote_files():
+            shutil.copyfile(src, d / src.name)
         state = {k: v for k, v in model.state_dict().items()}
         if cfg.tie_embeddings:
             state.pop("lm_head.weight", None)
@@ -130,6 +138,37 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
             "parameters": sum(t.numel() for t in state.values())}
 
 
+def remote_files() -> list[Path]:
+    """The files of an exported NCP directory's code: the HF adapter and every module of the
+    model package it reaches through relative imports (``from .x import y``)."""
+    todo, found = ["modeling_ncp"], {}
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        path = REMOTE / f"{name}.py"
+        if not path.is_file():
+            path = MODEL_PACKAGE / f"{name}.py"
+        found[name] = path
+        todo += _RELATIVE.findall(path.read_text())
+    return sorted(found.values())
+
+
+def _check_builtin(cfg) -> None:
+    """Only built-in strategies travel with the export (a registered or imported class's code
+    lives outside the model package)."""
+    from ncpctl.model.config import STRATEGIES
+
+    c = cfg.concept
+    for key, kind, name in (("model.residual", "residual", cfg.residual),
+                            ("model.concept.segmentation", "segmentation", c.segmentation),
+                            ("model.concept.coupling", "coupling", c.coupling)):
+        target = STRATEGIES[kind].get(name)
+        if not (isinstance(target, str) and target.startswith(".")):
+            raise UserError(f"{key}: {name!r} is not built into ncpctl, so the exported code cannot include it",
+                            hint="export supports the built-in segmentation, coupling and residual")
+
+
 def _derived(cfg) -> dict[str, Any]:
     names = ("padded_vocab_size", "head_dim", "rotary_dim", "n_token_layers", "encoder_layers", "decoder_layers",
              "n_segments", "segment_dim")
@@ -158,7 +197,8 @@ def _probe(cfg, seed: int = 0):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    T = min(cfg.max_seq_len, max(4 * cfg.concept.k + 3, 37))  # several concept blocks + a partial one
+    # several concepts and an open one (tokens_per_concept: the segmentation's mean length)
+    T = min(cfg.max_seq_len, max(int(4 * (cfg.tokens_per_concept or 1)) + 3, 37))
     return torch.randint(0, cfg.vocab_size, (2, T), generator=g)
 
 

@@ -2,21 +2,45 @@
 
 ``import ncpctl.model`` or ``ncpctl.model.config`` does not import torch; ``NCPModel`` and
 friends load on first access.
+
+Extension points (docs/architecture.md): a segmentation (subclass ``Segmenter``), a coupling
+(``Coupling``) or a depth mixer (``Residual``) is registered by name with
+``register(kind, name, cls)`` and chosen with the recipe keys ``model.concept.segmentation``,
+``model.concept.coupling`` and ``model.residual`` (or named there as ``package.module:Class``);
+``interventions`` (``CodeEdit``, ``AddToDecoderInput``, ``AddToResidual``) edit a forward and
+incremental decoding alike.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ncpctl.model.config import SIZES, ConceptConfig, ConfigError, ModelConfig, build_config
+from ncpctl.model.config import (
+    SIZES, ConceptConfig, ConfigError, ModelConfig, SegmentationLaw, build_config, register,
+)
+from ncpctl.model.outputs import LogKey, NCPOutput
 
 _LAZY = {
     "NCPModel": "ncpctl.model.model",
-    "NCPOutput": "ncpctl.model.model",
     "DecodeState": "ncpctl.model.decode",
+    "ConceptOutput": "ncpctl.model.concept",
+    "Segmenter": "ncpctl.model.segment",
+    "Segments": "ncpctl.model.segment",
+    "Closing": "ncpctl.model.segment",
+    "FixedBlocks": "ncpctl.model.segment",
+    "segment_means": "ncpctl.model.segment",
+    "Coupling": "ncpctl.model.coupling",
+    "Residual": "ncpctl.model.layers",
+    "Context": "ncpctl.model.layers",
+    "Stack": "ncpctl.model.layers",
+    "Intervention": "ncpctl.model.interventions",
+    "CodeEdit": "ncpctl.model.interventions",
+    "AddToDecoderInput": "ncpctl.model.interventions",
+    "AddToResidual": "ncpctl.model.interventions",
 }
 
-__all__ = ["SIZES", "ConceptConfig", "ConfigError", "ModelConfig", "build_config", *_LAZY]
+__all__ = ["SIZES", "ConceptConfig", "ConfigError", "ModelConfig", "SegmentationLaw", "build_config", "register",
+           "LogKey", "NCPOutput", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -4,7 +4,8 @@ Spec: shared/docs/ncp-model.md section 6. Three views of one ``ModelConfig``:
 
 * ``paper_flops``: the ConceptLM App. C simplification. A token layer costs
   ``12*T*d^2 + 2*T^2*d`` per sequence (forward), a concept layer the same on ``T/k``
-  positions; training = 3x forward. The two coefficients are returned so the formula can be
+  positions (k: the segmentation's mean tokens per concept, its ``SegmentationLaw``; the block
+  length for fixed blocks); training = 3x forward. The two coefficients are returned so the formula can be
   printed symbolically (PM: ``408*T*d^2 + 68*T^2*d``; ConceptLM: ``390*T*d^2 + 64.25*T^2*d``).
 * ``exact_flops``: matmul FLOPs (2 per multiply-add) with the real shapes (GQA, FFN width
   and gating, sliding window, padded vocab, concept heads, codebook), by component.
@@ -71,7 +72,7 @@ class PaperFlops:
     d_model: int  # d
     token_layers: int  # E + D (+ PM's extra layers)
     concept_layers: int  # C (0 without the concept path)
-    k: int | None  # tokens per concept block (None without the concept path)
+    k: float | None  # tokens per concept: the block length k for fixed blocks (None without the path)
     coef_Td2: float  # 12 * (token layers + C/k)
     coef_T2d: float  # 2 * (token layers + C/k^2)
     block_equivalents: float  # token layers + C/k (from the config)
@@ -106,7 +107,7 @@ def paper_flops(cfg: ModelConfig, seq_len: int | None = None) -> PaperFlops:
     d = cfg.d_model
     L = cfg.n_token_layers
     C = _concept_layers(cfg)
-    k = cfg.concept.k if cfg.concept.enabled else None
+    k = tokens_per_concept(cfg)
     # A concept layer on T/k positions: 12*(T/k)*d^2 + 2*(T/k)^2*d.
     coef_Td2 = 12.0 * L + (12.0 * C / k if C else 0.0)
     coef_T2d = 2.0 * L + (2.0 * C / (k * k) if C else 0.0)
@@ -133,6 +134,12 @@ def paper_flops(cfg: ModelConfig, seq_len: int | None = None) -> PaperFlops:
 # --------------------------------------------------------------------------------------
 
 
+def tokens_per_concept(cfg: ModelConfig) -> float | int | None:
+    """The segmentation's mean tokens per concept (an int when whole, e.g. k = 4)."""
+    r = cfg.tokens_per_concept
+    return int(r) if r is not None and float(r).is_integer() else r
+
+
 def _keys_full(n: int, window: int | None) -> int:
     """Query-key pairs SDPA computes for ``n`` queries: every query x min(n, window) keys."""
     return n * (n if window is None else min(n, window))
@@ -148,15 +155,10 @@ def _keys_causal(n: int, window: int | None) -> int:
     return window * (window + 1) // 2 + (n - window) * window
 
 
-def _layer_window(cfg: ModelConfig, layer_number: int) -> int | None:
-    """Window of the 1-based ``layer_number`` within its stack: every n-th layer is full."""
-    if cfg.sliding_window is None or layer_number % cfg.full_attn_every == 0:
-        return None
-    return cfg.sliding_window
-
-
-def _stack_flops(cfg: ModelConfig, n_layers: int, n: int) -> dict[str, int]:
-    """Forward matmul FLOPs of ``n_layers`` backbone layers on ``n`` positions (one sequence)."""
+def _stack_flops(cfg: ModelConfig, windows, n: int) -> dict[str, int]:
+    """Forward matmul FLOPs of a stack whose layers have attention ``windows`` (one per layer)
+    on ``n`` positions (one sequence)."""
+    n_layers = len(windows)
     d, hd = cfg.d_model, cfg.head_dim
     q_dim = cfg.n_heads * hd
     kv_dim = cfg.n_kv_heads * hd
@@ -165,8 +167,7 @@ def _stack_flops(cfg: ModelConfig, n_layers: int, n: int) -> dict[str, int]:
     attn_out = 2 * n * q_dim * d
     mlp = 2 * n * d * cfg.ffn_dim * gate_mats
     full = causal = 0
-    for i in range(1, n_layers + 1):
-        w = _layer_window(cfg, i)
+    for w in windows:
         # scores Q K^T and values A V: 2 FLOPs x head_dim per pair per head, twice.
         full += 2 * 2 * q_dim * _keys_full(n, w)
         causal += 2 * 2 * q_dim * _keys_causal(n, w)
@@ -308,7 +309,7 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
     causal: dict[str, int] = {}
     training_only: dict[str, int] = {}
 
-    tok = _stack_flops(cfg, cfg.n_token_layers, T)
+    tok = _stack_flops(cfg, cfg.token_windows, T)
     for key in ("qkv", "attn_out", "mlp", "attention"):
         comps[f"token_layers.{key}"] = tok[key]
     causal["token_layers.attention"] = tok["attention_causal"]
@@ -316,10 +317,10 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
     M = 0
     c = cfg.concept
     if c.enabled:
-        M = T // c.k  # a trailing partial block is not pooled
+        M = cfg.num_concepts(T)  # the segmentation's law (fixed blocks: T // k, a partial block not pooled)
         S, N, ds = cfg.n_segments, c.codes, cfg.segment_dim
-        comps["concept.pooling"] = M * c.k * d
-        con = _stack_flops(cfg, c.concept_layers, M)
+        comps["concept.pooling"] = round(M * cfg.tokens_per_concept) * d  # one add per pooled element
+        con = _stack_flops(cfg, cfg.concept_windows, M)
         for key in ("qkv", "attn_out", "mlp", "attention"):
             comps[f"concept_layers.{key}"] = con[key]
         causal["concept_layers.attention"] = con["attention_causal"]

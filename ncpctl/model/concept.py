@@ -1,19 +1,27 @@
-"""The concept path (spec sections 1-3): pooling, concept transformer, heads, codebook, losses.
+"""The concept path (spec sections 1-3): segmentation, concept transformer, heads, codebook,
+coupling, losses.
 
-Shapes: B batch, T tokens, k tokens per block, M = T // k blocks, d width, S segments,
-N codes per segment, ds = d / S segment width.
+Shapes: B batch, T tokens, M concepts, d width, S segments of the codebook, N codes per
+segment, ds = d / S segment width. Pooling is the segmenter's (segment.py; fixed blocks of k
+tokens by default) and how the decoder uses the prediction is the coupling's (coupling.py);
+this module owns what is common to every design: the concept transformer on the M-long
+sequence, the S heads, the product-quantised codebook and the NCP/VQ losses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ncpctl.model.config import ModelConfig
-from ncpctl.model.layers import Block, causal_masks, layer_window, make_norm, rope, run_stack, stack_windows
+from .config import ModelConfig, strategy
+from .coupling import Coupling
+from .interventions import edit_code_weights
+from .layers import Context, Stack, make_norm, rope
+from .outputs import LogKey
+from .segment import Segmenter, Segments, shift_blocks  # noqa: F401  (shift_blocks: re-exported)
 
 
 class Codebook(nn.Module):
@@ -56,26 +64,33 @@ def nearest_code(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return dist.argmin(-1)
 
 
-def shift_blocks(pred: torch.Tensor, k: int, T: int) -> torch.Tensor:
-    """Causal shift (spec 1): position p gets pred[(p+1)//k - 1], zeros for p < k-1.
-
-    repeat_interleave(cat(0, pred), k), drop the first position, cut to T: (B, M, d) -> (B, T, d).
-    """
-    B, M, d = pred.shape
-    z = torch.cat((pred.new_zeros(B, 1, d), pred), dim=1)  # (B, M+1, d)
-    return z[:, :, None].expand(B, M + 1, k, d).reshape(B, (M + 1) * k, d)[:, 1 : T + 1]
-
-
 @dataclass
-class ConceptAux:
-    """What the concept path hands back besides the decoder input (training terms)."""
+class ConceptOutput:
+    """What the concept path hands back: the decoder input and everything it was made of.
 
-    pred: torch.Tensor | None = None  # (B, M, d) predicted next-block states
-    ncp_loss: torch.Tensor | None = None
-    vq_loss: torch.Tensor | None = None
-    code_usage: torch.Tensor | None = None  # (S,) fraction of codes hit
-    code_perplexity: torch.Tensor | None = None  # (S,) exp(entropy) of code usage
-    ncp_code_acc: torch.Tensor | None = None  # (S,) nearest code of pred[j] == of c[j+1]
+    ``z`` (B, T, d) decoder input; ``pred`` (B, M, d), pred[j] predicts concept j+1 from
+    concepts 0..j (None when no concept closed); ``weights`` (B, M, S, N) the code weights
+    pred is mixed from (after softmax and interventions: pred[j] = sum over n of
+    weights[j, s, n] * codes[s, n] in segment s's slice of d); ``segments`` the pooled concepts
+    c and their validity; ``losses`` unweighted terms, ``metrics`` detached, ``stats`` local
+    sums for the per-step hook (outputs.py).
+    """
+
+    z: torch.Tensor
+    pred: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    segments: Segments | None = None
+    losses: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    states: list | None = None  # the concept stack's per-depth states, when asked for
+
+
+def _build(kind: str, name: str, base: type, cfg: ModelConfig) -> nn.Module:
+    cls = strategy(kind, name)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"{kind} {name!r}: {cls!r} is not a {base.__name__} subclass")
+    return cls(cfg)
 
 
 class ConceptModule(nn.Module):
@@ -83,85 +98,128 @@ class ConceptModule(nn.Module):
         super().__init__()
         c = cfg.concept
         self.cfg = cfg
-        self.k, self.S, self.N = c.k, cfg.n_segments, c.codes
-        self.layers = nn.ModuleList([Block(cfg, layer_window(cfg, i + 1)) for i in range(c.concept_layers)])
+        self.S, self.N = cfg.n_segments, c.codes
+        self.segmenter = _build("segmentation", c.segmentation, Segmenter, cfg)
+        self.layers = Stack(cfg, cfg.concept_windows)
         self.norm = make_norm(cfg, cfg.d_model)
         # S per-segment heads fused into one matmul: (B, M, d) -> (B, M, S*N).
         self.heads = nn.Linear(cfg.d_model, self.S * self.N, bias=cfg.bias)
         self.codebook = Codebook(cfg)
-        self.normed = c.add == "normed"
-        if self.normed:  # GPT-2 variant: norm(h) + norm(pred)
-            self.norm_h = make_norm(cfg, cfg.d_model)
-            self.norm_pred = make_norm(cfg, cfg.d_model)
+        self.coupling = _build("coupling", c.coupling, Coupling, cfg)
+        # checkpoints before the coupling existed kept its norms here (concept.norm_h, .norm_pred)
+        self.register_load_state_dict_pre_hook(_move_coupling_keys)
 
     # ---- pieces shared by the full forward and incremental decoding ----
 
-    def positions(self, j: torch.Tensor) -> torch.Tensor:
-        return j * self.k if self.cfg.concept.rope_scale_by_k else j
+    def code_weights(self, u: torch.Tensor) -> torch.Tensor:
+        """Concept-transformer output u (B, M, d) -> code weights w (B, M, S, N)."""
+        B, M, _ = u.shape
+        w = self.heads(self.norm(u)).view(B, M, self.S, self.N)
+        if self.cfg.concept.code_weights == "softmax":  # pred in the convex hull of each segment
+            w = w.softmax(dim=-1)
+        return w
+
+    def mix(self, w: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Code weights w (B, M, S, N) x codes (S, N, ds) -> pred (B, M, d)."""
+        B, M = w.shape[:2]
+        return torch.einsum("bmsn,snd->bmsd", w, codes).reshape(B, M, -1)
 
     def predict(self, u: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Concept-transformer output u (B, M, d) -> pred (B, M, d) as a mix of codes."""
-        B, M, d = u.shape
-        w = self.heads(self.norm(u)).view(B, M, self.S, self.N)  # (B, M, S, N)
-        if self.cfg.concept.code_weights == "softmax":  # pred in the convex hull of each segment
-            w = w.softmax(dim=-1)
-        return torch.einsum("bmsn,snd->bmsd", w, codes).reshape(B, M, d)
+        return self.mix(self.code_weights(u), codes)
 
-    def added_term(self, pred: torch.Tensor) -> torch.Tensor:
-        """What is added per block (normed once per block, so the zero-shifted slots stay 0)."""
-        return self.norm_pred(pred) if self.normed else pred
-
-    def combine(self, h: torch.Tensor, added: torch.Tensor) -> torch.Tensor:
-        """Decoder input z = h + added (or norm(h) + norm(pred)), both (B, T, d)."""
-        if self.cfg.concept.detach_added_concept:
-            added = added.detach()
-        return (self.norm_h(h) if self.normed else h) + added
+    def context(self, positions: torch.Tensor, dtype: torch.dtype) -> Context:
+        """The concept stack's context for concepts at RoPE ``positions`` (B|1, M), unpadded."""
+        return Context.causal(self.cfg, positions, self.cfg.concept_windows, dtype)
 
     # ---- full-sequence forward ----
 
-    def forward(self, h: torch.Tensor, losses: bool) -> tuple[torch.Tensor, ConceptAux]:
-        """Encoder output h (B, T, d) -> decoder input z (B, T, d) and the training terms."""
-        B, T, d = h.shape
-        k, M = self.k, T // self.k
-        aux = ConceptAux()
-        if M == 0:  # no complete block: nothing to predict, nothing added
-            zero = h.new_zeros(())
+    def forward(self, h: torch.Tensor, losses: bool, interventions=(), states: bool = False) -> ConceptOutput:
+        """Encoder output h (B, T, d) -> ConceptOutput (decoder input z and the concept terms)."""
+        seg = self.segmenter(h)
+        out = ConceptOutput(z=h, segments=seg, losses=dict(seg.losses), metrics=dict(seg.metrics),
+                            stats=dict(seg.stats))
+        M = seg.concepts.shape[1]
+        if M == 0:  # no complete concept: nothing to predict, nothing added
+            out.z = self.coupling(h, None, seg, self.segmenter)
             if losses:
-                aux.ncp_loss, aux.vq_loss = zero, zero
-            return self.combine(h, torch.zeros_like(h)), aux
-        c = h[:, : M * k].reshape(B, M, k, d).mean(dim=2)  # (B, M, d); trailing partial block dropped
-        pos = self.positions(torch.arange(M, device=h.device))[None]
-        cos, sin = rope(pos, self.cfg, h.dtype)
-        u = run_stack(self.layers, c, cos, sin, causal_masks(stack_windows(self.layers), M, h.device))
-        codes = self.codebook()  # (S, N, ds)
-        pred = self.predict(u, codes)  # (B, M, d); pred[j] predicts c[j+1]
-        z = self.combine(h, shift_blocks(self.added_term(pred), k, T))
-        aux.pred = pred
-        if losses:
-            self._losses(c, pred, codes, aux)
-        return z, aux
-
-    def _losses(self, c: torch.Tensor, pred: torch.Tensor, codes: torch.Tensor, aux: ConceptAux) -> None:
-        cfg = self.cfg.concept
-        B, M, d = c.shape
-        # NCP: predict the continuous pooled state of the next block; the target is detached.
-        if M >= 2:
-            err = (pred[:, :-1] - c[:, 1:].detach()).pow(2)
-            aux.ncp_loss = err.mean() if cfg.ncp_reduction == "mean" else err.sum(-1).mean()
+                zero = h.new_zeros(())
+                out.losses.update(ncp_loss=zero, vq_loss=zero)
+            return out
+        ctx = self.context(seg.positions, h.dtype)
+        if states:
+            u, out.states = self.layers(seg.concepts, ctx, states=True)
         else:
-            aux.ncp_loss = c.new_zeros(())
+            u = self.layers(seg.concepts, ctx)
+        codes = self.codebook()  # (S, N, ds)
+        w = edit_code_weights(interventions, self.code_weights(u), torch.arange(M, device=h.device)[None])
+        pred = self.mix(w, codes)  # (B, M, d); pred[j] predicts c[j+1]
+        out.pred, out.weights = pred, w
+        out.z = self.coupling(h, pred, seg, self.segmenter)
+        if losses:
+            self._losses(seg, pred, codes, out)
+        return out
+
+    def loss_weights(self) -> dict[str, float]:
+        c = self.cfg.concept
+        return {"ncp_loss": c.ncp_weight, "vq_loss": c.vq_weight, **self.segmenter.loss_weights()}
+
+    def log_keys(self) -> list[LogKey]:
+        S = self.S
+        keys = [LogKey("ncp_loss"), LogKey("vq_loss"), *self.segmenter.log_keys()]
+        return keys + [LogKey("code_perplexity", S), LogKey("ncp_code_acc", S), LogKey("code_usage", S, per="segment")]
+
+    def _losses(self, seg: Segments, pred: torch.Tensor, codes: torch.Tensor, out: ConceptOutput) -> None:
+        cfg = self.cfg.concept
+        c, valid = seg.concepts, seg.valid
+        B, M, d = c.shape
+        # NCP: predict the continuous pooled state of the next concept; the target is detached.
+        if M >= 2:
+            err = (pred[:, :-1] - c[:, 1:].detach()).pow(2)  # (B, M-1, d)
+            pair = None if valid is None else (valid[:, :-1] & valid[:, 1:])  # (B, M-1) both real
+            per = err.sum(-1) if cfg.ncp_reduction == "sum_dim" else err.mean(-1)
+            if pair is None:
+                out.losses["ncp_loss"] = err.mean() if cfg.ncp_reduction == "mean" else per.mean()
+            else:
+                out.losses["ncp_loss"] = (per * pair).sum() / pair.sum().clamp_min(1)
+        else:
+            out.losses["ncp_loss"] = c.new_zeros(())
         # VQ on sg(c): trains only the codebook transform (the commitment term moves nothing).
         cs = c.detach()
         idx = nearest_code(cs, codes.detach())  # (B, M, S)
         q = codes[torch.arange(self.S, device=c.device), idx].reshape(B, M, d)  # (B, M, d), grad -> codes
-        aux.vq_loss = F.mse_loss(q, cs) + cfg.commitment * F.mse_loss(cs, q.detach())
+        if valid is None:
+            out.losses["vq_loss"] = F.mse_loss(q, cs) + cfg.commitment * F.mse_loss(cs, q.detach())
+        else:
+            n = (valid.sum() * d).clamp_min(1)
+            m = valid[..., None].to(c.dtype)
+            out.losses["vq_loss"] = (((q - cs) * m).pow(2).sum() + cfg.commitment * ((cs - q.detach()) * m).pow(2).sum()) / n
         with torch.no_grad():  # metrics as tensors: no host sync on the hot path
-            counts = torch.zeros(self.S, self.N, device=c.device)
-            flat = idx.reshape(-1, self.S).t()  # (S, B*M)
-            counts.scatter_add_(1, flat, torch.ones_like(flat, dtype=counts.dtype))  # (S, N) hits per code
-            aux.code_usage = (counts > 0).float().mean(-1)
-            p = counts / counts.sum(-1, keepdim=True)
-            aux.code_perplexity = torch.exp(-(p * p.clamp_min(1e-12).log()).sum(-1))
-            if M >= 2:
-                idx_pred = nearest_code(pred[:, :-1].detach(), codes.detach())
-                aux.ncp_code_acc = (idx_pred == idx[:, 1:]).float().mean(dim=(0, 1))
+            self._code_metrics(idx, pred, codes, valid, out.metrics)
+
+    def _code_metrics(self, idx, pred, codes, valid, metrics: dict) -> None:
+        S, N = self.S, self.N
+        counts = torch.zeros(S, N, device=idx.device)
+        flat = idx.reshape(-1, S).t()  # (S, B*M)
+        ones = torch.ones_like(flat, dtype=counts.dtype)
+        if valid is not None:
+            ones = ones * valid.reshape(1, -1).to(counts.dtype)
+        counts.scatter_add_(1, flat, ones)  # (S, N) hits per code
+        metrics["code_usage"] = (counts > 0).float().mean(-1)
+        total = counts.sum(-1, keepdim=True)
+        p = counts / (total if valid is None else total.clamp_min(1))
+        metrics["code_perplexity"] = torch.exp(-(p * p.clamp_min(1e-12).log()).sum(-1))
+        if idx.shape[1] >= 2:
+            hit = (nearest_code(pred[:, :-1].detach(), codes.detach()) == idx[:, 1:]).float()  # (B, M-1, S)
+            if valid is None:
+                metrics["ncp_code_acc"] = hit.mean(dim=(0, 1))
+            else:
+                pair = (valid[:, :-1] & valid[:, 1:])[..., None].float()
+                metrics["ncp_code_acc"] = (hit * pair).sum((0, 1)) / pair.sum((0, 1)).clamp_min(1)
+
+
+def _move_coupling_keys(module, state_dict, prefix, *args) -> None:
+    for name in ("norm_h", "norm_pred"):
+        old = f"{prefix}{name}."
+        for key in [k for k in state_dict if k.startswith(old)]:
+            state_dict[f"{prefix}coupling.{name}." + key[len(old):]] = state_dict.pop(key)

@@ -7,15 +7,101 @@ them. Every way a config can be impossible is collected as ``(field, message)`` 
 raised together as ``ConfigError`` so the recipe layer can report all of them at once.
 
 Named sizes are data (``SIZES``); ``build_config(size, **overrides)`` merges them.
+
+Extension points (segmentation, coupling, residual) are named here so that a recipe can be
+validated without torch: ``STRATEGIES`` holds the names the model knows (built-ins, plus
+whatever ``ncpctl.model.registry`` registers at run time); a name of the form
+``package.module:Class`` is imported when the config is built. A segmentation also declares
+its ``SegmentationLaw`` (how many concepts a T-token sequence gives): accounting, cache sizes
+and the export probe ask it instead of assuming a fixed k.
+
+This module and the rest of ``ncpctl/model/`` (but ``hf.py`` and ``accounting.py``) are copied
+verbatim into exported Hugging Face directories: they import nothing from ``ncpctl``, only each
+other, with relative imports.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 Backbone = Literal["neox", "llama"]
+
+
+@dataclass(frozen=True)
+class SegmentationLaw:
+    """What the rest of ncpctl may know of a segmentation without running it (torch-free).
+
+    ``concepts(c, T)``: concepts a T-token sequence gives (an upper bound for data-dependent
+    segmentations: it sizes caches); ``tokens_per_concept(c)``: the mean segment length, for
+    the cost model (a concept layer runs on T / tokens_per_concept positions)."""
+
+    concepts: Callable[["ConceptConfig", int], int]
+    tokens_per_concept: Callable[["ConceptConfig"], float]
+
+
+# Fixed blocks of k tokens (ConceptLM): a trailing partial block is not pooled.
+FIXED_BLOCKS = SegmentationLaw(concepts=lambda c, T: T // c.k, tokens_per_concept=lambda c: float(c.k))
+
+# Names of the extension points' strategies: name -> a class, a "module:attr" import path
+# (relative paths are resolved in this package) or, for segmentations, also its law.
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "segmentation": {"fixed": ".segment:FixedBlocks"},
+    "coupling": {"add": ".coupling:AddCoupling"},
+    "residual": {"plain": ".layers:PlainResidual"},
+}
+LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS}
+
+
+def register(kind: str, name: str, cls: Any = None) -> Any:
+    """Make ``cls`` the strategy ``name`` of extension point ``kind`` (``segmentation``,
+    ``coupling`` or ``residual``); then ``model.concept.segmentation: name`` (etc.) selects it.
+    A segmentation class must declare its ``law`` (a ``SegmentationLaw``). Usable as a class
+    decorator: ``@register("segmentation", "mine")``. Returns ``cls``."""
+    if kind not in STRATEGIES:
+        raise ValueError(f"unknown extension point {kind!r}; known: {', '.join(STRATEGIES)}")
+
+    def add(c: Any) -> Any:
+        if kind == "segmentation":
+            law = getattr(c, "law", None)
+            if not isinstance(law, SegmentationLaw):
+                raise TypeError(f"{c!r}: a segmentation declares its SegmentationLaw as the class attribute `law`")
+            LAWS[name] = law
+        STRATEGIES[kind][name] = c
+        return c
+
+    return add if cls is None else add(cls)
+
+
+def strategy(kind: str, name: str) -> Any:
+    """The class registered as ``name`` for extension point ``kind``, importing it if named by
+    an import path (``package.module:Class``). Raises ``ConfigError`` for an unknown name."""
+    import importlib
+
+    target = STRATEGIES[kind].get(name, name if ":" in name else None)
+    if target is None:
+        known = ", ".join(sorted(STRATEGIES[kind]))
+        raise ConfigError([(kind, f"unknown {kind} {name!r}; known: {known} (or package.module:Class)")])
+    if not isinstance(target, str):
+        return target
+    module, _, attr = target.partition(":")
+    try:
+        mod = importlib.import_module(module, package=__package__) if module.startswith(".") else \
+            importlib.import_module(module)
+        return getattr(mod, attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError([(kind, f"cannot import {target!r} ({e})")]) from None
+
+
+def segmentation_law(name: str) -> SegmentationLaw:
+    """The law of segmentation ``name`` (a class named by import path declares it as ``law``)."""
+    if name not in LAWS:
+        law = getattr(strategy("segmentation", name), "law", None)
+        if not isinstance(law, SegmentationLaw):
+            raise ConfigError([("segmentation", f"{name!r} declares no SegmentationLaw (a class attribute `law`)")])
+        LAWS[name] = law
+    return LAWS[name]
 
 
 class ConfigError(ValueError):
@@ -42,7 +128,13 @@ class ConceptConfig:
     """The concept path (spec sections 1-3). Defaults follow ConceptLM (Pythia)."""
 
     enabled: bool = _f(False, "Turn the concept path on (ConceptLM); off = exactly the HF backbone.")
-    k: int = _f(4, "Tokens per concept block.")
+    segmentation: str = _f(
+        "fixed", "How tokens are grouped into concepts: fixed = blocks of k tokens (ConceptLM), or a registered "
+        "name / package.module:Class (docs/architecture.md).")
+    coupling: str = _f(
+        "add", "How the decoder uses the concepts: add = the prediction added, causally shifted, to the decoder "
+        "input (ConceptLM), or a registered name / package.module:Class.")
+    k: int = _f(4, "Tokens per concept block (segmentation: fixed).")
     encoder_layers: int = _f(1, "E: token layers before pooling (0 pools the embeddings, the GPT-2 variant).")
     concept_layers: int = _f(2, "C: causal layers of the concept transformer, run on T/k positions.")
     segments: int | None = _f(None, "S: product-quantisation segments (must divide d_model); null = n_heads.")
@@ -90,6 +182,9 @@ class ModelConfig:
     full_attn_every: int = _f(1, "With a sliding window: every n-th layer (n, 2n, ...) attends fully.")
     init_std: float = _f(0.02, "Std of the normal init of matrices and embeddings.")
     extra_token_layers: int = _f(0, "Extra token layers: 2 = the parameter-matched (PM) baseline.")
+    residual: str = _f(
+        "plain", "How each stack's layer outputs become the next layer's input: plain = x + f(x), or a registered "
+        "depth mixer / package.module:Class (docs/architecture.md).")
     concept: ConceptConfig = _f(ConceptConfig, "The concept path.")
 
     # ---- derived (computed in __post_init__) ----
@@ -101,7 +196,11 @@ class ModelConfig:
     decoder_layers: int = field(init=False)  # D = n_token_layers - E
     n_segments: int = field(init=False)  # S
     segment_dim: int = field(init=False)  # d / S
-    block_equivalents: float = field(init=False)  # token layers + C / k
+    block_equivalents: float = field(init=False)  # token layers + C / (tokens per concept)
+    # attention window of each token layer (encoder then decoder) and each concept layer;
+    # None = full attention. Layer n (1-based, in its stack) is full when n % full_attn_every == 0.
+    token_windows: tuple = field(init=False)
+    concept_windows: tuple = field(init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.concept, dict):
@@ -179,17 +278,53 @@ class ModelConfig:
             ):
                 if getattr(c, name) not in allowed:
                     problems.append((f"concept.{name}", f"must be one of {', '.join(allowed)}, got {getattr(c, name)!r}"))
+        chosen = [("residual", "residual", self.residual)]
+        if c.enabled:
+            chosen += [("concept.segmentation", "segmentation", c.segmentation),
+                       ("concept.coupling", "coupling", c.coupling)]
+        for key, kind, name in chosen:
+            if not isinstance(name, str):
+                problems.append((key, f"must be a name, got {name!r}"))
+            elif name not in STRATEGIES[kind]:  # an import path: import it now, so errors come early
+                try:
+                    strategy(kind, name)
+                except ConfigError as e:
+                    problems.extend((key, m) for _, m in e.problems)
+        law = None
+        if c.enabled and not problems:
+            try:
+                law = segmentation_law(c.segmentation)
+            except ConfigError as e:
+                problems.extend(("concept.segmentation", m) for _, m in e.problems)
         if problems:
             raise ConfigError(problems)
 
+        self.token_windows = tuple(self._window(n) for n in range(1, self.n_token_layers + 1))
+        self.concept_windows = tuple(self._window(n) for n in range(1, c.concept_layers + 1)) if c.enabled else ()
         if c.enabled:
             self.encoder_layers = c.encoder_layers
             self.decoder_layers = self.n_token_layers - c.encoder_layers
-            self.block_equivalents = self.n_token_layers + c.concept_layers / c.k
+            self.block_equivalents = self.n_token_layers + c.concept_layers / law.tokens_per_concept(c)
         else:
             self.encoder_layers = 0
             self.decoder_layers = self.n_token_layers
             self.block_equivalents = float(self.n_token_layers)
+
+    def _window(self, number: int) -> int | None:
+        """Sliding window of the 1-based layer ``number`` in its stack; every n-th layer is full."""
+        if self.sliding_window is None or number % self.full_attn_every == 0:
+            return None
+        return self.sliding_window
+
+    def num_concepts(self, T: int) -> int:
+        """Concepts a T-token sequence gives (the segmentation's law; 0 without the path)."""
+        return segmentation_law(self.concept.segmentation).concepts(self.concept, T) if self.concept.enabled else 0
+
+    @property
+    def tokens_per_concept(self) -> float | None:
+        """Mean segment length of the segmentation (k for fixed blocks); None without the path."""
+        c = self.concept
+        return segmentation_law(c.segmentation).tokens_per_concept(c) if c.enabled else None
 
     # ---- (de)serialisation: checkpoints carry this dict (style rule 7) ----
     def to_dict(self) -> dict[str, Any]:

@@ -6,26 +6,28 @@ advance one slot per step, so the token-layer caches (encoder, decoder) share on
 index ``state.slot``; RoPE uses the per-row positions and padding keys are masked out, so
 every row computes what it would alone.
 
-The concept path runs per row ("per-row block phase"): row b completes a block when
-p % k == k-1, at a different step than other rows. Its concept cache is indexed by the
-row's own block number j = p // k and written with a per-row index; rows that did not
-complete a block in a step compute a throw-away concept step (written at their next,
-not yet valid, block slot, overwritten when that block completes) and keep their pred.
-Pads are host ints, so which rows complete a block is known on the host: no device sync.
+The concept path runs per row: the segmenter's device-side update (segment.py) says which
+rows closed a segment at this token, with the pooled concept and its index j. The concept
+cache is indexed by each row's own j and written with a per-row index; rows that closed
+nothing compute a throw-away concept step (written at their next, not yet valid, index,
+overwritten when that concept closes) and keep their coupling state. When the segmenter
+knows from host integers that no row closed (fixed blocks: from the pads), the concept step
+is skipped without a device sync.
 
-Per row the state holds (spec 5): encoder/decoder/concept KV caches, the sum of h over the
-unfinished block, and the current pred (already normed for ``add: normed``; zeros before
-the first block completes). The codebook is computed once at prefill.
+Per row the state holds (spec 5): encoder/decoder/concept KV caches, the segmenter's state
+(fixed blocks: the sum of h over the open block), the coupling's (addition: the current
+added term, zeros before the first concept closes) and the interventions of the prefill.
+The codebook is computed once at prefill.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ncpctl.model.concept import shift_blocks
-from ncpctl.model.layers import KVCache, attn_mask, causal_masks, rope, run_stack, stack_windows
+from .interventions import decoder_input_addition, edit_code_weights, residual_additions
+from .layers import Context, KVCache, attn_mask, rope
 
 
 @dataclass
@@ -33,128 +35,146 @@ class DecodeState:
     pad: list[int]  # host: padding slots per row
     pad_t: torch.Tensor  # (B,) the same on the device
     slot: int  # next slot to write, shared by all rows
-    capacity: int  # slots the token caches hold (padded prompt + new tokens)
+    capacity: int | None  # slots the token caches hold (None: they grow)
     enc: list[KVCache]
     dec: list[KVCache]
     con: list[KVCache]
     codes: torch.Tensor | None = None  # (S, N, ds)
-    block_sum: torch.Tensor | None = None  # (B, d) sum of h over the unfinished block
-    pred: torch.Tensor | None = None  # (B, d) concept term added to the next token
+    seg: dict = field(default_factory=dict)  # the segmenter's per-row state, (B, ...) tensors
+    cpl: dict = field(default_factory=dict)  # the coupling's per-row state, (B, ...) tensors
+    interventions: list = field(default_factory=list)
 
     @property
     def lengths(self) -> list[int]:
         """Tokens seen so far per row."""
         return [self.slot - p for p in self.pad]
 
+    @property
+    def pred(self) -> torch.Tensor | None:
+        """(B, d) the concept term the addition coupling adds to the next token."""
+        return self.cpl.get("pred")
 
-def _caches(model, n: int, batch: int, capacity: int, device, dtype) -> list[KVCache]:
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keep batch rows ``rows`` (B,) in that order (beam search, after each step)."""
+        idx = rows.tolist()
+        self.pad = [self.pad[i] for i in idx]
+        self.pad_t = self.pad_t[rows]
+        for kv in (*self.enc, *self.dec, *self.con):
+            kv.reorder(rows)
+        for d in (self.seg, self.cpl):
+            for k, v in d.items():
+                d[k] = v[rows]
+
+
+def _caches(model, n: int, batch: int, capacity: int | None, device, dtype) -> list[KVCache]:
     cfg = model.cfg
-    return [KVCache(batch, cfg.n_kv_heads, capacity, cfg.head_dim, device, dtype) for _ in range(n)]
+    return [KVCache(batch, cfg.n_kv_heads, cfg.head_dim, device, dtype, capacity) for _ in range(n)]
+
+
+def _contexts(model, ivs, ctx: Context, positions: torch.Tensor, like: torch.Tensor, st: DecodeState):
+    """Encoder and decoder contexts of one call: shared tables and masks, own caches and additions."""
+    E, D = len(model.encoder), len(model.decoder)
+    enc = ctx.with_(caches=st.enc, adds=residual_additions(ivs, "encoder", E, positions, like) if ivs else {})
+    dec = ctx.with_(caches=st.dec, adds=residual_additions(ivs, "decoder", D, positions, like) if ivs else {})
+    return enc, dec
 
 
 @torch.no_grad()
-def prefill(model, tokens: torch.Tensor, lengths, max_len: int) -> tuple[torch.Tensor, DecodeState]:
+def prefill(model, tokens: torch.Tensor, lengths, max_len: int | None, ivs: list) -> tuple[torch.Tensor, DecodeState]:
     """Run left-padded prompts tokens (B, Tp) (row b's real tokens are its last lengths[b]
-    slots) and allocate caches for ``max_len`` slots in all. Returns logits (B, Tp, V)
-    (padding slots hold junk) and the state for ``step``."""
+    slots) and allocate caches for ``max_len`` slots in all (None: grown as needed). Returns
+    logits (B, Tp, V) (padding slots hold junk) and the state for ``step``."""
     cfg = model.cfg
     B, Tp = tokens.shape
     dev = tokens.device
     lengths = [int(n) for n in lengths]
     if len(lengths) != B or min(lengths) < 1 or max(lengths) > Tp:
         raise ValueError(f"lengths must be {B} values in [1, {Tp}], got {lengths}")
-    if max_len < Tp:
+    if max_len is not None and max_len < Tp:
         raise ValueError(f"max_len={max_len} is shorter than the prompt ({Tp} slots)")
     pad = [Tp - n for n in lengths]
     dtype = model.embed.weight.dtype
-    n_con = len(model.concept.layers) if model.concept is not None else 0
+    cm = model.concept
+    n_con = len(cm.layers) if cm is not None else 0
+    con_cap = None if max_len is None or cm is None else cm.segmenter.max_concepts(max_len) + 1
     st = DecodeState(
         pad=pad, pad_t=torch.tensor(pad, device=dev), slot=Tp, capacity=max_len,
         enc=_caches(model, len(model.encoder), B, max_len, dev, dtype),
         dec=_caches(model, len(model.decoder), B, max_len, dev, dtype),
-        con=_caches(model, n_con, B, max_len // cfg.concept.k + 1, dev, dtype),
+        con=_caches(model, n_con, B, con_cap, dev, dtype), interventions=ivs,
     )
     slots = torch.arange(Tp, device=dev)
     valid = slots[None] >= st.pad_t[:, None]  # (B, Tp) real tokens
-    x = model.embed(tokens)  # (B, Tp, d)
-    cos, sin = rope((slots[None] - st.pad_t[:, None]).clamp_min(0), cfg, x.dtype)
-    masks = {w: attn_mask(slots[None], slots[None], w, valid) for w in stack_windows(model.token_layers())}
-    x = run_stack(model.encoder, x, cos, sin, masks, st.enc, 0, Tp)
-    if model.concept is not None:
-        x = _concept_prefill(model.concept, st, x, lengths, valid)
-    x = run_stack(model.decoder, x, cos, sin, masks, st.dec, 0, Tp)
-    return model.lm_head(model.final_norm(x)), st
+    positions = (slots[None] - st.pad_t[:, None]).clamp_min(0)  # (B, Tp)
+    x = model.embed_tokens(tokens)  # (B, Tp, d)
+    cos, sin = rope(positions, cfg, x.dtype)
+    masks = {w: attn_mask(slots[None], slots[None], w, valid) for w in set(cfg.token_windows)}
+    enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=0, length=Tp), positions, x, st)
+    h = model.encode(x, enc)
+    z = _concept_prefill(cm, st, h, lengths, ivs) if cm is not None else h
+    z = decoder_input_addition(ivs, z, positions)
+    return model.head(model.decode(z, dec)), st
 
 
-def _concept_prefill(cm, st: DecodeState, h: torch.Tensor, lengths: list[int], valid: torch.Tensor) -> torch.Tensor:
-    """Concept path over the prompts; fills the concept cache, block sums and current pred."""
+def _concept_prefill(cm, st: DecodeState, h: torch.Tensor, lengths: list[int], ivs: list) -> torch.Tensor:
+    """Concept path over the prompts h (B, Tp, d) (slot layout) -> decoder input z (B, Tp, d);
+    fills the concept cache and the segmenter's and coupling's states."""
     B, Tp, d = h.shape
-    k, dev = cm.k, h.device
+    dev = h.device
     ar = torch.arange(Tp, device=dev)
     # slot layout -> aligned layout (index = position, rows right-padded), (B, Tp, d)
     src = (ar[None] + st.pad_t[:, None]).clamp_max(Tp - 1)
     h_al = h.gather(1, src[..., None].expand(B, Tp, d))
-    n_blocks = torch.tensor(lengths, device=dev) // k  # (B,) complete blocks per row
+    lengths_t = torch.tensor(lengths, device=dev)
+    st.seg = cm.segmenter.decode_init(B, d, dev, h.dtype)
+    seg = cm.segmenter.decode_prefill(st.seg, h_al, lengths_t, lengths)
     st.codes = cm.codebook()
-    Mp = Tp // k
-    if Mp > 0:
-        # Right padding: a row's junk blocks (past its length) come after its real ones, so
-        # the plain causal mask keeps them out of every real block's output.
-        c = h_al[:, : Mp * k].reshape(B, Mp, k, d).mean(dim=2)  # (B, Mp, d)
-        cos, sin = rope(cm.positions(torch.arange(Mp, device=dev))[None], cm.cfg, h.dtype)
-        masks = causal_masks(stack_windows(cm.layers), Mp, dev)
-        u = run_stack(cm.layers, c, cos, sin, masks, st.con, 0, Mp)
-        pred = cm.added_term(cm.predict(u, st.codes))  # (B, Mp, d)
-        added_al = shift_blocks(pred, k, Tp)  # (B, Tp, d)
-        last = pred[torch.arange(B, device=dev), (n_blocks - 1).clamp_min(0)]  # (B, d)
-        st.pred = torch.where((n_blocks > 0)[:, None], last, torch.zeros_like(last))
-    else:
-        added_al = torch.zeros_like(h)
-        st.pred = h.new_zeros(B, d)
-    # aligned -> slot layout; padding slots get nothing
-    back = (ar[None] - st.pad_t[:, None]).clamp_min(0)
-    added = added_al.gather(1, back[..., None].expand(B, Tp, d)) * valid[..., None]
-    in_partial = (ar[None] >= (n_blocks * k)[:, None]) & (ar[None] < torch.tensor(lengths, device=dev)[:, None])
-    st.block_sum = (h_al * in_partial[..., None]).sum(dim=1)  # (B, d)
-    return cm.combine(h, added)
+    M = seg.concepts.shape[1]
+    pred = None
+    if M > 0:
+        # Right padding: a row's junk concepts come after its real ones, so the causal mask
+        # keeps them out of every real concept's output.
+        ctx = cm.context(seg.positions, h.dtype).with_(caches=st.con, at=0, length=M)
+        u = cm.layers(seg.concepts, ctx)
+        w = edit_code_weights(ivs, cm.code_weights(u), torch.arange(M, device=dev)[None])
+        pred = cm.mix(w, st.codes)  # (B, M, d)
+    z_al = cm.coupling(h_al, pred, seg, cm.segmenter)  # (B, Tp, d)
+    st.cpl = cm.coupling.decode_state(pred, seg.n_closed, h)
+    back = (ar[None] - st.pad_t[:, None]).clamp_min(0)  # aligned -> slot layout (padding: junk)
+    return z_al.gather(1, back[..., None].expand(B, Tp, d))
 
 
 @torch.no_grad()
 def step(model, st: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
     """Feed one token per row, tokens (B,); returns next-token logits (B, V)."""
     s = st.slot
-    if s >= st.capacity:
+    if st.capacity is not None and s >= st.capacity:
         raise ValueError(f"decode state is full ({st.capacity} slots); prefill with a larger max_len")
     dev = tokens.device
-    x = model.embed(tokens[:, None])  # (B, 1, d)
-    cos, sin = rope((s - st.pad_t)[:, None], model.cfg, x.dtype)
+    x = model.embed_tokens(tokens[:, None])  # (B, 1, d)
+    pos = (s - st.pad_t)[:, None]  # (B, 1) the new token's position per row
+    cos, sin = rope(pos, model.cfg, x.dtype)
     keys = torch.arange(s + 1, device=dev)
     valid = keys[None] >= st.pad_t[:, None]  # (B, s+1)
-    masks = {w: attn_mask(keys[s:][None], keys[None], w, valid) for w in stack_windows(model.token_layers())}
-    x = run_stack(model.encoder, x, cos, sin, masks, st.enc, s, s + 1)
-    if model.concept is not None:
-        x = _concept_step(model.concept, st, x)
-    x = run_stack(model.decoder, x, cos, sin, masks, st.dec, s, s + 1)
+    masks = {w: attn_mask(keys[s:][None], keys[None], w, valid) for w in set(model.cfg.token_windows)}
+    ivs = st.interventions
+    enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=s, length=s + 1), pos, x, st)
+    h = model.encode(x, enc)
+    z = _concept_step(model.concept, st, h, pos[:, 0], ivs) if model.concept is not None else h
+    z = decoder_input_addition(ivs, z, pos)
     st.slot += 1
-    return model.lm_head(model.final_norm(x))[:, 0]
+    return model.head(model.decode(z, dec))[:, 0]
 
 
-def _concept_step(cm, st: DecodeState, h: torch.Tensor) -> torch.Tensor:
-    """h (B, 1, d) of the new token -> decoder input z (B, 1, d)."""
-    k, dev = cm.k, h.device
-    st.block_sum = st.block_sum + h[:, 0]
-    pos = [st.slot - p for p in st.pad]  # host positions of the new token
-    done = [p % k == k - 1 for p in pos]
-    if any(done):
-        j = [p // k for p in pos]  # block index (done rows: the block just completed)
-        pos_t = st.slot - st.pad_t  # (B,) the same on the device, without a host->device copy
-        j_t, done_t = pos_t // k, (pos_t % k == k - 1)[:, None]
-        c = (st.block_sum / k)[:, None]  # (B, 1, d) pooled block
-        cos, sin = rope(cm.positions(j_t)[:, None], cm.cfg, h.dtype)
-        keys = torch.arange(max(j) + 1, device=dev)
-        masks = {w: attn_mask(j_t[:, None], keys[None], w) for w in stack_windows(cm.layers)}
-        u = run_stack(cm.layers, c, cos, sin, masks, st.con, j_t, max(j) + 1)
-        new = cm.added_term(cm.predict(u, st.codes))[:, 0]  # (B, d)
-        st.pred = torch.where(done_t, new, st.pred)
-        st.block_sum = st.block_sum.masked_fill(done_t, 0.0)
-    return cm.combine(h, st.pred[:, None])
+def _concept_step(cm, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, ivs: list) -> torch.Tensor:
+    """h (B, 1, d) of the new token at positions ``pos`` (B,) -> decoder input z (B, 1, d)."""
+    closing = cm.segmenter.decode_step(st.seg, h[:, 0], pos, [st.slot - p for p in st.pad])
+    if closing.any is not False:  # some row may have closed a concept: one concept step for all
+        j, n = closing.index, closing.length
+        cos, sin = rope(closing.position[:, None], cm.cfg, h.dtype)
+        keys = torch.arange(n, device=h.device)
+        masks = {w: attn_mask(j[:, None], keys[None], w) for w in cm.layers.windows}
+        u = cm.layers(closing.concept[:, None], Context(cos, sin, masks, st.con, at=j, length=n))
+        w = edit_code_weights(ivs, cm.code_weights(u), j[:, None])
+        cm.coupling.decode_update(st.cpl, closing.closed, cm.mix(w, st.codes)[:, 0])
+    return cm.coupling.decode_input(h, st.cpl)

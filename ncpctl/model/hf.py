@@ -28,12 +28,7 @@ from ncpctl.model.config import ConfigError, ModelConfig
 
 
 def _layer_types(cfg: ModelConfig) -> list[str]:
-    from ncpctl.model.layers import layer_window
-
-    return [
-        "full_attention" if layer_window(cfg, i + 1) is None else "sliding_attention"
-        for i in range(cfg.n_token_layers)
-    ]
+    return ["full_attention" if w is None else "sliding_attention" for w in cfg.token_windows]
 
 
 def hf_config(cfg: ModelConfig):
@@ -43,6 +38,8 @@ def hf_config(cfg: ModelConfig):
     problems: list[tuple[str, str]] = []
     if cfg.concept.enabled:
         problems.append(("concept.enabled", "HF models have no concept path; export a base model"))
+    if cfg.residual != "plain":
+        problems.append(("residual", f"HF models have plain residuals, not {cfg.residual!r}"))
     common = dict(
         vocab_size=cfg.padded_vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_token_layers,
         num_attention_heads=cfg.n_heads, intermediate_size=cfg.ffn_dim, max_position_embeddings=cfg.max_seq_len,

@@ -10,16 +10,25 @@ Layout choices (the HF converters in ``hf.py`` translate):
   (HF GPT-NeoX interleaves q/k/v per head; HF Llama has three Linears).
 * ``mlp.fc`` is ``Linear(d, ffn)`` (neox, GELU) or ``Linear(d, 2*ffn)`` = ``[gate; up]``
   (llama, SwiGLU); ``mlp.proj`` maps back to d.
+
+A ``Block`` returns its *update* R (what a plain residual network adds to its input); a
+``Stack`` of blocks combines the updates through a depth mixer, its ``residual``
+(``PlainResidual``: x + R; extension point ``model.residual``). The stack reads everything
+about the call (RoPE tables, masks per window, KV caches, a memory to cross-attend to,
+per-layer additions) from one ``Context``, and can return the state after every depth.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ncpctl.model.config import ModelConfig
+from .config import ModelConfig, strategy
 
 
 class RMSNorm(nn.Module):
@@ -39,13 +48,6 @@ class RMSNorm(nn.Module):
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.norm_eps) if cfg.backbone == "neox" else RMSNorm(dim, cfg.norm_eps)
-
-
-def layer_window(cfg: ModelConfig, number: int) -> int | None:
-    """Sliding window of the 1-based layer ``number`` in its stack; every n-th layer is full."""
-    if cfg.sliding_window is None or number % cfg.full_attn_every == 0:
-        return None
-    return cfg.sliding_window
 
 
 # ---- rotary position embedding ---------------------------------------------------------
@@ -152,20 +154,39 @@ def causal_masks(windows: set, T: int, device: torch.device) -> dict:
 
 
 class KVCache:
-    """Preallocated keys/values of one attention layer: (B, Hkv, capacity, hd) each.
+    """Keys/values of one attention layer: (B, Hkv, capacity, hd) each.
 
     The caller sets ``at`` before a forward: an int writes the new T positions at
     ``at:at+T`` for every row; a LongTensor (B,) writes the single new position of each row
-    at its own index. ``len`` is how many positions attention then reads.
+    at its own index. ``len`` is how many positions attention then reads. With ``capacity``
+    the buffers are allocated once; without (HF ``generate`` does not say how many tokens
+    will come) they are allocated on first write and double when ``len`` outgrows them.
     """
 
-    def __init__(self, batch: int, n_kv: int, capacity: int, head_dim: int, device, dtype):
-        self.k = torch.zeros(batch, n_kv, capacity, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+    def __init__(self, batch: int, n_kv: int, head_dim: int, device, dtype, capacity: int | None = None):
+        self.shape, self.device, self.dtype = (batch, n_kv, head_dim), device, dtype
+        self.k = self.v = None
+        if capacity is not None:
+            self._grow(capacity)
         self.at: int | torch.Tensor = 0
         self.len = 0
 
+    def _grow(self, capacity: int) -> None:
+        B, H, hd = self.shape
+        k = torch.zeros(B, H, capacity, hd, device=self.device, dtype=self.dtype)
+        v = torch.zeros_like(k)
+        if self.k is not None:
+            n = self.k.shape[2]
+            k[:, :, :n], v[:, :, :n] = self.k, self.v
+        self.k, self.v = k, v
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.len > self.capacity:
+            self._grow(max(self.len, 2 * self.capacity))
         if isinstance(self.at, int):
             self.k[:, :, self.at : self.at + k.shape[2]] = k
             self.v[:, :, self.at : self.at + v.shape[2]] = v
@@ -174,6 +195,43 @@ class KVCache:
             self.k[rows, :, self.at] = k[:, :, 0]
             self.v[rows, :, self.at] = v[:, :, 0]
         return self.k[:, :, : self.len], self.v[:, :, : self.len]
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keep batch rows ``rows`` (B,) in that order (beam search)."""
+        if self.k is not None:
+            self.k, self.v = self.k[rows], self.v[rows]
+
+
+@dataclass
+class Context:
+    """Everything a stack needs besides its input x (B, T, d).
+
+    ``cos``/``sin`` (B|1, 1, T, rotary_dim) from ``rope``; ``masks`` maps each layer window to
+    its SDPA mask (B|1, 1, T, Tk) or None (``is_causal``); ``caches`` one ``KVCache`` per layer
+    (incremental decoding) with the write index ``at`` and read length ``length``; ``memory``
+    (B, M, d_mem) and ``memory_mask`` (B|1, 1, T, M) for blocks that cross-attend (a coupling
+    that attends to concepts sets them); ``adds`` maps a layer index to a tensor added to the
+    residual stream after that layer (interventions), broadcasting against (B, T, d).
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    masks: dict
+    caches: list | None = None
+    at: int | torch.Tensor = 0
+    length: int = 0
+    memory: torch.Tensor | None = None
+    memory_mask: torch.Tensor | None = None
+    adds: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def causal(cls, cfg: ModelConfig, positions: torch.Tensor, windows, dtype: torch.dtype) -> "Context":
+        """A plain (unpadded, uncached) sequence with integer RoPE ``positions`` (B|1, T)."""
+        cos, sin = rope(positions, cfg, dtype)
+        return cls(cos, sin, causal_masks(set(windows), positions.shape[-1], positions.device))
+
+    def with_(self, **changes: Any) -> "Context":
+        return replace(self, **changes)
 
 
 # ---- the block -------------------------------------------------------------------------
@@ -196,7 +254,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv, self.hd
-        if self.qk_norm is None:  # q and k are adjacent in qkv: rotate both in one pass
+        if self.qk_norm == "none":  # q and k are adjacent in qkv: rotate both in one pass
             qk, v = self.qkv(x).split([(H + Hkv) * hd, Hkv * hd], dim=-1)
             qk = apply_rope(qk.view(B, T, H + Hkv, hd), cos.transpose(1, 2), sin.transpose(1, 2))
             q, k = qk.split([H, Hkv], dim=2)
@@ -233,7 +291,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block; parallel residual (neox) ``x + attn(n1(x)) + mlp(n2(x))`` or sequential."""
+    """Pre-norm block returning its update R, so that the stack's residual makes x + R:
+    parallel (neox) ``R = mlp(n2(x)) + attn(n1(x))`` (with x added last this is HF GPT-NeoX's
+    summation order, bit for bit), or sequential ``R = a + mlp(n2(x + a))``, a = attn(n1(x))."""
 
     def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
@@ -243,24 +303,88 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
-        a = self.attn(self.attn_norm(x), cos, sin, mask, cache)
-        if self.parallel:  # same summation order as HF GPT-NeoX
-            return self.mlp(self.mlp_norm(x)) + a + x
-        x = x + a
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
+        a = self.attn(self.attn_norm(x), ctx.cos, ctx.sin, ctx.masks[self.attn.window], cache)
+        if self.parallel:
+            return self.mlp(self.mlp_norm(x)) + a
+        return a + self.mlp(self.mlp_norm(x + a))
 
 
-def run_stack(blocks, x, cos, sin, masks: dict, caches: list[KVCache] | None = None, at=0, length: int = 0):
-    """Run ``blocks`` on x (B, T, d); ``masks`` maps each block's window to its mask."""
-    for i, blk in enumerate(blocks):
-        cache = None
-        if caches is not None:
-            cache = caches[i]
-            cache.at, cache.len = at, length
-        x = blk(x, cos, sin, masks[blk.attn.window], cache)
-    return x
+class Residual(nn.Module):
+    """A depth mixer: how a stack turns layer l's input x and update R into layer l+1's input.
+
+    ``begin(x0)`` is called with the stack's input and returns the mixer's running state (for
+    mixers over all earlier depths, e.g. NCP-ArchPreview's IRC or DenseFormer); ``forward(l, x,
+    update, state)`` returns the next input. Mixers must be position-wise (no mixing across
+    tokens), so causality and cached decoding hold for any of them; a mixer whose init is part
+    of the design sets ``owns_init = True`` and initialises itself in ``reset_parameters``
+    (``NCPModel.init_weights`` leaves it alone).
+    """
+
+    owns_init = False
+
+    def __init__(self, cfg: ModelConfig, n_layers: int):
+        super().__init__()
+
+    def begin(self, x0: torch.Tensor) -> Any:
+        return None
+
+    def forward(self, layer: int, x: torch.Tensor, update: torch.Tensor, state: Any) -> torch.Tensor:
+        raise NotImplementedError
 
 
-def stack_windows(blocks) -> set:
-    return {blk.attn.window for blk in blocks}
+class PlainResidual(Residual):
+    """x + R: the standard residual network (no parameters)."""
+
+    def forward(self, layer, x, update, state):
+        return update + x
+
+
+class Stack(nn.Module):
+    """Layers run in order with a depth mixer between them.
+
+    The blocks are the children ``"0"``, ``"1"``, ... (the state-dict keys of a ModuleList, so
+    checkpoints are unchanged); ``stack[i]``, ``len(stack)`` and iteration see blocks only.
+    """
+
+    def __init__(self, cfg: ModelConfig, windows, residual: str | None = None):
+        super().__init__()
+        self.n = len(windows)
+        for i, w in enumerate(windows):
+            self.add_module(str(i), Block(cfg, w))
+        cls = strategy("residual", residual or cfg.residual)
+        if not (isinstance(cls, type) and issubclass(cls, Residual)):
+            raise TypeError(f"residual {residual or cfg.residual!r}: {cls!r} is not a Residual subclass")
+        self.residual = cls(cfg, self.n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Block:
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return getattr(self, str(i % self.n))
+
+    def __iter__(self):
+        return (getattr(self, str(i)) for i in range(self.n))
+
+    @property
+    def windows(self) -> set:
+        return {blk.attn.window for blk in self}
+
+    def forward(self, x: torch.Tensor, ctx: Context, states: bool = False):
+        """x (B, T, d) -> the output (B, T, d); with ``states`` also the list of the input and
+        every layer's output, n + 1 tensors (the source depths a cross-module connection reads)."""
+        mix = self.residual.begin(x)
+        seen = [x] if states else None
+        for i, blk in enumerate(self):
+            cache = None
+            if ctx.caches is not None:
+                cache = ctx.caches[i]
+                cache.at, cache.len = ctx.at, ctx.length
+            x = self.residual(i, x, blk(x, ctx, cache), mix)
+            if i in ctx.adds:
+                x = x + ctx.adds[i]
+            if states:
+                seen.append(x)
+        return (x, seen) if states else x

@@ -1,36 +1,49 @@
 """``NCPModel``: the whole NCP model in one place (spec ncp-model.md sections 1-5).
 
-tokens -> embed -> encoder (E layers) -> [concept path] -> decoder (D layers) -> final_norm
--> lm_head. Token layer i of the backbone is ``encoder[i]`` if i < E else ``decoder[i-E]``, so
-HF weights map layer by layer. With ``concept.enabled`` false, E = 0, ``concept`` is None and
-the model is exactly HF ``GPTNeoXForCausalLM`` / ``LlamaForCausalLM``.
+Five stages, composed the same way by the full forward, the prefill and every decoding step
+(decode.py):
+
+    embed_tokens: tokens (B, T) -> x (B, T, d)
+    encode:       x -> h (B, T, d)                         encoder stack (E layers)
+    concepts:     h -> ConceptOutput: decoder input z      segmenter -> concept stack -> heads
+                  (B, T, d), pred (B, M, d), code weights  -> codebook -> coupling (concept.py)
+                  (B, M, S, N), losses, metrics
+    decode:       z -> final-norm states (B, T, d)         decoder stack (D layers) + final norm
+    head:         -> logits (B, T, V) or the fused loss
+
+Token layer i of the backbone is ``encoder[i]`` if i < E else ``decoder[i-E]``, so HF weights
+map layer by layer. With ``concept.enabled`` false, E = 0, ``concept`` is None and the model
+is exactly HF ``GPTNeoXForCausalLM`` / ``LlamaForCausalLM``.
+
+``interventions`` (interventions.py: a code-weight edit, an addition to the decoder input or
+to a layer's residual stream) are honoured identically by ``forward``, ``prefill`` and
+``decode_step``; ``from_decoder_input`` re-runs the decoder from a given (modified) z.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
-from ncpctl.model import decode
-from ncpctl.model.concept import ConceptModule
-from ncpctl.model.config import ModelConfig
-from ncpctl.model.head import LMHead
-from ncpctl.model.outputs import LogKey, NCPOutput
-from ncpctl.model.layers import (
-    Block, RMSNorm, causal_masks, layer_window, make_norm, rope, run_stack, stack_windows,
-)
+from .concept import ConceptModule, ConceptOutput
+from .config import ModelConfig
+from .decode import DecodeState, prefill, step
+from .head import LMHead
+from .interventions import Intervention, check, decoder_input_addition, residual_additions
+from .layers import Context, RMSNorm, Stack, make_norm
+from .outputs import LogKey, NCPOutput
 
 
 class NCPModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        d = cfg.d_model
+        d, E = cfg.d_model, cfg.encoder_layers
         self.embed = nn.Embedding(cfg.padded_vocab_size, d)
-        blocks = [Block(cfg, layer_window(cfg, i + 1)) for i in range(cfg.n_token_layers)]
-        E = cfg.encoder_layers
-        self.encoder = nn.ModuleList(blocks[:E])
-        self.decoder = nn.ModuleList(blocks[E:])
+        self.encoder = Stack(cfg, cfg.token_windows[:E])
+        self.decoder = Stack(cfg, cfg.token_windows[E:])
         self.concept = ConceptModule(cfg) if cfg.concept.enabled else None
         self.final_norm = make_norm(cfg, d)
         self.lm_head = LMHead(d, cfg.padded_vocab_size)
@@ -40,8 +53,15 @@ class NCPModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """N(0, init_std) for matrices and embeddings, zero biases, unit norms (HF's init)."""
+        """N(0, init_std) for matrices and embeddings, zero biases, unit norms (HF's init).
+
+        Modules whose init is part of their design (``owns_init``: e.g. a depth mixer that must
+        start as the plain residual) are skipped here and initialise themselves."""
+        own = [m for m in self.modules() if getattr(m, "owns_init", False)]
+        skip = {id(sub) for m in own for sub in m.modules()}
         for m in self.modules():
+            if id(m) in skip:
+                continue
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=self.cfg.init_std)
                 if getattr(m, "bias", None) is not None:
@@ -52,62 +72,133 @@ class NCPModel(nn.Module):
                     nn.init.zeros_(m.bias)
         if self.concept is not None:
             self.concept.codebook.reset_parameters()
+        for m in own:
+            m.reset_parameters()
 
-    def token_layers(self) -> list[Block]:
+    def token_layers(self) -> list:
         """Backbone token layers in order (encoder then decoder)."""
         return [*self.encoder, *self.decoder]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> NCPOutput:
+    # ---- the stages ----
+
+    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.embed(idx)  # (B, T) -> (B, T, d)
+
+    def encode(self, x: torch.Tensor, ctx: Context, states: bool = False):
+        return self.encoder(x, ctx, states=states)
+
+    def concepts(self, h: torch.Tensor, *, losses: bool = False, interventions: Sequence[Intervention] = (),
+                 states: bool = False) -> ConceptOutput:
+        if self.concept is None:
+            return ConceptOutput(z=h)
+        return self.concept(h, losses=losses, interventions=interventions, states=states)
+
+    def decode(self, z: torch.Tensor, ctx: Context, states: bool = False):
+        """Decoder input z (B, T, d) -> final-norm states (B, T, d) (and the per-depth states)."""
+        if states:
+            x, seen = self.decoder(z, ctx, states=True)
+            return self.final_norm(x), seen
+        return self.final_norm(self.decoder(z, ctx))
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None):
+        """(B, T, d) -> logits (B, T, V); with targets -> (logits or None, mean NTP loss)."""
+        return self.lm_head(h) if targets is None else self.lm_head(h, targets)
+
+    # ---- contexts: what the token stacks need besides their input ----
+
+    def token_context(self, T: int, device, dtype) -> tuple[Context, torch.Tensor]:
+        """Context of an unpadded, uncached T-token batch and its positions (1, T)."""
+        positions = torch.arange(T, device=device)[None]
+        return Context.causal(self.cfg, positions, self.cfg.token_windows, dtype), positions
+
+    def _stack_contexts(self, ctx: Context, ivs, positions: torch.Tensor, like: torch.Tensor):
+        """(encoder context, decoder context): ``ctx`` plus each stack's residual additions."""
+        if not ivs:
+            return ctx, ctx
+        E, D = len(self.encoder), len(self.decoder)
+        return (ctx.with_(adds=residual_additions(ivs, "encoder", E, positions, like)),
+                ctx.with_(adds=residual_additions(ivs, "decoder", D, positions, like)))
+
+    def check_interventions(self, interventions) -> list[Intervention]:
+        return check(interventions, {"encoder": len(self.encoder), "decoder": len(self.decoder)})
+
+    # ---- full-sequence forward ----
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                interventions: Sequence[Intervention] | None = None, return_hidden: bool = False,
+                return_states: bool = False, compute_logits: bool = True) -> NCPOutput:
         """idx (B, T) token ids; targets (B, T) next-token ids aligned with idx (targets[:, p]
-        = x[p+1]), -100 = ignore. Returns logits (B, T, V) and, with targets, the losses."""
-        cfg = self.cfg
-        T = idx.shape[1]
-        x = self.embed(idx)  # (B, T, d)
-        cos, sin = rope(torch.arange(T, device=idx.device)[None], cfg, x.dtype)
-        masks = causal_masks(stack_windows(self.token_layers()), T, idx.device)
-        x = run_stack(self.encoder, x, cos, sin, masks)  # h (B, T, d)
-        aux = None
+        = x[p+1]), -100 = ignore. Returns logits (B, T, V) and, with targets, the losses;
+        ``return_hidden``: the final-norm states; ``return_states``: every stack's per-depth states."""
+        ivs = self.check_interventions(interventions)
+        x = self.embed_tokens(idx)  # (B, T, d)
+        ctx, positions = self.token_context(idx.shape[1], idx.device, x.dtype)
+        enc_ctx, dec_ctx = self._stack_contexts(ctx, ivs, positions, x)
+        states = {} if return_states else None
+        h = self.encode(x, enc_ctx, states=return_states)
+        if return_states:
+            h, states["encoder"] = h
+        co = self.concepts(h, losses=targets is not None, interventions=ivs, states=return_states)
+        z = decoder_input_addition(ivs, co.z, positions)  # (B, T, d)
         if self.concept is not None:
-            x, aux = self.concept(x, losses=targets is not None)  # z (B, T, d)
-        x = run_stack(self.decoder, x, cos, sin, masks)
-        h = self.final_norm(x)  # (B, T, d)
+            dec_ctx = self.concept.coupling.decoder_context(dec_ctx, co.pred, co.segments)
+        hN = self.decode(z, dec_ctx, states=return_states)  # (B, T, d)
+        if return_states:
+            hN, states["decoder"] = hN
+            states["concept"] = co.states
+        out = NCPOutput(logits=None, concept=co if self.concept is not None else None, states=states,
+                        hidden=hN if return_hidden else None, metrics=dict(co.metrics), stats=dict(co.stats))
         if targets is None:
-            return NCPOutput(logits=self.lm_head(h), concept=aux)  # (B, T, V)
-        logits, ntp = self.lm_head(h, targets)  # == F.cross_entropy(lm_head(h).float(), targets)
-        out = NCPOutput(logits=logits, loss=ntp, losses={"ntp_loss": ntp}, concept=aux)
-        if aux is not None:
-            c = cfg.concept
-            out.loss = ntp + c.ncp_weight * aux.ncp_loss + c.vq_weight * aux.vq_loss
-            out.losses.update(ncp_loss=aux.ncp_loss, vq_loss=aux.vq_loss)
-            for name in ("code_usage", "code_perplexity", "ncp_code_acc"):
-                if getattr(aux, name) is not None:
-                    out.metrics[name] = getattr(aux, name)
+            out.logits = self.head(hN) if compute_logits else None  # (B, T, V)
+            return out
+        out.logits, ntp = self.head(hN, targets)  # == F.cross_entropy(lm_head(h).float(), targets)
+        out.losses = {"ntp_loss": ntp, **co.losses}
+        out.loss = ntp
+        if self.concept is not None:
+            for name, weight in self.concept.loss_weights().items():
+                out.loss = out.loss + weight * out.losses[name]
         return out
+
+    def from_decoder_input(self, z: torch.Tensor, *, concept: ConceptOutput | None = None,
+                           interventions: Sequence[Intervention] | None = None) -> torch.Tensor:
+        """Logits (B, T, V) of the decoder re-run from decoder input z (B, T, d) (e.g. a forward's
+        ``out.concept.z`` with a code's term removed). ``concept``: that forward's ConceptOutput,
+        for couplings whose decoder reads the concepts; decoder-stack interventions apply."""
+        ivs = self.check_interventions(interventions)
+        ctx, positions = self.token_context(z.shape[1], z.device, z.dtype)
+        _, dec_ctx = self._stack_contexts(ctx, ivs, positions, z)
+        if self.concept is not None and concept is not None:
+            dec_ctx = self.concept.coupling.decoder_context(dec_ctx, concept.pred, concept.segments)
+        return self.head(self.decode(z, dec_ctx))
 
     # ---- what the training loop logs (declared once, the same on every rank) ----
 
     def log_keys(self) -> list[LogKey]:
         keys = [LogKey("loss"), LogKey("ntp_loss")]
-        if self.concept is not None:
-            S = self.cfg.n_segments
-            keys += [LogKey("ncp_loss"), LogKey("vq_loss"), LogKey("code_perplexity", S),
-                     LogKey("ncp_code_acc", S), LogKey("code_usage", S, per="segment")]
-        return keys
+        return keys + (self.concept.log_keys() if self.concept is not None else [])
+
+    def _stat_modules(self) -> list[nn.Module]:
+        return [m for m in self.modules() if m is not self and callable(getattr(m, "stat_keys", None))]
 
     def stat_keys(self) -> list[str]:
         """Names of the per-step global statistics (``NCPOutput.stats``), in a fixed order."""
-        return []
+        return [k for m in self._stat_modules() for k in m.stat_keys()]
 
     def on_step_end(self, stats: dict[str, float]) -> None:
         """The per-step hook: ``stats`` are the totals of ``NCPOutput.stats`` over every
         micro-batch of the step on every rank (called on every rank after the step)."""
+        for m in self._stat_modules():
+            if m.stat_keys():
+                m.on_step_end({k: stats[k] for k in m.stat_keys()})
 
     # ---- incremental decoding (spec section 5; see decode.py) ----
 
-    def prefill(self, tokens: torch.Tensor, lengths, max_len: int) -> tuple[torch.Tensor, decode.DecodeState]:
-        """Left-padded prompts (B, Tp) with real ``lengths`` -> (logits (B, Tp, V), state)."""
-        return decode.prefill(self, tokens, lengths, max_len)
+    def prefill(self, tokens: torch.Tensor, lengths, max_len: int | None = None, *,
+                interventions: Sequence[Intervention] | None = None) -> tuple[torch.Tensor, DecodeState]:
+        """Left-padded prompts (B, Tp) with real ``lengths`` -> (logits (B, Tp, V), state).
+        ``max_len``: slots to allocate (None: caches grow as needed)."""
+        return prefill(self, tokens, lengths, max_len, self.check_interventions(interventions))
 
-    def decode_step(self, state: decode.DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """One new token per row (B,) -> next-token logits (B, V); advances ``state``."""
-        return decode.step(self, state, tokens)
+        return step(self, state, tokens)

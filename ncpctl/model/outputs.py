@@ -47,6 +47,9 @@ class NCPOutput:
     stats: dict[str, Any] = field(default_factory=dict)
     concept: Any | None = None  # ConceptOutput: pred, code weights, segments (None without the path)
     hidden: Any | None = None  # (B, T, d) final-norm states, when asked for (``return_hidden``)
+    # with ``return_states``: {"encoder", "concept", "decoder"} -> each stack's input and every
+    # layer's output (a list of n_layers + 1 tensors; concept: None when no concept closed)
+    states: dict[str, Any] | None = None
 
     # ---- named views (the spec's vocabulary; None when the model does not produce them) ----
     @property

@@ -45,17 +45,15 @@ def layer_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, rep
     import torch
 
     from ncpctl.model.accounting import _stack_flops
-    from ncpctl.model.layers import Block, causal_masks, rope
+    from ncpctl.model.layers import Block, Context
 
-    k = cfg.concept.k
     blk = Block(cfg).to(device=device, dtype=dtype)
     rows = []
-    for name, n in (("token layer", T), ("concept layer", max(1, T // k))):
+    for name, n in (("token layer", T), ("concept layer", max(1, _with_concept(cfg).num_concepts(T)))):
         x = torch.randn(B, n, cfg.d_model, device=device, dtype=dtype, requires_grad=True)
-        cos, sin = rope(torch.arange(n, device=device)[None], cfg, dtype)
-        mask = causal_masks({None}, n, device)[None]
-        st = measure(_fwd_bwd(lambda: blk(x, cos, sin, mask), [x]), device, warmup, repeats)
-        f = _stack_flops(cfg, 1, n)
+        ctx = Context.causal(cfg, torch.arange(n, device=device)[None], [None], dtype)
+        st = measure(_fwd_bwd(lambda: x + blk(x, ctx), [x]), device, warmup, repeats)
+        f = _stack_flops(cfg, [None], n)
         flops = 3 * B * (f["qkv"] + f["attn_out"] + f["mlp"] + f["attention_causal"])
         rows.append(_row("layers", name, {"B": B, "T": n, "d": cfg.d_model}, st, flops))
     return rows
@@ -101,24 +99,22 @@ def sdpa_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, repe
 def concept_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, repeats: int) -> list[dict[str, Any]]:
     import torch
 
-    from ncpctl.model.concept import ConceptModule, nearest_code, shift_blocks
+    from ncpctl.model.concept import ConceptModule, nearest_code
 
-    if not cfg.concept.enabled:
-        cfg = _with_concept(cfg)
+    cfg = _with_concept(cfg)
     cm = ConceptModule(cfg).to(device=device, dtype=dtype)
-    k, d = cfg.concept.k, cfg.d_model
-    M = T // k
+    d, seg = cfg.d_model, cm.segmenter
     S, N = cfg.n_segments, cfg.concept.codes
     h = torch.randn(B, T, d, device=device, dtype=dtype, requires_grad=True)
+    segments = seg(h.detach())
+    M = segments.concepts.shape[1]
     u = torch.randn(B, M, d, device=device, dtype=dtype, requires_grad=True)
     shape = {"B": B, "T": T, "M": M, "d": d, "S": S, "N": N}
     rows = []
 
-    def pool():
-        return h[:, : M * k].reshape(B, M, k, d).mean(dim=2)
-
-    st = measure(_fwd_bwd(pool, [h]), device, warmup, repeats)
-    rows.append(_row("concept", "pooling (reshape+mean)", shape, st, 3.0 * B * M * k * d))
+    st = measure(_fwd_bwd(lambda: seg(h).concepts, [h]), device, warmup, repeats)
+    rows.append(_row("concept", f"pooling ({type(seg).__name__})", shape, st,
+                     3.0 * B * round(M * cfg.tokens_per_concept) * d))
 
     def heads_codebook():
         return cm.predict(u, cm.codebook())
@@ -127,8 +123,8 @@ def concept_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, r
     rows.append(_row("concept", "heads + codebook (Linear + einsum)", shape, st,
                      3.0 * (2 * B * M * d * S * N * 2)))
 
-    st = measure(_fwd_bwd(lambda: shift_blocks(u, k, T), [u]), device, warmup, repeats)
-    rows.append(_row("concept", "causal shift (expand+reshape)", shape, st))
+    st = measure(_fwd_bwd(lambda: seg.spread(segments, u, T), [u]), device, warmup, repeats)
+    rows.append(_row("concept", "causal shift (segmenter.spread)", shape, st))
 
     codes = cm.codebook().detach()
     st = measure(lambda: nearest_code(u.detach(), codes), device, warmup, repeats)
@@ -206,7 +202,9 @@ def kernels_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, w
     dev = torch.device(device)
     if grid is None:
         grid = GPU_GRID if dev.type == "cuda" else CPU_GRID
-    k = cfg.concept.k
+    from ncpctl.model.accounting import tokens_per_concept
+
+    k = tokens_per_concept(_with_concept(cfg))
     rows = layer_rows(cfg, batch, seq_len, dev, dtype, warmup, repeats)
     tok, con = rows[0], rows[1]
     rows += sdpa_rows(cfg, batch, seq_len, dev, dtype, warmup, repeats)

@@ -130,3 +130,28 @@ def test_cli_export_json(runs, tmp_path):
     assert out["ok"] and out["architecture"] == "NCPForCausalLM" and out["verify"]["max_abs_diff"] <= 1e-5
     bad = run_cli("export", str(runs["concept"]), "--out", str(tmp_path / "y"), "--dtype", "fp16")
     assert bad.returncode == 2 and "fp16" in bad.stderr
+
+
+def test_exported_code_is_the_model_package():
+    """The export's modeling code is ncpctl's own model modules, copied: nothing imports ncpctl,
+    and every model module the adapter reaches is included."""
+    import re
+
+    files = {p.name: p for p in hf_export.remote_files()}
+    assert {"modeling_ncp.py", "configuration_ncp.py", "model.py", "layers.py", "concept.py", "segment.py",
+            "coupling.py", "decode.py", "head.py", "config.py"} <= set(files)
+    for name, path in files.items():
+        text = path.read_text()
+        assert not re.search(r"^\s*(from|import)\s+ncpctl\b", text, re.MULTILINE), name
+        if name not in ("modeling_ncp.py", "configuration_ncp.py"):
+            assert path.parent == hf_export.MODEL_PACKAGE  # a copy, not a second implementation
+
+
+def test_a_design_outside_the_package_is_not_exported():
+    from ncpctl.model.config import build_config
+
+    from ..model import toys  # noqa: F401  (registers the toy segmentation "alt23")
+
+    cfg = build_config("debug", concept=dict(enabled=True, segmentation="alt23"))
+    with pytest.raises(UserError, match="model.concept.segmentation: 'alt23' is not built into ncpctl"):
+        hf_export._check_builtin(cfg)

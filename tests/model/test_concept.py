@@ -26,8 +26,8 @@ def _capture(model):
         seen["z"] = args[0]
 
     if len(model.encoder):
-        model.encoder[-1].register_forward_hook(keep_h)
-    model.decoder[0].register_forward_pre_hook(keep_z)
+        model.encoder.register_forward_hook(keep_h)  # the encoder stack's output
+    model.decoder.register_forward_pre_hook(keep_z)
     return seen
 
 
@@ -55,10 +55,10 @@ def test_model_adds_shifted_pred():
     # pooling: c[j] = mean(h[j*k : j*k+k]); pred comes from the concept stack on c
     c = h.reshape(2, -1, 32)[:, :8].reshape(2, 2, 4, 32).mean(2)
     cm = model.concept
-    from ncpctl.model.layers import causal_masks, rope, run_stack
+    from ncpctl.model.layers import Context, causal_masks, rope
 
     cos, sin = rope(torch.arange(2)[None], model.cfg, h.dtype)
-    u = run_stack(cm.layers, c, cos, sin, causal_masks({None}, 2, c.device))
+    u = cm.layers(c, Context(cos, sin, causal_masks({None}, 2, c.device)))
     torch.testing.assert_close(cm.predict(u, cm.codebook()), pred)
 
 
@@ -223,9 +223,9 @@ def test_normed_add_and_e0():
     out = model(x)
     h = model.embed(x)  # E = 0 pools the embeddings
     cm = model.concept
-    want = cm.norm_h(h) + shift_blocks(cm.norm_pred(out.pred), 4, 9)
+    want = cm.coupling.norm_h(h) + shift_blocks(cm.coupling.norm_pred(out.pred), 4, 9)
     torch.testing.assert_close(seen["z"], want)
-    assert torch.equal(seen["z"][:, :3], cm.norm_h(h)[:, :3])  # nothing added before block 0 ends
+    assert torch.equal(seen["z"][:, :3], cm.coupling.norm_h(h)[:, :3])  # nothing added before block 0 ends
 
 
 def test_one_step_lowers_the_loss():

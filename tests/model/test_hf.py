@@ -14,7 +14,7 @@ from ncpctl.model.hf import (
     load_hf_state_dict,
     to_hf_state_dict,
 )
-from ncpctl.model.layers import attn_mask, layer_window
+from ncpctl.model.layers import attn_mask
 from ncpctl.model.model import NCPModel
 
 from ._helpers import build, hf_model, tiny, tokens
@@ -117,7 +117,7 @@ def test_sliding_window_mask_matches_reference():
     assert torch.equal(attn_mask(pos, pos, None)[0, 0], torch.ones(T, T, dtype=torch.bool).tril())
     # the archpreview pattern: window on layers 1-3 of every 4, full on 4, 8, ...
     cfg = build_config("ncp-archpreview-8.9b")
-    assert [layer_window(cfg, n) for n in range(1, 9)] == [4096, 4096, 4096, None] * 2
+    assert [cfg.token_windows[n - 1] for n in range(1, 9)] == [4096, 4096, 4096, None] * 2
 
 
 def test_import_pads_a_smaller_hf_vocab():

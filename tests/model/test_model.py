@@ -45,8 +45,10 @@ def test_layer_naming_and_tying():
     names = {n.split(".")[0] for n, _ in model.named_parameters()}
     assert names == {"embed", "encoder", "decoder", "concept", "final_norm"}  # lm_head tied to embed
     assert model.lm_head.weight is model.embed.weight
-    for sub in ("layers", "norm", "heads", "codebook", "norm_h", "norm_pred"):
+    for sub in ("segmenter", "layers", "norm", "heads", "codebook", "coupling"):
         assert hasattr(model.concept, sub)
+    for sub in ("norm_h", "norm_pred"):  # the addition coupling's norms (add: normed)
+        assert hasattr(model.concept.coupling, sub)
     assert model.token_layers()[1] is model.decoder[0]
     assert model.embed.weight.shape == (cfg.padded_vocab_size, 32) == (256, 32)
 

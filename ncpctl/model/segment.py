@@ -1,0 +1,199 @@
+"""Segmentation: how token states become concepts (extension point ``concept.segmentation``).
+
+A ``Segmenter`` pools the encoder output h (B, T, d) into concepts c (B, M, d) and says, for
+every token, how many segments are *closed* at or before it: token t may use the processed
+concepts 0 .. closed(t) - 1 and never its own segment's (../shared/docs/ncp-model.md
+sections 1 and 8). Fixed blocks close at their last token (block j at t = j*k + k - 1,
+which is causal because h[t] depends on x[0..t] only); a data-dependent segment, whose end is
+known only when the next one starts, closes at the token after its last one.
+
+Rows may hold different numbers of concepts: ``Segments.valid`` (B, M) marks the real ones,
+and the padding concepts of a row come after its real ones, so the concept transformer's
+causal mask keeps them out of every real concept's output.
+
+Incremental decoding has its own per-row, device-side update (``decode_step``): given the
+new token's h it says which rows closed a segment, the pooled concept and its index. It may
+also say, from host integers, whether any row can have closed (fixed blocks know this from
+the positions), which lets the decoder skip the concept step without a device sync; a
+data-dependent segmenter answers ``None`` and the step runs for every row (rows that closed
+nothing write a throw-away entry at their next concept index, overwritten when it closes).
+
+``FixedBlocks`` is ConceptLM's segmentation; its reshape is the fast path, and nothing outside
+it assumes a fixed k (accounting and cache sizes read its ``law``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .config import FIXED_BLOCKS, ModelConfig, SegmentationLaw
+from .outputs import LogKey
+
+
+@dataclass
+class Segments:
+    """Concepts of a batch and how tokens see them.
+
+    ``concepts`` (B, M, d) pooled states; ``positions`` (B|1, M) RoPE positions of the concept
+    transformer; ``valid`` (B, M) bool, None when every concept is real; ``closed`` (B, T) long,
+    segments closed at or before each token (None when the segmenter spreads by its own law);
+    ``n_closed`` (B,) long, closed concepts within each row's real tokens (decoding prefill).
+    ``losses``/``metrics``/``stats`` are the segmenter's own terms (see outputs.py).
+    """
+
+    concepts: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor | None = None
+    closed: torch.Tensor | None = None
+    n_closed: torch.Tensor | None = None
+    losses: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class Closing:
+    """What one decoding step closed, per row: ``closed`` (B,) bool, the pooled ``concept``
+    (B, d) and its ``index`` (B,) long and RoPE ``position`` (B,) (rows that closed nothing:
+    their next index, where a throw-away entry may be written); ``length``: a host bound on
+    the concept cache length after this step; ``any``: host knowledge whether a row closed
+    (None: unknown without a device sync)."""
+
+    closed: torch.Tensor
+    concept: torch.Tensor
+    index: torch.Tensor
+    position: torch.Tensor
+    length: int
+    any: bool | None
+
+
+class Segmenter(nn.Module):
+    """The segmentation interface. Subclasses set ``law`` (a ``SegmentationLaw``) and
+    implement ``forward``, ``decode_init``, ``decode_prefill`` and ``decode_step``."""
+
+    law: SegmentationLaw
+    owns_init = False  # True: NCPModel.init_weights leaves this module to its reset_parameters
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, h: torch.Tensor) -> Segments:
+        """Encoder output h (B, T, d) of unpadded rows -> Segments (``closed`` (B, T) set
+        unless ``spread`` is overridden)."""
+        raise NotImplementedError
+
+    def spread(self, seg: Segments, x: torch.Tensor, T: int) -> torch.Tensor:
+        """Per-concept values x (B, M, e) -> per-token (B, T, e): token t gets x[closed(t) - 1],
+        zeros while nothing is closed (the causal shift of ncp-model.md section 1)."""
+        B, M, e = x.shape
+        idx = (seg.closed - 1).clamp(0, max(M - 1, 0))  # (B, T)
+        out = x.gather(1, idx[..., None].expand(B, T, e)) if M else x.new_zeros(B, T, e)
+        return out * (seg.closed > 0)[..., None].to(x.dtype)
+
+    def max_concepts(self, T: int) -> int:
+        return self.law.concepts(self.cfg.concept, T)
+
+    # ---- the segmenter's own training terms (e.g. DLCM's load balancing) ----
+
+    def loss_weights(self) -> dict[str, float]:
+        """Weight of each term the segmenter puts in ``Segments.losses`` (in the total loss)."""
+        return {}
+
+    def log_keys(self) -> list[LogKey]:
+        """Everything the segmenter puts in ``Segments.losses`` and ``.metrics``, declared once."""
+        return [LogKey(name) for name in self.loss_weights()]
+
+    def stat_keys(self) -> list[str]:
+        """Names of the per-step global statistics in ``Segments.stats`` (local sums)."""
+        return []
+
+    def on_step_end(self, stats: dict[str, float]) -> None:
+        """Totals of ``stat_keys`` over every micro-batch of the step on every rank."""
+
+    # ---- incremental decoding ----
+
+    def decode_init(self, B: int, d: int, device, dtype) -> dict:
+        """The per-row decoding state (a dict of (B, ...) tensors: beam search reorders rows)."""
+        raise NotImplementedError
+
+    def decode_prefill(self, state: dict, h: torch.Tensor, lengths: torch.Tensor, lengths_host: list[int]) -> Segments:
+        """Right-padded prompts h (B, T, d) (row b real for t < lengths[b]) -> Segments over all T
+        slots with ``n_closed`` set; leaves ``state`` ready for the token after each prompt."""
+        raise NotImplementedError
+
+    def decode_step(self, state: dict, h: torch.Tensor, pos: torch.Tensor, pos_host: list[int]) -> Closing:
+        """The new token of each row: h (B, d) at positions ``pos`` (B,) (also as host ints)."""
+        raise NotImplementedError
+
+
+def segment_means(h: torch.Tensor, seg_id: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean of h (B, T, d) over each segment: ``seg_id`` (B, T) in [0, M) or -1 (not pooled).
+    Returns (means (B, M, d), token counts (B, M)); empty segments give zeros."""
+    B, T, d = h.shape
+    keep = seg_id >= 0
+    idx = seg_id.clamp_min(0)
+    sums = h.new_zeros(B, M, d).scatter_add_(1, idx[..., None].expand(B, T, d), h * keep[..., None].to(h.dtype))
+    counts = torch.zeros(B, M, device=h.device, dtype=h.dtype).scatter_add_(1, idx, keep.to(h.dtype))
+    return sums / counts.clamp_min(1)[..., None], counts
+
+
+class FixedBlocks(Segmenter):
+    """Blocks of k tokens (ConceptLM): c[j] = mean(h[j*k : j*k+k]); a trailing partial block is
+    not pooled; block j closes at its last token, so token t sees blocks 0 .. (t+1)//k - 1."""
+
+    law = FIXED_BLOCKS
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.k = cfg.concept.k
+        self.scale_positions = cfg.concept.rope_scale_by_k
+
+    def positions(self, j: torch.Tensor) -> torch.Tensor:
+        return j * self.k if self.scale_positions else j
+
+    def forward(self, h: torch.Tensor) -> Segments:
+        B, T, d = h.shape
+        k, M = self.k, T // self.k
+        c = h[:, : M * k].reshape(B, M, k, d).mean(dim=2)  # (B, M, d)
+        return Segments(c, self.positions(torch.arange(M, device=h.device))[None])
+
+    def spread(self, seg: Segments, x: torch.Tensor, T: int) -> torch.Tensor:
+        return shift_blocks(x, self.k, T)
+
+    def decode_init(self, B: int, d: int, device, dtype) -> dict:
+        return {"sum": torch.zeros(B, d, device=device, dtype=dtype)}  # h summed over the open block
+
+    def decode_prefill(self, state, h, lengths, lengths_host):
+        B, T, d = h.shape
+        k, M = self.k, T // self.k
+        seg = self.forward(h)  # right padding: a row's junk blocks come after its real ones
+        seg.n_closed = lengths // k  # (B,) complete blocks per row
+        ar = torch.arange(T, device=h.device)
+        in_open = (ar[None] >= (seg.n_closed * k)[:, None]) & (ar[None] < lengths[:, None])
+        state["sum"] = (h * in_open[..., None]).sum(dim=1)  # (B, d)
+        return seg
+
+    def decode_step(self, state, h, pos, pos_host):
+        k = self.k
+        state["sum"] = state["sum"] + h
+        done = pos % k == k - 1  # (B,) the block ends at this token
+        c = state["sum"] / k  # (B, d) the pooled block (junk where not done)
+        state["sum"] = state["sum"].masked_fill(done[:, None], 0.0)
+        j = pos // k
+        # host ints tell whether any row completes a block: no device sync
+        return Closing(done, c, j, self.positions(j), max(p // k for p in pos_host) + 1,
+                       any(p % k == k - 1 for p in pos_host))
+
+
+def shift_blocks(pred: torch.Tensor, k: int, T: int) -> torch.Tensor:
+    """Causal shift (spec 1): position p gets pred[(p+1)//k - 1], zeros for p < k-1.
+
+    repeat_interleave(cat(0, pred), k), drop the first position, cut to T: (B, M, d) -> (B, T, d).
+    """
+    B, M, d = pred.shape
+    z = torch.cat((pred.new_zeros(B, 1, d), pred), dim=1)  # (B, M+1, d)
+    return z[:, :, None].expand(B, M + 1, k, d).reshape(B, (M + 1) * k, d)[:, 1 : T + 1]

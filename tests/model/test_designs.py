@@ -1,0 +1,141 @@
+"""The generic properties every design must have, run over the shipped designs and over toy
+designs added only through the public extension points (tests/model/toys.py): causality (no
+position sees a later token), cached decoding equal to the full forward for a ragged batch,
+a training step with finite losses, and a depth mixer that starts as the plain residual."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ncpctl.model.model import NCPModel
+
+from . import toys  # noqa: F401  (registers the toy designs)
+from ._helpers import build, tiny, tokens
+
+DESIGNS = {
+    "conceptlm-neox": tiny("neox", concept={}),
+    "archpreview-like-llama": tiny("llama", qk_norm="layer", sliding_window=3, full_attn_every=2, concept=dict(
+        k=3, code_weights="softmax", add="normed", rope_scale_by_k=True)),
+    "toy-alternating-2-3": tiny("neox", concept=dict(segmentation="alt23")),
+    "toy-alternating-2-3-llama-e0": tiny("llama", sliding_window=4, concept=dict(
+        segmentation="alt23", encoder_layers=0, code_weights="softmax")),
+    "toy-per-token-next": tiny("llama", concept=dict(segmentation="per_token_next", add="normed")),
+    "toy-dense-residual-conceptlm": tiny("neox", residual="dense", concept={}),
+    "toy-dense-residual-base": tiny("llama", residual="dense", qk_norm="head"),
+    "toy-dense-residual-alternating": tiny("llama", residual="dense", concept=dict(segmentation="alt23")),
+}
+
+
+@pytest.mark.parametrize("name", list(DESIGNS))
+def test_causal(name):
+    cfg = DESIGNS[name]
+    model = build(cfg, scale=0.3)
+    T = 13
+    x = tokens(cfg, 1, T)
+    with torch.no_grad():
+        ref = model(x).logits
+        g = torch.Generator().manual_seed(7)
+        for p in range(T - 1):
+            y = x.clone()
+            y[:, p + 1 :] = torch.randint(0, cfg.vocab_size, (1, T - p - 1), generator=g)
+            y[:, p + 1] = (x[:, p + 1] + 1) % cfg.vocab_size  # surely changed
+            got = model(y).logits
+            assert torch.allclose(got[:, : p + 1], ref[:, : p + 1], atol=1e-6, rtol=0), p
+            assert not torch.allclose(got[:, p + 1], ref[:, p + 1], atol=1e-3)  # the change is visible
+
+
+@pytest.mark.parametrize("name", list(DESIGNS))
+def test_cached_decode_equals_full_forward(name):
+    cfg = DESIGNS[name]
+    # float64: the mixers' random weights amplify fp32 summation-order noise to ~1e-4, which
+    # would hide a real mismatch; in float64 the two paths agree to ~1e-13
+    model = build(cfg, scale=0.2).double()
+    lengths = [5, 2, 7, 4]  # left-padded to 7 slots: the rows close segments at different steps
+    n_new = 12
+    B, Tp = len(lengths), max(lengths)
+    seqs = tokens(cfg, B, Tp + n_new)
+    prompt = torch.zeros(B, Tp, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        prompt[b, Tp - n :] = seqs[b, :n]
+    for max_len in (Tp + n_new, None):  # preallocated caches, and caches that grow
+        with torch.no_grad():
+            full = [model(seqs[b : b + 1, : n + n_new]).logits[0] for b, n in enumerate(lengths)]
+            tol = 1e-9
+            logits, state = model.prefill(prompt, lengths, max_len=max_len)
+            for b, n in enumerate(lengths):
+                assert (logits[b, Tp - n :] - full[b][:n]).abs().max() <= tol
+            for t in range(n_new):
+                step = model.decode_step(state, torch.stack([seqs[b, n + t] for b, n in enumerate(lengths)]))
+                for b, n in enumerate(lengths):
+                    assert (step[b] - full[b][n + t]).abs().max() <= tol, (t, b)
+
+
+@pytest.mark.parametrize("name", list(DESIGNS))
+def test_training_step(name):
+    cfg = DESIGNS[name]
+    model = build(cfg).train()
+    x = tokens(cfg, 2, 17)
+    out = model(x[:, :-1], x[:, 1:])
+    assert torch.isfinite(out.loss)
+    keys = [k.name for k in model.log_keys()]
+    assert keys[:2] == ["loss", "ntp_loss"] and set(out.losses) <= set(keys)
+    out.loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    if cfg.concept.enabled:  # the concept path is trained through the loss
+        assert model.concept.heads.weight.grad.abs().sum() > 0
+
+
+def test_the_concept_path_reaches_the_decoder_only_after_a_segment_closes():
+    """Alternating 2, 3: the first segment closes at token 1, the second at token 4; zeroing
+    the heads (pred = 0) leaves tokens 0 unchanged and changes token 1 onwards."""
+    model = build(DESIGNS["toy-alternating-2-3"], scale=0.3)
+    x = tokens(model.cfg, 1, 9)
+    with torch.no_grad():
+        ref = model(x).logits
+        model.concept.heads.weight.zero_()
+        model.concept.heads.bias.zero_()
+        got = model(x).logits
+    assert torch.equal(got[:, :1], ref[:, :1])
+    assert all((got[0, t] - ref[0, t]).abs().max() > 1e-4 for t in range(1, 9))
+
+
+def test_segments_spread_by_their_closing_law():
+    """The generic spread: token t gets the value of concept closed(t) - 1, zeros before."""
+    from ncpctl.model import Segments
+    from tests.model.toys import PerTokenNext
+
+    cfg = DESIGNS["toy-per-token-next"]
+    seg = PerTokenNext(cfg)
+    h = torch.randn(1, 5, 32)
+    s = seg(h)
+    assert isinstance(s, Segments) and s.closed[0].tolist() == [0, 1, 2, 3, 4]
+    vals = torch.arange(1.0, 6.0)[None, :, None]  # concept j has value j + 1
+    assert seg.spread(s, vals, 5)[0, :, 0].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("backbone", ["neox", "llama"])
+def test_depth_mixer_starts_as_the_plain_residual(backbone):
+    """init_weights leaves a mixer that owns its init alone: with the same other weights the
+    model computes the plain residual network's logits."""
+    torch.manual_seed(0)
+    mixed = NCPModel(tiny(backbone, residual="dense", concept={})).eval()
+    assert all(torch.all(lin.weight == 0) for lin in mixed.decoder.residual.dyn)  # not re-initialised
+    plain = NCPModel(tiny(backbone, concept={})).eval()
+    state = {k: v for k, v in mixed.state_dict().items() if ".residual." not in k}
+    plain.load_state_dict(state)
+    x = tokens(plain.cfg, 2, 11)
+    with torch.no_grad():
+        assert (mixed(x).logits - plain(x).logits).abs().max() <= 1e-6
+
+
+def test_unknown_or_wrong_strategies_are_config_errors():
+    from ncpctl.model.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown segmentation 'nope'"):
+        tiny("neox", concept=dict(segmentation="nope"))
+    with pytest.raises(ConfigError, match="cannot import"):
+        tiny("neox", residual="no.such.module:Mixer")
+    cfg = tiny("neox", concept=dict(segmentation="tests.model.toys:Alternating23"))  # by import path
+    assert cfg.num_concepts(12) == 5 and cfg.block_equivalents == 3 + 2 / 2.5

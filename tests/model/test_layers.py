@@ -1,0 +1,57 @@
+"""Layer-level properties: the fused q/k rotary branch of ``Attention`` (taken when there is no
+QK-norm) is bit-identical, forward and backward, to rotating q and k separately; a ``Stack``
+keeps a ModuleList's state-dict names and returns its per-depth states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ncpctl.model.layers import Attention, Context, Stack, apply_rope, causal_masks, rope
+
+from ._helpers import tiny
+
+
+def _separate(attn: Attention, x, cos, sin):
+    """Attention with q and k rotated one after the other (the QK-norm branch without norms)."""
+    B, T, _ = x.shape
+    H, Hkv, hd = attn.n_heads, attn.n_kv, attn.hd
+    q, k, v = attn.qkv(x).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+    q, k = q.view(B, T, H, hd).transpose(1, 2), k.view(B, T, Hkv, hd).transpose(1, 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    v = v.view(B, T, Hkv, hd).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
+    return attn.proj(y.transpose(1, 2).reshape(B, T, H * hd))
+
+
+@pytest.mark.parametrize("backbone", ["neox", "llama"])
+def test_fused_qk_rope_is_bit_identical(backbone):
+    cfg = tiny(backbone)
+    assert cfg.qk_norm == "none"
+    torch.manual_seed(0)
+    attn = Attention(cfg, None)
+    x = torch.randn(2, 9, cfg.d_model, requires_grad=True)
+    cos, sin = rope(torch.arange(9)[None], cfg, x.dtype)
+    g = torch.randn(2, 9, cfg.d_model)
+    fused = attn(x, cos, sin)
+    sep = _separate(attn, x, cos, sin)
+    assert torch.equal(fused, sep)
+    wrt = (x, attn.qkv.weight, attn.qkv.weight if attn.qkv.bias is None else attn.qkv.bias)
+    for a, b in zip(torch.autograd.grad(fused, wrt, g), torch.autograd.grad(sep, wrt, g)):
+        assert torch.equal(a, b)
+
+
+def test_stack_names_and_states():
+    cfg = tiny("neox")
+    stack = Stack(cfg, cfg.token_windows)
+    assert len(stack) == 3 and stack[-1] is stack[2] and [b for b in stack] == [stack[0], stack[1], stack[2]]
+    assert {k.split(".")[0] for k in stack.state_dict()} == {"0", "1", "2"}  # as a ModuleList's
+    x = torch.randn(1, 5, 32)
+    ctx = Context(*rope(torch.arange(5)[None], cfg, x.dtype), causal_masks({None}, 5, x.device))
+    out, states = stack(x, ctx, states=True)
+    assert len(states) == 4 and states[0] is x and torch.equal(states[-1], out)
+    y = x
+    for blk in stack:  # plain residual: x + R layer by layer
+        y = blk(y, ctx) + y
+        assert any(torch.equal(y, s) for s in states)
