@@ -93,6 +93,7 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Any, Callable, Iterator  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_T_PROCESS = time.perf_counter()  # process_s counts from here (before torch and DeepSpeed are imported)
 
 REPO = _HERE.parent
 BASE_RECIPE = REPO / "recipes" / "debug.yaml"
@@ -107,6 +108,7 @@ def _train_step_helpers() -> Any:
     spec = importlib.util.spec_from_file_location("_bench_train_step", _HERE / "train_step.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -421,7 +423,8 @@ def zero_section(sh: Shapes, env: Env, helpers: Any) -> dict[str, Any]:
         runs = [timed(step, env) for _ in range(sh.zero_steps)]
         losses = [loss for _, loss in runs]
         out[f"zero{stage}"] = {
-            "optimizer": type(engine.optimizer).__name__, "stage": engine.zero_optimization_stage(), "losses": losses, "first_loss": losses[0],
+            "optimizer": type(engine.optimizer).__name__, "stage": engine.zero_optimization_stage(),
+            "losses": losses, "first_loss": losses[0],
             "median_s": statistics.median(dt for dt, _ in runs[1:]), "first_step_s": runs[0][0],
             "finite": all(math.isfinite(v) for v in losses), "decreased": losses[-1] < losses[0],
             "allocated_before_bytes": before, "allocated_after_build_bytes": built,
@@ -509,7 +512,7 @@ def _gb(n: int | None) -> str:
 def summary(res: dict[str, Any]) -> str:
     e = res["env"]
     lines = [f"gpu_check{' --dry' if res['dry'] else ''}: {e['device_name']}, torch {e['torch']}, CUDA {e['cuda']}, "
-             f"deepspeed {e['deepspeed']}; {res['wall_s']:.0f} s"]
+             f"deepspeed {e['deepspeed']}; measured in {res['wall_s']:.0f} s"]
     t = res.get("train_step")
     if t:
         lines.append(f"[1] train step {t['size']} T={t['seq_len']} B={t['batch']} ZeRO-{t['zero_stage']} {t['precision']}, "
@@ -640,6 +643,7 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
     _free(env)
     section("zero", lambda: zero_section(sh, env, helpers))
     section("decode", lambda: decode_section(sh, env))
+    res["process_s"] = round(time.perf_counter() - _T_PROCESS, 2)
     res["checks"] = checks(res)
     res["ok"] = not res["errors"] and all(res["checks"].values())
     res["wall_s"] = round(time.perf_counter() - t_start, 2)
