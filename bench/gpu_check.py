@@ -3,7 +3,7 @@ ConceptLM/PM step ratio. A script, not a test; run it once when a GPU is lent an
 output into the report.
 
     python bench/gpu_check.py --json gpu_check.json     # on one H100/H200-class GPU, ~1-2 min
-    python bench/gpu_check.py --dry --json -            # CPU smoke run of the same code (~30 s)
+    python bench/gpu_check.py --dry --json -            # CPU smoke run of the same code (~10 s)
 
 Expected runtime on one H100/H200: about 1-2 minutes (imports and engine builds dominate;
 the measurements themselves are seconds), well under the 5 minutes it is sized for. The
@@ -224,7 +224,7 @@ def timed(step: Callable[[], Any], env: Env) -> tuple[float, float]:
 
 
 def _batch(helpers: Any, cfg: Any, B: int, T: int, env: Env) -> tuple[Any, Any]:
-    x, y = helpers._batch(cfg, B, T)  # (B, T) tokens and next tokens (CPU)
+    x, y = helpers._batch(cfg, B, T)  # (B, T) tokens and next tokens (CPU); the last target is -100
     return x.to(env.device), y.to(env.device)
 
 
