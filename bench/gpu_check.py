@@ -1,0 +1,686 @@
+"""One-shot GPU check: bf16 training step and MFU, SDPA backend, ZeRO-1/2, cached decoding,
+ConceptLM/PM step ratio. A script, not a test; run it once when a GPU is lent and paste its
+output into the report.
+
+    python bench/gpu_check.py --json gpu_check.json     # on one H100/H200-class GPU, ~1-2 min
+    python bench/gpu_check.py --dry --json -            # CPU smoke run of the same code (~10 s)
+
+Expected runtime on one H100/H200: about 1-2 minutes (imports and engine builds dominate;
+the measurements themselves are seconds), well under the 5 minutes it is sized for. The
+JSON is rewritten after every section, so a run cut short still leaves what it measured;
+a section that fails is recorded under ``errors`` (message and traceback) and the others
+still run. ``checks`` holds the correctness verdicts (finite losses, flash attention, equal
+ZeRO-1/2 first losses, cached decode == full forward); exit code 0 when every section ran and
+every check holds, 1 otherwise. Without CUDA (and without ``--dry``) it exits with code 2
+and one line. ``--precision bf16|fp32`` overrides the precision (default: bf16 on a GPU).
+
+Everything trains the way ``ncpctl pretrain`` trains on a GPU: a recipe (``recipes/debug.yaml``
+with ``--set``-style overrides for the size, shape, precision and ZeRO stage), then
+``ncpctl.train.config.deepspeed_config`` / ``make_optimizer`` / ``lr_schedule`` and
+``deepspeed.initialize`` on a world of one (``ncpctl.train.loop.init_distributed``). On a GPU
+that is **DeepSpeed bf16** (``train.precision: bf16``; DeepSpeed casts the weights to bf16 and
+its ZeRO optimizer keeps the fp32 master weights and Adam state), not ``torch.autocast``.
+Random tokens, the same batch every step, one step = ``engine(x, y)`` + ``engine.backward`` +
+``engine.step`` with a device synchronize before and after each timed step.
+
+How to read each section (JSON keys in brackets):
+
+1. train step [train_step]: pythia-160m, T=2048, micro batch 8, ZeRO-1 (as
+   ``recipes/pythia160m.yaml``), for ``base`` (concept off), ``concept`` (ConceptLM, the
+   size's defaults E=1, C=2, k=4, N=64, S=n_heads) and ``pm`` (base + 2 token layers).
+   After ``warmup`` untimed steps the models are timed in alternating order for ``rounds``
+   rounds. ``median_s`` is the step time, ``tokens_per_s`` = B*T / median_s, ``mfu`` = exact
+   training FLOPs per step with the causal attention count
+   (``exact_flops(cfg, T, B).training_per_step(causal=True)``) / median_s / ``peak`` (the
+   device's dense bf16 peak from ``ncpctl.train.metrics.device_peak``; ``peak_source`` says
+   which). ``mfu_full_attention`` uses the full (non-causal) count, as metrics.jsonl does.
+   A well-fed 160M model at T=2048 typically reaches tens of percent; single digits would
+   mean something (kernel choice, syncs, the optimizer) is off.
+2. SDPA backend [sdpa]: one profiled training step of ``base`` and ``concept``
+   (torch.profiler, CPU + CUDA). Kernels launched under the attention ops are classified by
+   name (flash / mem_efficient / cudnn / math) into ``backend``; ``backend_from_ops`` is the
+   same read from the dispatched ATen op names (``_scaled_dot_product_flash_attention``, ...).
+   Flash is expected (``expected_flash``): the model calls SDPA with ``is_causal=True`` and no
+   mask when there is no sliding window. ``sdp_flags`` are ``torch.backends.cuda.*_sdp_enabled()``.
+3. ZeRO [zero]: the ConceptLM pythia-70m at the same T and batch under ZeRO stage 1 and 2,
+   ``steps`` steps each on one batch. ``median_s`` excludes the first step; ``peak_bytes`` =
+   ``torch.cuda.max_memory_allocated`` over build + steps (``allocated_before_bytes``: what
+   was still allocated when that stage started, ``peak_above_before_bytes`` the difference);
+   ``optimizer`` is DeepSpeed's wrapper class. On one GPU ZeRO partitions over a world of one,
+   so the two stages differ in their gradient buffers only, not by a factor.
+   Both stages start from the same weights, so ``first_loss_diff`` must be within
+   ``first_loss_tol`` (1e-2 in bf16, 1e-4 in fp32); losses must be finite and fall.
+4. decode [decode]: the ConceptLM pythia-160m in bf16 weights, ``torch.no_grad()``, greedy,
+   ``prefill`` of 128-token prompts then 256 ``decode_step`` calls, batch 1 and 8.
+   ``tokens_per_s`` = batch * new tokens / decode seconds (prefill timed apart). ``max_abs_diff``
+   compares the logits of the last cached step with a full forward of the whole sequence at
+   that position (padded-vocab rows excluded); ``ok`` when it is within ``tol_rel`` of the
+   largest logit (5e-2 in bf16, 1e-4 in fp32); ``argmax_match``: both pick the same token
+   (random weights give near-tied logits, so a bf16 flip there is not a failure).
+5. ConceptLM/PM [concept_vs_pm]: ``time_ratio`` = median over rounds of the per-round
+   concept/pm step-time ratio (the rounds of section 1, measured back to back), next to
+   ``flops_ratio`` (exact causal training FLOPs); ``difference`` = time - FLOPs ratio, judged
+   against ``bench/train_step.py``'s goal of 0.02 (``within_goal``). ConceptLM's concept path
+   is small, low-arithmetic-intensity work (pooling, T/k-position layers, heads), so on a GPU
+   a time ratio above the FLOPs ratio is the expected direction.
+
+``--dry`` runs the same code on the CPU with tiny shapes (``debug`` size, T=64, fp32, one
+warm-up step, two rounds, a few decode tokens; ZeRO on DeepSpeed's CPU accelerator) so the
+test suite catches breakage; its numbers mean nothing and the backend reads "n/a on CPU".
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# bench/ holds tokenize.py: drop this folder from the import path, or `import tokenize`
+# (stdlib, used by inspect) would import that script.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any, Callable, Iterator  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_T_PROCESS = time.perf_counter()  # process_s counts from here (before torch and DeepSpeed are imported)
+
+REPO = _HERE.parent
+BASE_RECIPE = REPO / "recipes" / "debug.yaml"
+SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm")
+# variant -> (concept.enabled, extra_token_layers)
+VARIANTS = {"base": (False, 0), "concept": (True, 0), "pm": (False, 2)}
+
+
+def _train_step_helpers() -> Any:
+    """bench/train_step.py as a module (``_ratios``, ``_batch``, ``GOALS``): one definition of the
+    paired ratio and of the random batch for both benchmarks."""
+    spec = importlib.util.spec_from_file_location("_bench_train_step", _HERE / "train_step.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Everything ``--dry`` shrinks."""
+
+    train_size: str
+    seq_len: int
+    batch: int
+    warmup: int
+    rounds: int
+    zero_size: str
+    zero_steps: int
+    decode_size: str
+    prompt_len: int
+    new_tokens: int
+    decode_batches: tuple[int, ...]
+
+
+GPU_SHAPES = Shapes("pythia-160m", 2048, 8, 3, 12, "pythia-70m", 6, "pythia-160m", 128, 256, (1, 8))
+DRY_SHAPES = Shapes("debug", 64, 2, 1, 2, "debug", 3, "debug", 16, 8, (1, 4))
+
+
+@dataclass
+class Env:
+    device: Any  # torch.device
+    on_gpu: bool
+    bf16: bool
+    peak: float  # FLOP/s for MFU
+    peak_source: str
+
+    def sync(self) -> None:
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.synchronize()
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """DeepSpeed logs to stdout (fd 1 too); keep stdout for the JSON while measuring."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+def make_recipe(size: str, T: int, B: int, variant: str, zero_stage: int, env: Env, steps: int) -> Any:
+    """``recipes/debug.yaml`` with ``--set`` overrides: the recipe ``ncpctl pretrain`` would load."""
+    from ncpctl.model.config import SIZES
+    from ncpctl.recipe import load_recipe
+
+    concept, extra = VARIANTS[variant]
+    sets = [f"model.size={size}", f"model.max_seq_len={T}", f"tokenizer.vocab_size={SIZES[size]['vocab_size']}",
+            f"model.concept.enabled={str(concept).lower()}", f"model.extra_token_layers={extra}",
+            f"train.seq_len={T}", f"train.micro_batch_size={B}", f"train.global_batch_size={B}",
+            f"train.precision={'bf16' if env.bf16 else 'fp32'}", f"deepspeed.zero_stage={zero_stage}",
+            f"train.max_steps={steps}", "train.warmup_steps=0",
+            "train.lr=6e-4", "train.min_lr=6e-5"]  # Pythia-160m's (recipes/pythia-common.yaml)
+    return load_recipe(BASE_RECIPE, sets)
+
+
+def build_engine(recipe: Any, env: Env, seed: int = 0) -> Any:
+    """The DeepSpeed engine exactly as ``ncpctl.train.loop.train`` builds it."""
+    import deepspeed
+    import torch
+
+    from ncpctl.model.model import NCPModel
+    from ncpctl.train.config import deepspeed_config, lr_schedule, make_optimizer
+
+    torch.manual_seed(seed)
+    model = NCPModel(recipe.model_config)
+    optimizer = make_optimizer(model, recipe, env.on_gpu)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(recipe, env.on_gpu), dist_init_required=False)
+    engine.train()
+    return engine
+
+
+def stepper(engine: Any, x: Any, y: Any) -> Callable[[], Any]:
+    def step() -> Any:
+        out = engine(x, y)  # training forward: logits None (fused head), .loss set
+        engine.backward(out.loss)
+        engine.step()
+        return out.loss.detach()
+
+    return step
+
+
+def timed(step: Callable[[], Any], env: Env) -> tuple[float, float]:
+    """(seconds, loss) of one step, synchronized on both sides."""
+    env.sync()
+    t0 = time.perf_counter()
+    loss = step()
+    env.sync()
+    return time.perf_counter() - t0, float(loss)
+
+
+def _batch(helpers: Any, cfg: Any, B: int, T: int, env: Env) -> tuple[Any, Any]:
+    x, y = helpers._batch(cfg, B, T)  # (B, T) tokens and next tokens (CPU); the last target is -100
+    return x.to(env.device), y.to(env.device)
+
+
+def release(engine: Any) -> None:
+    """DeepSpeed keeps an engine reachable (optimizer hooks) until ``destroy()``: without it
+    the weights and optimizer state of every engine built stay allocated."""
+    engine.destroy()
+
+
+def _free(env: Env) -> None:
+    gc.collect()
+    if env.on_gpu:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _mem(env: Env, what: str) -> int | None:
+    if not env.on_gpu:
+        return None
+    import torch
+
+    return int(getattr(torch.cuda, what)())
+
+
+# ----------------------------------------------------------------------------- 1 + 5: train step
+
+
+def train_section(sh: Shapes, env: Env, helpers: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Base, ConceptLM and PM at one shape, timed in alternating order. Returns (result, steps)
+    with the step functions kept for the profiler (section 2)."""
+    from ncpctl.model.accounting import exact_flops
+
+    T, B = sh.seq_len, sh.batch
+    engines, cfgs = {}, {}
+    for name in VARIANTS:
+        recipe = make_recipe(sh.train_size, T, B, name, 1, env, sh.warmup + sh.rounds + 2)
+        engines[name], cfgs[name] = build_engine(recipe, env), recipe.model_config
+    x, y = _batch(helpers, cfgs["base"], B, T, env)
+    steps = {n: stepper(e, x, y) for n, e in engines.items()}
+    first = {n: [timed(fn, env)[1] for _ in range(sh.warmup)][0] for n, fn in steps.items()}
+    secs: dict[str, list[float]] = {n: [] for n in steps}
+    losses: dict[str, list[float]] = {n: [] for n in steps}
+    for r in range(sh.rounds):
+        # alternate who goes first: the first in a round can pay for what the previous one left
+        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            dt, loss = timed(steps[name], env)
+            secs[name].append(dt)
+            losses[name].append(loss)
+    models: dict[str, Any] = {}
+    for name, s in secs.items():
+        fl = exact_flops(cfgs[name], T, B)
+        causal, full = fl.training_per_step(causal=True), fl.training_per_step(causal=False)
+        med = statistics.median(s)
+        models[name] = {
+            "concept_enabled": cfgs[name].concept.enabled, "extra_token_layers": cfgs[name].extra_token_layers,
+            "parameters": sum(p.numel() for p in engines[name].module.parameters()),
+            "optimizer": type(engines[name].optimizer).__name__,
+            "median_s": med, "best_s": min(s), "seconds": s, "tokens_per_s": B * T / med,
+            "training_flops_causal": causal, "training_flops_full": full,
+            "mfu": causal / med / env.peak, "mfu_full_attention": full / med / env.peak,
+            "first_loss": first[name], "last_loss": losses[name][-1],
+            "finite": all(math.isfinite(v) for v in [first[name], *losses[name]]),
+        }
+    result = {"size": sh.train_size, "seq_len": T, "batch": B, "zero_stage": 1, "warmup": sh.warmup,
+              "rounds": sh.rounds, "precision": "bf16 (DeepSpeed)" if env.bf16 else "fp32 (DeepSpeed)",
+              "peak": env.peak, "peak_source": env.peak_source, "max_memory_allocated_bytes": _mem(env, "max_memory_allocated"),
+              "models": models}
+    return result, {"steps": steps, "engines": engines}
+
+
+def concept_vs_pm(train: dict[str, Any], helpers: Any) -> dict[str, Any]:
+    """Section 5 from section 1's rounds: the same comparison as bench/train_step.py."""
+    c, p = train["models"]["concept"], train["models"]["pm"]
+    ratio = helpers._ratios(c["seconds"], p["seconds"])
+    time_ratio = ratio["paired_median"]
+    flops_ratio = c["training_flops_causal"] / p["training_flops_causal"]
+    goal = helpers.GOALS["concept/pm - flops"]
+    return {"size": train["size"], "seq_len": train["seq_len"], "batch": train["batch"],
+            "time_ratio": time_ratio, "time_ratio_best_rounds": ratio["best"], "time_ratio_of_medians": ratio["median"],
+            "flops_ratio": flops_ratio,
+            "flops_ratio_full_attention": c["training_flops_full"] / p["training_flops_full"],
+            "difference": time_ratio - flops_ratio, "goal": goal, "within_goal": abs(time_ratio - flops_ratio) <= goal}
+
+
+# ----------------------------------------------------------------------------- 2: SDPA backend
+
+
+def kernel_backend(name: str) -> str | None:
+    """SDPA backend a CUDA kernel name belongs to (None: not an attention kernel)."""
+    n = name.lower()
+    if "cudnn" in n:  # before flash: cuDNN's SDPA kernels are named "cudnn_..._sdpa_..._flash_fprop_..."
+        return "cudnn"
+    if "flash" in n:
+        return "flash"
+    # mem-efficient kernels are "fmha_cutlassF_..."; cuBLAS's CUTLASS GEMMs say "gemm"
+    if any(s in n for s in ("efficient", "mem_eff", "memeff", "fmha")) or ("cutlass" in n and "gemm" not in n):
+        return "mem_efficient"
+    if any(s in n for s in ("gemm", "bmm", "softmax")):
+        return "math"
+    return None
+
+
+def op_backend(names: set[str]) -> str:
+    """The backend SDPA dispatched to, read from ATen op names."""
+    found = set()
+    # "aten::_scaled_dot_product_flash_attention", "ScaledDotProductFlashAttentionBackward0", ...
+    for n in (x.lower().replace("_", "") for x in names):
+        for key, backend in (("flashattention", "flash"), ("efficientattention", "mem_efficient"),
+                             ("cudnnattention", "cudnn"), ("attentionmath", "math")):
+            if key in n:
+                found.add(backend)
+    return "+".join(sorted(found)) or "unknown"
+
+
+def _verdict(labels: set[str | None]) -> str:
+    fused = {x for x in labels if x in ("flash", "cudnn", "mem_efficient")}
+    if fused:
+        return "+".join(sorted(fused))
+    return "math" if "math" in labels else "unknown"
+
+
+def _is_attention(name: str) -> bool:
+    n = name.lower()
+    return "scaled_dot_product" in n or "scaleddotproduct" in n or "attention" in n
+
+
+def profile_attention(step: Callable[[], Any], env: Env) -> dict[str, Any]:
+    """Profile one training step; the attention ops and the CUDA kernels launched under them."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.on_gpu else [])
+    env.sync()
+    with profile(activities=acts) as prof:
+        step()
+        env.sync()
+    events = list(prof.events())
+    ops = {e.name for e in events if e.device_type == DeviceType.CPU and _is_attention(e.name)}
+    attn_kernels: set[str] = set()
+    for e in events:
+        if not e.kernels:
+            continue
+        a = e
+        while a is not None and not _is_attention(a.name):
+            a = a.cpu_parent
+        if a is not None:
+            attn_kernels.update(k.name for k in e.kernels)
+    all_kernels = {e.name for e in events if e.device_type == DeviceType.CUDA}
+    attributed = bool(attn_kernels)
+    if not attributed:  # no parent links: fall back to the attention-specific names among all kernels
+        attn_kernels = {k for k in all_kernels if kernel_backend(k) in ("flash", "cudnn", "mem_efficient")}
+    from_ops = op_backend(ops)
+    out: dict[str, Any] = {"attention_ops": sorted(ops), "backend_from_ops": from_ops,
+                           "cuda_kernels_total": len(all_kernels), "kernels_attributed_to_ops": attributed,
+                           "attention_kernels": sorted(k[:200] for k in attn_kernels)[:24]}
+    if env.on_gpu:
+        out["backend"] = _verdict({kernel_backend(k) for k in attn_kernels})
+        out["consistent"] = out["backend"] == from_ops
+    else:
+        out["backend"] = "n/a on CPU"
+    return out
+
+
+def sdpa_section(trained: dict[str, Any], env: Env) -> dict[str, Any]:
+    import torch
+
+    b = torch.backends.cuda
+    flags = {"flash": b.flash_sdp_enabled(), "mem_efficient": b.mem_efficient_sdp_enabled(),
+             "math": b.math_sdp_enabled(), "cudnn": b.cudnn_sdp_enabled()}
+    models = {n: profile_attention(trained["steps"][n], env) for n in ("base", "concept")}
+    out: dict[str, Any] = {"sdp_flags": flags, "models": models}
+    if env.on_gpu:
+        out["expected_flash"] = all(m["backend"] == "flash" for m in models.values())
+    return out
+
+
+# ----------------------------------------------------------------------------- 3: ZeRO-1 / ZeRO-2
+
+
+def zero_section(sh: Shapes, env: Env, helpers: Any) -> dict[str, Any]:
+    import torch
+
+    T, B = sh.seq_len, sh.batch
+    out: dict[str, Any] = {"size": sh.zero_size, "seq_len": T, "batch": B, "variant": "concept", "steps": sh.zero_steps}
+    for stage in (1, 2):
+        _free(env)
+        if env.on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        before = _mem(env, "memory_allocated")
+        recipe = make_recipe(sh.zero_size, T, B, "concept", stage, env, sh.zero_steps)
+        engine = build_engine(recipe, env)
+        built = _mem(env, "memory_allocated")
+        x, y = _batch(helpers, recipe.model_config, B, T, env)
+        step = stepper(engine, x, y)
+        runs = [timed(step, env) for _ in range(sh.zero_steps)]
+        losses = [loss for _, loss in runs]
+        out[f"zero{stage}"] = {
+            "optimizer": type(engine.optimizer).__name__, "stage": engine.zero_optimization_stage(),
+            "losses": losses, "first_loss": losses[0],
+            "median_s": statistics.median(dt for dt, _ in runs[1:]), "first_step_s": runs[0][0],
+            "finite": all(math.isfinite(v) for v in losses), "decreased": losses[-1] < losses[0],
+            "allocated_before_bytes": before, "allocated_after_build_bytes": built,
+            "peak_bytes": _mem(env, "max_memory_allocated"),
+        }
+        q = out[f"zero{stage}"]
+        q["peak_above_before_bytes"] = None if before is None else q["peak_bytes"] - before
+        release(engine)
+        del engine, step, x, y
+    z1, z2 = out["zero1"], out["zero2"]
+    out["first_loss_diff"] = abs(z1["first_loss"] - z2["first_loss"])
+    out["first_loss_tol"] = 1e-2 if env.bf16 else 1e-4
+    out["first_loss_match"] = out["first_loss_diff"] <= out["first_loss_tol"]
+    out["ok"] = out["first_loss_match"] and all(z[k] for z in (z1, z2) for k in ("finite", "decreased"))
+    _free(env)
+    return out
+
+
+# ----------------------------------------------------------------------------- 4: cached decode
+
+
+def _greedy(model: Any, prompts: Any, n_new: int, vocab: int, env: Env) -> dict[str, Any]:
+    """prefill + n_new decode steps, greedy over the real vocabulary; tokens and timings."""
+    import torch
+
+    B, Tp = prompts.shape
+    env.sync()
+    t0 = time.perf_counter()
+    logits, state = model.prefill(prompts, [Tp] * B, max_len=Tp + n_new)  # (B, Tp, V)
+    env.sync()
+    t1 = time.perf_counter()
+    nxt = logits[:, -1, :vocab].argmax(-1)  # (B,)
+    new, last = [], None
+    for _ in range(n_new):
+        new.append(nxt)
+        last = model.decode_step(state, nxt)  # (B, V): logits after feeding nxt
+        nxt = last[:, :vocab].argmax(-1)
+    env.sync()
+    t2 = time.perf_counter()
+    return {"tokens": torch.stack(new, 1), "last": last, "prefill_s": t1 - t0, "decode_s": t2 - t1}
+
+
+def decode_section(sh: Shapes, env: Env) -> dict[str, Any]:
+    import torch
+
+    from ncpctl.model.config import build_config
+    from ncpctl.model.model import NCPModel
+
+    cfg = build_config(sh.decode_size, concept=dict(enabled=True))
+    dtype = torch.bfloat16 if env.bf16 else torch.float32
+    torch.manual_seed(0)
+    model = NCPModel(cfg).to(env.device, dtype=dtype).eval()
+    V, tol_rel = cfg.vocab_size, (5e-2 if env.bf16 else 1e-4)
+    out: dict[str, Any] = {"size": sh.decode_size, "dtype": str(dtype).removeprefix("torch."),
+                           "prompt_len": sh.prompt_len, "new_tokens": sh.new_tokens, "tol_rel": tol_rel, "batches": {}}
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for B in sh.decode_batches:
+            prompts = torch.randint(0, V, (B, sh.prompt_len), generator=g).to(env.device)
+            _greedy(model, prompts, min(8, sh.new_tokens), V, env)  # warm-up: kernels, allocator
+            r = _greedy(model, prompts, sh.new_tokens, V, env)
+            seq = torch.cat([prompts, r["tokens"]], 1)  # (B, Tp + n_new): everything fed
+            full = model(seq).logits[:, -1, :V].float()  # (B, V) full forward at the last position
+            cached = r["last"][:, :V].float()
+            diff, scale = (full - cached).abs().max().item(), full.abs().max().item()
+            out["batches"][str(B)] = {
+                "tokens_per_s": B * sh.new_tokens / r["decode_s"], "decode_s": r["decode_s"],
+                "prefill_s": r["prefill_s"], "max_abs_diff": diff, "logit_scale": scale,
+                "ok": diff <= tol_rel * max(scale, 1.0),
+                "argmax_match": bool((full.argmax(-1) == cached.argmax(-1)).all()),
+            }
+    out["ok"] = all(b["ok"] for b in out["batches"].values())
+    del model
+    _free(env)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _gb(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def summary(res: dict[str, Any]) -> str:
+    e = res["env"]
+    lines = [f"gpu_check{' --dry' if res['dry'] else ''}: {e['device_name']}, torch {e['torch']}, CUDA {e['cuda']}, "
+             f"deepspeed {e['deepspeed']}; measured in {res['wall_s']:.0f} s"]
+    t = res.get("train_step")
+    if t:
+        lines.append(f"[1] train step {t['size']} T={t['seq_len']} B={t['batch']} ZeRO-{t['zero_stage']} {t['precision']}, "
+                     f"peak {t['peak'] / 1e12:.1f} TFLOP/s ({t['peak_source']})")
+        for n, m in t["models"].items():
+            lines.append(f"    {n:8} {m['median_s'] * 1e3:9.2f} ms  {m['tokens_per_s']:12,.0f} tok/s  MFU {100 * m['mfu']:5.1f}% "
+                         f"(full-attn count {100 * m['mfu_full_attention']:5.1f}%)  loss {m['first_loss']:.3f} -> "
+                         f"{m['last_loss']:.3f}  {m['optimizer']}")
+    s = res.get("sdpa")
+    if s:
+        lines.append(f"[2] SDPA flags {s['sdp_flags']}" + (f"; flash as expected: {s['expected_flash']}" if "expected_flash" in s else ""))
+        for n, m in s["models"].items():
+            lines.append(f"    {n:8} backend {m['backend']} (ops say {m['backend_from_ops']}); kernels: "
+                         + (", ".join(k[:70] for k in m["attention_kernels"][:4]) or "-"))
+    z = res.get("zero")
+    if z:
+        lines.append(f"[3] ZeRO {z['size']} ({z['variant']}) T={z['seq_len']} B={z['batch']}, {z['steps']} steps: "
+                     f"first-loss diff {z['first_loss_diff']:.2e} (tol {z['first_loss_tol']:g}); ok {z['ok']}")
+        for st in ("zero1", "zero2"):
+            q = z[st]
+            lines.append(f"    {st}    {q['median_s'] * 1e3:9.2f} ms  peak {_gb(q['peak_bytes'])}  loss {q['losses'][0]:.4f} -> "
+                         f"{q['losses'][-1]:.4f}  {q['optimizer']}")
+    d = res.get("decode")
+    if d:
+        lines.append(f"[4] decode {d['size']} ConceptLM {d['dtype']}, prompt {d['prompt_len']} + {d['new_tokens']} greedy; ok {d['ok']}")
+        for B, b in d["batches"].items():
+            lines.append(f"    batch {B:3} {b['tokens_per_s']:10,.0f} tok/s  (prefill {b['prefill_s'] * 1e3:.1f} ms)  "
+                         f"cached vs full max|diff| {b['max_abs_diff']:.2e} of {b['logit_scale']:.2f}; argmax same {b['argmax_match']}")
+    c = res.get("concept_vs_pm")
+    if c:
+        lines.append(f"[5] ConceptLM/PM {c['size']}: time ratio {c['time_ratio']:.3f} (best rounds {c['time_ratio_best_rounds']:.3f}) "
+                     f"vs FLOPs ratio {c['flops_ratio']:.3f}: difference {c['difference']:+.3f} (goal within {c['goal']}: "
+                     f"{'MET' if c['within_goal'] else 'MISSED'})")
+    failed = [k for k, v in res.get("checks", {}).items() if not v]
+    lines.append(f"checks: {'all passed' if not failed else 'FAILED ' + ', '.join(failed)} ({len(res.get('checks', {}))} run)")
+    for name, err in res["errors"].items():
+        lines.append(f"ERROR in {name}: {err['error']}")
+    return "\n".join(lines)
+
+
+def checks(res: dict[str, Any]) -> dict[str, bool]:
+    """Correctness verdicts (not speed goals) of the sections that ran; all must hold for exit 0."""
+    out: dict[str, bool] = {}
+    if "train_step" in res:
+        out["train_losses_finite"] = all(m["finite"] for m in res["train_step"]["models"].values())
+    if "expected_flash" in res.get("sdpa", {}):
+        out["sdpa_flash"] = res["sdpa"]["expected_flash"]
+    if "zero" in res:
+        z = res["zero"]
+        out["zero_first_loss_match"] = z["first_loss_match"]
+        out["zero_losses_finite_and_falling"] = all(z[s][k] for s in ("zero1", "zero2") for k in ("finite", "decreased"))
+    if "decode" in res:
+        out["decode_cached_equals_full"] = res["decode"]["ok"]
+    return out
+
+
+def _env_info(env: Env) -> dict[str, Any]:
+    import deepspeed
+    import torch
+
+    info: dict[str, Any] = {"device": str(env.device), "torch": torch.__version__, "cuda": torch.version.cuda,
+                            "deepspeed": deepspeed.__version__, "cpu_cores": os.cpu_count(),
+                            "loadavg_1min": round(os.getloadavg()[0], 2), "threads": torch.get_num_threads()}
+    if env.on_gpu:
+        p = torch.cuda.get_device_properties(env.device)
+        info.update(device_name=p.name, memory_bytes=p.total_memory, capability=f"{p.major}.{p.minor}",
+                    cudnn=torch.backends.cudnn.version())
+    else:
+        info["device_name"] = "CPU"
+    return info
+
+
+def _write(res: dict[str, Any], path: str | None) -> None:
+    """The JSON so far to ``path`` (atomically), so a run cut short keeps what it measured."""
+    if path and path != "-":
+        tmp = Path(path + ".tmp")
+        tmp.write_text(json.dumps(res, indent=2) + "\n")
+        os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
+    from ncpctl.train.loop import init_distributed
+    from ncpctl.train.metrics import device_peak
+
+    t_start = time.perf_counter()
+    d = init_distributed()  # a world of one on localhost, as `ncpctl pretrain` without a launcher
+    on_gpu = d.device.type == "cuda"
+    peak, source = device_peak(on_gpu)
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and on_gpu)  # train.precision's rule
+    env = Env(d.device, on_gpu, bf16=bf16, peak=peak, peak_source=source)
+    res: dict[str, Any] = {"ok": False, "dry": args.dry, "env": _env_info(env), "shapes": dict(vars(sh)),
+                           "errors": {}, "section_s": {}, "wall_s": 0.0}
+    helpers = _train_step_helpers()
+    held: dict[str, Any] = {}  # section 1's engines and step functions, for sections 2 and 5
+
+    def section(name: str, fn: Callable[[], Any]) -> None:
+        _say(f"gpu_check: {name} ...")
+        t0 = time.perf_counter()
+        try:
+            res[name] = fn()
+        except Exception as e:  # one failing section must not cost the others' numbers
+            res["errors"][name] = {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-6000:]}
+            _say(f"gpu_check: {name} FAILED: {type(e).__name__}: {e}")
+        finally:
+            res["section_s"][name] = round(time.perf_counter() - t0, 2)
+            res["wall_s"] = round(time.perf_counter() - t_start, 2)
+            _write(res, args.json)
+
+    def train() -> dict[str, Any]:
+        result, trained = train_section(sh, env, helpers)
+        held.update(trained)
+        return result
+
+    def needs_train(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            if "train_step" not in res:
+                raise RuntimeError("needs section train_step, which failed")
+            return fn()
+
+        return call
+
+    section("train_step", train)
+    section("sdpa", needs_train(lambda: sdpa_section(held, env)))
+    section("concept_vs_pm", needs_train(lambda: concept_vs_pm(res["train_step"], helpers)))
+    for engine in held.get("engines", {}).values():  # free section 1's engines before section 3 measures memory
+        release(engine)
+    held.clear()
+    _free(env)
+    section("zero", lambda: zero_section(sh, env, helpers))
+    section("decode", lambda: decode_section(sh, env))
+    res["process_s"] = round(time.perf_counter() - _T_PROCESS, 2)
+    res["checks"] = checks(res)
+    res["ok"] = not res["errors"] and all(res["checks"].values())
+    res["wall_s"] = round(time.perf_counter() - t_start, 2)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry", action="store_true", help="CPU smoke run of the same code with tiny shapes")
+    ap.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' = stdout)")
+    ap.add_argument("--rounds", type=int, help="timed rounds per model in section 1 (default 12; --dry 2)")
+    ap.add_argument("--batch", type=int, help="micro batch for sections 1 and 3 (default 8; --dry 2)")
+    ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="as train.precision: auto = bf16 on a GPU, fp32 on the CPU")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if not args.dry and not torch.cuda.is_available():
+        print("error: no CUDA device (torch.cuda.is_available() is False); run this on a GPU, "
+              "or `python bench/gpu_check.py --dry` for the CPU smoke run", file=sys.stderr)
+        return 2
+    sh = DRY_SHAPES if args.dry else GPU_SHAPES
+    over = {k: v for k, v in (("rounds", args.rounds), ("batch", args.batch)) if v is not None}
+    sh = Shapes(**{**vars(sh), **over})
+    with _stdout_to_stderr():
+        res = run(args, sh)
+    text = summary(res)
+    if args.json == "-":
+        _say(text)
+        print(json.dumps(res, indent=2))
+    else:
+        print(text)
+        if args.json:
+            print(f"JSON: {args.json}")
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""``bench/gpu_check.py --dry``: the GPU check's code paths on the CPU (tiny shapes, fp32, the
+same DeepSpeed engines), run the way it is run (a subprocess, JSON on stdout), and the
+properties its JSON must have. The GPU run itself cannot happen here; this keeps the script
+from rotting until one does. The kernel-name classifier is also checked on real CUDA kernel
+names, since no CUDA kernel ever reaches it on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from ncpctl.model.accounting import exact_flops
+from ncpctl.model.config import build_config
+
+from ..conftest import REPO
+
+SCRIPT = REPO / "bench" / "gpu_check.py"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
+SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm")
+VARIANTS = {"base": dict(concept=dict(enabled=False)), "concept": dict(concept=dict(enabled=True)),
+            "pm": dict(concept=dict(enabled=False), extra_token_layers=2)}
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def dry() -> dict[str, Any]:
+    # one process for every DeepSpeed engine (the first engine of a process is the slow one)
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--json", "-"], capture_output=True, text=True,
+                       env=ENV, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "checks: all passed" in r.stderr  # the summary goes to stderr when stdout holds the JSON
+    return json.loads(r.stdout)
+
+
+def test_every_section_ran(dry) -> None:
+    assert dry["dry"] and dry["ok"], dry["errors"]
+    assert dry["errors"] == {}
+    for name in SECTIONS:
+        assert isinstance(dry.get(name), dict), f"missing section {name}"
+        assert _positive(dry["section_s"][name]) or dry["section_s"][name] == 0
+    assert dry["checks"] and all(dry["checks"].values()), dry["checks"]
+    assert "sdpa_flash" not in dry["checks"]  # no CUDA kernels on the CPU: not judged
+    assert dry["env"]["device"] == "cpu"
+
+
+def test_train_step_times_flops_and_mfu(dry) -> None:
+    t = dry["train_step"]
+    T, B = t["seq_len"], t["batch"]
+    assert t["size"] == "debug" and t["precision"].startswith("fp32") and _positive(t["peak"])
+    assert set(t["models"]) == set(VARIANTS)
+    for name, m in t["models"].items():
+        assert len(m["seconds"]) == t["rounds"] and all(_positive(s) for s in m["seconds"])
+        assert _positive(m["median_s"]) and m["best_s"] <= m["median_s"]
+        assert m["tokens_per_s"] == pytest.approx(B * T / m["median_s"])
+        cfg = build_config("debug", max_seq_len=T, **VARIANTS[name])
+        assert (m["concept_enabled"], m["extra_token_layers"]) == (cfg.concept.enabled, cfg.extra_token_layers)
+        fl = exact_flops(cfg, T, B)
+        assert m["training_flops_causal"] == fl.training_per_step(causal=True)
+        assert m["training_flops_full"] == fl.training_per_step(causal=False)
+        assert 0 < m["mfu"] <= 1 and 0 < m["mfu_full_attention"] <= 1
+        assert m["mfu"] == pytest.approx(m["training_flops_causal"] / m["median_s"] / t["peak"])
+        assert m["finite"] and math.isfinite(m["first_loss"]) and math.isfinite(m["last_loss"])
+        assert m["last_loss"] < m["first_loss"]  # the same batch every step: it must be learnt
+
+
+def test_sdpa_profiler_path(dry) -> None:
+    s = dry["sdpa"]
+    assert set(s["sdp_flags"]) == {"flash", "mem_efficient", "math", "cudnn"}
+    for m in s["models"].values():
+        assert m["backend"] == "n/a on CPU"
+        assert "aten::scaled_dot_product_attention" in m["attention_ops"]  # the profiler saw the model's SDPA
+        assert m["backend_from_ops"] in ("flash", "math")  # the CPU's own kernels
+        assert m["cuda_kernels_total"] == 0 and m["attention_kernels"] == []
+
+
+def test_zero_stages_agree(dry) -> None:
+    z = dry["zero"]
+    z1, z2 = z["zero1"], z["zero2"]
+    assert (z1["stage"], z2["stage"]) == (1, 2)
+    assert abs(z1["losses"][0] - z2["losses"][0]) <= 1e-4  # same weights, same batch, fp32
+    assert z["first_loss_diff"] == pytest.approx(abs(z1["first_loss"] - z2["first_loss"]))
+    for q in (z1, z2):
+        assert len(q["losses"]) == z["steps"] and all(math.isfinite(v) for v in q["losses"])
+        assert q["losses"][-1] < q["losses"][0]
+        assert _positive(q["median_s"]) and _positive(q["first_step_s"])
+        assert q["peak_bytes"] is None  # no CUDA memory counters on the CPU
+
+
+def test_cached_decode_equals_full_forward(dry) -> None:
+    d = dry["decode"]
+    assert d["dtype"] == "float32" and d["batches"]
+    for b in d["batches"].values():
+        assert b["max_abs_diff"] <= 1e-4, b
+        assert b["argmax_match"]
+        assert _positive(b["tokens_per_s"]) and _positive(b["decode_s"]) and _positive(b["prefill_s"])
+
+
+def test_concept_vs_pm_flops_ratio(dry) -> None:
+    c, t = dry["concept_vs_pm"], dry["train_step"]
+    T, B = c["seq_len"], c["batch"]
+    concept = exact_flops(build_config("debug", max_seq_len=T, **VARIANTS["concept"]), T, B)
+    pm = exact_flops(build_config("debug", max_seq_len=T, **VARIANTS["pm"]), T, B)
+    assert c["flops_ratio"] == pytest.approx(concept.training_per_step(causal=True) / pm.training_per_step(causal=True),
+                                             rel=1e-12)
+    assert _positive(c["time_ratio"]) and c["difference"] == pytest.approx(c["time_ratio"] - c["flops_ratio"])
+    paired = sorted(x / y for x, y in zip(t["models"]["concept"]["seconds"], t["models"]["pm"]["seconds"]))
+    assert paired[0] <= c["time_ratio"] <= paired[-1]
+
+
+def test_without_cuda_exits_2() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    r = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120)
+    assert r.returncode == 2
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: no CUDA")
+
+
+@pytest.fixture(scope="module")
+def script() -> Any:
+    spec = importlib.util.spec_from_file_location("_bench_gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# CUDA kernel names as PyTorch's profiler reports them (templates shortened)
+KERNELS = {
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>>": "flash",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64>>": "flash",
+    "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t>::Params)": "mem_efficient",
+    "void attention_kernel_backward_batched_impl<AttentionBackwardKernel<cutlass::arch::Sm80, cutlass::bfloat16_t>>": "mem_efficient",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0": "cudnn",
+    "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(Params)": "math",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_kernel__5x_cublas": "math",
+    "void (anonymous namespace)::softmax_warp_forward<c10::BFloat16, c10::BFloat16, float, 11, false, false>": "math",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": None,
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS), ids=[f"{i}-{v}" for i, v in enumerate(KERNELS.values())])
+def test_kernel_names_classify(script, name: str) -> None:
+    assert script.kernel_backend(name) == KERNELS[name]
+
+
+def test_op_names_and_verdict(script) -> None:
+    assert script.op_backend({"aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
+                              "ScaledDotProductFlashAttentionBackward0"}) == "flash"
+    assert script.op_backend({"aten::_scaled_dot_product_efficient_attention"}) == "mem_efficient"
+    assert script.op_backend({"aten::_scaled_dot_product_cudnn_attention"}) == "cudnn"
+    assert script.op_backend({"aten::_scaled_dot_product_attention_math", "aten::bmm"}) == "math"
+    assert script.op_backend({"aten::scaled_dot_product_attention"}) == "unknown"
+    # flash forward + a fill kernel + (math-looking) nothing else: flash; GEMMs and softmax alone: math
+    assert script._verdict({"flash", None}) == "flash"
+    assert script._verdict({"math", None}) == "math"
+    assert script._verdict({"flash", "mem_efficient"}) == "flash+mem_efficient"
+    assert script._verdict({None}) == "unknown"
