@@ -80,7 +80,6 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -90,7 +89,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from typing import Any, Callable, Iterator  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _T_PROCESS = time.perf_counter()  # process_s counts from here (before torch and DeepSpeed are imported)
@@ -151,21 +150,6 @@ class Env:
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """DeepSpeed logs to stdout (fd 1 too); keep stdout for the JSON while measuring."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 # ----------------------------------------------------------------------------- engines
@@ -662,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from ncpctl.cli._train import stdout_to_stderr  # DeepSpeed's stdout kept off the JSON
+
     if not args.dry and not torch.cuda.is_available():
         print("error: no CUDA device (torch.cuda.is_available() is False); run this on a GPU, "
               "or `python bench/gpu_check.py --dry` for the CPU smoke run", file=sys.stderr)
@@ -669,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     sh = DRY_SHAPES if args.dry else GPU_SHAPES
     over = {k: v for k, v in (("rounds", args.rounds), ("batch", args.batch)) if v is not None}
     sh = Shapes(**{**vars(sh), **over})
-    with _stdout_to_stderr():
+    with stdout_to_stderr():
         res = run(args, sh)
     text = summary(res)
     if args.json == "-":

@@ -14,7 +14,7 @@ from ncpctl.cli._common import Output
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
+def stdout_to_stderr() -> Iterator[None]:
     """DeepSpeed logs and prints to stdout (its logger, the op builder); stdout is reserved for
     the result (`--json`), so while it runs both Python's sys.stdout and fd 1 point at stderr."""
     sys.stdout.flush()
@@ -34,7 +34,7 @@ def run_stage(stage_name: str, recipe_path: str, sets: list[str], json_out: bool
 
     out = Output(json_out)
     r = load_recipe(recipe_path, sets)
-    with _stdout_to_stderr():
+    with stdout_to_stderr():
         from ncpctl.train.loop import make_stage, train
 
         stage = make_stage(r, stage_name)

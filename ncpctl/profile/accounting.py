@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ncpctl.model.accounting import count_parameters, exact_flops, paper_flops, saving
+from ncpctl.model.accounting import count_parameters, exact_flops, paper_flops, saving, tokens_per_concept
 from ncpctl.model.config import ModelConfig
 
 VARIANTS = ("recipe", "base", "pm")
@@ -47,7 +47,7 @@ def describe_variant(cfg: ModelConfig, seq_len: int, micro_batch: int, global_ba
         "concept": cfg.concept.enabled,
         "token_layers": cfg.n_token_layers,
         "concept_layers": cfg.concept.concept_layers if cfg.concept.enabled else 0,
-        "k": cfg.concept.k if cfg.concept.enabled else None,
+        "k": tokens_per_concept(cfg),  # the segmentation's mean tokens per concept (k for fixed blocks)
         "d_model": cfg.d_model,
         "block_equivalents": cfg.block_equivalents,
         "parameter_equivalent_layers": paper.parameter_equivalent_layers,

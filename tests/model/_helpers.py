@@ -53,3 +53,29 @@ def hf_model(cls, hf_cfg):
 def tokens(cfg: ModelConfig, B: int, T: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+
+
+def check_causal(model: NCPModel, T: int = 13, seed: int = 0) -> None:
+    """No position's logits change when later tokens change; the changed next token shows."""
+    cfg = model.cfg
+    x = tokens(cfg, 1, T)
+    ref = model(x).logits
+    g = torch.Generator().manual_seed(seed)
+    for p in range(T - 1):
+        y = x.clone()
+        y[:, p + 1 :] = torch.randint(0, cfg.vocab_size, (1, T - p - 1), generator=g)
+        y[:, p + 1] = (x[:, p + 1] + 1) % cfg.vocab_size  # surely changed
+        got = model(y).logits
+        assert torch.allclose(got[:, : p + 1], ref[:, : p + 1], atol=1e-6, rtol=0), p
+        assert not torch.allclose(got[:, p + 1], ref[:, p + 1], atol=1e-3)  # the change is visible
+
+
+def ragged_batch(cfg: ModelConfig, lengths: list[int], n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of lengths[b] + n_new tokens (seqs (B, max + n_new): row b is seqs[b, :lengths[b] +
+    n_new]) and their prompts left-padded to max(lengths) slots (B, max)."""
+    B, Tp = len(lengths), max(lengths)
+    seqs = tokens(cfg, B, Tp + n_new)
+    prompt = torch.zeros(B, Tp, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        prompt[b, Tp - n :] = seqs[b, :n]
+    return seqs, prompt

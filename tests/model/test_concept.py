@@ -11,7 +11,7 @@ from ncpctl.model.concept import nearest_code, shift_blocks
 from ncpctl.model.config import build_config
 from ncpctl.model.model import NCPModel
 
-from ._helpers import build, tiny, tokens
+from ._helpers import build, check_causal, tiny, tokens
 
 
 def _capture(model):
@@ -77,17 +77,7 @@ def test_causality(k, variant):
     extra = dict(sliding_window=3, full_attn_every=2, qk_norm="layer") if backbone == "llama" else {}
     cfg = tiny(backbone, concept=dict(k=k, **concept), **extra)
     model = build(cfg, scale=0.3)
-    T = 13  # not a multiple of 2, 4, 8
-    x = tokens(cfg, 1, T)
-    ref = model(x).logits
-    g = torch.Generator().manual_seed(k)
-    for p in range(T - 1):
-        y = x.clone()
-        y[:, p + 1 :] = torch.randint(0, cfg.vocab_size, (1, T - p - 1), generator=g)
-        y[:, p + 1] = (x[:, p + 1] + 1) % cfg.vocab_size  # surely changed
-        got = model(y).logits
-        assert torch.allclose(got[:, : p + 1], ref[:, : p + 1], atol=1e-6, rtol=0), p
-        assert not torch.allclose(got[:, p + 1], ref[:, p + 1], atol=1e-3)  # the change is visible
+    check_causal(model, T=13, seed=k)  # T = 13: not a multiple of 2, 4, 8
 
 
 def test_heads_are_one_matmul_equal_to_segment_heads():

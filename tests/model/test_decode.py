@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._helpers import build, tiny, tokens
+from ._helpers import build, ragged_batch, tiny, tokens
 
 CONFIGS = {
     "neox-base": tiny("neox"),
@@ -28,11 +28,8 @@ def test_incremental_equals_full_forward(name):
     model = build(cfg, scale=0.2)
     lengths = [5, 2, 7, 4]  # prompt lengths; rows are left-padded to 7 slots
     n_new = 13
-    B, Tp = len(lengths), max(lengths)
-    seqs = tokens(cfg, B, Tp + n_new)  # row b: seqs[b, :lengths[b] + n_new]
-    prompt = torch.zeros(B, Tp, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        prompt[b, Tp - n :] = seqs[b, :n]
+    Tp = max(lengths)
+    seqs, prompt = ragged_batch(cfg, lengths, n_new)  # row b: seqs[b, :lengths[b] + n_new]
     with torch.no_grad():
         full = [model(seqs[b : b + 1, : n + n_new]).logits[0] for b, n in enumerate(lengths)]  # (n+n_new, V)
         logits, state = model.prefill(prompt, lengths, max_len=Tp + n_new)

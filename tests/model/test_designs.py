@@ -11,7 +11,7 @@ import torch
 from ncpctl.model.model import NCPModel
 
 from . import toys  # noqa: F401  (registers the toy designs)
-from ._helpers import build, tiny, tokens
+from ._helpers import build, check_causal, ragged_batch, tiny, tokens
 
 DESIGNS = {
     "conceptlm-neox": tiny("neox", concept={}),
@@ -29,20 +29,8 @@ DESIGNS = {
 
 @pytest.mark.parametrize("name", list(DESIGNS))
 def test_causal(name):
-    cfg = DESIGNS[name]
-    model = build(cfg, scale=0.3)
-    T = 13
-    x = tokens(cfg, 1, T)
     with torch.no_grad():
-        ref = model(x).logits
-        g = torch.Generator().manual_seed(7)
-        for p in range(T - 1):
-            y = x.clone()
-            y[:, p + 1 :] = torch.randint(0, cfg.vocab_size, (1, T - p - 1), generator=g)
-            y[:, p + 1] = (x[:, p + 1] + 1) % cfg.vocab_size  # surely changed
-            got = model(y).logits
-            assert torch.allclose(got[:, : p + 1], ref[:, : p + 1], atol=1e-6, rtol=0), p
-            assert not torch.allclose(got[:, p + 1], ref[:, p + 1], atol=1e-3)  # the change is visible
+        check_causal(build(DESIGNS[name], scale=0.3), T=13, seed=7)
 
 
 @pytest.mark.parametrize("name", list(DESIGNS))
@@ -52,12 +40,8 @@ def test_cached_decode_equals_full_forward(name):
     # would hide a real mismatch; in float64 the two paths agree to ~1e-13
     model = build(cfg, scale=0.2).double()
     lengths = [5, 2, 7, 4]  # left-padded to 7 slots: the rows close segments at different steps
-    n_new = 12
-    B, Tp = len(lengths), max(lengths)
-    seqs = tokens(cfg, B, Tp + n_new)
-    prompt = torch.zeros(B, Tp, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        prompt[b, Tp - n :] = seqs[b, :n]
+    n_new, Tp = 12, 7
+    seqs, prompt = ragged_batch(cfg, lengths, n_new)
     for max_len in (Tp + n_new, None):  # preallocated caches, and caches that grow
         with torch.no_grad():
             full = [model(seqs[b : b + 1, : n + n_new]).logits[0] for b, n in enumerate(lengths)]

@@ -11,7 +11,7 @@ import torch
 from ncpctl.model import AddToDecoderInput, AddToResidual, CodeEdit
 
 from . import toys  # noqa: F401  (registers the toy designs)
-from ._helpers import build, tiny, tokens
+from ._helpers import build, ragged_batch, tiny, tokens
 
 MODELS = {
     "conceptlm-neox": tiny("neox", concept={}),
@@ -45,11 +45,8 @@ def test_intervened_cached_decode_equals_intervened_full_forward(name, kind):
     model = build(cfg, scale=0.2).double()
     ivs = _kinds(cfg)[kind]
     lengths = [5, 2, 7, 4]
-    n_new, B, Tp = 11, 4, 7
-    seqs = tokens(cfg, B, Tp + n_new)
-    prompt = torch.zeros(B, Tp, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        prompt[b, Tp - n :] = seqs[b, :n]
+    n_new, Tp = 11, 7
+    seqs, prompt = ragged_batch(cfg, lengths, n_new)
     with torch.no_grad():
         def alone(b, n, interventions):  # row b by itself: the row selection follows it
             own = [_only_row(iv, b) for iv in interventions]
