@@ -14,7 +14,7 @@ always stops a row.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -93,11 +93,13 @@ def generate(
     vocab_size: int | None = None,
     max_len: int | None = None,
     on_text: Callable[[int, str], None] | None = None,
+    interventions: Sequence[Any] | None = None,
 ) -> list[Completion]:
     """Continue each prompt (token ids, at least one each). ``decode`` turns ids into text
     (for stop strings and streaming); ``vocab_size`` hides padded-vocab rows; ``max_len``
     keeps only the last ``max_len - max_new_tokens`` prompt tokens; ``on_text(row, delta)``
-    streams new text as it becomes final."""
+    streams new text as it becomes final; ``interventions`` (``ncpctl.model.interventions``:
+    rows are this batch's rows, positions each row's own) apply to the prompt and every new token."""
     B = len(prompts)
     if B == 0:
         return []
@@ -119,7 +121,7 @@ def generate(
     gens: list[torch.Generator | None] = [None] * B
     if params.seed is not None:
         gens = [torch.Generator(device=dev).manual_seed(params.seed + b) for b in range(B)]
-    logits, state = model.prefill(x, lengths, max_len=Tp + n_new)
+    logits, state = model.prefill(x, lengths, max_len=Tp + n_new, interventions=interventions)
     last = logits[:, -1]  # (B, V): the last slot is every row's last real token
     out: list[list[int]] = [[] for _ in range(B)]
     texts = [""] * B
