@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ncpctl.errors import UserError
-from ncpctl.model.config import ConfigError, ModelConfig, build_config
+from ncpctl.model.config import ConfigError, ModelConfig, build_config, deep_merge
 from ncpctl.recipe.schema import (
     SECTIONS,
     DataSection,
@@ -148,17 +148,6 @@ def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any] | None:
     return doc
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any], origin: dict[str, str], src: str, prefix: str = "") -> None:
-    """Deep-merge ``over`` into ``base`` in place, recording which file set each leaf."""
-    for k, v in over.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _merge(base[k], v, origin, src, key + ".")
-        else:
-            base[k] = v
-            _record(v, origin, src, key)
-
-
 def _record(v: Any, origin: dict[str, str], src: str, key: str) -> None:
     origin[key] = src
     if isinstance(v, dict):
@@ -188,10 +177,11 @@ def _load_tree(path: Path, problems: list[str], origin: dict[str, str], stack: t
             if not ppath.exists():
                 problems.append(f"{path}: extends: {parent}: file not found")
                 continue
-            _merge(merged, _load_tree(ppath, problems, origin, (*stack, path)), {}, "")
-    # re-record origins of parents were done inside the recursive call; now this file wins
-    _merge(merged, doc, origin, str(path))
-    return merged
+            # the parent's own keys were recorded in origin by the recursive call
+            merged = deep_merge(merged, _load_tree(ppath, problems, origin, (*stack, path)))
+    # this file wins over its parents, and its keys are recorded as set here
+    src = str(path)
+    return deep_merge(merged, doc, on_leaf=lambda key, v: _record(v, origin, src, ".".join(map(str, key))))
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
