@@ -36,6 +36,7 @@ from ncpctl import __version__
 from ncpctl.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents
 from ncpctl.errors import UserError
+from ncpctl.fsutil import atomic_write, fsync_dir, fsync_tree
 from ncpctl.recipe.load import Recipe
 
 FORMAT_VERSION = 1
@@ -316,7 +317,7 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
         "seconds": {"tokenizer": round(t_tok, 3), "encode": round(t_enc, 3)},
         "tokens_per_second": round(n_tok / max(t_enc, 1e-9)),
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    atomic_write(out / "meta.json", json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -332,13 +333,17 @@ def _empty_message(recipe: Recipe, stats: ReadStats) -> str:
 
 def _swap_in(tmp: Path, data_dir: Path) -> None:
     """Replace ``data_dir`` with the complete ``tmp`` using renames (never a half state that
-    looks complete: meta.json only exists in a whole directory)."""
+    looks complete: meta.json only exists in a whole directory). Every file of ``tmp`` is
+    fsynced before the rename and the parent directory after it, so a power cut cannot leave
+    a ``data/`` whose files are still only in the page cache."""
+    fsync_tree(tmp)
     old = None
     if data_dir.exists():
         old = data_dir.with_name(f".data.old-{os.getpid()}")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(data_dir, old)
     os.replace(tmp, data_dir)
+    fsync_dir(data_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import keyword
-import os
 import random
 import re
 from pathlib import Path
 from typing import Any
 
 from ncpctl.errors import UserError
+from ncpctl.fsutil import atomic_write
 
 FORMAT_VERSION = 2
 TASKS = ("ncp_heldout_ppl", "ncp_cloze", "ncp_last_ident")
@@ -125,10 +125,8 @@ def build(data: Path, out: Path, tokenizer=None) -> dict[str, Path]:
     }
     out.mkdir(parents=True, exist_ok=True)
     for task, items in rows.items():
-        tmp = paths[task].with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in items))
-        os.replace(tmp, paths[task])
-    stamp.write_text(fp + "\n")
+        atomic_write(paths[task], "".join(json.dumps(r) + "\n" for r in items))
+    atomic_write(stamp, fp + "\n")  # last: the stamp says the files above are complete
     return paths
 
 

@@ -34,6 +34,7 @@ import yaml
 
 from ncpctl.errors import UserError
 from ncpctl.evaluate import TASKS_DIR
+from ncpctl.fsutil import atomic_write
 
 PPL_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity")  # preference order
 
@@ -176,9 +177,9 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     tag = t.checkpoint.name
     t.out_dir.mkdir(parents=True, exist_ok=True)
     js, md = t.out_dir / f"results_{tag}.json", t.out_dir / f"results_{tag}.md"
-    js.write_text(json.dumps(res, indent=2, default=handle_non_serializable) + "\n")
+    atomic_write(js, json.dumps(res, indent=2, default=handle_non_serializable) + "\n")
     table = make_table(res) + ("\n" + make_table(res, "groups") if res.get("groups") else "")
-    md.write_text(f"# {t.checkpoint}\n\n{table}\n{_ppl_markdown(ppl)}")
+    atomic_write(md, f"# {t.checkpoint}\n\n{table}\n{_ppl_markdown(ppl)}")
     return {
         "checkpoint": str(t.checkpoint), "tasks": t.tasks, "limit": t.limit,
         "results": metrics(res["results"]), "groups": metrics(res.get("groups", {})), "perplexity": ppl,

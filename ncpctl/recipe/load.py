@@ -105,8 +105,9 @@ class Recipe:
         return out
 
     def write_resolved(self, directory: Path) -> Path:
-        """Write ``recipe.resolved.yaml`` into ``directory`` (atomically)."""
+        """Write ``recipe.resolved.yaml`` into ``directory`` (atomically, fsynced)."""
         from ncpctl import __version__
+        from ncpctl.fsutil import atomic_write
 
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / "recipe.resolved.yaml"
@@ -115,10 +116,7 @@ class Recipe:
             + (f" with --set {' --set '.join(self.sets)}" if self.sets else "")
             + "\n# Every key with its effective value; usable as a recipe itself.\n"
         )
-        tmp = target.with_suffix(".yaml.tmp")
-        tmp.write_text(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
-        os.replace(tmp, target)
-        return target
+        return atomic_write(target, header + yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 # ----------------------------------------------------------------------------- reading
