@@ -30,6 +30,7 @@ VERSION = 1
 META = "ncpctl.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
+CHECKPOINTS = "checkpoints"  # run.dir/checkpoints/step_NNNNNNN/
 
 
 @dataclass
@@ -78,7 +79,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
         raise UserError(f"{p}: no such checkpoint or run directory")
     if (p / META).is_file():
         return p
-    for base in (p, p / "checkpoints"):
+    for base in (p, p / CHECKPOINTS):
         latest = base / "latest"
         if latest.is_file():
             tag = latest.read_text().strip()
@@ -88,6 +89,16 @@ def resolve(path: str | os.PathLike[str]) -> Path:
             raise UserError(f"{latest}: points at {tag}, which is not a complete checkpoint")
     raise UserError(f"{p}: not an ncpctl checkpoint (no {META}, no checkpoints/latest)",
                     hint="pass a checkpoint directory such as runs/debug/checkpoints/step_0000300 or a run directory")
+
+
+def run_dir_of(checkpoint: Path) -> Path | None:
+    """The run directory a checkpoint directory belongs to (``RUN/checkpoints/step_N`` -> ``RUN``),
+    or None for a checkpoint outside a run directory (copied elsewhere, an exported view).
+
+    Where eval results, the export and the tokenized data of a checkpoint live by default.
+    """
+    checkpoint = Path(checkpoint)
+    return checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
 
 
 def read_meta(directory: Path) -> dict[str, Any]:

@@ -58,13 +58,13 @@ def data_dir_for(checkpoint: str | None = None, data: str | None = None) -> tupl
     if not checkpoint:
         raise UserError("offline ncp_* tasks need the tokenized validation split: pass checkpoint=DIR or data=DIR "
                         "(lm-eval: --model_args or --metadata)")
-    from ncpctl.checkpoint import read_meta, resolve
+    from ncpctl.checkpoint import read_meta, resolve, run_dir_of
 
     ckpt = resolve(checkpoint)
     meta = read_meta(ckpt)
     candidates: list[Path] = []
-    if ckpt.parent.name == "checkpoints":  # run.dir/checkpoints/step_N -> run.dir/data
-        candidates.append(ckpt.parent.parent / "data")
+    if (own_run := run_dir_of(ckpt)) is not None:  # run.dir/checkpoints/step_N -> run.dir/data
+        candidates.append(own_run / "data")
     recipe = meta.get("recipe") or {}
     run_dir = (recipe.get("run") or {}).get("dir")
     if run_dir:

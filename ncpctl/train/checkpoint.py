@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ncpctl.checkpoint import META, read_meta, read_weights  # noqa: F401  (one reader for every command)
+from ncpctl.checkpoint import CHECKPOINTS, META, read_meta, read_weights  # noqa: F401  (one reader for every command)
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write, fsync_tree
 
@@ -47,7 +47,7 @@ def tag_for(step: int) -> str:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
+    return run_dir / CHECKPOINTS
 
 
 # ----------------------------------------------------------------------------- finding
