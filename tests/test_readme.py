@@ -33,3 +33,12 @@ def test_no_recipe_key_promises_determinism() -> None:
 
     assert "deterministic" not in TrainSection.model_fields
     assert not any("train.deterministic" in doc.read_text() for doc in DOCS)
+
+
+def test_readme_points_at_the_shipped_pipeline() -> None:
+    import os
+
+    script = REPO / "examples" / "pipeline.sh"
+    assert "examples/pipeline.sh" in (REPO / "README.md").read_text()
+    assert script.is_file() and os.access(script, os.X_OK)
+    assert "set -euo pipefail" in script.read_text()
