@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
+    # for bench/run_all.py: what this run will report (all at the end: the rounds interleave the rows)
+    plan = {**{k: f">= {g}" for k, g in GOALS.items()}, "ours/raw (fast)": "-"}
+    if not args.no_num_proc:
+        plan["ours/datasets.map np2"] = "-"
+    print("bench-plan: " + json.dumps(plan), file=sys.stderr, flush=True)
     say: Callable[[str], None] = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
 
     with tempfile.TemporaryDirectory(prefix="ncpctl-bench-tokenize-") as tmp:
@@ -250,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios[f"ours/{other}"] = {"best": round(best[other] / best["ours"], 3),
                                        "median": round(med[other] / med["ours"], 3)}
     result["ratios"] = ratios
+    for key, r in ratios.items():
+        print("bench-ratio: " + json.dumps({key: r}), file=sys.stderr, flush=True)
 
     if args.json:
         print(json.dumps(result, indent=2))

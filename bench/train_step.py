@@ -16,15 +16,24 @@ for every model (``torch.optim.AdamW(fused=True)``, HF Trainer's default on torc
                 best rate of a 2048^3 fp32 GEMM on the same threads, measured between steps.
                 Goal: >= 0.70 (HF reaches about 0.55-0.65 here).
 
-Models are timed alternately in every round (A, B, A, B, ...), after one untimed warm-up step
-each, so load from other processes hits both alike, and a 2048^3 GEMM is timed in every
+Models are timed alternately in every round (A, B, then B, A, ...), after one untimed warm-up
+step each, so load from other processes hits both alike, and a 2048^3 GEMM is timed in every
 round right after them. On this shared machine the load (and with it even the GEMM rate) can
 change twofold within a minute, so the value judged against each goal is the median over
 rounds of the per-round ratio (A_i / B_i, and FLOP/s_i / GEMM_i: measured back to back, under
-the same load); the ratio of the best rounds is printed next to it. The 1-minute load average is printed: on a shared machine, read it.
+the same load); the ratio of the best rounds is printed next to it. The 1-minute load average
+is printed: on a shared machine, read it. One extra step of ours is profiled by kernel class
+for the shared-kernel floor (``--breakdown all``: of every model, for comparison).
+
+Cost: every model runs 1 warm-up + ``--rounds`` timed steps (+ 1 profiled for ours), and a
+step takes 3-8 s on 2 cores (pythia-160m under HF the longest), so the default 3 rounds take
+about 2 minutes on a quiet 2-core EPYC and about 3 on a busy one; each extra round adds ~40-60 s.
+Each ratio is printed to stderr as ``bench-ratio: {JSON}`` when measured (after a
+``bench-plan: {JSON}`` line naming them all), so ``bench/run_all.py`` can report the ratios of
+a run its budget stopped, and the ones it did not reach.
 
     .venv/bin/python bench/train_step.py                  # pythia-70m (B=4) and pythia-160m (B=2)
-    .venv/bin/python bench/train_step.py --rounds 5 --json
+    .venv/bin/python bench/train_step.py --rounds 5 --breakdown all --json
     .venv/bin/python bench/train_step.py --sizes pythia-70m --rounds 2 --skip-concept
 """
 
@@ -160,7 +169,7 @@ def _print_kernels(kernels: dict[str, dict[str, float]]) -> None:
         print(f"{'':12} {name:7} one profiled step: " + ", ".join(f"{c} {v:.2f} s" for c, v in k.items()))
 
 
-def ours_vs_hf(size: str, B: int, T: int, rounds: int) -> dict[str, Any]:
+def ours_vs_hf(size: str, B: int, T: int, rounds: int, profile_all: bool = False) -> dict[str, Any]:
     from transformers import GPTNeoXForCausalLM
 
     from ncpctl.model.accounting import exact_flops
@@ -182,7 +191,8 @@ def ours_vs_hf(size: str, B: int, T: int, rounds: int) -> dict[str, Any]:
         raise SystemExit(f"{size}: first-step losses differ (ours {first['ours']:.6f}, hf {first['hf']:.6f}): "
                          "the two models do not compute the same thing")
     flops = exact_flops(cfg, T, B).training_per_step(causal=True)
-    kernels = {n: breakdown(fn) for n, fn in steps.items()}
+    # the floor needs ours' kernels only; HF's breakdown is one more (slow) step, for comparison
+    kernels = {n: breakdown(fn) for n, fn in steps.items() if profile_all or n == "ours"}
     k = kernels["ours"]
     floor = (k["gemm"] + k["attention"] + k["optimizer"]) / statistics.median(secs["hf"])
     best = {n: min(s) for n, s in secs.items()}
@@ -200,7 +210,7 @@ def ours_vs_hf(size: str, B: int, T: int, rounds: int) -> dict[str, Any]:
     }
 
 
-def concept_vs_pm(size: str, B: int, T: int, rounds: int) -> dict[str, Any]:
+def concept_vs_pm(size: str, B: int, T: int, rounds: int, profile_all: bool = False) -> dict[str, Any]:
     from ncpctl.model.accounting import exact_flops
     from ncpctl.model.config import build_config
 
@@ -210,7 +220,7 @@ def concept_vs_pm(size: str, B: int, T: int, rounds: int) -> dict[str, Any]:
     x, y = _batch(cl, B, T)
     steps = {n: _stepper(m, (lambda m=m: m(x, y).loss)) for n, m in models.items()}
     secs, _, _ = interleave(steps, rounds)
-    kernels = {n: breakdown(fn) for n, fn in steps.items()}
+    kernels = {n: breakdown(fn) for n, fn in steps.items()} if profile_all else {}  # no ratio needs them
     f_cl = exact_flops(cl, T, B).training_per_step(causal=True)
     f_pm = exact_flops(pm, T, B).training_per_step(causal=True)
     ratio = _ratios(secs["concept"], secs["pm"])
@@ -225,11 +235,33 @@ def concept_vs_pm(size: str, B: int, T: int, rounds: int) -> dict[str, Any]:
     }
 
 
+def _hf_ratios(r: dict[str, Any]) -> dict[str, Any]:
+    """ours/hf and flops/peak of one size, as judged against their goals."""
+    q, v = r["ratio"], r["flops_over_peak"]["ours"]
+    return {
+        f"ours/hf {r['size']}": {"value": round(q["paired_median"], 3), "goal": "<= 0.90",
+                                 "met": q["paired_median"] <= GOALS["ours/hf"], "best_rounds": round(q["best"], 3),
+                                 "shared_kernel_floor": round(r["shared_kernel_floor"], 3)},
+        f"flops/peak {r['size']}": {"value": round(v, 3), "goal": ">= 0.70", "met": v >= GOALS["flops/peak"],
+                                    "hf": round(r["flops_over_peak"]["hf"], 3)},
+    }
+
+
+def _concept_ratio(c: dict[str, Any]) -> dict[str, Any]:
+    return {f"concept/pm {c['size']}": {
+        "value": round(c["time_ratio"], 3), "flops_ratio": round(c["flops_ratio"], 3),
+        "best_rounds": round(c["ratio"]["best"], 3),
+        "goal": f"within 0.02 of {c['flops_ratio']:.3f}", "met": abs(c["difference"]) <= GOALS["concept/pm - flops"]}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="pythia-70m,pythia-160m", help="comma-separated model sizes")
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per comparison (after one warm-up)")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per comparison (after one warm-up; "
+                    "default 3: the median is then a middle round)")
+    ap.add_argument("--breakdown", choices=("ours", "all"), default="ours",
+                    help="profile one step by kernel class of ours (the shared-kernel floor) or of every model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concept-size", default="pythia-70m", help="size for the ConceptLM vs PM comparison")
     ap.add_argument("--skip-concept", action="store_true")
@@ -244,37 +276,35 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"threads": args.threads, "seq_len": args.seq_len, "rounds": args.rounds,
                               "cpu_cores": os.cpu_count(), "torch": torch.__version__, "ours_vs_hf": [],
                               "optimizer": "torch.optim.AdamW(fused=True) for every model"}
-    for size in [s for s in args.sizes.split(",") if s]:
+    sizes = [s for s in args.sizes.split(",") if s]
+    plan = {**{f"ours/hf {s}": "<= 0.90" for s in sizes}, **{f"flops/peak {s}": ">= 0.70" for s in sizes}}
+    if not args.skip_concept:
+        plan[f"concept/pm {args.concept_size}"] = "within 0.02 of the FLOPs ratio"
+    _say("bench-plan: " + json.dumps(plan))
+    ratios: dict[str, Any] = {}
+
+    def measured(new: dict[str, Any]) -> None:
+        ratios.update(new)
+        for name, v in new.items():
+            _say("bench-ratio: " + json.dumps({name: v}))
+
+    profile_all = args.breakdown == "all"
+    for size in sizes:
         B = BATCH.get(size, 1)
         _say(f"ours vs HF GPTNeoXForCausalLM: {size}, batch {B} x {args.seq_len}, fp32, {args.threads} threads")
-        result["ours_vs_hf"].append(ours_vs_hf(size, B, args.seq_len, args.rounds))
+        result["ours_vs_hf"].append(ours_vs_hf(size, B, args.seq_len, args.rounds, profile_all))
         load.append(os.getloadavg()[0])
+        measured(_hf_ratios(result["ours_vs_hf"][-1]))
     if not args.skip_concept:
         B = BATCH.get(args.concept_size, 1)
         _say(f"ConceptLM vs PM: {args.concept_size}, batch {B} x {args.seq_len}")
-        result["concept_vs_pm"] = concept_vs_pm(args.concept_size, B, args.seq_len, args.rounds)
+        result["concept_vs_pm"] = concept_vs_pm(args.concept_size, B, args.seq_len, args.rounds, profile_all)
         load.append(os.getloadavg()[0])
+        measured(_concept_ratio(result["concept_vs_pm"]))
     result["loadavg_1min"] = [round(x, 2) for x in load]
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
-
-    ratios: dict[str, Any] = {}
-    for r in result["ours_vs_hf"]:
-        q = r["ratio"]
-        ratios[f"ours/hf {r['size']}"] = {"value": round(q["paired_median"], 3), "goal": "<= 0.90",
-                                          "met": q["paired_median"] <= GOALS["ours/hf"],
-                                          "best_rounds": round(q["best"], 3),
-                                          "shared_kernel_floor": round(r["shared_kernel_floor"], 3)}
-    for r in result["ours_vs_hf"]:
-        v = r["flops_over_peak"]["ours"]
-        ratios[f"flops/peak {r['size']}"] = {"value": round(v, 3), "goal": ">= 0.70", "met": v >= GOALS["flops/peak"],
-                                             "hf": round(r["flops_over_peak"]["hf"], 3)}
-    if "concept_vs_pm" in result:
-        c = result["concept_vs_pm"]
-        ratios[f"concept/pm {c['size']}"] = {
-            "value": round(c["time_ratio"], 3), "flops_ratio": round(c["flops_ratio"], 3),
-            "best_rounds": round(c["ratio"]["best"], 3),
-            "goal": f"within 0.02 of {c['flops_ratio']:.3f}", "met": abs(c["difference"]) <= GOALS["concept/pm - flops"]}
-    result["ratios"] = ratios
+    # ours/hf of every size first, then flops/peak, then concept/pm (the order they always had)
+    result["ratios"] = ratios = {k: ratios[k] for k in sorted(ratios, key=lambda k: list(plan).index(k))}
 
     if args.json:
         print(json.dumps(result, indent=2))

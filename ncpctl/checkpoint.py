@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ncpctl.errors import UserError
+from ncpctl.fsutil import atomic_write, atomic_write_with
 from ncpctl.model.config import ConfigError, ModelConfig
 
 FORMAT = "ncpctl-checkpoint"
@@ -29,6 +30,7 @@ VERSION = 1
 META = "ncpctl.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
+CHECKPOINTS = "checkpoints"  # run.dir/checkpoints/step_NNNNNNN/
 
 
 @dataclass
@@ -53,11 +55,10 @@ def save_model_files(directory: Path, model: Any, *, step: int, tokens_seen: int
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     if cfg is not None and cfg.tie_embeddings:
         tensors.pop("lm_head.weight", None)
-    tmp = directory / (WEIGHTS + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, directory / WEIGHTS)
+    # each file atomically and fsynced (ncpctl.fsutil): a crash leaves the old file or the new one
+    atomic_write_with(directory / WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     if tokenizer_path is not None and Path(tokenizer_path).is_file():
-        shutil.copyfile(tokenizer_path, directory / TOKENIZER)
+        atomic_write_with(directory / TOKENIZER, lambda tmp: shutil.copyfile(tokenizer_path, tmp))
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -67,9 +68,8 @@ def save_model_files(directory: Path, model: Any, *, step: int, tokens_seen: int
         "recipe": recipe,
         **{k: v for k, v in (extra or {}).items() if k != "model_config"},
     }
-    tmp = directory / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    os.replace(tmp, directory / META)  # last: a directory with ncpctl.json is complete
+    # last: a directory with ncpctl.json is complete
+    atomic_write(directory / META, json.dumps(meta, indent=2, default=str) + "\n")
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -79,7 +79,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
         raise UserError(f"{p}: no such checkpoint or run directory")
     if (p / META).is_file():
         return p
-    for base in (p, p / "checkpoints"):
+    for base in (p, p / CHECKPOINTS):
         latest = base / "latest"
         if latest.is_file():
             tag = latest.read_text().strip()
@@ -89,6 +89,16 @@ def resolve(path: str | os.PathLike[str]) -> Path:
             raise UserError(f"{latest}: points at {tag}, which is not a complete checkpoint")
     raise UserError(f"{p}: not an ncpctl checkpoint (no {META}, no checkpoints/latest)",
                     hint="pass a checkpoint directory such as runs/debug/checkpoints/step_0000300 or a run directory")
+
+
+def run_dir_of(checkpoint: Path) -> Path | None:
+    """The run directory a checkpoint directory belongs to (``RUN/checkpoints/step_N`` -> ``RUN``),
+    or None for a checkpoint outside a run directory (copied elsewhere, an exported view).
+
+    Where eval results, the export and the tokenized data of a checkpoint live by default.
+    """
+    checkpoint = Path(checkpoint)
+    return checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
 
 
 def read_meta(directory: Path) -> dict[str, Any]:

@@ -14,7 +14,8 @@ def main(
     target: Annotated[str, typer.Argument(help="Checkpoint directory, run directory or recipe YAML.",
                                           show_default=False)],
     tasks: Annotated[Optional[str], typer.Option(
-        "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: the recipe's eval.tasks). "
+        "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: eval.tasks of the recipe, or of "
+        "the recipe a checkpoint carries). "
         "Offline: ncp_offline; the ConceptLM paper: conceptlm, conceptlm_downstream, conceptlm_ppl.",
         show_default=False)] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Examples per task (smoke runs).",
@@ -30,6 +31,9 @@ def main(
     debug: DebugOpt = False,
 ) -> None:
     """Evaluate a checkpoint with lm-evaluation-harness; results JSON + markdown go to run.dir/eval/.
+
+    Defaults for tasks, limit, batch size and few-shot come from the recipe's eval section (a
+    checkpoint or run directory: the recipe stored in the checkpoint); flags override them.
 
     Perplexity sets are summarised twice: the mean of per-set perplexities (the ConceptLM
     paper's average) and the token-weighted perplexity over all their tokens.

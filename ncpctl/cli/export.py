@@ -32,7 +32,7 @@ def main(
     """
     from pathlib import Path
 
-    from ncpctl.checkpoint import read_meta, resolve
+    from ncpctl.checkpoint import read_meta, resolve, run_dir_of
     from ncpctl.errors import UserError
     from ncpctl.interop.hf_export import export
 
@@ -42,8 +42,7 @@ def main(
                         hint="use --out/--dtype/--max-shard-size/--skip-verify")
     ck = resolve(checkpoint)
     section = ((read_meta(ck).get("recipe") or {}).get("export") or {})
-    run_dir = ck.parent.parent if ck.parent.name == "checkpoints" else ck
-    target = Path(out or section.get("out") or run_dir / "export")
+    target = Path(out or section.get("out") or (run_dir_of(ck) or ck) / "export")
     verify = not skip_verify and section.get("verify", True)
     info = export(ck, target, dtype=dtype or section.get("dtype", "fp32"), verify=verify,
                   max_shard_size=max_shard_size or section.get("max_shard_size", "5GB"),

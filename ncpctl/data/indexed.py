@@ -32,6 +32,7 @@ from typing import Union
 import numpy as np
 
 from ncpctl.errors import UserError
+from ncpctl.fsutil import commit
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -162,9 +163,10 @@ class IndexedDatasetWriter:
                 f.write(sizes.tobytes())
                 f.write(pointers.tobytes())
                 f.write(doc_idx.tobytes())
-            # .idx last: a reader that sees the new .idx also sees the matching .bin.
-            os.replace(self._bin_tmp, self.bin_path)
-            os.replace(self._idx_tmp, self.idx_path)
+            # .idx last: a reader that sees the new .idx also sees the matching .bin; each is
+            # fsynced before its rename, so after a crash the pair is still whole.
+            commit(self._bin_tmp, self.bin_path)
+            commit(self._idx_tmp, self.idx_path)
         except BaseException:
             self.abort()
             raise

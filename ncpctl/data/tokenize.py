@@ -36,6 +36,7 @@ from ncpctl import __version__
 from ncpctl.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents
 from ncpctl.errors import UserError
+from ncpctl.fsutil import atomic_write, fsync_dir, fsync_tree
 from ncpctl.recipe.load import Recipe
 
 FORMAT_VERSION = 1
@@ -51,17 +52,82 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _is_val(doc_index: np.ndarray, seed: int, fraction: float) -> np.ndarray:
-    """Deterministic per-document split: splitmix64(seed, index) -> uniform [0,1) < fraction.
+def _uniform(doc_index: np.ndarray, seed: int) -> np.ndarray:
+    """splitmix64(seed, index) -> uniform [0, 1) per document; (n,) float64.
 
-    Independent of batch size, source boundaries and machine; (n,) bool.
+    Independent of batch size, source boundaries and machine.
     """
     with np.errstate(over="ignore"):
         z = doc_index.astype(np.uint64) + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def _is_val(doc_index: np.ndarray, seed: int, fraction: float) -> np.ndarray:
+    """Deterministic per-document split: ``_uniform(seed, index) < fraction``; (n,) bool."""
+    return _uniform(doc_index, seed) < fraction
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Which documents are validation: the per-document hash (``_is_val``), except for at most
+    one document moved so that neither split is empty.
+
+    On a small corpus the hash alone can leave a split empty (17 documents at
+    ``val_fraction: 0.02`` give no validation document with the default seed). Then the
+    document the hash came closest to putting in that split is moved: the train document
+    with the lowest uniform value goes to validation (or, if every document landed in
+    validation, the one with the highest value goes to train). That choice depends only on
+    the seed and the set of document indices, so it is as deterministic as the hash, and a
+    corpus whose hash split has both splits non-empty is split exactly as before.
+    """
+
+    seed: int
+    fraction: float
+    to_val: int | None = None  # a document index the hash puts in train
+    to_train: int | None = None  # a document index the hash puts in validation
+
+    def is_val(self, doc_index: np.ndarray) -> np.ndarray:
+        val = _is_val(doc_index, self.seed, self.fraction)
+        if self.to_val is not None:
+            val |= doc_index == self.to_val
+        if self.to_train is not None:
+            val &= doc_index != self.to_train
+        return val
+
+
+@dataclasses.dataclass
+class _Extremes:
+    """The documents nearest the split boundary: (uniform value, index) of the train document
+    with the lowest value and of the validation document with the highest (ties: lower index)."""
+
+    lowest_train: tuple[float, int] | None = None
+    highest_val: tuple[float, int] | None = None
+
+    def see(self, doc_index: np.ndarray, val: np.ndarray, seed: int) -> None:
+        u = _uniform(doc_index, seed)
+        if not val.all():
+            j = int(np.argmin(np.where(val, np.inf, u)))
+            cand = (float(u[j]), int(doc_index[j]))
+            self.lowest_train = min(self.lowest_train or cand, cand)
+        if val.any():
+            j = int(np.argmax(np.where(val, u, -np.inf)))
+            cand = (float(u[j]), int(doc_index[j]))
+            best = self.highest_val or cand
+            self.highest_val = cand if (cand[0], -cand[1]) > (best[0], -best[1]) else best
+
+    def rebalanced(self, split: Split, n_train: int, n_val: int) -> Split | None:
+        """The split with one document moved when a split is empty and moving can fix it
+        (two or more documents, a non-zero ``val_fraction``); else None."""
+        if n_train + n_val < 2 or split.fraction <= 0:
+            return None
+        if n_val == 0 and self.lowest_train is not None:
+            return dataclasses.replace(split, to_val=self.lowest_train[1])
+        if n_train == 0 and self.highest_val is not None:
+            return dataclasses.replace(split, to_train=self.highest_val[1])
+        return None
 
 
 def settings_fingerprint(recipe: Recipe) -> str:
@@ -124,11 +190,13 @@ def _documents(recipe: Recipe, stats: ReadStats) -> Iterator[tuple[np.ndarray, l
                 return
 
 
-def train_bpe(recipe: Recipe, stats: ReadStats):  # -> tokenizers.Tokenizer
-    """A byte-level BPE trained on (at most train_max_bytes of) the training split."""
+def train_bpe(recipe: Recipe, stats: ReadStats, split: Split | None = None):  # -> tokenizers.Tokenizer
+    """A byte-level BPE trained on (at most train_max_bytes of) the training split
+    (``split``: default the recipe's per-document hash split)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     t, d = recipe.tokenizer, recipe.data
+    split = split or Split(d.split_seed, d.val_fraction)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -143,7 +211,7 @@ def train_bpe(recipe: Recipe, stats: ReadStats):  # -> tokenizers.Tokenizer
     def texts() -> Iterator[str]:
         budget = t.train_max_bytes
         for idx, batch in _documents(recipe, stats):
-            val = _is_val(idx, d.split_seed, d.val_fraction)
+            val = split.is_val(idx)
             for text, v in zip(batch, val):
                 if v:
                     continue
@@ -156,12 +224,12 @@ def train_bpe(recipe: Recipe, stats: ReadStats):  # -> tokenizers.Tokenizer
     return tok
 
 
-def load_or_train_tokenizer(recipe: Recipe, stats: ReadStats):
+def load_or_train_tokenizer(recipe: Recipe, stats: ReadStats, split: Split | None = None):
     from tokenizers import Tokenizer
 
     if recipe.tokenizer.path:
         return Tokenizer.from_file(recipe.tokenizer.path), False
-    return train_bpe(recipe, stats), True
+    return train_bpe(recipe, stats, split), True
 
 
 def _flatten(encodings: list[Any], eod: int) -> tuple[np.ndarray, np.ndarray]:
@@ -232,7 +300,76 @@ def tokenize(
     return {**meta, "up_to_date": False}
 
 
+@dataclasses.dataclass
+class _Pass:
+    """What one pass over the corpus wrote into the output directory (tokenizer, train/val)."""
+
+    trained: bool
+    vocab: int
+    eod: int
+    dtype: np.dtype
+    documents: int
+    tokens: int
+    splits: dict[str, dict[str, int]]
+    stats: ReadStats
+    seconds: dict[str, float]
+    extremes: _Extremes
+
+
 def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_total: Any, log: Any) -> dict[str, Any]:
+    d = recipe.data
+    split = Split(d.split_seed, d.val_fraction)
+    res = _encode_corpus(recipe, out, split, on_progress, on_total, log)
+    moved = res.extremes.rebalanced(split, res.splits["train"]["documents"], res.splits["val"]["documents"])
+    if moved is not None:
+        # A small corpus the hash left without a validation (or train) document: move the one
+        # document nearest the boundary and redo the pass, so the BPE is again trained on the
+        # train split only. Only corpora that would otherwise fail pay for the second pass.
+        which, doc = ("validation", moved.to_val) if moved.to_val is not None else ("train", moved.to_train)
+        log(f"the hash split left the {which} split empty; moving document {doc} there and encoding again")
+        split = moved
+        res = _encode_corpus(recipe, out, split, None, None, log)
+    n_docs, n_train, n_val = res.documents, res.splits["train"]["documents"], res.splits["val"]["documents"]
+    if n_train == 0:
+        raise UserError(f"data: all {n_docs} documents went to validation; lower data.val_fraction"
+                        + (" or add documents (a train and a validation split need two)" if n_docs < 2 else ""))
+    if d.val_fraction > 0 and n_val == 0:
+        raise UserError(f"data: the validation split is empty ({n_docs} documents, val_fraction={d.val_fraction}); "
+                        + ("add documents (a train and a validation split need two)" if n_docs < 2 else
+                           "add documents or raise data.val_fraction"))
+    stats = res.stats
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "ncpctl_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "fingerprint": fp,
+        "source_fingerprint": fingerprint(d.sources),
+        "sources": [s.model_dump(mode="json") for s in d.sources],
+        "tokenizer": {
+            "sha256": _sha256(out / "tokenizer.json"),
+            "vocab_size": res.vocab,
+            "eod_id": res.eod,
+            "eod_token": recipe.tokenizer.eod_token,
+            "trained": res.trained,
+        },
+        "dtype": np.dtype(res.dtype).name,
+        "splits": res.splits,
+        # documents moved against the hash so that neither split is empty (see Split)
+        "split": {"val_fraction": split.fraction, "split_seed": split.seed, "moved_to_val": split.to_val,
+                  "moved_to_train": split.to_train},
+        "documents": n_docs,
+        "tokens": res.tokens,
+        "skipped": {"undecodable": stats.undecodable, "undecodable_examples": stats.undecodable_examples,
+                    "too_short": stats.too_short},
+        "seconds": res.seconds,
+        "tokens_per_second": round(res.tokens / max(res.seconds["encode"], 1e-9)),
+    }
+    atomic_write(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _encode_corpus(recipe: Recipe, out: Path, split: Split, on_progress: Any, on_total: Any, log: Any) -> _Pass:
+    """Tokenizer (trained on ``split``'s train documents, or loaded) and both splits into ``out``."""
     t0 = time.perf_counter()
     d = recipe.data
     stats = ReadStats()
@@ -240,7 +377,7 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
         log(f"loading tokenizer {recipe.tokenizer.path}")
     else:
         log(f"training a byte-level BPE (vocab {recipe.tokenizer.vocab_size}) on the train split")
-    tok, trained = load_or_train_tokenizer(recipe, stats)
+    tok, trained = load_or_train_tokenizer(recipe, stats, split)
     stats = ReadStats()  # the BPE pass read a prefix; count skips over the full pass below
     eod = tok.token_to_id(recipe.tokenizer.eod_token)
     if eod is None:
@@ -260,6 +397,7 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
 
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: less Rust work
     n_docs, n_tok = 0, 0
+    extremes = _Extremes()
     t1 = time.perf_counter()
     with IndexedDatasetWriter(out / "train", dtype) as w_train, IndexedDatasetWriter(out / "val", dtype) as w_val, \
             ThreadPoolExecutor(max_workers=ENCODE_DEPTH) as pool:
@@ -275,7 +413,8 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
                 break
             idx, pending = in_flight.popleft()
             flat, lens = _flatten(pending.result(), eod)
-            val = _is_val(idx, d.split_seed, d.val_fraction)
+            val = split.is_val(idx)
+            extremes.see(idx, val, split.seed)
             for writer, mask in ((w_train, ~val), (w_val, val)):
                 if mask.any():
                     writer.add_documents(*_select(flat, lens, mask))
@@ -287,37 +426,9 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
             raise UserError(_empty_message(recipe, stats))
         train_stats, val_stats = (dataclasses.asdict(w.finalize()) for w in (w_train, w_val))
     t_enc = time.perf_counter() - t1
-
-    if train_stats["documents"] == 0:
-        raise UserError(f"data: all {n_docs} documents went to validation; lower data.val_fraction")
-    if d.val_fraction > 0 and val_stats["documents"] == 0:
-        raise UserError(f"data: the validation split is empty ({n_docs} documents, val_fraction={d.val_fraction}); "
-                        "add documents or raise data.val_fraction")
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "ncpctl_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "fingerprint": fp,
-        "source_fingerprint": fingerprint(d.sources),
-        "sources": [s.model_dump(mode="json") for s in d.sources],
-        "tokenizer": {
-            "sha256": _sha256(out / "tokenizer.json"),
-            "vocab_size": vocab,
-            "eod_id": eod,
-            "eod_token": recipe.tokenizer.eod_token,
-            "trained": trained,
-        },
-        "dtype": np.dtype(dtype).name,
-        "splits": {"train": train_stats, "val": val_stats},
-        "documents": n_docs,
-        "tokens": n_tok,
-        "skipped": {"undecodable": stats.undecodable, "undecodable_examples": stats.undecodable_examples,
-                    "too_short": stats.too_short},
-        "seconds": {"tokenizer": round(t_tok, 3), "encode": round(t_enc, 3)},
-        "tokens_per_second": round(n_tok / max(t_enc, 1e-9)),
-    }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    return _Pass(trained=trained, vocab=vocab, eod=eod, dtype=np.dtype(dtype), documents=n_docs, tokens=n_tok,
+                 splits={"train": train_stats, "val": val_stats}, stats=stats,
+                 seconds={"tokenizer": round(t_tok, 3), "encode": round(t_enc, 3)}, extremes=extremes)
 
 
 def _empty_message(recipe: Recipe, stats: ReadStats) -> str:
@@ -332,13 +443,17 @@ def _empty_message(recipe: Recipe, stats: ReadStats) -> str:
 
 def _swap_in(tmp: Path, data_dir: Path) -> None:
     """Replace ``data_dir`` with the complete ``tmp`` using renames (never a half state that
-    looks complete: meta.json only exists in a whole directory)."""
+    looks complete: meta.json only exists in a whole directory). Every file of ``tmp`` is
+    fsynced before the rename and the parent directory after it, so a power cut cannot leave
+    a ``data/`` whose files are still only in the page cache."""
+    fsync_tree(tmp)
     old = None
     if data_dir.exists():
         old = data_dir.with_name(f".data.old-{os.getpid()}")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(data_dir, old)
     os.replace(tmp, data_dir)
+    fsync_dir(data_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

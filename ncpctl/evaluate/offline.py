@@ -26,13 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import keyword
-import os
 import random
 import re
 from pathlib import Path
 from typing import Any
 
 from ncpctl.errors import UserError
+from ncpctl.fsutil import atomic_write
 
 FORMAT_VERSION = 2
 TASKS = ("ncp_heldout_ppl", "ncp_cloze", "ncp_last_ident")
@@ -58,13 +58,13 @@ def data_dir_for(checkpoint: str | None = None, data: str | None = None) -> tupl
     if not checkpoint:
         raise UserError("offline ncp_* tasks need the tokenized validation split: pass checkpoint=DIR or data=DIR "
                         "(lm-eval: --model_args or --metadata)")
-    from ncpctl.checkpoint import read_meta, resolve
+    from ncpctl.checkpoint import read_meta, resolve, run_dir_of
 
     ckpt = resolve(checkpoint)
     meta = read_meta(ckpt)
     candidates: list[Path] = []
-    if ckpt.parent.name == "checkpoints":  # run.dir/checkpoints/step_N -> run.dir/data
-        candidates.append(ckpt.parent.parent / "data")
+    if (own_run := run_dir_of(ckpt)) is not None:  # run.dir/checkpoints/step_N -> run.dir/data
+        candidates.append(own_run / "data")
     recipe = meta.get("recipe") or {}
     run_dir = (recipe.get("run") or {}).get("dir")
     if run_dir:
@@ -125,10 +125,8 @@ def build(data: Path, out: Path, tokenizer=None) -> dict[str, Path]:
     }
     out.mkdir(parents=True, exist_ok=True)
     for task, items in rows.items():
-        tmp = paths[task].with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in items))
-        os.replace(tmp, paths[task])
-    stamp.write_text(fp + "\n")
+        atomic_write(paths[task], "".join(json.dumps(r) + "\n" for r in items))
+    atomic_write(stamp, fp + "\n")  # last: the stamp says the files above are complete
     return paths
 
 

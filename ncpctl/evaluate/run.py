@@ -34,6 +34,7 @@ import yaml
 
 from ncpctl.errors import UserError
 from ncpctl.evaluate import TASKS_DIR
+from ncpctl.fsutil import atomic_write
 
 PPL_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity")  # preference order
 
@@ -50,31 +51,48 @@ class EvalTarget:
 
 def resolve_target(target: str, sets: list[str], tasks: list[str] | None, batch_size: int | None,
                    limit: int | None, num_fewshot: int | None, out: str | None) -> EvalTarget:
-    """A recipe YAML (its run dir's newest checkpoint, its ``eval`` section) or a checkpoint."""
-    from ncpctl.checkpoint import resolve
+    """A recipe YAML (its run dir's newest checkpoint) or a checkpoint / run directory.
+
+    Defaults come from the recipe's ``eval`` section: the YAML's, or the resolved recipe the
+    checkpoint carries (style rule 7: a checkpoint needs nothing else). Flags win over both.
+    """
+    from ncpctl.checkpoint import resolve, run_dir_of
 
     p = Path(target)
     if p.suffix in (".yaml", ".yml") and p.is_file():
         from ncpctl.recipe import load_recipe
 
         r = load_recipe(p, sets)
-        ckpt = resolve(r.run_dir)
-        ev = r.eval
-        tasks = tasks or list(ev.tasks)
-        batch_size = batch_size or ev.batch_size
-        limit = limit if limit is not None else ev.limit
-        num_fewshot = num_fewshot if num_fewshot is not None else ev.num_fewshot
-        out_dir = Path(out) if out else r.run_dir / "eval"
+        ckpt, ev, run_dir = resolve(r.run_dir), r.eval, r.run_dir
     else:
         if sets:
             raise UserError("--set applies to recipes; a checkpoint carries its own recipe",
                             hint="pass the recipe instead, or use --tasks/--limit/--batch-size")
         ckpt = resolve(p)
-        out_dir = Path(out) if out else (ckpt.parent.parent / "eval" if ckpt.parent.name == "checkpoints"
-                                         else ckpt / "eval")
+        ev, run_dir = _checkpoint_eval(ckpt), run_dir_of(ckpt) or ckpt
+    tasks = tasks or list(ev.tasks)
     if not tasks:
-        raise UserError("no tasks to evaluate", hint="pass --tasks (e.g. --tasks ncp_offline) or set eval.tasks")
-    return EvalTarget(ckpt, out_dir, tasks, batch_size or 8, limit, num_fewshot)
+        raise UserError("no tasks to evaluate", hint="pass --tasks (e.g. --tasks ncp_offline) or set eval.tasks "
+                        "in the recipe")
+    return EvalTarget(ckpt, Path(out) if out else run_dir / "eval", tasks, batch_size or ev.batch_size,
+                      limit if limit is not None else ev.limit,
+                      num_fewshot if num_fewshot is not None else ev.num_fewshot)
+
+
+def _checkpoint_eval(ckpt: Path):  # -> EvalSection
+    """The ``eval`` section of the resolved recipe in the checkpoint's ncpctl.json (the schema
+    defaults when it carries no recipe, e.g. a checkpoint written by a script)."""
+    from pydantic import ValidationError
+
+    from ncpctl.checkpoint import META, read_meta
+    from ncpctl.recipe.schema import EvalSection
+
+    raw = (read_meta(ckpt).get("recipe") or {}).get("eval") or {}
+    try:
+        return EvalSection.model_validate(raw)
+    except ValidationError as e:
+        raise UserError(*(f"{ckpt / META}: recipe eval.{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                          for err in e.errors()), hint="pass --tasks/--limit/--batch-size/--num-fewshot") from None
 
 
 def _our_tasks() -> dict[str, dict[str, Any]]:
@@ -176,11 +194,12 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     tag = t.checkpoint.name
     t.out_dir.mkdir(parents=True, exist_ok=True)
     js, md = t.out_dir / f"results_{tag}.json", t.out_dir / f"results_{tag}.md"
-    js.write_text(json.dumps(res, indent=2, default=handle_non_serializable) + "\n")
+    atomic_write(js, json.dumps(res, indent=2, default=handle_non_serializable) + "\n")
     table = make_table(res) + ("\n" + make_table(res, "groups") if res.get("groups") else "")
-    md.write_text(f"# {t.checkpoint}\n\n{table}\n{_ppl_markdown(ppl)}")
+    atomic_write(md, f"# {t.checkpoint}\n\n{table}\n{_ppl_markdown(ppl)}")
     return {
-        "checkpoint": str(t.checkpoint), "tasks": t.tasks, "limit": t.limit,
+        "checkpoint": str(t.checkpoint), "tasks": t.tasks, "limit": t.limit, "batch_size": t.batch_size,
+        "num_fewshot": t.num_fewshot,
         "results": metrics(res["results"]), "groups": metrics(res.get("groups", {})), "perplexity": ppl,
         "files": {"json": str(js), "markdown": str(md)}, "seconds": round(time.time() - t0, 2),
     }

@@ -371,20 +371,39 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
+def deep_merge(base: dict[str, Any], over: dict[str, Any],
+               on_leaf: Callable[[tuple[Any, ...], Any], None] | None = None) -> dict[str, Any]:
+    """``over`` merged into a copy of ``base``: where both hold a dict the two merge key by key,
+    anywhere else the value from ``over`` wins. The one deep merge of ncpctl (named sizes +
+    overrides, a recipe + what it ``extends``, the DeepSpeed config + ``deepspeed.extra``).
+
+    The result shares no mutable value with either input (everything is deep-copied), so a
+    caller may change it without touching ``SIZES``, a parent recipe or the recipe's
+    ``deepspeed.extra``. ``on_leaf(key_path, value)`` is called for every value taken from
+    ``over`` (a dict that replaces a non-dict counts as one value), with the key path as a
+    tuple: the recipe loader records there which file set each key. Stdlib only, like the
+    rest of this module: exported Hugging Face directories are to carry a verbatim copy.
+    """
+    import copy
+
+    def merge_into(out: dict[str, Any], src: dict[str, Any], path: tuple[Any, ...]) -> None:
+        for k, v in src.items():
+            if isinstance(v, dict) and isinstance(out.get(k), dict):
+                merge_into(out[k], v, (*path, k))
+            else:
+                out[k] = copy.deepcopy(v)
+                if on_leaf is not None:
+                    on_leaf((*path, k), out[k])
+
+    merged = copy.deepcopy(base)
+    merge_into(merged, over, ())
+    return merged
 
 
 def build_config(size: str, **overrides: Any) -> ModelConfig:
     """The named ``size`` with ``overrides`` (nested dict for ``concept``) applied."""
     if size not in SIZES:
         raise ConfigError([("size", f"unknown size {size!r}; known: {', '.join(SIZES)}")])
-    merged = _deep_merge(SIZES[size], {k: v for k, v in overrides.items() if v is not None})
+    merged = deep_merge(SIZES[size], {k: v for k, v in overrides.items() if v is not None})
     merged.setdefault("name", size)
     return ModelConfig.from_dict(merged)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ncpctl.fsutil import atomic_write_with
 from ncpctl.model.config import ModelConfig
 from ncpctl.profile.step import make_step
 
@@ -30,10 +31,7 @@ def trace_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, out
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "trace.json"
-    tmp = out_dir / "trace.json.tmp"
-    prof.export_chrome_trace(str(tmp))
-    tmp.replace(path)
+    path = atomic_write_with(out_dir / "trace.json", lambda tmp: prof.export_chrome_trace(str(tmp)))
 
     use_device = dev.type == "cuda"
     events = [e for e in prof.key_averages() if not e.key.startswith(("train_step_", "ProfilerStep"))]

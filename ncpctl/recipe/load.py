@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ncpctl.errors import UserError
-from ncpctl.model.config import ConfigError, ModelConfig, build_config
+from ncpctl.model.config import ConfigError, ModelConfig, build_config, deep_merge
 from ncpctl.recipe.schema import (
     SECTIONS,
     DataSection,
@@ -105,8 +105,9 @@ class Recipe:
         return out
 
     def write_resolved(self, directory: Path) -> Path:
-        """Write ``recipe.resolved.yaml`` into ``directory`` (atomically)."""
+        """Write ``recipe.resolved.yaml`` into ``directory`` (atomically, fsynced)."""
         from ncpctl import __version__
+        from ncpctl.fsutil import atomic_write
 
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / "recipe.resolved.yaml"
@@ -115,10 +116,7 @@ class Recipe:
             + (f" with --set {' --set '.join(self.sets)}" if self.sets else "")
             + "\n# Every key with its effective value; usable as a recipe itself.\n"
         )
-        tmp = target.with_suffix(".yaml.tmp")
-        tmp.write_text(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
-        os.replace(tmp, target)
-        return target
+        return atomic_write(target, header + yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 # ----------------------------------------------------------------------------- reading
@@ -146,17 +144,6 @@ def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any] | None:
         problems.append(f"{path}: a recipe must be a mapping of sections, got {type(doc).__name__}")
         return None
     return doc
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any], origin: dict[str, str], src: str, prefix: str = "") -> None:
-    """Deep-merge ``over`` into ``base`` in place, recording which file set each leaf."""
-    for k, v in over.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _merge(base[k], v, origin, src, key + ".")
-        else:
-            base[k] = v
-            _record(v, origin, src, key)
 
 
 def _record(v: Any, origin: dict[str, str], src: str, key: str) -> None:
@@ -188,10 +175,11 @@ def _load_tree(path: Path, problems: list[str], origin: dict[str, str], stack: t
             if not ppath.exists():
                 problems.append(f"{path}: extends: {parent}: file not found")
                 continue
-            _merge(merged, _load_tree(ppath, problems, origin, (*stack, path)), {}, "")
-    # re-record origins of parents were done inside the recursive call; now this file wins
-    _merge(merged, doc, origin, str(path))
-    return merged
+            # the parent's own keys were recorded in origin by the recursive call
+            merged = deep_merge(merged, _load_tree(ppath, problems, origin, (*stack, path)))
+    # this file wins over its parents, and its keys are recorded as set here
+    src = str(path)
+    return deep_merge(merged, doc, on_leaf=lambda key, v: _record(v, origin, src, ".".join(map(str, key))))
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:

@@ -48,7 +48,8 @@ class DataSection(Section):
     sources: list[SourceSpec] = Field(default_factory=list, description="Corpora to tokenize, in order "
                                       "(a bare string is shorthand for `{path: STRING}`).")
     val_fraction: float = Field(0.01, description="Fraction of documents held out for validation "
-                                "(deterministic per document from `split_seed`).", ge=0.0, lt=1.0)
+                                "(deterministic per document from `split_seed`; with two or more documents "
+                                "each split keeps at least one).", ge=0.0, lt=1.0)
     split_seed: int = Field(1234, ge=0, description="Seed of the train/validation split.")
     dtype: Literal["auto", "uint16", "int32"] = Field(
         "auto", description="Token dtype of the .bin files; auto = uint16 when vocab < 65500 else int32.")

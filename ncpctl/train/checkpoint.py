@@ -17,15 +17,14 @@ Layout under ``run.dir/checkpoints/``::
 
 ``latest`` has DeepSpeed's format (one line, the tag) so DeepSpeed's own tools
 (``zero_to_fp32.py``, ``load_checkpoint(dir)``) work on the directory, but we write it
-ourselves, atomically (tmp + ``os.replace``), and only after every rank finished writing
-(barrier). A kill at any moment therefore leaves ``latest`` naming a loadable checkpoint;
-a half-written ``step_*`` directory is never named by it and is removed by the next save
-or the ``keep_last`` clean-up.
+ourselves, atomically and fsynced (``ncpctl.fsutil``), and only after every rank fsynced
+its files (barrier). A kill (or a power cut) at any moment therefore leaves ``latest``
+naming a loadable checkpoint; a half-written ``step_*`` directory is never named by it and
+is removed by the next save or the ``keep_last`` clean-up.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import time
@@ -35,8 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ncpctl.checkpoint import META, read_meta, read_weights  # noqa: F401  (one reader for every command)
+from ncpctl.checkpoint import CHECKPOINTS, META, read_meta, read_weights  # noqa: F401  (one reader for every command)
 from ncpctl.errors import UserError
+from ncpctl.fsutil import atomic_write, fsync_tree
 
 LATEST = "latest"
 META_VERSION = 1
@@ -47,7 +47,7 @@ def tag_for(step: int) -> str:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
+    return run_dir / CHECKPOINTS
 
 
 # ----------------------------------------------------------------------------- finding
@@ -126,15 +126,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- saving
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def consolidated_weights(engine: Any, zero_stage: int, tie_embeddings: bool) -> dict[str, torch.Tensor] | None:
     """The full state dict as fp32 on rank 0 (collective under ZeRO-3, None on the other ranks
     there; bf16 runs save their bf16 module weights upcast)."""
@@ -172,6 +163,7 @@ def save(engine: Any, root: Path, step: int, meta: dict[str, Any], recipe: Any, 
     weights = consolidated_weights(engine, meta["zero_stage"], recipe.model_config.tie_embeddings)
     if fault is not None:
         fault("save", step)
+    fsync_tree(path)  # this rank's DeepSpeed files and RNG state are on the device, not only in the page cache
     barrier()  # every rank's files are on disk
     if rank == 0:
         recipe.write_resolved(path)
@@ -180,7 +172,7 @@ def save(engine: Any, root: Path, step: int, meta: dict[str, Any], recipe: Any, 
         save_model_files(path, weights, step=step, tokens_seen=meta["tokens_seen"], recipe=recipe.to_dict(),
                          tokenizer_path=tok if tok.is_file() else None,
                          extra={"saved_at": time.time(), "training_version": META_VERSION, **meta})
-        _atomic_write(root / LATEST, tag + "\n")
+        atomic_write(root / LATEST, tag + "\n")
         _prune(root, keep_last, keep=tag)
     barrier()
     return path

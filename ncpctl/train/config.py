@@ -14,12 +14,12 @@
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, Callable, Iterable
 
 import torch
 
+from ncpctl.model.config import deep_merge
 from ncpctl.recipe.load import Recipe
 
 
@@ -32,13 +32,6 @@ def use_bf16(recipe: Recipe, on_gpu: bool) -> bool:
 def guard_in_optimizer(recipe: Recipe, on_gpu: bool) -> bool:
     """Stage 0 fp32: DeepSpeed hands our optimizer the raw gradients, so it must guard them."""
     return recipe.deepspeed.zero_stage == 0 and not use_bf16(recipe, on_gpu)
-
-
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
 
 
 def deepspeed_config(recipe: Recipe, on_gpu: bool) -> dict[str, Any]:

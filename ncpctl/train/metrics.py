@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from ncpctl.fsutil import atomic_write, atomic_write_with
+
 METRICS = "metrics.jsonl"
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; first match wins.
@@ -83,9 +85,7 @@ class MetricsLog:
         """Resumed from ``step``: drop the records a killed run wrote after it (atomically)."""
         keep = [line for line in self.path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
+        atomic_write(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -139,7 +139,7 @@ def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any) -> lis
         ax.set_xlabel("step")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(run_dir / "loss_curves.png", dpi=110)
+    atomic_write_with(run_dir / "loss_curves.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     written.append("loss_curves.png")
     if code_counts is not None:
@@ -157,7 +157,7 @@ def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any) -> lis
         for s in range(S, rows * cols):
             axes[s // cols][s % cols].axis("off")
         fig.tight_layout()
-        fig.savefig(run_dir / "codebook_usage.png", dpi=110)
+        atomic_write_with(run_dir / "codebook_usage.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
         plt.close(fig)
         written.append("codebook_usage.png")
     return written

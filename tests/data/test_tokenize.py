@@ -223,3 +223,85 @@ def test_large_vocab_is_written_as_int32(tmp_path: Path, text_corpus: Path) -> N
     ds = IndexedDataset(r.data_dir / "train")
     assert ds.dtype == np.int32
     assert [69999, 65536, 3, 0] in [ds[i].tolist() for i in range(len(ds))]
+
+
+def _docs(root: Path, n: int) -> Path:
+    """``n`` small text documents doc00.txt.. (the sorted order is the document index)."""
+    root.mkdir()
+    for i in range(n):
+        (root / f"doc{i:02d}.txt").write_text(f"# document {i}\n" + f"value_{i} = {i} * {i + 1}\n" * (5 + i % 4))
+    return root
+
+
+def _val_texts(data: Path) -> list[str]:
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    ds = IndexedDataset(data / "val")
+    return [tok.decode(ds[i][:-1].tolist(), skip_special_tokens=False) for i in range(len(ds))]
+
+
+def test_small_corpus_keeps_one_validation_document(tmp_path: Path, monkeypatch) -> None:
+    """17 documents at val_fraction 0.02: the hash puts none in validation; the document the hash
+    came closest to putting there (index 16 with the default seed) is moved, deterministically,
+    and everything written is fsynced before data/ is renamed into place."""
+    from ncpctl.data.tokenize import _is_val, _uniform
+
+    corpus = _docs(tmp_path / "c17", 17)
+    assert not _is_val(np.arange(17), 1234, 0.02).any()  # the premise: the hash alone gives no validation
+    lowest = int(np.argmin(_uniform(np.arange(17), 1234)))
+    synced: set[tuple[int, int]] = set()
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.add((os.fstat(fd).st_dev, os.fstat(fd).st_ino)), real(fd)))
+    metas = []
+    for run in ("a", "b"):
+        r = load_recipe(recipe_file(tmp_path, f"['{corpus}/*.txt']", run=run), ["data.val_fraction=0.02"],
+                        need_sources=True)
+        metas.append(tokenize(r))
+    a, b = (tmp_path / run / "data" for run in ("a", "b"))
+    assert metas[0]["splits"]["train"]["documents"] == 16 and metas[0]["splits"]["val"]["documents"] == 1
+    assert metas[0]["split"]["moved_to_val"] == lowest == 16
+    assert _val_texts(a) == [(corpus / f"doc{lowest:02d}.txt").read_text()]
+    for name in ("train.bin", "train.idx", "val.bin", "val.idx", "tokenizer.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name  # deterministic
+    on_disk = [a / n for n in ("train.bin", "train.idx", "val.bin", "val.idx", "tokenizer.json", "meta.json")]
+    assert {(p.stat().st_dev, p.stat().st_ino) for p in [*on_disk, a, a.parent]} <= synced
+
+
+def test_two_documents_get_one_each_and_one_document_is_still_an_error(tmp_path: Path) -> None:
+    corpus = _docs(tmp_path / "c2", 2)
+    r = load_recipe(recipe_file(tmp_path, f"['{corpus}/*.txt']", run="two"), ["data.val_fraction=0.9"],
+                    need_sources=True)
+    meta = tokenize(r)  # the hash puts both in validation: the one nearest the boundary goes to train
+    assert (meta["splits"]["train"]["documents"], meta["splits"]["val"]["documents"]) == (1, 1)
+    assert meta["split"]["moved_to_train"] is not None
+    one = tmp_path / "c1"
+    one.mkdir()
+    (one / "only.txt").write_text((corpus / "doc00.txt").read_text())
+    for frac, msg in (("0.02", "the validation split is empty"), ("0.9", "all 1 documents went to validation")):
+        r = load_recipe(recipe_file(tmp_path, f"['{one}/*.txt']", run=f"one{frac}"), [f"data.val_fraction={frac}"],
+                        need_sources=True)
+        with pytest.raises(UserError, match=msg):
+            tokenize(r)
+
+
+def test_a_hash_split_with_both_splits_non_empty_is_unchanged(tmp_path: Path, text_corpus: Path) -> None:
+    """Existing datasets are not re-split: where the hash gives documents to both splits,
+    exactly the hash's validation documents are validation (checked on a real run and on the
+    rule itself over many corpus sizes and fractions)."""
+    from ncpctl.data.tokenize import Split, _Extremes, _is_val
+
+    r = load_recipe(recipe_file(tmp_path, f"['{text_corpus}/*.txt']"), need_sources=True)
+    meta = tokenize(r)
+    want = _is_val(np.arange(24), r.data.split_seed, r.data.val_fraction)
+    assert meta["split"] == {"val_fraction": 0.2, "split_seed": 1234, "moved_to_val": None, "moved_to_train": None}
+    files = sorted(text_corpus.glob("*.txt"))
+    assert sorted(_val_texts(r.data_dir)) == sorted(files[i].read_text() for i in np.flatnonzero(want))
+    for n in (2, 3, 5, 17, 50, 200):
+        for frac in (0.01, 0.02, 0.1, 0.5, 0.9):
+            idx = np.arange(n)
+            val = _is_val(idx, 1234, frac)
+            ext = _Extremes()
+            for part in np.array_split(idx, 3):  # any chunking
+                if part.size:
+                    ext.see(part, val[part], 1234)
+            moved = ext.rebalanced(Split(1234, frac), int((~val).sum()), int(val.sum()))
+            assert (moved is None) == (0 < val.sum() < n), (n, frac)

@@ -21,8 +21,9 @@ import pytest
 
 from tests.conftest import ncpctl_cmd
 
-# One thread per process: the runs are deterministic for a fixed thread count, and two xdist
-# workers (or two ranks) share the 2-core CI machine without oversubscription.
+# One thread per process: only then are runs bit-identical (with more threads the CPU kernels'
+# reduction order varies and two runs differ at ~1e-6), and two xdist workers (or two ranks)
+# share the 2-core CI machine without oversubscription.
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "COLUMNS": "200",
        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 

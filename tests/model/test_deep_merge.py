@@ -1,0 +1,66 @@
+"""`ncpctl.model.config.deep_merge`: the one deep merge (model sizes, recipe `extends:`,
+`deepspeed.extra`), its copy semantics and origin hook, and that nobody keeps a second one."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import ncpctl.recipe.load
+import ncpctl.train.config
+from ncpctl.model import config as model_config
+from ncpctl.model.config import SIZES, build_config, deep_merge
+
+PKG = Path(model_config.__file__).resolve().parents[1]
+
+
+def test_merges_nested_dicts_and_over_wins() -> None:
+    base = {"a": 1, "b": {"x": 1, "y": {"p": 1}}, "c": [1, 2], "d": 5}
+    over = {"b": {"y": {"q": 2}, "z": 3}, "c": [3], "d": {"now": "a dict"}, "e": None}
+    assert deep_merge(base, over) == {"a": 1, "b": {"x": 1, "y": {"p": 1, "q": 2}, "z": 3}, "c": [3],
+                                      "d": {"now": "a dict"}, "e": None}
+    assert deep_merge({"k": {"x": 1}}, {"k": 7}) == {"k": 7}  # a value replaces a section
+
+
+def test_result_shares_nothing_with_its_inputs() -> None:
+    base = {"s": {"list": [1], "deep": {"v": 1}}}
+    over = {"s": {"new": {"w": [2]}}, "top": [3]}
+    out = deep_merge(base, over)
+    out["s"]["list"].append(9)
+    out["s"]["deep"]["v"] = 9
+    out["s"]["new"]["w"].append(9)
+    out["top"].append(9)
+    assert base == {"s": {"list": [1], "deep": {"v": 1}}}
+    assert over == {"s": {"new": {"w": [2]}}, "top": [3]}
+    # build_config hands the merged dict on: the named sizes stay as declared
+    before = repr(SIZES["debug"])
+    cfg = build_config("debug", concept={"k": 8, "enabled": True})
+    assert cfg.concept.k == 8 and repr(SIZES["debug"]) == before and SIZES["debug"]["concept"]["k"] == 4
+
+
+def test_on_leaf_sees_every_value_taken_from_over() -> None:
+    seen: list[tuple[tuple, object]] = []
+    deep_merge({"a": {"x": 1}, "b": 1}, {"a": {"y": 2, "x": 3}, "b": {"new": 1}, "c": 4},
+               on_leaf=lambda key, v: seen.append((key, v)))
+    assert seen == [(("a", "y"), 2), (("a", "x"), 3), (("b",), {"new": 1}), (("c",), 4)]
+
+
+def test_one_merge_everywhere() -> None:
+    """recipe/load.py and train/config.py use this function and define no merge of their own."""
+    assert ncpctl.recipe.load.deep_merge is deep_merge
+    assert ncpctl.train.config.deep_merge is deep_merge
+    for rel in ("recipe/load.py", "train/config.py", "model/config.py"):
+        tree = ast.parse((PKG / rel).read_text())
+        merges = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and "merge" in n.name.lower()]
+        assert merges == (["deep_merge", "merge_into"] if rel == "model/config.py" else []), (rel, merges)
+
+
+def test_model_config_imports_only_the_standard_library() -> None:
+    """The module is copied verbatim into exported HF directories: no ncpctl (or other) imports."""
+    tree = ast.parse(Path(model_config.__file__).read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree)
+              if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+    assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree))  # no relative imports
+    assert names <= set(sys.stdlib_module_names) | {"__future__"}, names
