@@ -66,15 +66,30 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
         if verify:
             log("verifying: reloading the export with transformers and comparing logits")
             info["verify"] = _verify(loaded, tmp, dtype)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _replace_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     info["out"] = str(out)
     info["files"] = sorted(p.name for p in out.iterdir())
     return info
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Put the finished export ``tmp`` at ``out``: its files synced first, a previous export
+    moved aside (not deleted) until the new one is in place."""
+    import os
+
+    from ncpctl.fsutil import fsync_dir, fsync_tree
+
+    fsync_tree(tmp)
+    old = out.with_name(f".{out.name}.old-{os.getpid()}") if out.exists() else None
+    if old is not None:
+        os.replace(out, old)
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _eod(loaded) -> tuple[str, int]:

@@ -39,10 +39,12 @@ class SegmentationLaw:
 
     concepts: Callable[["ConceptConfig", int], int]
     tokens_per_concept: Callable[["ConceptConfig"], float]
+    length_key: str | None = None  # the concept.* key that sets the segment length (for errors)
 
 
 # Fixed blocks of k tokens (ConceptLM): a trailing partial block is not pooled.
-FIXED_BLOCKS = SegmentationLaw(concepts=lambda c, T: T // c.k, tokens_per_concept=lambda c: float(c.k))
+FIXED_BLOCKS = SegmentationLaw(concepts=lambda c, T: T // c.k, tokens_per_concept=lambda c: float(c.k),
+                               length_key="k")
 
 # Names of the extension points' strategies: name -> a class, a "module:attr" import path
 # (relative paths are resolved in this package) or, for segmentations, also its law.

@@ -318,10 +318,11 @@ class Residual(nn.Module):
     update, state)`` returns the next input. Mixers must be position-wise (no mixing across
     tokens), so causality and cached decoding hold for any of them; a mixer whose init is part
     of the design sets ``owns_init = True`` and initialises itself in ``reset_parameters``
-    (``NCPModel.init_weights`` leaves it alone).
+    (``NCPModel.init_weights`` leaves it alone). Mixer parameters get no weight decay.
     """
 
     owns_init = False
+    no_weight_decay = True  # mixing coefficients are not decayed (the optimizer reads this)
 
     def __init__(self, cfg: ModelConfig, n_layers: int):
         super().__init__()

@@ -182,6 +182,17 @@ def _load_tree(path: Path, problems: list[str], origin: dict[str, str], stack: t
     return deep_merge(merged, doc, on_leaf=lambda key, v: _record(v, origin, src, ".".join(map(str, key))))
 
 
+def _no_concept_fits(cfg: Any, seq: int) -> tuple[str, str]:
+    """The problem of a segmentation that closes no concept in train.seq_len tokens."""
+    from ncpctl.model.config import segmentation_law
+
+    c = cfg.concept
+    key = segmentation_law(c.segmentation).length_key
+    if key is not None:
+        return f"model.concept.{key}", f"{getattr(c, key)} is longer than train.seq_len={seq}: no concept block fits"
+    return "model.concept.segmentation", f"{c.segmentation!r} gives no concept in train.seq_len={seq} tokens"
+
+
 def parse_set(item: str) -> tuple[list[str], Any]:
     """``a.b.c=value`` -> (["a","b","c"], YAML-parsed value)."""
     key, sep, raw = item.partition("=")
@@ -478,8 +489,8 @@ def _check_combinations(
         if cfg is not None and seq is not None:
             if seq > cfg.max_seq_len:
                 problems.append(("train.seq_len", f"{seq} exceeds model.max_seq_len={cfg.max_seq_len}"))
-            if cfg.concept.enabled and cfg.concept.k > seq:
-                problems.append(("model.concept.k", f"{cfg.concept.k} is longer than train.seq_len={seq}: no concept block fits"))
+            if cfg.concept.enabled and cfg.num_concepts(seq) == 0:
+                problems.append(_no_concept_fits(cfg, seq))
         micro, accum, glob_bs = train.micro_batch_size, train.grad_accum_steps, train.global_batch_size
         if glob_bs is None:
             accum = accum or 1

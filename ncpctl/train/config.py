@@ -60,14 +60,18 @@ def deepspeed_config(recipe: Recipe, on_gpu: bool) -> dict[str, Any]:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Trainable parameters split into decayed matrices and undecayed vectors/embeddings."""
+    """Trainable parameters split into decayed matrices and undecayed vectors/embeddings.
+
+    Parameters of modules marked ``no_weight_decay`` (depth mixers: their weights are mixing
+    coefficients, not features; ncp-model.md section 8) are never decayed either."""
+    exempt = {id(p) for m in model.modules() if getattr(m, "no_weight_decay", False) for p in m.parameters()}
     decay, no_decay = [], []
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:  # frozen, or a tied weight already listed
             continue
         seen.add(id(p))
-        (no_decay if p.ndim < 2 or name.startswith("embed.") else decay).append(p)
+        (no_decay if p.ndim < 2 or name.startswith("embed.") or id(p) in exempt else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     return [g for g in groups if g["params"]]

@@ -72,6 +72,20 @@ def test_weight_decay_groups_and_frozen_parameters() -> None:
     assert trained and all(n.startswith(("concept.heads", "concept.codebook.transform")) for n in trained)
 
 
+def test_depth_mixer_parameters_are_not_decayed() -> None:
+    from ncpctl.model.model import NCPModel
+    from tests.model import toys  # noqa: F401  (registers the toy mixer "dense": Linear layers)
+    from tests.model._helpers import tiny
+
+    model = NCPModel(tiny("neox", residual="dense", concept={}))
+    groups = {g["name"]: g for g in param_groups(model, 0.1)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    mixer = {n for n in names.values() if ".residual." in n}
+    assert any(n.endswith("dyn.0.weight") for n in mixer)  # 2-D weights, decayed if not exempt
+    assert mixer <= {names[id(p)] for p in groups["no_decay"]["params"]}
+    assert "decoder.0.attn.qkv.weight" in {names[id(p)] for p in groups["decay"]["params"]}
+
+
 def test_guarded_optimizer_skips_nonfinite_and_reports_the_preclip_norm() -> None:
     r = recipe("deepspeed.zero_stage=0", "train.grad_clip=1.0")
     model = torch.nn.Linear(4, 4)
