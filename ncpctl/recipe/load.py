@@ -10,6 +10,7 @@ set the key, so a mistake inherited through ``extends:`` points at the right fil
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import glob
 import os
@@ -426,6 +427,58 @@ def _init_from_model(train: Any) -> ModelConfig | None:
         return None
 
 
+# the HF model types ncpctl.model.hf.config_from_hf converts (checked first: it reads
+# attributes such as intermediate_size that other configs, GPT-2's, do not have)
+HF_MODEL_TYPES = ("gpt_neox", "llama", "qwen3")
+
+
+def _init_from_hf(train: Any) -> bool:
+    if train is None or not train.init_from:
+        return False
+    from ncpctl.interop.hf_import import is_hf_dir  # light: no torch, no transformers
+
+    return is_hf_dir(train.init_from)
+
+
+def _hf_init_config(model: Any, directory: str, problems: list[Problem]) -> ModelConfig | None:
+    """midtrain from a Hugging Face directory: the model is the HF ``config.json`` plus the
+    recipe's explicit ``model`` keys, and the concept path of the recipe (``model.size``'s
+    concept defaults + ``model.concept``); ``vocab_size`` is the HF model's. Problems are
+    reported like any recipe problem, at load time; None when the config is impossible."""
+    cfg_file = Path(directory) / "config.json"
+    try:
+        preset = build_config(model.size)  # the size's concept defaults
+    except ConfigError as e:
+        problems.extend((f"model.{k}", m) for k, m in e.problems)
+        return None
+    from transformers import AutoConfig  # only here: loading any other recipe stays light
+
+    from ncpctl.model.hf import config_from_hf
+
+    try:
+        hf = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as e:
+        problems.append(("train.init_from", f"{cfg_file}: unreadable Hugging Face config ({str(e).splitlines()[0]})"))
+        return None
+    if hf.model_type not in HF_MODEL_TYPES:
+        problems.append(("train.init_from", f"{cfg_file}: model_type: unsupported Hugging Face model type "
+                         f"{hf.model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})"))
+        return None
+    explicit = model.model_dump(exclude={"size", "concept", "vocab_size"}, exclude_none=True)
+    concept = dataclasses.asdict(preset.concept)
+    concept.update(model.concept.model_dump(exclude_none=True) if model.concept is not None else {})
+    try:
+        return config_from_hf(hf, concept=concept, **explicit)
+    except ConfigError as e:
+        fields = {f.name for f in dataclasses.fields(ModelConfig) if f.init}
+        for k, m in e.problems:
+            if k.split(".")[0] in fields:  # a model key (the recipe's, or the HF value it did not override)
+                problems.append((f"model.{k}", f"{m} (with the Hugging Face model {directory})"))
+            else:  # a property of the HF config itself
+                problems.append(("train.init_from", f"{cfg_file}: {k}: {m}"))
+        return None
+
+
 def _check_combinations(
     s: dict[str, Any], world_size: int, need_sources: bool, name: str, derived: dict[str, Any]
 ) -> list[Problem]:
@@ -470,6 +523,10 @@ def _check_combinations(
         # midtrain / adapt-vq with no `model:` section: the checkpoint describes the model
         # (style rule 7), so the recipe needs only train.init_from
         derived["model_config"] = cfg = base
+    elif model is not None and _init_from_hf(train):
+        cfg = _hf_init_config(model, train.init_from, problems)
+        if cfg is not None:
+            derived["model_config"] = cfg
     elif model is not None:
         overrides = model.model_dump(exclude={"size"}, exclude_none=True)
         if overrides.get("vocab_size") is None and vocab is not None:

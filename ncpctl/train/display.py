@@ -1,12 +1,29 @@
-"""The live training display on stderr (rank 0): a rich progress bar with ETA and the loss terms."""
+"""The live training display on stderr (rank 0): a rich progress bar with ETA and the loss terms.
+
+Generic over the model's log keys: it shows ``loss`` and every other ``*_loss`` term of the
+record (``ntp_loss`` as ``ntp``, ...) in the record's order, plus the few keys with a display
+format of their own (``PERCENT``); other keys are in metrics.jsonl, not on the line.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+PERCENT = {"code_usage": "codes"}  # record key -> label, shown as a percentage when present
+
+
+def _short(key: str) -> str:
+    return key.removesuffix("_loss")
+
+
+def loss_terms(rec: dict[str, Any]) -> list[str]:
+    """The record's loss terms besides the total ``loss``, in record order (``ntp_loss`` first)."""
+    return [k for k, v in rec.items() if k.endswith("_loss") and isinstance(v, (int, float))]
+
 
 class TrainDisplay:
-    """``start(total, done)``, ``step(record)`` per logged step, ``message(text)``, ``stop()``."""
+    """``start(total, done)``, ``step(record)`` per logged step, ``validation(step, record)``,
+    ``message(text)``, ``stop()``."""
 
     def __init__(self, console: Any, stage: str):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
@@ -30,17 +47,24 @@ class TrainDisplay:
 
     def step(self, rec: dict[str, Any]) -> None:
         terms = f"loss {rec['loss']:.4f}"
-        for key, short in (("ntp_loss", "ntp"), ("ncp_loss", "ncp"), ("vq_loss", "vq")):
+        for key in loss_terms(rec):
+            terms += f"  {_short(key)} {rec[key]:.4f}"
+        for key, label in PERCENT.items():
             if rec.get(key) is not None:
-                terms += f"  {short} {rec[key]:.4f}"
-        if rec.get("code_usage") is not None:
-            terms += f"  codes {100 * rec['code_usage']:.0f}%"
+                terms += f"  {label} {100 * rec[key]:.0f}%"
         terms += f"  lr {rec['lr']:.2e}  {rec['tokens_per_s']:,.0f} tok/s"
         if rec.get("mfu") is not None:
             terms += f"  MFU {100 * rec['mfu']:.1f}%"
         if rec.get("nonfinite"):
             terms += f"  [yellow]skipped {rec['nonfinite']}[/]"
         self.progress.update(self.task, completed=rec["step"], terms=terms)
+
+    def validation(self, step: int, val: dict[str, Any]) -> None:
+        """One line per evaluation: the total, and with several loss terms the first one (the
+        token loss, comparable across models)."""
+        parts = loss_terms(val)
+        first = f" ({_short(parts[0])} {val[parts[0]]:.4f})" if len(parts) > 1 else ""
+        self.message(f"step {step}: val loss {val['loss']:.4f}{first}")
 
     def message(self, text: str) -> None:
         self.progress.console.print(text)

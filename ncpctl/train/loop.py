@@ -3,12 +3,17 @@
 The stages differ only in set-up (``make_stage``): where the weights come from
 (``train.init_from``), what is frozen (adapt-vq: all but the codebook transform and the
 concept heads), and the data (each recipe's own). ``train(recipe, stage, out)`` then reads
-top to bottom:
+top to bottom, one named piece per stage of a run:
 
-    distributed set-up -> data -> resume / init checks (before any heavy work)
-    -> model -> DeepSpeed engine -> [restore checkpoint]
-    -> loop: batch -> micro-batches fwd/bwd/step -> metrics -> eval -> checkpoint
-    -> final eval, checkpoint, plots, summary
+    _prepare: distributed set-up -> data -> resume / init checks (before any heavy work)
+              -> model -> DeepSpeed engine -> [restore checkpoint] -> observability
+    loop:     _optimizer_step (micro-batches fwd/bwd/step, ONE all-reduce of the named step
+              vector, see ``ncpctl.train.packing``) -> _count_nonfinite -> the model's
+              ``on_step_end`` hook -> _log_step -> _evaluate -> _save
+    finish:   final _evaluate and _save, plots, _summary
+
+The loop names no loss term or metric of the model except ``loss`` (the non-finite check and
+``train_loss``): what it logs comes from ``model.log_keys()`` and ``model.stat_keys()``.
 
 Runs in one process without a launcher (torch.distributed is initialised here with world
 size 1) and under ``deepspeed --num_gpus N`` / a hostfile (rank and world size from the
@@ -17,7 +22,6 @@ environment the launcher sets). Every rank executes the same collectives in the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -39,6 +43,7 @@ from ncpctl.recipe.load import Recipe
 from ncpctl.train import checkpoint as ckpt
 from ncpctl.train.config import deepspeed_config, lr_schedule, make_optimizer, use_bf16
 from ncpctl.train.metrics import MetricsLog, device_peak, unigram_entropy, write_plots
+from ncpctl.train.packing import LOSS, StepPacking
 
 FAULT_ENV = "NCPCTL_FAULT"  # test hook, see Faults
 
@@ -221,7 +226,15 @@ def _check_vocab(recipe: Recipe, ds: IndexedDataset, vocab: int) -> None:
                         hint="set model.vocab_size to the dataset tokenizer's vocabulary size")
 
 
-# ----------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------- a prepared run
+
+FLAGS = ("skipped", "stop")  # the loop's own entries of the step vector, summed over ranks
+# the train record's own fields: no log key or statistic of the model may use these names
+RECORD_FIELDS = ("split", "step", "lr", "tokens", "grad_norm", "step_time", "tokens_per_s", "mfu", "nonfinite")
+
+
+def _quiet(msg: str) -> None:
+    """``info`` / ``warn`` on the ranks other than 0."""
 
 
 @dataclass
@@ -236,69 +249,178 @@ class _Totals:
     val: dict[str, float] = field(default_factory=dict)
 
 
-TERMS = ("loss", "ntp_loss", "ncp_loss", "vq_loss", "code_perplexity", "ncp_code_acc")
+@dataclass
+class _Run:
+    """What the loop's pieces read and update; built once by ``_prepare``."""
+
+    recipe: Recipe
+    stage: Stage
+    d: Dist
+    faults: Faults
+    info: Callable[[str], None]
+    warn: Callable[[str], None]
+    train_ds: IndexedDataset
+    val_ds: IndexedDataset
+    loader: WindowLoader
+    engine: Any
+    packing: StepPacking
+    resume_from: Path | None
+    n_params: int
+    n_trainable: int
+    bf16: bool
+    tot: _Totals = field(default_factory=_Totals)
+    # ---- observability (metrics and display on rank 0 only) ----
+    flops_per_step: float = 0.0
+    peak: float = 1.0  # FLOP/s of all ranks together
+    entropy: float | None = None
+    metrics: MetricsLog | None = None
+    display: Any = None
+    code_counts: np.ndarray | None = None  # (S, N) code hits of the final evaluation (train.plots)
+    # ---- this invocation's clock (the summary's rates) ----
+    started: float = 0.0
+    first_step: int = 0
+    compute_s: float = 0.0
+
+    @property
+    def root(self) -> Path:
+        return ckpt.checkpoints_dir(self.recipe.run_dir)
 
 
-def _terms(out: Any, S: int) -> torch.Tensor:
-    """The logged terms of one forward as one fp32 vector on the model's device (no host sync):
-    TERMS (per-segment metrics averaged over segments) + code_usage (S,)."""
-    ref = out.loss if out.loss is not None else out.logits
-    zero = ref.new_zeros((), dtype=torch.float32)
-    vals = [zero if getattr(out, n) is None else getattr(out, n).detach().float().mean() for n in TERMS]
-    usage = out.code_usage.detach().float() if out.code_usage is not None else ref.new_zeros(S, dtype=torch.float32)
-    return torch.cat([torch.stack(vals), usage])
+@dataclass
+class _Step:
+    """One optimizer step's outcome, global over ranks, by name."""
+
+    lr: float
+    terms: dict[str, torch.Tensor]  # log key -> (size,) mean over micro-batches and ranks
+    stats: dict[str, float]  # statistic -> total over micro-batches and ranks
+    skipped: bool  # a non-finite loss or gradient on some rank: no update was applied
+    stopping: bool  # some rank got SIGINT / SIGTERM
+    grad_norm: float | None
+    seconds: float
+
+
+class _Signals:
+    """SIGINT / SIGTERM only set ``signum``: the loop finishes the step, saves and exits cleanly."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def __enter__(self) -> "_Signals":
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+# ----------------------------------------------------------------------------- the loop
 
 
 def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
     """Run ``stage`` for ``recipe``; ``out`` has ``info``/``warn`` and the stderr console ``err``.
     Returns the summary (also what ``--json`` prints)."""
-    import deepspeed
+    run = _prepare(recipe, stage, out)
+    t, tot = recipe.train, run.tot
+    with _Signals() as stop:
+        run.engine.train()
+        run.started, run.first_step = time.perf_counter(), tot.step
+        if run.display is not None:
+            run.display.start(t.max_steps, tot.step)
+        try:
+            while tot.step < t.max_steps:
+                step = _optimizer_step(run, stop)
+                run.compute_s += step.seconds
+                if run.faults.sleep:
+                    time.sleep(run.faults.sleep)
+                _count_nonfinite(run, step)  # raises after train.max_nonfinite in a row
+                if not step.skipped:  # the model's per-step hook: every rank, after an applied update
+                    run.engine.module.on_step_end(step.stats)
+                if run.metrics is not None and (tot.step % t.log_every == 0 or tot.step == t.max_steps):
+                    _log_step(run, step)
 
-    from ncpctl.model.accounting import exact_flops
-    from ncpctl.model.model import NCPModel
+                last = tot.step == t.max_steps
+                if t.eval_every and tot.step % t.eval_every == 0 and not last:
+                    _evaluate(run)
+                # no periodic save inside a non-finite streak: if the weights themselves went bad,
+                # the checkpoint before the streak is the one to go back to
+                due = t.save_every and tot.step % t.save_every == 0 and not last and tot.nonfinite_run == 0
+                if due or step.stopping:
+                    _save(run)
+                if step.stopping:
+                    run.info(f"stopped by signal at step {tot.step}; `train.resume: auto` continues from here")
+                    break
+            else:  # max_steps reached: the final evaluation and checkpoint, unless already there
+                if tot.last_saved != tot.step or not tot.val:
+                    _evaluate(run, collect_codes=t.plots)
+                if tot.last_saved != tot.step:
+                    _save(run)
+        finally:
+            if run.display is not None:
+                run.display.stop()
+            if run.metrics is not None:
+                run.metrics.close()
+    plots = write_plots(recipe.run_dir, run.code_counts, run.warn) if run.d.rank == 0 and t.plots else []
+    return _summary(run, interrupted=bool(stop.signum), plots=plots)
 
-    t, cfg = recipe.train, recipe.model_config
-    assert cfg is not None
+
+# ----------------------------------------------------------------------------- preparing a run
+
+
+def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
+    """distributed set-up -> data -> resume / init checks (all before any heavy work) -> model
+    -> DeepSpeed engine -> [restore a checkpoint] -> observability."""
+    assert recipe.model_config is not None
     faults = Faults(os.environ.get(FAULT_ENV, ""))  # test hook; a malformed spec fails here
     d = init_distributed()
-    lead = d.rank == 0
-    info = out.info if lead else (lambda msg: None)
-    warn = out.warn if lead else (lambda msg: None)
+    info, warn = (out.info, out.warn) if d.rank == 0 else (_quiet, _quiet)
     faults.announce(warn)
-    on_gpu = d.device.type != "cpu"
-    run_dir, root = recipe.run_dir, ckpt.checkpoints_dir(recipe.run_dir)
-    T, micro, G = recipe.seq_len, t.micro_batch_size, recipe.global_batch_size
+    train_ds, val_ds, loader = _open_data(recipe, d)
+    resume_from, meta = _weights_source(recipe, stage, d, loader)
+    _move_foreign_checkpoints(recipe, resume_from, d, warn)
 
-    # ---- data (clear errors before any heavy work) ----
+    model = _build_model(recipe, stage, fresh=resume_from is None, info=info)
+    packing = StepPacking.for_model(model, FLAGS, reserved=RECORD_FIELDS)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    info(f"model {recipe.model_config.name}: {n_params:,} parameters, {n_trainable:,} trainable")
+    engine, bf16 = _build_engine(recipe, model, d, info)
+
+    run = _Run(recipe, stage, d, faults, info, warn, train_ds, val_ds, loader, engine, packing, resume_from,
+               n_params, n_trainable, bf16)
+    _restore(run, meta)
+    _observe(run, out)
+    return run
+
+
+def _open_data(recipe: Recipe, d: Dist) -> tuple[IndexedDataset, IndexedDataset, WindowLoader]:
+    """Train and validation data, checked against the model and the batch (clear errors first)."""
+    t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
     train_ds, val_ds = _dataset(recipe, "train"), _dataset(recipe, "val")
-
-    # midtrain from a Hugging Face directory: the model config is the HF one + the recipe's keys
-    hf_model = None
-    if stage.hf:
-        from ncpctl.interop.hf_import import load_hf_pretrained
-
-        torch.manual_seed(t.seed)  # the fresh concept path starts the same on every rank
-        explicit = recipe.model.model_dump(exclude={"size", "concept", "vocab_size"}, exclude_none=True)
-        hf_model = load_hf_pretrained(stage.init_from, concept=dataclasses.asdict(cfg.concept),
-                                      zero_concept_output=t.zero_concept_output, **explicit)
-        cfg = recipe.model_config = hf_model.cfg  # checkpoints and recipe.resolved.yaml pin this config
-        info(f"initialised from the Hugging Face model {stage.init_from}")
-
-    _check_vocab(recipe, train_ds, cfg.vocab_size)
+    _check_vocab(recipe, train_ds, recipe.model_config.vocab_size)
     loader = WindowLoader(train_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world)
     if loader.num_windows < G:
         raise UserError(f"{train_ds.bin_path}: {train_ds.num_tokens:,} tokens make {loader.num_windows} windows of "
                         f"seq_len+1 = {T + 1} tokens, fewer than one global batch of {G}",
                         hint="use more data, or lower train.seq_len / train.global_batch_size")
     WindowLoader(val_ds, T, G, seed=t.seed)  # raises if validation has not one window
+    return train_ds, val_ds, loader
 
-    # ---- where the weights come from: resume (same run) wins over init_from (another run) ----
+
+def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: WindowLoader) -> tuple[Path | None, dict[str, Any]]:
+    """Where the weights come from: resume (same run) wins over init_from (another run). Checks
+    that the checkpoint fits (before any heavy work) and positions the loader when resuming.
+    Returns the checkpoint to resume from (or None) and its metadata."""
+    t, cfg = recipe.train, recipe.model_config
     resume_from: Path | None = None
     if t.resume == "auto":
-        resume_from = ckpt.latest_checkpoint(root)
+        resume_from = ckpt.latest_checkpoint(ckpt.checkpoints_dir(recipe.run_dir))
     elif t.resume != "never":
         resume_from = ckpt.resolve(t.resume, "train.resume")
-    tot = _Totals()
     if resume_from is not None:
         meta = ckpt.read_meta(resume_from)
         ckpt.check_compatible(resume_from, meta, cfg.to_dict(), world_size=d.world,
@@ -307,236 +429,254 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
             raise UserError(f"{resume_from}: a {meta['stage']} checkpoint; this is `ncpctl {stage.name}`",
                             hint="give this stage its own run.dir, or train.resume: never")
         loader.load_state_dict(meta["data"]["train"], source=str(resume_from / ckpt.META))
-    elif stage.init_from is not None and not stage.hf:
-        meta = ckpt.read_meta(stage.init_from)
-        ckpt.check_compatible(stage.init_from, meta, cfg.to_dict(), world_size=d.world,
+        return resume_from, meta
+    if stage.init_from is not None and not stage.hf:
+        ckpt.check_compatible(stage.init_from, ckpt.read_meta(stage.init_from), cfg.to_dict(), world_size=d.world,
                               zero_stage=recipe.deepspeed.zero_stage, optimizer_state=stage.load == "all")
+    return None, {}
 
-    # A fresh lineage in a run.dir that holds other checkpoints: move them aside (never delete),
-    # so keep_last and `latest` only ever see this run's checkpoints.
+
+def _move_foreign_checkpoints(recipe: Recipe, resume_from: Path | None, d: Dist, warn: Callable[[str], None]) -> None:
+    """A fresh lineage in a run.dir that holds other checkpoints: move them aside (never delete),
+    so keep_last and ``latest`` only ever see this run's checkpoints."""
+    root = ckpt.checkpoints_dir(recipe.run_dir)
     if (resume_from is None or resume_from.parent != root) and any(root.glob("step_*")):
-        if lead:
+        if d.rank == 0:
             aside = root.with_name(f"checkpoints.prev-{time.strftime('%Y%m%d-%H%M%S')}")
             os.replace(root, aside)
             warn(f"{root} held checkpoints this run does not continue from; moved them to {aside}")
         d.barrier()
 
-    # ---- model: same seed on every rank; stage set-up (init, freezing) ----
+
+def _build_model(recipe: Recipe, stage: Stage, *, fresh: bool, info: Callable[[str], None]) -> torch.nn.Module:
+    """The model, seeded alike on every rank, with the stage's set-up: its first weights (a
+    checkpoint or a Hugging Face directory; none when resuming), then what it freezes."""
+    from ncpctl.model.model import NCPModel
+
+    t, cfg = recipe.train, recipe.model_config
     random.seed(t.seed)
     np.random.seed(t.seed)
-    torch.manual_seed(t.seed)
-    model = hf_model if hf_model is not None else NCPModel(cfg)
-    if stage.init_from is not None and resume_from is None and not stage.hf:
-        model.load_state_dict(ckpt.read_weights(stage.init_from))
-        info(f"initialised from {stage.init_from} ({'weights only' if stage.load == 'weights' else 'weights + optimizer'})")
+    torch.manual_seed(t.seed)  # the fresh parts (e.g. a new concept path) start the same on every rank
+    if stage.hf and fresh:
+        model = _hf_model(stage.init_from, cfg, t.zero_concept_output)
+        info(f"initialised from the Hugging Face model {stage.init_from}")
+    else:
+        model = NCPModel(cfg)
+        if stage.init_from is not None and fresh:
+            model.load_state_dict(ckpt.read_weights(stage.init_from))
+            info(f"initialised from {stage.init_from} "
+                 f"({'weights only' if stage.load == 'weights' else 'weights + optimizer'})")
     if stage.freeze is not None:
         stage.freeze(model)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    info(f"model {cfg.name}: {n_params:,} parameters, {n_trainable:,} trainable")
+    return model
 
-    # ---- DeepSpeed engine: our AdamW + warmup/cosine LambdaLR, the generated config ----
+
+def _hf_model(directory: Path, cfg: Any, zero_concept_output: bool) -> torch.nn.Module:
+    """The Hugging Face weights in ``cfg``, which the recipe loader resolved from the HF config
+    plus the recipe's keys. Every field of ``cfg`` goes in as an override, so
+    ``load_hf_pretrained`` builds exactly ``cfg`` (and runs its weight checks)."""
+    from ncpctl.interop.hf_import import load_hf_pretrained
+
+    fields = cfg.to_dict()
+    model = load_hf_pretrained(directory, concept=fields.pop("concept"), zero_concept_output=zero_concept_output,
+                               **fields)
+    if model.cfg != cfg:
+        raise RuntimeError(f"{directory}: the imported model's config differs from the recipe's resolved one")
+    return model
+
+
+def _build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable[[str], None]) -> tuple[Any, bool]:
+    """The DeepSpeed engine: our AdamW + warmup/cosine LambdaLR, the generated config."""
+    import deepspeed
+
+    on_gpu = d.device.type != "cpu"
     ds_config = deepspeed_config(recipe, on_gpu)
     optimizer = make_optimizer(model, recipe, on_gpu)
-    schedule = lr_schedule(recipe)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
-    if bf16 := use_bf16(recipe, on_gpu):
+    bf16 = use_bf16(recipe, on_gpu)
+    if bf16:
         info("precision: bf16")
+    return engine, bf16
 
-    if resume_from is not None:
-        engine.load_checkpoint(str(resume_from.parent), tag=resume_from.name, load_optimizer_states=True,
+
+def _restore(run: _Run, meta: dict[str, Any]) -> None:
+    """Resume: engine, RNG and counters from the checkpoint. midtrain ``load: all``: the optimizer
+    state of init_from, with this recipe's hyperparameters and a fresh schedule."""
+    t, tot, engine = run.recipe.train, run.tot, run.engine
+    if run.resume_from is not None:
+        src = run.resume_from
+        engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
                                load_lr_scheduler_states=True)
-        ckpt.load_rng(resume_from, d.rank)
+        ckpt.load_rng(src, run.d.rank)
         tot.step, tot.tokens = meta["step"], meta["tokens_seen"]
         tot.nonfinite_total = meta.get("nonfinite_total", 0)
-        tot.last_saved, tot.last_good = tot.step, resume_from
+        tot.last_saved, tot.last_good = tot.step, src
         tot.train_loss, tot.val = meta.get("train_loss"), meta.get("val") or {}
-        info(f"resumed from {resume_from} (step {tot.step}, {tot.tokens:,} tokens)"
-             + ("; already at train.max_steps, nothing to do" if tot.step >= t.max_steps else ""))
-    elif stage.init_from is not None and stage.load == "all":
-        src = stage.init_from
+        run.info(f"resumed from {src} (step {tot.step}, {tot.tokens:,} tokens)"
+                 + ("; already at train.max_steps, nothing to do" if tot.step >= t.max_steps else ""))
+    elif run.stage.init_from is not None and run.stage.load == "all":
+        src = run.stage.init_from
         engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
                                load_lr_scheduler_states=False)
-        _reset_hyperparameters(engine, recipe, scheduler, schedule)
+        _reset_hyperparameters(engine, run.recipe)
 
-    # ---- observability ----
-    metrics = MetricsLog(run_dir, t.tensorboard, tot.step if resume_from else None, warn) if lead else None
+
+def _observe(run: _Run, out: Any) -> None:
+    """Rank 0: metrics.jsonl (+ TensorBoard), recipe.resolved.yaml, the live display. Every rank:
+    FLOPs per step and the MFU peak of all ranks together (one collective)."""
+    from ncpctl.model.accounting import exact_flops
+
+    r, d = run.recipe, run.d
+    lead, on_gpu = d.rank == 0, d.device.type != "cpu"
+    t, T, G = r.train, r.seq_len, r.global_batch_size
     if lead:
-        recipe.write_resolved(run_dir)
-    flops_per_step = exact_flops(cfg, T, G).training_per_step()
-    peak = d.sum(torch.tensor([device_peak(on_gpu)[0]], dtype=torch.float64)).item()  # all ranks together
-    entropy = unigram_entropy(train_ds.tokens, cfg.vocab_size) if lead else None
-    display = None
+        run.metrics = MetricsLog(r.run_dir, t.tensorboard, run.tot.step if run.resume_from else None, run.warn)
+        r.write_resolved(r.run_dir)
+    run.flops_per_step = exact_flops(r.model_config, T, G).training_per_step()
+    run.peak = d.sum(torch.tensor([device_peak(on_gpu)[0]], dtype=torch.float64)).item()
     if lead:
         from ncpctl.train.display import TrainDisplay
 
-        display = TrainDisplay(out.err, stage.name)
-        info(f"data: {loader.num_windows:,} train windows of {T} tokens, global batch {G} "
-             f"({micro} x {recipe.grad_accum_steps} accum x {d.world} ranks); unigram entropy {entropy:.3f} nats")
+        run.entropy = unigram_entropy(run.train_ds.tokens, r.model_config.vocab_size)
+        run.display = TrainDisplay(out.err, run.stage.name)
+        run.info(f"data: {run.loader.num_windows:,} train windows of {T} tokens, global batch {G} "
+                 f"({t.micro_batch_size} x {r.grad_accum_steps} accum x {d.world} ranks); "
+                 f"unigram entropy {run.entropy:.3f} nats")
 
-    # ---- SIGINT / SIGTERM: finish the step, save, exit cleanly ----
-    stop = {"signal": 0}
 
-    def on_signal(signum: int, frame: Any) -> None:
-        stop["signal"] = signum
+# ----------------------------------------------------------------------------- one step
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
+    """grad_accum micro-batches of (micro, T) on every rank (DeepSpeed updates at the boundary),
+    then ONE all-reduce of the step vector: log keys, statistics, flags (``StepPacking``)."""
+    r, d, engine, pk = run.recipe, run.d, run.engine, run.packing
+    t0 = time.perf_counter()
+    lr = float(engine.get_lr()[0])
+    nan = run.faults.nan(run.tot.step + 1)
+    batch = torch.from_numpy(next(run.loader))  # (micro * accum, T+1) this rank's share
+    terms = torch.zeros(pk.n_terms, device=d.device)
+    stats = torch.zeros(len(pk.stats), device=d.device)
+    for mb in batch.split(r.train.micro_batch_size):
+        x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)  # (micro, T) inputs, next tokens
+        o = engine(x, y)
+        loss = o.loss * float("nan") if nan else o.loss
+        engine.backward(loss)
+        engine.step()  # DeepSpeed applies the update at the accumulation boundary
+        terms += pk.terms(o, loss)  # an injected NaN shows in the logged loss too
+        stats += pk.stat_sums(o)
+    run.tot.step += 1
+    run.tot.tokens += r.global_batch_size * r.seq_len
+    applied = engine.was_step_applied()
+    grad_norm = engine.get_global_grad_norm()
+    flags = {"skipped": not applied, "stop": stop.signum != 0}
+    red = pk.split(d.sum(pk.join(terms / r.grad_accum_steps, stats, flags)), mean_over=d.world)
+    skipped = red.flags["skipped"] > 0 or not math.isfinite(red.terms[LOSS].item())
+    return _Step(lr, red.terms, red.stats, skipped, red.flags["stop"] > 0,
+                 None if grad_norm is None else float(grad_norm), time.perf_counter() - t0)
+
+
+def _count_nonfinite(run: _Run, step: _Step) -> None:
+    """Bad states: a skipped step is counted; train.max_nonfinite in a row stops the run (exit 2)."""
+    tot, t = run.tot, run.recipe.train
+    if not step.skipped:
+        tot.nonfinite_run = 0
+        tot.train_loss = step.terms[LOSS].item()
+        return
+    tot.nonfinite_total += 1
+    tot.nonfinite_run += 1
+    run.warn(f"step {tot.step}: non-finite loss or gradient; step skipped "
+             f"({tot.nonfinite_run} in a row, {tot.nonfinite_total} in total)")
+    if tot.nonfinite_run >= t.max_nonfinite:
+        last = f"last good checkpoint: {tot.last_good}" if tot.last_good else "no checkpoint was written"
+        raise UserError(
+            f"training diverged: {tot.nonfinite_run} non-finite steps in a row "
+            f"(steps {tot.step - tot.nonfinite_run + 1}-{tot.step}, train.max_nonfinite={t.max_nonfinite})",
+            last, hint="lower train.lr, lengthen the warmup or check the data; train.resume: auto "
+            "continues from the last good checkpoint")
+
+
+def _log_step(run: _Run, step: _Step) -> None:
+    """The train record (rank 0): the loop's numbers, then the model's log keys and the step
+    statistics, by name."""
+    r, tot = run.recipe, run.tot
+    rec = {"split": "train", "step": tot.step, "lr": step.lr, "tokens": tot.tokens, "grad_norm": step.grad_norm,
+           "step_time": step.seconds, "tokens_per_s": r.global_batch_size * r.seq_len / step.seconds,
+           "mfu": run.flops_per_step / step.seconds / run.peak, "nonfinite": tot.nonfinite_total,
+           **run.packing.record(step.terms), **step.stats}
+    run.metrics.write(rec)
+    run.display.step(rec)
+
+
+# ----------------------------------------------------------------------------- evaluate, save, finish
+
+
+def _evaluate(run: _Run, collect_codes: bool = False) -> None:
+    """Validation on train.eval_batches fixed batches: the model's log keys averaged over
+    micro-batches, batches and ranks (one collective; no statistics hook). ``collect_codes``:
+    also the per-segment code hits the codebook-usage plot shows."""
+    r, d, engine, pk, cfg = run.recipe, run.d, run.engine, run.packing, run.recipe.model_config
+    t, T, G = r.train, r.seq_len, r.global_batch_size
     S = cfg.n_segments if cfg.concept.enabled else 0
-    code_counts = None
-
-    def save() -> None:
-        meta_out = {"stage": stage.name, "tokens_seen": tot.tokens, "model_config": cfg.to_dict(),
-                    "data": {"train": loader.state_dict(), "train_prefix": str(train_ds.bin_path)[:-4]},
-                    "world_size": d.world, "zero_stage": recipe.deepspeed.zero_stage,
-                    "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
-                    "init_from": str(stage.init_from) if stage.init_from else None}
-        tot.last_good = ckpt.save(engine, root, tot.step, meta_out, recipe, rank=d.rank, keep_last=t.keep_last,
-                                  barrier=d.barrier, fault=faults)
-        tot.last_saved = tot.step
-        info(f"[dim]saved {tot.last_good}[/]")
-
-    def evaluate(collect_codes: bool = False) -> None:
-        nonlocal code_counts
-        engine.eval()
-        val = WindowLoader(val_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world)
-        batches = min(t.eval_batches, math.ceil(val.num_windows / G))
-        acc = torch.zeros(len(TERMS) + S, device=d.device)
-        counts = torch.zeros(S, cfg.concept.codes, device=d.device) if collect_codes and S else None
-        with torch.no_grad():
-            for _ in range(batches):
-                for mb in torch.from_numpy(next(val)).split(micro):  # (micro, T+1)
-                    o = engine(mb[:, :-1].to(d.device), mb[:, 1:].to(d.device))
-                    acc += _terms(o, S)
-                    if counts is not None:
-                        counts += _code_hits(engine, o.pred)
-        acc = d.sum(acc) / (d.world * batches * recipe.grad_accum_steps)
-        tot.val = {k: float(v) for k, v in zip(TERMS, acc[: len(TERMS)]) if k in _present(cfg)}
-        if counts is not None:
-            code_counts = d.sum(counts.flatten()).view(S, -1).numpy()
-        engine.train()
-        if metrics is not None:
-            metrics.write({"split": "val", "step": tot.step, **tot.val})
-        if display is not None:
-            display.message(f"step {tot.step}: val loss {tot.val['loss']:.4f}"
-                            + (f" (ntp {tot.val['ntp_loss']:.4f})" if "ncp_loss" in tot.val else ""))
-
+    engine.eval()
+    val = WindowLoader(run.val_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world)
+    batches = min(t.eval_batches, math.ceil(val.num_windows / G))
+    acc = torch.zeros(pk.n_terms, device=d.device)
+    counts = torch.zeros(S, cfg.concept.codes, device=d.device) if collect_codes and S else None
+    with torch.no_grad():
+        for _ in range(batches):
+            for mb in torch.from_numpy(next(val)).split(t.micro_batch_size):  # (micro, T+1)
+                o = engine(mb[:, :-1].to(d.device), mb[:, 1:].to(d.device))
+                acc += pk.terms(o)
+                if counts is not None:
+                    counts += _code_hits(engine, o.pred)
+    terms = pk.split_terms(d.sum(acc), mean_over=d.world * batches * r.grad_accum_steps)
+    run.tot.val = pk.scalars(terms)
+    if counts is not None:
+        run.code_counts = d.sum(counts.flatten()).view(S, -1).numpy()
     engine.train()
-    t_start, steps_start, compute_s = time.perf_counter(), tot.step, 0.0
-    if display is not None:
-        display.start(t.max_steps, tot.step)
-    try:
-        while tot.step < t.max_steps:
-            # ---- one optimizer step: grad_accum micro-batches of (micro, T) on every rank ----
-            t0 = time.perf_counter()
-            lr = float(engine.get_lr()[0])
-            batch = torch.from_numpy(next(loader))  # (micro * accum, T+1) this rank's share
-            acc = torch.zeros(len(TERMS) + S, device=d.device)
-            for mb in batch.split(micro):
-                x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)  # (micro, T) inputs, next tokens
-                o = engine(x, y)
-                loss = o.loss * float("nan") if faults.nan(tot.step + 1) else o.loss
-                engine.backward(loss)
-                engine.step()  # DeepSpeed applies the update at the accumulation boundary
-                vals = _terms(o, S)
-                if loss is not o.loss:  # the injected NaN must show in the logged loss too
-                    vals[0] = float("nan")
-                acc += vals
-            tot.step += 1
-            tot.tokens += G * T
-            skipped = not engine.was_step_applied()
-            grad_norm = engine.get_global_grad_norm()
-            # one collective per step: loss terms, code usage, "skipped", "stop"
-            flags = torch.tensor([float(skipped), float(stop["signal"] != 0)], device=d.device)
-            red = d.sum(torch.cat([acc / recipe.grad_accum_steps, flags]))
-            terms = red[: len(TERMS) + S] / d.world
-            skipped = skipped or red[-2].item() > 0 or not math.isfinite(terms[0].item())
-            step_time = time.perf_counter() - t0
-            compute_s += step_time
-            if faults.sleep:
-                time.sleep(faults.sleep)
+    if run.metrics is not None:
+        run.metrics.write({"split": "val", "step": run.tot.step, **run.tot.val})
+    if run.display is not None:
+        run.display.validation(run.tot.step, run.tot.val)
 
-            # ---- bad states: skip, count, abort after max_nonfinite in a row ----
-            if skipped:
-                tot.nonfinite_total += 1
-                tot.nonfinite_run += 1
-                warn(f"step {tot.step}: non-finite loss or gradient; step skipped "
-                     f"({tot.nonfinite_run} in a row, {tot.nonfinite_total} in total)")
-                if tot.nonfinite_run >= t.max_nonfinite:
-                    last = f"last good checkpoint: {tot.last_good}" if tot.last_good else "no checkpoint was written"
-                    raise UserError(
-                        f"training diverged: {tot.nonfinite_run} non-finite steps in a row "
-                        f"(steps {tot.step - tot.nonfinite_run + 1}-{tot.step}, train.max_nonfinite={t.max_nonfinite})",
-                        last, hint="lower train.lr, lengthen the warmup or check the data; train.resume: auto "
-                        "continues from the last good checkpoint")
-            else:
-                tot.nonfinite_run = 0
-                tot.train_loss = terms[0].item()
 
-            # ---- metrics ----
-            if metrics is not None and (tot.step % t.log_every == 0 or tot.step == t.max_steps):
-                rec = {"split": "train", "step": tot.step, "lr": lr, "tokens": tot.tokens,
-                       "grad_norm": None if grad_norm is None else float(grad_norm),
-                       "step_time": step_time, "tokens_per_s": G * T / step_time,
-                       "mfu": flops_per_step / step_time / peak, "nonfinite": tot.nonfinite_total}
-                rec.update({k: float(v) for k, v in zip(TERMS, terms[: len(TERMS)]) if k in _present(cfg)})
-                if S:
-                    usage = terms[len(TERMS):]
-                    rec["code_usage"] = float(usage.mean())
-                    rec["code_usage_per_segment"] = [round(float(u), 6) for u in usage]
-                metrics.write(rec)
-                display.step(rec)
+def _save(run: _Run) -> None:
+    """A checkpoint (collective): DeepSpeed's state plus the training state ncpctl.json records."""
+    r, tot, stage = run.recipe, run.tot, run.stage
+    meta = {"stage": stage.name, "tokens_seen": tot.tokens, "model_config": r.model_config.to_dict(),
+            "data": {"train": run.loader.state_dict(), "train_prefix": str(run.train_ds.bin_path)[:-4]},
+            "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
+            "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
+            "init_from": str(stage.init_from) if stage.init_from else None}
+    tot.last_good = ckpt.save(run.engine, run.root, tot.step, meta, r, rank=run.d.rank,
+                              keep_last=r.train.keep_last, barrier=run.d.barrier, fault=run.faults)
+    tot.last_saved = tot.step
+    run.info(f"[dim]saved {tot.last_good}[/]")
 
-            # ---- evaluation and checkpoints ----
-            last = tot.step == t.max_steps
-            if t.eval_every and tot.step % t.eval_every == 0 and not last:
-                evaluate()
-            stopping = red[-1].item() > 0
-            # no periodic save inside a non-finite streak: if the weights themselves went bad,
-            # the checkpoint before the streak is the one to go back to
-            due = t.save_every and tot.step % t.save_every == 0 and not last and tot.nonfinite_run == 0
-            if due or stopping:
-                save()
-            if stopping:
-                info(f"stopped by signal at step {tot.step}; `train.resume: auto` continues from here")
-                break
-        else:
-            if tot.last_saved != tot.step or not tot.val:
-                evaluate(collect_codes=t.plots)
-            if tot.last_saved != tot.step:
-                save()
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        if display is not None:
-            display.stop()
-        if metrics is not None:
-            metrics.close()
 
-    plots = write_plots(run_dir, code_counts, warn) if lead and t.plots else []
-    elapsed = time.perf_counter() - t_start
-    steps = tot.step - steps_start
+def _summary(run: _Run, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:
+    r, tot, stage = run.recipe, run.tot, run.stage
+    elapsed = time.perf_counter() - run.started
+    steps, compute_s = tot.step - run.first_step, run.compute_s
+    tokens_per_step = r.global_batch_size * r.seq_len
     return {
-        "stage": stage.name, "run_dir": str(run_dir), "step": tot.step, "max_steps": t.max_steps,
+        "stage": stage.name, "run_dir": str(r.run_dir), "step": tot.step, "max_steps": r.train.max_steps,
         "tokens": tot.tokens, "train_loss": tot.train_loss, "val": tot.val,
-        "unigram_entropy": entropy, "parameters": n_params, "trainable_parameters": n_trainable,
+        "unigram_entropy": run.entropy, "parameters": run.n_params, "trainable_parameters": run.n_trainable,
         "steps_run": steps, "seconds": round(elapsed, 2),
         "steps_per_s": steps / compute_s if compute_s else None,
-        "tokens_per_s": steps * G * T / compute_s if compute_s else None,
-        "mfu": flops_per_step * steps / compute_s / peak if compute_s else None,
-        "nonfinite_steps": tot.nonfinite_total, "interrupted": bool(stop["signal"]),
+        "tokens_per_s": steps * tokens_per_step / compute_s if compute_s else None,
+        "mfu": run.flops_per_step * steps / compute_s / run.peak if compute_s else None,
+        "nonfinite_steps": tot.nonfinite_total, "interrupted": interrupted,
         "checkpoint": str(tot.last_good) if tot.last_good else None,
-        "resumed_from": str(resume_from) if resume_from else None,
+        "resumed_from": str(run.resume_from) if run.resume_from else None,
         "init_from": str(stage.init_from) if stage.init_from else None,
-        "world_size": d.world, "zero_stage": recipe.deepspeed.zero_stage, "bf16": bf16,
+        "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage, "bf16": run.bf16,
         "plots": plots,
     }
-
-
-def _present(cfg: Any) -> tuple[str, ...]:
-    """The logged terms this model has (no concept terms without the concept path)."""
-    return TERMS if cfg.concept.enabled else ("loss", "ntp_loss")
 
 
 def _code_hits(engine: Any, pred: torch.Tensor) -> torch.Tensor:
@@ -554,12 +694,12 @@ def _code_hits(engine: Any, pred: torch.Tensor) -> torch.Tensor:
     return counts
 
 
-def _reset_hyperparameters(engine: Any, recipe: Recipe, scheduler: Any, schedule: Callable[[int], float]) -> None:
+def _reset_hyperparameters(engine: Any, recipe: Recipe) -> None:
     """midtrain with ``load: all``: the optimizer *state* comes from the checkpoint, but lr,
     betas, eps and weight decay are this recipe's (the loaded param groups carry the old ones)."""
-    t = recipe.train
+    t, schedule = recipe.train, lr_schedule(recipe)
     opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the ZeRO wrapper's inner torch AdamW
     for g in opt.param_groups:
         g.update(lr=t.lr * schedule(0), initial_lr=t.lr, betas=(t.betas[0], t.betas[1]), eps=t.eps,
                  weight_decay=t.weight_decay if g.get("name", "decay") == "decay" else 0.0)
-    scheduler.base_lrs = [t.lr] * len(opt.param_groups)
+    engine.lr_scheduler.base_lrs = [t.lr] * len(opt.param_groups)  # our LambdaLR (deepspeed.initialize keeps it)

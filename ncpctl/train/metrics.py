@@ -1,11 +1,15 @@
 """Observability: ``run.dir/metrics.jsonl`` (always), TensorBoard (when asked and installed),
 the MFU peak, the unigram-entropy baseline, and the ``train.plots`` PNGs.
 
-metrics.jsonl holds one JSON object per line. Training records (``"split": "train"``):
-step, lr, loss, ntp_loss, ncp_loss, vq_loss, grad_norm, tokens, tokens_per_s, step_time,
-mfu, code_usage (mean over segments), code_usage_per_segment, code_perplexity, ncp_code_acc,
-nonfinite (skipped steps so far). Validation records (``"split": "val"``): step, loss and
-the same loss terms. The names are the recipe's and the model's (one vocabulary).
+metrics.jsonl holds one JSON object per line. Training records (``"split": "train"``): the
+loop's step, lr, tokens, grad_norm, step_time, tokens_per_s, mfu, nonfinite (skipped steps so
+far), then the model's log keys (``NCPModel.log_keys()``; per-segment vectors as their mean,
+and for keys logged per element also ``{name}_per_{per}``) and its step statistics
+(``stat_keys()``, totals). For the shipped models: loss, ntp_loss, ncp_loss, vq_loss,
+code_perplexity, ncp_code_acc, code_usage (mean over segments), code_usage_per_segment.
+Validation records (``"split": "val"``): step and the means of the log keys not logged per
+element. The names are the recipe's and the model's (one vocabulary); the code here lists
+none of them.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any) -> list[str]:
-    """``loss_curves.png`` (train loss terms and validation loss against step) and
+    """``loss_curves.png`` (train loss terms and validation losses against step) and
     ``codebook_usage.png`` (one panel per codebook segment: how often each code is the nearest
     code of a predicted concept over the final validation pass, sorted; ConceptLM Fig. 5).
     Returns the file names written."""
@@ -126,7 +130,9 @@ def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any) -> lis
     train = [r for r in records if r.get("split") == "train"]
     val = [r for r in records if r.get("split") == "val"]
     written = []
-    terms = [k for k in ("loss", "ntp_loss", "ncp_loss", "vq_loss") if any(r.get(k) is not None for r in train)]
+    # one panel per loss term: the total, then every `*_loss` the model logs, in record order
+    keys = dict.fromkeys(k for r in train for k in r if k == "loss" or k.endswith("_loss"))
+    terms = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in train)]
     fig, axes = plt.subplots(1, len(terms), figsize=(4 * len(terms), 3.2), squeeze=False)
     for ax, key in zip(axes[0], terms):
         pts = [(r["step"], r[key]) for r in train if r.get(key) is not None and math.isfinite(r[key])]

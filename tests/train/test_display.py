@@ -1,0 +1,34 @@
+"""The live display is generic over the model's log keys: every ``*_loss`` term is shown,
+today's keys exactly as before."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from ncpctl.train.display import TrainDisplay
+
+REC = {"split": "train", "step": 3, "lr": 1e-3, "tokens": 768, "tokens_per_s": 12345.0, "mfu": 0.2, "nonfinite": 0,
+       "loss": 5.5, "ntp_loss": 5.25, "ncp_loss": 0.125, "vq_loss": 0.0625, "code_perplexity": 2.0,
+       "code_usage": 0.25, "code_usage_per_segment": [0.25, 0.25]}
+
+
+def _shown(rec: dict, val: dict) -> tuple[str, str]:
+    buf = io.StringIO()
+    display = TrainDisplay(Console(file=buf, width=300, force_terminal=False), "pretrain")
+    display.start(10, 0)
+    display.step(rec)
+    terms = display.progress.tasks[0].fields["terms"]
+    display.validation(rec["step"], val)
+    display.stop()
+    return terms, buf.getvalue()
+
+
+def test_todays_keys_and_a_new_loss_term() -> None:
+    terms, out = _shown(REC, {"loss": 5.5, "ntp_loss": 5.25, "ncp_loss": 0.125, "vq_loss": 0.0625})
+    assert terms == "loss 5.5000  ntp 5.2500  ncp 0.1250  vq 0.0625  codes 25%  lr 1.00e-03  12,345 tok/s  MFU 20.0%"
+    assert "step 3: val loss 5.5000 (ntp 5.2500)" in out
+    terms, out = _shown({**REC, "balance_loss": 0.5}, {"loss": 5.5, "ntp_loss": 5.5})  # base model: one term
+    assert "vq 0.0625  balance 0.5000  codes 25%" in terms
+    assert "step 3: val loss 5.5000\n" in out
