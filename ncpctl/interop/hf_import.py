@@ -48,23 +48,12 @@ def read_hf_state_dict(directory: Path) -> dict[str, Any]:
     raise UserError(f"{directory}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
 
 
-def load_hf_pretrained(directory: str | Path, *, concept: dict[str, Any] | None = None,
-                       zero_concept_output: bool = False, **model_overrides: Any):
-    """An ``NCPModel`` (fp32, CPU, train mode) initialised from the HF directory.
-
-    ``concept``: ``ConceptConfig`` fields (e.g. ``{"enabled": True, "k": 4, "encoder_layers": 1,
-    "copy_concept_layers_from_base": True}``); ``model_overrides``: other ``ModelConfig``
-    fields (``extra_token_layers``, ``max_seq_len``, ``vocab_size``, ...)."""
-    import torch
+def _config(d: Path, concept: dict[str, Any] | None, model_overrides: dict[str, Any]):
     from transformers import AutoConfig
 
     from ncpctl.model.config import ConfigError
-    from ncpctl.model.hf import config_from_hf, load_hf_state_dict
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.hf import config_from_hf
 
-    d = Path(directory)
-    if not (d / "config.json").is_file():
-        raise UserError(f"{d}: not a Hugging Face model directory (no config.json)")
     try:
         hf_cfg = AutoConfig.from_pretrained(str(d), local_files_only=True)
     except (OSError, ValueError) as e:
@@ -73,9 +62,31 @@ def load_hf_pretrained(directory: str | Path, *, concept: dict[str, Any] | None 
     if concept is not None:
         overrides["concept"] = dict(concept)
     try:
-        cfg = config_from_hf(hf_cfg, **overrides)
+        return config_from_hf(hf_cfg, **overrides)
     except ConfigError as e:
         raise UserError(*(f"{d / 'config.json'}: {k}: {m}" for k, m in e.problems)) from None
+
+
+def load_hf_pretrained(directory: str | Path, *, cfg: Any = None, concept: dict[str, Any] | None = None,
+                       zero_concept_output: bool = False, **model_overrides: Any):
+    """An ``NCPModel`` (fp32, CPU, train mode) initialised from the HF directory.
+
+    ``cfg``: the ``ModelConfig`` to build, already resolved (the recipe loader does that for
+    ``midtrain``); else it is derived here from the HF config with ``concept``: ``ConceptConfig``
+    fields (e.g. ``{"enabled": True, "k": 4, "encoder_layers": 1,
+    "copy_concept_layers_from_base": True}``) and ``model_overrides``: other ``ModelConfig``
+    fields (``extra_token_layers``, ``max_seq_len``, ``vocab_size``, ...)."""
+    import torch
+
+    from ncpctl.model.config import ConfigError
+    from ncpctl.model.hf import load_hf_state_dict
+    from ncpctl.model.model import NCPModel
+
+    d = Path(directory)
+    if not (d / "config.json").is_file():
+        raise UserError(f"{d}: not a Hugging Face model directory (no config.json)")
+    if cfg is None:
+        cfg = _config(d, concept, model_overrides)
     model = NCPModel(cfg)
     try:
         missing = load_hf_state_dict(model, read_hf_state_dict(d))

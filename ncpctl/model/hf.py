@@ -95,9 +95,14 @@ def _rope(hf) -> dict[str, Any]:
     return rp
 
 
+HF_MODEL_TYPES = ("gpt_neox", "llama", "qwen3")  # the HF model types config_from_hf reads
+
+
 def config_from_hf(hf, **overrides: Any) -> ModelConfig:
     """A ``ModelConfig`` for the HF config ``hf`` (``overrides`` add e.g. ``concept=...``)."""
     mt = hf.model_type
+    if mt not in HF_MODEL_TYPES:  # before reading any field: other types name them differently
+        raise ConfigError([("model_type", f"unsupported HF model type {mt!r} ({', '.join(HF_MODEL_TYPES)})")])
     d, H = hf.hidden_size, hf.num_attention_heads
     base = dict(
         name=getattr(hf, "name_or_path", "") or mt, vocab_size=hf.vocab_size, d_model=d,

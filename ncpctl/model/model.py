@@ -186,7 +186,8 @@ class NCPModel(nn.Module):
 
     def on_step_end(self, stats: dict[str, float]) -> None:
         """The per-step hook: ``stats`` are the totals of ``NCPOutput.stats`` over every
-        micro-batch of the step on every rank (called on every rank after the step)."""
+        micro-batch of the step on every rank; the loop calls it on every rank after each
+        applied optimizer step (not after a step skipped for a non-finite loss)."""
         for m in self._stat_modules():
             if m.stat_keys():
                 m.on_step_end({k: stats[k] for k in m.stat_keys()})

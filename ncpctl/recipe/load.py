@@ -429,9 +429,6 @@ def _init_from_model(train: Any) -> ModelConfig | None:
 
 # the HF model types ncpctl.model.hf.config_from_hf converts (checked first: it reads
 # attributes such as intermediate_size that other configs, GPT-2's, do not have)
-HF_MODEL_TYPES = ("gpt_neox", "llama", "qwen3")
-
-
 def _init_from_hf(train: Any) -> bool:
     if train is None or not train.init_from:
         return False
@@ -453,7 +450,7 @@ def _hf_init_config(model: Any, directory: str, problems: list[Problem]) -> Mode
         return None
     from transformers import AutoConfig  # only here: loading any other recipe stays light
 
-    from ncpctl.model.hf import config_from_hf
+    from ncpctl.model.hf import HF_MODEL_TYPES, config_from_hf
 
     try:
         hf = AutoConfig.from_pretrained(str(directory), local_files_only=True)

@@ -473,16 +473,10 @@ def _build_model(recipe: Recipe, stage: Stage, *, fresh: bool, info: Callable[[s
 
 def _hf_model(directory: Path, cfg: Any, zero_concept_output: bool) -> torch.nn.Module:
     """The Hugging Face weights in ``cfg``, which the recipe loader resolved from the HF config
-    plus the recipe's keys. Every field of ``cfg`` goes in as an override, so
-    ``load_hf_pretrained`` builds exactly ``cfg`` (and runs its weight checks)."""
+    plus the recipe's keys (``load_hf_pretrained`` runs its weight checks)."""
     from ncpctl.interop.hf_import import load_hf_pretrained
 
-    fields = cfg.to_dict()
-    model = load_hf_pretrained(directory, concept=fields.pop("concept"), zero_concept_output=zero_concept_output,
-                               **fields)
-    if model.cfg != cfg:
-        raise RuntimeError(f"{directory}: the imported model's config differs from the recipe's resolved one")
-    return model
+    return load_hf_pretrained(directory, cfg=cfg, zero_concept_output=zero_concept_output)
 
 
 def _build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable[[str], None]) -> tuple[Any, bool]:
@@ -630,8 +624,8 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
             for mb in torch.from_numpy(next(val)).split(t.micro_batch_size):  # (micro, T+1)
                 o = engine(mb[:, :-1].to(d.device), mb[:, 1:].to(d.device))
                 acc += pk.terms(o)
-                if counts is not None:
-                    counts += _code_hits(engine, o.pred)
+                if counts is not None and o.pred is not None:
+                    counts += _code_hits(engine, o.concept)
     terms = pk.split_terms(d.sum(acc), mean_over=d.world * batches * r.grad_accum_steps)
     run.tot.val = pk.scalars(terms)
     if counts is not None:
@@ -679,8 +673,9 @@ def _summary(run: _Run, *, interrupted: bool, plots: list[str]) -> dict[str, Any
     }
 
 
-def _code_hits(engine: Any, pred: torch.Tensor) -> torch.Tensor:
-    """(S, N) counts of the nearest code of each predicted concept (B, M, d), per segment."""
+def _code_hits(engine: Any, co: Any) -> torch.Tensor:
+    """(S, N) counts of the nearest code of each predicted concept ``co.pred`` (B, M, d), per
+    segment; a row's padding concepts (``co.segments.valid`` false) are not counted."""
     import deepspeed
 
     from ncpctl.model.concept import nearest_code
@@ -688,9 +683,13 @@ def _code_hits(engine: Any, pred: torch.Tensor) -> torch.Tensor:
     cb = engine.module.concept.codebook
     with deepspeed.zero.GatheredParameters(list(cb.parameters())):  # no-op below ZeRO-3
         codes = cb().detach()  # (S, N, ds)
-    idx = nearest_code(pred.detach(), codes).reshape(-1, codes.shape[0])  # (B*M, S)
+    idx = nearest_code(co.pred.detach(), codes).reshape(-1, codes.shape[0])  # (B*M, S)
+    valid = co.segments.valid
+    ones = torch.ones(idx.t().shape, device=idx.device)
+    if valid is not None:
+        ones = ones * valid.reshape(1, -1).to(ones.dtype)
     counts = codes.new_zeros(codes.shape[0], codes.shape[1], dtype=torch.float32)
-    counts.scatter_add_(1, idx.t(), torch.ones(idx.t().shape, device=counts.device))
+    counts.scatter_add_(1, idx.t(), ones)
     return counts
 
 

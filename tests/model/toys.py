@@ -141,7 +141,15 @@ class CountingSegmenter(FixedBlocks):
         return seg
 
     def on_step_end(self, stats):
+        """Keeps the totals; with $NCP_TOY_STATS set, also appends them to $NCP_TOY_STATS.<rank>
+        (so a test of the real CLI sees what every rank's hook received)."""
+        import json
+        import os
+
         self.last_totals = dict(stats)
+        if os.environ.get("NCP_TOY_STATS"):
+            with open(f"{os.environ['NCP_TOY_STATS']}.{os.environ.get('RANK', '0')}", "a") as f:
+                f.write(json.dumps(self.last_totals) + "\n")
 
 
 register("segmentation", "alt23", Alternating23)
