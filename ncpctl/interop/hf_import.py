@@ -79,7 +79,7 @@ def load_hf_pretrained(directory: str | Path, *, cfg: Any = None, concept: dict[
     import torch
 
     from ncpctl.model.config import ConfigError
-    from ncpctl.model.hf import load_hf_state_dict
+    from ncpctl.model.hf import fresh_keys, load_hf_state_dict
     from ncpctl.model.model import NCPModel
 
     d = Path(directory)
@@ -92,9 +92,7 @@ def load_hf_pretrained(directory: str | Path, *, cfg: Any = None, concept: dict[
         missing = load_hf_state_dict(model, read_hf_state_dict(d))
     except (ConfigError, KeyError, RuntimeError) as e:
         raise UserError(f"{d}: weights do not fit the config ({str(e).splitlines()[0]})") from None
-    expected = ("concept.",) + tuple(f"decoder.{i}." for i in range(cfg.decoder_layers - cfg.extra_token_layers,
-                                                                     cfg.decoder_layers))
-    unexpected_missing = [k for k in missing if not k.startswith(expected)]
+    unexpected_missing = [k for k in missing if not k.startswith(fresh_keys(cfg))]
     if unexpected_missing:
         raise UserError(f"{d}: the HF weights lack {', '.join(sorted(unexpected_missing)[:4])}"
                         + (" ..." if len(unexpected_missing) > 4 else ""))

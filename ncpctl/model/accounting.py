@@ -361,6 +361,7 @@ PARAM_GROUPS = (
 
 _PREFIXES = (
     ("embed.", "embeddings"),
+    ("pos_embed.", "embeddings"),  # gpt2: learned absolute positions
     ("lm_head.", "lm_head"),
     ("encoder.", "token_layers"),
     ("decoder.", "token_layers"),
@@ -380,14 +381,20 @@ def _param_group(name: str) -> str:
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Exact parameter counts of ``NCPModel(cfg)`` by component (tied weights counted once)."""
+    """Exact parameter counts of ``NCPModel(cfg)`` by component (tied weights counted once).
+
+    ``unpadded_total``: the same without the padding rows of the embedding and LM head
+    (``padded_vocab_size - vocab_size`` rows each, once when tied): the count of the HF model
+    with the real vocabulary (GPT-2 124M: 124,439,808 at vocab 50257)."""
 
     components: dict[str, int]
     total: int
     trainable: int
+    unpadded_total: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"components": dict(self.components), "total": self.total, "trainable": self.trainable}
+        return {"components": dict(self.components), "total": self.total, "trainable": self.trainable,
+                "unpadded_total": self.unpadded_total}
 
 
 def count_parameters(cfg: ModelConfig) -> ParamCounts:
@@ -406,7 +413,9 @@ def count_parameters(cfg: ModelConfig) -> ParamCounts:
         total += n
         if p.requires_grad:
             trainable += n
-    return ParamCounts(components=comps, total=total, trainable=trainable)
+    pad_rows = (cfg.padded_vocab_size - cfg.vocab_size) * (1 if cfg.tie_embeddings else 2)
+    return ParamCounts(components=comps, total=total, trainable=trainable,
+                       unpadded_total=total - pad_rows * cfg.d_model)
 
 
 # --------------------------------------------------------------------------------------

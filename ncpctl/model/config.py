@@ -26,7 +26,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-Backbone = Literal["neox", "llama"]
+Backbone = Literal["neox", "llama", "gpt2"]
+BACKBONES = ("neox", "llama", "gpt2")
+ROPE_TYPES = ("llama3",)  # rope_scaling types rope() implements (HF's names)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,21 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "residual": {"plain": ".layers:PlainResidual"},
 }
 LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS}
+
+
+def _check_rope_scaling(rs: Any) -> list[tuple[str, str]]:
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if not isinstance(rs, dict) or rs.get("rope_type") not in ROPE_TYPES:
+        got = rs.get("rope_type") if isinstance(rs, dict) else rs
+        return [("rope_scaling", f"rope_type {got!r} is not supported (supported: {', '.join(ROPE_TYPES)})")]
+    bad = [k for k in keys if not isinstance(rs.get(k), (int, float)) or isinstance(rs.get(k), bool) or rs[k] <= 0]
+    extra = sorted(set(rs) - {"rope_type", *keys})
+    out = [("rope_scaling", f"{k}: a positive number is required") for k in bad]
+    if extra:
+        out.append(("rope_scaling", f"unknown llama3 field(s): {', '.join(extra)}"))
+    if not bad and rs["high_freq_factor"] <= rs["low_freq_factor"]:
+        out.append(("rope_scaling", "high_freq_factor must exceed low_freq_factor"))
+    return out
 
 
 def register(kind: str, name: str, cls: Any = None) -> Any:
@@ -162,18 +179,23 @@ class ModelConfig:
     """One NCP model. With ``concept.enabled`` false it is exactly the HF backbone."""
 
     name: str = _f("custom", "Name recorded in checkpoints (default: the size).")
-    backbone: Backbone = _f("neox", "neox (Pythia: LayerNorm, parallel residual, partial rotary, GELU) or "
-                                    "llama (RMSNorm, SwiGLU, RoPE, GQA).")
+    backbone: Backbone = _f("neox", "neox (Pythia: LayerNorm, parallel residual, partial rotary, GELU), "
+                                    "llama (RMSNorm, SwiGLU, RoPE, GQA) or gpt2 (LayerNorm, learned absolute "
+                                    "positions, tanh GELU, biases, HF's GPT2LMHeadModel).")
     vocab_size: int = _f(50304, "Real vocabulary (default: the tokenizer's); the embedding holds padded_vocab_size.")
     pad_vocab_multiple: int = _f(128, "Pad the embedding/LM head rows to a multiple of this.")
     d_model: int = _f(768, "Hidden size d.")
     n_layers: int = _f(12, "Backbone token layers (E + D; PM adds extra_token_layers).")
     n_heads: int = _f(12, "Attention heads.")
     n_kv_heads: int | None = _f(None, "Key/value heads for GQA; null = n_heads.")
-    ffn_dim: int | None = _f(None, "MLP width; null = 4*d (neox) or 8/3*d rounded to 256 (llama).")
-    max_seq_len: int = _f(2048, "Longest sequence the model is built for.")
-    rotary_pct: float | None = _f(None, "Fraction of head dims with rotary; null = 0.25 (neox) / 1.0 (llama).")
+    ffn_dim: int | None = _f(None, "MLP width; null = 4*d (neox, gpt2) or 8/3*d rounded to 256 (llama).")
+    max_seq_len: int = _f(2048, "Longest sequence the model is built for (gpt2: rows of the position embedding).")
+    rotary_pct: float | None = _f(None, "Fraction of head dims with rotary; null = 0.25 (neox) / 1.0 (llama) / "
+                                        "0 (gpt2: no rotary, learned absolute positions).")
     rope_base: float = _f(10000.0, "RoPE base (theta).")
+    rope_scaling: dict | None = _f(
+        None, "RoPE frequency scaling as HF's rope_parameters: {rope_type: llama3, factor, low_freq_factor, "
+        "high_freq_factor, original_max_position_embeddings} (Llama-3.1); null = none.")
     norm_eps: float = _f(1e-5, "Epsilon of LayerNorm/RMSNorm.")
     parallel_residual: bool | None = _f(None, "GPT-NeoX parallel attention+MLP residual; null = true for neox.")
     bias: bool | None = _f(None, "Biases in linear layers; null = true for neox, false for llama.")
@@ -182,8 +204,16 @@ class ModelConfig:
         "none", "RMSNorm on queries/keys: over the whole projection (layer, OLMo-2) or per head (head, Qwen3).")
     sliding_window: int | None = _f(None, "Sliding-window attention width; null = full attention everywhere.")
     full_attn_every: int = _f(1, "With a sliding window: every n-th layer (n, 2n, ...) attends fully.")
-    init_std: float = _f(0.02, "Std of the normal init of matrices and embeddings.")
+    init_std: float = _f(0.02, "Std of the normal init of matrices and embeddings (init: hf).")
+    init: Literal["hf", "gpt-neox"] = _f(
+        "hf", "Weight init: hf = N(0, init_std) everywhere; gpt-neox = Pythia's (small_init N(0, sqrt(2/(5d))), "
+        "wang_init N(0, 2/(L*sqrt(d))) on the attention and MLP output projections).")
     extra_token_layers: int = _f(0, "Extra token layers: 2 = the parameter-matched (PM) baseline.")
+    extra_token_layers_at: int | None = _f(
+        None, "Where the extra token layers go: before backbone layer i (0 = at the bottom); null = on top.")
+    copy_extra_layers_from_base: bool = _f(
+        False, "HF import: initialise the extra token layers from the base's first extra_token_layers layers "
+        "(ConceptLM 8B's PM baseline); else fresh.")
     residual: str = _f(
         "plain", "How each stack's layer outputs become the next layer's input: plain = x + f(x), or a registered "
         "depth mixer / package.module:Class (docs/architecture.md).")
@@ -203,6 +233,8 @@ class ModelConfig:
     # None = full attention. Layer n (1-based, in its stack) is full when n % full_attn_every == 0.
     token_windows: tuple = field(init=False)
     concept_windows: tuple = field(init=False)
+    learned_positions: bool = field(init=False)  # gpt2: a (max_seq_len, d) position embedding, no RoPE
+    extra_layers: tuple = field(init=False)  # token-layer indices of PM's extra layers
 
     def __post_init__(self) -> None:
         if isinstance(self.concept, dict):
@@ -216,38 +248,12 @@ class ModelConfig:
 
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "pad_vocab_multiple"):
             need_pos(name, getattr(self, name))
-        if self.backbone not in ("neox", "llama"):
-            problems.append(("backbone", f"must be 'neox' or 'llama', got {self.backbone!r}"))
+        if self.backbone not in BACKBONES:
+            problems.append(("backbone", f"must be one of {', '.join(BACKBONES)}, got {self.backbone!r}"))
         if problems:  # the rest divides by these
             raise ConfigError(problems)
-
-        neox = self.backbone == "neox"
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.ffn_dim is None:
-            self.ffn_dim = 4 * self.d_model if neox else _round_up(int(8 * self.d_model / 3), 256)
-        if self.rotary_pct is None:
-            self.rotary_pct = 0.25 if neox else 1.0
-        if self.parallel_residual is None:
-            self.parallel_residual = neox
-        if self.bias is None:
-            self.bias = neox
-
-        if self.d_model % self.n_heads:
-            problems.append(("n_heads", f"{self.n_heads} does not divide d_model={self.d_model}"))
-        if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
-            problems.append(("n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}"))
-        if not 0.0 < self.rotary_pct <= 1.0:
-            problems.append(("rotary_pct", f"must be in (0, 1], got {self.rotary_pct}"))
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            problems.append(("sliding_window", f"must be positive, got {self.sliding_window}"))
-        if self.full_attn_every <= 0:
-            problems.append(("full_attn_every", f"must be positive, got {self.full_attn_every}"))
-        if self.extra_token_layers < 0:
-            problems.append(("extra_token_layers", f"must be >= 0, got {self.extra_token_layers}"))
-        if self.qk_norm not in ("none", "layer", "head"):
-            problems.append(("qk_norm", f"must be none, layer or head, got {self.qk_norm!r}"))
-
+        self._backbone_defaults()
+        problems += self._check_shapes()
         self.padded_vocab_size = _round_up(self.vocab_size, self.pad_vocab_multiple)
         self.head_dim = self.d_model // self.n_heads
         # HF GPT-NeoX: rotary_ndims = int(head_size * rotary_pct)
@@ -255,6 +261,8 @@ class ModelConfig:
         if self.rotary_dim % 2:
             problems.append(("rotary_pct", f"gives an odd rotary dimension {self.rotary_dim}"))
         self.n_token_layers = self.n_layers + self.extra_token_layers
+        at = self.n_layers if self.extra_token_layers_at is None else self.extra_token_layers_at
+        self.extra_layers = tuple(range(at, at + self.extra_token_layers))
 
         self.n_segments = c.segments if c.segments is not None else self.n_heads
         self.segment_dim = self.d_model // self.n_segments if self.n_segments > 0 else 0
@@ -312,6 +320,48 @@ class ModelConfig:
             self.decoder_layers = self.n_token_layers
             self.block_equivalents = float(self.n_token_layers)
 
+    def _backbone_defaults(self) -> None:
+        """The backbone's values of the keys left null."""
+        llama = self.backbone == "llama"
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_dim is None:
+            self.ffn_dim = _round_up(int(8 * self.d_model / 3), 256) if llama else 4 * self.d_model
+        if self.rotary_pct is None:
+            self.rotary_pct = {"neox": 0.25, "llama": 1.0, "gpt2": 0.0}[self.backbone]
+        if self.parallel_residual is None:
+            self.parallel_residual = self.backbone == "neox"
+        if self.bias is None:
+            self.bias = not llama
+        self.learned_positions = self.backbone == "gpt2"
+
+    def _check_shapes(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.d_model % self.n_heads:
+            problems.append(("n_heads", f"{self.n_heads} does not divide d_model={self.d_model}"))
+        if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+            problems.append(("n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}"))
+        if self.learned_positions and self.rotary_pct != 0.0:
+            problems.append(("rotary_pct", f"gpt2 has learned absolute positions, no rotary: must be 0, got {self.rotary_pct}"))
+        elif not self.learned_positions and not 0.0 < self.rotary_pct <= 1.0:
+            problems.append(("rotary_pct", f"must be in (0, 1], got {self.rotary_pct}"))
+        if self.rope_scaling is not None:
+            problems += _check_rope_scaling(self.rope_scaling)
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            problems.append(("sliding_window", f"must be positive, got {self.sliding_window}"))
+        if self.full_attn_every <= 0:
+            problems.append(("full_attn_every", f"must be positive, got {self.full_attn_every}"))
+        if self.extra_token_layers < 0:
+            problems.append(("extra_token_layers", f"must be >= 0, got {self.extra_token_layers}"))
+        at = self.extra_token_layers_at
+        if at is not None and (not isinstance(at, int) or not 0 <= at <= self.n_layers):
+            problems.append(("extra_token_layers_at", f"must be between 0 and n_layers={self.n_layers}, got {at!r}"))
+        if self.qk_norm not in ("none", "layer", "head"):
+            problems.append(("qk_norm", f"must be none, layer or head, got {self.qk_norm!r}"))
+        if self.init not in ("hf", "gpt-neox"):
+            problems.append(("init", f"must be hf or gpt-neox, got {self.init!r}"))
+        return problems
+
     def _window(self, number: int) -> int | None:
         """Sliding window of the 1-based layer ``number`` in its stack; every n-th layer is full."""
         if self.sliding_window is None or number % self.full_attn_every == 0:
@@ -360,6 +410,19 @@ SIZES: dict[str, dict[str, Any]] = {
     "pythia-70m": dict(backbone="neox", vocab_size=50304, d_model=512, n_layers=6, n_heads=8, max_seq_len=2048),
     "pythia-160m": dict(backbone="neox", vocab_size=50304, d_model=768, n_layers=12, n_heads=12, max_seq_len=2048),
     "pythia-410m": dict(backbone="neox", vocab_size=50304, d_model=1024, n_layers=24, n_heads=16, max_seq_len=2048),
+    # GPT-2 (HF GPT2LMHeadModel): vocab 50257 (padded to 50304 unless pad_vocab_multiple: 1), 1024
+    # positions, tied embeddings; ConceptLM's main GPT-2 setting pools the input of block 0
+    # (token + position embeddings, E = 0) and adds with norms (add: normed), paper Sec. 4 / App. E.1.
+    **{name: dict(backbone="gpt2", vocab_size=50257, d_model=d, n_layers=L, n_heads=H, max_seq_len=1024,
+                  tie_embeddings=True, concept=dict(encoder_layers=0, add="normed"))
+       for name, d, L, H in (("gpt2-124m", 768, 12, 12), ("gpt2-355m", 1024, 24, 16),
+                             ("gpt2-774m", 1280, 36, 20), ("gpt2-1.5b", 1600, 48, 25))},
+    # Llama-3.1-8B (the ConceptLM paper's 8B continual pre-training base, Table 3).
+    "llama3.1-8b": dict(
+        backbone="llama", vocab_size=128256, pad_vocab_multiple=1, d_model=4096, n_layers=32, n_heads=32,
+        n_kv_heads=8, ffn_dim=14336, max_seq_len=131072, rope_base=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)),
     # NCP-ArchPreview 8.94B: E/C/D = 16/8/16 (spec section 4).
     "ncp-archpreview-8.9b": dict(
         backbone="llama", vocab_size=100278, d_model=4096, n_layers=32, n_heads=32, ffn_dim=11008,

@@ -106,7 +106,7 @@ def prefill(model, tokens: torch.Tensor, lengths, max_len: int | None, ivs: list
     slots = torch.arange(Tp, device=dev)
     valid = slots[None] >= st.pad_t[:, None]  # (B, Tp) real tokens
     positions = (slots[None] - st.pad_t[:, None]).clamp_min(0)  # (B, Tp)
-    x = model.embed_tokens(tokens)  # (B, Tp, d)
+    x = model.embed_tokens(tokens, positions)  # (B, Tp, d)
     cos, sin = rope(positions, cfg, x.dtype)
     masks = {w: attn_mask(slots[None], slots[None], w, valid) for w in set(cfg.token_windows)}
     enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=0, length=Tp), positions, x, st)
@@ -151,8 +151,8 @@ def step(model, st: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
     if st.capacity is not None and s >= st.capacity:
         raise ValueError(f"decode state is full ({st.capacity} slots); prefill with a larger max_len")
     dev = tokens.device
-    x = model.embed_tokens(tokens[:, None])  # (B, 1, d)
     pos = (s - st.pad_t)[:, None]  # (B, 1) the new token's position per row
+    x = model.embed_tokens(tokens[:, None], pos)  # (B, 1, d)
     cos, sin = rope(pos, model.cfg, x.dtype)
     keys = torch.arange(s + 1, device=dev)
     valid = keys[None] >= st.pad_t[:, None]  # (B, s+1)

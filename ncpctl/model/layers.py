@@ -20,6 +20,7 @@ per-layer additions) from one ``Context``, and can return the state after every 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,7 +48,7 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
-    return nn.LayerNorm(dim, eps=cfg.norm_eps) if cfg.backbone == "neox" else RMSNorm(dim, cfg.norm_eps)
+    return RMSNorm(dim, cfg.norm_eps) if cfg.backbone == "llama" else nn.LayerNorm(dim, eps=cfg.norm_eps)
 
 
 # ---- rotary position embedding ---------------------------------------------------------
@@ -60,11 +61,30 @@ def rope(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> tuple
     per-row positions (ragged decoding, concept positions scaled by k) and is unaffected
     by ``model.to(dtype)`` or meta-device construction.
     """
-    rd = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float, device=positions.device) / rd))
-    freqs = positions[..., None].float() * inv_freq  # (B, T, rd/2)
+    freqs = positions[..., None].float() * inv_freq(cfg, positions.device)  # (B, T, rd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, rd)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
+    """(rotary_dim / 2,) RoPE frequencies, with ``rope_scaling`` applied as HF computes it.
+
+    llama3 (Llama-3.1): wavelengths longer than original_max / low_freq_factor are divided by
+    ``factor``, shorter than original_max / high_freq_factor kept, and those between
+    interpolated smoothly (transformers ``_compute_llama3_parameters``)."""
+    rd = cfg.rotary_dim
+    f = 1.0 / (cfg.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float, device=device) / rd))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return f
+    factor, lo, hi, old = (rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                            "original_max_position_embeddings"))
+    wavelen = 2 * math.pi / f
+    scaled = torch.where(wavelen > old / lo, f / factor, f)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -243,6 +263,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = window
         self.qk_norm = cfg.qk_norm
+        self.rotary = cfg.rotary_dim > 0  # gpt2: learned absolute positions, nothing to rotate
         q_dim, kv_dim = self.n_heads * self.hd, self.n_kv * self.hd
         self.qkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=cfg.bias)
         self.proj = nn.Linear(q_dim, cfg.d_model, bias=cfg.bias)
@@ -254,7 +275,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv, self.hd
-        if self.qk_norm == "none":  # q and k are adjacent in qkv: rotate both in one pass
+        if self.rotary and self.qk_norm == "none":  # q and k are adjacent in qkv: rotate both in one pass
             qk, v = self.qkv(x).split([(H + Hkv) * hd, Hkv * hd], dim=-1)
             qk = apply_rope(qk.view(B, T, H + Hkv, hd), cos.transpose(1, 2), sin.transpose(1, 2))
             q, k = qk.split([H, Hkv], dim=2)
@@ -266,7 +287,9 @@ class Attention(nn.Module):
             q, k = q.view(B, T, H, hd), k.view(B, T, Hkv, hd)
             if self.qk_norm == "head":
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H|Hkv, T, hd)
+            if self.rotary:  # gpt2 has none: its positions were added to the embeddings
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(B, T, Hkv, hd).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, len, hd)
@@ -280,6 +303,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gated = cfg.backbone == "llama"
+        # neox: exact GELU (HF "gelu"); gpt2: the tanh approximation (HF "gelu_new")
+        self.approximate = "tanh" if cfg.backbone == "gpt2" else "none"
         self.fc = nn.Linear(cfg.d_model, (2 if self.gated else 1) * cfg.ffn_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
 
@@ -287,7 +312,7 @@ class MLP(nn.Module):
         if self.gated:  # SwiGLU
             gate, up = self.fc(x).chunk(2, dim=-1)
             return self.proj(F.silu(gate) * up)
-        return self.proj(F.gelu(self.fc(x)))  # exact GELU, HF "gelu"
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
 class Block(nn.Module):

@@ -22,6 +22,7 @@ to a layer's residual stream) are honoured identically by ``forward``, ``prefill
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -42,6 +43,8 @@ class NCPModel(nn.Module):
         self.cfg = cfg
         d, E = cfg.d_model, cfg.encoder_layers
         self.embed = nn.Embedding(cfg.padded_vocab_size, d)
+        # gpt2: learned absolute positions added to the token embeddings (no RoPE)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, d) if cfg.learned_positions else None
         self.encoder = Stack(cfg, cfg.token_windows[:E])
         self.decoder = Stack(cfg, cfg.token_windows[E:])
         self.concept = ConceptModule(cfg) if cfg.concept.enabled else None
@@ -53,17 +56,23 @@ class NCPModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """N(0, init_std) for matrices and embeddings, zero biases, unit norms (HF's init).
+        """``init: hf``: N(0, init_std) for matrices and embeddings (HF's init); ``init: gpt-neox``:
+        Pythia's small_init N(0, sqrt(2/(5d))) with wang_init N(0, 2/(L sqrt(d))) on the attention
+        and MLP output projections (L = token layers). Zero biases, unit norms either way.
 
         Modules whose init is part of their design (``owns_init``: e.g. a depth mixer that must
         start as the plain residual) are skipped here and initialise themselves."""
+        cfg = self.cfg
         own = [m for m in self.modules() if getattr(m, "owns_init", False)]
         skip = {id(sub) for m in own for sub in m.modules()}
+        std = cfg.init_std if cfg.init == "hf" else math.sqrt(2 / (5 * cfg.d_model))
+        out_std = cfg.init_std if cfg.init == "hf" else 2 / cfg.n_token_layers / math.sqrt(cfg.d_model)
+        outputs = {id(m) for blk in self._blocks() for m in (blk.attn.proj, blk.mlp.proj)}
         for m in self.modules():
             if id(m) in skip:
                 continue
             if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=self.cfg.init_std)
+                nn.init.normal_(m.weight, std=out_std if id(m) in outputs else std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
             elif isinstance(m, (nn.LayerNorm, RMSNorm)):
@@ -75,14 +84,20 @@ class NCPModel(nn.Module):
         for m in own:
             m.reset_parameters()
 
+    def _blocks(self) -> list:
+        """Every transformer block: token layers and concept layers."""
+        return [*self.encoder, *self.decoder, *(self.concept.layers if self.concept is not None else ())]
+
     def token_layers(self) -> list:
         """Backbone token layers in order (encoder then decoder)."""
         return [*self.encoder, *self.decoder]
 
     # ---- the stages ----
 
-    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.embed(idx)  # (B, T) -> (B, T, d)
+    def embed_tokens(self, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) at integer positions (B|1, T) -> (B, T, d) (+ learned positions, gpt2)."""
+        x = self.embed(idx)
+        return x if self.pos_embed is None else x + self.pos_embed(positions)
 
     def encode(self, x: torch.Tensor, ctx: Context, states: bool = False):
         return self.encoder(x, ctx, states=states)
@@ -131,8 +146,8 @@ class NCPModel(nn.Module):
         = x[p+1]), -100 = ignore. Returns logits (B, T, V) and, with targets, the losses;
         ``return_hidden``: the final-norm states; ``return_states``: every stack's per-depth states."""
         ivs = self.check_interventions(interventions)
-        x = self.embed_tokens(idx)  # (B, T, d)
-        ctx, positions = self.token_context(idx.shape[1], idx.device, x.dtype)
+        ctx, positions = self.token_context(idx.shape[1], idx.device, self.embed.weight.dtype)
+        x = self.embed_tokens(idx, positions)  # (B, T, d)
         enc_ctx, dec_ctx = self._stack_contexts(ctx, ivs, positions, x)
         states = {} if return_states else None
         h = self.encode(x, enc_ctx, states=return_states)

@@ -43,6 +43,7 @@ def render(con: Any, res: dict[str, Any]) -> None:
         rows += [(f"params {g}", (lambda g: lambda x: f"{x['params']['components'][g]:,}")(g)) for g in groups]
         rows += [
             ("params total", lambda x: f"{x['params']['total']:,}" if x["params"] else "-"),
+            ("params unpadded vocab", lambda x: f"{x['params']['unpadded_total']:,}" if x["params"] else "-"),
             ("paper: forward formula", lambda x: x["paper"]["formula"]),
             ("paper: train FLOPs/token", lambda x: _si(x["paper"]["training_per_token"])),
             ("exact: train FLOPs/token", lambda x: _si(x["exact"]["training_per_token"])),

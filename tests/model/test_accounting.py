@@ -233,3 +233,21 @@ def test_params_debug_concept_sums_and_describe():
     assert p.components["codebook"] == 4 * 16 * 16
     assert p.trainable == p.total - p.components["codebook"]
     assert json.loads(json.dumps(acc.to_dict()))["params"]["total"] == p.total
+
+
+@pytest.mark.parametrize("size,count", [("gpt2-124m", 124_439_808), ("gpt2-355m", 354_823_168),
+                                        ("gpt2-774m", 774_030_080), ("gpt2-1.5b", 1_557_611_200)])
+def test_gpt2_parameter_counts_equal_hf(size, count):
+    """The GPT-2 sizes hold HF's parameters at vocab 50257 (tied embeddings, 1024 positions);
+    the padded count (vocab 50304) is reported beside it."""
+    cfg = build_config(size)
+    p = count_parameters(cfg)
+    assert p.unpadded_total == count
+    assert p.total == count + (cfg.padded_vocab_size - cfg.vocab_size) * cfg.d_model  # tied: one padded matrix
+    if size == "gpt2-124m":  # and the HF model itself, built on the meta device
+        import torch
+        import transformers
+
+        with torch.device("meta"):
+            hf = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+        assert sum(t.numel() for t in hf.parameters()) == count

@@ -24,6 +24,10 @@ DESIGNS = {
     "toy-dense-residual-conceptlm": tiny("neox", residual="dense", concept={}),
     "toy-dense-residual-base": tiny("llama", residual="dense", qk_norm="head"),
     "toy-dense-residual-alternating": tiny("llama", residual="dense", concept=dict(segmentation="alt23")),
+    # GPT-2: learned absolute positions; concepts pooled from block 0's input (L0) or after block 0 (L1)
+    "gpt2-conceptlm-l0": tiny("gpt2", tie_embeddings=True, concept=dict(encoder_layers=0, add="normed")),
+    "gpt2-conceptlm-l1": tiny("gpt2", tie_embeddings=True, concept=dict(encoder_layers=1, add="normed")),
+    "gpt2-base": tiny("gpt2", tie_embeddings=True),
 }
 
 

@@ -31,6 +31,12 @@ CASES = {
     # per-head QK-norm + GQA + sliding window (window 5, every 2nd layer full) -> Qwen3
     "llama-headnorm-swa": (tiny("llama", qk_norm="head", sliding_window=5, full_attn_every=2, n_layers=4),
                            transformers.Qwen3ForCausalLM),
+    # Llama-3.1 RoPE scaling; original context 16 < T = 20: every frequency band is exercised
+    "llama3-rope-scaling": (tiny("llama", rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                            high_freq_factor=4.0, original_max_position_embeddings=16)),
+                            transformers.LlamaForCausalLM),
+    # GPT-2: learned absolute positions, tanh GELU, Conv1D layout, tied embeddings
+    "gpt2": (tiny("gpt2", tie_embeddings=True), transformers.GPT2LMHeadModel),
 }
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ncpctl.model import NCPModel, build_config
 
-from ._helpers import tiny
+from ._helpers import build, tiny
 
 
 def _count(model):
@@ -59,3 +59,48 @@ def test_config_import_does_not_need_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gpt_neox_init_is_small_init_with_wang_init_outputs():
+    """init: gpt-neox (Pythia): N(0, sqrt(2/(5d))) everywhere but the attention and MLP output
+    projections, N(0, 2/(L sqrt(d))); zero biases, unit norms. init: hf keeps N(0, init_std)."""
+    import math
+
+    import torch
+
+    torch.manual_seed(0)
+    d, L = 256, 4
+    model = NCPModel(tiny("neox", d_model=d, n_heads=4, n_layers=L, init="gpt-neox", concept={}))
+    small, wang = math.sqrt(2 / (5 * d)), 2 / (L * math.sqrt(d))
+    for name, p in model.named_parameters():
+        if "codebook" in name:  # SimVQ: its own init (spec section 2)
+            continue
+        if p.ndim < 2:
+            assert torch.all(p == (0 if name.endswith("bias") else 1)), name
+            continue
+        want = wang if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else small
+        assert abs(p.std().item() / want - 1) < 0.1, (name, p.std().item(), want)
+    hf = NCPModel(tiny("neox", d_model=d, n_heads=4, n_layers=L))
+    assert abs(hf.decoder[0].attn.proj.weight.std().item() / 0.02 - 1) < 0.1
+
+
+def test_extra_token_layers_are_inserted_where_asked():
+    """PM's extra layers at extra_token_layers_at: the base's layers keep their order around them."""
+    import torch
+
+    from ncpctl.model.hf import from_hf_state_dict, hf_config, to_hf_state_dict
+
+    base = build(tiny("llama", n_layers=3))
+    sd = to_hf_state_dict(base)
+    pm_cfg = tiny("llama", n_layers=3, extra_token_layers=2, extra_token_layers_at=1, copy_extra_layers_from_base=True)
+    assert pm_cfg.extra_layers == (1, 2) and pm_cfg.n_token_layers == 5
+    ours = from_hf_state_dict(pm_cfg, sd)
+    w = lambda i: ours[f"decoder.{i}.attn.qkv.weight"]  # noqa: E731  (E = 0: every token layer is decoder)
+    layers = base.token_layers()
+    assert torch.equal(w(0), layers[0].attn.qkv.weight)  # base layer 0 stays first
+    assert torch.equal(w(1), layers[0].attn.qkv.weight) and torch.equal(w(2), layers[1].attn.qkv.weight)  # copies
+    assert torch.equal(w(3), layers[1].attn.qkv.weight) and torch.equal(w(4), layers[2].attn.qkv.weight)
+    fresh = from_hf_state_dict(tiny("llama", n_layers=3, extra_token_layers=2), sd)  # default: on top, fresh
+    assert "decoder.3.attn.qkv.weight" not in fresh and torch.equal(fresh["decoder.2.attn.qkv.weight"],
+                                                                    layers[2].attn.qkv.weight)
+    assert hf_config(pm_cfg).num_hidden_layers == 5
