@@ -1,6 +1,6 @@
 """``train.init_from`` = a Hugging Face directory: the recipe's model config is resolved when
 the recipe loads (the HF config.json + the recipe's model keys), and its problems are recipe
-errors (one line each, exit 2) before any heavy work, e.g. an unsupported GPT-2 directory."""
+errors (one line each, exit 2) before any heavy work, e.g. an unsupported model type."""
 
 from __future__ import annotations
 
