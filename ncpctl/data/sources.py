@@ -1,9 +1,30 @@
 """Corpus sources: local text / jsonl / parquet files and globs, hub datasets, and the
-zero-download built-in corpus ``builtin:python-stdlib`` (the running interpreter's stdlib).
+zero-download built-in corpora ``builtin:python-stdlib`` (the running interpreter's stdlib,
+the default) and ``builtin:python-packages`` (the ``.py`` files of every installed package,
+with a package selection: ``builtin:python-packages:exclude=sympy``; see ``packages``).
 
 Structured files (jsonl, parquet) and hub datasets are read through ``datasets``. Plain
-text and the built-in corpus are read as bytes here so that a file with undecodable bytes
+text and the built-in corpora are read as bytes here so that a file with undecodable bytes
 is skipped and counted instead of aborting the whole run.
+
+The reader's public interface (used by ``tokenize`` and by anything else that reads the
+sources a recipe names, e.g. evaluation on held-out text), stable:
+
+- ``SourceSpec(path=...)`` (``ncpctl.recipe.schema``): one source, the same syntax as an entry
+  of ``data.sources``; e.g. ``SourceSpec(path="builtin:python-packages:include=sympy")``.
+- ``iter_documents(src, stats, batch=1024)``: batches (lists) of document texts, in a
+  deterministic order; ``stats`` (a ``ReadStats``) counts what was skipped. A bad source is
+  a ``UserError`` (one line naming it).
+- ``source_problem(src)``: the one-line problem with a source, or None (a directory listing;
+  no tokenizing).
+- ``fingerprint(sources)``: a cheap identity of the inputs (file paths, sizes, mtimes).
+- ``package_listing(src)``: for ``builtin:python-packages``, the documents in the same order
+  as ``iter_documents`` yields them (each ``.package`` and ``.path``; undecodable files are
+  skipped by the reader), the document count per included package, the held-out packages,
+  and the number of duplicate files dropped. ``meta.json`` stores its summary
+  (``package_summary``) under ``packages``.
+- ``packages.cached_listings()``: a context manager; inside it each ``builtin:python-packages``
+  selection walks site-packages once however often it is read (``tokenize`` uses it).
 """
 
 from __future__ import annotations
@@ -16,15 +37,17 @@ import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
+from ncpctl.data import packages
 from ncpctl.errors import UserError
 from ncpctl.recipe.load import BUILTIN_STDLIB, source_kind
 from ncpctl.recipe.schema import SourceSpec
 
-# Directories of the stdlib that are not stdlib source, and those that are test suites.
+BUILTIN_PACKAGES = packages.SOURCE
+BUILTINS = (BUILTIN_STDLIB, BUILTIN_PACKAGES)
+# Directories of the stdlib that are not stdlib source (test suites: packages.TEST_DIRS).
 _NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
-_TEST_DIRS = {"test", "tests", "idle_test"}
 
 
 @dataclass
@@ -39,7 +62,7 @@ class ReadStats:
 def stdlib_files(include_tests: bool = False) -> list[Path]:
     """The ``.py`` files of the running interpreter's standard library, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = _NOT_STDLIB if include_tests else _NOT_STDLIB | _TEST_DIRS
+    skip = _NOT_STDLIB if include_tests else _NOT_STDLIB | packages.TEST_DIRS
     out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip)
@@ -47,18 +70,54 @@ def stdlib_files(include_tests: bool = False) -> list[Path]:
     return sorted(out)
 
 
+def package_listing(src: SourceSpec) -> packages.Listing:
+    """The documents of a ``builtin:python-packages`` source, with their packages (see ``packages``)."""
+    if not packages.is_packages_source(src.path):
+        raise ValueError(f"not a {BUILTIN_PACKAGES} source: {src.path!r}")
+    return packages.listing(src.path, src.include_tests)
+
+
+def package_summary(src: SourceSpec) -> dict[str, Any]:
+    """What meta.json records for a ``builtin:python-packages`` source: documents per included
+    package, the held-out packages (installed, left out by the selection), duplicates dropped."""
+    lst = package_listing(src)
+    return {"included": lst.included, "held_out": lst.held_out, "duplicates_dropped": lst.duplicates,
+            "site_packages": [str(r) for r in lst.roots]}
+
+
+def _builtin_files(src: SourceSpec) -> list[Path]:
+    if src.path == BUILTIN_STDLIB:
+        return stdlib_files(src.include_tests)
+    if packages.is_packages_source(src.path):
+        return [f.path for f in package_listing(src).files]
+    if src.path.startswith((BUILTIN_STDLIB + ":", BUILTIN_STDLIB + "?")):
+        raise UserError(f"{src.path}: {BUILTIN_STDLIB} takes no selection (only {BUILTIN_PACKAGES} does)")
+    raise UserError(f"unknown builtin corpus {src.path!r}; available: {', '.join(BUILTINS)}")
+
+
+def source_problem(src: SourceSpec) -> str | None:
+    """The one-line problem with a source (unknown builtin, bad package selection, no file
+    matching a glob), or None. Hub datasets are not contacted here."""
+    kind = source_kind(src.path, src.type)
+    if kind == "hf":
+        return None if src.path.removeprefix("hf:") else "hf: needs a dataset name, e.g. hf:wikitext"
+    try:
+        source_files(src)
+    except UserError as e:
+        return e.problems[0]
+    return None
+
+
 def source_files(src: SourceSpec) -> list[Path]:
     """Local files a file-based source refers to (sorted, deterministic)."""
     kind = source_kind(src.path, src.type)
     if kind == "builtin":
-        if src.path != BUILTIN_STDLIB:
-            raise UserError(f"data.sources: unknown builtin corpus {src.path!r}; available: {BUILTIN_STDLIB}")
-        return stdlib_files(src.include_tests)
+        return _builtin_files(src)
     if kind == "hf":
         return []
     files = sorted(Path(p) for p in glob.glob(os.path.expanduser(src.path), recursive=True) if Path(p).is_file())
     if not files:
-        raise UserError(f"data.sources: no file matches {src.path!r}")
+        raise UserError(f"no file matches {src.path!r}")
     return files
 
 

@@ -34,7 +34,8 @@ import numpy as np
 
 from ncpctl import __version__
 from ncpctl.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
-from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents
+from ncpctl.data.packages import cached_listings, is_packages_source
+from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents, package_summary
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write, fsync_dir, fsync_tree
 from ncpctl.recipe.load import Recipe
@@ -280,6 +281,11 @@ def tokenize(
     ``on_progress(documents, tokens)`` is called after every batch (for a progress bar);
     ``on_total(documents or None)`` when encoding starts; ``log(message)`` for stage messages.
     """
+    with cached_listings():  # builtin:python-packages: walk site-packages once per run, not per pass
+        return _tokenize(recipe, force, on_progress, on_total, log)
+
+
+def _tokenize(recipe: Recipe, force: bool, on_progress: Any, on_total: Any, log: Any) -> dict[str, Any]:
     run_dir, data_dir = recipe.run_dir, recipe.data_dir
     fp = settings_fingerprint(recipe)
     if not force and (meta := _up_to_date(data_dir, fp)) is not None:
@@ -345,6 +351,8 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
         "fingerprint": fp,
         "source_fingerprint": fingerprint(d.sources),
         "sources": [s.model_dump(mode="json") for s in d.sources],
+        # builtin:python-packages sources: documents per included package, held-out packages
+        "packages": {s.path: package_summary(s) for s in d.sources if is_packages_source(s.path)},
         "tokenizer": {
             "sha256": _sha256(out / "tokenizer.json"),
             "vocab_size": res.vocab,

@@ -336,8 +336,10 @@ def _check_sources(data: DataSection) -> list[Problem]:
         key = f"data.sources[{i}]"
         kind = source_kind(src.path, src.type)
         if kind == "builtin":
-            if src.path != BUILTIN_STDLIB:
-                problems.append((f"{key}.path", f"unknown builtin corpus {src.path!r}; available: {BUILTIN_STDLIB}"))
+            from ncpctl.data.sources import source_problem  # here: that module imports this one
+
+            if (problem := source_problem(src)) is not None:
+                problems.append((f"{key}.path", problem))
         elif kind == "hf":
             if not src.path.removeprefix("hf:"):
                 problems.append((f"{key}.path", "hf: needs a dataset name, e.g. hf:wikitext"))

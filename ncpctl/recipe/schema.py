@@ -33,7 +33,10 @@ class SourceSpec(Section):
     """One corpus source. A bare string in YAML is shorthand for ``{path: STRING}``."""
 
     path: str = Field(..., description="A local file or glob (`.txt`, `.jsonl`/`.json`, `.parquet`), "
-                      "`builtin:python-stdlib`, or `hf:NAME` for a dataset on a reachable hub.")
+                      "`builtin:python-stdlib`, `builtin:python-packages` (the `.py` files of the installed "
+                      "packages, one document per file, deduplicated; documents per package in meta.json; select with "
+                      "`builtin:python-packages:include=sympy+numpy` or `:exclude=torch`), "
+                      "or `hf:NAME` for a dataset on a reachable hub.")
     type: Literal["auto", "text", "json", "parquet", "hf", "builtin"] = Field(
         "auto", description="Source kind; `auto` infers it from `path`.")
     field: str = Field("text", description="Column holding the text (json, parquet, hf).")
@@ -41,7 +44,8 @@ class SourceSpec(Section):
     name: Optional[str] = Field(None, description="Dataset configuration name (hf).")
     sample_by: Literal["document", "line", "paragraph"] = Field(
         "document", description="Text files: one document per file, per line or per blank-line paragraph.")
-    include_tests: bool = Field(False, description="builtin:python-stdlib: also include the stdlib test suites.")
+    include_tests: bool = Field(False, description="builtin sources: also include test suites (directories "
+                                "named `test`, `tests`, `idle_test`).")
 
 
 class DataSection(Section):
