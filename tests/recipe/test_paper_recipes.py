@@ -3,15 +3,13 @@
 * ``recipes/ablations/``: the ablation base (Pythia-160M, 30B tokens) and one recipe per point
   of Tables 4, 5 and 15-18. Each loads at its real size, differs from the base in exactly the
   keys it names, and trains two steps at a reduced size that keeps those keys legal.
-* ``recipes/gpt2-*``: GPT-2 124M-1.5B (ConceptLM, base, PM; Table 14's L1). Their sizes and the
-  ``gpt2`` backbone are not in ``ncpctl.model.config`` yet: the load tests skip until they are.
+* ``recipes/gpt2-*``: GPT-2 124M-1.5B (ConceptLM, base, PM; Table 14's L1).
 * ``recipes/llama3.1-8b-*``: Llama-3.1-8B continual pre-training (ConceptLM, detach variant, PM,
   trained control), loaded against a stand-in of the HF directory (its real ``config.json``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -23,7 +21,6 @@ import yaml
 
 from ncpctl.data.indexed import IndexedDatasetWriter
 from ncpctl.errors import UserError
-from ncpctl.model.config import SIZES, ModelConfig
 from ncpctl.recipe import load_recipe
 from tests.train.conftest import ENV, tiny_data  # noqa: F401 - the shared tokenized test corpus
 
@@ -56,16 +53,6 @@ GPT2 = [f"gpt2-{s}{v}" for s in ("124m", "355m", "774m", "1.5b") for v in ("", "
 LLAMA = ["llama3.1-8b-trained", "llama3.1-8b-conceptlm", "llama3.1-8b-conceptlm-detach", "llama3.1-8b-pm"]
 # the top-level recipe files this module covers (test_shipped.py checks the directory is covered)
 PAPER_RECIPES = {*GPT2, "gpt2-common", *LLAMA, "llama3.1-8b-common"}
-
-GPT2_PENDING = "gpt2-124m" not in SIZES
-GPT2_REASON = ("waiting for the lead's GPT-2 backbone: 'gpt2-124m' is not in ncpctl.model.config.SIZES yet "
-               "(the gpt2-* recipes use model.size: gpt2-124m | gpt2-355m | gpt2-774m | gpt2-1.5b, "
-               "model.backbone: gpt2)")
-PM_KEYS_PENDING = "copy_extra_layers_from_base" not in {f.name for f in dataclasses.fields(ModelConfig)}
-PM_REASON = ("waiting for the lead's model keys: 'copy_extra_layers_from_base' is not a field of ModelConfig yet "
-             "(llama3.1-8b-pm.yaml sets model.extra_token_layers_at and model.copy_extra_layers_from_base)")
-ROPE_REASON = ("waiting for the lead's Llama-3 RoPE scaling: Llama-3.1-8B's config.json (rope_type 'llama3') is "
-               "refused by ncpctl.model.hf.config_from_hf")
 
 # Llama-3.1-8B's config.json as published (meta-llama/Llama-3.1-8B)
 LLAMA31_8B = {
@@ -219,17 +206,6 @@ GPT2_DIMS = {"124m": (768, 12, 12, 1e-3), "355m": (1024, 24, 16, 8e-4), "774m": 
              "1.5b": (1600, 48, 25, 4e-4)}
 
 
-def test_gpt2_recipes_wait_only_for_the_gpt2_sizes(gpt2_like: list[str]) -> None:
-    """Until the sizes land, loading fails on model.size / model.backbone and on nothing else."""
-    if not GPT2_PENDING:
-        pytest.skip("the gpt2-* sizes exist: test_gpt2_recipe_validates loads the recipes")
-    for name in GPT2:
-        with pytest.raises(UserError) as e:
-            load_recipe(RECIPES / f"{name}.yaml", gpt2_like)
-        assert all(": model.size: " in p or ": model.backbone: " in p for p in e.value.problems), e.value.problems
-
-
-@pytest.mark.skipif(GPT2_PENDING, reason=GPT2_REASON)
 @pytest.mark.parametrize("name", GPT2)
 def test_gpt2_recipe_validates(name: str, gpt2_like: list[str]) -> None:
     r = load_recipe(RECIPES / f"{name}.yaml", gpt2_like, need_sources=True)
@@ -249,7 +225,6 @@ def test_gpt2_recipe_validates(name: str, gpt2_like: list[str]) -> None:
     assert load_recipe(RECIPES / f"{name}.yaml", gpt2_like, world_size=8).grad_accum_steps == 512 // (8 * micro)
 
 
-@pytest.mark.skipif(GPT2_PENDING, reason=GPT2_REASON)
 @pytest.mark.parametrize("size", list(GPT2_DIMS))
 def test_gpt2_comparison_differs_in_one_key(size: str, gpt2_like: list[str]) -> None:
     got = {v: load_recipe(RECIPES / f"gpt2-{size}{v}.yaml", gpt2_like).to_dict() for v in ("", "-base", "-pm")}
@@ -264,32 +239,14 @@ def test_gpt2_comparison_differs_in_one_key(size: str, gpt2_like: list[str]) -> 
 
 
 @pytest.fixture(scope="module")
-def llama_like(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
-    """Stand-ins for /models/Llama-3.1-8B (its config.json, no weights: the loader reads only the
-    config) and the pre-tokenized data; ``default_rope`` is the same config without rope_scaling."""
+def llama_like(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Stand-ins for /models/Llama-3.1-8B (its config.json, rope_type llama3; no weights: the
+    loader reads only the config) and the pre-tokenized data."""
     root = tmp_path_factory.mktemp("llama")
     files = _stand_ins(root / "files", 128256, "int32")
-    out = {}
-    for name, cfg in (("llama3", LLAMA31_8B), ("default_rope", {k: v for k, v in LLAMA31_8B.items()
-                                                                 if k != "rope_scaling"})):
-        (root / name).mkdir()
-        (root / name / "config.json").write_text(json.dumps(cfg))
-        out[name] = [*files, f"train.init_from={root / name}"]
-    return out
-
-
-def _rope_pending(sets: list[str]) -> bool:
-    from transformers import AutoConfig
-
-    from ncpctl.model.config import ConfigError
-    from ncpctl.model.hf import config_from_hf
-
-    hf = AutoConfig.from_pretrained(sets[-1].partition("=")[2], local_files_only=True)
-    try:
-        config_from_hf(hf)
-    except ConfigError as e:
-        return any(k.startswith("rope") for k, _ in e.problems)
-    return False
+    (root / "llama3").mkdir()
+    (root / "llama3" / "config.json").write_text(json.dumps(LLAMA31_8B))
+    return [*files, f"train.init_from={root / 'llama3'}"]
 
 
 def _check_llama(name: str, sets: list[str]) -> dict[str, Any]:
@@ -297,6 +254,7 @@ def _check_llama(name: str, sets: list[str]) -> dict[str, Any]:
     cfg, c = r.model_config, r.model_config.concept
     assert (cfg.backbone, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size) == \
         ("llama", 4096, 32, 32, 8, 128256)  # the HF model's
+    assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 8.0
     assert cfg.max_seq_len == r.seq_len == 8192 and r.global_batch_size == 96 and r.train.lr == 1e-5
     assert r.train.max_steps * 8192 * 96 == pytest.approx(9.6e9, rel=1e-4)
     assert r.deepspeed.zero_stage == 3 and r.train.precision == "bf16" and r.train.micro_batch_size == 1
@@ -312,43 +270,18 @@ def _check_llama(name: str, sets: list[str]) -> dict[str, Any]:
     return r.to_dict()
 
 
-def _skip_pending(name: str) -> None:
-    if name.endswith("-pm") and PM_KEYS_PENDING:
-        pytest.skip(PM_REASON)
-
-
 @pytest.mark.parametrize("name", LLAMA)
-def test_llama_recipe_validates(name: str, llama_like: dict[str, list[str]]) -> None:
-    """Against Llama-3.1-8B's own config.json (rope_type llama3)."""
-    _skip_pending(name)
-    if _rope_pending(llama_like["llama3"]):
-        pytest.skip(ROPE_REASON)
-    _check_llama(name, llama_like["llama3"])
+def test_llama_recipe_validates(name: str, llama_like: list[str]) -> None:
+    """Against Llama-3.1-8B's own config.json (rope_type llama3: its RoPE scaling is imported)."""
+    _check_llama(name, llama_like)
 
 
-@pytest.mark.parametrize("name", LLAMA)
-def test_llama_recipe_validates_with_default_rope(name: str, llama_like: dict[str, list[str]]) -> None:
-    """The same checks against the config without rope_scaling: runs before Llama-3 RoPE lands."""
-    _skip_pending(name)
-    _check_llama(name, llama_like["default_rope"])
-
-
-def test_llama_arms_differ_in_their_keys(llama_like: dict[str, list[str]]) -> None:
-    sets = llama_like["default_rope"]
+def test_llama_arms_differ_in_their_keys(llama_like: list[str]) -> None:
+    sets = llama_like
     got = {n: load_recipe(RECIPES / f"{n}.yaml", sets).to_dict() for n in LLAMA if not n.endswith("-pm")}
     trained, concept = got["llama3.1-8b-trained"], got["llama3.1-8b-conceptlm"]
     assert _diff(trained, concept) == {"model.concept.enabled", "model.concept.copy_concept_layers_from_base"}
     assert _diff(concept, got["llama3.1-8b-conceptlm-detach"]) == {"model.concept.detach_added_concept"}
-    if not PM_KEYS_PENDING:
-        pm = load_recipe(RECIPES / "llama3.1-8b-pm.yaml", sets).to_dict()
-        assert _diff(trained, pm) == {"model.extra_token_layers", "model.extra_token_layers_at",
-                                      "model.copy_extra_layers_from_base"}
-
-
-def test_llama_pm_waits_only_for_the_new_keys(llama_like: dict[str, list[str]]) -> None:
-    if not PM_KEYS_PENDING:
-        pytest.skip("the PM keys exist: test_llama_recipe_validates loads llama3.1-8b-pm.yaml")
-    with pytest.raises(UserError) as e:
-        load_recipe(RECIPES / "llama3.1-8b-pm.yaml", llama_like["default_rope"])
-    assert sorted(p.split(": ")[1] for p in e.value.problems) == \
-        ["model.copy_extra_layers_from_base", "model.extra_token_layers_at"]
+    pm = load_recipe(RECIPES / "llama3.1-8b-pm.yaml", sets).to_dict()
+    assert _diff(trained, pm) == {"model.extra_token_layers", "model.extra_token_layers_at",
+                                  "model.copy_extra_layers_from_base"}
