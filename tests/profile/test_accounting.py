@@ -69,3 +69,22 @@ def test_pythia_recipe_without_data_files_profiles_the_shapes() -> None:
     v = res["accounting"]["variants"]
     assert res["model"]["padded_vocab_size"] == 50304
     assert v["base"]["params"]["total"] == 162_322_944  # spec section 4: Pythia-160M exactly
+
+
+def test_gpt2_124m_base_recipe_counts_hfs_parameters(cli):
+    """`profile-kernels recipes/gpt2-124m-base.yaml --only accounting`: the base holds GPT-2's
+    124,439,808 parameters at vocab 50257 (padded count beside it), with its ConceptLM and PM
+    siblings' counts."""
+    import json
+
+    from ncpctl.model.accounting import count_parameters
+    from ncpctl.model.config import build_config
+
+    r = cli("profile-kernels", str(RECIPES / "gpt2-124m-base.yaml"), "--only", "accounting", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    v = json.loads(r.stdout)["accounting"]["variants"]
+    assert v["recipe"]["params"]["unpadded_total"] == 124_439_808
+    assert v["recipe"]["params"]["total"] == 124_439_808 + (50304 - 50257) * 768
+    concept = build_config("gpt2-124m", concept=dict(enabled=True))
+    assert v["conceptlm"]["params"]["total"] == count_parameters(concept).total > v["recipe"]["params"]["total"]
+    assert v["pm"]["params"]["unpadded_total"] == 124_439_808 + 2 * 7_087_872  # two GPT-2 blocks
