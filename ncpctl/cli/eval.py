@@ -1,4 +1,4 @@
-"""`ncpctl eval`: evaluation through lm-evaluation-harness (ncpctl.evaluate)."""
+"""`ncpctl eval`: evaluation through lm-evaluation-harness (ncpctl.evaluate), and `--compare`."""
 
 from __future__ import annotations
 
@@ -7,43 +7,70 @@ from typing import Annotated, Optional
 import typer
 
 from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, command
+from ncpctl.errors import UserError
 
 
 @command
 def main(
-    target: Annotated[str, typer.Argument(help="Checkpoint directory, run directory or recipe YAML.",
-                                          show_default=False)],
+    targets: Annotated[list[str], typer.Argument(
+        help="Checkpoint directory, run directory or recipe YAML (several with --compare).", show_default=False,
+        metavar="TARGET")],
+    compare: Annotated[bool, typer.Option(
+        "--compare", help="Compare the TARGETs' results side by side (Δ to the first); a target without results "
+        "is evaluated first. Writes compare_<runs>.{json,md,png} to --out (default: the first run's eval/).")] = False,
     tasks: Annotated[Optional[str], typer.Option(
         "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: eval.tasks of the recipe, or of "
-        "the recipe a checkpoint carries). "
+        "the recipe a checkpoint carries; '' = none, only --heldout). "
         "Offline: ncp_offline; the ConceptLM paper: conceptlm, conceptlm_downstream, conceptlm_ppl.",
         show_default=False)] = None,
+    heldout: Annotated[Optional[list[str]], typer.Option(
+        "--heldout", metavar="SOURCE", help="Held-out text to score (token/word/byte perplexity, bits per byte), "
+        "repeatable: a file, glob, builtin:NAME, or a data.sources entry as YAML, e.g. "
+        "'{path: notes.jsonl, field: body, label: notes}' (default: eval.heldout).", show_default=False)] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Examples per task (smoke runs).",
                                                  show_default=False)] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help="Requests per batch.",
                                                       show_default=False)] = None,
     num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples.",
                                                        show_default=False)] = None,
-    out: Annotated[Optional[str], typer.Option("--out", help="Output directory (default run.dir/eval).",
-                                               show_default=False)] = None,
+    out: Annotated[Optional[str], typer.Option("--out", help="Output directory (default run.dir/eval; with "
+                                               "--compare the first run's eval/).", show_default=False)] = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Evaluate a checkpoint with lm-evaluation-harness; results JSON + markdown go to run.dir/eval/.
 
-    Defaults for tasks, limit, batch size and few-shot come from the recipe's eval section (a
-    checkpoint or run directory: the recipe stored in the checkpoint); flags override them.
+    Defaults for tasks, held-out corpora, limit, batch size and few-shot come from the recipe's
+    eval section (a checkpoint or run directory: the recipe stored in the checkpoint); flags
+    override them.
 
     Perplexity sets are summarised twice: the mean of per-set perplexities (the ConceptLM
     paper's average) and the token-weighted perplexity over all their tokens.
+
+    With --compare: one table of several runs, from the results they already have.
     """
+    out_ = Output(json_out)
+    names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None
+    log = lambda m: out_.info(f"[dim]{m}[/]")  # noqa: E731
+    if compare:
+        if set_:
+            raise UserError("--set does not apply to --compare", hint="each checkpoint carries its own recipe")
+        from ncpctl.evaluate.compare import compare as run_compare, rich_table as compare_table
+
+        payload = run_compare(targets, tasks=names, heldout=heldout, limit=limit, num_fewshot=num_fewshot,
+                              batch_size=batch_size, out=out, log=log)
+        out_.result({"command": "eval", "mode": "compare", **payload}, lambda con: (
+            con.print(compare_table(payload)),
+            con.print("[dim]" + "\n".join(f"{k}: {v}" for k, v in payload["files"].items() if v) + "[/]"),
+        ))
+        return
+    if len(targets) != 1:
+        raise UserError(f"eval takes one TARGET, got {len(targets)}", hint="to compare runs: ncpctl eval --compare A B")
     from ncpctl.evaluate.run import evaluate, resolve_target, rich_table
 
-    out_ = Output(json_out)
-    names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
-    t = resolve_target(target, set_ or [], names, batch_size, limit, num_fewshot, out)
-    summary = evaluate(t, log=lambda m: out_.info(f"[dim]{m}[/]"))
+    t = resolve_target(targets[0], set_ or [], names, batch_size, limit, num_fewshot, out, heldout=heldout)
+    summary = evaluate(t, log=log)
     out_.result({"command": "eval", **summary}, lambda con: (
         con.print(rich_table(summary)),
         con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),

@@ -2,6 +2,8 @@
 
 * ``ncpctl.evaluate.lm``: ``NCPLM``, our model as the lm-eval model ``ncpctl``.
 * ``ncpctl.evaluate.offline``: offline tasks from the tokenized validation split.
+* ``ncpctl.evaluate.heldout``: perplexity tasks on the user's own corpora (``--heldout``).
+* ``ncpctl.evaluate.compare``: ``ncpctl eval --compare``, several runs' results side by side.
 * ``ncpctl.evaluate.tasks/``: task YAMLs (``ncp_offline``; the ConceptLM paper groups).
 * ``ncpctl.evaluate.run``: ``evaluate(...)``, what ``ncpctl eval`` calls.
 * ``python -m ncpctl.evaluate ...``: the ``lm_eval`` command line with ``--model ncpctl``

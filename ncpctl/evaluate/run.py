@@ -15,8 +15,13 @@ include a perplexity):
   * ``token_weighted`` = exp(sum of NLL / sum of tokens) over all sets' scored tokens
     (big sets weigh more; one unit: our tokenizer's tokens).
 
-Hub tasks whose data cannot be loaded (no network, no cache) fail before any model work,
-with one line per task naming it.
+Held-out corpora (``EvalTarget.heldout``: ``--heldout`` or ``eval.heldout``) are tasks of their
+own, named by their labels (``ncpctl.evaluate.heldout``); they count as perplexity sets.
+The JSON also records what was asked (``request``: tasks, held-out corpora, limit, few-shot,
+batch size, checkpoint), which ``ncpctl eval --compare`` reuses to evaluate a run the same way.
+
+Hub tasks whose data cannot be loaded (no network, no cache) and held-out corpora with no text
+fail before any model work, with one line per task or corpus naming it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,15 +52,22 @@ class EvalTarget:
     batch_size: int
     limit: int | None
     num_fewshot: int | None
+    heldout: list[Any] = field(default_factory=list)  # [HeldoutSource], scored as tasks named by their labels
 
 
 def resolve_target(target: str, sets: list[str], tasks: list[str] | None, batch_size: int | None,
-                   limit: int | None, num_fewshot: int | None, out: str | None) -> EvalTarget:
+                   limit: int | None, num_fewshot: int | None, out: str | None,
+                   heldout: list[Any] | None = None) -> EvalTarget:
     """A recipe YAML (its run dir's newest checkpoint) or a checkpoint / run directory.
 
     Defaults come from the recipe's ``eval`` section: the YAML's, or the resolved recipe the
-    checkpoint carries (style rule 7: a checkpoint needs nothing else). Flags win over both.
+    checkpoint carries (style rule 7: a checkpoint needs nothing else). Flags win over both;
+    ``tasks=[]`` (``--tasks ''``) means no lm-eval tasks, only the held-out corpora.
+    ``heldout``: ``--heldout`` values (strings for ``ncpctl.evaluate.heldout.parse_spec``, or
+    ``HeldoutSource``s) replacing ``eval.heldout``; ``[]`` means none.
     """
+    from ncpctl.evaluate.heldout import parse_spec
+
     from ncpctl.checkpoint import resolve, run_dir_of
 
     p = Path(target)
@@ -70,13 +82,14 @@ def resolve_target(target: str, sets: list[str], tasks: list[str] | None, batch_
                             hint="pass the recipe instead, or use --tasks/--limit/--batch-size")
         ckpt = resolve(p)
         ev, run_dir = _checkpoint_eval(ckpt), run_dir_of(ckpt) or ckpt
-    tasks = tasks or list(ev.tasks)
-    if not tasks:
-        raise UserError("no tasks to evaluate", hint="pass --tasks (e.g. --tasks ncp_offline) or set eval.tasks "
-                        "in the recipe")
+    tasks = list(ev.tasks) if tasks is None else tasks
+    specs = list(ev.heldout) if heldout is None else [parse_spec(h) if isinstance(h, str) else h for h in heldout]
+    if not tasks and not specs:
+        raise UserError("no tasks to evaluate", hint="pass --tasks (e.g. --tasks ncp_offline) or --heldout FILES, "
+                        "or set eval.tasks / eval.heldout in the recipe")
     return EvalTarget(ckpt, Path(out) if out else run_dir / "eval", tasks, batch_size or ev.batch_size,
                       limit if limit is not None else ev.limit,
-                      num_fewshot if num_fewshot is not None else ev.num_fewshot)
+                      num_fewshot if num_fewshot is not None else ev.num_fewshot, specs)
 
 
 def _checkpoint_eval(ckpt: Path):  # -> EvalSection
@@ -95,7 +108,7 @@ def _checkpoint_eval(ckpt: Path):  # -> EvalSection
                           for err in e.errors()), hint="pass --tasks/--limit/--batch-size/--num-fewshot") from None
 
 
-def _our_tasks() -> dict[str, dict[str, Any]]:
+def our_tasks() -> dict[str, dict[str, Any]]:
     """Our task and group YAMLs by name (a loader that ignores ``!function`` tags)."""
     class _L(yaml.SafeLoader):
         pass
@@ -126,7 +139,7 @@ def load_tasks(names: list[str], metadata: dict[str, Any]) -> tuple[Any, list[An
     loaded is reported at once, one line each."""
     from lm_eval.tasks import TaskManager
 
-    ours = _our_tasks()
+    ours = our_tasks()
     defaults = any(leaf not in ours for n in names for leaf in _leaves(n, ours))
     tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=defaults, metadata=metadata)
     known = set(tm.all_tasks)
@@ -168,6 +181,11 @@ class _DropMetadataAdvice(logging.Filter):
 
 def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None) -> dict[str, Any]:
     """Run lm-eval on ``t``; write the JSON and markdown; return the summary."""
+    from ncpctl.evaluate import heldout
+
+    # held-out corpora first: a corpus with no text is an error before lm-eval and the model load
+    corpora = heldout.prepare(t.heldout, t.tasks, lm.tok if lm is not None else _tokenizer(t.checkpoint)) \
+        if t.heldout else {}
     from lm_eval import simple_evaluate
     from lm_eval.utils import handle_non_serializable, make_table
 
@@ -184,13 +202,19 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     if lm is None:
         lm = NCPLM(str(t.checkpoint), batch_size=t.batch_size)
     tm, objs = load_tasks(t.tasks, {"checkpoint": str(t.checkpoint)})
-    log(f"evaluating {t.checkpoint} on {', '.join(t.tasks)}" + (f" (limit {t.limit})" if t.limit else ""))
+    objs += heldout.tasks(corpora)
+    names = [*t.tasks, *corpora]
+    log(f"evaluating {t.checkpoint} on {', '.join(names)}" + (f" (limit {t.limit})" if t.limit else ""))
     res = simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=t.limit, num_fewshot=t.num_fewshot,
                           batch_size=t.batch_size, log_samples=False, bootstrap_iters=1000,
                           metadata={"checkpoint": str(t.checkpoint)})
     res.pop("samples", None)
     ppl = perplexity_summary(res["results"], lm.token_stats)
     res["perplexity"] = ppl
+    res["request"] = request = {
+        "checkpoint": str(t.checkpoint), "tasks": t.tasks, "limit": t.limit, "batch_size": t.batch_size,
+        "num_fewshot": t.num_fewshot,
+        "heldout": [dict(s.model_dump(exclude_defaults=True), label=lab) for s, lab in zip(t.heldout, corpora)]}
     tag = t.checkpoint.name
     t.out_dir.mkdir(parents=True, exist_ok=True)
     js, md = t.out_dir / f"results_{tag}.json", t.out_dir / f"results_{tag}.md"
@@ -198,11 +222,22 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     table = make_table(res) + ("\n" + make_table(res, "groups") if res.get("groups") else "")
     atomic_write(md, f"# {t.checkpoint}\n\n{table}\n{_ppl_markdown(ppl)}")
     return {
-        "checkpoint": str(t.checkpoint), "tasks": t.tasks, "limit": t.limit, "batch_size": t.batch_size,
-        "num_fewshot": t.num_fewshot,
+        **request,
         "results": metrics(res["results"]), "groups": metrics(res.get("groups", {})), "perplexity": ppl,
         "files": {"json": str(js), "markdown": str(md)}, "seconds": round(time.time() - t0, 2),
     }
+
+
+def _tokenizer(checkpoint: Path):
+    """The checkpoint's tokenizer alone (cheap), to read held-out corpora before the model loads."""
+    from tokenizers import Tokenizer
+
+    from ncpctl.checkpoint import TOKENIZER
+
+    path = checkpoint / TOKENIZER
+    if not path.is_file():
+        raise UserError(f"{path}: missing (needed to tokenize the held-out corpora)")
+    return Tokenizer.from_file(str(path))
 
 
 def metrics(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:

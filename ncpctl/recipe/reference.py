@@ -26,7 +26,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     for name, f in model.model_fields.items():
         ann = f.annotation
         nested = next((a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if nested is not None and name != "sources":
+        if nested is not None and typing.get_origin(ann) is not list:  # lists of sources: one row, entries below
             rows += _rows(nested, f"{prefix}{name}.")
             continue
         if f.is_required():
@@ -54,6 +54,12 @@ def render() -> str:
             out += ["", "Each entry of `data.sources` (a bare string is shorthand for `{path: ...}`):", "",
                     "| key | type | default | meaning |", "|---|---|---|---|"]
             out += _rows(SourceSpec, "")
+        if section == "eval":
+            from ncpctl.recipe.schema import HeldoutSource, SourceSpec
+
+            out += ["", "Each entry of `eval.heldout`: the keys of a `data.sources` entry, plus:", "",
+                    "| key | type | default | meaning |", "|---|---|---|---|"]
+            out += [r for r in _rows(HeldoutSource, "") if r.split("`")[1] not in SourceSpec.model_fields]
         out.append("")
     return "\n".join(out)
 

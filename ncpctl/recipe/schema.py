@@ -48,6 +48,14 @@ class SourceSpec(Section):
                                 "named `test`, `tests`, `idle_test`).")
 
 
+class HeldoutSource(SourceSpec):
+    """A held-out corpus for ``ncpctl eval``: a ``data.sources`` entry plus the task name it is reported under."""
+
+    label: Optional[str] = Field(None, description="Task name in the results (letters, digits, `_.-`); default "
+                                 "`heldout_` + a slug of the path's last two parts (`~/notes/*.md` -> "
+                                 "`heldout_notes_md`, `builtin:python-stdlib` -> `heldout_python_stdlib`).")
+
+
 class DataSection(Section):
     sources: list[SourceSpec] = Field(default_factory=list, description="Corpora to tokenize, in order "
                                       "(a bare string is shorthand for `{path: STRING}`).")
@@ -151,6 +159,16 @@ class EvalSection(Section):
     batch_size: int = Field(8, gt=0, description="Requests per batch.")
     limit: Optional[int] = Field(None, gt=0, description="Examples per task (smoke runs).")
     num_fewshot: Optional[int] = Field(None, ge=0, description="Few-shot examples.")
+    heldout: list[HeldoutSource] = Field(default_factory=list, description="Held-out corpora of your own, scored as "
+                                         "perplexity tasks next to `tasks`: token, word and byte perplexity and bits "
+                                         "per byte, tokenized with the checkpoint's tokenizer, rolling windows of the "
+                                         "model's `max_seq_len`. Entries as in `data.sources` (a bare string is a "
+                                         "path or glob) plus `label`; `ncpctl eval --heldout` replaces this list.")
+
+    @field_validator("heldout", mode="before")
+    @classmethod
+    def _bare_strings(cls, v: Any) -> Any:  # as data.sources: a bare string is {path: STRING}
+        return DataSection._bare_strings(v)
 
 
 class ExportSection(Section):

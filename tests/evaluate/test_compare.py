@@ -1,0 +1,150 @@
+"""`ncpctl eval --compare`: finished runs side by side from the results they already have (no
+re-evaluation), every number of the table in --json, the union of differing task sets, a run
+without results evaluated first the way the others were, and one error line for a run that has
+neither results nor a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ncpctl.evaluate.compare import compare, newest_results
+from ncpctl.evaluate.run import evaluate, resolve_target
+
+from ..conftest import run_cli
+
+TAG = "results_step_0000200.json"  # the runs fixture's checkpoints are step_0000200
+HELD = "def area(r):\n    return 3.14159 * r * r\n\n\nfor r in range(3):\n    print(area(r))\n"
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("eval"))  # without results
+    return dst
+
+
+@pytest.fixture(scope="module")
+def finished(runs, tmp_path_factory) -> dict[str, Path]:
+    """Two finished runs (concept, base): evaluated on ncp_offline + a held-out file (limit 3),
+    with validation records in metrics.jsonl; plus an unevaluated copy of base."""
+    root = tmp_path_factory.mktemp("compare")
+    (root / "held.txt").write_text(HELD)
+    out = {}
+    for i, kind in enumerate(("concept", "base")):
+        run = _copy_run(runs[kind].parent.parent, root / kind)
+        held = f"{{path: {root / 'held.txt'}, label: held}}"
+        evaluate(resolve_target(str(run), [], ["ncp_offline"], 8, 3, None, None, heldout=[held]))
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"split": split, "step": s, "loss": 6.0 - s / 100 + i, "ntp_loss": 5.0 - s / 100 + i}) + "\n"
+            for s in (100, 200) for split in ("train", "val")))
+        out[kind] = run
+    out["fresh"] = _copy_run(runs["base"].parent.parent, root / "fresh")
+    return out
+
+
+def _results(run: Path) -> dict:
+    return json.loads((run / "eval" / TAG).read_text())
+
+
+def _table_rows(md: str) -> list[list[str]]:
+    lines = md.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| task | metric |"))
+    rows = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip("|").split("|")])
+    return rows
+
+
+def test_compare_finished_runs_without_reevaluating(finished, tmp_path):
+    a, b = finished["concept"], finished["base"]
+    before = {f: f.stat().st_mtime_ns for run in (a, b) for f in (run / "eval").glob("results_*")}
+    r = run_cli("eval", "--compare", str(a), str(b), "--json", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["ok"] and got["mode"] == "compare" and [x["label"] for x in got["runs"]] == ["concept", "base"]
+    assert not any(x["evaluated"] for x in got["runs"])  # nothing evaluated, nothing rewritten
+    assert {f: f.stat().st_mtime_ns for run in (a, b) for f in (run / "eval").glob("results_*")} == before
+    files = got["files"]
+    assert Path(files["json"]).parent == tmp_path and Path(files["json"]).name == "compare_base.json"
+    assert Path(files["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    on_disk = json.loads(Path(files["json"]).read_text())
+    assert on_disk["rows"] == got["rows"] and on_disk["runs"] == got["runs"]
+
+    rows = {(x["task"], x["metric"]): x for x in got["rows"]}
+    ra, rb = _results(a), _results(b)
+    for task, metric in (("ncp_heldout_ppl", "token_perplexity"), ("ncp_cloze", "acc"), ("held", "bits_per_byte")):
+        va, vb = ra["results"][task][f"{metric},none"], rb["results"][task][f"{metric},none"]
+        assert rows[task, metric]["values"] == {"concept": va, "base": vb}
+        assert rows[task, metric]["delta"]["base"] == pytest.approx(vb - va, abs=1e-12)
+    for key in ("mean_of_sets", "token_weighted"):  # both perplexity averages, from each run's own results
+        row = rows["perplexity sets", key]
+        assert row["values"] == {"concept": ra["perplexity"][key], "base": rb["perplexity"][key]}
+        assert row["delta"]["base"] == pytest.approx(rb["perplexity"][key] - ra["perplexity"][key], abs=1e-12)
+    # every number of the markdown table is in --json (same rows, same values at 4 decimals)
+    table = _table_rows(Path(files["markdown"]).read_text())
+    assert [(c[0], c[1]) for c in table] == [(x["task"], x["metric"]) for x in got["rows"]]
+    for cells, x in zip(table, got["rows"]):
+        assert cells[2:] == [f"{x['values']['concept']:.4f}", f"{x['values']['base']:.4f}",
+                             f"{x['delta']['base']:+.4f}"]
+    assert got["val_loss"]["base"] == {"key": "ntp_loss", "steps": [100, 200], "values": [5.0, 4.0]}
+
+
+def test_compare_loads_no_model(finished, tmp_path):
+    """Results exist: the comparison never imports torch or lm-eval (so no checkpoint is loaded)."""
+    code = ("import sys; from ncpctl.evaluate.compare import compare; "
+            f"compare([{str(finished['concept'])!r}, {str(finished['base'])!r}], out={str(tmp_path)!r}); "
+            "assert 'torch' not in sys.modules and 'lm_eval' not in sys.modules, 'imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_union_of_task_sets_and_the_newest_results_file(finished, tmp_path):
+    """A run evaluated without ncp_cloze: blank cells, named in `missing` and a note. Its eval/ also
+    holds an older step's results written later: the highest step wins, not the newest file."""
+    partial = tmp_path / "partial" / "eval"
+    partial.mkdir(parents=True)
+    res = _results(finished["base"])
+    res["results"].pop("ncp_cloze")
+    (partial / TAG).write_text(json.dumps(res))
+    older = dict(res, results={"ncp_cloze": {"acc,none": 0.99}})
+    (partial / "results_step_0000100.json").write_text(json.dumps(older))
+    os.utime(partial / TAG, (1, 1))
+    assert newest_results(partial) == partial / TAG
+    got = compare([str(finished["concept"]), str(partial.parent)], out=str(tmp_path / "out"))
+    row = next(x for x in got["rows"] if (x["task"], x["metric"]) == ("ncp_cloze", "acc"))
+    assert row["values"]["partial"] is None and row["delta"]["partial"] is None
+    assert row["values"]["concept"] == _results(finished["concept"])["results"]["ncp_cloze"]["acc,none"]
+    assert got["missing"] == {"partial": ["ncp_cloze"]}
+    assert any("partial: no ncp_cloze" in n for n in got["notes"])
+    md = Path(got["files"]["markdown"]).read_text()
+    assert any(c[:2] == ["ncp_cloze", "acc"] and c[3:] == ["", ""] for c in _table_rows(md))
+
+
+def test_a_run_without_results_is_evaluated_like_the_others(finished, tmp_path):
+    """`fresh` (a checkpoint, no results): evaluated first on the tasks, held-out corpora and limit
+    recorded in concept's results; its results land in its own eval/ for the next comparison."""
+    lines = []
+    got = compare([str(finished["concept"]), str(finished["fresh"])], out=str(tmp_path), log=lines.append)
+    fresh = got["runs"][1]
+    assert fresh["evaluated"] and fresh["results_file"] == str(finished["fresh"] / "eval" / TAG)
+    asked, done = _results(finished["concept"])["request"], _results(finished["fresh"])["request"]
+    assert (done["tasks"], done["heldout"], done["limit"]) == (asked["tasks"], asked["heldout"], 3)
+    assert any("fresh: no eval results; evaluating" in ln and "ncp_offline, held " in ln for ln in lines), lines
+    assert {(x["task"], x["metric"]) for x in got["rows"]} >= {("held", "token_perplexity")}
+    assert got["missing"] == {}
+
+
+def test_a_run_with_neither_results_nor_checkpoint_is_one_error_line(finished, tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = run_cli("eval", "--compare", str(finished["concept"]), str(tmp_path / "empty"))
+    assert r.returncode == 2
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and str(tmp_path / "empty") in errors[0] and "no checkpoint" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
