@@ -78,10 +78,11 @@ class Profile:
 
 PROFILES = {
     # sized on a 2-core AMD EPYC so that the whole script takes <= 40 min (docs/replication.md)
-    # (measured: ~3.2 steps/s for ConceptLM at this shape, vocab 4096 keeping the LM head from
-    # dominating the compute; 12 runs of ~3 min)
-    "cpu": Profile(d_model=128, n_layers=4, n_heads=4, seq_len=256, micro_batch=16, global_batch=16, steps=500,
-                   lr=2e-3, vocab=4096, max_documents=None, heldout_limit=150),
+    # (measured on a 2-core EPYC: ~3.2 steps/s for ConceptLM at this shape, vocab 4096 keeping the
+    # LM head from dominating the compute; at 500 steps the 12 runs took 186-239 s each, 44 min in
+    # all with tokenizing: 400 steps and 100 held-out documents bring it to ~36 min)
+    "cpu": Profile(d_model=128, n_layers=4, n_heads=4, seq_len=256, micro_batch=16, global_batch=16, steps=400,
+                   lr=2e-3, vocab=4096, max_documents=None, heldout_limit=100),
     "gpu": Profile(d_model=512, n_layers=8, n_heads=8, seq_len=1024, micro_batch=32, global_batch=64, steps=6000,
                    lr=1e-3, vocab=16384, max_documents=None, heldout_limit=None),
     "smoke": Profile(d_model=32, n_layers=2, n_heads=2, seq_len=32, micro_batch=4, global_batch=4, steps=3,
@@ -288,7 +289,8 @@ def _machine() -> str:
 
 def _write_doc(path: Path, text: str, meta: dict, cmp: dict) -> None:
     md = (cmp.get("files") or {}).get("markdown")
-    table = Path(md).read_text() if md else ""
+    # the comparison's own headings sit below this section's
+    table = "\n".join("###" + x if x.startswith("#") else x for x in Path(md).read_text().splitlines()) if md else ""
     body = (f"## Result ({time.strftime('%Y-%m-%d')})\n\nCommand: `{meta['command']}`\n\n{text}\n"
             + (f"`ncpctl eval --compare` of the first seed of each variant:\n\n{table}\n" if table else ""))
     old = path.read_text() if path.exists() else ""

@@ -86,11 +86,21 @@ class ConceptOutput:
     states: list | None = None  # the concept stack's per-depth states, when asked for
 
 
-def _build(kind: str, name: str, base: type, cfg: ModelConfig) -> nn.Module:
+def strategy_class(kind: str, name: str, base: type) -> type:
     cls = strategy(kind, name)
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise TypeError(f"{kind} {name!r}: {cls!r} is not a {base.__name__} subclass")
-    return cls(cfg)
+    return cls
+
+
+def coupling_layer_factory(cfg: ModelConfig):
+    """``i -> module or None``: the coupling's sub-layer of decoder block i (cross-attention)."""
+    cls = strategy_class("coupling", cfg.concept.coupling, Coupling)
+    return lambda i: cls.decoder_layer(cfg, i)
+
+
+def _build(kind: str, name: str, base: type, cfg: ModelConfig) -> nn.Module:
+    return strategy_class(kind, name, base)(cfg)
 
 
 class ConceptModule(nn.Module):

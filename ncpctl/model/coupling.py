@@ -3,15 +3,25 @@
 ``AddCoupling`` (ConceptLM, NCP-ArchPreview) adds the predicted concept to the decoder input,
 causally shifted by the segmentation: z[t] = h[t] + pred[closed(t) - 1] (zeros before the
 first closed segment), or ``norm(h) + norm(pred)`` with ``add: normed`` (the GPT-2 variant).
-A coupling that cross-attends to the closed concepts instead (DLCM) returns h and sets the
-decoder's ``Context.memory`` / ``memory_mask`` (``decoder_context``); its decoder blocks then
-read the memory.
+
+A coupling that cross-attends to the closed concepts instead (DLCM) gives every decoder block
+a sub-layer of its own (``decoder_layer``: the block runs it, pre-normed, between attention and
+MLP, and adds its output to the update) and hands that sub-layer the concepts through the
+decoder's ``Context.memory`` (B, M, d_mem) and ``memory_mask`` (B, 1, T, M), True = visible,
+which it builds from ``closed`` (B, T): token t may see concepts 0 .. closed[t] - 1 only
+(ncp-model.md section 8). tests/model/toys.py::CrossAttendCoupling is a working example.
 
 Interface (shapes: B batch, T tokens, M concepts, d width):
-* ``forward(h, pred, seg, segmenter)`` -> z (B, T, d), the decoder input of a full sequence;
-* ``decoder_context(ctx, pred, seg)`` -> the decoder's Context (unchanged for addition);
-* decoding: ``decode_state(pred, n_closed)`` after a prefill, ``decode_update(state, closed,
-  pred)`` when rows close a segment, ``decode_input(h, state)`` -> z (B, 1, d) of the new token.
+* ``decoder_layer(cfg, i)`` (classmethod) -> a module for decoder block i, or None;
+* ``forward(h, pred, seg, segmenter)`` -> z (B, T, d), the decoder input of a full sequence
+  (``segmenter.closed_counts(seg, T)`` gives closed (B, T));
+* ``decoder_context(ctx, pred, seg, segmenter)`` -> the decoder's Context (unchanged for addition);
+* decoding: ``decode_state(pred, seg, segmenter, like)`` after the prefill (aligned layout:
+  index = position; ``seg.n_closed`` (B,) closed concepts per prompt); ``decode_update(state,
+  closing, pred)`` when rows may have closed a segment (``closing``: the segmenter's ``Closing``,
+  pred (B, d) of the concept at ``closing.index``); ``decode_input(h, state)`` -> z (B, 1, d) of
+  the new token; ``decode_context(ctx, state, positions)`` -> the decoder's Context, for the
+  prefill (positions (B, Tp) of the slots) or a step (positions (B, 1), after the update).
 """
 
 from __future__ import annotations
@@ -30,7 +40,14 @@ class Coupling(nn.Module):
         super().__init__()
         self.cfg = cfg
 
-    def decoder_context(self, ctx, pred, seg):
+    @classmethod
+    def decoder_layer(cls, cfg: ModelConfig, i: int) -> nn.Module | None:
+        return None
+
+    def decoder_context(self, ctx, pred, seg, segmenter):
+        return ctx
+
+    def decode_context(self, ctx, state: dict, positions):
         return ctx
 
 
@@ -60,15 +77,16 @@ class AddCoupling(Coupling):
 
     # ---- incremental decoding: the added term of each row's latest closed concept ----
 
-    def decode_state(self, pred: torch.Tensor | None, n_closed: torch.Tensor, like: torch.Tensor) -> dict:
+    def decode_state(self, pred: torch.Tensor | None, seg, segmenter, like: torch.Tensor) -> dict:
         B, d = like.shape[0], like.shape[-1]
+        n_closed = seg.n_closed
         if pred is None:
             return {"pred": like.new_zeros(B, d)}
         last = self.added_term(pred)[torch.arange(B, device=pred.device), (n_closed - 1).clamp_min(0)]  # (B, d)
         return {"pred": torch.where((n_closed > 0)[:, None], last, torch.zeros_like(last))}
 
-    def decode_update(self, state: dict, closed: torch.Tensor, pred: torch.Tensor) -> None:
-        state["pred"] = torch.where(closed[:, None], self.added_term(pred), state["pred"])
+    def decode_update(self, state: dict, closing, pred: torch.Tensor) -> None:
+        state["pred"] = torch.where(closing.closed[:, None], self.added_term(pred), state["pred"])
 
     def decode_input(self, h: torch.Tensor, state: dict) -> torch.Tensor:
         return self.combine(h, state["pred"][:, None])

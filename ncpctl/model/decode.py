@@ -113,6 +113,8 @@ def prefill(model, tokens: torch.Tensor, lengths, max_len: int | None, ivs: list
     h = model.encode(x, enc)
     z = _concept_prefill(cm, st, h, lengths, ivs) if cm is not None else h
     z = decoder_input_addition(ivs, z, positions)
+    if cm is not None:
+        dec = cm.coupling.decode_context(dec, st.cpl, positions)
     return model.head(model.decode(z, dec)), st
 
 
@@ -139,7 +141,7 @@ def _concept_prefill(cm, st: DecodeState, h: torch.Tensor, lengths: list[int], i
         w = edit_code_weights(ivs, cm.code_weights(u), torch.arange(M, device=dev)[None])
         pred = cm.mix(w, st.codes)  # (B, M, d)
     z_al = cm.coupling(h_al, pred, seg, cm.segmenter)  # (B, Tp, d)
-    st.cpl = cm.coupling.decode_state(pred, seg.n_closed, h)
+    st.cpl = cm.coupling.decode_state(pred, seg, cm.segmenter, h)
     back = (ar[None] - st.pad_t[:, None]).clamp_min(0)  # aligned -> slot layout (padding: junk)
     return z_al.gather(1, back[..., None].expand(B, Tp, d))
 
@@ -160,8 +162,11 @@ def step(model, st: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
     ivs = st.interventions
     enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=s, length=s + 1), pos, x, st)
     h = model.encode(x, enc)
-    z = _concept_step(model.concept, st, h, pos[:, 0], ivs) if model.concept is not None else h
+    cm = model.concept
+    z = _concept_step(cm, st, h, pos[:, 0], ivs) if cm is not None else h
     z = decoder_input_addition(ivs, z, pos)
+    if cm is not None:
+        dec = cm.coupling.decode_context(dec, st.cpl, pos)
     st.slot += 1
     return model.head(model.decode(z, dec))[:, 0]
 
@@ -176,5 +181,5 @@ def _concept_step(cm, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, ivs: 
         masks = {w: attn_mask(j[:, None], keys[None], w) for w in cm.layers.windows}
         u = cm.layers(closing.concept[:, None], Context(cos, sin, masks, st.con, at=j, length=n))
         w = edit_code_weights(ivs, cm.code_weights(u), j[:, None])
-        cm.coupling.decode_update(st.cpl, closing.closed, cm.mix(w, st.codes)[:, 0])
+        cm.coupling.decode_update(st.cpl, closing, cm.mix(w, st.codes)[:, 0])
     return cm.coupling.decode_input(h, st.cpl)

@@ -318,21 +318,37 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm block returning its update R, so that the stack's residual makes x + R:
     parallel (neox) ``R = mlp(n2(x)) + attn(n1(x))`` (with x added last this is HF GPT-NeoX's
-    summation order, bit for bit), or sequential ``R = a + mlp(n2(x + a))``, a = attn(n1(x))."""
+    summation order, bit for bit), or sequential ``R = a + mlp(n2(x + a))``, a = attn(n1(x)).
 
-    def __init__(self, cfg: ModelConfig, window: int | None = None):
+    ``cross``: an optional sub-layer ``cross(normed x, ctx)`` (a coupling's cross-attention to
+    the concepts, reading ``ctx.memory``), run after attention: sequential ``x + a + c`` feeds
+    the MLP; parallel adds ``cross(n(x))`` to the update."""
+
+    def __init__(self, cfg: ModelConfig, window: int | None = None, cross: nn.Module | None = None):
         super().__init__()
         self.parallel = cfg.parallel_residual
         self.attn_norm = make_norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, window)
+        if cross is not None:
+            self.cross_norm, self.cross = make_norm(cfg, cfg.d_model), cross
+        else:
+            self.cross = None
         self.mlp_norm = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
         a = self.attn(self.attn_norm(x), ctx.cos, ctx.sin, ctx.masks[self.attn.window], cache)
+        if self.cross is not None:
+            return self._with_cross(x, a, ctx)
         if self.parallel:
             return self.mlp(self.mlp_norm(x)) + a
         return a + self.mlp(self.mlp_norm(x + a))
+
+    def _with_cross(self, x: torch.Tensor, a: torch.Tensor, ctx: Context) -> torch.Tensor:
+        if self.parallel:
+            return self.mlp(self.mlp_norm(x)) + a + self.cross(self.cross_norm(x), ctx)
+        ac = a + self.cross(self.cross_norm(x + a), ctx)
+        return ac + self.mlp(self.mlp_norm(x + ac))
 
 
 class Residual(nn.Module):
@@ -373,11 +389,12 @@ class Stack(nn.Module):
     checkpoints are unchanged); ``stack[i]``, ``len(stack)`` and iteration see blocks only.
     """
 
-    def __init__(self, cfg: ModelConfig, windows, residual: str | None = None):
+    def __init__(self, cfg: ModelConfig, windows, residual: str | None = None, cross=None):
+        """``cross(i)``: an optional factory of block i's cross sub-layer (a coupling's)."""
         super().__init__()
         self.n = len(windows)
         for i, w in enumerate(windows):
-            self.add_module(str(i), Block(cfg, w))
+            self.add_module(str(i), Block(cfg, w, cross(i) if cross is not None else None))
         cls = strategy("residual", residual or cfg.residual)
         if not (isinstance(cls, type) and issubclass(cls, Residual)):
             raise TypeError(f"residual {residual or cfg.residual!r}: {cls!r} is not a Residual subclass")

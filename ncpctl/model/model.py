@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .concept import ConceptModule, ConceptOutput
+from .concept import ConceptModule, ConceptOutput, coupling_layer_factory
 from .config import ModelConfig
 from .decode import DecodeState, prefill, step
 from .head import LMHead
@@ -46,7 +46,9 @@ class NCPModel(nn.Module):
         # gpt2: learned absolute positions added to the token embeddings (no RoPE)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, d) if cfg.learned_positions else None
         self.encoder = Stack(cfg, cfg.token_windows[:E])
-        self.decoder = Stack(cfg, cfg.token_windows[E:])
+        # a coupling may give each decoder block a sub-layer (cross-attention to the concepts)
+        cross = coupling_layer_factory(cfg) if cfg.concept.enabled else None
+        self.decoder = Stack(cfg, cfg.token_windows[E:], cross=cross)
         self.concept = ConceptModule(cfg) if cfg.concept.enabled else None
         self.final_norm = make_norm(cfg, d)
         self.lm_head = LMHead(d, cfg.padded_vocab_size)
@@ -156,7 +158,7 @@ class NCPModel(nn.Module):
         co = self.concepts(h, losses=targets is not None, interventions=ivs, states=return_states)
         z = decoder_input_addition(ivs, co.z, positions)  # (B, T, d)
         if self.concept is not None:
-            dec_ctx = self.concept.coupling.decoder_context(dec_ctx, co.pred, co.segments)
+            dec_ctx = self.concept.coupling.decoder_context(dec_ctx, co.pred, co.segments, self.concept.segmenter)
         hN = self.decode(z, dec_ctx, states=return_states)  # (B, T, d)
         if return_states:
             hN, states["decoder"] = hN
@@ -183,7 +185,8 @@ class NCPModel(nn.Module):
         ctx, positions = self.token_context(z.shape[1], z.device, z.dtype)
         _, dec_ctx = self._stack_contexts(ctx, ivs, positions, z)
         if self.concept is not None and concept is not None:
-            dec_ctx = self.concept.coupling.decoder_context(dec_ctx, concept.pred, concept.segments)
+            dec_ctx = self.concept.coupling.decoder_context(dec_ctx, concept.pred, concept.segments,
+                                                            self.concept.segmenter)
         return self.head(self.decode(z, dec_ctx))
 
     # ---- what the training loop logs (declared once, the same on every rank) ----

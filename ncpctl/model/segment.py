@@ -97,6 +97,10 @@ class Segmenter(nn.Module):
     def max_concepts(self, T: int) -> int:
         return self.law.concepts(self.cfg.concept, T)
 
+    def closed_counts(self, seg: Segments, T: int) -> torch.Tensor:
+        """(B, T) long: segments closed at or before each token (``Segments.closed``)."""
+        return seg.closed
+
     # ---- the segmenter's own training terms (e.g. DLCM's load balancing) ----
 
     def loss_weights(self) -> dict[str, float]:
@@ -163,6 +167,10 @@ class FixedBlocks(Segmenter):
 
     def spread(self, seg: Segments, x: torch.Tensor, T: int) -> torch.Tensor:
         return shift_blocks(x, self.k, T)
+
+    def closed_counts(self, seg: Segments, T: int) -> torch.Tensor:
+        B = seg.concepts.shape[0]
+        return ((torch.arange(T, device=seg.concepts.device) + 1) // self.k)[None].expand(B, T)
 
     def decode_init(self, B: int, d: int, device, dtype) -> dict:
         return {"sum": torch.zeros(B, d, device=device, dtype=dtype)}  # h summed over the open block

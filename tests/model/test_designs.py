@@ -28,6 +28,12 @@ DESIGNS = {
     "gpt2-conceptlm-l0": tiny("gpt2", tie_embeddings=True, concept=dict(encoder_layers=0, add="normed")),
     "gpt2-conceptlm-l1": tiny("gpt2", tie_embeddings=True, concept=dict(encoder_layers=1, add="normed")),
     "gpt2-base": tiny("gpt2", tie_embeddings=True),
+    # a coupling that cross-attends to the closed concepts (DLCM's way), over fixed and toy segments
+    "toy-cross-attention-fixed": tiny("neox", concept=dict(coupling="cross_attend")),
+    "toy-cross-attention-per-token-next": tiny("llama", concept=dict(segmentation="per_token_next",
+                                                                     coupling="cross_attend")),
+    "toy-cross-attention-alternating-gpt2": tiny("gpt2", tie_embeddings=True, concept=dict(
+        segmentation="alt23", coupling="cross_attend", encoder_layers=1)),
 }
 
 

@@ -10,6 +10,9 @@ model file knows them. The generic design tests run them next to the shipped des
   weighted sum of the stack input and every layer output so far, weights = a constant one-hot
   on the newest state + a zero-initialised linear map of the update, so at init it is exactly
   the plain residual network (if ``init_weights`` leaves it alone);
+* ``CrossAttendCoupling``: the decoder cross-attends from each token to the concepts closed at
+  or before it (softmax over them, each counted once; zero while none is closed) instead of
+  adding the prediction: a sub-layer in every decoder block, fed through ``Context.memory``;
 * ``CountingSegmenter``: fixed blocks that also report per-step global statistics (token and
   concept counts and a sum of pooled values) through the per-step hook.
 
@@ -21,8 +24,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from ncpctl.model import (
-    Closing, FixedBlocks, Residual, SegmentationLaw, Segmenter, Segments, register, segment_means,
+    Closing, Coupling, FixedBlocks, Residual, SegmentationLaw, Segmenter, Segments, register, segment_means,
 )
 
 
@@ -125,6 +130,70 @@ class DenseMix(Residual):
         return out
 
 
+class ConceptCrossAttention(nn.Module):
+    """Token -> concept attention over ``ctx.memory`` (B, M, d) where ``ctx.memory_mask``
+    (B, 1, T, M) allows; a token that sees no concept gets exactly zero (not a NaN row)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        d, self.h = cfg.d_model, cfg.n_heads
+        self.q, self.kv, self.proj = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+
+    def forward(self, x, ctx):
+        if ctx.memory is None or ctx.memory.shape[1] == 0:
+            return torch.zeros_like(x)
+        B, T, d = x.shape
+        M, H = ctx.memory.shape[1], self.h
+        q = self.q(x).view(B, T, H, d // H).transpose(1, 2)  # (B, H, T, hd)
+        k, v = (t.transpose(1, 2) for t in self.kv(ctx.memory).view(B, M, 2, H, d // H).unbind(2))  # (B, H, M, hd)
+        seen = ctx.memory_mask.any(-1, keepdim=True)  # (B, 1, T, 1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.memory_mask | ~seen) * seen
+        return self.proj(y.transpose(1, 2).reshape(B, T, d))
+
+
+class CrossAttendCoupling(Coupling):
+    @classmethod
+    def decoder_layer(cls, cfg, i):
+        return ConceptCrossAttention(cfg)
+
+    def forward(self, h, pred, seg, segmenter):
+        return h  # nothing added: the decoder blocks attend to the concepts
+
+    @staticmethod
+    def _visible(closed, M):  # closed (B, T) -> (B, 1, T, M): concept j visible iff j < closed
+        return (torch.arange(M, device=closed.device) < closed[..., None])[:, None]
+
+    def decoder_context(self, ctx, pred, seg, segmenter):
+        if pred is None:
+            return ctx
+        closed = segmenter.closed_counts(seg, ctx.cos.shape[2])
+        return ctx.with_(memory=pred, memory_mask=self._visible(closed, pred.shape[1]))
+
+    def decode_state(self, pred, seg, segmenter, like):
+        B, T, d = like.shape
+        memory = like.new_zeros(B, 0, d) if pred is None else pred.clone()
+        return {"memory": memory, "n": seg.n_closed.clone(), "closed": segmenter.closed_counts(seg, T)}
+
+    def decode_context(self, ctx, state, positions):
+        # the prefill's slots see what their position saw; a step sees every concept closed so far
+        closed = state.pop("closed").gather(1, positions) if "closed" in state else state["n"][:, None]
+        if state["memory"].shape[1] == 0:
+            return ctx
+        return ctx.with_(memory=state["memory"], memory_mask=self._visible(closed, state["memory"].shape[1]))
+
+    def decode_update(self, state, closing, pred):
+        mem = state["memory"]
+        if closing.length > mem.shape[1]:  # room for the concept at index < length
+            mem = torch.cat([mem, mem.new_zeros(mem.shape[0], closing.length - mem.shape[1], mem.shape[2])], 1)
+        rows = torch.arange(mem.shape[0], device=mem.device)
+        mem[rows, closing.index] = torch.where(closing.closed[:, None], pred, mem[rows, closing.index])
+        state["memory"] = mem
+        state["n"] = torch.where(closing.closed, closing.index + 1, state["n"])
+
+    def decode_input(self, h, state):
+        return h
+
+
 class CountingSegmenter(FixedBlocks):
     """Fixed blocks whose forward also reports local sums for the per-step hook; the hook
     keeps the last global totals it was given."""
@@ -156,3 +225,4 @@ register("segmentation", "alt23", Alternating23)
 register("segmentation", "per_token_next", PerTokenNext)
 register("segmentation", "counting", CountingSegmenter)
 register("residual", "dense", DenseMix)
+register("coupling", "cross_attend", CrossAttendCoupling)
