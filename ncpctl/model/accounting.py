@@ -272,6 +272,12 @@ class ExactFlops:
         return self._concept_share(causal=False)
 
     @property
+    def residual_share(self) -> float:
+        """Fraction of forward FLOPs spent in IRC and CRC (NCP-ArchPreview Table 3's overhead)."""
+        extra = sum(v for k, v in self.components.items() if k.startswith("residual."))
+        return self.batch_size * extra / self._forward_step(causal=False)
+
+    @property
     def concept_share_causal(self) -> float:
         return self._concept_share(causal=True)
 
@@ -289,7 +295,7 @@ class ExactFlops:
             "training_per_sequence", "training_per_sequence_causal",
             "forward_per_token", "forward_per_token_causal",
             "training_per_token", "training_per_token_causal",
-            "layer_flops", "concept_share", "concept_share_causal",
+            "layer_flops", "concept_share", "concept_share_causal", "residual_share",
         ):
             out[name] = getattr(self, name)
         return out
@@ -332,6 +338,7 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
         # nearest code per segment of sg(c): (B,M,S,ds) x (S,N,ds) distances, forward only
         training_only["concept.vq_quantise"] = 2 * M * S * N * ds
 
+    comps.update(_dynamic_residual_flops(cfg, T, M))
     comps["lm_head"] = 2 * T * d * cfg.padded_vocab_size
     return ExactFlops(
         seq_len=T,
@@ -341,6 +348,31 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
         attention_causal=causal,
         training_only=training_only,
     )
+
+
+def _dynamic_residual_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
+    """IRC and CRC matmul FLOPs per sequence (ncpctl.model.residual): each weight MLP
+    (d -> hidden -> candidates) and the weighted sums of the candidate states (the LayerNorms of
+    CRC's sources and other elementwise work are not counted). A registered depth mixer other
+    than IRC is not counted."""
+    d, out = cfg.d_model, {}
+    c = cfg.concept
+    stacks = {"encoder": (cfg.encoder_layers, T), "concept": (c.concept_layers if c.enabled else 0, M),
+              "decoder": (cfg.decoder_layers, T)}
+    if cfg.residual == "irc":
+        h = cfg.irc_hidden
+        out["residual.irc"] = sum(2 * P * (d * h + h * (i + 2)) + 2 * P * (i + 2) * d
+                                  for n, P in stacks.values() for i in range(n))
+    if cfg.crc_connections:
+        h = cfg.crc_hidden
+        total = 0
+        for link in cfg.crc_connections:
+            source, target = link.split("-")
+            K = stacks[source][0] + 1
+            n, P = stacks[target]
+            total += n * (2 * P * (d * h + h * K) + 2 * P * K * d + 2 * P * d)
+        out["residual.crc"] = total
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -356,6 +388,7 @@ PARAM_GROUPS = (
     "concept_heads",
     "codebook",
     "codebook_transform",
+    "dynamic_residuals",
     "norms_other",
 )
 
@@ -369,14 +402,17 @@ _PREFIXES = (
     ("concept.heads.", "concept_heads"),
     ("concept.codebook.transform.", "codebook_transform"),
     ("concept.codebook.", "codebook"),  # frozen base codes (or a plain learned codebook)
+    ("crc.", "dynamic_residuals"),
 )
 
 
 def _param_group(name: str) -> str:
+    if ".residual." in name:  # a stack's depth mixer (IRC), wherever the stack is
+        return "dynamic_residuals"
     for prefix, group in _PREFIXES:
         if name.startswith(prefix):
             return group
-    return "norms_other"  # final_norm, concept.norm / norm_h / norm_pred, residual mixers
+    return "norms_other"  # final_norm, concept.norm / norm_h / norm_pred
 
 
 @dataclass(frozen=True)

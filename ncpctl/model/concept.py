@@ -144,9 +144,14 @@ class ConceptModule(nn.Module):
 
     # ---- full-sequence forward ----
 
-    def forward(self, h: torch.Tensor, losses: bool, interventions=(), states: bool = False) -> ConceptOutput:
-        """Encoder output h (B, T, d) -> ConceptOutput (decoder input z and the concept terms)."""
-        seg = self.segmenter(h)
+    def forward(self, h: torch.Tensor, losses: bool, interventions=(), states: bool = False,
+                crc=None, enc_states: list | None = None) -> ConceptOutput:
+        """Encoder output h (B, T, d) -> ConceptOutput (decoder input z and the concept terms).
+
+        ``crc`` (residual.CrossModules) with an encoder-concept connection pools every encoder
+        depth ``enc_states`` (E + 1 of (B, T, d)) with the same segments and feeds them to the
+        concept stack; ``states`` also returns the concept stack's depths (concept-decoder CRC)."""
+        seg, pooled = self.segment(h, enc_states if crc is not None and crc.has("encoder-concept") else None)
         out = ConceptOutput(z=h, segments=seg, losses=dict(seg.losses), metrics=dict(seg.metrics),
                             stats=dict(seg.stats))
         M = seg.concepts.shape[1]
@@ -157,6 +162,8 @@ class ConceptModule(nn.Module):
                 out.losses.update(ncp_loss=zero, vq_loss=zero)
             return out
         ctx = self.context(seg.positions, h.dtype)
+        if pooled is not None:
+            ctx = ctx.with_(post=crc.hook([("encoder-concept", pooled)]))
         if states:
             u, out.states = self.layers(seg.concepts, ctx, states=True)
         else:
@@ -169,6 +176,16 @@ class ConceptModule(nn.Module):
         if losses:
             self._losses(seg, pred, codes, out)
         return out
+
+    def segment(self, h: torch.Tensor, depths: list | None) -> tuple[Segments, list | None]:
+        """Segments of h; with ``depths`` (a width-independent segmentation) every depth is pooled
+        by the same segments in one pass: (segments of h, [pooled depth (B, M, d)])."""
+        if depths is None:
+            return self.segmenter(h), None
+        seg = self.segmenter(torch.cat(depths, dim=-1))  # (B, M, K*d): h = depths[-1] comes last
+        pooled = list(seg.concepts.chunk(len(depths), dim=-1))
+        seg.concepts = pooled[-1]
+        return seg, pooled
 
     def loss_weights(self) -> dict[str, float]:
         c = self.cfg.concept

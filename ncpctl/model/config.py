@@ -42,18 +42,22 @@ class SegmentationLaw:
     concepts: Callable[["ConceptConfig", int], int]
     tokens_per_concept: Callable[["ConceptConfig"], float]
     length_key: str | None = None  # the concept.* key that sets the segment length (for errors)
+    # pooling depends on positions only (not on the states): any tensor, e.g. every encoder depth
+    # for the encoder-concept cross-module residual, can be pooled by the same segments
+    pools_any_width: bool = False
 
 
 # Fixed blocks of k tokens (ConceptLM): a trailing partial block is not pooled.
 FIXED_BLOCKS = SegmentationLaw(concepts=lambda c, T: T // c.k, tokens_per_concept=lambda c: float(c.k),
-                               length_key="k")
+                               length_key="k", pools_any_width=True)
+CRC_CONNECTIONS = ("encoder-concept", "encoder-decoder", "concept-decoder")
 
 # Names of the extension points' strategies: name -> a class, a "module:attr" import path
 # (relative paths are resolved in this package) or, for segmentations, also its law.
 STRATEGIES: dict[str, dict[str, Any]] = {
     "segmentation": {"fixed": ".segment:FixedBlocks"},
     "coupling": {"add": ".coupling:AddCoupling"},
-    "residual": {"plain": ".layers:PlainResidual"},
+    "residual": {"plain": ".layers:PlainResidual", "irc": ".residual:IRC"},
 }
 LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS}
 
@@ -215,8 +219,18 @@ class ModelConfig:
         False, "HF import: initialise the extra token layers from the base's first extra_token_layers layers "
         "(ConceptLM 8B's PM baseline); else fresh.")
     residual: str = _f(
-        "plain", "How each stack's layer outputs become the next layer's input: plain = x + f(x), or a registered "
-        "depth mixer / package.module:Class (docs/architecture.md).")
+        "plain", "How each stack's layer outputs become the next layer's input: plain = x + f(x); irc = "
+        "NCP-ArchPreview's intra-module residual (Sec. 2.6, Eqs. 14-18: unnormalised per-token weights over "
+        "all earlier depths, starting as plain); or a registered depth mixer / package.module:Class.")
+    irc_hidden: int = _f(32, "IRC: hidden width of each layer's weight MLP (the paper does not state it).")
+    irc_normalize: Literal["none", "softmax"] = _f(
+        "none", "IRC weights: none = unnormalised (the paper); softmax = Table 3's per-stage-softmax variant.")
+    crc_connections: list = _f(
+        list, "NCP-ArchPreview's cross-module residuals (Sec. 2.6, Eqs. 19-20), any of encoder-concept, "
+        "encoder-decoder, concept-decoder (all three: the paper's IRC+CRC); needs the concept path.")
+    crc_hidden: int = _f(32, "CRC: hidden width of each target layer's depth-selection MLP.")
+    crc_init: float = _f(0.0, "CRC: initial per-dimension scale D (0: the network starts as the plain one; "
+                              "the paper's small init, e.g. 0.01, as an option).")
     concept: ConceptConfig = _f(ConceptConfig, "The concept path.")
 
     # ---- derived (computed in __post_init__) ----
@@ -306,6 +320,7 @@ class ModelConfig:
                 law = segmentation_law(c.segmentation)
             except ConfigError as e:
                 problems.extend(("concept.segmentation", m) for _, m in e.problems)
+        problems += self._check_residuals(law)
         if problems:
             raise ConfigError(problems)
 
@@ -360,6 +375,27 @@ class ModelConfig:
             problems.append(("qk_norm", f"must be none, layer or head, got {self.qk_norm!r}"))
         if self.init not in ("hf", "gpt-neox"):
             problems.append(("init", f"must be hf or gpt-neox, got {self.init!r}"))
+        return problems
+
+    def _check_residuals(self, law: SegmentationLaw | None) -> list[tuple[str, str]]:
+        """IRC / CRC keys (NCP-ArchPreview Sec. 2.6)."""
+        problems = []
+        for name in ("irc_hidden", "crc_hidden"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                problems.append((name, f"must be a positive integer, got {v!r}"))
+        if self.irc_normalize not in ("none", "softmax"):
+            problems.append(("irc_normalize", f"must be none or softmax, got {self.irc_normalize!r}"))
+        links = self.crc_connections
+        if not isinstance(links, list) or any(x not in CRC_CONNECTIONS for x in links) or len(set(links)) != len(links):
+            return problems + [("crc_connections", f"must be distinct names from {', '.join(CRC_CONNECTIONS)}, "
+                                                   f"got {links!r}")]
+        if links and not self.concept.enabled:
+            problems.append(("crc_connections", "cross-module residuals connect the encoder, concept and decoder "
+                                                "modules: they need the concept path (model.concept.enabled)"))
+        elif "encoder-concept" in links and law is not None and not law.pools_any_width:
+            problems.append(("crc_connections", f"encoder-concept pools every encoder depth, which segmentation "
+                                                f"{self.concept.segmentation!r} cannot (its law: pools_any_width)"))
         return problems
 
     def _window(self, number: int) -> int | None:

@@ -42,6 +42,7 @@ class DecodeState:
     codes: torch.Tensor | None = None  # (S, N, ds)
     seg: dict = field(default_factory=dict)  # the segmenter's per-row state, (B, ...) tensors
     cpl: dict = field(default_factory=dict)  # the coupling's per-row state, (B, ...) tensors
+    crc: dict = field(default_factory=dict)  # concept-decoder CRC: each row's latest concept depths (B, C+1, d)
     interventions: list = field(default_factory=list)
 
     @property
@@ -61,7 +62,7 @@ class DecodeState:
         self.pad_t = self.pad_t[rows]
         for kv in (*self.enc, *self.dec, *self.con):
             kv.reorder(rows)
-        for d in (self.seg, self.cpl):
+        for d in (self.seg, self.cpl, self.crc):
             for k, v in d.items():
                 d[k] = v[rows]
 
@@ -110,40 +111,76 @@ def prefill(model, tokens: torch.Tensor, lengths, max_len: int | None, ivs: list
     cos, sin = rope(positions, cfg, x.dtype)
     masks = {w: attn_mask(slots[None], slots[None], w, valid) for w in set(cfg.token_windows)}
     enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=0, length=Tp), positions, x, st)
-    h = model.encode(x, enc)
-    z = _concept_prefill(cm, st, h, lengths, ivs) if cm is not None else h
+    h, depths = _encode(model, x, enc)
+    z, concept_depths = _concept_prefill(model, st, h, lengths, ivs, depths) if cm is not None else (h, None)
     z = decoder_input_addition(ivs, z, positions)
-    if cm is not None:
-        dec = cm.coupling.decode_context(dec, st.cpl, positions)
-    return model.head(model.decode(z, dec)), st
+    return model.head(model.decode(z, _decoder_context(model, dec, st, positions, depths, concept_depths))), st
 
 
-def _concept_prefill(cm, st: DecodeState, h: torch.Tensor, lengths: list[int], ivs: list) -> torch.Tensor:
-    """Concept path over the prompts h (B, Tp, d) (slot layout) -> decoder input z (B, Tp, d);
-    fills the concept cache and the segmenter's and coupling's states."""
+def _encode(model, x: torch.Tensor, ctx: Context):
+    """(h, the encoder's depths when a cross-module residual reads them, else None)."""
+    if model._keeps_encoder_depths(False):
+        return model.encode(x, ctx, states=True)
+    return model.encode(x, ctx), None
+
+
+def _decoder_context(model, dec: Context, st: DecodeState, positions, depths, concept_depths) -> Context:
+    """The coupling's decoder context (its memory) and the decoder's CRC hook, for the slots at
+    ``positions`` (the prefill's (B, Tp) or a step's (B, 1))."""
+    if model.concept is not None:
+        dec = model.concept.coupling.decode_context(dec, st.cpl, positions)
+    post = model.decoder_crc(depths, concept_depths)
+    return dec if post is None else dec.with_(post=post)
+
+
+def _concept_prefill(model, st: DecodeState, h: torch.Tensor, lengths: list[int], ivs: list,
+                     depths: list | None) -> tuple[torch.Tensor, list | None]:
+    """Concept path over the prompts h (B, Tp, d) (slot layout) -> decoder input z (B, Tp, d)
+    and, for a concept-decoder CRC, the concept depths spread to the slots; fills the concept
+    cache and the segmenter's, coupling's and CRC's states. With an encoder-concept CRC every
+    encoder depth is pooled with h (one (B, Tp, (E+1) d) tensor through the segmenter)."""
+    cm = model.concept
+    pooled_depths = depths if model._crc_has("encoder-concept") else None
     B, Tp, d = h.shape
     dev = h.device
     ar = torch.arange(Tp, device=dev)
-    # slot layout -> aligned layout (index = position, rows right-padded), (B, Tp, d)
+    h_in = h if pooled_depths is None else torch.cat(pooled_depths, dim=-1)
+    # slot layout -> aligned layout (index = position, rows right-padded)
     src = (ar[None] + st.pad_t[:, None]).clamp_max(Tp - 1)
-    h_al = h.gather(1, src[..., None].expand(B, Tp, d))
+    h_al = h_in.gather(1, src[..., None].expand(B, Tp, h_in.shape[-1]))
     lengths_t = torch.tensor(lengths, device=dev)
-    st.seg = cm.segmenter.decode_init(B, d, dev, h.dtype)
+    st.seg = cm.segmenter.decode_init(B, h_in.shape[-1], dev, h.dtype)
     seg = cm.segmenter.decode_prefill(st.seg, h_al, lengths_t, lengths)
+    pooled = None
+    if pooled_depths is not None:
+        pooled = list(seg.concepts.chunk(len(pooled_depths), dim=-1))
+        seg.concepts, h_al = pooled[-1], h_al[..., -d:]
     st.codes = cm.codebook()
     M = seg.concepts.shape[1]
-    pred = None
+    pred, cdepths = None, None
+    want = model._crc_has("concept-decoder")
     if M > 0:
         # Right padding: a row's junk concepts come after its real ones, so the causal mask
         # keeps them out of every real concept's output.
         ctx = cm.context(seg.positions, h.dtype).with_(caches=st.con, at=0, length=M)
-        u = cm.layers(seg.concepts, ctx)
+        if pooled is not None:
+            ctx = ctx.with_(post=model.crc.hook([("encoder-concept", pooled)]))
+        u, cdepths = cm.layers(seg.concepts, ctx, states=True) if want else (cm.layers(seg.concepts, ctx), None)
         w = edit_code_weights(ivs, cm.code_weights(u), torch.arange(M, device=dev)[None])
         pred = cm.mix(w, st.codes)  # (B, M, d)
     z_al = cm.coupling(h_al, pred, seg, cm.segmenter)  # (B, Tp, d)
     st.cpl = cm.coupling.decode_state(pred, seg, cm.segmenter, h)
     back = (ar[None] - st.pad_t[:, None]).clamp_min(0)  # aligned -> slot layout (padding: junk)
-    return z_al.gather(1, back[..., None].expand(B, Tp, d))
+    to_slots = lambda t: t.gather(1, back[..., None].expand(B, Tp, d))  # noqa: E731
+    if not want:
+        return to_slots(z_al), None
+    K = len(cm.layers) + 1
+    if cdepths is None:  # no concept closed yet in any prompt: zero sources, as the full forward
+        st.crc["concept"] = h.new_zeros(B, K, d)
+        return to_slots(z_al), [torch.zeros_like(h)] * K
+    latest = torch.stack(cdepths, 1)[torch.arange(B, device=dev), :, (seg.n_closed - 1).clamp_min(0)]  # (B, K, d)
+    st.crc["concept"] = latest * (seg.n_closed > 0)[:, None, None].to(h.dtype)
+    return to_slots(z_al), [to_slots(cm.segmenter.spread(seg, c, Tp)) for c in cdepths]
 
 
 @torch.no_grad()
@@ -161,25 +198,37 @@ def step(model, st: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
     masks = {w: attn_mask(keys[s:][None], keys[None], w, valid) for w in set(model.cfg.token_windows)}
     ivs = st.interventions
     enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=s, length=s + 1), pos, x, st)
-    h = model.encode(x, enc)
-    cm = model.concept
-    z = _concept_step(cm, st, h, pos[:, 0], ivs) if cm is not None else h
+    h, depths = _encode(model, x, enc)
+    z, concept_depths = _concept_step(model, st, h, pos[:, 0], ivs, depths) if model.concept is not None \
+        else (h, None)
     z = decoder_input_addition(ivs, z, pos)
-    if cm is not None:
-        dec = cm.coupling.decode_context(dec, st.cpl, pos)
+    dec = _decoder_context(model, dec, st, pos, depths, concept_depths)
     st.slot += 1
     return model.head(model.decode(z, dec))[:, 0]
 
 
-def _concept_step(cm, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, ivs: list) -> torch.Tensor:
-    """h (B, 1, d) of the new token at positions ``pos`` (B,) -> decoder input z (B, 1, d)."""
-    closing = cm.segmenter.decode_step(st.seg, h[:, 0], pos, [st.slot - p for p in st.pad])
+def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, ivs: list,
+                  depths: list | None) -> tuple[torch.Tensor, list | None]:
+    """h (B, 1, d) of the new token at positions ``pos`` (B,) -> decoder input z (B, 1, d) and,
+    for a concept-decoder CRC, each row's latest concept depths as K tensors (B, 1, d)."""
+    cm = model.concept
+    pooled_depths = depths if model._crc_has("encoder-concept") else None
+    h_in = h[:, 0] if pooled_depths is None else torch.cat(pooled_depths, dim=-1)[:, 0]
+    closing = cm.segmenter.decode_step(st.seg, h_in, pos, [st.slot - p for p in st.pad])
+    want = model._crc_has("concept-decoder")
     if closing.any is not False:  # some row may have closed a concept: one concept step for all
         j, n = closing.index, closing.length
+        pooled = None if pooled_depths is None else [c[:, None] for c in closing.concept.chunk(len(pooled_depths), -1)]
+        c_in = closing.concept[:, None] if pooled is None else pooled[-1]
         cos, sin = rope(closing.position[:, None], cm.cfg, h.dtype)
         keys = torch.arange(n, device=h.device)
         masks = {w: attn_mask(j[:, None], keys[None], w) for w in cm.layers.windows}
-        u = cm.layers(closing.concept[:, None], Context(cos, sin, masks, st.con, at=j, length=n))
+        ctx = Context(cos, sin, masks, st.con, at=j, length=n,
+                      post=model.crc.hook([("encoder-concept", pooled)]) if pooled is not None else None)
+        u, cdepths = cm.layers(c_in, ctx, states=True) if want else (cm.layers(c_in, ctx), None)
         w = edit_code_weights(ivs, cm.code_weights(u), j[:, None])
         cm.coupling.decode_update(st.cpl, closing, cm.mix(w, st.codes)[:, 0])
-    return cm.coupling.decode_input(h, st.cpl)
+        if want:
+            st.crc["concept"] = torch.where(closing.closed[:, None, None], torch.cat(cdepths, 1), st.crc["concept"])
+    z = cm.coupling.decode_input(h, st.cpl)
+    return z, (list(st.crc["concept"].split(1, dim=1)) if want else None)

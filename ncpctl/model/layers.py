@@ -231,7 +231,8 @@ class Context:
     (incremental decoding) with the write index ``at`` and read length ``length``; ``memory``
     (B, M, d_mem) and ``memory_mask`` (B|1, 1, T, M) for blocks that cross-attend (a coupling
     that attends to concepts sets them); ``adds`` maps a layer index to a tensor added to the
-    residual stream after that layer (interventions), broadcasting against (B, T, d).
+    residual stream after that layer (interventions), broadcasting against (B, T, d); ``post``,
+    if set, is called as ``x = post(i, x)`` after each layer's residual (cross-module residuals).
     """
 
     cos: torch.Tensor
@@ -243,6 +244,7 @@ class Context:
     memory: torch.Tensor | None = None
     memory_mask: torch.Tensor | None = None
     adds: dict[int, torch.Tensor] = field(default_factory=dict)
+    post: Any = None
 
     @classmethod
     def causal(cls, cfg: ModelConfig, positions: torch.Tensor, windows, dtype: torch.dtype) -> "Context":
@@ -426,6 +428,8 @@ class Stack(nn.Module):
                 cache = ctx.caches[i]
                 cache.at, cache.len = ctx.at, ctx.length
             x = self.residual(i, x, blk(x, ctx, cache), mix)
+            if ctx.post is not None:
+                x = ctx.post(i, x)
             if i in ctx.adds:
                 x = x + ctx.adds[i]
             if states:

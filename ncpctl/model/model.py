@@ -29,12 +29,14 @@ import torch
 from torch import nn
 
 from .concept import ConceptModule, ConceptOutput, coupling_layer_factory
+from .coupling import Coupling
 from .config import ModelConfig
 from .decode import DecodeState, prefill, step
 from .head import LMHead
 from .interventions import Intervention, check, decoder_input_addition, residual_additions
 from .layers import Context, RMSNorm, Stack, make_norm
 from .outputs import LogKey, NCPOutput
+from .residual import CrossModules
 
 
 class NCPModel(nn.Module):
@@ -50,6 +52,8 @@ class NCPModel(nn.Module):
         cross = coupling_layer_factory(cfg) if cfg.concept.enabled else None
         self.decoder = Stack(cfg, cfg.token_windows[E:], cross=cross)
         self.concept = ConceptModule(cfg) if cfg.concept.enabled else None
+        # NCP-ArchPreview's cross-module residuals (residual.py), when any connection is on
+        self.crc = CrossModules(cfg) if cfg.crc_connections else None
         self.final_norm = make_norm(cfg, d)
         self.lm_head = LMHead(d, cfg.padded_vocab_size)
         if cfg.tie_embeddings:
@@ -105,10 +109,42 @@ class NCPModel(nn.Module):
         return self.encoder(x, ctx, states=states)
 
     def concepts(self, h: torch.Tensor, *, losses: bool = False, interventions: Sequence[Intervention] = (),
-                 states: bool = False) -> ConceptOutput:
+                 states: bool = False, enc_states: list | None = None) -> ConceptOutput:
         if self.concept is None:
             return ConceptOutput(z=h)
-        return self.concept(h, losses=losses, interventions=interventions, states=states)
+        return self.concept(h, losses=losses, interventions=interventions, states=states, crc=self.crc,
+                            enc_states=enc_states)
+
+    # ---- cross-module residuals: which depths to keep, and the decoder's hook ----
+
+    def _crc_has(self, name: str) -> bool:
+        return self.crc is not None and self.crc.has(name)
+
+    def _keeps_encoder_depths(self, asked: bool) -> bool:
+        return asked or self._crc_has("encoder-decoder") or self._crc_has("encoder-concept")
+
+    def decoder_crc(self, enc_states: list | None, concept_states: list | None):
+        """The decoder's ``Context.post`` hook of the encoder-decoder / concept-decoder
+        connections, from token-aligned source depths (each (B, T, d)); None without them."""
+        targets = []
+        if self._crc_has("encoder-decoder"):
+            targets.append(("encoder-decoder", enc_states))
+        if self._crc_has("concept-decoder"):
+            targets.append(("concept-decoder", concept_states))
+        return self.crc.hook(targets) if targets else None
+
+    def _decoder_context(self, ctx: Context, co: ConceptOutput, enc_states: list | None, z: torch.Tensor) -> Context:
+        """The decoder's context: the coupling's (memory to attend to) and the CRC hook."""
+        if self.concept is None:
+            return ctx
+        ctx = self.concept.coupling.decoder_context(ctx, co.pred, co.segments, self.concept.segmenter)
+        concept_states = None
+        if self._crc_has("concept-decoder"):  # shifted exactly as pred: token t sees closed concepts only
+            T, seg = z.shape[1], co.segments
+            concept_states = ([self.concept.segmenter.spread(seg, s, T) for s in co.states] if co.states is not None
+                              else [torch.zeros_like(z)] * (len(self.concept.layers) + 1))
+        post = self.decoder_crc(enc_states, concept_states)
+        return ctx if post is None else ctx.with_(post=post)
 
     def decode(self, z: torch.Tensor, ctx: Context, states: bool = False):
         """Decoder input z (B, T, d) -> final-norm states (B, T, d) (and the per-depth states)."""
@@ -151,18 +187,17 @@ class NCPModel(nn.Module):
         ctx, positions = self.token_context(idx.shape[1], idx.device, self.embed.weight.dtype)
         x = self.embed_tokens(idx, positions)  # (B, T, d)
         enc_ctx, dec_ctx = self._stack_contexts(ctx, ivs, positions, x)
-        states = {} if return_states else None
-        h = self.encode(x, enc_ctx, states=return_states)
-        if return_states:
-            h, states["encoder"] = h
-        co = self.concepts(h, losses=targets is not None, interventions=ivs, states=return_states)
+        h, enc_states = self.encode(x, enc_ctx, states=True) if self._keeps_encoder_depths(return_states) \
+            else (self.encode(x, enc_ctx), None)
+        co = self.concepts(h, losses=targets is not None, interventions=ivs, enc_states=enc_states,
+                           states=return_states or self._crc_has("concept-decoder"))
         z = decoder_input_addition(ivs, co.z, positions)  # (B, T, d)
-        if self.concept is not None:
-            dec_ctx = self.concept.coupling.decoder_context(dec_ctx, co.pred, co.segments, self.concept.segmenter)
+        dec_ctx = self._decoder_context(dec_ctx, co, enc_states, z)
         hN = self.decode(z, dec_ctx, states=return_states)  # (B, T, d)
+        states = None
         if return_states:
-            hN, states["decoder"] = hN
-            states["concept"] = co.states
+            hN, dec_states = hN
+            states = {"encoder": enc_states, "concept": co.states, "decoder": dec_states}
         out = NCPOutput(logits=None, concept=co if self.concept is not None else None, states=states,
                         hidden=hN if return_hidden else None, metrics=dict(co.metrics), stats=dict(co.stats))
         if targets is None:
@@ -177,16 +212,24 @@ class NCPModel(nn.Module):
         return out
 
     def from_decoder_input(self, z: torch.Tensor, *, concept: ConceptOutput | None = None,
+                           encoder_states: list | None = None,
                            interventions: Sequence[Intervention] | None = None) -> torch.Tensor:
         """Logits (B, T, V) of the decoder re-run from decoder input z (B, T, d) (e.g. a forward's
         ``out.concept.z`` with a code's term removed). ``concept``: that forward's ConceptOutput,
-        for couplings whose decoder reads the concepts; decoder-stack interventions apply."""
+        for couplings or cross-module residuals whose decoder reads the concepts;
+        ``encoder_states``: its ``out.states["encoder"]`` for an encoder-decoder cross-module
+        residual. Decoder-stack interventions apply."""
+        if self._crc_has("encoder-decoder") and encoder_states is None:
+            raise ValueError("from_decoder_input: this model's decoder reads the encoder's depths "
+                             "(crc_connections: encoder-decoder); pass encoder_states=out.states['encoder']")
         ivs = self.check_interventions(interventions)
         ctx, positions = self.token_context(z.shape[1], z.device, z.dtype)
         _, dec_ctx = self._stack_contexts(ctx, ivs, positions, z)
-        if self.concept is not None and concept is not None:
-            dec_ctx = self.concept.coupling.decoder_context(dec_ctx, concept.pred, concept.segments,
-                                                            self.concept.segmenter)
+        if concept is not None:
+            dec_ctx = self._decoder_context(dec_ctx, concept, encoder_states, z)
+        elif self.concept is not None and (self.crc is not None or type(self.concept.coupling).decoder_context
+                                           is not Coupling.decoder_context):
+            raise ValueError("from_decoder_input: this model's decoder reads the concepts; pass concept=out.concept")
         return self.head(self.decode(z, dec_ctx))
 
     # ---- what the training loop logs (declared once, the same on every rank) ----

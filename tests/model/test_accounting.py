@@ -251,3 +251,26 @@ def test_gpt2_parameter_counts_equal_hf(size, count):
         with torch.device("meta"):
             hf = transformers.GPT2LMHeadModel(transformers.GPT2Config())
         assert sum(t.numel() for t in hf.parameters()) == count
+
+
+def test_dynamic_residuals_are_counted():
+    """IRC and CRC parameters land in their own group; their matmul FLOPs are exact components
+    (the MLPs and the weighted sums) and their share is reported."""
+    links = ["encoder-concept", "encoder-decoder", "concept-decoder"]
+    plain = build_config("debug", concept=dict(enabled=True))
+    dyn = build_config("debug", residual="irc", crc_connections=links, concept=dict(enabled=True))
+    p0, p1 = count_parameters(plain), count_parameters(dyn)
+    assert p0.components["dynamic_residuals"] == 0 < p1.components["dynamic_residuals"]
+    assert p1.total - p0.total == p1.components["dynamic_residuals"]
+    d, h, E, C, D = 64, 32, 1, 2, 3
+    irc = sum(d * h + h + h * (i + 2) + (i + 2) for n in (E, C, D) for i in range(n))  # Linear(d,h), Linear(h,i+2)
+    crc = sum(n * (d * h + h + h * K + K) + K * 2 * d + n * d for K, n in ((E + 1, C), (E + 1, D), (C + 1, D)))
+    assert p1.components["dynamic_residuals"] == irc + crc
+    e0, e1 = exact_flops(plain, 64), exact_flops(dyn, 64)
+    T, M = 64, 16
+    want_irc = sum(2 * P * (d * h + h * (i + 2)) + 2 * P * (i + 2) * d for n, P in ((E, T), (C, M), (D, T))
+                   for i in range(n))
+    assert e1.components["residual.irc"] == want_irc
+    assert e0.residual_share == 0 < e1.residual_share  # ~6% at d=64; at 8.9B it is ~0.1%:
+    big = build_config("ncp-archpreview-8.9b", residual="irc", crc_connections=links)
+    assert 0 < exact_flops(big, 8192).residual_share < 0.002

@@ -28,6 +28,15 @@ DESIGNS = {
     "gpt2-conceptlm-l0": tiny("gpt2", tie_embeddings=True, concept=dict(encoder_layers=0, add="normed")),
     "gpt2-conceptlm-l1": tiny("gpt2", tie_embeddings=True, concept=dict(encoder_layers=1, add="normed")),
     "gpt2-base": tiny("gpt2", tie_embeddings=True),
+    # NCP-ArchPreview's dynamic residuals: IRC in every stack (the encoder has ONE layer: legal,
+    # Table 8's 8/1/7 split) and all three CRC connections, at k = 2 and 4
+    **{f"archpreview-irc-crc-k{k}": tiny("llama", qk_norm="layer", sliding_window=3, full_attn_every=2,
+                                         residual="irc", crc_connections=["encoder-concept", "encoder-decoder",
+                                                                          "concept-decoder"],
+                                         concept=dict(k=k, code_weights="softmax", ncp_reduction="sum_dim"))
+       for k in (2, 4)},
+    "irc-softmax-crc-decoder-only-neox": tiny("neox", residual="irc", irc_normalize="softmax",
+                                              crc_connections=["concept-decoder"], concept={}),
     # a coupling that cross-attends to the closed concepts (DLCM's way), over fixed and toy segments
     "toy-cross-attention-fixed": tiny("neox", concept=dict(coupling="cross_attend")),
     "toy-cross-attention-per-token-next": tiny("llama", concept=dict(segmentation="per_token_next",
@@ -122,6 +131,44 @@ def test_depth_mixer_starts_as_the_plain_residual(backbone):
     x = tokens(plain.cfg, 2, 11)
     with torch.no_grad():
         assert (mixed(x).logits - plain(x).logits).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("backbone", ["neox", "llama"])
+def test_irc_and_crc_start_as_the_plain_residual_network(backbone):
+    """ArchPreview's IRC (last MLP layer zero + one-hot on the newest depth) and CRC (D = 0) at
+    init: the same other weights give the plain network's logits (to 1e-6)."""
+    torch.manual_seed(0)
+    links = ["encoder-concept", "encoder-decoder", "concept-decoder"]
+    dyn = NCPModel(tiny(backbone, residual="irc", crc_connections=links, concept={})).eval()
+    plain = NCPModel(tiny(backbone, concept={})).eval()
+    with torch.no_grad():  # perturb everything shared, so that the check is not trivial
+        for p in dyn.parameters():
+            p.add_(torch.randn_like(p) * 0.1) if p.requires_grad else None
+        for mlp in dyn.decoder.residual.mlps:  # but IRC and CRC keep their init
+            torch.nn.init.zeros_(mlp[2].weight), torch.nn.init.zeros_(mlp[2].bias)
+        for mlp in (*dyn.encoder.residual.mlps, *dyn.concept.layers.residual.mlps):
+            torch.nn.init.zeros_(mlp[2].weight), torch.nn.init.zeros_(mlp[2].bias)
+        for link in dyn.crc.links.values():
+            torch.nn.init.zeros_(link.scale)
+    shared = {k: v for k, v in dyn.state_dict().items() if ".residual." not in k and not k.startswith("crc.")}
+    plain.load_state_dict(shared)
+    fresh = NCPModel(tiny(backbone, residual="irc", crc_connections=links, concept={}))
+    assert all(torch.all(m[2].weight == 0) for m in fresh.decoder.residual.mlps)  # init_weights left them alone
+    assert all(torch.all(link.scale == 0) for link in fresh.crc.links.values())
+    x = tokens(plain.cfg, 2, 13)
+    with torch.no_grad():
+        assert (dyn(x).logits - plain(x).logits).abs().max() <= 1e-6
+
+
+def test_crc_needs_the_concept_path_and_a_pooling_segmentation():
+    from ncpctl.model.config import ConfigError
+
+    with pytest.raises(ConfigError, match="they need the concept path"):
+        tiny("llama", crc_connections=["encoder-decoder"])
+    with pytest.raises(ConfigError, match="encoder-concept pools every encoder depth"):
+        tiny("llama", crc_connections=["encoder-concept"], concept=dict(segmentation="per_token_next"))
+    with pytest.raises(ConfigError, match="must be distinct names"):
+        tiny("llama", crc_connections=["encoder-nowhere"], concept={})
 
 
 def test_unknown_or_wrong_strategies_are_config_errors():
