@@ -235,6 +235,36 @@ def concept_vs_pm(size: str, B: int, T: int, rounds: int, profile_all: bool = Fa
     }
 
 
+def residuals_overhead(size: str, B: int, T: int, rounds: int) -> dict[str, Any]:
+    """NCP-ArchPreview's IRC + CRC (all three connections) over the same ConceptLM without them:
+    a Llama-style body at ``size``'s shape (softmax code weights, E=1, C=2, k=4). Step-time
+    ratio (goal <= 1.05) next to the exact FLOPs share of the two mixers."""
+    from ncpctl.model.accounting import exact_flops
+    from ncpctl.model.config import build_config
+
+    concept = dict(enabled=True, k=4, encoder_layers=1, concept_layers=2, code_weights="softmax")
+    plain = build_config(size, backbone="llama", max_seq_len=T, concept=concept)
+    dyn = build_config(size, backbone="llama", max_seq_len=T, concept=concept, residual="irc",
+                       crc_connections=["encoder-concept", "encoder-decoder", "concept-decoder"])
+    models = {"irc+crc": _ours(dyn), "plain": _ours(plain)}
+    x, y = _batch(plain, B, T)
+    steps = {n: _stepper(m, (lambda m=m: m(x, y).loss)) for n, m in models.items()}
+    secs, _, _ = interleave(steps, rounds)
+    ratio = _ratios(secs["irc+crc"], secs["plain"])
+    return {"size": size, "batch": B, "seq_len": T, "seconds": secs, "ratio": ratio,
+            "median_s": {n: statistics.median(v) for n, v in secs.items()},
+            "flops_share": exact_flops(dyn, T, B).residual_share,
+            "training_flops_ratio": exact_flops(dyn, T, B).training_per_step(causal=True)
+            / exact_flops(plain, T, B).training_per_step(causal=True)}
+
+
+def _residual_ratio(r: dict[str, Any]) -> dict[str, Any]:
+    v = r["ratio"]["paired_median"]
+    return {f"irc+crc/plain {r['size']}": {"value": round(v, 3), "goal": "<= 1.05", "met": v <= 1.05,
+                                           "flops_share": round(r["flops_share"], 5),
+                                           "flops_ratio": round(r["training_flops_ratio"], 4)}}
+
+
 def _hf_ratios(r: dict[str, Any]) -> dict[str, Any]:
     """ours/hf and flops/peak of one size, as judged against their goals."""
     q, v = r["ratio"], r["flops_over_peak"]["ours"]
@@ -265,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concept-size", default="pythia-70m", help="size for the ConceptLM vs PM comparison")
     ap.add_argument("--skip-concept", action="store_true")
+    ap.add_argument("--residuals", metavar="SIZE", help="also time IRC+CRC over the plain ConceptLM at this "
+                    "size's shape (Llama-style body; NCP-ArchPreview Table 3), e.g. pythia-70m")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -280,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = {**{f"ours/hf {s}": "<= 0.90" for s in sizes}, **{f"flops/peak {s}": ">= 0.70" for s in sizes}}
     if not args.skip_concept:
         plan[f"concept/pm {args.concept_size}"] = "within 0.02 of the FLOPs ratio"
+    if args.residuals:
+        plan[f"irc+crc/plain {args.residuals}"] = "<= 1.05"
     _say("bench-plan: " + json.dumps(plan))
     ratios: dict[str, Any] = {}
 
@@ -301,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         result["concept_vs_pm"] = concept_vs_pm(args.concept_size, B, args.seq_len, args.rounds, profile_all)
         load.append(os.getloadavg()[0])
         measured(_concept_ratio(result["concept_vs_pm"]))
+    if args.residuals:
+        B = BATCH.get(args.residuals, 1)
+        _say(f"IRC+CRC vs plain ConceptLM: {args.residuals} shape (Llama body), batch {B} x {args.seq_len}")
+        result["residuals"] = residuals_overhead(args.residuals, B, args.seq_len, args.rounds)
+        load.append(os.getloadavg()[0])
+        measured(_residual_ratio(result["residuals"]))
     result["loadavg_1min"] = [round(x, 2) for x in load]
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
     # ours/hf of every size first, then flops/peak, then concept/pm (the order they always had)
@@ -325,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         _print_kernels(c["kernel_seconds"])
     for name, v in ratios.items():
         extra = f" (flops ratio {v['flops_ratio']})" if "flops_ratio" in v else (f" (hf {v['hf']})" if "hf" in v else "")
+        if "flops_share" in v:
+            extra += f" [IRC+CRC FLOPs share {v['flops_share']:.3%}]"
         if "best_rounds" in v:
             extra += f" [best rounds {v['best_rounds']}]"
         if "shared_kernel_floor" in v:

@@ -68,8 +68,8 @@ class IRC(Residual):
         if self.softmax:
             w = w.softmax(-1)
         out = w[..., :1] * seen[0]
-        for j in range(1, layer + 2):
-            out = out + w[..., j : j + 1] * seen[j]
+        for j in range(1, layer + 2):  # one fused multiply-add per candidate
+            out = torch.addcmul(out, w[..., j : j + 1], seen[j])
         return out
 
 
@@ -105,8 +105,8 @@ class CrossModule(nn.Module):
         alpha = F.softmax(self.mlps[layer](x), dim=-1)  # (B, T, K)
         m = alpha[..., :1] * normed[0]
         for j in range(1, self.K):
-            m = m + alpha[..., j : j + 1] * normed[j]
-        return x + self.scale[layer] * m
+            m = torch.addcmul(m, alpha[..., j : j + 1], normed[j])
+        return torch.addcmul(x, self.scale[layer], m)
 
 
 class CrossModules(nn.Module):
