@@ -113,7 +113,7 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
             "architectures": [arch], "model_type": "ncp",
             "auto_map": {"AutoConfig": "configuration_ncp.NCPConfig",
                          "AutoModelForCausalLM": "modeling_ncp.NCPForCausalLM"},
-            "ncp": cfg.to_dict(), "derived": _derived(cfg),
+            "ncp": {**cfg.to_dict(), "mtp_depth": None}, "derived": _derived(cfg),  # the main head only
             "vocab_size": cfg.padded_vocab_size, "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads,
             "num_hidden_layers": cfg.n_token_layers, "max_position_embeddings": cfg.max_seq_len,
             "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
@@ -123,7 +123,7 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
         _check_builtin(cfg)
         for src in remote_files():
             shutil.copyfile(src, d / src.name)
-        state = {k: v for k, v in model.state_dict().items()}
+        state = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}  # MTP: training only
         if cfg.tie_embeddings:
             state.pop("lm_head.weight", None)
     else:

@@ -231,6 +231,14 @@ class ModelConfig:
     crc_hidden: int = _f(32, "CRC: hidden width of each target layer's depth-selection MLP.")
     crc_init: float = _f(0.0, "CRC: initial per-dimension scale D (0: the network starts as the plain one; "
                               "the paper's small init, e.g. 0.01, as an option).")
+    mtp_depth: int | None = _f(
+        None, "Multi-token prediction depths D (NCP-ArchPreview Sec. 5.2: 1, predicting t+2; ConceptLM Table 4's "
+        "baseline: 4); null = off. Training only: evaluation and export use the main head.")
+    mtp_weight: float = _f(0.3, "Weight of the mean MTP depth loss in the total loss (ArchPreview, DeepSeek-V3: 0.3).")
+    mtp_weight_schedule: list = _f(
+        list, "[[from_step, weight], ...]: the MTP weight from each step on (DeepSeek-V3: 0.3, then 0.1).")
+    mtp_stop_token: int | None = _f(
+        None, "End-of-document token id: an MTP shift across it is not scored (null: shifts cross documents).")
     concept: ConceptConfig = _f(ConceptConfig, "The concept path.")
 
     # ---- derived (computed in __post_init__) ----
@@ -375,6 +383,11 @@ class ModelConfig:
             problems.append(("qk_norm", f"must be none, layer or head, got {self.qk_norm!r}"))
         if self.init not in ("hf", "gpt-neox"):
             problems.append(("init", f"must be hf or gpt-neox, got {self.init!r}"))
+        if self.mtp_depth is not None and (not isinstance(self.mtp_depth, int) or self.mtp_depth < 1):
+            problems.append(("mtp_depth", f"must be >= 1 (null turns MTP off), got {self.mtp_depth!r}"))
+        sched = self.mtp_weight_schedule
+        if not isinstance(sched, list) or not all(isinstance(x, list) and len(x) == 2 for x in sched):
+            problems.append(("mtp_weight_schedule", f"must be a list of [from_step, weight] pairs, got {sched!r}"))
         return problems
 
     def _check_residuals(self, law: SegmentationLaw | None) -> list[tuple[str, str]]:

@@ -53,6 +53,19 @@ def block_rows(logits: torch.Tensor) -> int:
     return max(CPU_BLOCK, ACCEL_BLOCK_BYTES // (4 * logits.shape[-1]))
 
 
+def top1_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Rows (..., V) whose target (-100: not counted) has the largest logit (ties count), as a
+    count; row-blocked like the loss, so the (N, V) logits are read once more, not recomputed."""
+    logits, targets = logits.flatten(0, -2), targets.flatten()
+    hits = torch.zeros((), device=logits.device, dtype=torch.long)
+    R = block_rows(logits)
+    for s in range(0, logits.shape[0], R):
+        blk, t = logits[s : s + R], targets[s : s + R]
+        x_t = blk.gather(1, t.clamp_min(0)[:, None])[:, 0]
+        hits += ((x_t >= blk.amax(-1)) & (t != -100)).sum()
+    return hits
+
+
 def _picked_and_lse(logits: torch.Tensor, safe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-blocked log-softmax of logits (N, V) at the columns ``safe`` (N, 1).
 
@@ -97,6 +110,8 @@ class _HeadLoss(torch.autograd.Function):
         safe = targets.clamp_min(0)[:, None]  # (N, 1); ignored rows masked by ``valid``
         picked, lse = _picked_and_lse(buf, safe)
         loss, count = _mean_nll(picked, valid)
+        if head._count_top1:  # asked by the caller (multi-token prediction): before the backward reuses buf
+            head._top1 = top1_hits(buf, targets)
         ctx.save_for_backward(h, weight, buf, safe, valid, count, lse)
         return loss
 
@@ -142,13 +157,25 @@ class LMHead(nn.Linear):
         super().__init__(d, vocab, bias=False)
         self._workspace: torch.Tensor | None = None  # CPU scratch, not state (not saved or moved)
         self._holder: weakref.ref | None = None  # the _Lease of the forward holding the workspace
+        self._count_top1, self._top1 = False, None  # forward(..., top1=True): hits handed back
 
     def __getstate__(self):  # pickle / deepcopy: the workspace is scratch, not state
-        return {**super().__getstate__(), "_workspace": None, "_holder": None}
+        return {**super().__getstate__(), "_workspace": None, "_holder": None, "_top1": None}
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, top1: bool = False):
+        """``top1``: also return the count of rows whose target has the largest logit (read from
+        the logits the loss already computed): (logits or None, loss, hits)."""
         if targets is None:
             return F.linear(h, self.weight)
+        if top1:
+            self._count_top1 = True
+            try:
+                logits, loss = self.forward(h, targets)
+            finally:
+                self._count_top1 = False
+            hits = top1_hits(logits, targets) if logits is not None else self._top1
+            self._top1 = None
+            return logits, loss, hits
         if not (torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad)):
             logits = F.linear(h, self.weight)
             return logits, cross_entropy(logits, targets)

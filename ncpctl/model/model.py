@@ -36,6 +36,7 @@ from .head import LMHead
 from .interventions import Intervention, check, decoder_input_addition, residual_additions
 from .layers import Context, RMSNorm, Stack, make_norm
 from .outputs import LogKey, NCPOutput
+from .mtp import MTPHead
 from .residual import CrossModules
 
 
@@ -58,6 +59,7 @@ class NCPModel(nn.Module):
         self.lm_head = LMHead(d, cfg.padded_vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.mtp = MTPHead(cfg) if cfg.mtp_depth else None  # multi-token prediction (training only)
         self.init_weights()
 
     @torch.no_grad()
@@ -209,6 +211,10 @@ class NCPModel(nn.Module):
         if self.concept is not None:
             for name, weight in self.concept.loss_weights().items():
                 out.loss = out.loss + weight * out.losses[name]
+        if self.mtp is not None and self.training:  # validation and evaluation: the main head only
+            out.losses["mtp_loss"], mtp_metrics = self.mtp(hN, targets, self)
+            out.metrics.update(mtp_metrics)
+            out.loss = out.loss + self.mtp.weight * out.losses["mtp_loss"]
         return out
 
     def from_decoder_input(self, z: torch.Tensor, *, concept: ConceptOutput | None = None,
@@ -236,7 +242,15 @@ class NCPModel(nn.Module):
 
     def log_keys(self) -> list[LogKey]:
         keys = [LogKey("loss"), LogKey("ntp_loss")]
-        return keys + (self.concept.log_keys() if self.concept is not None else [])
+        keys += self.concept.log_keys() if self.concept is not None else []
+        return keys + (self.mtp.log_keys() if self.mtp is not None else [])
+
+    def on_step_begin(self, step: int) -> None:
+        """Called by the loop before optimizer step ``step`` (0-based): schedules inside the
+        model (the MTP weight) follow it."""
+        for m in self.modules():
+            if m is not self and callable(getattr(m, "on_step_begin", None)):
+                m.on_step_begin(step)
 
     def _stat_modules(self) -> list[nn.Module]:
         return [m for m in self.modules() if m is not self and callable(getattr(m, "stat_keys", None))]

@@ -24,11 +24,13 @@ from typing import Any
 @dataclass(frozen=True)
 class LogKey:
     """One logged quantity: ``size`` packed elements (their mean is logged as ``name``) and,
-    with ``per``, the elements themselves as ``f"{name}_per_{per}"`` (e.g. per segment)."""
+    with ``per``, the elements themselves as ``f"{name}_per_{per}"`` (e.g. per segment);
+    ``train_only``: the model computes it in training mode only (not in validation records)."""
 
     name: str
     size: int = 1
     per: str | None = None
+    train_only: bool = False
 
 
 @dataclass

@@ -550,6 +550,7 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     t0 = time.perf_counter()
     lr = float(engine.get_lr()[0])
     nan = run.faults.nan(run.tot.step + 1)
+    engine.module.on_step_begin(run.tot.step)  # schedules inside the model (the MTP weight)
     batch = torch.from_numpy(next(run.loader))  # (micro * accum, T+1) this rank's share
     terms = torch.zeros(pk.n_terms, device=d.device)
     stats = torch.zeros(len(pk.stats), device=d.device)

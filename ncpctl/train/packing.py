@@ -121,5 +121,6 @@ class StepPacking:
 
     def scalars(self, terms: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """Validation-record fields: the mean of every key without per-element logging (the
-        per-element ones, such as codebook usage per segment, are training diagnostics)."""
-        return {k.name: float(terms[k.name].mean()) for k in self.keys if not k.per}
+        per-element ones, such as codebook usage per segment, are training diagnostics) and not
+        ``train_only`` (terms the model computes in training only, such as the MTP loss)."""
+        return {k.name: float(terms[k.name].mean()) for k in self.keys if not k.per and not k.train_only}

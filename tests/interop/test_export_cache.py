@@ -26,9 +26,10 @@ VARIANTS = {
         enabled=True, k=2, add="normed", rope_scale_by_k=True))),
     "neox-k2-e0": ("debug", dict(tie_embeddings=True, concept=dict(
         enabled=True, k=2, encoder_layers=0, codebook="learned", code_weights="softmax"))),
-    # NCP-ArchPreview's dynamic residuals: IRC in every stack and all three CRC connections
-    "llama-irc-crc": ("llama-debug", dict(residual="irc", crc_connections=[
-        "encoder-concept", "encoder-decoder", "concept-decoder"], concept=dict(enabled=True, k=4))),
+    # NCP-ArchPreview's dynamic residuals (IRC in every stack, all three CRC connections) and an
+    # MTP head, which the export leaves out (training only)
+    "llama-irc-crc-mtp": ("llama-debug", dict(residual="irc", crc_connections=[
+        "encoder-concept", "encoder-decoder", "concept-decoder"], mtp_depth=1, concept=dict(enabled=True, k=4))),
     # GPT-2: learned absolute positions per row (left padding), concepts pooled from block 0's input
     "gpt2-k4-l0": ("gpt2-124m", dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=128, concept=dict(
         enabled=True, k=4))),

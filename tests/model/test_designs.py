@@ -35,6 +35,8 @@ DESIGNS = {
                                                                           "concept-decoder"],
                                          concept=dict(k=k, code_weights="softmax", ncp_reduction="sum_dim"))
        for k in (2, 4)},
+    "archpreview-irc-crc-mtp": tiny("llama", qk_norm="layer", residual="irc", mtp_depth=2, crc_connections=[
+        "encoder-decoder", "concept-decoder"], concept=dict(k=4, code_weights="softmax")),
     "irc-softmax-crc-decoder-only-neox": tiny("neox", residual="irc", irc_normalize="softmax",
                                               crc_connections=["concept-decoder"], concept={}),
     # a coupling that cross-attends to the closed concepts (DLCM's way), over fixed and toy segments
