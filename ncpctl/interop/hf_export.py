@@ -1,7 +1,8 @@
 """``export``: an ncpctl checkpoint -> a complete Hugging Face model directory.
 
 * Base models (no concept path) become native ``GPTNeoXForCausalLM`` / ``LlamaForCausalLM``
-  (``Qwen3ForCausalLM`` with per-head QK-norm) / ``GPT2LMHeadModel`` through ``ncpctl.model.hf``.
+  (``Qwen3ForCausalLM`` with per-head QK-norm; ``Olmo2ForCausalLM``, or ``Olmo3ForCausalLM``
+  with a sliding window, for post-norm blocks) / ``GPT2LMHeadModel`` through ``ncpctl.model.hf``.
 * ConceptLM models become ``NCPForCausalLM``: the HF adapter (``configuration_ncp.py``,
   ``modeling_ncp.py`` from ``ncpctl/interop/remote/``) and the modules of ``ncpctl/model/``
   it imports (``model.py``, ``layers.py``, ..., found by following their relative imports)
@@ -135,7 +136,7 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
         except ConfigError as e:
             raise UserError(*(f"model.{k}: {m} (no HF model holds this)" for k, m in e.problems)) from None
         arch = {"gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "gpt2": "GPT2LMHeadModel"}[hf.model_type]
+                "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "gpt2": "GPT2LMHeadModel"}[hf.model_type]
         hf.architectures = [arch]
         hf.bos_token_id = hf.eos_token_id = eod
         hf.dtype = dtype_name

@@ -206,6 +206,10 @@ class ModelConfig:
     tie_embeddings: bool = _f(False, "Share the token embedding with the LM head.")
     qk_norm: Literal["none", "layer", "head"] = _f(
         "none", "RMSNorm on queries/keys: over the whole projection (layer, OLMo-2) or per head (head, Qwen3).")
+    norm_placement: Literal["pre", "post"] = _f(
+        "pre", "Where each block's norms sit: pre = on the sub-layer inputs, x + f(norm(x)); post = on its outputs "
+        "before the residual add, x + norm(f(x)) (OLMo-2's reordered norm, kept by OLMo-3, on which NCP-ArchPreview "
+        "Sec. 3 builds; the report does not state its placement). HF: post = Olmo2/Olmo3 (llama, qk_norm: layer).")
     sliding_window: int | None = _f(None, "Sliding-window attention width; null = full attention everywhere.")
     full_attn_every: int = _f(1, "With a sliding window: every n-th layer (n, 2n, ...) attends fully.")
     init_std: float = _f(0.02, "Std of the normal init of matrices and embeddings (init: hf).")
@@ -381,6 +385,8 @@ class ModelConfig:
             problems.append(("extra_token_layers_at", f"must be between 0 and n_layers={self.n_layers}, got {at!r}"))
         if self.qk_norm not in ("none", "layer", "head"):
             problems.append(("qk_norm", f"must be none, layer or head, got {self.qk_norm!r}"))
+        if self.norm_placement not in ("pre", "post"):
+            problems.append(("norm_placement", f"must be pre or post, got {self.norm_placement!r}"))
         if self.init not in ("hf", "gpt-neox"):
             problems.append(("init", f"must be hf or gpt-neox, got {self.init!r}"))
         if self.mtp_depth is not None and (not isinstance(self.mtp_depth, int) or self.mtp_depth < 1):
@@ -472,11 +478,13 @@ SIZES: dict[str, dict[str, Any]] = {
         n_kv_heads=8, ffn_dim=14336, max_seq_len=131072, rope_base=500000.0,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192)),
-    # NCP-ArchPreview 8.94B: E/C/D = 16/8/16 (spec section 4).
+    # NCP-ArchPreview 8.94B: E/C/D = 16/8/16 (spec section 4). The report (Sec. 4.1, Table 10) gives
+    # RMSNorm eps 1e-6 and OLMo's layer-wise QK-norm but not the norm placement (OLMo-3, its base and
+    # baseline, is post-norm): pre until the released weights say otherwise.
     "ncp-archpreview-8.9b": dict(
         backbone="llama", vocab_size=100278, d_model=4096, n_layers=32, n_heads=32, ffn_dim=11008,
-        max_seq_len=8192, rope_base=500000.0, norm_eps=1e-6, qk_norm="layer", sliding_window=4096,
-        full_attn_every=4,
+        max_seq_len=8192, rope_base=500000.0, norm_eps=1e-6, qk_norm="layer", norm_placement="pre",
+        sliding_window=4096, full_attn_every=4,
         concept=dict(
             enabled=True, k=4, encoder_layers=16, concept_layers=8, segments=32, codes=128,
             code_weights="softmax", ncp_reduction="sum_dim",

@@ -1,12 +1,15 @@
-"""Weights and configs to and from HF transformers (GPT-NeoX, Llama, Qwen3, GPT-2).
+"""Weights and configs to and from HF transformers (GPT-NeoX, Llama, Qwen3, OLMo-2/3, GPT-2).
 
 * ``hf_config(cfg)`` / ``config_from_hf(hf_cfg)``: ``neox`` <-> ``GPTNeoXConfig``;
   ``llama`` <-> ``LlamaConfig`` (``rope_type: llama3`` scaling included), or ``Qwen3Config``
   when it has per-head QK-norm (``qk_norm: head``, which Qwen3 always has), incl. sliding
-  windows on every layer but each n-th; ``gpt2`` <-> ``GPT2Config`` (Conv1D weights are
-  stored transposed). Layer-wise QK-norm (OLMo-2 style) has no pre-norm HF equivalent and
-  is not exported. The importer reads an allow-list of fields per model type: any other
-  field that may change the computation is refused by name (ids, dtypes, dropout pass).
+  windows on every layer but each n-th; post-norm ``llama`` (``norm_placement: post``, with
+  the layer-wise QK-norm OLMo always has) <-> ``Olmo2Config``, or ``Olmo3Config`` when it has
+  a sliding window (OLMo-3's ``layer_types``; one RoPE for both layer types); ``gpt2`` <->
+  ``GPT2Config`` (Conv1D weights are stored transposed). Layer-wise QK-norm with pre-norm
+  has no HF model and is not exported. The importer reads an allow-list of fields per model
+  type: any other field that may change the computation is refused by name (ids, dtypes,
+  dropout pass).
 * ``to_hf_state_dict(model)`` / ``from_hf_state_dict(cfg, sd)``: state dicts, layer by
   layer (token layer i = ``encoder[i]`` if i < E else ``decoder[i-E]``). The HF model holds
   ``padded_vocab_size`` rows; a smaller HF vocab is zero-padded on import (slice logits to
@@ -59,10 +62,14 @@ def _refuse(problems, checks) -> None:
         raise ConfigError(problems)
 
 
+_POST = "post-norm blocks export as OLMo-2/3 (backbone: llama, qk_norm: layer)"
+
+
 def _neox_config(cfg: ModelConfig, problems: list):
     import transformers
 
     _refuse(problems, (
+        ("norm_placement", cfg.norm_placement != "pre", f"GPT-NeoX blocks are pre-norm; {_POST}"),
         ("n_kv_heads", cfg.n_kv_heads != cfg.n_heads, "GPT-NeoX has no GQA"),
         ("qk_norm", cfg.qk_norm != "none", "GPT-NeoX has no QK-norm"),
         ("sliding_window", cfg.sliding_window is not None, "GPT-NeoX has no sliding window"),
@@ -80,6 +87,7 @@ def _gpt2_config(cfg: ModelConfig, problems: list):
     import transformers
 
     _refuse(problems, (
+        ("norm_placement", cfg.norm_placement != "pre", f"GPT-2 blocks are pre-norm; {_POST}"),
         ("n_kv_heads", cfg.n_kv_heads != cfg.n_heads, "GPT-2 has no GQA"),
         ("qk_norm", cfg.qk_norm != "none", "GPT-2 has no QK-norm"),
         ("sliding_window", cfg.sliding_window is not None, "GPT-2 has no sliding window"),
@@ -104,8 +112,10 @@ def _llama_config(cfg: ModelConfig, problems: list):
         **_common(cfg), num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
         rms_norm_eps=cfg.norm_eps, attention_bias=cfg.bias, rope_parameters=rope,
     )
-    checks = [("rotary_pct", cfg.rotary_pct != 1.0, "HF Llama/Qwen3 rotate whole heads"),
-              ("parallel_residual", cfg.parallel_residual, "HF Llama/Qwen3 blocks are sequential")]
+    checks = [("rotary_pct", cfg.rotary_pct != 1.0, "HF Llama/Qwen3/OLMo rotate whole heads"),
+              ("parallel_residual", cfg.parallel_residual, "HF Llama/Qwen3/OLMo blocks are sequential")]
+    if cfg.norm_placement == "post":
+        return _olmo_config(cfg, llama, checks, problems)
     if cfg.qk_norm == "head":
         _refuse(problems, (*checks, ("bias", cfg.bias, "Qwen3 MLPs have no biases")))
         return transformers.Qwen3Config(
@@ -114,13 +124,34 @@ def _llama_config(cfg: ModelConfig, problems: list):
         )
     _refuse(problems, (
         *checks,
-        ("qk_norm", cfg.qk_norm == "layer", "layer-wise QK-norm has no pre-norm HF model (OLMo-2 is post-norm)"),
+        ("qk_norm", cfg.qk_norm == "layer",
+         "layer-wise QK-norm has no pre-norm HF model (OLMo-2/3 have it with norm_placement: post)"),
         ("sliding_window", cfg.sliding_window is not None, "HF Llama has no sliding window (use qk_norm: head -> Qwen3)"),
     ))
     return transformers.LlamaConfig(**llama, mlp_bias=cfg.bias)
 
 
-HF_MODEL_TYPES = ("gpt_neox", "llama", "qwen3", "gpt2")  # the HF model types config_from_hf reads
+def _olmo_config(cfg: ModelConfig, llama: dict[str, Any], checks: list, problems: list):
+    """Post-norm llama: ``Olmo2Config`` without a sliding window, else ``Olmo3Config``, whose
+    RoPE is given per layer type (the same for both here: ncpctl has one)."""
+    import transformers
+
+    _refuse(problems, (
+        *checks,
+        ("qk_norm", cfg.qk_norm != "layer", "the post-norm HF models (OLMo-2/3) always have layer-wise QK-norm"),
+        ("bias", cfg.bias, "OLMo-2/3 MLPs have no biases"),
+    ))
+    llama.update(pad_token_id=None, eos_token_id=None)  # not OLMo's ids (the export sets the tokenizer's)
+    if cfg.sliding_window is None:
+        return transformers.Olmo2Config(**llama)
+    rope = llama.pop("rope_parameters")
+    return transformers.Olmo3Config(
+        **llama, rope_parameters={t: dict(rope) for t in ("sliding_attention", "full_attention")},
+        sliding_window=cfg.sliding_window, layer_types=_layer_types(cfg),
+    )
+
+
+HF_MODEL_TYPES = ("gpt_neox", "llama", "qwen3", "olmo2", "olmo3", "gpt2")  # the HF model types config_from_hf reads
 
 # Fields the importer reads (or checks), per model type; a field outside them and outside
 # _INERT is refused: it may change the computation in a way the import would silently drop.
@@ -139,6 +170,9 @@ _READ = {
 }
 _READ["qwen3"] = _READ["llama"] - {"mlp_bias", "pretraining_tp"} | {"layer_types", "sliding_window",
                                                                       "use_sliding_window", "max_window_layers"}
+# transformers 5 keeps OLMo's RoPE in rope_parameters only (no rope_theta / rope_scaling fields)
+_READ["olmo2"] = _READ["llama"] - {"mlp_bias", "pretraining_tp", "rope_theta", "rope_scaling"}
+_READ["olmo3"] = _READ["olmo2"] | {"layer_types", "sliding_window"}
 # Fields that do not change what the model computes: ids, dtypes, bookkeeping, initialisation,
 # dropout (training-time regularisation ncpctl does not apply) and GPT-2's unused summary head.
 _INERT = {
@@ -184,7 +218,7 @@ def _rope_fields(hf, mt: str) -> dict[str, Any]:
     base = dict(vocab_size=hf.vocab_size, d_model=d, n_layers=hf.num_hidden_layers, n_heads=H,
                 ffn_dim=hf.intermediate_size, max_seq_len=hf.max_position_embeddings,
                 tie_embeddings=bool(hf.tie_word_embeddings), init_std=hf.initializer_range)
-    rp = dict(getattr(hf, "rope_parameters", None) or {})
+    rp = _rope_parameters(hf, mt)
     kind = rp.get("rope_type", "default")
     if kind not in ("default", "llama3"):
         raise ConfigError([("rope_parameters", f"rope_type {kind!r} is not supported (default, llama3)")])
@@ -208,17 +242,48 @@ def _rope_fields(hf, mt: str) -> dict[str, Any]:
                 parallel_residual=False, bias=hf.attention_bias)
     if mt == "qwen3":
         base["qk_norm"] = "head"
-        types = list(hf.layer_types)
-        if "sliding_attention" in types:
-            full = [i for i, t in enumerate(types) if t == "full_attention"]
-            every = full[0] + 1 if full else len(types) + 1
-            base.update(sliding_window=hf.sliding_window, full_attn_every=every)
-            want = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(len(types))]
-            if types != want:
-                problems.append(("layer_types", "only 'every n-th layer full' window patterns are supported"))
+    if mt in ("olmo2", "olmo3"):  # post-norm blocks, layer-wise QK-norm, MLPs without biases
+        base.update(norm_placement="post", qk_norm="layer")
+        if hf.attention_bias:
+            problems.append(("attention_bias", "OLMo attention biases without MLP biases: ncpctl's bias covers both"))
+    if mt in ("qwen3", "olmo3"):
+        problems += _window_fields(hf, base)
     if problems:
         raise ConfigError(problems)
     return base
+
+
+def _rope_parameters(hf, mt: str) -> dict[str, Any]:
+    """The one RoPE of the model: HF's ``rope_parameters``, or for OLMo-3 (one per layer type)
+    that of the layer types it uses, which must agree (ncpctl rotates every layer alike)."""
+    rp = dict(getattr(hf, "rope_parameters", None) or {})
+    if mt != "olmo3":
+        return rp
+    per = {t: rp.get(t) for t in dict.fromkeys(hf.layer_types)}
+    for t, p in per.items():
+        kind = (p or {}).get("rope_type")
+        if kind not in ("default", "llama3"):
+            raise ConfigError([("rope_parameters", f"{t}: rope_type {kind!r} is not supported (default, llama3)")])
+    first = next(iter(per.values()))
+    if any(p != first for p in per.values()):
+        raise ConfigError([("rope_parameters", "sliding and full attention layers use different RoPE "
+                                               "(ncpctl has one for all layers)")])
+    return dict(first)
+
+
+def _window_fields(hf, base: dict[str, Any]) -> list[tuple[str, str]]:
+    """Qwen3 / OLMo-3 ``layer_types`` -> ``sliding_window`` + ``full_attn_every`` (into ``base``),
+    if the pattern is 'every n-th layer full'; else the problem."""
+    types = list(hf.layer_types)
+    if "sliding_attention" not in types:
+        return []
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    every = full[0] + 1 if full else len(types) + 1
+    base.update(sliding_window=hf.sliding_window, full_attn_every=every)
+    want = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(len(types))]
+    if types != want:
+        return [("layer_types", "only 'every n-th layer full' window patterns are supported")]
+    return []
 
 
 # ---- state dicts -----------------------------------------------------------------------
@@ -262,6 +327,17 @@ def _gpt2_layer(sd: dict[str, torch.Tensor], src: str, dst: str, to_hf: bool) ->
     return out
 
 
+# Llama/Qwen3 (pre-norm) and OLMo-2/3 (post-norm: the norms on the attention and MLP outputs)
+_LLAMA_NORMS = {"pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+                "post": {"attn_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"}}
+
+
+def _pre_norm_only(cfg: ModelConfig) -> None:
+    """HF GPT-NeoX and GPT-2 are pre-norm: their weights do not convert to or from post-norm."""
+    if cfg.backbone != "llama" and cfg.norm_placement != "pre":
+        raise ConfigError([("norm_placement", f"HF {cfg.backbone} models are pre-norm; {_POST}")])
+
+
 def _layer_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor], ours: str, hf: str) -> dict[str, torch.Tensor]:
     """One block: our keys under prefix ``ours`` -> HF keys under prefix ``hf``."""
     H, Hkv, hd, ffn = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
@@ -280,8 +356,8 @@ def _layer_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor], ours: str, hf: s
             out[f"{hf}mlp.dense_h_to_4h.{p}"] = g(f"mlp.fc.{p}")
             out[f"{hf}mlp.dense_4h_to_h.{p}"] = g(f"mlp.proj.{p}")
         return out
-    out[f"{hf}input_layernorm.weight"] = g("attn_norm.weight")
-    out[f"{hf}post_attention_layernorm.weight"] = g("mlp_norm.weight")
+    for ours_norm, hf_norm in _LLAMA_NORMS[cfg.norm_placement].items():
+        out[f"{hf}{hf_norm}.weight"] = g(f"{ours_norm}.weight")
     if cfg.qk_norm != "none":
         out[f"{hf}self_attn.q_norm.weight"] = g("attn.q_norm.weight")
         out[f"{hf}self_attn.k_norm.weight"] = g("attn.k_norm.weight")
@@ -311,8 +387,8 @@ def _layer_from_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor], hf: str, ours:
             out[f"{ours}mlp.fc.{p}"] = g(f"mlp.dense_h_to_4h.{p}")
             out[f"{ours}mlp.proj.{p}"] = g(f"mlp.dense_4h_to_h.{p}")
         return out
-    out[f"{ours}attn_norm.weight"] = g("input_layernorm.weight")
-    out[f"{ours}mlp_norm.weight"] = g("post_attention_layernorm.weight")
+    for ours_norm, hf_norm in _LLAMA_NORMS[cfg.norm_placement].items():
+        out[f"{ours}{ours_norm}.weight"] = g(f"{hf_norm}.weight")
     if cfg.qk_norm != "none":
         out[f"{ours}attn.q_norm.weight"] = g("self_attn.q_norm.weight")
         out[f"{ours}attn.k_norm.weight"] = g("self_attn.k_norm.weight")
@@ -347,6 +423,7 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     cfg: ModelConfig = model.cfg
     if cfg.concept.enabled:
         raise ConfigError([("concept.enabled", "HF models have no concept path; export a base model")])
+    _pre_norm_only(cfg)
     sd = model.state_dict()
     out = {hf: sd[ours] for ours, hf in _names(cfg).items() if ours in sd}
     for i in range(cfg.n_token_layers):
@@ -360,6 +437,7 @@ def from_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[st
     layers / PM's extra token layers from the base's first layers). The base's layer j goes to
     token layer j, or j + extra_token_layers at and above ``extra_token_layers_at``. Keys HF
     lacks (concept path, fresh extra layers) are absent: load with ``strict=False``."""
+    _pre_norm_only(cfg)
     sd = dict(sd)
     if "embed_out.weight" in sd:  # original Pythia checkpoints
         sd.setdefault("lm_head.weight", sd.pop("embed_out.weight"))

@@ -1,9 +1,10 @@
 """The one transformer block type (spec section 4), shared by the token and concept stacks.
 
-``neox`` (GPT-NeoX/Pythia) and ``llama`` (Llama/OLMo/Qwen3-style) are configurations of the
-same ``Block``: norm type, residual layout, MLP gating, rotary fraction, GQA, QK-norm and the
-per-layer sliding window all come from ``ModelConfig``. With matching weights a stack of
-these blocks is numerically the HF reference (tests/model/test_hf_parity.py).
+``neox`` (GPT-NeoX/Pythia), ``llama`` (Llama/OLMo/Qwen3-style) and ``gpt2`` are configurations
+of the same ``Block``: norm type and placement (pre, or OLMo-2/3's post), residual layout, MLP
+gating, rotary fraction, GQA, QK-norm and the per-layer sliding window all come from
+``ModelConfig``. With matching weights a stack of these blocks is numerically the HF reference
+(tests/model/test_hf.py).
 
 Layout choices (the HF converters in ``hf.py`` translate):
 * ``attn.qkv`` is one fused Linear whose rows are ``[q (H*hd); k (Hkv*hd); v (Hkv*hd)]``
@@ -318,17 +319,25 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block returning its update R, so that the stack's residual makes x + R:
+    """A block returning its update R, so that the stack's residual makes x + R.
+
+    ``norm_placement: pre`` puts each norm on its sub-layer's input, s(x) = f(n(x)):
     parallel (neox) ``R = mlp(n2(x)) + attn(n1(x))`` (with x added last this is HF GPT-NeoX's
     summation order, bit for bit), or sequential ``R = a + mlp(n2(x + a))``, a = attn(n1(x)).
+    ``post`` (OLMo-2/3) puts it on the output, s(x) = n(f(x)), with the same layouts:
+    sequential ``R = a + n2(mlp(x + a))``, a = n1(attn(x)) (HF OLMo's h = x + a, h + n2(mlp(h))),
+    parallel ``R = n2(mlp(x)) + n1(attn(x))``. The norms keep their names either way
+    (``attn_norm`` = n1, ``mlp_norm`` = n2), so both placements have the same state-dict keys.
 
-    ``cross``: an optional sub-layer ``cross(normed x, ctx)`` (a coupling's cross-attention to
-    the concepts, reading ``ctx.memory``), run after attention: sequential ``x + a + c`` feeds
-    the MLP; parallel adds ``cross(n(x))`` to the update."""
+    ``cross``: an optional sub-layer ``cross(x', ctx)`` (a coupling's cross-attention to the
+    concepts, reading ``ctx.memory``; x' its input normed by ``cross_norm``, or raw with the
+    norm on its output under ``post``), run after attention: sequential ``x + a + c`` feeds the
+    MLP; parallel adds ``c`` = s(x) to the update."""
 
     def __init__(self, cfg: ModelConfig, window: int | None = None, cross: nn.Module | None = None):
         super().__init__()
         self.parallel = cfg.parallel_residual
+        self.post = cfg.norm_placement == "post"
         self.attn_norm = make_norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, window)
         if cross is not None:
@@ -338,19 +347,23 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
 
+    def _sub(self, norm: nn.Module, f: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        """One sub-layer's output: f(norm(x)) (pre-norm) or norm(f(x)) (post-norm)."""
+        return norm(f(x, *args)) if self.post else f(norm(x), *args)
+
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
-        a = self.attn(self.attn_norm(x), ctx.cos, ctx.sin, ctx.masks[self.attn.window], cache)
+        a = self._sub(self.attn_norm, self.attn, x, ctx.cos, ctx.sin, ctx.masks[self.attn.window], cache)
         if self.cross is not None:
             return self._with_cross(x, a, ctx)
         if self.parallel:
-            return self.mlp(self.mlp_norm(x)) + a
-        return a + self.mlp(self.mlp_norm(x + a))
+            return self._sub(self.mlp_norm, self.mlp, x) + a
+        return a + self._sub(self.mlp_norm, self.mlp, x + a)
 
     def _with_cross(self, x: torch.Tensor, a: torch.Tensor, ctx: Context) -> torch.Tensor:
         if self.parallel:
-            return self.mlp(self.mlp_norm(x)) + a + self.cross(self.cross_norm(x), ctx)
-        ac = a + self.cross(self.cross_norm(x + a), ctx)
-        return ac + self.mlp(self.mlp_norm(x + ac))
+            return self._sub(self.mlp_norm, self.mlp, x) + a + self._sub(self.cross_norm, self.cross, x, ctx)
+        ac = a + self._sub(self.cross_norm, self.cross, x + a, ctx)
+        return ac + self._sub(self.mlp_norm, self.mlp, x + ac)
 
 
 class Residual(nn.Module):

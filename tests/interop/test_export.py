@@ -9,17 +9,20 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from ncpctl.checkpoint import load_model
+from ncpctl.checkpoint import load_model, save_model_files
 from ncpctl.errors import UserError
 from ncpctl.interop import hf_export
 from ncpctl.interop.hf_export import export
+from ncpctl.interop.hf_import import load_hf_pretrained
 
 from ..conftest import run_cli
+from ..model._helpers import build, tiny
 
 torch.set_num_threads(1)
 
@@ -155,3 +158,27 @@ def test_a_design_outside_the_package_is_not_exported():
     cfg = build_config("debug", concept=dict(enabled=True, segmentation="alt23"))
     with pytest.raises(UserError, match="model.concept.segmentation: 'alt23' is not built into ncpctl"):
         hf_export._check_builtin(cfg)
+
+
+@pytest.mark.parametrize("arch, window", [("Olmo2ForCausalLM", None), ("Olmo3ForCausalLM", 5)])
+def test_post_norm_base_exports_as_olmo(tmp_path, arch, window):
+    """A post-norm llama with layer-wise QK-norm exports as native OLMo-2 (OLMo-3 with a sliding
+    window: the 37-token probe spans several windows) that reloads with equal logits, and
+    imports back (``train.init_from``'s path) to the same model."""
+    tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
+    cfg = tiny("llama", vocab_size=320, norm_placement="post", qk_norm="layer", sliding_window=window,
+               full_attn_every=3, n_layers=3)
+    model = build(cfg, seed=2)
+    save_model_files(tmp_path / "ck", model, step=0, tokens_seen=0, recipe=None, tokenizer_path=tok)
+    info = export(tmp_path / "ck", tmp_path / "hf")
+    assert info["architecture"] == arch and not info["remote_code"]
+    assert info["verify"]["max_abs_diff"] <= 1e-5
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [arch]
+    hf = getattr(transformers, arch).from_pretrained(tmp_path / "hf").eval()
+    back = load_hf_pretrained(tmp_path / "hf", pad_vocab_multiple=64).eval()
+    assert (back.cfg.norm_placement, back.cfg.sliding_window) == ("post", window)
+    x = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = model(x).logits
+        assert (hf(x).logits - ref).abs().max() <= 1e-5
+        assert (back(x).logits - ref).abs().max() <= 1e-5

@@ -17,6 +17,12 @@ DESIGNS = {
     "conceptlm-neox": tiny("neox", concept={}),
     "archpreview-like-llama": tiny("llama", qk_norm="layer", sliding_window=3, full_attn_every=2, concept=dict(
         k=3, code_weights="softmax", add="normed", rope_scale_by_k=True)),
+    # OLMo-2/3 post-norm blocks (norm on the sub-layer outputs), ArchPreview-like otherwise
+    "archpreview-like-llama-post": tiny("llama", norm_placement="post", qk_norm="layer", sliding_window=3,
+                                        full_attn_every=2, concept=dict(k=3, code_weights="softmax")),
+    "olmo3-like-base-post": tiny("llama", norm_placement="post", qk_norm="layer", sliding_window=3,
+                                 full_attn_every=2),
+    "conceptlm-neox-post-parallel": tiny("neox", norm_placement="post", concept={}),
     "toy-alternating-2-3": tiny("neox", concept=dict(segmentation="alt23")),
     "toy-alternating-2-3-llama-e0": tiny("llama", sliding_window=4, concept=dict(
         segmentation="alt23", encoder_layers=0, code_weights="softmax")),
@@ -45,6 +51,11 @@ DESIGNS = {
                                                                      coupling="cross_attend")),
     "toy-cross-attention-alternating-gpt2": tiny("gpt2", tie_embeddings=True, concept=dict(
         segmentation="alt23", coupling="cross_attend", encoder_layers=1)),
+    # the cross sub-layer under post-norm: sequential (llama) and parallel (neox) blocks
+    "toy-cross-attention-llama-post": tiny("llama", norm_placement="post", qk_norm="layer", concept=dict(
+        coupling="cross_attend")),
+    "toy-cross-attention-neox-post-parallel": tiny("neox", norm_placement="post", concept=dict(
+        segmentation="alt23", coupling="cross_attend")),
 }
 
 

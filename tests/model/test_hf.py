@@ -1,4 +1,5 @@
-"""Parity with HF transformers (GPT-NeoX, Llama, Qwen3, OLMoE) and weight/config conversion."""
+"""Parity with HF transformers (GPT-NeoX, Llama, Qwen3, OLMo-2/3, OLMoE, GPT-2) and weight/config
+conversion."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ CASES = {
     "llama3-rope-scaling": (tiny("llama", rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                             high_freq_factor=4.0, original_max_position_embeddings=16)),
                             transformers.LlamaForCausalLM),
+    # post-norm (norm on the attention/MLP outputs) + layer-wise QK-norm + GQA -> OLMo-2
+    "olmo2-post": (tiny("llama", norm_placement="post", qk_norm="layer"), transformers.Olmo2ForCausalLM),
+    # ... with Llama-3.1 RoPE scaling and tied embeddings
+    "olmo2-post-rope-scaling-tied": (tiny("llama", norm_placement="post", qk_norm="layer", tie_embeddings=True,
+                                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                            high_freq_factor=4.0, original_max_position_embeddings=16)),
+                                     transformers.Olmo2ForCausalLM),
+    # ... with a sliding window (window 5, every 3rd layer full; the ArchPreview pattern) -> OLMo-3
+    "olmo3-post-swa": (tiny("llama", norm_placement="post", qk_norm="layer", sliding_window=5, full_attn_every=3,
+                            n_layers=4, n_kv_heads=4), transformers.Olmo3ForCausalLM),
     # GPT-2: learned absolute positions, tanh GELU, Conv1D layout, tied embeddings
     "gpt2": (tiny("gpt2", tie_embeddings=True), transformers.GPT2LMHeadModel),
 }
@@ -71,7 +82,7 @@ def test_parity_hf_to_ours(case):
     back = config_from_hf(hf.config)
     for f in ("backbone", "padded_vocab_size", "d_model", "n_token_layers", "n_heads", "n_kv_heads", "ffn_dim",
               "rotary_dim", "rope_base", "norm_eps", "parallel_residual", "bias", "tie_embeddings", "qk_norm",
-              "sliding_window", "max_seq_len"):
+              "norm_placement", "sliding_window", "full_attn_every", "rope_scaling", "max_seq_len"):
         assert getattr(back, f) == getattr(cfg, f), f
     windows = lambda c: [b.attn.window for b in NCPModel(c).token_layers()]  # noqa: E731
     assert windows(back) == windows(cfg)
@@ -164,3 +175,57 @@ def test_hf_config_rejects_what_hf_cannot_hold():
         hf_config(tiny("neox", n_kv_heads=2))
     with pytest.raises(ConfigError, match="concept"):
         to_hf_state_dict(NCPModel(tiny("neox", concept={})))
+
+
+def _olmo3(**kw):
+    return transformers.Olmo3Config(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, sliding_window=5, **kw)
+
+
+def test_olmo3_import_reads_one_rope_and_periodic_windows():
+    """OLMo-3 gives RoPE per layer type and a window per layer: ncpctl has one RoPE and 'every
+    n-th layer full'; anything else is refused, naming the field (a RoPE type by its name)."""
+    default = dict(rope_type="default", rope_theta=1e4)
+    cfg = config_from_hf(_olmo3(layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                rope_parameters=dict(sliding_attention=default, full_attention=default)))
+    assert (cfg.norm_placement, cfg.qk_norm, cfg.sliding_window, cfg.full_attn_every) == ("post", "layer", 5, 4)
+    assert cfg.rope_base == 1e4 and cfg.rope_scaling is None
+    assert config_from_hf(_olmo3(layer_types=["full_attention"] * 4)).sliding_window is None
+    with pytest.raises(ConfigError, match="layer_types: only 'every n-th layer full'"):
+        config_from_hf(_olmo3(layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                           "full_attention"]))
+    # OLMo-3's long-context configs scale the full-attention layers' RoPE with YaRN
+    yarn = _olmo3(rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8192))
+    with pytest.raises(ConfigError, match="full_attention: rope_type 'yarn' is not supported"):
+        config_from_hf(yarn)
+    with pytest.raises(ConfigError, match="sliding and full attention layers use different RoPE"):
+        config_from_hf(_olmo3(rope_parameters=dict(sliding_attention=default,
+                                                   full_attention=dict(default, rope_theta=5e5))))
+    with pytest.raises(ConfigError, match="attention_bias"):
+        config_from_hf(_olmo3(attention_bias=True))
+
+
+def test_olmo_import_refuses_fields_outside_its_allow_list():
+    hf_cfg = hf_config(tiny("llama", norm_placement="post", qk_norm="layer"))
+    assert hf_cfg.model_type == "olmo2"
+    hf_cfg.sliding_window = 4  # an OLMo-3 field: HF's OLMo-2 ignores it, an import must not guess
+    with pytest.raises(ConfigError, match="olmo2: field.*sliding_window"):
+        config_from_hf(hf_cfg)
+
+
+def test_post_norm_export_needs_what_olmo_has():
+    post = dict(backbone="llama", norm_placement="post")
+    with pytest.raises(ConfigError, match="qk_norm: the post-norm HF models"):
+        hf_config(tiny(**post))  # qk_norm: none
+    with pytest.raises(ConfigError, match="qk_norm: the post-norm HF models"):
+        hf_config(tiny(**post, qk_norm="head"))
+    with pytest.raises(ConfigError, match="bias: OLMo-2/3 MLPs have no biases"):
+        hf_config(tiny(**post, qk_norm="layer", bias=True))
+    for backbone in ("neox", "gpt2"):  # the block runs post-norm for them too; no HF model does
+        cfg = tiny(backbone, norm_placement="post")
+        with pytest.raises(ConfigError, match="norm_placement: .* pre-norm; post-norm blocks export as OLMo"):
+            hf_config(cfg)
+        with pytest.raises(ConfigError, match="norm_placement"):
+            to_hf_state_dict(NCPModel(cfg))
+    with pytest.raises(ConfigError, match="norm_placement: must be pre or post"):
+        tiny("llama", norm_placement="sandwich")

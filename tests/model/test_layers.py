@@ -1,6 +1,7 @@
 """Layer-level properties: the fused q/k rotary branch of ``Attention`` (taken when there is no
 QK-norm) is bit-identical, forward and backward, to rotating q and k separately; a ``Stack``
-keeps a ModuleList's state-dict names and returns its per-depth states."""
+keeps a ModuleList's state-dict names and returns its per-depth states; a post-norm ``Block``
+returns the update of OLMo-2's formula (with and without a cross sub-layer)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ncpctl.model.layers import Attention, Context, Stack, apply_rope, causal_masks, rope
+from ncpctl.model.layers import Attention, Block, Context, Stack, apply_rope, causal_masks, rope
 
 from ._helpers import tiny
 
@@ -55,3 +56,44 @@ def test_stack_names_and_states():
     for blk in stack:  # plain residual: x + R layer by layer
         y = blk(y, ctx) + y
         assert any(torch.equal(y, s) for s in states)
+
+
+class _Cross(torch.nn.Module):
+    """A stand-in cross sub-layer: a Linear of its input (the block passes ctx along)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x, ctx):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("backbone", ["llama", "neox", "gpt2"])
+@pytest.mark.parametrize("with_cross", [False, True])
+def test_post_norm_block_update(backbone, with_cross):
+    """post: every norm on its sub-layer's output. Sequential R = a + n_m(mlp(x + a)) with
+    a = n_a(attn(x)) (a cross sub-layer c = n_c(cross(x + a)) sits between: R = a + c +
+    n_m(mlp(x + a + c))); parallel R = n_m(mlp(x)) + a (+ n_c(cross(x)))."""
+    cfg = tiny(backbone, norm_placement="post")
+    torch.manual_seed(0)
+    blk = Block(cfg, None, _Cross(cfg.d_model) if with_cross else None)
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.add_(torch.randn_like(p) * 0.3)  # norm gains away from 1: a misplaced norm shows
+    x = torch.randn(2, 7, cfg.d_model)
+    ctx = Context(*rope(torch.arange(7)[None], cfg, x.dtype), causal_masks({None}, 7, x.device))
+    a = blk.attn_norm(blk.attn(x, ctx.cos, ctx.sin))
+    if cfg.parallel_residual:
+        want = blk.mlp_norm(blk.mlp(x)) + a
+        if with_cross:
+            want = want + blk.cross_norm(blk.cross(x, ctx))
+    else:
+        c = blk.cross_norm(blk.cross(x + a, ctx)) if with_cross else 0
+        want = a + c + blk.mlp_norm(blk.mlp(x + a + c))
+    got = blk(x, ctx)
+    assert (got - want).abs().max() <= 1e-6
+    pre = Block(tiny(backbone), None, _Cross(cfg.d_model) if with_cross else None)
+    assert set(pre.state_dict()) == set(blk.state_dict())  # same names in both placements
+    pre.load_state_dict(blk.state_dict())
+    assert (pre(x, ctx) - got).abs().max() > 1e-2

@@ -87,7 +87,8 @@ def test_an_unsupported_model_type_is_refused_in_one_line(opt_dir: Path, tmp_pat
     with pytest.raises(UserError) as e:
         load_recipe(recipe)
     assert e.value.problems == [f"{recipe}: train.init_from: {opt_dir / 'config.json'}: model_type: "
-                                "unsupported Hugging Face model type 'opt' (supported: gpt_neox, llama, qwen3, gpt2)"]
+                                "unsupported Hugging Face model type 'opt' "
+                                "(supported: gpt_neox, llama, qwen3, olmo2, olmo3, gpt2)"]
     # the real entry point: exit 2, that one line, no traceback, before any training set-up
     proc = run_cli("midtrain", str(recipe))
     assert proc.returncode == 2, proc.stderr[-2000:]
