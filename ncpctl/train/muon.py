@@ -152,6 +152,8 @@ class MuonAdamW(GuardedAdamW):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                state["step"] = torch.tensor(0.0)  # unused by Muon; AdamW's __setstate__ expects it in every state
+            state["step"] += 1
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
             update = p.grad.lerp(buf, mu) if g["nesterov"] else buf
