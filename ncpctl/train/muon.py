@@ -21,10 +21,10 @@ The one thing DeepSpeed changes: below ZeRO-3 its wrappers (ZeRO-1/2, ``BF16_Opt
 group's flattened parameters), where Newton-Schulz on the flat vector would be meaningless.
 ``bind(wrapper)`` reads, once after ``deepspeed.initialize``, where each matrix lies in that
 flat buffer. A step then keeps the momentum partitioned (it is elementwise), all-gathers U
-over the data-parallel group, orthogonalises each whole matrix that overlaps the own
-partition and applies the overlapping slice. Optimizer state stays partitioned as ZeRO saves
-it, so checkpoints and exact resume work as for AdamW. ZeRO-3 (every parameter partitioned on
-its own) is refused when the recipe loads.
+over the data-parallel group in buckets of whole matrices (``gather_bucket`` elements),
+orthogonalises each matrix that overlaps the own partition and applies the overlapping slice.
+Optimizer state stays partitioned as ZeRO saves it, so checkpoints and exact resume work as
+for AdamW. ZeRO-3 (every parameter partitioned on its own) is refused when the recipe loads.
 """
 
 from __future__ import annotations
@@ -62,21 +62,45 @@ class FlatLayout:
     rank: int
     world: int
     group: Any  # the data-parallel process group
+    bucket: int  # elements all-gathered at a time (a larger matrix goes alone)
 
-    def gather(self, part: torch.Tensor) -> torch.Tensor:
-        """(P,) this rank's slice -> (world * P,) the whole flat buffer."""
+    def buckets(self) -> list[list[int]]:
+        """Indices of consecutive matrices, at most ``bucket`` elements per list (or one matrix)."""
+        out: list[list[int]] = []
+        size = 0
+        for i, shape in enumerate(self.shapes):
+            n = math.prod(shape)
+            if not out or size + n > self.bucket:
+                out.append([])
+                size = 0
+            out[-1].append(i)
+            size += n
+        return out
+
+    def gather(self, part: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of the whole flat buffer, from this rank's (P,) slice ``part`` and
+        the others' (a collective: every rank calls it with the same range)."""
+        P = self.partition
         if self.world == 1:
-            return part
+            return part[lo:hi]
         import deepspeed.comm as dist
 
-        pieces = [torch.empty_like(part) for _ in range(self.world)]
-        dist.all_gather(pieces, part.contiguous(), group=self.group)
-        return torch.cat(pieces)
+        spans = [(max(lo, r * P), min(hi, (r + 1) * P)) for r in range(self.world)]  # each rank's share
+        width = max(b - a for a, b in spans)
+        a, b = spans[self.rank]
+        send = part.new_zeros(width)  # all_gather wants equal sizes: pad
+        if b > a:
+            send[: b - a] = part[a - self.rank * P:b - self.rank * P]
+        pieces = [torch.empty_like(send) for _ in range(self.world)]
+        dist.all_gather(pieces, send, group=self.group)
+        return torch.cat([x[: max(0, b - a)] for x, (a, b) in zip(pieces, spans)])
 
 
 class MuonAdamW(GuardedAdamW):
     """Groups with ``muon: True`` get Muon (the module doc), the others AdamW. Guarding and
     clipping at stage 0 fp32 are ``GuardedAdamW``'s, over all groups."""
+
+    gather_bucket = 1 << 26  # fp32 elements (256 MB) all-gathered at a time under ZeRO-1/2
 
     def __init__(self, params: Iterable[dict[str, Any]], *, momentum: float = 0.95,
                  lr_scale: str = "match_rms_adamw", nesterov: bool = True, **kw: Any):
@@ -126,7 +150,7 @@ class MuonAdamW(GuardedAdamW):
             (flat,) = g["params"]
             assert flat.numel() == partition and all(len(s) == 2 for s in shapes), (flat.shape, partition, shapes)
             assert offsets[-1] + math.prod(shapes[-1]) <= partition * world
-            self._layouts[g["name"]] = FlatLayout(shapes, offsets, partition, rank, world, pg)
+            self._layouts[g["name"]] = FlatLayout(shapes, offsets, partition, rank, world, pg, self.gather_bucket)
 
     def _update(self, closure: Callable[[], Any] | None) -> Any:
         groups = self.param_groups  # under ZeRO: the one group being stepped
@@ -161,21 +185,26 @@ class MuonAdamW(GuardedAdamW):
             if layout is None:
                 p.add_(self._orthogonalise(update, g), alpha=-muon_lr(lr, g["lr_scale"], p.shape))
             else:
-                self._apply_flat(p, layout.gather(update), layout, g)
+                self._apply_flat(p, update, layout, g)
 
     @staticmethod
     def _orthogonalise(update: torch.Tensor, g: dict[str, Any]) -> torch.Tensor:
         return newton_schulz(update, g["ns_coefficients"], g["ns_steps"], g["ns_eps"])
 
-    def _apply_flat(self, part: torch.Tensor, full: torch.Tensor, layout: FlatLayout, g: dict[str, Any]) -> None:
-        """part (P,) this rank's weights; full (world*P,) everyone's U: orthogonalise each matrix
-        that overlaps [rank P, (rank+1) P) and apply its overlapping slice."""
-        lo, hi = layout.rank * layout.partition, (layout.rank + 1) * layout.partition
-        for shape, off in zip(layout.shapes, layout.offsets):
-            n = math.prod(shape)
-            a, b = max(off, lo), min(off + n, hi)
-            if a >= b:
-                continue
-            o = self._orthogonalise(full[off:off + n].view(shape), g)  # (d_out, d_in)
-            part[a - lo:b - lo].add_(o.reshape(-1)[a - off:b - off], alpha=-muon_lr(g["lr"], g["lr_scale"], shape))
-
+    def _apply_flat(self, part: torch.Tensor, update: torch.Tensor, layout: FlatLayout, g: dict[str, Any]) -> None:
+        """part, update (P,): this rank's weights and U. Bucket by bucket, all-gather U, then
+        orthogonalise each matrix that overlaps [rank P, (rank+1) P) and apply its slice there."""
+        own_lo, own_hi = layout.rank * layout.partition, (layout.rank + 1) * layout.partition
+        for bucket in layout.buckets():
+            lo = layout.offsets[bucket[0]]
+            hi = layout.offsets[bucket[-1]] + math.prod(layout.shapes[bucket[-1]])
+            full = layout.gather(update, lo, hi)  # (hi - lo,) every rank takes part
+            for i in bucket:
+                shape, off = layout.shapes[i], layout.offsets[i]
+                n = math.prod(shape)
+                a, b = max(off, own_lo), min(off + n, own_hi)
+                if a >= b:  # no element of this matrix is ours
+                    continue
+                o = self._orthogonalise(full[off - lo:off - lo + n].view(shape), g)  # (d_out, d_in)
+                part[a - own_lo:b - own_lo].add_(o.reshape(-1)[a - off:b - off],
+                                                 alpha=-muon_lr(g["lr"], g["lr_scale"], shape))

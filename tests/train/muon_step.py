@@ -5,7 +5,7 @@ the same gradients; prints one JSON line per stage with the largest weight diffe
 Run by ``test_muon.py`` in one process and under ``deepspeed --num_gpus 2`` (every rank gets the
 same batch, so the averaged gradient is the reference's bit for bit):
 
-    python -m tests.train.muon_step --stages 0 1 2 [--steps 3] [--set key=value ...]
+    python -m tests.train.muon_step --stages 0 1 2 [--steps 3] [--bucket ELEMENTS] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ def split_matrices(optimizer) -> int:
     return n
 
 
+def gather_buckets(optimizer) -> int:
+    return sum(len(lay.buckets()) for lay in getattr(optimizer, "_layouts", {}).values())
+
+
 def run_stage(stage: int, steps: int, sets: list[str], d) -> dict:
     from ncpctl.model.model import NCPModel
     from ncpctl.train.loop import _build_engine
@@ -81,7 +85,7 @@ def run_stage(stage: int, steps: int, sets: list[str], d) -> dict:
     moved = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), init.parameters()))
     return {"stage": stage, "world": d.world, "rank": d.rank, "max_diff": diffs, "losses": losses,
             "wrapper": type(engine.optimizer).__name__, "inner": type(inner).__name__,
-            "split_matrices": split_matrices(inner), "weights_moved": moved,
+            "split_matrices": split_matrices(inner), "buckets": gather_buckets(inner), "weights_moved": moved,
             "ds_tagged": sum(hasattr(p, "use_muon") for p in engine.module.parameters())}
 
 
@@ -90,8 +94,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--bucket", type=int, default=None, help="MuonAdamW.gather_bucket (elements)")
     ap.add_argument("--local_rank", type=int, default=0)  # the launcher's
     args = ap.parse_args(argv)
+    if args.bucket:
+        from ncpctl.train.muon import MuonAdamW
+
+        MuonAdamW.gather_bucket = args.bucket
     from ncpctl.train.loop import init_distributed
 
     d = init_distributed()

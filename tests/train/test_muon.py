@@ -111,7 +111,9 @@ def test_nonfinite_gradient_leaves_weights_and_momentum_untouched() -> None:
 
 
 def _engine_steps(world: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "tests.train.muon_step", "--stages", "0", "1", "2"]
+    # two ranks: all-gather buckets of 10,000 elements, so the 16,384-element MLP matrices go alone
+    cmd = [sys.executable, "-m", "tests.train.muon_step", "--stages", "0", "1", "2", "--bucket",
+           "10000" if world > 1 else "0"]
     if world > 1:
         import os
 
@@ -132,6 +134,7 @@ def _check_engine_steps(records: list[dict], world: int) -> None:
         assert r["wrapper"] == ("MuonAdamW" if r["stage"] == 0 else "DeepSpeedZeroOptimizer")
         if world > 1 and r["stage"] > 0:
             assert r["split_matrices"] >= 1  # a matrix straddles the two ranks' partitions
+            assert r["buckets"] > 10  # 20 matrices, gathered in many pieces
 
 
 def test_engine_step_matches_the_reference_at_zero_0_1_2() -> None:
