@@ -184,6 +184,8 @@ def build_engine(recipe: Any, env: Env, seed: int = 0) -> Any:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(recipe, env.on_gpu), dist_init_required=False)
+    if hasattr(optimizer, "bind"):  # train.optimizer: muon (as ncpctl.train.loop._build_engine)
+        optimizer.bind(engine.optimizer)
     engine.train()
     return engine
 

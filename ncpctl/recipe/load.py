@@ -572,6 +572,13 @@ def _check_combinations(
         if train.init_from and not Path(train.init_from).exists():
             problems.append(("train.init_from", f"checkpoint not found: {train.init_from}"))
     ds = s.get("deepspeed")
+    if ds is not None and train is not None and train.optimizer == "muon":
+        # Muon orthogonalises whole matrices; ncpctl.train.muon knows the flat layouts of stages 0-2
+        if ds.zero_stage == 3:
+            problems.append(("deepspeed.zero_stage", "3 partitions every matrix across ranks; train.optimizer: "
+                             "muon runs at ZeRO stage 0, 1 or 2"))
+        if ds.offload_optimizer:
+            problems.append(("deepspeed.offload_optimizer", "not supported with train.optimizer: muon"))
     if ds is not None:
         # one source of truth: the train section owns batch sizes, clipping and precision
         owned = {"train_batch_size": "train.global_batch_size", "train_micro_batch_size_per_gpu":

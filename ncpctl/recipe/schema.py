@@ -119,13 +119,25 @@ class TrainSection(Section):
                                              "must equal micro_batch_size x grad_accum_steps x world size.")
     grad_accum_steps: Optional[int] = Field(None, gt=0, description="Micro-batches per optimizer step; "
                                             "derived from global_batch_size when omitted.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="`adamw`, or `muon` (NCP-ArchPreview §3.6, Moonlight): Newton-Schulz-orthogonalised "
+        "Nesterov momentum (torch.optim.Muon's update) for the hidden matrices, i.e. the weights of every "
+        "nn.Linear except the LM head, the concept heads, the codebook and depth mixers; AdamW for the rest. "
+        "One lr and one weight decay for both (decoupled; Muon decays with the unadjusted lr). ZeRO stage 0-2 "
+        "(not 3, not with deepspeed.offload_optimizer). The paper: muon at lr 6e-5 with a cosine schedule.")
+    muon_lr_scale: Literal["match_rms_adamw", "sqrt_max_dim"] = Field(
+        "match_rms_adamw", description="Muon step size of a (d_out, d_in) matrix: lr x 0.2 sqrt(max(d_in, d_out)) "
+        "(`match_rms_adamw`, Moonlight: the update RMS of AdamW, so AdamW's lr and weight decay carry over) or "
+        "lr x sqrt(max(d_in, d_out)) (`sqrt_max_dim`, NCP-ArchPreview Eq. 25 as written).")
+    muon_momentum: float = Field(0.95, gt=0, lt=1, description="Muon momentum (Nesterov; torch.optim.Muon's default).")
     lr: float = Field(6e-4, gt=0, description="Peak learning rate (Pythia: 6e-4).")
     min_lr: float = Field(6e-5, ge=0, description="Final learning rate of the cosine decay.")
     warmup_fraction: float = Field(0.01, ge=0, le=1, description="Linear warmup as a fraction of max_steps.")
     warmup_steps: Optional[int] = Field(None, ge=0, description="Linear warmup in steps (overrides warmup_fraction).")
     betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2, description="AdamW betas (beta1, beta2).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of the matrices (AdamW's and, "
+                                "with train.optimizer: muon, Muon's); none on norms, biases, embeddings, mixers.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clipping (0 disables).")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 on GPU, fp32 on CPU.")
     eval_every: int = Field(50, ge=0, description="Validation every N steps (0 = only at the end).")

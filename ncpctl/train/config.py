@@ -1,9 +1,12 @@
 """What DeepSpeed is given, all derived from the recipe (one source of truth for batch sizes).
 
 * ``deepspeed_config(recipe, on_gpu)``: the DeepSpeed JSON config; ``deepspeed.extra`` merged last.
-* ``param_groups(model, weight_decay)``: AdamW groups. No weight decay on 1-D parameters
-  (norm weights, biases) nor on the token embedding (GPT-NeoX / nanoGPT practice); frozen
-  parameters (the SimVQ codebook base, everything adapt-vq freezes) are left out entirely.
+* ``param_groups(model, weight_decay, muon)``: optimizer groups. No weight decay on 1-D
+  parameters (norm weights, biases) nor on the token embedding (GPT-NeoX / nanoGPT practice);
+  frozen parameters (the SimVQ codebook base, everything adapt-vq freezes) are left out
+  entirely. With ``muon`` the hidden matrices (``muon_matrices``) form their own group.
+* ``muon_matrices(model)``: which parameters ``train.optimizer: muon`` orthogonalises (the rule
+  is in its docstring); ``ncpctl.train.muon.MuonAdamW`` is the optimizer.
 * ``GuardedAdamW``: torch AdamW that skips a step whose gradient is not finite. DeepSpeed's
   ZeRO optimizers (stages 1-3) already skip such steps in fp32 (an invalid global norm marks
   an overflow); the plain stage-0 fp32 path does not, so there this optimizer clips, measures
@@ -19,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ncpctl.errors import UserError
 from ncpctl.model.config import deep_merge
 from ncpctl.recipe.load import Recipe
 
@@ -59,20 +63,55 @@ def deepspeed_config(recipe: Recipe, on_gpu: bool) -> dict[str, Any]:
     return deep_merge(cfg, ds.extra)
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Trainable parameters split into decayed matrices and undecayed vectors/embeddings.
+# Linears that stay on AdamW under ``train.optimizer: muon`` although they are 2-D, and why.
+MUON_EXCLUDED = {
+    "lm_head": "the LM head: one row per token, an output layer over the vocabulary",
+    "concept.heads": "the concept heads: one output per code (S x N), an output layer over the codebook",
+    "concept.codebook": "the codebook: the code vectors (SimVQ base and the transform that makes them)",
+}
+
+
+def muon_matrices(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The parameters ``train.optimizer: muon`` orthogonalises, by name (NCP-ArchPreview §3.6).
+
+    The rule: the weight of every trainable ``nn.Linear`` whose two sides are hidden features,
+    i.e. all Linears except those under ``MUON_EXCLUDED`` (the LM head, the concept heads, the
+    codebook) and except inside depth mixers (modules marked ``no_weight_decay``: their weights
+    are mixing coefficients, not feature maps). Everything else goes to AdamW: embeddings
+    (``nn.Embedding`` tables, indexed by token or position), norms, biases, the excluded Linears.
+    """
+    exempt = {id(m) for mixer in model.modules() if getattr(mixer, "no_weight_decay", False)
+              for m in mixer.modules()}
+    out: dict[str, torch.nn.Parameter] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear) or id(m) in exempt or not m.weight.requires_grad:
+            continue
+        if any(name == k or name.startswith(k + ".") for k in MUON_EXCLUDED):
+            continue
+        out[f"{name}.weight"] = m.weight
+    return out
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, muon: bool = False) -> list[dict[str, Any]]:
+    """Trainable parameters split into decayed matrices and undecayed vectors/embeddings, and
+    with ``muon`` the hidden matrices (``muon_matrices``, decayed too) first in a group of their own.
 
     Parameters of modules marked ``no_weight_decay`` (depth mixers: their weights are mixing
     coefficients, not features; ncp-model.md section 8) are never decayed either."""
     exempt = {id(p) for m in model.modules() if getattr(m, "no_weight_decay", False) for p in m.parameters()}
-    decay, no_decay = [], []
+    hidden = {id(p) for p in muon_matrices(model).values()} if muon else set()
+    matrices, decay, no_decay = [], [], []
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:  # frozen, or a tied weight already listed
             continue
         seen.add(id(p))
-        (no_decay if p.ndim < 2 or name.startswith("embed.") or id(p) in exempt else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        if id(p) in hidden:
+            matrices.append(p)
+        else:
+            (no_decay if p.ndim < 2 or name.startswith("embed.") or id(p) in exempt else decay).append(p)
+    groups = [{"params": matrices, "weight_decay": weight_decay, "name": "muon", "muon": True},
+              {"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     return [g for g in groups if g["params"]]
 
@@ -94,7 +133,7 @@ class GuardedAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         if not self.guard:
-            return super().step(closure)
+            return self._update(closure)
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
         self._global_grad_norm = float(norm)  # before clipping, like DeepSpeed reports it
@@ -103,14 +142,29 @@ class GuardedAdamW(torch.optim.AdamW):
             return None
         if self.max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
+        return self._update(closure)
+
+    def _update(self, closure: Callable[[], Any] | None) -> Any:
+        """The update proper (AdamW here; ``MuonAdamW`` adds its Muon groups)."""
         return super().step(closure)
 
 
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, on_gpu: bool) -> GuardedAdamW:
+    """``train.optimizer``: AdamW on every group, or Muon on the hidden matrices + AdamW on the rest
+    (``MuonAdamW``; after ``deepspeed.initialize`` call its ``bind(engine.optimizer)``)."""
     t = recipe.train
-    return GuardedAdamW(param_groups(model, t.weight_decay), guard=guard_in_optimizer(recipe, on_gpu),
-                        max_norm=t.grad_clip, lr=t.lr, betas=(t.betas[0], t.betas[1]), eps=t.eps,
-                        weight_decay=t.weight_decay)
+    groups = param_groups(model, t.weight_decay, muon=t.optimizer == "muon")
+    kw = dict(guard=guard_in_optimizer(recipe, on_gpu), max_norm=t.grad_clip, lr=t.lr,
+              betas=(t.betas[0], t.betas[1]), eps=t.eps, weight_decay=t.weight_decay)
+    if t.optimizer == "adamw":
+        return GuardedAdamW(groups, **kw)
+    from ncpctl.train.muon import MuonAdamW
+
+    if not any(g.get("muon") for g in groups):
+        raise UserError(f"{recipe.path}: train.optimizer: muon: this model has no trainable hidden matrix to "
+                        "orthogonalise (Muon takes the weights of nn.Linear layers other than "
+                        f"{', '.join(MUON_EXCLUDED)})", hint="use train.optimizer: adamw")
+    return MuonAdamW(groups, momentum=t.muon_momentum, lr_scale=t.muon_lr_scale, **kw)
 
 
 def lr_schedule(recipe: Recipe) -> Callable[[int], float]:

@@ -428,12 +428,24 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: WindowLoader)
         if meta.get("stage", stage.name) != stage.name:
             raise UserError(f"{resume_from}: a {meta['stage']} checkpoint; this is `ncpctl {stage.name}`",
                             hint="give this stage its own run.dir, or train.resume: never")
+        _check_optimizer(recipe, resume_from, meta)
         loader.load_state_dict(meta["data"]["train"], source=str(resume_from / ckpt.META))
         return resume_from, meta
     if stage.init_from is not None and not stage.hf:
-        ckpt.check_compatible(stage.init_from, ckpt.read_meta(stage.init_from), cfg.to_dict(), world_size=d.world,
+        init_meta = ckpt.read_meta(stage.init_from)
+        ckpt.check_compatible(stage.init_from, init_meta, cfg.to_dict(), world_size=d.world,
                               zero_stage=recipe.deepspeed.zero_stage, optimizer_state=stage.load == "all")
+        if stage.load == "all":
+            _check_optimizer(recipe, stage.init_from, init_meta)
     return None, {}
+
+
+def _check_optimizer(recipe: Recipe, src: Path, meta: dict[str, Any]) -> None:
+    """Optimizer state is only loadable into the same train.optimizer (checkpoints before the key: adamw)."""
+    saved = meta.get("optimizer", "adamw")
+    if saved != recipe.train.optimizer:
+        raise UserError(f"{src}: train.optimizer: {saved} in the checkpoint, {recipe.train.optimizer} now",
+                        hint=f"keep train.optimizer: {saved}, or start a fresh optimizer (midtrain with train.load: weights)")
 
 
 def _move_foreign_checkpoints(recipe: Recipe, resume_from: Path | None, d: Dist, warn: Callable[[str], None]) -> None:
@@ -480,7 +492,7 @@ def _hf_model(directory: Path, cfg: Any, zero_concept_output: bool) -> torch.nn.
 
 
 def _build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable[[str], None]) -> tuple[Any, bool]:
-    """The DeepSpeed engine: our AdamW + warmup/cosine LambdaLR, the generated config."""
+    """The DeepSpeed engine: our AdamW (or Muon + AdamW) + warmup/cosine LambdaLR, the generated config."""
     import deepspeed
 
     on_gpu = d.device.type != "cpu"
@@ -489,6 +501,8 @@ def _build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callabl
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
+    if hasattr(optimizer, "bind"):  # Muon: where its matrices lie in the flat ZeRO partitions
+        optimizer.bind(engine.optimizer)
     bf16 = use_bf16(recipe, on_gpu)
     if bf16:
         info("precision: bf16")
@@ -642,6 +656,7 @@ def _save(run: _Run) -> None:
     """A checkpoint (collective): DeepSpeed's state plus the training state ncpctl.json records."""
     r, tot, stage = run.recipe, run.tot, run.stage
     meta = {"stage": stage.name, "tokens_seen": tot.tokens, "model_config": r.model_config.to_dict(),
+            "optimizer": r.train.optimizer,
             "data": {"train": run.loader.state_dict(), "train_prefix": str(run.train_ds.bin_path)[:-4]},
             "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
             "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
@@ -696,10 +711,13 @@ def _code_hits(engine: Any, co: Any) -> torch.Tensor:
 
 def _reset_hyperparameters(engine: Any, recipe: Recipe) -> None:
     """midtrain with ``load: all``: the optimizer *state* comes from the checkpoint, but lr,
-    betas, eps and weight decay are this recipe's (the loaded param groups carry the old ones)."""
+    betas, eps, weight decay (and Muon's momentum and scale) are this recipe's (the loaded param
+    groups carry the old ones)."""
     t, schedule = recipe.train, lr_schedule(recipe)
-    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the ZeRO wrapper's inner torch AdamW
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the ZeRO wrapper's inner torch optimizer
     for g in opt.param_groups:
         g.update(lr=t.lr * schedule(0), initial_lr=t.lr, betas=(t.betas[0], t.betas[1]), eps=t.eps,
-                 weight_decay=t.weight_decay if g.get("name", "decay") == "decay" else 0.0)
+                 weight_decay=t.weight_decay if g.get("name", "decay") in ("decay", "muon") else 0.0)
+        if g.get("muon"):
+            g.update(momentum=t.muon_momentum, lr_scale=t.muon_lr_scale)
     engine.lr_scheduler.base_lrs = [t.lr] * len(opt.param_groups)  # our LambdaLR (deepspeed.initialize keeps it)

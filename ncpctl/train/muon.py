@@ -1,0 +1,210 @@
+"""Muon on the hidden matrices, AdamW on the rest: one torch optimizer that DeepSpeed wraps
+(``train.optimizer: muon``; NCP-ArchPreview §3.6, Moonlight's recipe).
+
+The update of a Muon matrix W (d_out, d_in) with gradient G is torch.optim.Muon's, step for step:
+
+    B <- mu B + (1 - mu) G                      momentum (torch's lerp form)
+    U <- (1 - mu) G + mu B                      Nesterov
+    O <- NS5(U)                                 Newton-Schulz, 5 quintic steps in bf16 (torch's own)
+    W <- W (1 - lr wd) - lr s O                 s = 0.2 sqrt(max(d_in, d_out))   (match_rms_adamw)
+                                                  or sqrt(max(d_in, d_out))      (sqrt_max_dim, Eq. 25)
+
+One lr (the schedule's) serves Muon and AdamW; weight decay is decoupled and uses the
+unadjusted lr, as torch's Muon does. The other groups are torch AdamW, unchanged.
+
+Why our own optimizer, not DeepSpeed's ``optimizer.type: Muon``: DeepSpeed's tags
+``use_muon`` by a name rule of its own (overwriting ours), scales by sqrt(max(1, rows/cols))
+and runs Newton-Schulz in another precision, so it cannot reproduce torch's Muon.
+
+The one thing DeepSpeed changes: below ZeRO-3 its wrappers (ZeRO-1/2, ``BF16_Optimizer``) hand
+``step`` each group as ONE flat fp32 partition (rank r holds elements [r P, (r+1) P) of the
+group's flattened parameters), where Newton-Schulz on the flat vector would be meaningless.
+``bind(wrapper)`` reads, once after ``deepspeed.initialize``, where each matrix lies in that
+flat buffer. A step then keeps the momentum partitioned (it is elementwise), all-gathers U
+over the data-parallel group in buckets of whole matrices (``gather_bucket`` elements),
+orthogonalises each matrix that overlaps the own partition and applies the overlapping slice.
+Optimizer state stays partitioned as ZeRO saves it, so checkpoints and exact resume work as
+for AdamW. ZeRO-3 (every parameter partitioned on its own) is refused when the recipe loads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
+from torch.optim._muon import _zeropower_via_newtonschulz as newton_schulz  # torch.optim.Muon's own
+
+from ncpctl.errors import UserError
+from ncpctl.train.config import GuardedAdamW
+
+LR_SCALES = {
+    "match_rms_adamw": 0.2,  # Moonlight: the update's RMS matches AdamW's (torch: adjust_lr_fn="match_rms_adamw")
+    "sqrt_max_dim": 1.0,  # NCP-ArchPreview Eq. 25 as written
+}
+
+
+def muon_lr(lr: float, lr_scale: str, shape: torch.Size | tuple[int, ...]) -> float:
+    """The step size of a (d_out, d_in) matrix: lr * c * sqrt(max(d_out, d_in)), in torch's order."""
+    return lr * (LR_SCALES[lr_scale] * math.sqrt(max(shape[0], shape[1])))
+
+
+@dataclass
+class FlatLayout:
+    """Where a group's matrices lie in the flat buffer a DeepSpeed wrapper partitions."""
+
+    shapes: list[torch.Size]
+    offsets: list[int]  # element offset of each matrix in the whole (unpartitioned) flat buffer
+    partition: int  # P: elements per rank
+    rank: int
+    world: int
+    group: Any  # the data-parallel process group
+    bucket: int  # elements all-gathered at a time (a larger matrix goes alone)
+
+    def buckets(self) -> list[list[int]]:
+        """Indices of consecutive matrices, at most ``bucket`` elements per list (or one matrix)."""
+        out: list[list[int]] = []
+        size = 0
+        for i, shape in enumerate(self.shapes):
+            n = math.prod(shape)
+            if not out or size + n > self.bucket:
+                out.append([])
+                size = 0
+            out[-1].append(i)
+            size += n
+        return out
+
+    def gather(self, part: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of the whole flat buffer, from this rank's (P,) slice ``part`` and
+        the others' (a collective: every rank calls it with the same range)."""
+        P = self.partition
+        if self.world == 1:
+            return part[lo:hi]
+        import deepspeed.comm as dist
+
+        spans = [(max(lo, r * P), min(hi, (r + 1) * P)) for r in range(self.world)]  # each rank's share
+        width = max(b - a for a, b in spans)
+        a, b = spans[self.rank]
+        send = part.new_zeros(width)  # all_gather wants equal sizes: pad
+        if b > a:
+            send[: b - a] = part[a - self.rank * P:b - self.rank * P]
+        pieces = [torch.empty_like(send) for _ in range(self.world)]
+        dist.all_gather(pieces, send, group=self.group)
+        return torch.cat([x[: max(0, b - a)] for x, (a, b) in zip(pieces, spans)])
+
+
+class MuonAdamW(GuardedAdamW):
+    """Groups with ``muon: True`` get Muon (the module doc), the others AdamW. Guarding and
+    clipping at stage 0 fp32 are ``GuardedAdamW``'s, over all groups."""
+
+    gather_bucket = 1 << 26  # fp32 elements (256 MB) all-gathered at a time under ZeRO-1/2
+
+    def __init__(self, params: Iterable[dict[str, Any]], *, momentum: float = 0.95,
+                 lr_scale: str = "match_rms_adamw", nesterov: bool = True, **kw: Any):
+        groups = [dict(g) for g in params]
+        for g in groups:
+            if g.get("muon"):
+                g.setdefault("momentum", momentum)
+                g.setdefault("nesterov", nesterov)
+                g.setdefault("lr_scale", lr_scale)
+                g.setdefault("ns_steps", DEFAULT_NS_STEPS)
+                g.setdefault("ns_coefficients", (DEFAULT_A, DEFAULT_B, DEFAULT_C))
+                g.setdefault("ns_eps", EPS)
+                bad = [tuple(p.shape) for p in g["params"] if p.ndim != 2]
+                if bad:
+                    raise ValueError(f"Muon takes 2-D matrices only; group {g.get('name')!r} has {bad}")
+        super().__init__(groups, **kw)
+        self._layouts: dict[str, FlatLayout] = {}  # by group name (names survive load_state_dict)
+
+    def bind(self, wrapper: Any) -> None:
+        """After ``deepspeed.initialize``: record the flat layout of each Muon group from
+        ``engine.optimizer``. Stage 0 fp32 (the wrapper is this optimizer) and bf16 stage 0
+        (``FP16_UnfusedOptimizer``: per-parameter fp32 copies) keep the matrices' shapes."""
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        if wrapper is self or isinstance(wrapper, FP16_UnfusedOptimizer):
+            return
+        if not isinstance(wrapper, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
+            raise UserError(f"train.optimizer: muon: DeepSpeed wrapped the optimizer in {type(wrapper).__name__}, "
+                            "whose parameter layout Muon does not know", hint="use ZeRO stage 0, 1 or 2")
+        import deepspeed.comm as dist
+
+        for i, g in enumerate(wrapper.optimizer.param_groups):
+            if not g.get("muon"):
+                continue
+            pg = wrapper.real_dp_process_group[i]
+            world, rank = dist.get_world_size(group=pg), dist.get_rank(group=pg)
+            if isinstance(wrapper, DeepSpeedZeroOptimizer):  # ZeRO-1/2 (any precision)
+                shapes = [m.shape for m in wrapper.round_robin_bit16_meta[i]]
+                offsets = list(wrapper.round_robin_bit16_offsets[i])
+                partition = int(wrapper.partition_size[i])
+            else:  # BF16_Optimizer: the group flattened in order, padded at the end only
+                shapes = [p.shape for p in wrapper.bf16_groups[i]]
+                offsets = [0, *itertools.accumulate(math.prod(s) for s in shapes)][:-1]
+                partition = wrapper.bf16_groups_flat[i].numel() // world
+            (flat,) = g["params"]
+            assert flat.numel() == partition and all(len(s) == 2 for s in shapes), (flat.shape, partition, shapes)
+            assert offsets[-1] + math.prod(shapes[-1]) <= partition * world
+            self._layouts[g["name"]] = FlatLayout(shapes, offsets, partition, rank, world, pg, self.gather_bucket)
+
+    def _update(self, closure: Callable[[], Any] | None) -> Any:
+        groups = self.param_groups  # under ZeRO: the one group being stepped
+        for g in groups:
+            if g.get("muon"):
+                self._muon_step(g)
+        self.param_groups = [g for g in groups if not g.get("muon")]
+        try:
+            return super()._update(closure)  # AdamW on the rest
+        finally:
+            self.param_groups = groups
+
+    @torch.no_grad()
+    def _muon_step(self, g: dict[str, Any]) -> None:
+        layout = self._layouts.get(g["name"])
+        lr, wd, mu = g["lr"], g["weight_decay"], g["momentum"]
+        for p in g["params"]:
+            if p.grad is None:
+                continue
+            if layout is None and p.ndim != 2:  # a flat partition nobody described: never guess
+                raise RuntimeError(f"Muon group {g['name']!r} holds a flat {tuple(p.shape)} tensor; "
+                                   "call MuonAdamW.bind(engine.optimizer) after deepspeed.initialize")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                state["step"] = torch.tensor(0.0)  # unused by Muon; AdamW's __setstate__ expects it in every state
+            state["step"] += 1
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mu)
+            update = p.grad.lerp(buf, mu) if g["nesterov"] else buf
+            p.mul_(1 - lr * wd)
+            if layout is None:
+                p.add_(self._orthogonalise(update, g), alpha=-muon_lr(lr, g["lr_scale"], p.shape))
+            else:
+                self._apply_flat(p, update, layout, g)
+
+    @staticmethod
+    def _orthogonalise(update: torch.Tensor, g: dict[str, Any]) -> torch.Tensor:
+        return newton_schulz(update, g["ns_coefficients"], g["ns_steps"], g["ns_eps"])
+
+    def _apply_flat(self, part: torch.Tensor, update: torch.Tensor, layout: FlatLayout, g: dict[str, Any]) -> None:
+        """part, update (P,): this rank's weights and U. Bucket by bucket, all-gather U, then
+        orthogonalise each matrix that overlaps [rank P, (rank+1) P) and apply its slice there."""
+        own_lo, own_hi = layout.rank * layout.partition, (layout.rank + 1) * layout.partition
+        for bucket in layout.buckets():
+            lo = layout.offsets[bucket[0]]
+            hi = layout.offsets[bucket[-1]] + math.prod(layout.shapes[bucket[-1]])
+            full = layout.gather(update, lo, hi)  # (hi - lo,) every rank takes part
+            for i in bucket:
+                shape, off = layout.shapes[i], layout.offsets[i]
+                n = math.prod(shape)
+                a, b = max(off, own_lo), min(off + n, own_hi)
+                if a >= b:  # no element of this matrix is ours
+                    continue
+                o = self._orthogonalise(full[off - lo:off - lo + n].view(shape), g)  # (d_out, d_in)
+                part[a - own_lo:b - own_lo].add_(o.reshape(-1)[a - off:b - off],
+                                                 alpha=-muon_lr(g["lr"], g["lr_scale"], shape))
