@@ -93,10 +93,22 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
     return out
 
 
+def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    from ncpctl.model.config import ConfigError, ModelConfig
+
+    try:
+        return ModelConfig.from_dict(saved).to_dict()
+    except (ConfigError, TypeError):  # unknown or impossible keys: compare what was written
+        return saved
+
+
 def check_compatible(path: Path, meta: dict[str, Any], model_config: dict[str, Any], *,
                      world_size: int, zero_stage: int, optimizer_state: bool) -> None:
-    """Raise a UserError (before any training) when ``path`` cannot continue this run."""
-    problems = [f"{path}: {d}" for d in config_differences(meta["model_config"], model_config)]
+    """Raise a UserError (before any training) when ``path`` cannot continue this run.
+
+    The saved config is read through ``ModelConfig`` first, so a key added to the config since
+    the checkpoint was written compares as its default (what loading that checkpoint gives)."""
+    problems = [f"{path}: {d}" for d in config_differences(_with_defaults(meta["model_config"]), model_config)]
     if optimizer_state:  # DeepSpeed's optimizer partitions are per (stage, world size)
         if meta["zero_stage"] != zero_stage:
             problems.append(f"{path}: saved with deepspeed.zero_stage={meta['zero_stage']}, now {zero_stage}")
