@@ -140,7 +140,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def consolidated_weights(engine: Any, zero_stage: int, tie_embeddings: bool) -> dict[str, torch.Tensor] | None:
     """The full state dict as fp32 on rank 0 (collective under ZeRO-3, None on the other ranks
-    there; bf16 runs save their bf16 module weights upcast)."""
+    there; bf16 runs save their bf16 module weights upcast), under the plain model's names (LoRA
+    adapters merged into their weights, ``ncpctl.train.lora``)."""
     if zero_stage == 3:
         state = engine._zero3_consolidated_16bit_state_dict()  # what save_16bit_model uses; rank 0 only
     else:
@@ -149,6 +150,11 @@ def consolidated_weights(engine: Any, zero_stage: int, tie_embeddings: bool) -> 
         return None
     out = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
            for k, v in state.items()}
+    from ncpctl.train.lora import merge_adapters, scalings
+
+    scale = scalings(engine.module)
+    if scale:  # a LoRA run: the inference view is the plain model with the adapters merged in
+        out = merge_adapters(out, scale)
     if tie_embeddings:  # safetensors refuses shared storage; the loader re-ties it
         out.pop("lm_head.weight", None)
     return out
