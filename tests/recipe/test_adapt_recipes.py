@@ -55,3 +55,19 @@ def test_arms_differ_only_in_their_method(stand_ins: list[str]) -> None:
     assert got["lora"]["train"]["lora"] == {"rank": 7, "alpha": 14, "dropout": 0.0,
                                             "targets": ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"]}
     assert _diff(got["common"], got["full"]) == {"train.lr", "train.min_lr", "deepspeed.zero_stage"}
+
+
+def test_bench_picks_the_rank_the_recipe_gives() -> None:
+    """bench/adapt.py's LoRA arm uses the same rule as lora.yaml: the rank whose count is closest
+    to adapt-vq's (at 8.9B: rank 7; at the bench's CPU shape its own rank)."""
+    import importlib.util
+
+    pytest.importorskip("peft")
+    from ncpctl.model.config import build_config
+
+    spec = importlib.util.spec_from_file_location("bench_adapt", RECIPES.parent / "bench" / "adapt.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.lora_rank(build_config("ncp-archpreview-8.9b", concept=dict(codebook="learned"))) == (7, 18_421_760)
+    rank, count = bench.lora_rank(bench._config())
+    assert (rank, count) == (7, 287_840)
