@@ -11,23 +11,25 @@ The shape keeps NCP-ArchPreview 8.9B's proportions at CPU size: E/C/D = 4/2/4 (1
 FFN 2.6875 d, S = d/32 segments of N = 128 codes, learned codebook, sliding window with every
 4th layer full; d = 256, vocab 4096, T = 512, batch 2, fp32.
 
-Measured, per arm, in its own process (so that its memory is its own):
-  tokens/s   B*T / the median time of ``--steps`` timed steps after one untimed warm-up step.
-  memory     peak resident set size (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) minus the
-             resident set after the imports, before the model is built: weights, gradients,
-             optimizer state, activations and the allocator's caching, as a CPU stand-in for
-             Fig. 7's share of GPU memory. ``tracemalloc`` would not see tensors (torch allocates
-             them outside Python's allocator).
-Rounds alternate the arms (vq, lora, full, then lora, full, vq, ...) so that load from other
-processes on a shared machine hits all alike; the value judged against the goal is the median
-over rounds of the per-round ratio (measured back to back). Every round is printed, with the
-1-minute load average. The exact training FLOPs of each arm (what MFU counts:
-``exact_flops(..., trainable=...)``) are printed next to the measured ratios.
+Measured:
+  memory     per arm in its own process (so that its memory is its own): peak resident set size
+             (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) after a warm-up and one step, minus
+             the resident set after the imports, before the model is built: weights, gradients,
+             optimizer state, activations and the allocator's caching, a CPU stand-in for Fig. 7's
+             share of GPU memory. ``tracemalloc`` would not see tensors (torch allocates them
+             outside Python's allocator).
+  tokens/s   the three arms in one process, stepped in turn (vq, lora, full, then lora, full, vq,
+             ...; one untimed warm-up step each), so that load from other processes on a shared
+             machine hits all alike; per round (``--steps`` turns) B*T / each arm's median step
+             time. The value judged against the goal is the median over rounds of the per-round
+             ratio. Every round is printed, with the 1-minute load average.
+The exact training FLOPs of each arm (what MFU counts: ``exact_flops(..., trainable=...)``) are
+printed next to the measured ratios.
 
 Paper (Fig. 7, 8 GPUs, micro-batch 1): VQ 2.02x full fine-tuning and 1.50x LoRA in tokens/s;
 memory 32.4% / 49.0% / 90.3% of the GPU for VQ / LoRA / full. Goal here: vq/full tokens/s >= 1.5.
 
-    .venv/bin/python bench/adapt.py                   # 3 rounds, ~2-3 minutes on 2 cores
+    .venv/bin/python bench/adapt.py                   # 3 rounds of 3 turns, ~3-5 minutes on 2 busy cores
     .venv/bin/python bench/adapt.py --rounds 5 --json
 """
 
@@ -103,104 +105,132 @@ def setup(arm: str, cfg):
     return None
 
 
-def child(arm: str, steps: int, threads: int) -> dict[str, Any]:
-    """One arm in this process: build, set up, warm up, time ``steps`` steps; memory as above."""
-    import resource
+def _arm(arm: str, cfg, seed: int = 0):
+    """The arm's model, set up, and its ``step() -> seconds`` (one warm-up step already taken)."""
     import time
 
     import torch
 
-    from ncpctl.model.accounting import exact_flops
     from ncpctl.model.model import NCPModel
 
-    torch.set_num_threads(threads)
-    cfg = _config()
-    prepare = setup(arm, cfg)
-    if arm == "lora":
-        import peft  # noqa: F401  (imported before the baseline: its import is not the arm's memory)
-    base_kb = _rss_kb()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = NCPModel(cfg)
+    prepare = setup(arm, cfg)
     if prepare is not None:
         prepare(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g)
+    x = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(1))
 
     def step() -> float:
         t0 = time.perf_counter()
-        loss = model(x[:, :-1], x[:, 1:]).loss
-        loss.backward()
+        model(x[:, :-1], x[:, 1:]).loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
     step()  # warm-up: allocations, optimizer state
-    times = [step() for _ in range(steps)]
+    return model, step
+
+
+def memory_child(arm: str, threads: int) -> dict[str, Any]:
+    """One arm alone in this process: peak RSS over the post-import baseline, after two steps."""
+    import resource
+
+    import torch
+
+    from ncpctl.model.accounting import exact_flops
+
+    torch.set_num_threads(threads)
+    cfg = _config()
+    if arm == "lora":
+        import peft  # noqa: F401  (imported before the baseline: its import is not the arm's memory)
+    base_kb = _rss_kb()
+    model, step = _arm(arm, cfg)
+    step()
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
     flops = exact_flops(cfg, T, B, trainable=None if arm == "full" else trainable).training_per_step(causal=True)
-    return {"arm": arm, "trainable": sum(trainable.values()), "step_s": statistics.median(times),
-            "tokens_per_s": B * T / statistics.median(times), "memory_mb": (peak_kb - base_kb) / 1024,
+    return {"arm": arm, "trainable": sum(trainable.values()), "memory_mb": (peak_kb - base_kb) / 1024,
             "train_flops_per_step": flops}
 
 
-def _run_child(arm: str, steps: int, threads: int) -> dict[str, Any]:
+def speed_child(rounds: int, steps: int, threads: int) -> list[dict[str, Any]]:
+    """All three arms in this process, stepped in turn (vq, lora, full; then lora, full, vq; ...):
+    each round is ``steps`` such turns; per round the median step time of every arm."""
+    import torch
+
+    torch.set_num_threads(threads)
+    cfg = _config()
+    stepper = {arm: _arm(arm, cfg)[1] for arm in ARMS}
+    out = []
+    for i in range(rounds):
+        load = os.getloadavg()[0]
+        times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        for j in range(steps):
+            k = (i * steps + j) % 3
+            for arm in ARMS[k:] + ARMS[:k]:
+                times[arm].append(stepper[arm]())
+        out.append({"round": i + 1, "load_1min": round(load, 2),
+                    "tokens_per_s": {arm: B * T / statistics.median(t) for arm, t in times.items()},
+                    "step_s": times})
+        _say(f"round {i + 1} (load {load:.2f}): " + ", ".join(
+            f"{arm} {out[-1]['tokens_per_s'][arm]:,.0f} tok/s" for arm in ARMS))
+    return out
+
+
+def _child(args: list[str], threads: int) -> Any:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(_HERE.parent)}
-    proc = subprocess.run([sys.executable, __file__, "--child", arm, "--steps", str(steps), "--threads", str(threads)],
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([sys.executable, __file__, *args, "--threads", str(threads)], text=True,
+                          stdout=subprocess.PIPE, env=env, timeout=1800)
     if proc.returncode != 0:
-        raise SystemExit(f"{arm} failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"bench/adapt.py {' '.join(args)} failed (exit {proc.returncode})")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _ratios(r: dict[str, dict[str, Any]]) -> dict[str, float]:
-    tps = {a: r[a]["tokens_per_s"] for a in ARMS}
-    mem = {a: r[a]["memory_mb"] for a in ARMS}
-    return {"vq/full tokens/s": tps["vq"] / tps["full"], "vq/lora tokens/s": tps["vq"] / tps["lora"],
-            "lora/full tokens/s": tps["lora"] / tps["full"], "memory vq/full": mem["vq"] / mem["full"],
-            "memory lora/full": mem["lora"] / mem["full"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per arm and round")
+    ap.add_argument("--steps", type=int, default=3, help="turns of the three arms per round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-    ap.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
+    ap.add_argument("--memory-child", choices=ARMS, help=argparse.SUPPRESS)
+    ap.add_argument("--speed-child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.child:
-        print(json.dumps(child(a.child, a.steps, a.threads)))
+    if a.memory_child:
+        print(json.dumps(memory_child(a.memory_child, a.threads)))
+        return 0
+    if a.speed_child:
+        print(json.dumps(speed_child(a.rounds, a.steps, a.threads)))
         return 0
     print("bench-plan: " + json.dumps({k: f">= {v}" for k, v in GOALS.items()}), file=sys.stderr, flush=True)
-    rounds = []
-    for i in range(a.rounds):
-        order = ARMS[i % 3:] + ARMS[:i % 3]
-        load = os.getloadavg()[0]
-        got = {arm: _run_child(arm, a.steps, a.threads) for arm in order}
-        ratios = _ratios(got)
-        rounds.append({"round": i + 1, "order": list(order), "load_1min": round(load, 2), "arms": got, "ratios": ratios})
-        _say(f"round {i + 1} (load {load:.2f}; order {', '.join(order)}): "
-             + ", ".join(f"{arm} {got[arm]['tokens_per_s']:,.0f} tok/s {got[arm]['memory_mb']:,.0f} MB" for arm in ARMS)
-             + "; " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    judged = {k: statistics.median(r["ratios"][k] for r in rounds) for k in rounds[0]["ratios"]}
-    first = rounds[0]["arms"]
-    flops = {arm: first[arm]["train_flops_per_step"] for arm in ARMS}
+    mem = {arm: _child(["--memory-child", arm], a.threads) for arm in ARMS}
+    _say("memory (peak RSS over the post-import baseline): "
+         + ", ".join(f"{arm} {mem[arm]['memory_mb']:,.0f} MB" for arm in ARMS))
+    rounds = _child(["--speed-child", "--rounds", str(a.rounds), "--steps", str(a.steps)], a.threads)
+    for r in rounds:
+        tps = r["tokens_per_s"]
+        r["ratios"] = {"vq/full": tps["vq"] / tps["full"], "vq/lora": tps["vq"] / tps["lora"],
+                       "lora/full": tps["lora"] / tps["full"]}
+    judged = {f"{k} tokens/s": statistics.median(r["ratios"][k] for r in rounds) for k in rounds[0]["ratios"]}
+    memory = {f"memory {arm}/full": mem[arm]["memory_mb"] / mem["full"]["memory_mb"] for arm in ("vq", "lora")}
+    flops = {arm: mem[arm]["train_flops_per_step"] for arm in ARMS}
     out = {"shape": {**SHAPE, "seq_len": T, "batch": B, "threads": a.threads}, "rounds": rounds,
-           "median_ratios": judged, "trainable": {arm: first[arm]["trainable"] for arm in ARMS},
+           "median_ratios": judged, "memory_mb": {arm: mem[arm]["memory_mb"] for arm in ARMS}, "memory_ratios": memory,
+           "trainable": {arm: mem[arm]["trainable"] for arm in ARMS},
            "train_flops_ratio": {"vq/full": flops["vq"] / flops["full"], "lora/full": flops["lora"] / flops["full"]},
            "paper": PAPER,
            "goals": {k: {"value": judged[k], "goal": f">= {v}", "met": judged[k] >= v} for k, v in GOALS.items()}}
     for k, v in out["goals"].items():
         print("bench-ratio: " + json.dumps({k: v}), file=sys.stderr, flush=True)
+    _say("per round: " + "; ".join(", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items()) for r in rounds))
     _say("trainable: " + ", ".join(f"{arm} {n:,}" for arm, n in out["trainable"].items())
          + f"; training FLOPs vs full: vq {out['train_flops_ratio']['vq/full']:.3f}, "
          f"lora {out['train_flops_ratio']['lora/full']:.3f}")
     _say("median over rounds: " + ", ".join(f"{k} {v:.2f}" for k, v in judged.items())
-         + f"  (paper: vq/full 2.02, vq/lora 1.50; memory vq 32%, lora 49%, full 90% of the GPU)")
+         + "; memory vs full: " + ", ".join(f"{k.split()[1]} {v:.2f}" for k, v in memory.items())
+         + "  (paper: vq/full 2.02, vq/lora 1.50; memory vq 32%, lora 49%, full 90% of the GPU)")
     if a.json:
         print(json.dumps(out))
     return 0 if all(g["met"] for g in out["goals"].values()) else 1
