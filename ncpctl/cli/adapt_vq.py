@@ -1,4 +1,4 @@
-"""`ncpctl adapt-vq RECIPE`: adapt the codebook transform and concept heads to new data."""
+"""`ncpctl adapt-vq RECIPE`: adapt the codebook and concept heads to new data."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from ncpctl.cli._common import DebugOpt, JsonOpt, RecipeArg, SetOpt, command
 
 @command
 def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
-    """Adapt the codebook transform and concept heads to this recipe's data; all else stays frozen.
+    """Adapt the codebook and concept heads to this recipe's data; all else stays frozen.
 
-    Starts from `train.init_from` (NCP-ArchPreview §5.1); frozen weights stay bit-identical.
+    Starts from `train.init_from` (NCP-ArchPreview §5.1). The codebook's trained part is its codes
+    (`codebook: learned`) or its SimVQ transform; frozen weights stay bit-identical.
     """
     from ncpctl.cli._train import run_stage
 

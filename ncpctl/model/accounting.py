@@ -8,7 +8,9 @@ Spec: shared/docs/ncp-model.md section 6. Three views of one ``ModelConfig``:
   length for fixed blocks); training = 3x forward. The two coefficients are returned so the formula can be
   printed symbolically (PM: ``408*T*d^2 + 68*T^2*d``; ConceptLM: ``390*T*d^2 + 64.25*T^2*d``).
 * ``exact_flops``: matmul FLOPs (2 per multiply-add) with the real shapes (GQA, FFN width
-  and gating, sliding window, padded vocab, concept heads, codebook), by component.
+  and gating, sliding window, padded vocab, concept heads, codebook), by component. Training
+  is 3x forward when every weight trains; a stage that freezes weights (adapt-vq, LoRA) passes
+  its trainable parameters and gets the backward it really does (``_Backward``).
 * ``count_parameters``: the real ``NCPModel`` built on the meta device, grouped by
   component. Only this one imports torch (lazily), so the CLI can describe configs cheaply.
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from ncpctl.model.config import ModelConfig
 
@@ -199,23 +201,36 @@ class ExactFlops:
     components: dict[str, int] = field(default_factory=dict)
     attention_causal: dict[str, int] = field(default_factory=dict)
     training_only: dict[str, int] = field(default_factory=dict)
+    # backward FLOPs by component (per sequence, PER_STEP entries per step; attention entries
+    # full-count, ``backward_causal`` their causal count) when a stage freezes weights; None =
+    # every weight trains: backward = 2x forward (the TRAIN_MULTIPLIER convention)
+    backward: dict[str, int] | None = None
+    backward_causal: dict[str, int] = field(default_factory=dict)
 
     PER_STEP = ("concept.codebook_transform",)
 
-    def _forward_step(self, causal: bool) -> int:
-        comps = dict(self.components)
-        if causal:
-            comps.update(self.attention_causal)
+    def _step_sum(self, comps: dict[str, int], causal_part: dict[str, int], causal: bool) -> int:
+        comps = {**comps, **causal_part} if causal else comps
         per_seq = sum(v for k, v in comps.items() if k not in self.PER_STEP)
         per_step = sum(v for k, v in comps.items() if k in self.PER_STEP)
         return self.batch_size * per_seq + per_step
 
+    def _forward_step(self, causal: bool) -> int:
+        return self._step_sum(self.components, self.attention_causal, causal)
+
     def forward_per_step(self, causal: bool = False) -> int:
         return self._forward_step(causal)
 
+    def backward_per_step(self, causal: bool = False) -> int:
+        if self.backward is None:
+            return (TRAIN_MULTIPLIER - 1) * self._forward_step(causal)
+        return self._step_sum(self.backward, self.backward_causal, causal)
+
     def training_per_step(self, causal: bool = False) -> int:
         extra = self.batch_size * sum(self.training_only.values())
-        return TRAIN_MULTIPLIER * self._forward_step(causal) + extra
+        if self.backward is None:
+            return TRAIN_MULTIPLIER * self._forward_step(causal) + extra
+        return self._forward_step(causal) + self.backward_per_step(causal) + extra
 
     # ---- totals (full-attention count; *_causal with the causal mask) ----
     @property
@@ -290,6 +305,8 @@ class ExactFlops:
             "attention_causal": dict(self.attention_causal),
             "training_only": dict(self.training_only),
         }
+        if self.backward is not None:
+            out["backward"], out["backward_causal"] = dict(self.backward), dict(self.backward_causal)
         for name in (
             "forward_per_sequence", "forward_per_sequence_causal",
             "training_per_sequence", "training_per_sequence_causal",
@@ -301,11 +318,19 @@ class ExactFlops:
         return out
 
 
-def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 1) -> ExactFlops:
+def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 1,
+                trainable: Mapping[str, int] | None = None) -> ExactFlops:
     """Exact matmul FLOPs of ``cfg`` at ``seq_len`` (default ``cfg.max_seq_len``).
 
     Elementwise work (norms, rotary, softmax, residual adds) is not counted; pooling is,
     as ``k`` adds/divides per pooled element.
+
+    ``trainable``: the parameters that get gradients, name -> element count, as
+    ``model.named_parameters()`` names them after the stage's set-up (peft's LoRA names
+    ``.base_layer.`` / ``.lora_A.`` / ``.lora_B.`` understood); the backward then counts what
+    autograd computes: a weight gradient only for a trained weight, an input gradient only where
+    something upstream trains, nothing below the lowest trained parameter. LoRA adapters add
+    their own matmuls (``components["adapters"]``). None: every weight trains (3x forward).
     """
     T = int(seq_len if seq_len is not None else cfg.max_seq_len)
     if T <= 0 or batch_size <= 0:
@@ -340,6 +365,13 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
 
     comps.update(_dynamic_residual_flops(cfg, T, M))
     comps["lm_head"] = 2 * T * d * cfg.padded_vocab_size
+    backward = backward_causal = None
+    if trainable is not None:
+        bw = _Backward(cfg, trainable)
+        bw.model(T, M, comps)
+        if bw.adapters:
+            comps["adapters"] = bw.adapters
+        backward, backward_causal = bw.flops, bw.causal
     return ExactFlops(
         seq_len=T,
         batch_size=batch_size,
@@ -347,6 +379,8 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
         components=comps,
         attention_causal=causal,
         training_only=training_only,
+        backward=backward,
+        backward_causal=backward_causal or {},
     )
 
 
@@ -355,24 +389,130 @@ def _dynamic_residual_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
     (d -> hidden -> candidates) and the weighted sums of the candidate states (the LayerNorms of
     CRC's sources and other elementwise work are not counted). A registered depth mixer other
     than IRC is not counted."""
-    d, out = cfg.d_model, {}
-    c = cfg.concept
-    stacks = {"encoder": (cfg.encoder_layers, T), "concept": (c.concept_layers if c.enabled else 0, M),
-              "decoder": (cfg.decoder_layers, T)}
+    out = {}
     if cfg.residual == "irc":
-        h = cfg.irc_hidden
-        out["residual.irc"] = sum(2 * P * (d * h + h * (i + 2)) + 2 * P * (i + 2) * d
-                                  for n, P in stacks.values() for i in range(n))
+        out["residual.irc"] = sum(_irc_flops(cfg, stack, T, M) for stack in ("encoder", "concept", "decoder"))
     if cfg.crc_connections:
-        h = cfg.crc_hidden
-        total = 0
+        out["residual.crc"] = sum(_crc_flops(cfg, link, T, M) for link in cfg.crc_connections)
+    return out
+
+
+def _stack_shape(cfg: ModelConfig, stack: str, T: int, M: int) -> tuple[int, int]:
+    """(layers, positions) of the encoder, concept or decoder stack."""
+    c = cfg.concept
+    return {"encoder": (cfg.encoder_layers, T), "concept": (c.concept_layers if c.enabled else 0, M),
+            "decoder": (cfg.decoder_layers, T)}[stack]
+
+
+def _irc_flops(cfg: ModelConfig, stack: str, T: int, M: int) -> int:
+    """One stack's IRC: per layer i, MLP(R) d -> h -> i+2 weights, then the i+2 states' weighted sum."""
+    d, h = cfg.d_model, cfg.irc_hidden
+    n, P = _stack_shape(cfg, stack, T, M)
+    return sum(2 * P * (d * h + h * (i + 2)) + 2 * P * (i + 2) * d for i in range(n))
+
+
+def _crc_flops(cfg: ModelConfig, link: str, T: int, M: int) -> int:
+    """One CRC connection: per target layer, MLP(T) d -> h -> K, the K sources' sum and D * M."""
+    d, h = cfg.d_model, cfg.crc_hidden
+    source, target = link.split("-")
+    K = _stack_shape(cfg, source, T, M)[0] + 1
+    n, P = _stack_shape(cfg, target, T, M)
+    return n * (2 * P * (d * h + h * K) + 2 * P * K * d + 2 * P * d)
+
+
+class _Backward:
+    """The backward of a partly frozen model, walked in data-flow order (one sequence).
+
+    ``rg`` ("requires grad") says whether the activation flowing into an op depends on a
+    trained parameter. A weight matmul of forward cost F costs F for its input gradient when
+    its input is rg and F for its weight gradient when its weight trains; a weight-less op
+    (attention's QK^T and AV, pooling, the codebook mix) costs 2F when its input is rg, per
+    operand for the mix (code weights, codes). With every weight trained this is exactly
+    2x forward, the 3x convention. A trained norm or bias makes the activation after it rg.
+    """
+
+    def __init__(self, cfg: ModelConfig, trainable: Mapping[str, int]):
+        self.cfg = cfg
+        self.numel = {k.replace(".base_layer.", "."): int(v) for k, v in trainable.items()}
+        self.flops: dict[str, int] = {}
+        self.causal: dict[str, int] = {}
+        self.adapters = 0  # forward FLOPs of LoRA adapters, per sequence
+
+    def trains(self, prefix: str) -> bool:
+        return any(k.startswith(prefix) for k in self.numel)
+
+    def add(self, key: str, flops: int) -> None:
+        self.flops[key] = self.flops.get(key, 0) + flops
+
+    def linear(self, key: str, module: str, f: int, n: int, rg: bool) -> bool:
+        """Weight matmul ``module`` (forward f on n positions); returns whether its output is rg."""
+        self.add(key, f * (rg + (f"{module}.weight" in self.numel)))
+        a, b = (2 * n * sum(v for k, v in self.numel.items() if k.startswith(f"{module}.lora_{x}.")) for x in "AB")
+        if a or b:  # x -> A -> B: weight gradients of both, B's input gradient, A's when x is rg
+            self.adapters += a + b
+            self.add("adapters", a * (1 + rg) + 2 * b)
+        return rg or self.trains(f"{module}.")
+
+    def block(self, group: str, prefix: str, n: int, window: int | None, rg: bool) -> bool:
+        """Block ``prefix`` (attention then MLP, ncpctl.model.layers.Block) on n positions."""
+        cfg, d = self.cfg, self.cfg.d_model
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        x = rg or self.trains(f"{prefix}attn_norm.")
+        q = self.linear(f"{group}.qkv", f"{prefix}attn.qkv", 2 * n * d * (q_dim + 2 * kv_dim), n, x)
+        q = q or self.trains(f"{prefix}attn.q_norm.") or self.trains(f"{prefix}attn.k_norm.")
+        self.add(f"{group}.attention", 2 * 4 * q_dim * _keys_full(n, window) * q)
+        self.causal[f"{group}.attention"] = self.causal.get(f"{group}.attention", 0) + 2 * 4 * q_dim * _keys_causal(n, window) * q
+        a = self.linear(f"{group}.attn_out", f"{prefix}attn.proj", 2 * n * q_dim * d, n, q)
+        m = (rg if cfg.parallel_residual else rg or a) or self.trains(f"{prefix}mlp_norm.")
+        gate = 2 if cfg.backbone == "llama" else 1  # the fused fc holds gate and up for SwiGLU
+        h = self.linear(f"{group}.mlp", f"{prefix}mlp.fc", 2 * n * d * cfg.ffn_dim * gate, n, m)
+        self.linear(f"{group}.mlp", f"{prefix}mlp.proj", 2 * n * cfg.ffn_dim * d, n, h)
+        return rg or self.trains(prefix)  # any trained parameter of the block (cross sub-layer too)
+
+    def stack(self, group: str, prefix: str, windows, n: int, rg: bool) -> bool:
+        for i, w in enumerate(windows):
+            rg = self.block(group, f"{prefix}.{i}.", n, w, rg) or self.trains(f"{prefix}.residual.")
+        return rg
+
+    def dynamic_residuals(self, T: int, M: int, rg: dict[str, bool]) -> None:
+        """IRC and CRC as a linear of their forward F: F for the input gradient when the stack's
+        output depends on something trained (``rg``: the stacks' outputs), F for the weight
+        gradients when the mixer trains. (A stack's lowest layers below its first trained
+        parameter get no input gradient; counting the whole stack is exact when every block or
+        no block of a stack trains, as in adapt-vq, LoRA and full fine-tuning.)"""
+        cfg = self.cfg
+        if cfg.residual == "irc":
+            for stack, prefix in (("encoder", "encoder"), ("concept", "concept.layers"), ("decoder", "decoder")):
+                f = _irc_flops(cfg, stack, T, M)
+                self.add("residual.irc", f * (bool(rg[stack]) + self.trains(f"{prefix}.residual.")))
         for link in cfg.crc_connections:
             source, target = link.split("-")
-            K = stacks[source][0] + 1
-            n, P = stacks[target]
-            total += n * (2 * P * (d * h + h * K) + 2 * P * K * d + 2 * P * d)
-        out["residual.crc"] = total
-    return out
+            f = _crc_flops(cfg, link, T, M)
+            trains = self.trains(f"crc.links.{link.replace('-', '_')}.")
+            self.add("residual.crc", f * (bool(rg[source] or rg[target]) + trains))
+
+    def model(self, T: int, M: int, comps: dict[str, int]) -> None:
+        cfg, c = self.cfg, self.cfg.concept
+        E = cfg.encoder_layers
+        h = self.stack("token_layers", "encoder", cfg.token_windows[:E], T, self.trains("embed.") or self.trains("pos_embed."))
+        z = h
+        if c.enabled:
+            self.add("concept.pooling", 2 * comps["concept.pooling"] * h)
+            u = self.stack("concept_layers", "concept.layers", cfg.concept_windows, M, h) or self.trains("concept.norm.")
+            w = self.linear("concept.heads", "concept.heads", comps["concept.heads"], M, u)
+            codes = "concept.codebook.base" in self.numel
+            if c.codebook == "simvq":  # base -> Linear(ds, 2ds) -> ReLU -> Linear(2ds, ds), once per step
+                half = comps["concept.codebook_transform"] // 2
+                t0 = self.linear("concept.codebook_transform", "concept.codebook.transform.0", half, 0, codes)
+                codes = self.linear("concept.codebook_transform", "concept.codebook.transform.2", half, 0, t0)
+            self.add("concept.codebook_einsum", comps["concept.codebook_einsum"] * (w + codes))
+            pred = (w or codes) and not c.detach_added_concept
+            z = h or pred or self.trains("concept.coupling.")
+        dec = self.stack("token_layers", "decoder", cfg.token_windows[E:], T, z)
+        self.dynamic_residuals(T, M, {"encoder": h, "concept": c.enabled and u, "decoder": dec})
+        out = dec or self.trains("final_norm.")
+        lm_w = "lm_head.weight" in self.numel or (cfg.tie_embeddings and "embed.weight" in self.numel)
+        self.add("lm_head", comps["lm_head"] * (out + lm_w))
 
 
 # --------------------------------------------------------------------------------------
@@ -433,14 +573,19 @@ class ParamCounts:
                 "unpadded_total": self.unpadded_total}
 
 
-def count_parameters(cfg: ModelConfig) -> ParamCounts:
-    """Build ``NCPModel(cfg)`` on the meta device (no memory, no init cost) and count."""
+def count_parameters(cfg: ModelConfig, setup: Any = None) -> ParamCounts:
+    """Build ``NCPModel(cfg)`` on the meta device (no memory, no init cost) and count.
+
+    ``setup(model)``: a stage's set-up applied first (adapt-vq's freeze, LoRA's adapters:
+    ``ncpctl.train.loop.Stage.freeze``), so that ``trainable`` is what that stage trains."""
     import torch  # lazy: the CLI imports this module to describe configs without torch
 
     from ncpctl.model.model import NCPModel
 
     with torch.device("meta"):
         model = NCPModel(cfg)
+        if setup is not None:
+            setup(model)
     comps = {g: 0 for g in PARAM_GROUPS}
     total = trainable = 0
     for name, p in model.named_parameters():  # shared (tied) parameters are yielded once

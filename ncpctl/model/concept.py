@@ -197,6 +197,8 @@ class ConceptModule(nn.Module):
         return keys + [LogKey("code_perplexity", S), LogKey("ncp_code_acc", S), LogKey("code_usage", S, per="segment")]
 
     def _losses(self, seg: Segments, pred: torch.Tensor, codes: torch.Tensor, out: ConceptOutput) -> None:
+        """NCP and VQ terms (ncp-model.md section 3), reduced as ``ncp_reduction`` / ``vq_reduction``
+        say; concepts that ``seg.valid`` marks as padding count in neither (nor in the metrics)."""
         cfg = self.cfg.concept
         c, valid = seg.concepts, seg.valid
         B, M, d = c.shape
@@ -204,18 +206,18 @@ class ConceptModule(nn.Module):
         if M >= 2:
             err = (pred[:, :-1] - c[:, 1:].detach()).pow(2)  # (B, M-1, d)
             pair = None if valid is None else (valid[:, :-1] & valid[:, 1:])  # (B, M-1) both real
-            per = err.sum(-1) if cfg.ncp_reduction == "sum_dim" else err.mean(-1)
-            if pair is None:
-                out.losses["ncp_loss"] = err.mean() if cfg.ncp_reduction == "mean" else per.mean()
-            else:
-                out.losses["ncp_loss"] = (per * pair).sum() / pair.sum().clamp_min(1)
+            out.losses["ncp_loss"] = self._reduce(err, pair, cfg.ncp_reduction)
         else:
             out.losses["ncp_loss"] = c.new_zeros(())
-        # VQ on sg(c): trains only the codebook transform (the commitment term moves nothing).
+        # VQ on sg(c): trains only the codebook (transform). The commitment term ||c - sg(q)||^2
+        # has c detached too, so it adds commitment x the distance to the value and no gradient.
         cs = c.detach()
         idx = nearest_code(cs, codes.detach())  # (B, M, S)
         q = codes[torch.arange(self.S, device=c.device), idx].reshape(B, M, d)  # (B, M, d), grad -> codes
-        if valid is None:
+        if cfg.vq_reduction == "sum_segment":  # Eq. 21: 1/(M S) sum_m sum_s ||sg(c_m^s) - q_m^s||^2
+            out.losses["vq_loss"] = (self._reduce((q - cs).pow(2), valid, "sum_segment")
+                                     + cfg.commitment * self._reduce((cs - q.detach()).pow(2), valid, "sum_segment"))
+        elif valid is None:  # mean: the element mean (as F.mse_loss), ConceptLM
             out.losses["vq_loss"] = F.mse_loss(q, cs) + cfg.commitment * F.mse_loss(cs, q.detach())
         else:
             n = (valid.sum() * d).clamp_min(1)
@@ -223,6 +225,20 @@ class ConceptModule(nn.Module):
             out.losses["vq_loss"] = (((q - cs) * m).pow(2).sum() + cfg.commitment * ((cs - q.detach()) * m).pow(2).sum()) / n
         with torch.no_grad():  # metrics as tensors: no host sync on the hot path
             self._code_metrics(idx, pred, codes, valid, out.metrics)
+
+    def _reduce(self, err: torch.Tensor, mask: torch.Tensor | None, how: str) -> torch.Tensor:
+        """Squared errors err (B, M, d) -> one loss value: per concept the mean over d (``mean``),
+        the sum over d (``sum_dim``) or the sum over each segment's d/S elements averaged over the
+        S segments (``sum_segment`` = sum_dim / S); then the mean over the concepts ``mask`` (B, M)
+        marks as real (all of them when None)."""
+        if mask is None and how == "mean":
+            return err.mean()
+        per = err.mean(-1) if how == "mean" else err.sum(-1)  # (B, M)
+        if how == "sum_segment":
+            per = per / self.S
+        if mask is None:
+            return per.mean()
+        return (per * mask).sum() / mask.sum().clamp_min(1)
 
     def _code_metrics(self, idx, pred, codes, valid, metrics: dict) -> None:
         S, N = self.S, self.N

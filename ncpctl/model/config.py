@@ -168,11 +168,21 @@ class ConceptConfig:
         "linear", "linear = raw head outputs weight the codes (ConceptLM); softmax = per segment (NCP-ArchPreview).")
     add: Literal["raw", "normed"] = _f("raw", "raw = h + pred; normed = norm(h) + norm(pred) (GPT-2 variant).")
     detach_added_concept: bool = _f(False, "Stop next-token gradients at the added prediction (ConceptLM Llama variant).")
-    ncp_reduction: Literal["mean", "sum_dim"] = _f(
-        "mean", "NCP loss: mean over all elements (ConceptLM) or sum over d, mean over blocks (NCP-ArchPreview).")
+    ncp_reduction: Literal["mean", "sum_dim", "sum_segment"] = _f(
+        "mean", "NCP loss ||pred_m - sg(c_m)||^2 over predicted blocks m: mean = mean over all elements "
+        "(ConceptLM); sum_dim = sum over d, mean over blocks (NCP-ArchPreview Eq. 22); sum_segment = sum over "
+        "each segment's d/S elements, mean over segments and blocks, i.e. sum_dim / S (NCP-ArchPreview "
+        "Algorithm 1, line 21).")
+    vq_reduction: Literal["mean", "sum_segment"] = _f(
+        "mean", "VQ loss ||sg(c) - q||^2 over blocks: mean = mean over all elements (ConceptLM's MSE); "
+        "sum_segment = sum over each segment's d/S elements, mean over segments and blocks (NCP-ArchPreview "
+        "Eq. 21), i.e. d/S times mean. The commitment term is reduced alike.")
     ncp_weight: float = _f(1.0, "alpha: weight of the next-concept MSE loss.")
     vq_weight: float = _f(1.0, "beta_vq: weight of the codebook loss.")
-    commitment: float = _f(0.25, "Commitment weight inside the VQ loss.")
+    commitment: float = _f(
+        0.25, "Weight of the commitment term ||c - sg(q)||^2 inside the VQ loss. c is detached at the VQ input, "
+        "so the term only adds commitment x the codebook distance to the logged value: it has no gradient "
+        "(NCP-ArchPreview Eq. 21 has no such term; 0 gives its value).")
     rope_scale_by_k: bool = _f(False, "Concept transformer RoPE positions j -> j*k (token-aligned).")
     copy_concept_layers_from_base: bool = _f(
         False, "HF import: initialise the concept layers from the base's first C layers (else fresh).")
@@ -310,7 +320,8 @@ class ModelConfig:
                 ("codebook", ("simvq", "learned")),
                 ("code_weights", ("linear", "softmax")),
                 ("add", ("raw", "normed")),
-                ("ncp_reduction", ("mean", "sum_dim")),
+                ("ncp_reduction", ("mean", "sum_dim", "sum_segment")),
+                ("vq_reduction", ("mean", "sum_segment")),
             ):
                 if getattr(c, name) not in allowed:
                     problems.append((f"concept.{name}", f"must be one of {', '.join(allowed)}, got {getattr(c, name)!r}"))

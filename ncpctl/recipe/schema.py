@@ -110,6 +110,19 @@ class ModelSection(_ModelOverrides):  # type: ignore[valid-type,misc]
                       "overrides it. `vocab_size` defaults to the tokenizer's.")
 
 
+class LoraSection(Section):
+    rank: int = Field(..., gt=0, description="Setting train.lora makes `ncpctl midtrain` a LoRA run (NCP-ArchPreview "
+                      "Sec. 5.1's baseline) instead of full fine-tuning: every weight frozen, peft adapters of this rank "
+                      "r trained (A: r x in, B: out x r); checkpoints hold them merged into the weights "
+                      "(ncpctl.train.lora). Needs peft (`pip install 'ncpctl[lora]'`).")
+    alpha: Optional[float] = Field(None, gt=0, description="The update is (alpha / rank) B A; null = 2 x rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    targets: list[str] = Field(["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"], min_length=1,
+                               description="Modules that get adapters, as suffixes of their paths (peft's "
+                               "target_modules): the fused attention input and output projections and the MLP's "
+                               "two matrices of every token and concept layer.")
+
+
 class TrainSection(Section):
     max_steps: int = Field(100, gt=0, description="Optimizer steps to run.")
     seed: int = Field(1234, ge=0, description="Seed for init, data order and dropout.")
@@ -148,6 +161,8 @@ class TrainSection(Section):
     init_from: Optional[str] = Field(None, description="midtrain/adapt-vq: checkpoint, run directory or HF "
                                      "directory to start from; a recipe without a `model:` section takes the checkpoint's model.")
     load: Literal["weights", "all"] = Field("weights", description="midtrain: load weights only (fresh optimizer) or everything.")
+    lora: Optional[LoraSection] = Field(None, description="midtrain: LoRA adapters instead of full fine-tuning "
+                                        "(see train.lora.rank); null = every weight trains.")
     zero_concept_output: bool = Field(False, description="midtrain from a Hugging Face directory: start the codebook's "
                                       "output projection at zero, so step 0 computes exactly the base model's logits.")
     max_nonfinite: int = Field(5, gt=0, description="Abort after this many non-finite steps in a row.")

@@ -93,10 +93,22 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
     return out
 
 
+def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    from ncpctl.model.config import ConfigError, ModelConfig
+
+    try:
+        return ModelConfig.from_dict(saved).to_dict()
+    except (ConfigError, TypeError):  # unknown or impossible keys: compare what was written
+        return saved
+
+
 def check_compatible(path: Path, meta: dict[str, Any], model_config: dict[str, Any], *,
                      world_size: int, zero_stage: int, optimizer_state: bool) -> None:
-    """Raise a UserError (before any training) when ``path`` cannot continue this run."""
-    problems = [f"{path}: {d}" for d in config_differences(meta["model_config"], model_config)]
+    """Raise a UserError (before any training) when ``path`` cannot continue this run.
+
+    The saved config is read through ``ModelConfig`` first, so a key added to the config since
+    the checkpoint was written compares as its default (what loading that checkpoint gives)."""
+    problems = [f"{path}: {d}" for d in config_differences(_with_defaults(meta["model_config"]), model_config)]
     if optimizer_state:  # DeepSpeed's optimizer partitions are per (stage, world size)
         if meta["zero_stage"] != zero_stage:
             problems.append(f"{path}: saved with deepspeed.zero_stage={meta['zero_stage']}, now {zero_stage}")
@@ -128,7 +140,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def consolidated_weights(engine: Any, zero_stage: int, tie_embeddings: bool) -> dict[str, torch.Tensor] | None:
     """The full state dict as fp32 on rank 0 (collective under ZeRO-3, None on the other ranks
-    there; bf16 runs save their bf16 module weights upcast)."""
+    there; bf16 runs save their bf16 module weights upcast), under the plain model's names (LoRA
+    adapters merged into their weights, ``ncpctl.train.lora``)."""
     if zero_stage == 3:
         state = engine._zero3_consolidated_16bit_state_dict()  # what save_16bit_model uses; rank 0 only
     else:
@@ -137,6 +150,11 @@ def consolidated_weights(engine: Any, zero_stage: int, tie_embeddings: bool) -> 
         return None
     out = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
            for k, v in state.items()}
+    from ncpctl.train.lora import merge_adapters, scalings
+
+    scale = scalings(engine.module)
+    if scale:  # a LoRA run: the inference view is the plain model with the adapters merged in
+        out = merge_adapters(out, scale)
     if tie_embeddings:  # safetensors refuses shared storage; the loader re-ties it
         out.pop("lm_head.weight", None)
     return out

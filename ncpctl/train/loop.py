@@ -1,8 +1,9 @@
 """The training loop shared by ``pretrain``, ``midtrain`` and ``adapt-vq`` (style rule 8).
 
 The stages differ only in set-up (``make_stage``): where the weights come from
-(``train.init_from``), what is frozen (adapt-vq: all but the codebook transform and the
-concept heads), and the data (each recipe's own). ``train(recipe, stage, out)`` then reads
+(``train.init_from``), what is frozen (adapt-vq: all but the codebook and the concept heads;
+midtrain with ``train.lora``: every weight, with LoRA adapters added, ``ncpctl.train.lora``),
+and the data (each recipe's own). ``train(recipe, stage, out)`` then reads
 top to bottom, one named piece per stage of a run:
 
     _prepare: distributed set-up -> data -> resume / init checks (before any heavy work)
@@ -58,13 +59,18 @@ class Stage:
     name: str  # "pretrain" | "midtrain" | "adapt-vq"
     init_from: Path | None = None  # checkpoint (or HF directory) whose weights start the run
     load: str = "weights"  # "weights" (fresh optimizer) | "all" (also the optimizer state)
+    # what the stage does to the model once its weights are in (also when resuming): adapt-vq
+    # freezes all but the codebook; LoRA freezes everything and adds adapters. None: all train.
     freeze: Callable[[torch.nn.Module], None] | None = None
     hf: bool = False  # init_from is a Hugging Face directory (midtrain: ConceptLM continual pretraining)
 
 
 def freeze_all_but_codebook(model: torch.nn.Module) -> None:
-    """NCP-ArchPreview §5.1: only the codebook transform and the concept heads train
-    (the base of a ``learned`` codebook is the codebook itself, so it trains instead)."""
+    """NCP-ArchPreview §5.1: only the codebook and the concept heads train. With ``codebook:
+    learned`` the codebook is ``base`` itself (the paper's setting: at 8.9B, 16,777,216 head
+    weights + 524,288 codes = 17,301,504 trained); with ``simvq`` the trained part of the
+    codebook is its transform (the frozen Gaussian base stays frozen). The concept norm before
+    the heads, like every other weight, stays frozen."""
     concept = model.concept
     for p in model.parameters():
         p.requires_grad_(False)
@@ -77,8 +83,29 @@ def freeze_all_but_codebook(model: torch.nn.Module) -> None:
         cb.base.requires_grad_(True)
 
 
+def _lora_setup(recipe: Recipe, name: str) -> Callable[[torch.nn.Module], None] | None:
+    """``train.lora``'s set-up (midtrain only), checked before any heavy work."""
+    spec = recipe.train.lora
+    if spec is None:
+        return None
+    if name != "midtrain":
+        does = "trains the codebook and concept heads" if name == "adapt-vq" else "trains a model from scratch"
+        raise UserError(f"{recipe.path}: train.lora: LoRA adapts a checkpoint with `ncpctl midtrain`; "
+                        f"`ncpctl {name}` {does}", hint=f"run `ncpctl midtrain {recipe.path}`, or remove train.lora")
+    if recipe.train.load == "all":
+        raise UserError(f"{recipe.path}: train.load: all restores the optimizer state of init_from's weights; a LoRA "
+                        "run trains new adapters", hint="use train.load: weights")
+    from functools import partial
+
+    from ncpctl.train.lora import apply_lora, lora_config
+
+    lora_config(spec)  # peft present, the section well-formed
+    return partial(apply_lora, spec=spec)
+
+
 def make_stage(recipe: Recipe, name: str) -> Stage:
     t = recipe.train
+    lora = _lora_setup(recipe, name)
     if name == "pretrain":
         return Stage(name)
     if not t.init_from:
@@ -90,10 +117,10 @@ def make_stage(recipe: Recipe, name: str) -> Stage:
         if t.load == "all":
             raise UserError(f"{recipe.path}: train.load: all needs an ncpctl checkpoint; {t.init_from} is a "
                             "Hugging Face directory (weights only)", hint="use train.load: weights")
-        return Stage(name, Path(t.init_from), "weights", hf=True)
+        return Stage(name, Path(t.init_from), "weights", freeze=lora, hf=True)
     init = ckpt.resolve(t.init_from, "train.init_from")
     if name == "midtrain":
-        return Stage(name, init, t.load)
+        return Stage(name, init, t.load, freeze=lora)
     cfg = recipe.model_config
     if cfg is None or not cfg.concept.enabled:
         raise UserError(f"{recipe.path}: model.concept.enabled: adapt-vq adapts the codebook; this model has no "
@@ -534,15 +561,13 @@ def _restore(run: _Run, meta: dict[str, Any]) -> None:
 def _observe(run: _Run, out: Any) -> None:
     """Rank 0: metrics.jsonl (+ TensorBoard), recipe.resolved.yaml, the live display. Every rank:
     FLOPs per step and the MFU peak of all ranks together (one collective)."""
-    from ncpctl.model.accounting import exact_flops
-
     r, d = run.recipe, run.d
     lead, on_gpu = d.rank == 0, d.device.type != "cpu"
     t, T, G = r.train, r.seq_len, r.global_batch_size
     if lead:
         run.metrics = MetricsLog(r.run_dir, t.tensorboard, run.tot.step if run.resume_from else None, run.warn)
         r.write_resolved(r.run_dir)
-    run.flops_per_step = exact_flops(r.model_config, T, G).training_per_step()
+    run.flops_per_step = flops_per_step(r, run.stage, run.engine.module)
     run.peak = d.sum(torch.tensor([device_peak(on_gpu)[0]], dtype=torch.float64)).item()
     if lead:
         from ncpctl.train.display import TrainDisplay
@@ -552,6 +577,18 @@ def _observe(run: _Run, out: Any) -> None:
         run.info(f"data: {run.loader.num_windows:,} train windows of {T} tokens, global batch {G} "
                  f"({t.micro_batch_size} x {r.grad_accum_steps} accum x {d.world} ranks); "
                  f"unigram entropy {run.entropy:.3f} nats")
+
+
+def flops_per_step(recipe: Recipe, stage: Stage, model: torch.nn.Module) -> float:
+    """Training FLOPs of one optimizer step, the MFU numerator (``ncpctl.model.accounting``): 3x
+    forward when every weight trains; for a stage that freezes weights (adapt-vq, LoRA) the
+    backward autograd really computes, from the parameters that require grad."""
+    from ncpctl.model.accounting import exact_flops
+
+    trainable = None if stage.freeze is None else {  # ZeRO-3 partitions: ds_numel is the full size
+        n: getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters() if p.requires_grad}
+    return exact_flops(recipe.model_config, recipe.seq_len, recipe.global_batch_size,
+                       trainable=trainable).training_per_step()
 
 
 # ----------------------------------------------------------------------------- one step
@@ -661,6 +698,10 @@ def _save(run: _Run) -> None:
             "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
             "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
             "init_from": str(stage.init_from) if stage.init_from else None}
+    if r.train.lora is not None and stage.name == "midtrain":
+        from ncpctl.train.lora import describe
+
+        meta["lora"] = describe(r.train.lora)  # model.safetensors holds the adapters merged in
     tot.last_good = ckpt.save(run.engine, run.root, tot.step, meta, r, rank=run.d.rank,
                               keep_last=r.train.keep_last, barrier=run.d.barrier, fault=run.faults)
     tot.last_saved = tot.step

@@ -274,3 +274,98 @@ def test_dynamic_residuals_are_counted():
     assert e0.residual_share == 0 < e1.residual_share  # ~6% at d=64; at 8.9B it is ~0.1%:
     big = build_config("ncp-archpreview-8.9b", residual="irc", crc_connections=links)
     assert 0 < exact_flops(big, 8192).residual_share < 0.002
+
+
+# ---- the backward of a stage that freezes weights (adapt-vq, LoRA): what MFU counts ----
+
+
+def _stage_model(size: str, stage: str, **concept):
+    """The real model of ``size`` set up as ``stage`` (full: nothing frozen but the SimVQ base)."""
+    import torch
+
+    from ncpctl.model.model import NCPModel
+    from ncpctl.train.loop import freeze_all_but_codebook
+
+    torch.manual_seed(0)
+    model = NCPModel(build_config(size, concept=dict(enabled=True, **concept)))
+    if stage == "vq":
+        freeze_all_but_codebook(model)
+    elif stage == "lora":
+        pytest.importorskip("peft")
+        from ncpctl.recipe.schema import LoraSection
+        from ncpctl.train.lora import apply_lora
+
+        apply_lora(model, LoraSection(rank=3))
+    return model
+
+
+def _trainable(model):
+    return {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("size,extra", [("debug", {}), ("llama-debug", {}), ("ncp-archpreview-8.9b", {}),
+                                        ("debug", dict(residual="irc", crc_connections=[
+                                            "encoder-concept", "encoder-decoder", "concept-decoder"]))])
+def test_backward_with_every_weight_trained_is_the_3x_convention(size, extra):
+    from ncpctl.model.config import build_config as bc
+
+    cfg = bc(size, concept=dict(enabled=True), **extra)
+    names = {n: 1 for n in _meta_names(cfg)}
+    for T in (64, 256):
+        full, every = exact_flops(cfg, T, 3), exact_flops(cfg, T, 3, trainable=names)
+        for causal in (False, True):
+            assert every.training_per_step(causal) == full.training_per_step(causal)
+            assert every.backward_per_step(causal) == 2 * full.forward_per_step(causal)
+
+
+def _meta_names(cfg):
+    import torch
+
+    from ncpctl.model.model import NCPModel
+
+    with torch.device("meta"):
+        return [n for n, _ in NCPModel(cfg).named_parameters()]
+
+
+@pytest.mark.parametrize("stage", ["full", "vq", "lora"])
+@pytest.mark.parametrize("size,concept", [("debug", {}), ("llama-debug", {}), ("debug", {"codebook": "learned"})])
+def test_stage_training_flops_equal_torchs_flop_counter(size, concept, stage):
+    """One forward + backward of the real stage, its matmuls counted by torch's FlopCounterMode
+    (SDPA's math kernel, so attention is counted as matmuls): exact_flops with the stage's
+    trainable parameters gives the same number, but for what only one side counts (pooling's
+    adds here, the ncp_code_acc metric's nearest-code search there)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _stage_model(size, stage, **concept)
+    cfg, T, B = model.cfg, 32, 2
+    x = torch.randint(0, cfg.vocab_size, (B, T))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(x, x).loss.backward()
+    e = exact_flops(cfg, T, B, trainable=_trainable(model))
+    S, N, ds, M = cfg.n_segments, cfg.concept.codes, cfg.segment_dim, e.concept_positions
+    pooling = B * (e.components["concept.pooling"] + e.backward["concept.pooling"])
+    metric = B * 2 * (M - 1) * S * N * ds
+    assert counter.get_total_flops() == e.training_per_step() - pooling + metric
+    assert ("adapters" in e.components) == (stage == "lora")
+
+
+def test_adapt_vq_at_8_9b_backward_is_the_decoders_input_gradients():
+    """adapt-vq (learned codebook): NTP's gradient reaches the heads through the decoder, so the
+    decoder and LM head compute input gradients (no weight gradients); the heads a weight
+    gradient only; the mix both operands; the encoder and concept layers nothing."""
+    from ncpctl.model.accounting import _stack_flops
+
+    cfg = build_config("ncp-archpreview-8.9b", concept=dict(codebook="learned"))
+    T = 8192
+    trainable = {"concept.heads.weight": 16_777_216, "concept.codebook.base": 524_288}
+    e, full = exact_flops(cfg, T, 1, trainable=trainable), exact_flops(cfg, T, 1)
+    dec = _stack_flops(cfg, cfg.token_windows[16:], T)
+    c = e.components
+    want = (dec["qkv"] + dec["attn_out"] + dec["mlp"] + 2 * dec["attention"] + c["lm_head"]
+            + c["concept.heads"] + 2 * c["concept.codebook_einsum"])
+    assert e.backward_per_step() == want
+    assert e.forward_per_step() == full.forward_per_step()
+    # the training FLOPs MFU counts: about half of full fine-tuning's at this shape
+    assert 0.45 < e.training_per_step() / full.training_per_step() < 0.55

@@ -138,6 +138,114 @@ def test_losses_match_the_formulas():
         torch.testing.assert_close(out.code_usage, used)
 
 
+# The published normalisations (NCP-ArchPreview, shared/papers/001: Sec. 2.7, Algorithm 1), written
+# out on (B, M, S, ds) tensors: ||x||^2 of a segment is the sum over its ds elements.
+def _ncp_formula(pred, c, how, S):
+    """pred (B, M, d) predicts c (B, M, d) one block on; the mean over the batch of each row's loss."""
+    B, M, d = c.shape
+    seg = ((pred[:, :-1] - c[:, 1:]) ** 2).reshape(B, M - 1, S, d // S).sum(-1)  # (B, M-1, S) ||.||^2
+    if how == "mean":  # ConceptLM: the element mean
+        return ((pred[:, :-1] - c[:, 1:]) ** 2).mean()
+    if how == "sum_dim":  # Eq. 22: 1/(M-1) sum_{m>=2} ||c^_m - sg(c_m)||^2 (the whole d-vector)
+        return (seg.sum(-1).sum(-1) / (M - 1)).mean()
+    # Algorithm 1 line 21: 1/((M-1) S) sum_{m>=2} sum_s ||c^_m^s - sg(c_m^s)||^2
+    return (seg.sum((-1, -2)) / ((M - 1) * S)).mean()
+
+
+def _vq_formula(c, q, how, S, commitment):
+    """Codebook term plus the commitment term (equal values: c is detached at the VQ input)."""
+    B, M, d = c.shape
+    if how == "mean":
+        dist = ((c - q) ** 2).mean()
+    else:  # Eq. 21: 1/(M S) sum_m sum_s ||sg(c_m^s) - d_m^s||^2
+        dist = (((c - q) ** 2).reshape(B, M, S, d // S).sum(-1).sum((-1, -2)) / (M * S)).mean()
+    return (1 + commitment) * dist
+
+
+@pytest.mark.parametrize("vq", ["mean", "sum_segment"])
+@pytest.mark.parametrize("ncp", ["mean", "sum_dim", "sum_segment"])
+def test_each_reduction_equals_its_formula(ncp, vq):
+    cfg = tiny("llama", concept=dict(ncp_reduction=ncp, vq_reduction=vq, commitment=0.3))
+    model = build(cfg)
+    seen = _capture(model)
+    x = tokens(cfg, 2, 20)
+    out = model(x, x)
+    c, codes = seen["h"].reshape(2, 5, 4, 32).mean(2), model.concept.codebook()
+    idx = nearest_code(c, codes)
+    q = torch.stack([codes[s][idx[..., s]] for s in range(4)], 2).reshape(2, 5, 32)
+    torch.testing.assert_close(out.ncp_loss, _ncp_formula(out.pred, c, ncp, 4))
+    torch.testing.assert_close(out.vq_loss, _vq_formula(c, q, vq, 4, 0.3))
+
+
+@pytest.mark.parametrize("vq", ["mean", "sum_segment"])
+@pytest.mark.parametrize("ncp", ["mean", "sum_dim", "sum_segment"])
+def test_each_reduction_skips_padding_concepts(ncp, vq):
+    """Rows with padding concepts (Segments.valid): each loss is its formula over the real concepts
+    (NCP: the pairs whose both blocks are real), averaged over them."""
+    from ncpctl.model.concept import ConceptOutput, Segments
+
+    cfg = tiny("neox", concept=dict(ncp_reduction=ncp, vq_reduction=vq))
+    concept = build(cfg).concept
+    g = torch.Generator().manual_seed(3)
+    c, pred = torch.randn(2, 5, 32, generator=g), torch.randn(2, 5, 32, generator=g)
+    valid = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    out = ConceptOutput(z=c)
+    with torch.no_grad():
+        codes = concept.codebook()
+        concept._losses(Segments(concepts=c, positions=torch.arange(5)[None], valid=valid), pred, codes, out)
+    # the same formulas, row by row over the real concepts, then weighted by their counts
+    rows = [(c[:1], pred[:1]), (c[1:, :3], pred[1:, :3])]
+    pairs = torch.tensor([4.0, 2.0])
+    ncp_rows = torch.stack([_ncp_formula(p, x, ncp, 4) for x, p in rows])
+    torch.testing.assert_close(out.losses["ncp_loss"], (ncp_rows * pairs).sum() / pairs.sum())
+    idx = nearest_code(c, codes)
+    q = torch.stack([codes[s][idx[..., s]] for s in range(4)], 2).reshape(2, 5, 32)
+    vq_rows = torch.stack([_vq_formula(c[:1], q[:1], vq, 4, 0.25), _vq_formula(c[1:, :3], q[1:, :3], vq, 4, 0.25)])
+    real = torch.tensor([5.0, 3.0])
+    torch.testing.assert_close(out.losses["vq_loss"], (vq_rows * real).sum() / real.sum())
+
+
+def test_default_reductions_are_the_previous_expressions_bit_for_bit():
+    """ncp mean / sum_dim and vq mean compute exactly what they computed before the options."""
+    from ncpctl.model.concept import ConceptOutput, Segments
+
+    for ncp in ("mean", "sum_dim"):
+        concept = build(tiny("neox", concept=dict(ncp_reduction=ncp))).concept
+        g = torch.Generator().manual_seed(4)
+        c, pred = torch.randn(2, 5, 32, generator=g), torch.randn(2, 5, 32, generator=g)
+        for valid in (None, torch.tensor([[True] * 5, [True, True, True, False, False]])):
+            out = ConceptOutput(z=c)
+            with torch.no_grad():
+                codes = concept.codebook()
+                concept._losses(Segments(concepts=c, positions=torch.arange(5)[None], valid=valid), pred, codes, out)
+            err = (pred[:, :-1] - c[:, 1:]) ** 2
+            per = err.sum(-1) if ncp == "sum_dim" else err.mean(-1)
+            idx = nearest_code(c, codes)
+            q = codes[torch.arange(4), idx].reshape(2, 5, 32)
+            if valid is None:
+                want_ncp = err.mean() if ncp == "mean" else per.mean()
+                want_vq = F.mse_loss(q, c) + 0.25 * F.mse_loss(c, q)
+            else:
+                pair = valid[:, :-1] & valid[:, 1:]
+                want_ncp = (per * pair).sum() / pair.sum().clamp_min(1)
+                m = valid[..., None].float()
+                want_vq = (((q - c) * m).pow(2).sum() + 0.25 * ((c - q) * m).pow(2).sum()) / (valid.sum() * 32)
+            assert torch.equal(out.losses["ncp_loss"], want_ncp) and torch.equal(out.losses["vq_loss"], want_vq)
+
+
+@pytest.mark.parametrize("vq", ["mean", "sum_segment"])
+def test_commitment_term_has_no_gradient(vq):
+    """With c detached at the VQ input the commitment weight changes the value, never a gradient."""
+    grads = {}
+    for beta in (0.0, 0.25):
+        model = build(tiny("neox", concept=dict(commitment=beta, vq_reduction=vq)))
+        x = tokens(model.cfg, 2, 16)
+        model(x, x).vq_loss.backward()
+        grads[beta] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[0.0].keys() == grads[0.25].keys() and grads[0.0]
+    assert all(torch.equal(grads[0.0][n], grads[0.25][n]) for n in grads[0.0])
+
+
 def _grads(model):
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
 
@@ -257,8 +365,8 @@ def test_codebook_base_init_std(codebook):
 # with the spec's default (ConceptLM unless the spec says otherwise).
 SPEC_DEFAULTS = dict(
     k=4, encoder_layers=1, concept_layers=2, codes=64, segments=None, codebook="simvq", code_weights="linear",
-    add="raw", detach_added_concept=False, ncp_reduction="mean", ncp_weight=1.0, vq_weight=1.0, commitment=0.25,
-    rope_scale_by_k=False,
+    add="raw", detach_added_concept=False, ncp_reduction="mean", vq_reduction="mean", ncp_weight=1.0, vq_weight=1.0,
+    commitment=0.25, rope_scale_by_k=False,
 )
 
 
@@ -275,7 +383,7 @@ def test_design_choices_are_keys_with_spec_defaults(tmp_path):
     r.write_text("model: {size: debug, concept: {enabled: true}}\n")
     other = dict(k=2, encoder_layers=0, concept_layers=1, codes=8, segments=2, codebook="learned",
                  code_weights="softmax", add="normed", detach_added_concept=True, ncp_reduction="sum_dim",
-                 ncp_weight=0.5, vq_weight=2.0, commitment=0.5, rope_scale_by_k=True)
+                 vq_reduction="sum_segment", ncp_weight=0.5, vq_weight=2.0, commitment=0.5, rope_scale_by_k=True)
     assert set(other) == set(SPEC_DEFAULTS)
     got = load_recipe(r, [f"model.concept.{k}={str(v).lower() if isinstance(v, bool) else v}"
                           for k, v in other.items()]).model_config.concept

@@ -51,3 +51,18 @@ def test_every_checkpoint_file_is_fsynced_before_latest(tmp_path: Path, monkeypa
     for p in [*files, path]:
         assert key(p) in order[:first_latest], p.name  # on the device before latest names the checkpoint
     assert key(root) in order[first_latest:]  # and the rename of latest itself
+
+
+def test_a_checkpoint_from_before_a_new_config_key_is_compatible(tmp_path: Path) -> None:
+    """A key added to ModelConfig later (here concept.vq_reduction) compares as its default."""
+    import pytest
+
+    from ncpctl.errors import UserError
+    from ncpctl.model.config import build_config
+
+    cfg = build_config("debug", concept=dict(enabled=True)).to_dict()
+    old = {**cfg, "concept": {k: v for k, v in cfg["concept"].items() if k != "vq_reduction"}}
+    ckpt.check_compatible(tmp_path, {"model_config": old}, cfg, world_size=1, zero_stage=0, optimizer_state=False)
+    other = {**cfg, "concept": {**cfg["concept"], "vq_reduction": "sum_segment"}}
+    with pytest.raises(UserError, match="vq_reduction"):
+        ckpt.check_compatible(tmp_path, {"model_config": old}, other, world_size=1, zero_stage=0, optimizer_state=False)

@@ -205,6 +205,34 @@ def test_adapt_vq_trains_only_codebook_transform_and_heads(reference: Path, make
             assert torch.equal(before[k], after[k]), k  # frozen: bit-identical
 
 
+def test_midtrain_with_lora_trains_adapters_and_saves_them_merged(reference: Path, make_recipe, tmp_path: Path) -> None:
+    """train.lora: only the adapters train (rank 2 on the four projections of the 6 blocks); the
+    checkpoint's model.safetensors is the plain model with them merged (every other weight
+    bit-identical); the run resumes from its DeepSpeed state, and its checkpoint loads like any."""
+    pytest.importorskip("peft")
+    from ncpctl.checkpoint import load_model
+
+    ckpt = reference / "checkpoints" / "step_0000012"
+    recipe = make_recipe("lora")
+    sets = ["--set", f"train.init_from={ckpt}", "--set", "train.lora={rank: 2, alpha: 4}", "--set", "train.eval_every=0"]
+    r = result(ncpctl("midtrain", str(recipe), "--json", "--set", "train.max_steps=4", *sets))
+    per_block = (64 + 192) + (64 + 64) + (64 + 256) + (256 + 64)  # in + out of qkv, attn.proj, mlp.fc, mlp.proj
+    assert r["trainable_parameters"] == 2 * per_block * 6
+    before, after = weights(ckpt), weights(Path(r["checkpoint"]))
+    assert after.keys() == before.keys()
+    adapted = (".attn.qkv.weight", ".attn.proj.weight", ".mlp.fc.weight", ".mlp.proj.weight")
+    for k in before:
+        assert torch.equal(before[k], after[k]) != k.endswith(adapted), k
+    meta = json.loads((Path(r["checkpoint"]) / "ncpctl.json").read_text())
+    assert meta["lora"] == {"rank": 2, "alpha": 4, "dropout": 0.0, "merged": True,
+                            "targets": ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"]}
+    r2 = result(ncpctl("midtrain", str(recipe), "--json", "--set", "train.max_steps=6", *sets))
+    assert r2["resumed_from"] == r["checkpoint"] and r2["step"] == 6
+    loaded = load_model(r2["checkpoint"])
+    with torch.no_grad():
+        assert torch.isfinite(loaded.model(torch.randint(0, 500, (1, 16))).logits).all()
+
+
 def test_adapt_vq_needs_only_the_checkpoint_for_the_model(reference: Path, make_recipe, tmp_path: Path) -> None:
     """Checkpoints describe themselves: a recipe without a `model:` section takes the model
     config of train.init_from (the default size would be a different model)."""
