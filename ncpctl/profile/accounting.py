@@ -27,10 +27,11 @@ VARIANTS = ("recipe", "base", "pm")
 
 def siblings(cfg: ModelConfig) -> dict[str, ModelConfig]:
     """The recipe's model and its base and PM siblings, and (when the recipe is not ConceptLM
-    itself) its ConceptLM sibling: the base plus the recipe's concept settings."""
+    itself) its ConceptLM sibling: the base plus the recipe's concept settings. The base and PM
+    siblings have no modules to connect, so they drop CRC (and keep IRC, a per-stack mixer)."""
     d = cfg.to_dict()
     C = d["concept"]["concept_layers"]
-    base = {**d, "extra_token_layers": 0, "concept": {**d["concept"], "enabled": False}}
+    base = {**d, "extra_token_layers": 0, "crc_connections": [], "concept": {**d["concept"], "enabled": False}}
     pm = {**base, "extra_token_layers": C}
     out = {"recipe": cfg, "base": ModelConfig.from_dict(base), "pm": ModelConfig.from_dict(pm)}
     out["base"].name, out["pm"].name = f"{cfg.name} base", f"{cfg.name} PM (+{C} token layers)"
