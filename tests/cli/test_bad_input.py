@@ -56,3 +56,31 @@ def test_corrupt_dataset_through_pretrain(tmp_path: Path, corrupt, message: str)
     assert message in err and str(tmp_path) in err
     assert json.loads(r.stdout)["errors"] == [err.removeprefix("error: ")]
     assert not list((tmp_path / "run").glob("checkpoints/*"))
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["model.mtp_depth=0"], "model.mtp_depth: must be >= 1 (null turns MTP off), got 0"),
+    (["model.concept.enabled=false"], "model.crc_connections: cross-module residuals connect the encoder, concept "
+                                      "and decoder modules: they need the concept path"),
+    (["model.irc_normalize=sum"], "model.irc_normalize: Input should be 'none' or 'softmax', got 'sum'"),
+    (["deepspeed.zero_stage=3"], "train.optimizer: muon runs at ZeRO stage 0, 1 or 2"),
+])
+def test_archpreview_design_errors(sets: list[str], message: str) -> None:
+    """NCP-ArchPreview's keys (IRC, CRC, MTP, Muon) on its debug recipe: one line, exit 2."""
+    from ..conftest import RECIPES
+
+    r = run_cli("profile-kernels", str(RECIPES / "debug-archpreview.yaml"), "--only", "accounting",
+                *(x for s in sets for x in ("--set", s)))
+    (err,) = _errors(r)
+    assert message in err, err
+
+
+def test_one_layer_modules_with_irc_are_legal() -> None:
+    """Table 8's OLMo-3-3B split 8/1/7 has a one-layer concept module: IRC there mixes two states."""
+    from ..conftest import RECIPES
+
+    r = run_cli("profile-kernels", str(RECIPES / "debug-archpreview.yaml"), "--only", "accounting", "--json",
+                "--set", "model.n_layers=3", "--set", "model.concept.encoder_layers=1",
+                "--set", "model.concept.concept_layers=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["ok"]
