@@ -190,7 +190,9 @@ class ExactFlops:
     as SDPA computes it (every query against min(T, window) keys), except
     ``concept.codebook_transform`` which runs once per step whatever the batch (the codes
     are recomputed from the frozen base each forward). ``attention_causal`` gives the
-    causal-mask count for the attention entries. ``training_only``: per-sequence work done
+    causal-mask count for the attention entries. The ``mtp.*`` entries (the MTP head,
+    ``model.mtp_depth``) run in training only: decoding and the export drop the head, so an
+    inference count leaves them out. ``training_only``: per-sequence work done
     only in training (nearest-code search for the VQ loss; no backward through the argmin).
     Per-sequence and per-token totals spread the per-step work over ``batch_size``.
     """
@@ -365,6 +367,10 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
 
     comps.update(_dynamic_residual_flops(cfg, T, M))
     comps["lm_head"] = 2 * T * d * cfg.padded_vocab_size
+    for key, (full, causal_part) in _mtp_flops(cfg, T).items():
+        comps[key] = full
+        if causal_part is not None:
+            causal[key] = causal_part
     backward = backward_causal = None
     if trainable is not None:
         bw = _Backward(cfg, trainable)
@@ -394,6 +400,26 @@ def _dynamic_residual_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
         out["residual.irc"] = sum(_irc_flops(cfg, stack, T, M) for stack in ("encoder", "concept", "decoder"))
     if cfg.crc_connections:
         out["residual.crc"] = sum(_crc_flops(cfg, link, T, M) for link in cfg.crc_connections)
+    return out
+
+
+def _mtp_flops(cfg: ModelConfig, T: int) -> dict[str, tuple[int, int | None]]:
+    """The MTP head's forward (ncpctl.model.mtp; training only: decoding and the export drop it):
+    depth k on the T - k positions that have a target, proj (2d -> d), one full-attention layer and
+    the shared LM head. key -> (full count, causal count or None)."""
+    d, out = cfg.d_model, {}
+    for k in range(1, (cfg.mtp_depth or 0) + 1):
+        n = T - k
+        if n <= 0:
+            break
+        layer = _stack_flops(cfg, [None], n)
+        parts = {"mtp.proj": (2 * n * 2 * d * d, None),
+                 "mtp.layers": (layer["qkv"] + layer["attn_out"] + layer["mlp"], None),
+                 "mtp.attention": (layer["attention"], layer["attention_causal"]),
+                 "mtp.lm_head": (2 * n * d * cfg.padded_vocab_size, None)}
+        for key, (f, c) in parts.items():
+            f0, c0 = out.get(key, (0, None if c is None else 0))
+            out[key] = (f0 + f, None if c is None else c0 + c)
     return out
 
 
@@ -513,6 +539,17 @@ class _Backward:
         out = dec or self.trains("final_norm.")
         lm_w = "lm_head.weight" in self.numel or (cfg.tie_embeddings and "embed.weight" in self.numel)
         self.add("lm_head", comps["lm_head"] * (out + lm_w))
+        # the MTP head reads the final states (rg = ``out``) through its own norms: proj and the
+        # layer's matmuls are linears, its attention weight-less (2x when its input is rg), the
+        # shared LM head a linear whose weight is the main head's
+        head = self.trains("mtp.")
+        inner = out or head
+        for key, (f, c) in _mtp_flops(cfg, T).items():
+            factor = {"mtp.proj": inner + head, "mtp.layers": inner + head, "mtp.attention": 2 * inner,
+                      "mtp.lm_head": inner + lm_w}[key]
+            self.add(key, f * factor)
+            if c is not None:
+                self.causal[key] = self.causal.get(key, 0) + c * factor
 
 
 # --------------------------------------------------------------------------------------

@@ -351,6 +351,42 @@ def test_stage_training_flops_equal_torchs_flop_counter(size, concept, stage):
     assert ("adapters" in e.components) == (stage == "lora")
 
 
+@pytest.mark.parametrize("trained", ["all", "frozen_body"])
+def test_mtp_training_flops_equal_torchs_flop_counter(trained):
+    """The MTP head (two depths) in the training count: forward + backward of the real model under
+    FlopCounterMode equals exact_flops, with every weight trained and with only the head trained."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ncpctl.model.model import NCPModel
+
+    torch.manual_seed(0)
+    cfg = build_config("debug", mtp_depth=2)
+    model, T, B = NCPModel(cfg), 32, 2
+    if trained == "frozen_body":
+        for n, p in model.named_parameters():
+            p.requires_grad_(n.startswith("mtp."))
+    x = torch.randint(0, cfg.vocab_size, (B, T))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(x, x).loss.backward()
+    e = exact_flops(cfg, T, B, trainable=_trainable(model))
+    assert {k for k in e.components if k.startswith("mtp.")} == {"mtp.proj", "mtp.layers", "mtp.attention",
+                                                                  "mtp.lm_head"}
+    assert counter.get_total_flops() == e.training_per_step()
+    if trained == "all":
+        assert e.training_per_step() == exact_flops(cfg, T, B).training_per_step()
+
+
+def test_table8_mtp_adds_the_papers_flops():
+    """Table 8: one MTP depth adds 0.505e21 (OLMo-3-3B) / 0.504e21 (NCP) of 3.2e21 at 150B tokens."""
+    dense = dict(d_model=3328, n_heads=16, ffn_dim=13312, n_layers=15, vocab_size=100278, max_seq_len=8192,
+                 concept=dict(enabled=True, encoder_layers=8, concept_layers=4))
+    base, mtp = build_config("ncp-archpreview-8.9b", **dense), build_config("ncp-archpreview-8.9b", mtp_depth=1, **dense)
+    extra = (exact_flops(mtp).training_per_token_causal - exact_flops(base).training_per_token_causal) * 150e9
+    assert extra == pytest.approx(3.731e21 - 3.227e21, rel=0.03)
+
+
 def test_adapt_vq_at_8_9b_backward_is_the_decoders_input_gradients():
     """adapt-vq (learned codebook): NTP's gradient reaches the heads through the decoder, so the
     decoder and LM head compute input gradients (no weight gradients); the heads a weight
