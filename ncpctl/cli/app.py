@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from ncpctl import __version__
-from ncpctl.cli import adapt_vq, eval as eval_cmd, export, generate, midtrain, pretrain, profile_kernels, tokenize
+from ncpctl.cli import adapt_vq, eval as eval_cmd, export, generate, inspect_cmd, midtrain, pretrain, profile_kernels, tokenize
 from ncpctl.cli._common import STATE
 
 app = typer.Typer(
@@ -52,6 +52,7 @@ app.command("adapt-vq")(adapt_vq.main)
 app.command("eval")(eval_cmd.main)
 app.command("generate")(generate.main)
 app.command("export")(export.main)
+app.command("inspect")(inspect_cmd.main)
 app.command("profile-kernels")(profile_kernels.main)
 
 

@@ -1,0 +1,151 @@
+"""`ncpctl inspect`: a checkpoint's concepts, read (decomposition), attributed (ablation) and
+summarised over a corpus (code dictionaries). Library code: ``ncpctl.interpret``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ncpctl.cli._common import DebugOpt, JsonOpt, Output, command
+
+
+@command
+def main(
+    checkpoint: Annotated[str, typer.Argument(help="Checkpoint or run directory.", show_default=False)],
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text (repeatable).",
+                                                        show_default=False)] = None,
+    prompts_file: Annotated[Optional[str], typer.Option("--prompts-file", help="One prompt per line, or JSON lines.",
+                                                        show_default=False)] = None,
+    target: Annotated[Optional[str], typer.Option("--target", "-t", help="A continuation of the prompt: rank the "
+                                                  "codes (and segments) by how much removing each changes its "
+                                                  "log-probability.", show_default=False)] = None,
+    top: Annotated[int, typer.Option("--top", min=1, help="Codes shown per segment (the rest as a remainder).")] = 3,
+    ablate_codes: Annotated[int, typer.Option("--ablate-codes", min=0, help="With --target: the heaviest codes of "
+                                              "each segment ablated one by one (each segment whole too).")] = 3,
+    corpus: Annotated[Optional[list[str]], typer.Option("--corpus", help="Build code dictionaries over this "
+                                                        "source (data.sources syntax, e.g. builtin:python-stdlib; "
+                                                        "repeatable).", show_default=False)] = None,
+    windows: Annotated[int, typer.Option("--windows", min=1, help="Corpus windows read for the dictionaries.")] = 64,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=2, help="Corpus window length in tokens "
+                                                   "(default: min(256, the model's max_seq_len)).",
+                                                   show_default=False)] = None,
+    lift_windows: Annotated[int, typer.Option("--lift-windows", min=0, help="Windows each code's vector is added "
+                                              "to, for its lift tokens (0: none).")] = 2,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Write PNGs (code-weight heat maps, code usage) "
+                                                "into this directory.", show_default=False)] = None,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Read a checkpoint's concepts: per block the codes each segment mixes (exact decomposition
+    of the predicted concept), attribution of a continuation to codes by ablation, and code
+    dictionaries (usage, strongest blocks, lift tokens) over a corpus."""
+    from ncpctl.errors import UserError
+
+    o = Output(json_out)
+    prompts = list(prompt or [])
+    if prompts_file:
+        from ncpctl.inference.prompts import read_prompts
+
+        prompts += read_prompts(prompts_file)
+    if not prompts and not corpus:
+        raise UserError("nothing to inspect", hint="pass --prompt TEXT, --prompts-file FILE or --corpus SOURCE")
+    if target is not None and len(prompts) != 1:
+        raise UserError(f"--target needs exactly one prompt, got {len(prompts)}")
+
+    import torch
+
+    from ncpctl.checkpoint import load_model
+    from ncpctl.interpret import concepts as C
+
+    loaded = load_model(checkpoint)
+    model, tok = loaded.model, loaded.tokenizer
+    if tok is None:
+        raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint")
+    C._require_concepts(model)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    plot_dir = Path(plot) if plot else None
+    files: list[str] = []
+    report: dict[str, Any] = {"command": "inspect", "checkpoint": str(loaded.path),
+                              "add": loaded.config.concept.add, "prompts": []}
+    for i, text in enumerate(prompts):
+        ids = tok.encode(text, add_special_tokens=False).ids
+        n_prompt = len(ids)
+        if target is not None:
+            ids = ids + tok.encode(target, add_special_tokens=False).ids
+        cut = max(0, len(ids) - loaded.config.max_seq_len)  # keep the end: the target and its context
+        ids, n_prompt = ids[cut:], n_prompt - cut
+        if target is not None and n_prompt <= 0:
+            raise UserError(f"--target is {len(ids)} tokens: no room for the prompt in max_seq_len="
+                            f"{loaded.config.max_seq_len}")
+        x = torch.tensor(ids, dtype=torch.long)[None]
+        view = C.concept_view(model, x)
+        blocks = C.decompose(view, top)
+        for b in blocks:
+            a, e = b["span"]
+            b["text"] = decode(ids[a:e])
+        entry: dict[str, Any] = {"prompt": text, "tokens": len(ids), "blocks": blocks,
+                                 "max_reconstruction_error": max(b["reconstruction_error"] for b in blocks)}
+        if target is not None:
+            abl = C.default_ablations(blocks, len(ids), ablate_codes)
+            base, rows = C.ablate(model, x, n_prompt, abl, view)
+            entry["target"] = {"text": target, "logprob": base, "ablations": rows}
+        if plot_dir is not None:
+            out = C_plots().weight_heatmap(view.weights.numpy(), [f"{b['block']}: {b['text'][:14]!r}" for b in blocks],
+                                           plot_dir / f"weights_prompt{i}.png", o.info)
+            files += [out] if out else []
+        report["prompts"].append(entry)
+    if corpus:
+        L = seq_len or min(256, loaded.config.max_seq_len)
+        wins = C.corpus_windows(tok, corpus, L, windows + lift_windows)
+        lift, wins = wins[:lift_windows], wins[lift_windows:] or wins[:lift_windows]
+        report["dictionary"] = C.code_dictionary(model, wins, decode, lift_windows=lift)
+        report["dictionary"].update(corpus=list(corpus), windows=len(wins), seq_len=L)
+        if plot_dir is not None:
+            out = C_plots().usage_bars(report["dictionary"], plot_dir / "code_usage.png", o.info)
+            files += [out] if out else []
+    report["files"] = files
+    o.result(report, lambda con: _human(con, report))
+
+
+def C_plots():
+    from ncpctl.interpret import plots
+
+    return plots
+
+
+def _human(con, report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    normed = report["add"] == "normed"
+    for p in report["prompts"]:
+        t = Table(title=f"{p['prompt'][:60]!r}: each block's predicted concept as codes per segment"
+                        + (" (pred before the coupling's norm)" if normed else ""), title_justify="left")
+        t.add_column("block")
+        t.add_column("text")
+        t.add_column("segments: top codes (weight), + remainder weight")
+        for b in p["blocks"]:
+            segs = "; ".join(
+                f"s{s['segment']}: " + ", ".join(f"{c['code']} ({c['weight']:.2f})" for c in s["top"])
+                + f" +{s['remainder']['weight']:.2f}" for s in b["segments"])
+            t.add_row(str(b["block"]), repr(b["text"])[:24], segs)
+        con.print(t)
+        con.print(f"reconstruction of pred from the codes: max error {p['max_reconstruction_error']:.2e}")
+        if "target" in p:
+            tg = p["target"]
+            con.print(f"target {tg['text']!r}: log p = {tg['logprob']:.4f}; the ablations that lower it most:")
+            for r in tg["ablations"][:10]:
+                con.print(f"  {r['ablation']:28s} delta {r['delta']:+.4f}")
+    d = report.get("dictionary")
+    if d:
+        t = Table(title=f"code dictionary over {d['blocks']} blocks of {', '.join(d['corpus'])}", title_justify="left")
+        for col in ("code", "usage", "strongest block", "lift tokens"):
+            t.add_column(col)
+        for c in sorted(d["codes"], key=lambda c: -c["usage"])[:20]:
+            blk = c["top_blocks"][0]["text"] if c["top_blocks"] else ""
+            lifts = " ".join(repr(x["token"]) for x in c.get("lift_tokens", [])[:5])
+            t.add_row(f"s{c['segment']}/{c['code']}", f"{c['usage']:.3f}", repr(blk)[:30], lifts)
+        con.print(t)
+    for f in report["files"]:
+        con.print(f"wrote {f}")
