@@ -28,6 +28,14 @@ def main(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed: the same seed gives the same text "
                                                 "(prompt i uses seed+i).", show_default=False)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompts decoded together.")] = 8,
+    steer: Annotated[Optional[list[str]], typer.Option("--steer", help="Steer every prompt (repeatable): inline "
+                                                       "key=value,... (code=S/N or mix=S:N=W+..., strength=6logit "
+                                                       "| 2norm, at=decoder_input | decoder.L | encoder.L, start, "
+                                                       "length, penalty) or a spec file (.json/.yaml). A "
+                                                       "--prompts-file JSON line may carry its own \"steer\".",
+                                                       show_default=False)] = None,
+    save_steer: Annotated[Optional[str], typer.Option("--save-steer", help="Write the (one) --steer spec to this "
+                                                      "file, units and schedule explicit.", show_default=False)] = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -44,10 +52,13 @@ def main(
     if set_:
         raise UserError("--set does not apply to generate", hint="use the sampling options (see --help)")
     prompts = list(prompt or [])
+    own: list = [None] * len(prompts)  # per-prompt steering from the prompts file
     if prompts_file:
-        from ncpctl.inference.prompts import read_prompts
+        from ncpctl.inference.prompts import read_prompt_records
 
-        prompts += read_prompts(prompts_file)
+        records = read_prompt_records(prompts_file)
+        prompts += [p for p, _ in records]
+        own += [st for _, st in records]
     if not prompts:
         raise UserError("no prompt given", hint="pass --prompt TEXT or --prompts-file FILE")
 
@@ -61,14 +72,25 @@ def main(
                                 greedy=greedy, seed=seed, stop=list(stop or []))
     except ValueError as e:
         raise UserError(str(e)) from None
+    from ncpctl.interpret.steer import SteerSpec, resolve, specs_from
+
+    common = [SteerSpec.parse(x) for x in steer or []]
+    if save_steer:
+        if len(common) != 1:
+            raise UserError(f"--save-steer writes one spec; {len(common)} --steer given")
+        common[0].save(save_steer)
+    per_prompt = [common + specs_from(st, f"{prompts_file} prompt {i + 1}") for i, st in enumerate(own)]
     loaded = load_model(checkpoint)
+    steering = None
+    if any(per_prompt):
+        steering = [[resolve(loaded.model, sp) for sp in specs] for specs in per_prompt]
     if seed is not None:
         torch.manual_seed(seed)
     stream = len(prompts) == 1 and not json_out
     if stream:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
-    done = generate_texts(loaded, prompts, params, batch_size=batch_size,
+    done = generate_texts(loaded, prompts, params, batch_size=batch_size, steer=steering,
                           on_text=(lambda i, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None)
     if stream:
         sys.stdout.write("\n")
@@ -86,4 +108,5 @@ def main(
     o.result({"command": "generate", "checkpoint": str(loaded.path), "seed": seed,
               "sampling": {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                            "greedy": params.is_greedy, "stop": params.stop},
+              "steer": None if steering is None else [[r.describe() for r in row] for row in steering],
               "completions": results}, human)

@@ -94,12 +94,14 @@ def generate(
     max_len: int | None = None,
     on_text: Callable[[int, str], None] | None = None,
     interventions: Sequence[Any] | None = None,
+    logit_adjust: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[Completion]:
     """Continue each prompt (token ids, at least one each). ``decode`` turns ids into text
     (for stop strings and streaming); ``vocab_size`` hides padded-vocab rows; ``max_len``
     keeps only the last ``max_len - max_new_tokens`` prompt tokens; ``on_text(row, delta)``
     streams new text as it becomes final; ``interventions`` (``ncpctl.model.interventions``:
-    rows are this batch's rows, positions each row's own) apply to the prompt and every new token."""
+    rows are this batch's rows, positions each row's own) apply to the prompt and every new token;
+    ``logit_adjust(step, logits (B, V))`` edits the logits that pick new token ``step`` (0-based)."""
     B = len(prompts)
     if B == 0:
         return []
@@ -130,6 +132,8 @@ def generate(
     for step in range(n_new):
         if vocab_size is not None:
             last = last[:, :vocab_size]
+        if logit_adjust is not None:
+            last = logit_adjust(step, last)
         nxt = _pick(last, params, gens)  # (B,)
         ids = nxt.tolist()
         for b in range(B):
@@ -172,11 +176,13 @@ def eod_token(loaded) -> tuple[str, int | None]:
 
 
 def generate_texts(loaded, prompts: Sequence[str], params: SamplingParams, *, batch_size: int = 8,
-                   on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+                   on_text: Callable[[int, str], None] | None = None,
+                   steer: Sequence[Sequence[Any]] | None = None) -> list[Completion]:
     """Text in, completions out, for a ``LoadedModel`` (``ncpctl generate``): prompts are
     encoded with the checkpoint's tokenizer (an empty prompt = the end-of-document token)
     and decoded ``batch_size`` at a time; prompt i samples with ``seed + i``, so its text
-    does not depend on the batch size; ``on_text(i, delta)`` streams prompt i's text."""
+    does not depend on the batch size; ``on_text(i, delta)`` streams prompt i's text;
+    ``steer[i]``: prompt i's ``ncpctl.interpret.steer.Resolved`` specs."""
     from ncpctl.errors import UserError
 
     tok = loaded.tokenizer
@@ -191,7 +197,16 @@ def generate_texts(loaded, prompts: Sequence[str], params: SamplingParams, *, ba
         cb = None if on_text is None else (lambda row, delta, s=s: on_text(s + row, delta))
         # prompt i samples with seed + i whatever the batch size (generate seeds row b with seed + b)
         p = params if params.seed is None else replace(params, seed=params.seed + s)
-        out += generate(loaded.model, encoded[s : s + batch_size], p,
+        batch = encoded[s : s + batch_size]
+        ivs = adjust = None
+        if steer is not None:
+            from ncpctl.interpret.steer import interventions_for, logit_adjuster
+
+            keep = max(1, loaded.config.max_seq_len - params.max_new_tokens)  # generate() keeps the last `keep`
+            ivs = interventions_for(steer[s : s + batch_size], [min(len(t), keep) for t in batch])
+            adjust = logit_adjuster(steer[s : s + batch_size])
+        out += generate(loaded.model, batch, p,
                         lambda ids: tok.decode(ids, skip_special_tokens=False), eod_id=eod,
-                        vocab_size=loaded.config.vocab_size, max_len=loaded.config.max_seq_len, on_text=cb)
+                        vocab_size=loaded.config.vocab_size, max_len=loaded.config.max_seq_len, on_text=cb,
+                        interventions=ivs, logit_adjust=adjust)
     return out

@@ -11,6 +11,12 @@ from ncpctl.errors import UserError
 def read_prompts(path: str | Path) -> list[str]:
     """``.jsonl`` (or any file whose lines all parse as JSON): ``{"prompt": ...}`` objects or
     JSON strings; otherwise each non-empty line is a prompt (``\\n`` escapes are not expanded)."""
+    return [p for p, _ in read_prompt_records(path)]
+
+
+def read_prompt_records(path: str | Path) -> list[tuple[str, object | None]]:
+    """As ``read_prompts``, with each JSON object's ``steer`` value (a steering spec: inline text,
+    a mapping, or a list of them; ``ncpctl generate``), None where there is none."""
     p = Path(path)
     try:
         lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
@@ -25,15 +31,15 @@ def read_prompts(path: str | Path) -> list[str]:
         except json.JSONDecodeError:
             if p.suffix == ".jsonl":
                 raise UserError(f"{p}: line {lines.index(ln) + 1} is not JSON") from None
-            return lines
+            return [(x, None) for x in lines]
     out = []
     for i, obj in enumerate(parsed, 1):
         if isinstance(obj, str):
-            out.append(obj)
+            out.append((obj, None))
         elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            out.append(obj["prompt"])
+            out.append((obj["prompt"], obj.get("steer")))
         elif p.suffix == ".jsonl":
             raise UserError(f"{p}: line {i}: expected a string or an object with a \"prompt\" string")
         else:
-            return lines
+            return [(ln, None) for ln in lines]
     return out

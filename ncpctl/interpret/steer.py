@@ -1,0 +1,291 @@
+"""Steering (``ncpctl generate --steer SPEC``): add a concept direction to the decoder input or
+to a layer's residual stream while generating, Steerling-style.
+
+A ``SteerSpec`` names
+
+* ``direction``: ``code:S/N`` (codebook code N of segment S, placed in segment S's slice of d)
+  or ``mix:S:N1=W1+N2=W2...`` (a mix of segment S's codes with those weights: what a block's
+  prediction puts in that segment);
+* ``at``: ``decoder_input`` (default) or ``encoder.L`` / ``decoder.L`` (after layer L, 0-based);
+* ``strength`` with its units: ``logit`` (nominal logit units, Steerling's: gamma = strength /
+  peak(W_lm . e/||e||), so that the direction alone, read straight through the LM head, would
+  raise the most-promoted token's logit by ``strength``; nominal because the decoder layers and
+  the final norm lie between) or ``norm`` (gamma is the L2 norm of the added vector). Negative
+  strengths suppress;
+* the schedule: ``start`` = the first generated token steered (0: the first new token; ``prompt``:
+  from the prompt's first token) and ``length`` = at most that many generated tokens (None: all);
+* ``penalty`` (logit units, >= 0): Steerling's ReLU-gated suppression (Fig. 19), subtracting
+  ``penalty * relu(W_lm . e/||e||) / peak`` from the logits of the steered tokens, so the tokens
+  the direction promotes lose at most ``penalty``.
+
+The vector is added at the positions whose logits pick the steered tokens: to steer generated
+tokens start .. start+length-1 of a prompt of P tokens, positions P-1+start .. P-2+start+length.
+Written inline as comma-separated ``key=value`` (``code=2/5,at=decoder.1,strength=6logit,length=16``)
+or as a JSON/YAML file with the same keys (``SteerSpec.save`` writes one, ``units`` explicit).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+from ncpctl.errors import UserError
+
+UNITS = ("logit", "norm")
+
+
+@dataclass(frozen=True)
+class SteerSpec:
+    direction: str
+    strength: float
+    units: str
+    at: str = "decoder_input"
+    start: int | str = 0
+    length: int | None = None
+    penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.units not in UNITS:
+            raise UserError(f"steer: units must be logit or norm, got {self.units!r}")
+        parse_direction(self.direction)
+        parse_site(self.at)
+        if not (self.start == "prompt" or (isinstance(self.start, int) and self.start >= 0)):
+            raise UserError(f"steer: start must be a generated-token index >= 0 or 'prompt', got {self.start!r}")
+        if self.length is not None and (not isinstance(self.length, int) or self.length <= 0):
+            raise UserError(f"steer: length must be a positive number of tokens, got {self.length!r}")
+        if self.penalty < 0:
+            raise UserError(f"steer: penalty is a suppression in logit units, >= 0; got {self.penalty}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        from ncpctl.fsutil import atomic_write
+
+        atomic_write(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "steer") -> "SteerSpec":
+        known = {f.name for f in fields(cls)}
+        d = dict(d)
+        if "code" in d or "mix" in d:  # the inline shorthand's keys
+            kind = "code" if "code" in d else "mix"
+            d["direction"] = f"{kind}:{d.pop(kind)}"
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UserError(f"{where}: unknown key {unknown[0]!r} (known: code, mix, {', '.join(sorted(known))})")
+        if "direction" not in d:
+            raise UserError(f"{where}: no direction (code=S/N, mix=S:N=W+..., or direction=...)")
+        if "strength" not in d:
+            raise UserError(f"{where}: no strength (e.g. strength=6logit)")
+        if "units" not in d:
+            d["strength"], d["units"] = _strength(d["strength"], where)
+        try:
+            d["strength"] = float(d["strength"])
+            d["penalty"] = float(d.get("penalty", 0.0))
+        except (TypeError, ValueError):
+            raise UserError(f"{where}: strength and penalty must be numbers") from None
+        return cls(**d)
+
+    @classmethod
+    def parse(cls, text: str) -> "SteerSpec":
+        """Inline ``key=value,...`` or the path of a JSON/YAML file."""
+        p = Path(text)
+        if text.endswith((".json", ".yaml", ".yml")) or (p.is_file() and "=" not in text):
+            return cls.load(p)
+        d: dict[str, Any] = {}
+        for part in filter(None, (x.strip() for x in text.split(","))):
+            if "=" not in part:
+                raise UserError(f"--steer {text!r}: {part!r} is not key=value")
+            k, v = part.split("=", 1)
+            d[k.strip()] = _scalar(v.strip()) if k.strip() not in ("code", "mix", "direction", "at") else v.strip()
+        return cls.from_dict(d, where=f"--steer {text!r}")
+
+    @classmethod
+    def load(cls, path: Path) -> "SteerSpec":
+        try:
+            raw = path.read_text()
+        except OSError as e:
+            raise UserError(f"{path}: cannot read the steering spec ({e.strerror or e})") from None
+        import yaml
+
+        try:
+            d = yaml.safe_load(raw)  # JSON is YAML
+        except yaml.YAMLError as e:
+            raise UserError(f"{path}: not JSON or YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(d, dict):
+            raise UserError(f"{path}: a steering spec is a mapping of keys (direction, strength, units, ...)")
+        return cls.from_dict(d, where=str(path))
+
+
+def _scalar(v: str) -> Any:
+    if v == "prompt":
+        return v
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return v
+
+
+def _strength(v: Any, where: str) -> tuple[float, str]:
+    m = re.fullmatch(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*(logit|logits|norm)\s*", str(v))
+    if m is None:
+        raise UserError(f"{where}: strength {v!r} has no units: write e.g. {v}logit (nominal logit units) "
+                        f"or {v}norm (the added vector's L2 norm)")
+    return float(m.group(1)), "logit" if m.group(2).startswith("logit") else "norm"
+
+
+def parse_direction(text: str) -> tuple[str, int, dict[int, float]]:
+    """``code:S/N`` -> ("code", S, {N: 1}); ``mix:S:N1=W1+N2=W2`` -> ("mix", S, {N1: W1, ...})."""
+    m = re.fullmatch(r"code:(\d+)/(\d+)", text)
+    if m:
+        return "code", int(m.group(1)), {int(m.group(2)): 1.0}
+    m = re.fullmatch(r"mix:(\d+):(.+)", text)
+    if m:
+        weights = {}
+        for part in m.group(2).split("+"):
+            mm = re.fullmatch(r"(\d+)=([+-]?(?:\d+\.?\d*|\.\d+))", part.strip())
+            if mm is None:
+                raise UserError(f"steer: direction {text!r}: {part!r} is not CODE=WEIGHT")
+            weights[int(mm.group(1))] = float(mm.group(2))
+        return "mix", int(m.group(1)), weights
+    if text.startswith("concept:"):
+        raise UserError(f"steer: direction {text!r}: labelled concepts need a model with a concept bottleneck "
+                        f"(model.bottleneck), which this version does not build yet")
+    raise UserError(f"steer: direction {text!r}: expected code:S/N or mix:S:N=W+N=W")
+
+
+def parse_site(text: str) -> tuple[str, int | None]:
+    if text == "decoder_input":
+        return text, None
+    m = re.fullmatch(r"(encoder|decoder)\.(\d+)", text)
+    if m is None:
+        raise UserError(f"steer: at {text!r}: expected decoder_input, encoder.L or decoder.L")
+    return m.group(1), int(m.group(2))
+
+
+# ----------------------------------------------------------------------------- against a model
+
+
+def direction_vector(model, spec: SteerSpec):
+    """The spec's direction e (d,) from the model's codebook (a UserError naming a bad code)."""
+    import torch
+
+    if model.concept is None:
+        raise UserError("steer: this checkpoint has no concept path, so no codebook to steer with")
+    codes = model.concept.codebook().detach().float()  # (S, N, ds)
+    S, N, ds = codes.shape
+    _, s, weights = parse_direction(spec.direction)
+    if s >= S:
+        raise UserError(f"steer: direction {spec.direction!r}: segment {s} does not exist (the model has {S})")
+    bad = [n for n in weights if n >= N]
+    if bad:
+        raise UserError(f"steer: direction {spec.direction!r}: code {bad[0]} does not exist ({N} codes per segment)")
+    e = torch.zeros(S * ds)
+    for n, w in weights.items():
+        e[s * ds : (s + 1) * ds] += w * codes[s, n]
+    if float(e.norm()) == 0.0:
+        raise UserError(f"steer: direction {spec.direction!r} is the zero vector")
+    return e
+
+
+def _head_response(model, e):
+    """W_lm . e/||e|| over the real vocabulary (V,), and its peak (the largest entry)."""
+    unit = e / e.norm()
+    resp = model.lm_head.weight.detach().float()[: model.cfg.vocab_size] @ unit
+    return resp, float(resp.max())
+
+
+@dataclass
+class Resolved:
+    """A spec against a model: the vector to add and the logit penalty (V,) or None."""
+
+    spec: SteerSpec
+    vector: Any
+    penalty: Any | None
+    gamma: float
+    peak: float
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.spec.to_dict(), "gamma": self.gamma, "peak_logit_per_unit_norm": self.peak}
+
+
+def resolve(model, spec: SteerSpec) -> Resolved:
+    import torch
+
+    kind, layer = parse_site(spec.at)
+    if layer is not None:
+        n = len(getattr(model, kind))
+        if layer >= n:
+            raise UserError(f"steer: at {spec.at!r}: the {kind} has {n} layers (0..{n - 1})")
+    e = direction_vector(model, spec)
+    resp, peak = _head_response(model, e)
+    if spec.units == "logit" and peak <= 0:
+        raise UserError(f"steer: direction {spec.direction!r} raises no token's logit (peak {peak:.3g}): "
+                        f"give its strength in norm units")
+    gamma = spec.strength / peak if spec.units == "logit" else spec.strength
+    penalty = spec.penalty * torch.relu(resp) / peak if spec.penalty and peak > 0 else None
+    return Resolved(spec, gamma * e / e.norm(), penalty, gamma, peak)
+
+
+def interventions_for(resolved: Sequence[Sequence[Resolved]], prompt_lengths: Sequence[int]) -> list:
+    """One intervention per (row, spec): rows are batch rows, positions each row's own."""
+    from ncpctl.model.interventions import AddToDecoderInput, AddToResidual
+
+    out = []
+    for row, (specs, P) in enumerate(zip(resolved, prompt_lengths)):
+        for r in specs:
+            s = r.spec
+            if s.start == "prompt":
+                start, length = 0, None if s.length is None else P - 1 + s.length
+            else:
+                start, length = P - 1 + s.start, s.length
+            kind, layer = parse_site(s.at)
+            if layer is None:
+                out.append(AddToDecoderInput(start=start, length=length, rows=[row], vector=r.vector))
+            else:
+                out.append(AddToResidual(start=start, length=length, rows=[row], vector=r.vector, stack=kind,
+                                         layer=layer))
+    return out
+
+
+def logit_adjuster(resolved: Sequence[Sequence[Resolved]]):
+    """``f(step, logits (B, V))`` subtracting each row's active penalties at generated token
+    ``step``; None when no spec has a penalty."""
+    if not any(r.penalty is not None for specs in resolved for r in specs):
+        return None
+
+    def adjust(step: int, logits):
+        logits = logits.clone()
+        for row, specs in enumerate(resolved):
+            for r in specs:
+                s = r.spec
+                first = 0 if s.start == "prompt" else s.start
+                if r.penalty is None or step < first or (s.length is not None and step >= first + s.length):
+                    continue
+                V = r.penalty.shape[0]
+                logits[row, :V] -= r.penalty.to(logits)
+        return logits
+
+    return adjust
+
+
+def specs_from(value: Any, where: str) -> list[SteerSpec]:
+    """A prompts file's ``steer`` value: None, inline text, a mapping, or a list of those."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(SteerSpec.parse(item))
+        elif isinstance(item, dict):
+            out.append(SteerSpec.from_dict(item, where=where))
+        else:
+            raise UserError(f"{where}: steer must be text, a mapping or a list of them, got {type(item).__name__}")
+    return out
