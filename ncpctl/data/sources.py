@@ -186,13 +186,16 @@ def _load_with_datasets(src: SourceSpec, kind: str):  # -> datasets.Dataset
         raise UserError(f"data source {src.path!r}: cannot load from {where}: {first[:300]}") from None
 
 
-def iter_documents(src: SourceSpec, stats: ReadStats, batch: int = 1024) -> Iterator[list[str]]:
-    """Batches of document texts from one source, in a deterministic order."""
+def iter_documents(src: SourceSpec, stats: ReadStats, batch: int = 1024,
+                   extra_field: str | None = None) -> Iterator[list[Any]]:
+    """Batches of document texts from one source, in a deterministic order. With
+    ``extra_field`` (concept labels, ``ncpctl.data.labels``) each item is ``(text, value)``: the
+    record's value of that field (None where a record or a plain-text source has none)."""
     kind = source_kind(src.path, src.type)
     if kind in ("builtin", "text"):
-        buf: list[str] = []
+        buf: list[Any] = []
         for doc in _iter_files_as_text(src, stats):
-            buf.append(doc)
+            buf.append(doc if extra_field is None else (doc, None))
             if len(buf) == batch:
                 yield buf
                 buf = []
@@ -203,9 +206,13 @@ def iter_documents(src: SourceSpec, stats: ReadStats, batch: int = 1024) -> Iter
     if src.field not in ds.column_names:
         raise UserError(f"data source {src.path!r}: no field {src.field!r} (fields: {', '.join(ds.column_names)}); "
                         "set `field:` in the source")
-    for rows in ds.select_columns([src.field]).iter(batch_size=batch):
+    extra = extra_field if extra_field is not None and extra_field in ds.column_names else None
+    for rows in ds.select_columns([src.field] + ([extra] if extra else [])).iter(batch_size=batch):
         texts = rows[src.field]
         bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
         if bad:
             raise UserError(f"data source {src.path!r}: field {src.field!r} holds {type(texts[bad[0]]).__name__}, not text")
-        yield texts
+        if extra_field is None:
+            yield texts
+        else:
+            yield list(zip(texts, rows[extra] if extra else [None] * len(texts)))

@@ -144,6 +144,8 @@ def settings_fingerprint(recipe: Recipe) -> str:
         "min_chars": d.min_chars,
         "max_documents": d.max_documents,
     }
+    if d.labels != "none":  # only then, so that datasets without labels keep their fingerprint
+        settings["labels"] = [d.labels, d.labels_field]
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
@@ -344,6 +346,11 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
                         + ("add documents (a train and a validation split need two)" if n_docs < 2 else
                            "add documents or raise data.val_fraction"))
     stats = res.stats
+    labels = None
+    if d.labels != "none":
+        from ncpctl.data.labels import write_labels
+
+        labels = write_labels(recipe, out, split, log)
     meta = {
         "format_version": FORMAT_VERSION,
         "ncpctl_version": __version__,
@@ -372,6 +379,8 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
         "seconds": res.seconds,
         "tokens_per_second": round(res.tokens / max(res.seconds["encode"], 1e-9)),
     }
+    if labels is not None:
+        meta["labels"] = labels
     atomic_write(out / "meta.json", json.dumps(meta, indent=2) + "\n")
     return meta
 

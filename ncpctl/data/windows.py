@@ -49,7 +49,7 @@ class WindowLoader:
     """
 
     def __init__(self, dataset: IndexedDataset, seq_len: int, global_batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, labels: Any | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world size {world_size}")
         if seq_len < 1 or global_batch_size < 1:
@@ -76,6 +76,8 @@ class WindowLoader:
         self._windows = as_strided(tokens, shape=(self.num_windows, seq_len + 1),
                                    strides=(seq_len * tokens.strides[0], tokens.strides[0]),
                                    writeable=False)
+        self.labels = labels  # ncpctl.data.labels.LabelSpans of the dataset, or None
+        self.last_ids: np.ndarray | None = None  # this rank's window ids of the last batch
         self.epoch = 0
         self.position = 0  # windows of `epoch` already consumed (by all ranks together)
         self._orders: dict[int, np.ndarray] = {}
@@ -106,7 +108,16 @@ class WindowLoader:
     def __next__(self) -> np.ndarray:
         ids = self.next_window_ids()
         mine = ids[self.rank * self.local_batch_size:(self.rank + 1) * self.local_batch_size]  # (B,)
+        self.last_ids = mine
         return self._windows[mine].astype(np.int64)  # (B, T+1)
+
+    def last_labels(self) -> np.ndarray | None:
+        """Concept-label evidence of the last batch's inputs, (B, T, n) bool (None without labels):
+        window i's inputs are tokens i*T .. i*T+T-1."""
+        if self.labels is None or self.last_ids is None:
+            return None
+        T = self.seq_len
+        return np.stack([self.labels.window(int(i) * T, T) for i in self.last_ids])
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position plus what must match on resume (order and dataset)."""

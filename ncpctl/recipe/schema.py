@@ -68,6 +68,13 @@ class DataSection(Section):
     batch_documents: int = Field(1024, gt=0, description="Documents per encode batch.")
     min_chars: int = Field(1, ge=0, description="Documents shorter than this (in characters) are dropped.")
     max_documents: Optional[int] = Field(None, gt=0, description="Stop after this many documents (smoke tests).")
+    labels: Literal["none", "python-ast", "field"] = Field(
+        "none", description="Concept labels written next to the token stream (PREFIX.labels.npy, vocabulary in "
+        "meta.json; the bottleneck's labelled concepts): `python-ast` = the built-in labeller of Python sources "
+        "(ast nodes: class/function definitions, exception handling, regular expressions, file I/O, decorators, "
+        "type hints, string formatting, tests, ...), `field` = each JSON record's `labels_field`.")
+    labels_field: str = Field("concepts", description="With `labels: field`: the record field holding a list of "
+                              "names (document labels) or {concept, start, end} character spans.")
     train_prefix: Optional[str] = Field(None, description="Use an existing Megatron dataset (PREFIX.bin/.idx, "
                                         "e.g. the pre-tokenized Pile) for training instead of `run.dir/data/train`.")
     val_prefix: Optional[str] = Field(None, description="Existing Megatron dataset for validation.")
