@@ -64,6 +64,16 @@ How to read each section (JSON keys in brackets):
    is small, low-arithmetic-intensity work (pooling, T/k-position layers, heads), so on a GPU
    a time ratio above the FLOPs ratio is the expected direction.
 
+6. NCP-ArchPreview [archpreview]: ``recipes/debug-archpreview.yaml``'s design (llama blocks with
+   post-norm and layer-wise QK-norm, sliding windows, softmax code weights, Muon on the hidden
+   matrices) widened to ``archpreview`` = (d, heads, FFN, E + D layers), T and batch as section 1,
+   ZeRO-2, as three engines: ``plain`` (no IRC/CRC/MTP), ``irc_crc`` and ``irc_crc_mtp``, timed
+   in alternating order after one warm-up step. ``irc_crc_over_plain`` is the IRC+CRC step-time
+   overhead next to ``residual_flops_share`` (bench/train_step.py's goal: <= 1.05); NTP losses must be
+   finite and fall with Muon bound to the ZeRO-2 partitions (``optimizer``: MuonAdamW inside
+   DeepSpeed's wrapper). ``decode``: the irc_crc model's cached decode against a full forward in
+   the section's dtype (tolerance as section 4).
+
 ``--dry`` runs the same code on the CPU with tiny shapes (``debug`` size, T=64, fp32, one
 warm-up step, two rounds, a few decode tokens; ZeRO on DeepSpeed's CPU accelerator) so the
 test suite catches breakage; its numbers mean nothing and the backend reads "n/a on CPU".
@@ -96,7 +106,12 @@ _T_PROCESS = time.perf_counter()  # process_s counts from here (before torch and
 
 REPO = _HERE.parent
 BASE_RECIPE = REPO / "recipes" / "debug.yaml"
-SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm")
+SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview")
+ARCHPREVIEW_RECIPE = REPO / "recipes" / "debug-archpreview.yaml"
+# section 6's variants of recipes/debug-archpreview.yaml: the same model without the dynamic
+# residuals and MTP, with IRC + CRC, and with MTP too (all Muon, post-norm, ZeRO-2)
+ARCH_VARIANTS = {"plain": ["model.residual=plain", "model.crc_connections=[]", "model.mtp_depth=null"],
+                 "irc_crc": ["model.mtp_depth=null"], "irc_crc_mtp": []}
 # variant -> (concept.enabled, extra_token_layers)
 VARIANTS = {"base": (False, 0), "concept": (True, 0), "pm": (False, 2)}
 
@@ -127,10 +142,13 @@ class Shapes:
     prompt_len: int
     new_tokens: int
     decode_batches: tuple[int, ...]
+    archpreview: tuple[int, int, int, int] = (64, 4, 176, 4)  # section 6: d, heads, FFN, layers (E + D)
+    archpreview_steps: int = 3
 
 
-GPU_SHAPES = Shapes("pythia-160m", 2048, 8, 3, 12, "pythia-70m", 6, "pythia-160m", 128, 256, (1, 8))
-DRY_SHAPES = Shapes("debug", 64, 2, 1, 2, "debug", 3, "debug", 16, 8, (1, 4))
+GPU_SHAPES = Shapes("pythia-160m", 2048, 8, 3, 12, "pythia-70m", 6, "pythia-160m", 128, 256, (1, 8),
+                    (1024, 16, 2816, 12), 8)
+DRY_SHAPES = Shapes("debug", 64, 2, 1, 2, "debug", 3, "debug", 16, 8, (1, 4), (64, 4, 176, 4), 3)
 
 
 @dataclass
@@ -190,12 +208,13 @@ def build_engine(recipe: Any, env: Env, seed: int = 0) -> Any:
     return engine
 
 
-def stepper(engine: Any, x: Any, y: Any) -> Callable[[], Any]:
+def stepper(engine: Any, x: Any, y: Any, report: str | None = None) -> Callable[[], Any]:
+    """One training step; returns the total loss, or the loss term ``report`` (e.g. ntp_loss)."""
     def step() -> Any:
         out = engine(x, y)  # training forward: logits None (fused head), .loss set
         engine.backward(out.loss)
         engine.step()
-        return out.loss.detach()
+        return (out.loss if report is None else out.losses[report]).detach()
 
     return step
 
@@ -488,6 +507,70 @@ def decode_section(sh: Shapes, env: Env) -> dict[str, Any]:
     return out
 
 
+# ----------------------------------------------------------------------------- 6: NCP-ArchPreview
+
+
+def _arch_recipe(sh: Shapes, variant: str, env: Env) -> Any:
+    from ncpctl.recipe import load_recipe
+
+    d, heads, ffn, layers = sh.archpreview
+    T, B = sh.seq_len, sh.batch
+    sets = [f"model.d_model={d}", f"model.n_heads={heads}", f"model.n_kv_heads={heads}", f"model.ffn_dim={ffn}",
+            f"model.n_layers={layers}", f"model.concept.encoder_layers={layers // 2}", f"model.max_seq_len={T}",
+            f"train.seq_len={T}", f"train.micro_batch_size={B}", f"train.global_batch_size={B}",
+            f"train.precision={'bf16' if env.bf16 else 'fp32'}", "deepspeed.zero_stage=2",
+            f"train.max_steps={sh.archpreview_steps + 2}", "train.warmup_steps=0", *ARCH_VARIANTS[variant]]
+    return load_recipe(ARCHPREVIEW_RECIPE, sets, need_sources=False)
+
+
+def archpreview_section(sh: Shapes, env: Env, helpers: Any) -> dict[str, Any]:
+    import torch
+
+    from ncpctl.model.accounting import exact_flops
+
+    T, B = sh.seq_len, sh.batch
+    engines, cfgs = {}, {}
+    for name in ARCH_VARIANTS:
+        recipe = _arch_recipe(sh, name, env)
+        engines[name], cfgs[name] = build_engine(recipe, env), recipe.model_config
+    x, y = _batch(helpers, cfgs["plain"], B, T, env)
+    # the NTP loss is judged: the NCP term (summed over d, Eq. 22) follows the concepts' scale as they move
+    steps = {n: stepper(e, x, y, "ntp_loss") for n, e in engines.items()}
+    first = {n: timed(fn, env)[1] for n, fn in steps.items()}
+    secs: dict[str, list[float]] = {n: [] for n in steps}
+    losses: dict[str, list[float]] = {n: [first[n]] for n in steps}
+    for r in range(sh.archpreview_steps):
+        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            dt, loss = timed(steps[name], env)
+            secs[name].append(dt)
+            losses[name].append(loss)
+    models = {n: {"median_s": statistics.median(secs[n]), "seconds": secs[n], "losses": losses[n],
+                  "finite": all(math.isfinite(v) for v in losses[n]), "decreased": losses[n][-1] < losses[n][0],
+                  "optimizer": f"{type(getattr(engines[n].optimizer, 'optimizer', engines[n].optimizer)).__name__} in "
+                               f"{type(engines[n].optimizer).__name__}"}
+              for n in steps}
+    ratio = helpers._ratios(secs["irc_crc"], secs["plain"])
+    out: dict[str, Any] = {"shape": dict(zip(("d_model", "n_heads", "ffn_dim", "n_layers"), sh.archpreview)),
+                           "seq_len": T, "batch": B, "zero_stage": 2, "models": models,
+                           "irc_crc_over_plain": ratio["paired_median"],
+                           "residual_flops_share": exact_flops(cfgs["irc_crc"], T, B).residual_share,
+                           "mtp_over_irc_crc": helpers._ratios(secs["irc_crc_mtp"], secs["irc_crc"])["paired_median"]}
+    model = engines["irc_crc"].module.eval()
+    V, tol_rel = cfgs["irc_crc"].vocab_size, (5e-2 if env.bf16 else 1e-4)
+    with torch.no_grad():
+        prompts = x[:1, : min(sh.prompt_len, T // 2)]
+        r = _greedy(model, prompts, min(sh.new_tokens, T // 2), V, env)
+        full = model(torch.cat([prompts, r["tokens"]], 1)).logits[:, -1, :V].float()
+        cached = r["last"][:, :V].float()
+        diff, scale = (full - cached).abs().max().item(), full.abs().max().item()
+    out["decode"] = {"max_abs_diff": diff, "logit_scale": scale, "ok": diff <= tol_rel * max(scale, 1.0)}
+    out["ok"] = out["decode"]["ok"] and all(m["finite"] and m["decreased"] for m in models.values())
+    for engine in engines.values():
+        release(engine)
+    _free(env)
+    return out
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -532,6 +615,14 @@ def summary(res: dict[str, Any]) -> str:
         lines.append(f"[5] ConceptLM/PM {c['size']}: time ratio {c['time_ratio']:.3f} (best rounds {c['time_ratio_best_rounds']:.3f}) "
                      f"vs FLOPs ratio {c['flops_ratio']:.3f}: difference {c['difference']:+.3f} (goal within {c['goal']}: "
                      f"{'MET' if c['within_goal'] else 'MISSED'})")
+    a = res.get("archpreview")
+    if a:
+        lines.append(f"[6] NCP-ArchPreview design {a['shape']} T={a['seq_len']} B={a['batch']} ZeRO-2 Muon: IRC+CRC/plain "
+                     f"{a['irc_crc_over_plain']:.3f} (FLOPs share {100 * a['residual_flops_share']:.2f}%; goal <= 1.05), "
+                     f"+MTP {a['mtp_over_irc_crc']:.3f}; cached decode max|diff| {a['decode']['max_abs_diff']:.2e}; ok {a['ok']}")
+        for n, m in a["models"].items():
+            lines.append(f"    {n:12} {m['median_s'] * 1e3:9.2f} ms  loss {m['losses'][0]:.3f} -> {m['losses'][-1]:.3f}  "
+                         f"{m['optimizer']}")
     failed = [k for k, v in res.get("checks", {}).items() if not v]
     lines.append(f"checks: {'all passed' if not failed else 'FAILED ' + ', '.join(failed)} ({len(res.get('checks', {}))} run)")
     for name, err in res["errors"].items():
@@ -552,6 +643,8 @@ def checks(res: dict[str, Any]) -> dict[str, bool]:
         out["zero_losses_finite_and_falling"] = all(z[s][k] for s in ("zero1", "zero2") for k in ("finite", "decreased"))
     if "decode" in res:
         out["decode_cached_equals_full"] = res["decode"]["ok"]
+    if "archpreview" in res:
+        out["archpreview_trains_and_decodes"] = res["archpreview"]["ok"]
     return out
 
 
@@ -629,6 +722,7 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
     _free(env)
     section("zero", lambda: zero_section(sh, env, helpers))
     section("decode", lambda: decode_section(sh, env))
+    section("archpreview", lambda: archpreview_section(sh, env, helpers))
     res["process_s"] = round(time.perf_counter() - _T_PROCESS, 2)
     res["checks"] = checks(res)
     res["ok"] = not res["errors"] and all(res["checks"].values())

@@ -24,7 +24,7 @@ from ..conftest import REPO
 SCRIPT = REPO / "bench" / "gpu_check.py"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
        "TOKENIZERS_PARALLELISM": "false"}
-SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm")
+SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview")
 VARIANTS = {"base": dict(concept=dict(enabled=False)), "concept": dict(concept=dict(enabled=True)),
             "pm": dict(concept=dict(enabled=False), extra_token_layers=2)}
 
@@ -72,6 +72,19 @@ def test_train_step_times_flops_and_mfu(dry) -> None:
         assert m["mfu"] == pytest.approx(m["training_flops_causal"] / m["median_s"] / t["peak"])
         assert m["finite"] and math.isfinite(m["first_loss"]) and math.isfinite(m["last_loss"])
         assert m["last_loss"] < m["first_loss"]  # the same batch every step: it must be learnt
+
+
+def test_archpreview_section(dry) -> None:
+    """Section 6: the ArchPreview design with Muon inside DeepSpeed's ZeRO-2 wrapper, three
+    variants that learn, the IRC+CRC overhead next to its FLOPs share, cached decode == full."""
+    a = dry["archpreview"]
+    assert set(a["models"]) == {"plain", "irc_crc", "irc_crc_mtp"} and a["zero_stage"] == 2
+    for m in a["models"].values():
+        assert m["optimizer"] == "MuonAdamW in DeepSpeedZeroOptimizer"
+        assert m["finite"] and m["losses"][-1] < m["losses"][0]
+    assert _positive(a["irc_crc_over_plain"]) and 0 < a["residual_flops_share"] < 0.2
+    assert a["decode"]["ok"] and a["decode"]["max_abs_diff"] < 1e-4
+    assert dry["checks"]["archpreview_trains_and_decodes"]
 
 
 def test_sdpa_profiler_path(dry) -> None:
