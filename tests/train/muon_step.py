@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import math
 import sys
 
@@ -105,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
 
     d = init_distributed()
     for stage in args.stages:
-        print(json.dumps(run_stage(stage, args.steps, args.sets, d)), flush=True)
+        # one write(2) per line (< PIPE_BUF: atomic), so two ranks sharing the pipe cannot interleave
+        sys.stdout.flush()
+        os.write(1, (json.dumps(run_stage(stage, args.steps, args.sets, d)) + "\n").encode())
     sys.stdout.flush()
 
 
