@@ -7,6 +7,8 @@ extra no-grad forward of ONE micro-batch with the chunked logit maxima of every 
 Both are timed back to back in every round, alternating who goes first; medians are reported:
 
   per_call/step   the cost of one call relative to one step (wall clock; CPU time too on the CPU)
+  call/forward    the call relative to a plain no-grad forward of the same micro-batch (what the
+                  logit maxima add to the forward they ride on)
   at_every_N      that divided by N: the share of training time at train.attention_stats_every=N
 
 Default model: recipes/debug.yaml (debug ConceptLM d=64, 4 layers, seq 256, micro-batch 8).
@@ -38,8 +40,9 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _setup(args: argparse.Namespace) -> tuple[Callable[[], float], Callable[[], Any], Any, dict[str, Any]]:
-    """(one training step, one attention_stats call, the model, facts about the shapes)."""
+def _setup(args: argparse.Namespace) -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
+    """({step, call, forward}: one training step, one attention_stats call, one plain no-grad
+    forward of the same micro-batch), facts about the shapes)."""
     import torch
 
     from ncpctl.model.model import NCPModel
@@ -74,10 +77,19 @@ def _setup(args: argparse.Namespace) -> tuple[Callable[[], float], Callable[[], 
         sync()
         return out
 
+    def forward() -> Any:
+        b = batches[0]
+        with torch.no_grad():
+            model.eval()
+            out = model(b[:, :-1], compute_logits=False)
+            model.train()
+        sync()
+        return out
+
     facts = {"model": cfg.name, "d_model": cfg.d_model, "layers": len(call()) // 3 - 1, "seq_len": T,
              "micro_batch": mb, "accum": args.accum, "device": str(device), "dtype": str(dtype).split(".")[-1],
              "params": sum(p.numel() for p in model.parameters())}
-    return step, call, model, facts
+    return {"step": step, "call": call, "forward": forward}, facts
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -88,20 +100,22 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    step, call, _, facts = _setup(args)
-    step(), call()  # warm-up
-    t: dict[str, list[tuple[float, float]]] = {"step": [], "call": []}
+    fns, facts = _setup(args)
+    for fn in fns.values():  # warm-up
+        fn()
+    t: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for i in range(args.rounds):
-        order = [("step", step), ("call", call)]
+        order = list(fns.items())
         for name, fn in order if i % 2 == 0 else order[::-1]:
             t[name].append(_timed(fn))
-        _say(f"  round {i + 1}/{args.rounds}: step {t['step'][-1][0] * 1e3:.1f} ms, "
-             f"attention_stats {t['call'][-1][0] * 1e3:.1f} ms  (load {os.getloadavg()[0]:.1f})")
+        _say(f"  round {i + 1}/{args.rounds}: step {t['step'][-1][0] * 1e3:.1f} ms, attention_stats "
+             f"{t['call'][-1][0] * 1e3:.1f} ms, forward {t['forward'][-1][0] * 1e3:.1f} ms  (load {os.getloadavg()[0]:.1f})")
     med = {clock: {k: statistics.median(x[c] for x in v) for k, v in t.items()} for c, clock in enumerate(("wall", "cpu"))}
     ratio = {clock: round(m["call"] / m["step"], 4) for clock, m in med.items()}
     return {**facts, "rounds": args.rounds, "median_ms": {c: {k: round(v * 1e3, 2) for k, v in m.items()}
                                                          for c, m in med.items()},
-            "per_call/step": ratio, "at_every_N": {n: round(ratio["wall"] / n, 5) for n in (1, 10, 100)}}
+            "per_call/step": ratio, "call/forward": {c: round(m["call"] / m["forward"], 4) for c, m in med.items()},
+            "at_every_N": {n: round(ratio["wall"] / n, 5) for n in (1, 10, 100)}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{res['model']} d={res['d_model']}, {res['layers']} attention layers, {res['accum']} x {res['micro_batch']} "
           f"x {res['seq_len']} tokens/step, {res['device']} {res['dtype']}: step {m['step']:.1f} ms, "
           f"attention_stats {m['call']:.1f} ms = {res['per_call/step']['wall']:.3f} of a step "
-          f"(cpu {res['per_call/step']['cpu']:.3f}); at every 100 steps {res['at_every_N'][100]:.5f} of training")
+          f"(cpu {res['per_call/step']['cpu']:.3f}), {res['call/forward']['wall']:.2f} x a plain forward "
+          f"({m['forward']:.1f} ms); at every 100 steps {res['at_every_N'][100]:.5f} of training")
     return 0
 
 

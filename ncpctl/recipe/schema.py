@@ -173,8 +173,9 @@ class TrainSection(Section):
         "query and key norm (`NCPModel.attention_stats`), from one extra no-grad forward of the step's first "
         "micro-batch before its update, max over ranks; a `\"split\": \"stability\"` record in metrics.jsonl "
         "(`attn/max_logit`, `attn/{layer}/max_q_norm`, ...) and, with train.plots, `attention_stats.png`. "
-        "On by default: the cost is one forward of one micro-batch per N steps (a few per mille of training "
-        "at N=100), and a run that diverged is diagnosed only if the curves were recorded before it did.")
+        "On by default: the cost is one forward of one micro-batch per N steps (0.3% of training at N=100 with "
+        "one micro-batch per step, less with accumulation), and a run that diverged can be diagnosed only if "
+        "the curves were recorded before it did.")
     plots: bool = Field(False, description="Write PNG loss curves, codebook-usage histograms and (with "
                         "train.attention_stats_every) the attention stability curves.")
     tensorboard: bool = Field(False, description="Also log to TensorBoard (needs `tensorboard`).")

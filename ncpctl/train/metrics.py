@@ -195,7 +195,7 @@ def _attention_plot(plt: Any, path: Path, recs: list[dict[str, Any]], train: lis
                             label=f"{stack}.*" if j == len(members) - 1 else None)
         top = [(r["step"], r[f"attn/{q}"]) for r in recs if r.get(f"attn/{q}") is not None]
         if top:
-            ax.plot(*zip(*top), "k-", lw=1.5, label="max")
+            ax.plot(*zip(*top), "k:", lw=1.5, label="max")  # dotted: the top layer shows under it
         ax.set_title(q.replace("_", " "))
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
