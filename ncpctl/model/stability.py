@@ -16,8 +16,8 @@ these diagnostics.
 The forward runs in eval mode (restored afterwards): dropout is off, so the numbers do not
 depend on a random draw and the stats forward takes nothing from the RNG the training draws on.
 The MTP head runs in training only, so with ``targets`` its layers are run explicitly. The extra
-forward relies on what every design already promises in eval mode: a forward updates no state
-(no running statistics, no EMA codebook), so running it once more changes nothing.
+forward relies on an eval-mode forward updating no state (no running statistics, no EMA
+codebook; true of every shipped design and toy), so that running it once more changes nothing.
 """
 
 from __future__ import annotations
