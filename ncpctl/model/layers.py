@@ -261,6 +261,10 @@ class Context:
 
 
 class Attention(nn.Module):
+    # stability diagnostics (stability.py): while set, called as probe(q, k, mask) with exactly
+    # what SDPA gets; None (the class default) in every other forward, which then does nothing extra
+    probe: Any = None
+
     def __init__(self, cfg: ModelConfig, window: int | None):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -296,6 +300,8 @@ class Attention(nn.Module):
         v = v.view(B, T, Hkv, hd).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, len, hd)
+        if self.probe is not None:
+            self.probe(q, k, mask)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
         )

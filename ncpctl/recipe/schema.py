@@ -174,7 +174,17 @@ class TrainSection(Section):
                                       "output projection at zero, so step 0 computes exactly the base model's logits.")
     max_nonfinite: int = Field(5, gt=0, description="Abort after this many non-finite steps in a row.")
     log_every: int = Field(1, gt=0, description="Write metrics every N steps.")
-    plots: bool = Field(False, description="Write PNG loss curves and codebook-usage histograms.")
+    attention_stats_every: int = Field(
+        100, ge=0, description="Stability diagnostics (NCP-ArchPreview Sec. 4.6, Figs. 5-6) at step 1 and every N-th "
+        "step (0 = off): per attention layer the max attention logit over the visible pairs and the max per-head "
+        "query and key norm (`NCPModel.attention_stats`), from one extra no-grad forward of the step's first "
+        "micro-batch before its update, max over ranks; a `\"split\": \"stability\"` record in metrics.jsonl "
+        "(`attn/max_logit`, `attn/{layer}/max_q_norm`, ...) and, with train.plots, `attention_stats.png`. "
+        "On by default: the cost is one forward of one micro-batch per N steps (0.3% of training at N=100 with "
+        "one micro-batch per step, less with accumulation), and a run that diverged can be diagnosed only if "
+        "the curves were recorded before it did.")
+    plots: bool = Field(False, description="Write PNG loss curves, codebook-usage histograms and (with "
+                        "train.attention_stats_every) the attention stability curves.")
     tensorboard: bool = Field(False, description="Also log to TensorBoard (needs `tensorboard`).")
 
 

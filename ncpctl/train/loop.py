@@ -199,6 +199,15 @@ class Dist:
             dist.all_reduce(t)
         return t.double().cpu()
 
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce (max) a small vector; returns it as float64 on the CPU (one host sync)."""
+        import deepspeed.comm as dist
+
+        if self.world > 1:
+            t = t.to(self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.double().cpu()
+
 
 def init_distributed() -> Dist:
     """torch.distributed through DeepSpeed; without a launcher, a world of one on localhost."""
@@ -323,7 +332,8 @@ class _Step:
     skipped: bool  # a non-finite loss or gradient on some rank: no update was applied
     stopping: bool  # some rank got SIGINT / SIGTERM
     grad_norm: float | None
-    seconds: float
+    seconds: float  # without the stability diagnostics' forward (``attention``'s own seconds)
+    attention: dict[str, float] | None = None  # the stability record's numbers, on the steps it is due
 
 
 class _Signals:
@@ -362,6 +372,8 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
             while tot.step < t.max_steps:
                 step = _optimizer_step(run, stop)
                 run.compute_s += step.seconds
+                if run.metrics is not None and step.attention is not None:  # also when the step is skipped
+                    run.metrics.write({"split": "stability", "step": tot.step, **step.attention})
                 if run.faults.sleep:
                     time.sleep(run.faults.sleep)
                 _count_nonfinite(run, step)  # raises after train.max_nonfinite in a row
@@ -603,6 +615,8 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     nan = run.faults.nan(run.tot.step + 1)
     engine.module.on_step_begin(run.tot.step)  # schedules inside the model (the MTP weight)
     batch = torch.from_numpy(next(run.loader))  # (micro * accum, T+1) this rank's share
+    attention = _attention_stats(run, batch[: r.train.micro_batch_size]) \
+        if _attention_due(r.train.attention_stats_every, run.tot.step + 1) else None
     terms = torch.zeros(pk.n_terms, device=d.device)
     stats = torch.zeros(len(pk.stats), device=d.device)
     for mb in batch.split(r.train.micro_batch_size):
@@ -620,8 +634,25 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     flags = {"skipped": not applied, "stop": stop.signum != 0}
     red = pk.split(d.sum(pk.join(terms / r.grad_accum_steps, stats, flags)), mean_over=d.world)
     skipped = red.flags["skipped"] > 0 or not math.isfinite(red.terms[LOSS].item())
+    seconds = time.perf_counter() - t0 - (attention["seconds"] if attention else 0.0)
     return _Step(lr, red.terms, red.stats, skipped, red.flags["stop"] > 0,
-                 None if grad_norm is None else float(grad_norm), time.perf_counter() - t0)
+                 None if grad_norm is None else float(grad_norm), seconds, attention)
+
+
+def _attention_due(every: int, step: int) -> bool:
+    """``train.attention_stats_every``: at step 1 (1-based; the curves start at the init) and every N-th."""
+    return every > 0 and (step == 1 or step % every == 0)
+
+
+def _attention_stats(run: _Run, mb: torch.Tensor) -> dict[str, float]:
+    """The stability diagnostics (``NCPModel.attention_stats``) of this rank's micro-batch mb
+    (micro, T+1), before the step's update: the weights the step's loss is computed with. Max
+    over ranks in one collective; ``seconds``: what it took (kept out of the step's time)."""
+    t0 = time.perf_counter()
+    x, y = mb[:, :-1].to(run.d.device), mb[:, 1:].to(run.d.device)  # (micro, T)
+    stats = run.engine.module.attention_stats(x, y)
+    values = run.d.max(torch.stack(list(stats.values())).float()) if stats else torch.zeros(0)
+    return {**dict(zip(stats, values.tolist())), "seconds": time.perf_counter() - t0}
 
 
 def _count_nonfinite(run: _Run, step: _Step) -> None:

@@ -8,7 +8,9 @@ and for keys logged per element also ``{name}_per_{per}``) and its step statisti
 (``stat_keys()``, totals). For the shipped models: loss, ntp_loss, ncp_loss, vq_loss,
 code_perplexity, ncp_code_acc, code_usage (mean over segments), code_usage_per_segment.
 Validation records (``"split": "val"``): step and the means of the log keys not logged per
-element. The names are the recipe's and the model's (one vocabulary); the code here lists
+element. Stability records (``"split": "stability"``, ``train.attention_stats_every``): step,
+``attn/max_logit``, ``attn/max_q_norm``, ``attn/max_k_norm`` (over all attention layers) and the
+same per layer as ``attn/{layer}/{quantity}`` (``NCPModel.attention_stats``), and ``seconds``. The names are the recipe's and the model's (one vocabulary); the code here lists
 none of them.
 """
 
@@ -114,9 +116,10 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any) -> list[str]:
-    """``loss_curves.png`` (train loss terms and validation losses against step) and
+    """``loss_curves.png`` (train loss terms and validation losses against step),
     ``codebook_usage.png`` (one panel per codebook segment: how often each code is the nearest
-    code of a predicted concept over the final validation pass, sorted; ConceptLM Fig. 5).
+    code of a predicted concept over the final validation pass, sorted; ConceptLM Fig. 5) and,
+    when there are stability records, ``attention_stats.png`` (``_attention_plot``).
     Returns the file names written."""
     try:
         import matplotlib
@@ -166,4 +169,42 @@ def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any) -> lis
         atomic_write_with(run_dir / "codebook_usage.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
         plt.close(fig)
         written.append("codebook_usage.png")
+    stability = [r for r in records if r.get("split") == "stability"]
+    if stability:
+        _attention_plot(plt, run_dir / "attention_stats.png", stability, train)
+        written.append("attention_stats.png")
     return written
+
+
+def _attention_plot(plt: Any, path: Path, recs: list[dict[str, Any]], train: list[dict[str, Any]]) -> None:
+    """NCP-ArchPreview Figs. 5-6 for this run: max attention logit, max query norm and max key norm
+    of each attention layer against step (one line per layer, a colour map per stack, the max over
+    layers in black), and the training loss on the same steps for the spikes to line up with."""
+    layers = list(dict.fromkeys(k.split("/")[1] for r in recs for k in r if k.count("/") == 2))
+    stacks = list(dict.fromkeys(name.rsplit(".", 1)[0] for name in layers))
+    cmaps = ("Blues", "Greens", "Oranges", "Purples", "Greys")
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4), squeeze=False)
+    for ax, q in zip(axes[0], ("max_logit", "max_q_norm", "max_k_norm")):
+        for stack_i, stack in enumerate(stacks):
+            members = [n for n in layers if n.rsplit(".", 1)[0] == stack]
+            cmap = plt.get_cmap(cmaps[min(stack_i, len(cmaps) - 1)])
+            for j, name in enumerate(members):
+                pts = [(r["step"], r[f"attn/{name}/{q}"]) for r in recs if r.get(f"attn/{name}/{q}") is not None]
+                if pts:  # depth from light to dark; one legend entry per stack
+                    ax.plot(*zip(*pts), lw=1, color=cmap(0.35 + 0.6 * (j + 1) / len(members)),
+                            label=f"{stack}.*" if j == len(members) - 1 else None)
+        top = [(r["step"], r[f"attn/{q}"]) for r in recs if r.get(f"attn/{q}") is not None]
+        if top:
+            ax.plot(*zip(*top), "k:", lw=1.5, label="max")  # dotted: the top layer shows under it
+        ax.set_title(q.replace("_", " "))
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    loss = [(r["step"], r["loss"]) for r in train if r.get("loss") is not None and math.isfinite(r["loss"])]
+    ax = axes[0][3]
+    if loss:
+        ax.plot(*zip(*loss), lw=1)
+    ax.set_title("train loss")
+    ax.set_xlabel("step")
+    fig.tight_layout()
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)

@@ -3,7 +3,7 @@
 * ``recipes/ncp-archpreview-8.9b.yaml`` (Stage 1) and ``-stage2.yaml`` (midtraining): the main
   model, at its real size against stand-ins of the data and of OLMo-3's 100,278-token tokenizer.
 * ``recipes/archpreview/``: Table 2 / Fig. 3 (components, 200B tokens), Table 3 (residuals, 1B),
-  Table 8 (MTP, 3B), Table 12 (scaling ladder). Each point differs from the file it extends in
+  Table 8 (MTP, 3B), Table 12 (scaling ladder), Fig. 6 (QK-norm stability under Muon). Each point differs from the file it extends in
   exactly its keys, and gives the block counts / FLOPs / token budget the report gives.
 * ``recipes/debug-archpreview.yaml``: the design at debug size, a few steps through the real CLI.
 """
@@ -62,6 +62,9 @@ POINTS: dict[str, tuple[str, dict[str, Any]]] = {
                                "model.concept.concept_layers": C, "train.global_batch_size": 128,
                                "train.micro_batch_size": 4, "train.max_steps": steps})
        for b, (E, C, D, steps) in LADDER.items()},
+    # Fig. 6 / Sec. 4.6: layer-wise vs per-head QK-norm under Muon, the stability curves recorded
+    "fig6-qknorm-layer": ("table3-irc-crc", {"train.attention_stats_every": 10}),
+    "fig6-qknorm-head": ("fig6-qknorm-layer", {"model.qk_norm": "head"}),
 }
 # keys derived from the ones set: KV heads follow the heads, accumulation the batch sizes
 DERIVED = {"table3-none": {"model.n_kv_heads", "train.grad_accum_steps"}, "table8-ncp": {"model.n_kv_heads"},
@@ -220,6 +223,18 @@ def test_table12_point_spends_its_budget(budget: str, tree: Path, olmo_like: lis
     e = exact_flops(cfg, r.seq_len)
     f_tok = e.training_per_token_causal - 3 * e.components["lm_head"] / r.seq_len
     assert r.train.max_steps * r.global_batch_size * r.seq_len * f_tok == pytest.approx(float(budget), rel=1e-4)
+
+
+def test_fig6_pair_differs_in_the_qk_norm_only(tree: Path, olmo_like: list[str]) -> None:
+    """Fig. 6: the report's 1B design under Muon, layer-wise (the main results') vs per-head QK
+    RMSNorm, both recording the max attention logit and Q/K norms every 10 steps."""
+    layer, head = (_load(tree, f"fig6-qknorm-{arm}", olmo_like) for arm in ("layer", "head"))
+    assert (layer.model_config.qk_norm, head.model_config.qk_norm) == ("layer", "head")
+    assert _diff(layer.to_dict(), head.to_dict()) == {"model.qk_norm"}
+    for r in (layer, head):
+        assert r.train.optimizer == "muon" and r.train.attention_stats_every == 10
+        assert r.model_config.crc_connections == ALL_LINKS and r.model_config.residual == "irc"
+    assert _load(tree, MAIN, olmo_like).train.attention_stats_every == 100  # the default, on
 
 
 # ----------------------------------------------------------------------------- debug-archpreview
