@@ -442,7 +442,7 @@ def _attnres_depths(cfg: ModelConfig, stack: str) -> int:
 def _attnres_flops(cfg: ModelConfig, stack: str, T: int, M: int) -> int:
     """One stack's Block AttnRes: per query i = 0..n (layer i's input, the output after layer n-1)
     over V values (the cross-module sources, the input, the i // S completed blocks, the open
-    one), the logits w . RMSNorm(v) (2 V d) and the weighted sum (2 V d); V = 1 is the value itself."""
+    one), the logits w . RMSNorm(v) (2 V d) and the weighted sum (2 V d), V = 1 included."""
     d, S = cfg.d_model, cfg.attnres_block
     n, P = _stack_shape(cfg, stack, T, M)
     src = 0
@@ -450,7 +450,7 @@ def _attnres_flops(cfg: ModelConfig, stack: str, T: int, M: int) -> int:
         src = {"encoder": 0, "concept": _attnres_depths(cfg, "encoder"),
                "decoder": _attnres_depths(cfg, "encoder") + _attnres_depths(cfg, "concept")}[stack]
     V = [src + 1 + i // S + (i % S > 0) for i in range(n + 1)]
-    return sum(4 * P * v * d for v in V if v > 1)
+    return sum(4 * P * v * d for v in V)
 
 
 class _Backward:

@@ -1,4 +1,5 @@
-"""NCP-ArchPreview's dynamic residuals (paper Sec. 2.6, Eqs. 14-20; ncp-model.md sections 7-8).
+"""NCP-ArchPreview's dynamic residuals (paper Sec. 2.6, Eqs. 14-20; ncp-model.md sections 7-8)
+and Table 3's (Sec. 4.4) other arms: the input-level cross connection and Block AttnRes.
 
 **IRC** (intra-module, ``model.residual: irc``), a depth mixer of every stack: after layer l
 (1-based) the candidates are the stack input and every layer output so far,
@@ -26,8 +27,9 @@ notes give the row only (2.2292, +0.024% FLOPs, the same extra FLOPs as IRC alon
 module's input (the concept stack's pooled c, the decoder's z, before their first layer and so
 before IRC sees them), with the same depth selection over the K source depths, LN and scale D
 (0 at init: the plain network), instead of after every target layer. Its cost is one target
-layer's CRC per connection, which is why the table shows no FLOPs above IRC's at 3 decimals
-(the other reading, a single boundary state as the only source, would cost less still).
+layer's CRC per connection (at Table 3's 1B: 0.088% of the forward FLOPs, IRC alone 0.077%).
+The paper prints the same +0.024% for both rows, so its connection may be cheaper still; the
+other reading, a single boundary state as the only source, would be (it is not implemented).
 
 **Block AttnRes** (``residual: block_attnres``; Kimi Team, "Attention Residuals", arXiv
 2603.15031; Table 3's external baseline, "block size 4, with cross-module connections"): the
@@ -46,6 +48,8 @@ values start with the encoder's block states pooled by the segmentation (as CRC 
 decoder's with the encoder's (token-aligned) and the concept stack's spread to the tokens exactly
 as pred is (token t sees the states of the concepts closed at or before it; zeros before the
 first). A stack's first layer then reads them too (its input is the softmax over all values).
+A stack hands on its input, its block states and, last, its output (the encoder's h, which the
+concepts are pooled from), so a later module reads 2 + ceil(n / attnres_block) states of it.
 
 All mixers work per position, so cached decoding equals the full forward (decode.py keeps the
 sources a new token needs). Their parameters get no weight decay (``no_weight_decay``).
@@ -198,11 +202,12 @@ def _rms(v: torch.Tensor, eps: float) -> torch.Tensor:
 class AttnResState:
     """A stack's Block AttnRes values: ``done`` the cross-module sources, the stack input and the
     completed blocks (each (B, T, d)), with their weightless RMSNorms ``keys`` (fp32, computed once);
-    ``partial`` the running sum of the open block's updates (None right after a boundary)."""
+    ``partial`` the running sum of the open block's updates (None right after a boundary), and its key."""
 
     done: list = field(default_factory=list)
     keys: list = field(default_factory=list)
     partial: torch.Tensor | None = None
+    partial_key: torch.Tensor | None = None
     own: int = 0  # index in ``done`` of the stack input (the values before it are cross-module sources)
 
 
@@ -227,12 +232,11 @@ class BlockAttnRes(Residual):
         nn.init.ones_(self.key_weight)
 
     def attend(self, i: int, st: AttnResState) -> torch.Tensor:
-        """Query i over ``st``'s values: (B, T, d)."""
+        """Query i over ``st``'s values: (B, T, d). Over a single value (the encoder's first input)
+        the weight is exactly 1, but it is computed anyway: every parameter gets a gradient."""
         values, keys = st.done, st.keys
         if st.partial is not None:
-            values, keys = [*values, st.partial], [*keys, _rms(st.partial, self.eps)]
-        if len(values) == 1:
-            return values[0]  # softmax over one value: the value itself
+            values, keys = [*values, st.partial], [*keys, st.partial_key]
         w = self.query[i] * self.key_weight[i]  # w . (g * RMSNorm(v)) = (w * g) . RMSNorm(v)
         logits = torch.stack([k @ w.to(k.dtype) for k in keys], dim=-1)  # (B, T, n)
         alpha = logits.softmax(-1).to(values[0].dtype)
@@ -250,11 +254,12 @@ class BlockAttnRes(Residual):
 
     def forward(self, layer: int, x: torch.Tensor, update: torch.Tensor, st: AttnResState) -> torch.Tensor:
         st.partial = update if st.partial is None else st.partial + update
+        st.partial_key = _rms(st.partial, self.eps)
         out = self.attend(layer + 1, st)
         if (layer + 1) % self.block == 0:  # the block is complete: store it
             st.done.append(st.partial)
-            st.keys.append(_rms(st.partial, self.eps))
-            st.partial = None
+            st.keys.append(st.partial_key)
+            st.partial = st.partial_key = None
         return out
 
     def depths(self, st: AttnResState, seen: list) -> list:

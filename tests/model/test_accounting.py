@@ -302,13 +302,13 @@ def test_input_level_crc_and_block_attnres_are_counted():
     # encoder's 3 states [x0, b1 (open), h]; the decoder those 3 and the concept stack's 3
     V = {"encoder": ([1, 2], T), "concept": ([4, 5, 5], M), "decoder": ([7, 8, 8, 9], T)}
     e = exact_flops(ar, T)
-    assert e.components["residual.attnres"] == sum(4 * P * v * d for vs, P in V.values() for v in vs if v > 1)
+    assert e.components["residual.attnres"] == sum(4 * P * v * d for vs, P in V.values() for v in vs)
     assert e.residual_share == pytest.approx(e.components["residual.attnres"] / e.forward_per_sequence, rel=1e-12)
     alone = build_config("debug", residual="block_attnres", attnres_block=2, attnres_cross=False,
                          concept=dict(enabled=True))
     V = {"encoder": ([1, 2], T), "concept": ([1, 2, 2], M), "decoder": ([1, 2, 2, 3], T)}
     assert exact_flops(alone, T).components["residual.attnres"] == \
-        sum(4 * P * v * d for vs, P in V.values() for v in vs if v > 1)
+        sum(4 * P * v * d for vs, P in V.values() for v in vs)
 
 
 # ---- the backward of a stage that freezes weights (adapt-vq, LoRA): what MFU counts ----
