@@ -290,7 +290,8 @@ class ExactFlops:
 
     @property
     def residual_share(self) -> float:
-        """Fraction of forward FLOPs spent in IRC and CRC (NCP-ArchPreview Table 3's overhead)."""
+        """Fraction of forward FLOPs spent in the dynamic residuals (IRC, CRC, Block AttnRes: every
+        ``residual.*`` component; NCP-ArchPreview Table 3's overhead)."""
         extra = sum(v for k, v in self.components.items() if k.startswith("residual."))
         return self.batch_size * extra / self._forward_step(causal=False)
 
@@ -390,16 +391,26 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
     )
 
 
+STACKS = ("encoder", "concept", "decoder")
+
+
+def _crc_key(cfg: ModelConfig) -> str:
+    return "residual.crc_input" if cfg.crc_mode == "input" else "residual.crc"
+
+
 def _dynamic_residual_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
-    """IRC and CRC matmul FLOPs per sequence (ncpctl.model.residual): each weight MLP
-    (d -> hidden -> candidates) and the weighted sums of the candidate states (the LayerNorms of
-    CRC's sources and other elementwise work are not counted). A registered depth mixer other
-    than IRC is not counted."""
+    """IRC, CRC and Block AttnRes matmul FLOPs per sequence (ncpctl.model.residual): each weight
+    MLP (d -> hidden -> candidates) or pseudo-query dot product, and the weighted sums of the
+    candidate states (the LayerNorms / RMSNorms of the sources, the pooling of the encoder's depths
+    and other elementwise work are not counted). ``crc_mode: input`` is ``residual.crc_input``. A
+    registered depth mixer other than these is not counted."""
     out = {}
     if cfg.residual == "irc":
-        out["residual.irc"] = sum(_irc_flops(cfg, stack, T, M) for stack in ("encoder", "concept", "decoder"))
+        out["residual.irc"] = sum(_irc_flops(cfg, stack, T, M) for stack in STACKS)
+    if cfg.residual == "block_attnres":
+        out["residual.attnres"] = sum(_attnres_flops(cfg, stack, T, M) for stack in STACKS)
     if cfg.crc_connections:
-        out["residual.crc"] = sum(_crc_flops(cfg, link, T, M) for link in cfg.crc_connections)
+        out[_crc_key(cfg)] = sum(_crc_flops(cfg, link, T, M) for link in cfg.crc_connections)
     return out
 
 
@@ -438,12 +449,34 @@ def _irc_flops(cfg: ModelConfig, stack: str, T: int, M: int) -> int:
 
 
 def _crc_flops(cfg: ModelConfig, link: str, T: int, M: int) -> int:
-    """One CRC connection: per target layer, MLP(T) d -> h -> K, the K sources' sum and D * M."""
+    """One CRC connection: per target layer (once, on the target's input, with ``crc_mode:
+    input``), MLP(T) d -> h -> K, the K sources' sum and D * M."""
     d, h = cfg.d_model, cfg.crc_hidden
     source, target = link.split("-")
     K = _stack_shape(cfg, source, T, M)[0] + 1
     n, P = _stack_shape(cfg, target, T, M)
+    n = min(n, 1) if cfg.crc_mode == "input" else n
     return n * (2 * P * (d * h + h * K) + 2 * P * K * d + 2 * P * d)
+
+
+def _attnres_depths(cfg: ModelConfig, stack: str) -> int:
+    """States a Block AttnRes stack hands on: its input, its blocks (the last may be partial), its output."""
+    n = _stack_shape(cfg, stack, 1, 1)[0]
+    return 2 + -(-n // cfg.attnres_block)
+
+
+def _attnres_flops(cfg: ModelConfig, stack: str, T: int, M: int) -> int:
+    """One stack's Block AttnRes: per query i = 0..n (layer i's input, the output after layer n-1)
+    over V values (the cross-module sources, the input, the i // S completed blocks, the open
+    one), the logits w . RMSNorm(v) (2 V d) and the weighted sum (2 V d), V = 1 included."""
+    d, S = cfg.d_model, cfg.attnres_block
+    n, P = _stack_shape(cfg, stack, T, M)
+    src = 0
+    if cfg.attnres_cross and cfg.concept.enabled:
+        src = {"encoder": 0, "concept": _attnres_depths(cfg, "encoder"),
+               "decoder": _attnres_depths(cfg, "encoder") + _attnres_depths(cfg, "concept")}[stack]
+    V = [src + 1 + i // S + (i % S > 0) for i in range(n + 1)]
+    return sum(4 * P * v * d for v in V)
 
 
 class _Backward:
@@ -507,15 +540,17 @@ class _Backward:
         parameter get no input gradient; counting the whole stack is exact when every block or
         no block of a stack trains, as in adapt-vq, LoRA and full fine-tuning.)"""
         cfg = self.cfg
-        if cfg.residual == "irc":
+        mixer = {"irc": ("residual.irc", _irc_flops), "block_attnres": ("residual.attnres", _attnres_flops)}
+        if cfg.residual in mixer:
+            key, flops = mixer[cfg.residual]
             for stack, prefix in (("encoder", "encoder"), ("concept", "concept.layers"), ("decoder", "decoder")):
-                f = _irc_flops(cfg, stack, T, M)
-                self.add("residual.irc", f * (bool(rg[stack]) + self.trains(f"{prefix}.residual.")))
+                f = flops(cfg, stack, T, M)
+                self.add(key, f * (bool(rg[stack]) + self.trains(f"{prefix}.residual.")))
         for link in cfg.crc_connections:
             source, target = link.split("-")
             f = _crc_flops(cfg, link, T, M)
             trains = self.trains(f"crc.links.{link.replace('-', '_')}.")
-            self.add("residual.crc", f * (bool(rg[source] or rg[target]) + trains))
+            self.add(_crc_key(cfg), f * (bool(rg[source] or rg[target]) + trains))
 
     def model(self, T: int, M: int, comps: dict[str, int]) -> None:
         cfg, c = self.cfg, self.cfg.concept

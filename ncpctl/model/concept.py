@@ -163,7 +163,7 @@ class ConceptModule(nn.Module):
             return out
         ctx = self.context(seg.positions, h.dtype)
         if pooled is not None:
-            ctx = ctx.with_(post=crc.hook([("encoder-concept", pooled)]))
+            ctx = crc.attach(ctx, [("encoder-concept", pooled)])
         if states:
             u, out.states = self.layers(seg.concepts, ctx, states=True)
         else:

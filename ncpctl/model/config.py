@@ -51,13 +51,14 @@ class SegmentationLaw:
 FIXED_BLOCKS = SegmentationLaw(concepts=lambda c, T: T // c.k, tokens_per_concept=lambda c: float(c.k),
                                length_key="k", pools_any_width=True)
 CRC_CONNECTIONS = ("encoder-concept", "encoder-decoder", "concept-decoder")
+CRC_MODES = ("layers", "input")
 
 # Names of the extension points' strategies: name -> a class, a "module:attr" import path
 # (relative paths are resolved in this package) or, for segmentations, also its law.
 STRATEGIES: dict[str, dict[str, Any]] = {
     "segmentation": {"fixed": ".segment:FixedBlocks"},
     "coupling": {"add": ".coupling:AddCoupling"},
-    "residual": {"plain": ".layers:PlainResidual", "irc": ".residual:IRC"},
+    "residual": {"plain": ".layers:PlainResidual", "irc": ".residual:IRC", "block_attnres": ".residual:BlockAttnRes"},
 }
 LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS}
 
@@ -235,7 +236,10 @@ class ModelConfig:
     residual: str = _f(
         "plain", "How each stack's layer outputs become the next layer's input: plain = x + f(x); irc = "
         "NCP-ArchPreview's intra-module residual (Sec. 2.6, Eqs. 14-18: unnormalised per-token weights over "
-        "all earlier depths, starting as plain); or a registered depth mixer / package.module:Class.")
+        "all earlier depths, starting as plain); block_attnres = Block Attention Residuals (Kimi Team 2026, "
+        "arXiv 2603.15031; NCP-ArchPreview Table 3's external baseline): each layer's input is a softmax over "
+        "the stored states of completed blocks of attnres_block layers and the current partial block, with a "
+        "learned pseudo-query per layer; or a registered depth mixer / package.module:Class.")
     irc_hidden: int = _f(32, "IRC: hidden width of each layer's weight MLP (the paper does not state it).")
     irc_normalize: Literal["none", "softmax"] = _f(
         "none", "IRC weights: none = unnormalised (the paper); softmax = Table 3's per-stage-softmax variant.")
@@ -245,6 +249,14 @@ class ModelConfig:
     crc_hidden: int = _f(32, "CRC: hidden width of each target layer's depth-selection MLP.")
     crc_init: float = _f(0.0, "CRC: initial per-dimension scale D (0: the network starts as the plain one; "
                               "the paper's small init, e.g. 0.01, as an option).")
+    crc_mode: Literal["layers", "input"] = _f(
+        "layers", "Where each CRC connection enters its target module: layers = after every target layer (Sec. 2.6, "
+        "Eqs. 19-20); input = once, on the target module's input (Table 3's \"IRC + input-level cross connection\").")
+    attnres_block: int = _f(4, "block_attnres: layers per block (Table 3: 4); a block's layer updates are summed "
+                               "into one stored state.")
+    attnres_cross: bool = _f(
+        True, "block_attnres with the concept path: the block states continue across modules (encoder -> concept "
+        "pooled like the concepts, encoder and concept -> decoder aligned and shifted like CRC): Table 3's arm.")
     mtp_depth: int | None = _f(
         None, "Multi-token prediction depths D (NCP-ArchPreview Sec. 5.2: 1, predicting t+2; ConceptLM Table 4's "
         "baseline: 4); null = off. Training only: evaluation and export use the main head.")
@@ -416,6 +428,9 @@ class ModelConfig:
                 problems.append((name, f"must be a positive integer, got {v!r}"))
         if self.irc_normalize not in ("none", "softmax"):
             problems.append(("irc_normalize", f"must be none or softmax, got {self.irc_normalize!r}"))
+        if self.crc_mode not in CRC_MODES:
+            problems.append(("crc_mode", f"must be one of {', '.join(CRC_MODES)}, got {self.crc_mode!r}"))
+        problems += self._check_attnres(law)
         links = self.crc_connections
         if not isinstance(links, list) or any(x not in CRC_CONNECTIONS for x in links) or len(set(links)) != len(links):
             return problems + [("crc_connections", f"must be distinct names from {', '.join(CRC_CONNECTIONS)}, "
@@ -426,6 +441,24 @@ class ModelConfig:
         elif "encoder-concept" in links and law is not None and not law.pools_any_width:
             problems.append(("crc_connections", f"encoder-concept pools every encoder depth, which segmentation "
                                                 f"{self.concept.segmentation!r} cannot (its law: pools_any_width)"))
+        return problems
+
+    def _check_attnres(self, law: SegmentationLaw | None) -> list[tuple[str, str]]:
+        """Block AttnRes keys (``residual: block_attnres``)."""
+        v, problems = self.attnres_block, []
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            problems.append(("attnres_block", f"must be a positive integer, got {v!r}"))
+        if not isinstance(self.attnres_cross, bool):
+            problems.append(("attnres_cross", f"must be true or false, got {self.attnres_cross!r}"))
+        if self.residual != "block_attnres":
+            return problems
+        if self.crc_connections:
+            problems.append(("crc_connections", "residual: block_attnres has its own cross-module connections "
+                                                "(attnres_cross); CRC connects IRC-style depths: use [] here"))
+        if self.attnres_cross and self.concept.enabled and law is not None and not law.pools_any_width:
+            problems.append(("attnres_cross", f"the encoder's block states are pooled to the concepts, which "
+                                              f"segmentation {self.concept.segmentation!r} cannot (its law: "
+                                              f"pools_any_width); set attnres_cross: false"))
         return problems
 
     def _window(self, number: int) -> int | None:

@@ -129,8 +129,7 @@ def _decoder_context(model, dec: Context, st: DecodeState, positions, depths, co
     ``positions`` (the prefill's (B, Tp) or a step's (B, 1))."""
     if model.concept is not None:
         dec = model.concept.coupling.decode_context(dec, st.cpl, positions)
-    post = model.decoder_crc(depths, concept_depths)
-    return dec if post is None else dec.with_(post=post)
+    return model.decoder_crc(dec, depths, concept_depths)
 
 
 def _concept_prefill(model, st: DecodeState, h: torch.Tensor, lengths: list[int], ivs: list,
@@ -164,7 +163,7 @@ def _concept_prefill(model, st: DecodeState, h: torch.Tensor, lengths: list[int]
         # keeps them out of every real concept's output.
         ctx = cm.context(seg.positions, h.dtype).with_(caches=st.con, at=0, length=M)
         if pooled is not None:
-            ctx = ctx.with_(post=model.crc.hook([("encoder-concept", pooled)]))
+            ctx = model.crc.attach(ctx, [("encoder-concept", pooled)])
         u, cdepths = cm.layers(seg.concepts, ctx, states=True) if want else (cm.layers(seg.concepts, ctx), None)
         w = edit_code_weights(ivs, cm.code_weights(u), torch.arange(M, device=dev)[None])
         pred = cm.mix(w, st.codes)  # (B, M, d)
@@ -174,7 +173,7 @@ def _concept_prefill(model, st: DecodeState, h: torch.Tensor, lengths: list[int]
     to_slots = lambda t: t.gather(1, back[..., None].expand(B, Tp, d))  # noqa: E731
     if not want:
         return to_slots(z_al), None
-    K = len(cm.layers) + 1
+    K = cm.layers.n_depths
     if cdepths is None:  # no concept closed yet in any prompt: zero sources, as the full forward
         st.crc["concept"] = h.new_zeros(B, K, d)
         return to_slots(z_al), [torch.zeros_like(h)] * K
@@ -223,8 +222,9 @@ def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, iv
         cos, sin = rope(closing.position[:, None], cm.cfg, h.dtype)
         keys = torch.arange(n, device=h.device)
         masks = {w: attn_mask(j[:, None], keys[None], w) for w in cm.layers.windows}
-        ctx = Context(cos, sin, masks, st.con, at=j, length=n,
-                      post=model.crc.hook([("encoder-concept", pooled)]) if pooled is not None else None)
+        ctx = Context(cos, sin, masks, st.con, at=j, length=n)
+        if pooled is not None:
+            ctx = model.crc.attach(ctx, [("encoder-concept", pooled)])
         u, cdepths = cm.layers(c_in, ctx, states=True) if want else (cm.layers(c_in, ctx), None)
         w = edit_code_weights(ivs, cm.code_weights(u), j[:, None])
         cm.coupling.decode_update(st.cpl, closing, cm.mix(w, st.codes)[:, 0])

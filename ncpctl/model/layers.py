@@ -16,7 +16,8 @@ A ``Block`` returns its *update* R (what a plain residual network adds to its in
 ``Stack`` of blocks combines the updates through a depth mixer, its ``residual``
 (``PlainResidual``: x + R; extension point ``model.residual``). The stack reads everything
 about the call (RoPE tables, masks per window, KV caches, a memory to cross-attend to,
-per-layer additions) from one ``Context``, and can return the state after every depth.
+per-layer additions, cross-module sources) from one ``Context``, and can return the state after
+every depth.
 """
 
 from __future__ import annotations
@@ -233,7 +234,10 @@ class Context:
     (B, M, d_mem) and ``memory_mask`` (B|1, 1, T, M) for blocks that cross-attend (a coupling
     that attends to concepts sets them); ``adds`` maps a layer index to a tensor added to the
     residual stream after that layer (interventions), broadcasting against (B, T, d); ``post``,
-    if set, is called as ``x = post(i, x)`` after each layer's residual (cross-module residuals).
+    if set, is called as ``x = post(-1, x)`` on the stack input and ``x = post(i, x)`` after each
+    layer's residual (cross-module residuals); ``sources``, if set, are states of earlier modules
+    aligned to this stack's sequence, each (B, T, d), handed to a depth mixer that reads them
+    (``Residual.reads_sources``: Block AttnRes's cross-module connections).
     """
 
     cos: torch.Tensor
@@ -246,6 +250,7 @@ class Context:
     memory_mask: torch.Tensor | None = None
     adds: dict[int, torch.Tensor] = field(default_factory=dict)
     post: Any = None
+    sources: list | None = None
 
     @classmethod
     def causal(cls, cfg: ModelConfig, positions: torch.Tensor, windows, dtype: torch.dtype) -> "Context":
@@ -381,16 +386,28 @@ class Residual(nn.Module):
     tokens), so causality and cached decoding hold for any of them; a mixer whose init is part
     of the design sets ``owns_init = True`` and initialises itself in ``reset_parameters``
     (``NCPModel.init_weights`` leaves it alone). Mixer parameters get no weight decay.
+
+    ``first_input(x0, state)`` is layer 0's input (x0 unless the mixer reads cross-module
+    sources: ``reads_sources`` mixers get ``begin(x0, sources)``); ``depths(state, seen)`` the
+    ``n_depths`` states a later module reads (default ``seen``: the input and every layer's output).
     """
 
     owns_init = False
     no_weight_decay = True  # mixing coefficients are not decayed (the optimizer reads this)
+    reads_sources = False
 
     def __init__(self, cfg: ModelConfig, n_layers: int):
         super().__init__()
+        self.n_depths = n_layers + 1
 
     def begin(self, x0: torch.Tensor) -> Any:
         return None
+
+    def first_input(self, x0: torch.Tensor, state: Any) -> torch.Tensor:
+        return x0
+
+    def depths(self, state: Any, seen: list) -> list:
+        return seen
 
     def forward(self, layer: int, x: torch.Tensor, update: torch.Tensor, state: Any) -> torch.Tensor:
         raise NotImplementedError
@@ -436,11 +453,26 @@ class Stack(nn.Module):
     def windows(self) -> set:
         return {blk.attn.window for blk in self}
 
+    @property
+    def n_depths(self) -> int:
+        """How many states ``forward(states=True)`` returns (the depths a later module reads)."""
+        return self.residual.n_depths
+
+    def _begin(self, x: torch.Tensor, ctx: Context):
+        if ctx.post is not None:  # a connection into the stack's input (crc_mode: input)
+            x = ctx.post(-1, x)
+        if ctx.sources is None:
+            return x, self.residual.begin(x)
+        if not self.residual.reads_sources:
+            raise TypeError(f"{type(self.residual).__name__} does not read cross-module sources")
+        return x, self.residual.begin(x, ctx.sources)
+
     def forward(self, x: torch.Tensor, ctx: Context, states: bool = False):
-        """x (B, T, d) -> the output (B, T, d); with ``states`` also the list of the input and
-        every layer's output, n + 1 tensors (the source depths a cross-module connection reads)."""
-        mix = self.residual.begin(x)
+        """x (B, T, d) -> the output (B, T, d); with ``states`` also the ``n_depths`` states a
+        cross-module connection reads (the input and every layer's output, or the mixer's own)."""
+        x, mix = self._begin(x, ctx)
         seen = [x] if states else None
+        x = self.residual.first_input(x, mix)
         for i, blk in enumerate(self):
             cache = None
             if ctx.caches is not None:
@@ -453,4 +485,4 @@ class Stack(nn.Module):
                 x = x + ctx.adds[i]
             if states:
                 seen.append(x)
-        return (x, seen) if states else x
+        return (x, self.residual.depths(mix, seen)) if states else x

@@ -37,7 +37,7 @@ from .interventions import Intervention, check, decoder_input_addition, residual
 from .layers import Context, RMSNorm, Stack, make_norm
 from .outputs import LogKey, NCPOutput
 from .mtp import MTPHead
-from .residual import CrossModules
+from .residual import BlockSources, CrossModules
 from .stability import CHUNK_ELEMENTS, attention_stats
 
 
@@ -54,8 +54,11 @@ class NCPModel(nn.Module):
         cross = coupling_layer_factory(cfg) if cfg.concept.enabled else None
         self.decoder = Stack(cfg, cfg.token_windows[E:], cross=cross)
         self.concept = ConceptModule(cfg) if cfg.concept.enabled else None
-        # NCP-ArchPreview's cross-module residuals (residual.py), when any connection is on
+        # NCP-ArchPreview's cross-module residuals (residual.py), when any connection is on, or
+        # Block AttnRes's cross-module block states (parameter-free): both are ``attach``ed to stacks
         self.crc = CrossModules(cfg) if cfg.crc_connections else None
+        if cfg.residual == "block_attnres" and cfg.attnres_cross and cfg.concept.enabled:
+            self.crc = BlockSources()
         self.final_norm = make_norm(cfg, d)
         self.lm_head = LMHead(d, cfg.padded_vocab_size)
         if cfg.tie_embeddings:
@@ -126,15 +129,15 @@ class NCPModel(nn.Module):
     def _keeps_encoder_depths(self, asked: bool) -> bool:
         return asked or self._crc_has("encoder-decoder") or self._crc_has("encoder-concept")
 
-    def decoder_crc(self, enc_states: list | None, concept_states: list | None):
-        """The decoder's ``Context.post`` hook of the encoder-decoder / concept-decoder
-        connections, from token-aligned source depths (each (B, T, d)); None without them."""
+    def decoder_crc(self, ctx: Context, enc_states: list | None, concept_states: list | None) -> Context:
+        """``ctx`` with the decoder's encoder-decoder / concept-decoder connections (a CRC
+        ``post`` hook or Block AttnRes ``sources``), from token-aligned source depths (each (B, T, d))."""
         targets = []
         if self._crc_has("encoder-decoder"):
             targets.append(("encoder-decoder", enc_states))
         if self._crc_has("concept-decoder"):
             targets.append(("concept-decoder", concept_states))
-        return self.crc.hook(targets) if targets else None
+        return self.crc.attach(ctx, targets) if targets else ctx
 
     def _decoder_context(self, ctx: Context, co: ConceptOutput, enc_states: list | None, z: torch.Tensor) -> Context:
         """The decoder's context: the coupling's (memory to attend to) and the CRC hook."""
@@ -145,9 +148,8 @@ class NCPModel(nn.Module):
         if self._crc_has("concept-decoder"):  # shifted exactly as pred: token t sees closed concepts only
             T, seg = z.shape[1], co.segments
             concept_states = ([self.concept.segmenter.spread(seg, s, T) for s in co.states] if co.states is not None
-                              else [torch.zeros_like(z)] * (len(self.concept.layers) + 1))
-        post = self.decoder_crc(enc_states, concept_states)
-        return ctx if post is None else ctx.with_(post=post)
+                              else [torch.zeros_like(z)] * self.concept.layers.n_depths)
+        return self.decoder_crc(ctx, enc_states, concept_states)
 
     def decode(self, z: torch.Tensor, ctx: Context, states: bool = False):
         """Decoder input z (B, T, d) -> final-norm states (B, T, d) (and the per-depth states)."""
@@ -228,7 +230,8 @@ class NCPModel(nn.Module):
         residual. Decoder-stack interventions apply."""
         if self._crc_has("encoder-decoder") and encoder_states is None:
             raise ValueError("from_decoder_input: this model's decoder reads the encoder's depths "
-                             "(crc_connections: encoder-decoder); pass encoder_states=out.states['encoder']")
+                             "(crc_connections: encoder-decoder, or Block AttnRes's cross-module states); "
+                             "pass encoder_states=out.states['encoder']")
         ivs = self.check_interventions(interventions)
         ctx, positions = self.token_context(z.shape[1], z.device, z.dtype)
         _, dec_ctx = self._stack_contexts(ctx, ivs, positions, z)

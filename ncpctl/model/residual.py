@@ -1,4 +1,5 @@
-"""NCP-ArchPreview's dynamic residuals (paper Sec. 2.6, Eqs. 14-20; ncp-model.md sections 7-8).
+"""NCP-ArchPreview's dynamic residuals (paper Sec. 2.6, Eqs. 14-20; ncp-model.md sections 7-8)
+and Table 3's (Sec. 4.4) other arms: the input-level cross connection and Block AttnRes.
 
 **IRC** (intra-module, ``model.residual: irc``), a depth mixer of every stack: after layer l
 (1-based) the candidates are the stack input and every layer output so far,
@@ -20,11 +21,44 @@ is the paper's small init). Connections, aligned to the target's sequence:
 * ``concept-decoder``: concept depths spread to the tokens exactly as pred is (token t sees the
   concepts closed at or before it), so the model stays causal with CRC on.
 
-Both mixers work per position, so cached decoding equals the full forward (decode.py keeps the
+``crc_mode: input`` is Table 3's "IRC + input-level cross connection" (Sec. 4.4). The reading
+notes give the row only (2.2292, +0.024% FLOPs, the same extra FLOPs as IRC alone); we read
+"input-level" as *where* the connection enters: each connection is applied once, on the target
+module's input (the concept stack's pooled c, the decoder's z, before their first layer and so
+before IRC sees them), with the same depth selection over the K source depths, LN and scale D
+(0 at init: the plain network), instead of after every target layer. Its cost is one target
+layer's CRC per connection (at Table 3's 1B: 0.088% of the forward FLOPs, IRC alone 0.077%).
+The paper prints the same +0.024% for both rows, so its connection may be cheaper still; the
+other reading, a single boundary state as the only source, would be (it is not implemented).
+
+**Block AttnRes** (``residual: block_attnres``; Kimi Team, "Attention Residuals", arXiv
+2603.15031; Table 3's external baseline, "block size 4, with cross-module connections"): the
+stored values are the stack input ``b_0`` and, per block of ``attnres_block`` layers, the sum of
+its layers' updates ``b_n = sum R_l`` (the current block's running sum ``p`` is a value too).
+Layer l's input, and the stack's output after its last layer, is
+``h = sum_i alpha_i v_i`` with ``alpha = softmax_i(w . RMSNorm(v_i))`` over those values, ``w`` a
+learned pseudo-query per layer (zero at init: a uniform mean, as the paper initialises it) and a
+per-layer RMSNorm on the keys. The paper mixes before every sub-layer (attention, MLP); ncpctl's
+depth mixers sit between blocks, so here one mixing per transformer layer and ``attnres_block``
+counts layers. Softmax weights sum to one, so Block AttnRes cannot start as the plain residual
+(whose weights are all one): its tests compare with a direct reference of these formulas.
+
+With ``attnres_cross`` the block states continue across the modules: the concept stack's
+values start with the encoder's block states pooled by the segmentation (as CRC pools them), the
+decoder's with the encoder's (token-aligned) and the concept stack's spread to the tokens exactly
+as pred is (token t sees the states of the concepts closed at or before it; zeros before the
+first). A stack's first layer then reads them too (its input is the softmax over all values).
+A stack hands on its input, its block states and, last, its output (the encoder's h, which the
+concepts are pooled from), so a later module reads 2 + ceil(n / attnres_block) states of it.
+
+All mixers work per position, so cached decoding equals the full forward (decode.py keeps the
 sources a new token needs). Their parameters get no weight decay (``no_weight_decay``).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +108,8 @@ class IRC(Residual):
 
 
 class CrossModule(nn.Module):
-    """One CRC connection into a target stack of ``n_target`` layers from K source depths."""
+    """One CRC connection into a target stack of ``n_target`` layers from K source depths
+    (``at_input``: one application, on the target's input: ``crc_mode: input``)."""
 
     no_weight_decay = True
     owns_init = True  # D = crc_init (0: the plain network); NCPModel.init_weights leaves it alone
@@ -83,6 +118,8 @@ class CrossModule(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.K, self.init = K, cfg.crc_init
+        self.at_input = cfg.crc_mode == "input"
+        n_target = 1 if self.at_input else n_target
         self.mlps = nn.ModuleList(_weight_mlp(d, cfg.crc_hidden, K) for _ in range(n_target))
         self.norms = nn.ModuleList(nn.LayerNorm(d, eps=cfg.norm_eps) for _ in range(K))
         self.scale = nn.Parameter(torch.empty(n_target, d))  # D, one per target layer
@@ -128,18 +165,117 @@ class CrossModules(nn.Module):
 
     def hook(self, targets: list[tuple[str, list[torch.Tensor]]]) -> "CrossHook | None":
         """A ``Context.post`` hook applying the connections ``targets`` = [(name, aligned source
-        depths)] after each layer of their target stack; None when there are none."""
+        depths)] after each layer of their target stack (or on its input); None when there are none."""
         links = [(self.links[name.replace("-", "_")], depths) for name, depths in targets]
         return CrossHook([(link, link.sources(depths)) for link, depths in links]) if links else None
 
+    def attach(self, ctx, targets: list[tuple[str, list[torch.Tensor]]]):
+        """``ctx`` with the connections ``targets`` into its stack (its ``post`` hook)."""
+        post = self.hook(targets)
+        return ctx if post is None else ctx.with_(post=post)
+
 
 class CrossHook:
-    """``post(layer, x)`` of a target stack: every connection into it, with its normed sources."""
+    """``post(layer, x)`` of a target stack: every connection into it, with its normed sources.
+    The stack calls it with layer -1 on its input (``crc_mode: input`` applies there only)."""
 
     def __init__(self, applied: list[tuple[CrossModule, list[torch.Tensor]]]):
         self.applied = applied
 
     def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         for link, normed in self.applied:
-            x = link(layer, x, normed)
+            if (layer < 0) == link.at_input:
+                x = link(max(layer, 0), x, normed)
         return x
+
+
+# ---- Block Attention Residuals ----------------------------------------------------------
+
+
+def _rms(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without its weight, in fp32 (as layers.RMSNorm)."""
+    v = v.to(torch.promote_types(v.dtype, torch.float32))
+    return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@dataclass
+class AttnResState:
+    """A stack's Block AttnRes values: ``done`` the cross-module sources, the stack input and the
+    completed blocks (each (B, T, d)), with their weightless RMSNorms ``keys`` (fp32, computed once);
+    ``partial`` the running sum of the open block's updates (None right after a boundary), and its key."""
+
+    done: list = field(default_factory=list)
+    keys: list = field(default_factory=list)
+    partial: torch.Tensor | None = None
+    partial_key: torch.Tensor | None = None
+    own: int = 0  # index in ``done`` of the stack input (the values before it are cross-module sources)
+
+
+class BlockAttnRes(Residual):
+    """Block AttnRes over a stack of n layers (see the module docstring): n + 1 pseudo-queries
+    (layer 0's input, layers 1..n-1's, the output) and as many key RMSNorm weights."""
+
+    owns_init = True
+    reads_sources = True  # Stack passes Context.sources (cross-module block states) to begin
+
+    def __init__(self, cfg: ModelConfig, n_layers: int):
+        super().__init__(cfg, n_layers)
+        self.block, self.eps = cfg.attnres_block, cfg.norm_eps
+        self.query = nn.Parameter(torch.empty(n_layers + 1, cfg.d_model))
+        self.key_weight = nn.Parameter(torch.empty(n_layers + 1, cfg.d_model))
+        # the input, the blocks (the last may be partial), the output
+        self.n_depths = 2 + math.ceil(n_layers / self.block)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.query)  # the paper's init: uniform weights over the values
+        nn.init.ones_(self.key_weight)
+
+    def attend(self, i: int, st: AttnResState) -> torch.Tensor:
+        """Query i over ``st``'s values: (B, T, d). Over a single value (the encoder's first input)
+        the weight is exactly 1, but it is computed anyway: every parameter gets a gradient."""
+        values, keys = st.done, st.keys
+        if st.partial is not None:
+            values, keys = [*values, st.partial], [*keys, st.partial_key]
+        w = self.query[i] * self.key_weight[i]  # w . (g * RMSNorm(v)) = (w * g) . RMSNorm(v)
+        logits = torch.stack([k @ w.to(k.dtype) for k in keys], dim=-1)  # (B, T, n)
+        alpha = logits.softmax(-1).to(values[0].dtype)
+        out = alpha[..., :1] * values[0]
+        for j in range(1, len(values)):
+            out = torch.addcmul(out, alpha[..., j : j + 1], values[j])
+        return out
+
+    def begin(self, x0: torch.Tensor, sources: list | None = None) -> AttnResState:
+        done = [*(sources or ()), x0]
+        return AttnResState(done=done, keys=[_rms(v, self.eps) for v in done], own=len(done) - 1)
+
+    def first_input(self, x0: torch.Tensor, st: AttnResState) -> torch.Tensor:
+        return self.attend(0, st)
+
+    def forward(self, layer: int, x: torch.Tensor, update: torch.Tensor, st: AttnResState) -> torch.Tensor:
+        st.partial = update if st.partial is None else st.partial + update
+        st.partial_key = _rms(st.partial, self.eps)
+        out = self.attend(layer + 1, st)
+        if (layer + 1) % self.block == 0:  # the block is complete: store it
+            st.done.append(st.partial)
+            st.keys.append(st.partial_key)
+            st.partial = st.partial_key = None
+        return out
+
+    def depths(self, st: AttnResState, seen: list) -> list:
+        """This stack's own states (what a later module reads): its input, its blocks and, last as
+        for every mixer, its output (the encoder's is h, which the concepts are pooled from)."""
+        own = st.done[st.own:]
+        return [*own, *([] if st.partial is None else [st.partial]), seen[-1]]
+
+
+class BlockSources(nn.Module):
+    """Block AttnRes's cross-module connections (``attnres_cross``): no parameters; ``attach``
+    hands a target stack the aligned block states of its sources (``Context.sources``)."""
+
+    def has(self, name: str) -> bool:
+        return name in CONNECTIONS
+
+    def attach(self, ctx, targets: list[tuple[str, list[torch.Tensor]]]):
+        sources = [s for _, depths in targets for s in depths]
+        return ctx.with_(sources=sources) if sources else ctx

@@ -30,6 +30,12 @@ VARIANTS = {
     # MTP head, which the export leaves out (training only)
     "llama-irc-crc-mtp": ("llama-debug", dict(residual="irc", crc_connections=[
         "encoder-concept", "encoder-decoder", "concept-decoder"], mtp_depth=1, concept=dict(enabled=True, k=4))),
+    # Table 3's other arms: IRC + the input-level cross connection; Block AttnRes with cross-module
+    # block states (blocks of 2 over the 1 encoder and 3 decoder layers: open and complete blocks)
+    "llama-irc-input": ("llama-debug", dict(residual="irc", crc_mode="input", crc_connections=[
+        "encoder-concept", "encoder-decoder", "concept-decoder"], concept=dict(enabled=True, k=4))),
+    "llama-block-attnres-k2": ("llama-debug", dict(residual="block_attnres", attnres_block=2,
+                                                   concept=dict(enabled=True, k=2))),
     # GPT-2: learned absolute positions per row (left padding), concepts pooled from block 0's input
     "gpt2-k4-l0": ("gpt2-124m", dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=128, concept=dict(
         enabled=True, k=4))),

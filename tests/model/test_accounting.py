@@ -276,6 +276,41 @@ def test_dynamic_residuals_are_counted():
     assert 0 < exact_flops(big, 8192).residual_share < 0.002
 
 
+def test_input_level_crc_and_block_attnres_are_counted():
+    """crc_mode: input has one MLP and one D per connection and counts one target layer's CRC
+    (``residual.crc_input``); Block AttnRes has a pseudo-query and a key-norm weight per query
+    (n + 1 per stack) and counts 4 V d per position and query over V values (``residual.attnres``),
+    the cross-module states among them. Both are in the parameter group and in residual_share."""
+    links = ["encoder-concept", "encoder-decoder", "concept-decoder"]
+    d, h, E, C, D, T, M = 64, 32, 1, 2, 3, 64, 16
+    irc_cfg = build_config("debug", residual="irc", concept=dict(enabled=True))
+    inp = build_config("debug", residual="irc", crc_connections=links, crc_mode="input", concept=dict(enabled=True))
+    irc = sum(d * h + h + h * (i + 2) + (i + 2) for n in (E, C, D) for i in range(n))
+    crc = sum(d * h + h + h * K + K + K * 2 * d + d for K in (E + 1, E + 1, C + 1))  # one MLP, K LNs, D (1, d)
+    assert count_parameters(inp).components["dynamic_residuals"] == irc + crc
+    e = exact_flops(inp, T)
+    want = sum(2 * P * (d * h + h * K) + 2 * P * K * d + 2 * P * d for K, P in ((E + 1, M), (E + 1, T), (C + 1, T)))
+    assert e.components["residual.crc_input"] == want and "residual.crc" not in e.components
+    layers = build_config("debug", residual="irc", crc_connections=links, concept=dict(enabled=True))
+    assert exact_flops(irc_cfg, T).residual_share < e.residual_share < exact_flops(layers, T).residual_share
+
+    ar = build_config("debug", residual="block_attnres", attnres_block=2, concept=dict(enabled=True))
+    p = count_parameters(ar)
+    assert p.components["dynamic_residuals"] == 2 * d * ((E + 1) + (C + 1) + (D + 1))
+    assert p.total - count_parameters(build_config("debug", concept=dict(enabled=True))).total == 2 * d * 9
+    # values per query (blocks of 2): encoder [x0] then [x0, p]; the concept stack reads the
+    # encoder's 3 states [x0, b1 (open), h]; the decoder those 3 and the concept stack's 3
+    V = {"encoder": ([1, 2], T), "concept": ([4, 5, 5], M), "decoder": ([7, 8, 8, 9], T)}
+    e = exact_flops(ar, T)
+    assert e.components["residual.attnres"] == sum(4 * P * v * d for vs, P in V.values() for v in vs)
+    assert e.residual_share == pytest.approx(e.components["residual.attnres"] / e.forward_per_sequence, rel=1e-12)
+    alone = build_config("debug", residual="block_attnres", attnres_block=2, attnres_cross=False,
+                         concept=dict(enabled=True))
+    V = {"encoder": ([1, 2], T), "concept": ([1, 2, 2], M), "decoder": ([1, 2, 2, 3], T)}
+    assert exact_flops(alone, T).components["residual.attnres"] == \
+        sum(4 * P * v * d for vs, P in V.values() for v in vs)
+
+
 # ---- the backward of a stage that freezes weights (adapt-vq, LoRA): what MFU counts ----
 
 
@@ -305,7 +340,10 @@ def _trainable(model):
 
 @pytest.mark.parametrize("size,extra", [("debug", {}), ("llama-debug", {}), ("ncp-archpreview-8.9b", {}),
                                         ("debug", dict(residual="irc", crc_connections=[
-                                            "encoder-concept", "encoder-decoder", "concept-decoder"]))])
+                                            "encoder-concept", "encoder-decoder", "concept-decoder"])),
+                                        ("debug", dict(residual="irc", crc_mode="input", crc_connections=[
+                                            "encoder-decoder", "concept-decoder"])),
+                                        ("llama-debug", dict(residual="block_attnres", attnres_block=2))])
 def test_backward_with_every_weight_trained_is_the_3x_convention(size, extra):
     from ncpctl.model.config import build_config as bc
 

@@ -45,6 +45,22 @@ DESIGNS = {
         "encoder-decoder", "concept-decoder"], concept=dict(k=4, code_weights="softmax")),
     "irc-softmax-crc-decoder-only-neox": tiny("neox", residual="irc", irc_normalize="softmax",
                                               crc_connections=["concept-decoder"], concept={}),
+    # Table 3's IRC + input-level cross connection (crc_mode: input), at k = 2 and 4
+    **{f"archpreview-irc-input-k{k}": tiny("llama", qk_norm="layer", sliding_window=3, full_attn_every=2,
+                                           residual="irc", crc_mode="input", crc_connections=[
+                                               "encoder-concept", "encoder-decoder", "concept-decoder"],
+                                           concept=dict(k=k, code_weights="softmax"))
+       for k in (2, 4)},
+    # Table 3's Block AttnRes with cross-module block states, at k = 2 and 4: blocks of 2 layers over
+    # 2/3/3 layers, so that stacks end on a complete and on an open block
+    **{f"block-attnres-cross-k{k}": tiny("llama", qk_norm="layer", sliding_window=3, full_attn_every=2,
+                                         residual="block_attnres", attnres_block=2, n_layers=5,
+                                         concept=dict(k=k, encoder_layers=2, concept_layers=3))
+       for k in (2, 4)},
+    "block-attnres-no-cross-neox-e0": tiny("neox", residual="block_attnres", attnres_block=2, attnres_cross=False,
+                                           concept=dict(encoder_layers=0)),
+    "block-attnres-base-post": tiny("llama", norm_placement="post", residual="block_attnres", attnres_block=2,
+                                    n_layers=4),
     # a coupling that cross-attends to the closed concepts (DLCM's way), over fixed and toy segments
     "toy-cross-attention-fixed": tiny("neox", concept=dict(coupling="cross_attend")),
     "toy-cross-attention-per-token-next": tiny("llama", concept=dict(segmentation="per_token_next",
@@ -146,13 +162,13 @@ def test_depth_mixer_starts_as_the_plain_residual(backbone):
         assert (mixed(x).logits - plain(x).logits).abs().max() <= 1e-6
 
 
-@pytest.mark.parametrize("backbone", ["neox", "llama"])
-def test_irc_and_crc_start_as_the_plain_residual_network(backbone):
-    """ArchPreview's IRC (last MLP layer zero + one-hot on the newest depth) and CRC (D = 0) at
-    init: the same other weights give the plain network's logits (to 1e-6)."""
+@pytest.mark.parametrize("backbone,mode", [("neox", "layers"), ("llama", "layers"), ("llama", "input")])
+def test_irc_and_crc_start_as_the_plain_residual_network(backbone, mode):
+    """ArchPreview's IRC (last MLP layer zero + one-hot on the newest depth) and CRC (D = 0, after
+    every layer or on the input) at init: the same other weights give the plain network's logits."""
     torch.manual_seed(0)
     links = ["encoder-concept", "encoder-decoder", "concept-decoder"]
-    dyn = NCPModel(tiny(backbone, residual="irc", crc_connections=links, concept={})).eval()
+    dyn = NCPModel(tiny(backbone, residual="irc", crc_connections=links, crc_mode=mode, concept={})).eval()
     plain = NCPModel(tiny(backbone, concept={})).eval()
     with torch.no_grad():  # perturb everything shared, so that the check is not trivial
         for p in dyn.parameters():
@@ -165,12 +181,119 @@ def test_irc_and_crc_start_as_the_plain_residual_network(backbone):
             torch.nn.init.zeros_(link.scale)
     shared = {k: v for k, v in dyn.state_dict().items() if ".residual." not in k and not k.startswith("crc.")}
     plain.load_state_dict(shared)
-    fresh = NCPModel(tiny(backbone, residual="irc", crc_connections=links, concept={}))
+    fresh = NCPModel(tiny(backbone, residual="irc", crc_connections=links, crc_mode=mode, concept={}))
     assert all(torch.all(m[2].weight == 0) for m in fresh.decoder.residual.mlps)  # init_weights left them alone
     assert all(torch.all(link.scale == 0) for link in fresh.crc.links.values())
     x = tokens(plain.cfg, 2, 13)
     with torch.no_grad():
         assert (dyn(x).logits - plain(x).logits).abs().max() <= 1e-6
+
+
+def _link_ref(link, x: torch.Tensor, sources: list) -> torch.Tensor:
+    """Eqs. 19-20 once: x + D * sum_j softmax(MLP(x))_j LN_j(S_j), from the formulas."""
+    alpha = torch.softmax(link.mlps[0](x), dim=-1)
+    m = sum(alpha[..., j : j + 1] * link.norms[j](s) for j, s in enumerate(sources))
+    return x + link.scale[0] * m
+
+
+def test_input_level_cross_connection_enters_once_on_the_target_input():
+    """crc_mode: input: one MLP and one D per connection; the concept stack runs on c + CRC(c) and
+    the decoder on z + CRC_enc(z) + CRC_concept(z), with no connection after any layer."""
+    links = ["encoder-concept", "encoder-decoder", "concept-decoder"]
+    cfg = tiny("llama", crc_connections=links, crc_mode="input", n_layers=4, concept=dict(k=2, encoder_layers=2))
+    model = build(cfg, scale=0.3).double()
+    assert all(len(link.mlps) == 1 and link.scale.shape == (1, 32) for link in model.crc.links.values())
+    x = tokens(cfg, 2, 11)
+    with torch.no_grad():
+        out = model(x, return_states=True)
+        cm, T = model.concept, x.shape[1]
+        enc = out.states["encoder"]
+        seg, pooled = cm.segment(enc[-1], enc)
+        c = _link_ref(model.crc.links["encoder_concept"], seg.concepts, pooled)
+        u, con = cm.layers(c, cm.context(seg.positions, c.dtype), states=True)
+        assert torch.allclose(out.states["concept"][0], c, atol=1e-12)
+        assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(out.states["concept"], con))
+        spread = [cm.segmenter.spread(out.concept.segments, s, T) for s in con]
+        z = _link_ref(model.crc.links["encoder_decoder"], out.concept.z, enc)
+        z = _link_ref(model.crc.links["concept_decoder"], z, spread)
+        ctx, _ = model.token_context(T, x.device, z.dtype)
+        ref = model.head(model.final_norm(model.decoder(z, ctx)))
+    assert (out.logits - ref).abs().max() <= 1e-10
+
+
+def _attnres_ref(stack, x0: torch.Tensor, ctx, sources: list = ()) -> tuple[torch.Tensor, list]:
+    """Block AttnRes from its formulas (Kimi Team 2026): values = sources, x0, the completed blocks'
+    update sums and the open block's; each input h = sum softmax(w . (g * RMSNorm(v))) v."""
+    mix = stack.residual
+    S, eps = mix.block, mix.eps
+
+    def attend(i, values):
+        V = torch.stack(values, dim=-2)  # (B, T, n, d)
+        keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps) * mix.key_weight[i]
+        return (torch.softmax(keys @ mix.query[i], dim=-1)[..., None] * V).sum(-2)
+
+    blocks, partial = [*sources, x0], None
+    x = attend(0, blocks)
+    for i, blk in enumerate(stack):
+        update = blk(x, ctx)
+        partial = update if partial is None else partial + update
+        x = attend(i + 1, blocks + [partial])
+        if (i + 1) % S == 0:
+            blocks, partial = blocks + [partial], None
+    own = blocks[len(sources):] + ([] if partial is None else [partial])
+    return x, own + [x]
+
+
+@pytest.mark.parametrize("name", ["block-attnres-cross-k2", "block-attnres-cross-k4", "block-attnres-base-post"])
+def test_block_attnres_matches_its_reference(name):
+    """The whole model against the formulas, with random pseudo-queries and key norms: each stack
+    by ``_attnres_ref``; with cross-module states, the concept stack reads the encoder's states
+    pooled like the concepts, the decoder the encoder's and the concept stack's spread as pred is."""
+    cfg = DESIGNS[name]
+    model = build(cfg, scale=0.5).double()
+    x = tokens(cfg, 2, 13)
+    T = x.shape[1]
+    with torch.no_grad():
+        got = model(x).logits
+        ctx, pos = model.token_context(T, x.device, torch.float64)
+        e = model.embed_tokens(x, pos)
+        h, enc = _attnres_ref(model.encoder, e, ctx)
+        cm, sources = model.concept, []
+        z = h
+        if cm is not None:
+            seg = cm.segmenter(torch.cat(enc, dim=-1))
+            pooled = list(seg.concepts.chunk(len(enc), dim=-1))
+            seg.concepts = pooled[-1]
+            u, con = _attnres_ref(cm.layers, pooled[-1], cm.context(seg.positions, torch.float64), pooled)
+            z = cm.coupling(h, cm.predict(u, cm.codebook()), seg, cm.segmenter)
+            sources = enc + [cm.segmenter.spread(seg, s, T) for s in con]
+        y, _ = _attnres_ref(model.decoder, z, ctx, sources)
+        ref = model.head(model.final_norm(y))
+    assert (got - ref).abs().max() <= 1e-10
+    if cm is not None:  # the cross-module states are really read: the decoder's first input has them
+        assert len(sources) == model.encoder.n_depths + cm.layers.n_depths == 3 + 4  # [x0, b1, h], [c, b1, p, u]
+
+
+def test_block_attnres_starts_as_a_uniform_mean_not_the_plain_residual():
+    """Zero pseudo-queries (the paper's init): each input is the mean of its values, so the model
+    is not the plain residual network (softmax weights sum to one; plain weights are all one)."""
+    cfg = tiny("llama", residual="block_attnres", attnres_block=2, n_layers=4)
+    torch.manual_seed(0)
+    model = NCPModel(cfg).eval()
+    mix = model.decoder.residual
+    assert torch.all(mix.query == 0) and torch.all(mix.key_weight == 1)  # init_weights left them alone
+    x = tokens(cfg, 2, 9)
+    with torch.no_grad():
+        ctx, pos = model.token_context(9, x.device, torch.float32)
+        e = model.embed_tokens(x, pos)
+        r0 = model.decoder[0](e, ctx)
+        h1 = (e + r0) / 2  # layer 1's values are e and R_0; its input is their mean
+        _, depths = model.decoder(e, ctx, states=True)
+        plain = NCPModel(tiny("llama", n_layers=4)).eval()
+        plain.load_state_dict({k: v for k, v in model.state_dict().items() if ".residual." not in k})
+        assert (plain(x).logits - model(x).logits).abs().max() > 1e-3
+        r1 = model.decoder[1](h1, ctx)
+    assert torch.allclose(depths[1], r0 + r1, atol=1e-6)  # block 1 = R_0 + R_1
 
 
 def test_crc_needs_the_concept_path_and_a_pooling_segmentation():
@@ -182,6 +305,23 @@ def test_crc_needs_the_concept_path_and_a_pooling_segmentation():
         tiny("llama", crc_connections=["encoder-concept"], concept=dict(segmentation="per_token_next"))
     with pytest.raises(ConfigError, match="must be distinct names"):
         tiny("llama", crc_connections=["encoder-nowhere"], concept={})
+
+
+def test_bad_crc_mode_and_attnres_keys_are_config_errors():
+    from ncpctl.model.config import ConfigError
+
+    cases = [(dict(crc_mode="everywhere", crc_connections=["encoder-decoder"]), "crc_mode", "must be one of"),
+             (dict(residual="block_attnres", attnres_block=0), "attnres_block", "positive integer"),
+             (dict(residual="block_attnres", attnres_cross="yes"), "attnres_cross", "true or false"),
+             (dict(residual="block_attnres", crc_connections=["encoder-decoder"]), "crc_connections",
+              "its own cross-module"),
+             (dict(residual="block_attnres", concept=dict(segmentation="per_token_next")), "attnres_cross",
+              "pools_any_width")]
+    for kw, key, msg in cases:
+        kw = {"concept": {}, **kw}
+        with pytest.raises(ConfigError) as e:
+            tiny("llama", **kw)
+        assert [k for k, _ in e.value.problems] == [key] and msg in str(e.value), kw
 
 
 def test_unknown_or_wrong_strategies_are_config_errors():

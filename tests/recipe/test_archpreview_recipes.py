@@ -50,6 +50,9 @@ POINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "table3-irc": ("table3-none", {"model.residual": "irc"}),
     "table3-irc-crc": ("table3-irc", {"model.crc_connections": ALL_LINKS}),
     "table3-irc-softmax": ("table3-irc", {"model.irc_normalize": "softmax"}),
+    "table3-irc-input": ("table3-irc", {"model.crc_connections": ALL_LINKS, "model.crc_mode": "input"}),
+    "table3-block-attnres": ("table3-none", {"model.residual": "block_attnres", "model.attnres_block": 4,
+                                             "model.attnres_cross": True}),
     # Table 8: NCP 8/4/7 vs OLMo-3-3B, each with and without one MTP depth, 150B tokens
     "table8-ncp": (MAIN, {**SHAPE_3B, "model.n_layers": 15, "model.concept.encoder_layers": 8,
                           "model.concept.concept_layers": 4, "train.max_steps": 35763}),
@@ -187,11 +190,17 @@ def test_table2_block_counts(tree: Path, olmo_like: list[str]) -> None:
 def test_table3_residual_flops_shares(tree: Path, olmo_like: list[str]) -> None:
     """Table 3's extra FLOPs: none 0, IRC = IRC + per-stage softmax, IRC + CRC about 2.1x IRC (the
     paper's +0.051% / +0.024% = 2.125). ncpctl's absolute shares (0.077% / 0.160% at this 1B) are
-    ~3x the paper's: the width of IRC's and CRC's weight MLPs is not in the report (32 here)."""
+    ~3x the paper's: the width of IRC's and CRC's weight MLPs is not in the report (32 here). The
+    input-level cross connection adds one target layer's CRC per connection (0.088%). Block AttnRes
+    (no free width) is within 5% of the paper's +0.026% (0.0272%)."""
     share = {arm: exact_flops(_load(tree, f"table3-{arm}", olmo_like).model_config).residual_share
-             for arm in ("none", "irc", "irc-crc", "irc-softmax")}
-    assert share["none"] == 0 < share["irc"] == share["irc-softmax"] < share["irc-crc"] < 0.002
+             for arm in ("none", "irc", "irc-crc", "irc-softmax", "irc-input", "block-attnres")}
+    assert share["none"] == 0 < share["irc"] == share["irc-softmax"] < share["irc-input"] < share["irc-crc"] < 0.002
     assert share["irc-crc"] / share["irc"] == pytest.approx(0.051 / 0.024, rel=0.05)
+    assert (share["irc"] * 100, share["irc-crc"] * 100, share["irc-input"] * 100) == \
+        pytest.approx((0.077, 0.160, 0.088), abs=5e-4)
+    assert share["block-attnres"] == pytest.approx(0.0272e-2, abs=5e-7)
+    assert share["block-attnres"] == pytest.approx(0.026e-2, rel=0.05)
     cfg = _load(tree, "table3-irc-crc", olmo_like).model_config
     assert (cfg.encoder_layers, cfg.concept.concept_layers, cfg.decoder_layers, cfg.block_equivalents) == (8, 4, 8, 17)
 

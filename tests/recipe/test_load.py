@@ -237,3 +237,13 @@ def test_stable_names(base: Path) -> None:
     assert (r.train.max_steps, r.train.seed) == (3, 7)
     assert r.model_config.name == "llama-debug" and r.model_config.concept.enabled is False
     assert load_recipe(base, ["model.concept.enabled=true"]).model_config.concept.enabled is True
+
+
+def test_bad_table3_residual_keys_name_the_key(base: Path) -> None:
+    """The keys of Table 3's two last arms (crc_mode, block_attnres): one error each, naming the key."""
+    errs = errors_of(base, ["model.crc_mode=everywhere", "model.crc_connections=[encoder-decoder]"])
+    assert len(errs) == 1 and errs[0].startswith("--set: model.crc_mode:"), errs
+    errs = errors_of(base, ["model.residual=block_attnres", "model.attnres_block=0"])
+    assert errs == ["--set: model.attnres_block: must be a positive integer, got 0"]
+    errs = errors_of(base, ["model.residual=block_attnres", "model.crc_connections=[concept-decoder]"])
+    assert len(errs) == 1 and errs[0].startswith("--set: model.crc_connections: residual: block_attnres has its own")

@@ -91,6 +91,24 @@ def test_archpreview_parts_by_rule() -> None:
     assert all(id(params[n]) in groups["no_decay"] for n in mixers)
 
 
+@pytest.mark.parametrize("sets", [["model.residual=irc", "model.crc_mode=input",
+                                   "model.crc_connections=[encoder-concept,encoder-decoder,concept-decoder]"],
+                                  ["model.residual=block_attnres", "model.attnres_block=2"]])
+def test_table3_mixers_stay_on_adamw_without_decay(sets: list[str]) -> None:
+    """The input-level CRC's and Block AttnRes's parameters (pseudo-queries and key norms: 2-D
+    (n + 1, d) tensors, not Linears) are mixing coefficients: AdamW, no weight decay."""
+    from ncpctl.model.model import NCPModel
+
+    r = recipe(*sets)
+    model = NCPModel(r.model_config)
+    assert sorted(muon_matrices(model)) == sorted(DEBUG_MUON)
+    mixers = [n for n, _ in model.named_parameters() if ".residual." in n or n.startswith("crc.")]
+    assert mixers
+    groups = {g["name"]: {id(p) for p in g["params"]} for g in make_optimizer(model, r, on_gpu=False).param_groups}
+    params = dict(model.named_parameters())
+    assert all(id(params[n]) in groups["no_decay"] for n in mixers)
+
+
 @pytest.mark.parametrize("scale", ["match_rms_adamw", "sqrt_max_dim"])
 def test_step_is_torch_muon_plus_adamw(scale: str) -> None:
     """Without DeepSpeed (stage 0 fp32, the guard on): 3 steps, bit for bit the reference."""
