@@ -88,7 +88,7 @@ class Attribution:
     known: torch.Tensor  # (B, T)  k_hat . W_y
     unknown: torch.Tensor  # (B, T)  u_hat . W_y
     residual: torch.Tensor  # (B, T)  e . W_y
-    per_concept: torch.Tensor  # (B, T, n)
+    per_concept: torch.Tensor | None  # (B, T, n)
 
     @property
     def share(self) -> torch.Tensor:
@@ -185,22 +185,24 @@ class ConceptBottleneck(nn.Module):
 
     # ---- reading it: attribution, share, steering ----
 
-    def attribute(self, parts: BottleneckOutput, lm_head_weight: torch.Tensor, token_ids: torch.Tensor) -> Attribution:
+    def attribute(self, parts: BottleneckOutput, lm_head_weight: torch.Tensor, token_ids: torch.Tensor,
+                  per_concept: bool = True) -> Attribution:
         """Exact attribution of the logits of ``token_ids`` (B, T) (e.g. the argmax) to the parts
         of one forward (``NCPModel.forward(..., return_bottleneck=True).bottleneck``);
-        ``lm_head_weight`` (V, d): ``model.lm_head.weight``."""
+        ``lm_head_weight`` (V, d): ``model.lm_head.weight``. ``per_concept`` False skips the
+        (B, T, n) per-concept terms (None then)."""
         w = lm_head_weight[token_ids]  # (B, T, d) W_y
         dot = lambda x: (x * w).sum(-1)  # noqa: E731
         known, unknown, residual = dot(parts.k_hat), dot(parts.u_hat), dot(parts.e)
-        per_concept = parts.k * torch.einsum("btd,nd->btn", w, self.K)
+        terms = parts.k * torch.einsum("btd,nd->btn", w, self.K) if per_concept else None
         return Attribution(logit=known + unknown + residual, known=known, unknown=unknown, residual=residual,
-                           per_concept=per_concept)
+                           per_concept=terms)
 
     @torch.no_grad()
     def share(self, parts: BottleneckOutput, lm_head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean concept share over the positions whose target is not ignored (-100)."""
         keep = targets != -100
-        att = self.attribute(parts, lm_head_weight, targets.clamp_min(0))
+        att = self.attribute(parts, lm_head_weight, targets.clamp_min(0), per_concept=False)
         return (att.share * keep).sum() / keep.sum().clamp_min(1)
 
     def concept_direction(self, index: int) -> torch.Tensor:
