@@ -42,7 +42,9 @@ Labels ``(B, T, n)``: L[b, t, c] = 1 iff token t carries evidence of concept c. 
 Metric ``concept_share``: for the scored token y of each position (the target in a training or
 validation forward), (|k_hat.W_y| + |u_hat.W_y|) / (|k_hat.W_y| + |u_hat.W_y| + |e.W_y|), the
 concepts' share of the logit magnitude (Steerling's 0.62 -> 0.85; the residual carries the rest),
-averaged over positions. ``detection_auc`` scores held-out chunk labels.
+averaged over positions. ``detection_auc`` scores held-out chunk labels. ``respond_loss`` and
+``express_loss`` are Steerling's steering-stage terms, for a stage that injects directions
+(``concept_direction``). The MTP head (training only) reads the final-norm states, not h_bar.
 """
 
 from __future__ import annotations
@@ -278,6 +280,23 @@ def cross_covariance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     xs, ys = xs - xs.mean(0), ys - ys.mean(0)
     cov = xs.t() @ ys / max(xs.shape[0], 1)  # (d, d')
     return cov.pow(2).sum()
+
+
+# ---- Steerling's steering-stage losses (mid-training; a stage that injects directions uses them) ----
+
+
+def respond_loss(k_logits: torch.Tensor, concept: int, positions: torch.Tensor) -> torch.Tensor:
+    """L_respond = -1/|I| sum_{t in I} log k_{c,t}: known concept ``concept``'s activation pushed to 1
+    at the positions ``positions`` (B, T) bool where its direction was injected; k_logits (B, T, n)."""
+    z = k_logits[..., concept].float()
+    return -(F.logsigmoid(z) * positions).sum() / positions.sum().clamp_min(1)
+
+
+def express_loss(logits: torch.Tensor, lift_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """L_express = -1/|I| sum_{t in I} log sum_{y in T_c} p(y | t): the probability of the concept's lift
+    tokens ``lift_tokens`` (ids, (L,)) raised at ``positions`` (B, T) bool; logits (B, T, V)."""
+    logp = logits.float().log_softmax(-1)[..., lift_tokens].logsumexp(-1)  # (B, T)
+    return -(logp * positions).sum() / positions.sum().clamp_min(1)
 
 
 def detection_auc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

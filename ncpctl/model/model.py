@@ -1,6 +1,6 @@
 """``NCPModel``: the whole NCP model in one place (spec ncp-model.md sections 1-5).
 
-Five stages, composed the same way by the full forward, the prefill and every decoding step
+Six stages, composed the same way by the full forward, the prefill and every decoding step
 (decode.py):
 
     embed_tokens: tokens (B, T) -> x (B, T, d)

@@ -367,3 +367,16 @@ def test_export_refuses_the_bottleneck(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "model.bottleneck" in lines[0], r.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_respond_and_express_losses():
+    from ncpctl.model.bottleneck import express_loss, respond_loss
+
+    z = torch.tensor([[[0.0, 2.0], [1.0, -1.0], [3.0, 0.5]]])  # (1, 3, 2)
+    at = torch.tensor([[True, False, True]])
+    ref = -(math.log(torch.sigmoid(torch.tensor(2.0)).item()) + math.log(torch.sigmoid(torch.tensor(0.5)).item())) / 2
+    assert respond_loss(z, 1, at).item() == pytest.approx(ref, rel=1e-5)
+    logits = torch.randn(1, 3, 7)
+    lift = torch.tensor([2, 5])
+    p = logits.softmax(-1)[..., lift].sum(-1)  # (1, 3)
+    assert express_loss(logits, lift, at).item() == pytest.approx(-(p[0, 0].log() + p[0, 2].log()).item() / 2, rel=1e-5)
