@@ -268,13 +268,14 @@ def _check_bottleneck(b: BottleneckConfig, d: int) -> tuple[list[tuple[str, str]
     if b.independence not in BOTTLENECK_INDEPENDENCE:
         problems.append(("bottleneck.independence", f"must be one of {', '.join(BOTTLENECK_INDEPENDENCE)}, "
                                                     f"got {b.independence!r}"))
+    rank_ok = isinstance(b.rank, int) and not isinstance(b.rank, bool) and b.rank > 0
+    if rank_ok and b.rank > d:
+        problems.append(("bottleneck.rank", f"{b.rank} exceeds d_model={d}: U = A B would not be low-rank"))
     if problems or not n_ok:
         return problems, 0, 0
     m = b.unknown if b.unknown is not None else 3 * b.concepts
     r = b.rank if b.rank is not None else min(256, d, m)
-    if r > d:
-        problems.append(("bottleneck.rank", f"{r} exceeds d_model={d}: U = A B would not be low-rank"))
-    elif r > m:
+    if r > m:
         problems.append(("bottleneck.rank", f"{r} exceeds the {m} unknown concepts"))
     if b.top_k_known is not None and b.top_k_known > b.concepts:
         problems.append(("bottleneck.top_k_known", f"{b.top_k_known} exceeds the {b.concepts} known concepts"))

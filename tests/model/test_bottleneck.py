@@ -380,3 +380,14 @@ def test_respond_and_express_losses():
     lift = torch.tensor([2, 5])
     p = logits.softmax(-1)[..., lift].sum(-1)  # (1, 3)
     assert express_loss(logits, lift, at).item() == pytest.approx(-(p[0, 0].log() + p[0, 2].log()).item() / 2, rel=1e-5)
+
+
+def test_cli_reports_every_bottleneck_problem_at_once():
+    from ..conftest import REPO, run_cli
+
+    r = run_cli("pretrain", str(REPO / "recipes" / "debug.yaml"), "--set", "model.bottleneck.enabled=true",
+                "--set", "model.bottleneck.rank=999", "--set", "model.bottleneck.dropout=2")
+    assert r.returncode == 2
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 3 and all("model.bottleneck." in ln for ln in errors), r.stderr
+    assert any("model.bottleneck.concepts" in ln for ln in errors) and any("d_model=64" in ln for ln in errors)
