@@ -12,7 +12,7 @@ Spec: shared/docs/ncp-model.md section 6. Three views of one ``ModelConfig``:
   is 3x forward when every weight trains; a stage that freezes weights (adapt-vq, LoRA) passes
   its trainable parameters and gets the backward it really does (``_Backward``).
   Steerling's concept bottleneck (``bottleneck.*``) is counted too; its unknown head reads sg(h),
-  so the 3x convention overcounts it by g's input gradient (2*T*d*m), which ``_Backward`` omits.
+  so the 3x convention overcounts it by g's (first) input gradient, which ``_Backward`` omits.
 * ``count_parameters``: the real ``NCPModel`` built on the meta device, grouped by
   component. Only this one imports torch (lazily), so the CLI can describe configs cheaply.
 
@@ -418,7 +418,8 @@ def _bottleneck_flops(cfg: ModelConfig, T: int) -> tuple[dict[str, int], dict[st
         return {}, {}
     d, n, m, r = cfg.d_model, cfg.bottleneck.concepts, cfg.bottleneck_unknown, cfg.bottleneck_rank
     comps = {"bottleneck.known": 2 * T * d * n, "bottleneck.known_embed": 2 * T * n * d,
-             "bottleneck.unknown": 2 * T * d * m, "bottleneck.unknown_A": 2 * T * m * r,
+             "bottleneck.unknown": 2 * T * d * m if cfg.bottleneck.unknown_head == "dense" else 2 * T * r * (d + m),
+             "bottleneck.unknown_A": 2 * T * m * r,
              "bottleneck.unknown_B": 2 * T * r * d}
     pairs = 2 if cfg.bottleneck.independence == "known_unknown_residual" else 1
     training = {"bottleneck.independence": 3 * pairs * 2 * T * d * d, "bottleneck.reconstruction_target": 2 * T * n * d}
@@ -548,7 +549,13 @@ class _Backward:
         trains = lambda name: f"bottleneck.{name}" in self.numel  # noqa: E731
         k = self.linear("bottleneck.known", "bottleneck.known", comps["bottleneck.known"], 0, h)
         self.add("bottleneck.known_embed", comps["bottleneck.known_embed"] * (k + trains("K")))
-        u = self.linear("bottleneck.unknown", "bottleneck.unknown", comps["bottleneck.unknown"], 0, False)
+        if self.cfg.bottleneck.unknown_head == "dense":
+            u = self.linear("bottleneck.unknown", "bottleneck.unknown", comps["bottleneck.unknown"], 0, False)
+        else:  # d -> r (no input gradient: sg(h)) -> m
+            d, r = self.cfg.d_model, self.cfg.bottleneck_rank
+            down = comps["bottleneck.unknown"] * d // (d + self.cfg.bottleneck_unknown)
+            u = self.linear("bottleneck.unknown", "bottleneck.unknown.0", down, 0, False)
+            u = self.linear("bottleneck.unknown", "bottleneck.unknown.1", comps["bottleneck.unknown"] - down, 0, u)
         self.add("bottleneck.unknown_A", comps["bottleneck.unknown_A"] * (u + trains("A")))
         self.add("bottleneck.unknown_B", comps["bottleneck.unknown_B"] * ((u or trains("A")) + trains("B")))
         return h or k or trains("K")

@@ -5,7 +5,7 @@ exactly into known (labelled) concepts, unknown concepts and a residual:
 
     k     = sigmoid(f(h))            (B, T, n)   f = ``known``: Linear(d, n); optional top-k per token
     k_hat = k @ K                    (B, T, d)   K: (n, d), the known concepts' embeddings
-    u     = sigmoid(g(sg(h)))        (B, T, m)   g = ``unknown``: Linear(d, m); optional top-k per token
+    u     = sigmoid(g(sg(h)))        (B, T, m)   g = ``unknown``: Linear(d, m) (or d -> r -> m); optional top-k
     u_hat = (u @ A) @ B              (B, T, d)   U = A B: A (m, r), B (r, d)
     e     = h - k_hat - sg(u_hat)    (B, T, d)   not detached: the residual is what is left of h
     h_bar = k_hat + sg(u_hat) + drop(e)          = h + (drop(e) - e); the LM head reads h_bar
@@ -109,20 +109,23 @@ class ConceptBottleneck(nn.Module):
         self.n, self.m, self.init_std = n, m, cfg.init_std
         self.known = nn.Linear(d, n)  # f
         self.K = nn.Parameter(torch.empty(n, d))
-        self.unknown = nn.Linear(d, m)  # g
+        # g: dense, or factorised through the rank r of U (unknown_head: low_rank)
+        self.unknown = nn.Linear(d, m) if b.unknown_head == "dense" else \
+            nn.Sequential(nn.Linear(d, r, bias=False), nn.Linear(r, m))
         self.A = nn.Parameter(torch.empty(m, r))
         self.B = nn.Parameter(torch.empty(r, d))
         self.alpha = float(b.teacher_forcing_start)  # the teacher-forcing probability of this step
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for p in (self.known.weight, self.unknown.weight, self.K, self.A, self.B):
+        unknown = [m for m in self.unknown.modules() if isinstance(m, nn.Linear)]
+        for p in (self.known.weight, *(m.weight for m in unknown), self.K, self.A, self.B):
             nn.init.normal_(p, std=self.init_std)
         # known prior: each token's k = ln2 / chunk, so a chunk's OR starts near 1/2 (a bias of 0,
         # k = 1/2 per token, would start every chunk at 1 - 2^-chunk: a huge loss on the negatives)
         q = math.log(2) / self.bcfg.chunk
         nn.init.constant_(self.known.bias, math.log(q / (1 - q)))
-        nn.init.zeros_(self.unknown.bias)
+        nn.init.zeros_(unknown[-1].bias)
 
     # ---- the schedule and what the loop logs ----
 
@@ -276,10 +279,11 @@ def top_k(x: torch.Tensor, k: int | None) -> torch.Tensor:
 
 def cross_covariance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """||Cov(x, y)||_F^2 of (B, T, d) x (B, T, d'), the covariance over all B*T tokens (fp32)."""
-    xs, ys = x.reshape(-1, x.shape[-1]).float(), y.reshape(-1, y.shape[-1]).float()
-    xs, ys = xs - xs.mean(0), ys - ys.mean(0)
-    cov = xs.t() @ ys / max(xs.shape[0], 1)  # (d, d')
-    return cov.pow(2).sum()
+    with torch.autocast(x.device.type, enabled=False):  # a sum of d^2 small squares: fp32, not bf16
+        xs, ys = x.reshape(-1, x.shape[-1]).float(), y.reshape(-1, y.shape[-1]).float()
+        xs, ys = xs - xs.mean(0), ys - ys.mean(0)
+        cov = xs.t() @ ys / max(xs.shape[0], 1)  # (d, d')
+        return cov.pow(2).sum()
 
 
 # ---- Steerling's steering-stage losses (mid-training; a stage that injects directions uses them) ----

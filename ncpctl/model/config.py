@@ -224,6 +224,10 @@ class BottleneckConfig:
         0.5, "Teacher-forcing probability after teacher_forcing_steps (Steerling: 0.5 pre-training, 0 mid-training).")
     teacher_forcing_steps: int = _f(
         1000, "Optimizer steps of the linear anneal start -> end (the paper does not give its length).")
+    unknown_head: Literal["dense", "low_rank"] = _f(
+        "dense", "g, the unknown head's predictor: dense = Linear(d, m); low_rank = Linear(d, r) then Linear(r, m) "
+        "with the rank r of U (Steerling's released code factorises it so; at 8B it cuts the module's parameters "
+        "about in half).")
     top_k_known: int | None = _f(None, "Keep the top-k known activations per token; null = dense (Steerling "
                                        "mid-training: 32).")
     top_k_unknown: int | None = _f(None, "Keep the top-k unknown activations per token; null = dense (Steerling "
@@ -265,6 +269,8 @@ def _check_bottleneck(b: BottleneckConfig, d: int) -> tuple[list[tuple[str, str]
     for key in ("concept_weight", "reconstruction_weight", "independence_weight"):
         if not num(getattr(b, key)) or getattr(b, key) < 0:
             problems.append((f"bottleneck.{key}", f"must be a number >= 0, got {getattr(b, key)!r}"))
+    if b.unknown_head not in ("dense", "low_rank"):
+        problems.append(("bottleneck.unknown_head", f"must be dense or low_rank, got {b.unknown_head!r}"))
     if b.independence not in BOTTLENECK_INDEPENDENCE:
         problems.append(("bottleneck.independence", f"must be one of {', '.join(BOTTLENECK_INDEPENDENCE)}, "
                                                     f"got {b.independence!r}"))

@@ -40,6 +40,20 @@ def span_labels(B: int, T: int, n: int, seed: int = 0, spans: int = 3) -> torch.
 # ---- config ------------------------------------------------------------------------------
 
 
+def test_steerling_8b_sizes_and_the_low_rank_unknown_head():
+    """Steerling-8B's module: n = 33,732, m = 3n = 101,196, rank 256, d = 4096; the released code's
+    factorised g holds (d + m) r + m instead of d m + m."""
+    from ncpctl.model.accounting import count_parameters
+
+    n, m, d, r = 33_732, 101_196, 4096, 256
+    dense = build_config("llama3.1-8b", bottleneck=dict(enabled=True, concepts=n))
+    low = build_config("llama3.1-8b", bottleneck=dict(enabled=True, concepts=n, unknown_head="low_rank"))
+    assert (dense.bottleneck_unknown, dense.bottleneck_rank) == (m, r)
+    known = d * n + n + n * d
+    assert count_parameters(dense).components["bottleneck"] == known + d * m + m + m * r + r * d
+    assert count_parameters(low).components["bottleneck"] == known + (d + m) * r + m + m * r + r * d
+
+
 def test_defaults_and_derived_sizes():
     off = build_config("debug")
     assert not off.bottleneck.enabled and off.bottleneck_unknown == off.bottleneck_rank == 0
@@ -320,7 +334,8 @@ def test_thirty_adamw_steps_reduce_the_concept_loss_and_detect_held_out_chunks()
 
 
 @pytest.mark.parametrize("extra", [{}, dict(concept=dict(enabled=True)),
-                                   dict(independence="known_unknown_residual", top_k_known=3)])
+                                   dict(independence="known_unknown_residual", top_k_known=3),
+                                   dict(unknown_head="low_rank")])
 def test_accounting_params_and_flops_equal_torchs_counter(extra):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
@@ -333,7 +348,8 @@ def test_accounting_params_and_flops_equal_torchs_counter(extra):
     d, n, m, r = cfg.d_model, 8, 24, 16
     p = count_parameters(cfg)
     assert "bottleneck" in PARAM_GROUPS and sum(p.components.values()) == p.total
-    assert p.components["bottleneck"] == (d * n + n) + n * d + (d * m + m) + m * r + r * d
+    g = d * m + m if extra.get("unknown_head") != "low_rank" else d * r + r * m + m
+    assert p.components["bottleneck"] == (d * n + n) + n * d + g + m * r + r * d
     torch.manual_seed(0)
     model, T, B = NCPModel(cfg).train(), 32, 2
     x, L = torch.randint(0, cfg.vocab_size, (B, T)), torch.rand(B, T, 8) < 0.3
