@@ -407,3 +407,21 @@ def test_cli_reports_every_bottleneck_problem_at_once():
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 3 and all("model.bottleneck." in ln for ln in errors), r.stderr
     assert any("model.bottleneck.concepts" in ln for ln in errors) and any("d_model=64" in ln for ln in errors)
+
+
+def test_hf_import_adds_a_fresh_bottleneck_with_the_bases_logits(tmp_path):
+    """midtrain from a Hugging Face base with model.bottleneck: the bottleneck starts fresh and,
+    outside training, the logits are exactly the base's."""
+    import transformers
+
+    from ncpctl.interop.hf_import import load_hf_pretrained
+    from ncpctl.model.hf import hf_config
+
+    torch.manual_seed(0)
+    hf = transformers.GPTNeoXForCausalLM(hf_config(tiny("neox"))).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    x = torch.randint(0, 200, (2, 19), generator=torch.Generator().manual_seed(2))
+    model = load_hf_pretrained(tmp_path / "hf", bottleneck=BN).eval()
+    assert model.bottleneck is not None
+    with torch.no_grad():
+        assert (model(x).logits - hf(input_ids=x).logits).abs().max() <= 1e-5
