@@ -51,6 +51,10 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
     if dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype: {dtype!r} is not one of fp32, bf16")
     loaded = load_model(checkpoint)
+    if loaded.config.bottleneck.enabled:
+        raise UserError(f"model.bottleneck: {loaded.path} has Steerling's concept bottleneck, which the exported "
+                        "Hugging Face code does not carry (its concept heads and embeddings would be dropped)",
+                        hint="attribution and concept steering run in ncpctl (inspect, generate --steer)")
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint; an export needs one")
     out = Path(out)

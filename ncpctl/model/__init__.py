@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ncpctl.model.config import (
-    SIZES, ConceptConfig, ConfigError, ModelConfig, SegmentationLaw, build_config, register,
+    SIZES, BottleneckConfig, ConceptConfig, ConfigError, ModelConfig, SegmentationLaw, build_config, register,
 )
 from ncpctl.model.outputs import LogKey, NCPOutput
 
@@ -39,7 +39,7 @@ _LAZY = {
     "AddToResidual": "ncpctl.model.interventions",
 }
 
-__all__ = ["SIZES", "ConceptConfig", "ConfigError", "ModelConfig", "SegmentationLaw", "build_config", "register",
+__all__ = ["SIZES", "BottleneckConfig", "ConceptConfig", "ConfigError", "ModelConfig", "SegmentationLaw", "build_config", "register",
            "LogKey", "NCPOutput", *_LAZY]
 
 

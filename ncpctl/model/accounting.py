@@ -11,6 +11,8 @@ Spec: shared/docs/ncp-model.md section 6. Three views of one ``ModelConfig``:
   and gating, sliding window, padded vocab, concept heads, codebook), by component. Training
   is 3x forward when every weight trains; a stage that freezes weights (adapt-vq, LoRA) passes
   its trainable parameters and gets the backward it really does (``_Backward``).
+  Steerling's concept bottleneck (``bottleneck.*``) is counted too; its unknown head reads sg(h),
+  so the 3x convention overcounts it by g's (first) input gradient, which ``_Backward`` omits.
 * ``count_parameters``: the real ``NCPModel`` built on the meta device, grouped by
   component. Only this one imports torch (lazily), so the CLI can describe configs cheaply.
 
@@ -367,6 +369,9 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
         training_only["concept.vq_quantise"] = 2 * M * S * N * ds
 
     comps.update(_dynamic_residual_flops(cfg, T, M))
+    bottleneck, bottleneck_training = _bottleneck_flops(cfg, T)
+    comps.update(bottleneck)
+    training_only.update(bottleneck_training)
     comps["lm_head"] = 2 * T * d * cfg.padded_vocab_size
     for key, (full, causal_part) in _mtp_flops(cfg, T).items():
         comps[key] = full
@@ -412,6 +417,24 @@ def _dynamic_residual_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
     if cfg.crc_connections:
         out[_crc_key(cfg)] = sum(_crc_flops(cfg, link, T, M) for link in cfg.crc_connections)
     return out
+
+
+def _bottleneck_flops(cfg: ModelConfig, T: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Steerling's concept bottleneck (ncpctl.model.bottleneck) per sequence: (forward components,
+    training-only work). Forward: f (d -> n), k K (n -> d), g (d -> m), u A (m -> r), (u A) B (r -> d).
+    Training only, each counted with its own backward: the independence penalty's cross-covariance
+    (B*T, d)^T (B*T, d), forward and both operands' gradients (3x; twice with the residual term),
+    and the reconstruction target k_true K of the labels (forward only: labels and sg(K))."""
+    if not cfg.bottleneck.enabled:
+        return {}, {}
+    d, n, m, r = cfg.d_model, cfg.bottleneck.concepts, cfg.bottleneck_unknown, cfg.bottleneck_rank
+    comps = {"bottleneck.known": 2 * T * d * n, "bottleneck.known_embed": 2 * T * n * d,
+             "bottleneck.unknown": 2 * T * d * m if cfg.bottleneck.unknown_head == "dense" else 2 * T * r * (d + m),
+             "bottleneck.unknown_A": 2 * T * m * r,
+             "bottleneck.unknown_B": 2 * T * r * d}
+    pairs = 2 if cfg.bottleneck.independence == "known_unknown_residual" else 1
+    training = {"bottleneck.independence": 3 * pairs * 2 * T * d * d, "bottleneck.reconstruction_target": 2 * T * n * d}
+    return comps, training
 
 
 def _mtp_flops(cfg: ModelConfig, T: int) -> dict[str, tuple[int, int | None]]:
@@ -552,6 +575,26 @@ class _Backward:
             trains = self.trains(f"crc.links.{link.replace('-', '_')}.")
             self.add(_crc_key(cfg), f * (bool(rg[source] or rg[target]) + trains))
 
+    def bottleneck(self, h: bool, comps: dict[str, int]) -> bool:
+        """The concept bottleneck on final states that are rg (``h``); returns whether h_bar is.
+        f and k K are linears; g reads sg(h) (a weight gradient only), and (u A) B gets gradients
+        from the reconstruction and independence losses alone (the LM reads sg(u_hat))."""
+        if "bottleneck.known" not in comps:
+            return h
+        trains = lambda name: f"bottleneck.{name}" in self.numel  # noqa: E731
+        k = self.linear("bottleneck.known", "bottleneck.known", comps["bottleneck.known"], 0, h)
+        self.add("bottleneck.known_embed", comps["bottleneck.known_embed"] * (k + trains("K")))
+        if self.cfg.bottleneck.unknown_head == "dense":
+            u = self.linear("bottleneck.unknown", "bottleneck.unknown", comps["bottleneck.unknown"], 0, False)
+        else:  # d -> r (no input gradient: sg(h)) -> m
+            d, r = self.cfg.d_model, self.cfg.bottleneck_rank
+            down = comps["bottleneck.unknown"] * d // (d + self.cfg.bottleneck_unknown)
+            u = self.linear("bottleneck.unknown", "bottleneck.unknown.0", down, 0, False)
+            u = self.linear("bottleneck.unknown", "bottleneck.unknown.1", comps["bottleneck.unknown"] - down, 0, u)
+        self.add("bottleneck.unknown_A", comps["bottleneck.unknown_A"] * (u + trains("A")))
+        self.add("bottleneck.unknown_B", comps["bottleneck.unknown_B"] * ((u or trains("A")) + trains("B")))
+        return h or k or trains("K")
+
     def model(self, T: int, M: int, comps: dict[str, int]) -> None:
         cfg, c = self.cfg, self.cfg.concept
         E = cfg.encoder_layers
@@ -571,7 +614,7 @@ class _Backward:
             z = h or pred or self.trains("concept.coupling.")
         dec = self.stack("token_layers", "decoder", cfg.token_windows[E:], T, z)
         self.dynamic_residuals(T, M, {"encoder": h, "concept": c.enabled and u, "decoder": dec})
-        out = dec or self.trains("final_norm.")
+        out = self.bottleneck(dec or self.trains("final_norm."), comps)
         lm_w = "lm_head.weight" in self.numel or (cfg.tie_embeddings and "embed.weight" in self.numel)
         self.add("lm_head", comps["lm_head"] * (out + lm_w))
         # the MTP head reads the final states (rg = ``out``) through its own norms: proj and the
@@ -601,6 +644,7 @@ PARAM_GROUPS = (
     "codebook",
     "codebook_transform",
     "dynamic_residuals",
+    "bottleneck",
     "norms_other",
 )
 
@@ -615,6 +659,7 @@ _PREFIXES = (
     ("concept.codebook.transform.", "codebook_transform"),
     ("concept.codebook.", "codebook"),  # frozen base codes (or a plain learned codebook)
     ("crc.", "dynamic_residuals"),
+    ("bottleneck.", "bottleneck"),  # Steerling's concept bottleneck: f, K, g, A, B
 )
 
 

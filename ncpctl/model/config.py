@@ -189,6 +189,108 @@ class ConceptConfig:
         False, "HF import: initialise the concept layers from the base's first C layers (else fresh).")
 
 
+BOTTLENECK_INDEPENDENCE = ("known_unknown", "known_unknown_residual")
+
+
+@dataclass
+class BottleneckConfig:
+    """Steerling's additive concept bottleneck (bottleneck.py): between the final norm and the LM
+    head, h = k K + u (A B) + e, with n labelled (known) concepts and m unknown ones. Defaults are
+    Steerling-8B's pre-training values (shared/papers/004: chunk 64, m = 3n, rank 256, dropout 0.1,
+    teacher forcing 1 -> 0.5); where the paper gives no number the choice is said."""
+
+    enabled: bool = _f(False, "Turn the concept bottleneck on (Steerling); off = the LM head reads h directly.")
+    concepts: int | None = _f(None, "n: labelled (known) concepts, the width of the labels (required when enabled).")
+    unknown: int | None = _f(None, "m: unknown concepts; null = 3n (Steerling: m = 3n).")
+    rank: int | None = _f(
+        None, "r: rank of the unknown embedding U = A B (A: (m, r), B: (r, d)); null = Steerling's 256, capped to "
+        "d_model and m (an explicit value above either is an error).")
+    chunk: int = _f(64, "Tokens per label chunk: the concept loss ORs a chunk's tokens, chunks start at position 0 "
+                        "(Steerling: 64, its diffusion block).")
+    dropout: float = _f(0.1, "Dropout on the residual e in training only, so the concepts must carry the signal "
+                             "(Steerling: 0.1 pre-training, 0.3 mid-training).")
+    concept_weight: float = _f(1.0, "Weight of the chunk-level concept BCE (the paper gives no value: 1).")
+    reconstruction_weight: float = _f(
+        1.0, "Weight of the reconstruction loss: mean squared error of u U toward h - k_true K (the paper gives "
+        "no value: 1).")
+    independence_weight: float = _f(
+        1.0, "Weight of the linear cross-covariance independence penalty (the paper gives no value: 1).")
+    independence: Literal["known_unknown", "known_unknown_residual"] = _f(
+        "known_unknown", "Independence penalty between kK and uU (pre-training); known_unknown_residual adds uU vs "
+        "e (Steerling's mid-training variant).")
+    teacher_forcing_start: float = _f(
+        1.0, "Teacher-forcing probability at step 0: a chunk's known concepts replaced by its causal labels "
+        "(Steerling: annealed from 1).")
+    teacher_forcing_end: float = _f(
+        0.5, "Teacher-forcing probability after teacher_forcing_steps (Steerling: 0.5 pre-training, 0 mid-training).")
+    teacher_forcing_steps: int = _f(
+        1000, "Optimizer steps of the linear anneal start -> end (the paper does not give its length).")
+    unknown_head: Literal["dense", "low_rank"] = _f(
+        "dense", "g, the unknown head's predictor: dense = Linear(d, m); low_rank = Linear(d, r) then Linear(r, m) "
+        "with the rank r of U (Steerling's released code factorises it so; at 8B it cuts the module's parameters "
+        "about in half).")
+    top_k_known: int | None = _f(None, "Keep the top-k known activations per token; null = dense (Steerling "
+                                       "mid-training: 32).")
+    top_k_unknown: int | None = _f(None, "Keep the top-k unknown activations per token; null = dense (Steerling "
+                                         "mid-training: 128).")
+
+
+def _check_bottleneck(b: BottleneckConfig, d: int) -> tuple[list[tuple[str, str]], int, int]:
+    """Problems of ``model.bottleneck`` and the derived (m, r); (0, 0) when it is off or broken."""
+    if not isinstance(b.enabled, bool):
+        return [("bottleneck.enabled", f"must be true or false, got {b.enabled!r}")], 0, 0
+    if not b.enabled:
+        return [], 0, 0
+    problems: list[tuple[str, str]] = []
+
+    def pos_int(key: str, v: Any, required: bool = False) -> bool:
+        if v is None and not required:
+            return False
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            why = "is required when bottleneck.enabled (the number of labelled concepts)" if v is None else \
+                f"must be a positive integer, got {v!r}"
+            problems.append((f"bottleneck.{key}", why))
+            return False
+        return True
+
+    n_ok = pos_int("concepts", b.concepts, required=True)
+    pos_int("unknown", b.unknown)
+    pos_int("chunk", b.chunk, required=True)
+    for key in ("top_k_known", "top_k_unknown", "rank"):
+        pos_int(key, getattr(b, key))
+    steps = b.teacher_forcing_steps
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        problems.append(("bottleneck.teacher_forcing_steps", f"must be an integer >= 0, got {steps!r}"))
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    if not num(b.dropout) or not 0 <= b.dropout < 1:
+        problems.append(("bottleneck.dropout", f"must be in [0, 1), got {b.dropout!r}"))
+    for key in ("teacher_forcing_start", "teacher_forcing_end"):
+        if not num(getattr(b, key)) or not 0 <= getattr(b, key) <= 1:
+            problems.append((f"bottleneck.{key}", f"a probability in [0, 1] is required, got {getattr(b, key)!r}"))
+    for key in ("concept_weight", "reconstruction_weight", "independence_weight"):
+        if not num(getattr(b, key)) or getattr(b, key) < 0:
+            problems.append((f"bottleneck.{key}", f"must be a number >= 0, got {getattr(b, key)!r}"))
+    if b.unknown_head not in ("dense", "low_rank"):
+        problems.append(("bottleneck.unknown_head", f"must be dense or low_rank, got {b.unknown_head!r}"))
+    if b.independence not in BOTTLENECK_INDEPENDENCE:
+        problems.append(("bottleneck.independence", f"must be one of {', '.join(BOTTLENECK_INDEPENDENCE)}, "
+                                                    f"got {b.independence!r}"))
+    rank_ok = isinstance(b.rank, int) and not isinstance(b.rank, bool) and b.rank > 0
+    if rank_ok and b.rank > d:
+        problems.append(("bottleneck.rank", f"{b.rank} exceeds d_model={d}: U = A B would not be low-rank"))
+    if problems or not n_ok:
+        return problems, 0, 0
+    m = b.unknown if b.unknown is not None else 3 * b.concepts
+    r = b.rank if b.rank is not None else min(256, d, m)
+    if r > m:
+        problems.append(("bottleneck.rank", f"{r} exceeds the {m} unknown concepts"))
+    if b.top_k_known is not None and b.top_k_known > b.concepts:
+        problems.append(("bottleneck.top_k_known", f"{b.top_k_known} exceeds the {b.concepts} known concepts"))
+    if b.top_k_unknown is not None and b.top_k_unknown > m:
+        problems.append(("bottleneck.top_k_unknown", f"{b.top_k_unknown} exceeds the {m} unknown concepts"))
+    return problems, (0 if problems else m), (0 if problems else r)
+
+
 @dataclass
 class ModelConfig:
     """One NCP model. With ``concept.enabled`` false it is exactly the HF backbone."""
@@ -266,6 +368,7 @@ class ModelConfig:
     mtp_stop_token: int | None = _f(
         None, "End-of-document token id: an MTP shift across it is not scored (null: shifts cross documents).")
     concept: ConceptConfig = _f(ConceptConfig, "The concept path.")
+    bottleneck: BottleneckConfig = _f(BottleneckConfig, "Steerling's additive concept bottleneck before the LM head.")
 
     # ---- derived (computed in __post_init__) ----
     padded_vocab_size: int = field(init=False)
@@ -283,10 +386,14 @@ class ModelConfig:
     concept_windows: tuple = field(init=False)
     learned_positions: bool = field(init=False)  # gpt2: a (max_seq_len, d) position embedding, no RoPE
     extra_layers: tuple = field(init=False)  # token-layer indices of PM's extra layers
+    bottleneck_unknown: int = field(init=False)  # m (0 without the bottleneck)
+    bottleneck_rank: int = field(init=False)  # r of U = A B (0 without the bottleneck)
 
     def __post_init__(self) -> None:
         if isinstance(self.concept, dict):
             self.concept = ConceptConfig(**self.concept)
+        if isinstance(self.bottleneck, dict):
+            self.bottleneck = BottleneckConfig(**self.bottleneck)
         c = self.concept
         problems: list[tuple[str, str]] = []
 
@@ -356,6 +463,8 @@ class ModelConfig:
             except ConfigError as e:
                 problems.extend(("concept.segmentation", m) for _, m in e.problems)
         problems += self._check_residuals(law)
+        bottleneck_problems, self.bottleneck_unknown, self.bottleneck_rank = _check_bottleneck(self.bottleneck, self.d_model)
+        problems += bottleneck_problems
         if problems:
             raise ConfigError(problems)
 
@@ -482,12 +591,14 @@ class ModelConfig:
         """Init fields only (derived ones are recomputed on load)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         out["concept"] = dataclasses.asdict(self.concept)
+        out["bottleneck"] = dataclasses.asdict(self.bottleneck)
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
         d["concept"] = ConceptConfig(**d.get("concept", {}))
+        d["bottleneck"] = BottleneckConfig(**d.get("bottleneck", {}))  # checkpoints before it: off
         return cls(**d)
 
 
@@ -567,7 +678,7 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any],
 
 
 def build_config(size: str, **overrides: Any) -> ModelConfig:
-    """The named ``size`` with ``overrides`` (nested dict for ``concept``) applied."""
+    """The named ``size`` with ``overrides`` (nested dicts for ``concept``, ``bottleneck``) applied."""
     if size not in SIZES:
         raise ConfigError([("size", f"unknown size {size!r}; known: {', '.join(SIZES)}")])
     merged = deep_merge(SIZES[size], {k: v for k, v in overrides.items() if v is not None})

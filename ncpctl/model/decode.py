@@ -114,7 +114,8 @@ def prefill(model, tokens: torch.Tensor, lengths, max_len: int | None, ivs: list
     h, depths = _encode(model, x, enc)
     z, concept_depths = _concept_prefill(model, st, h, lengths, ivs, depths) if cm is not None else (h, None)
     z = decoder_input_addition(ivs, z, positions)
-    return model.head(model.decode(z, _decoder_context(model, dec, st, positions, depths, concept_depths))), st
+    hN = model.decode(z, _decoder_context(model, dec, st, positions, depths, concept_depths))
+    return model.head(model.readout(hN)[0]), st  # the full forward's head path (bottleneck included)
 
 
 def _encode(model, x: torch.Tensor, ctx: Context):
@@ -203,7 +204,7 @@ def step(model, st: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
     z = decoder_input_addition(ivs, z, pos)
     dec = _decoder_context(model, dec, st, pos, depths, concept_depths)
     st.slot += 1
-    return model.head(model.decode(z, dec))[:, 0]
+    return model.head(model.readout(model.decode(z, dec))[0])[:, 0]
 
 
 def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, ivs: list,

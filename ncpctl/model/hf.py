@@ -472,8 +472,9 @@ def from_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[st
 
 def fresh_keys(cfg: ModelConfig) -> tuple[str, ...]:
     """Prefixes of the weights an HF import leaves at their init: the concept path (unless its
-    layers are copied, its heads and codebook still are) and PM's extra layers (unless copied)."""
-    fresh = ("concept.",)
+    layers are copied, its heads and codebook still are), the concept bottleneck (Steerling's
+    mid-training adds it to a base) and PM's extra layers (unless copied)."""
+    fresh = ("concept.", "bottleneck.")
     if not cfg.copy_extra_layers_from_base:
         fresh += tuple(_ours_layer(cfg, t) for t in cfg.extra_layers)
     return fresh

@@ -1,6 +1,6 @@
 """``NCPModel``: the whole NCP model in one place (spec ncp-model.md sections 1-5).
 
-Five stages, composed the same way by the full forward, the prefill and every decoding step
+Six stages, composed the same way by the full forward, the prefill and every decoding step
 (decode.py):
 
     embed_tokens: tokens (B, T) -> x (B, T, d)
@@ -9,7 +9,9 @@ Five stages, composed the same way by the full forward, the prefill and every de
                   (B, T, d), pred (B, M, d), code weights  -> codebook -> coupling (concept.py)
                   (B, M, S, N), losses, metrics
     decode:       z -> final-norm states (B, T, d)         decoder stack (D layers) + final norm
-    head:         -> logits (B, T, V) or the fused loss
+    readout:      h -> h_bar (B, T, d)                     Steerling's concept bottleneck h = kK + uU + e
+                                                           (bottleneck.py; h_bar = h outside training)
+    head:         h_bar -> logits (B, T, V) or the fused loss
 
 Token layer i of the backbone is ``encoder[i]`` if i < E else ``decoder[i-E]``, so HF weights
 map layer by layer. With ``concept.enabled`` false, E = 0, ``concept`` is None and the model
@@ -30,6 +32,7 @@ from torch import nn
 
 from .concept import ConceptModule, ConceptOutput, coupling_layer_factory
 from .coupling import Coupling
+from .bottleneck import BottleneckOutput, ConceptBottleneck
 from .config import ModelConfig
 from .decode import DecodeState, prefill, step
 from .head import LMHead
@@ -64,6 +67,8 @@ class NCPModel(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.mtp = MTPHead(cfg) if cfg.mtp_depth else None  # multi-token prediction (training only)
+        # Steerling's additive concept bottleneck before the LM head (with or without the concept path)
+        self.bottleneck = ConceptBottleneck(cfg) if cfg.bottleneck.enabled else None
         self.init_weights()
 
     @torch.no_grad()
@@ -158,6 +163,17 @@ class NCPModel(nn.Module):
             return self.final_norm(x), seen
         return self.final_norm(self.decoder(z, ctx))
 
+    def readout(self, h: torch.Tensor, concept_labels: torch.Tensor | None = None,
+                losses: bool = False) -> tuple[torch.Tensor, BottleneckOutput | None]:
+        """Final-norm states h (B, T, d) -> (what the LM head reads, the bottleneck's parts): h
+        itself without a bottleneck; with one, h_bar = k_hat + u_hat + e (== h outside training)."""
+        if self.bottleneck is None:
+            if concept_labels is not None:
+                raise ValueError("concept_labels given, but this model has no concept bottleneck (model.bottleneck)")
+            return h, None
+        parts = self.bottleneck(h, concept_labels, losses=losses)
+        return parts.h_bar, parts
+
     def head(self, h: torch.Tensor, targets: torch.Tensor | None = None):
         """(B, T, d) -> logits (B, T, V); with targets -> (logits or None, mean NTP loss)."""
         return self.lm_head(h) if targets is None else self.lm_head(h, targets)
@@ -184,10 +200,14 @@ class NCPModel(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 interventions: Sequence[Intervention] | None = None, return_hidden: bool = False,
-                return_states: bool = False, compute_logits: bool = True) -> NCPOutput:
+                return_states: bool = False, compute_logits: bool = True,
+                concept_labels: torch.Tensor | None = None, return_bottleneck: bool = False) -> NCPOutput:
         """idx (B, T) token ids; targets (B, T) next-token ids aligned with idx (targets[:, p]
         = x[p+1]), -100 = ignore. Returns logits (B, T, V) and, with targets, the losses;
-        ``return_hidden``: the final-norm states; ``return_states``: every stack's per-depth states."""
+        ``return_hidden``: the final-norm states; ``return_states``: every stack's per-depth states.
+        ``concept_labels`` (B, T, n) bool/float: token t carries evidence of labelled concept c
+        (the bottleneck's concept loss and teacher forcing); ``return_bottleneck``: its parts
+        (k, u, k_hat, u_hat, e) as ``out.bottleneck``, for attribution."""
         ivs = self.check_interventions(interventions)
         ctx, positions = self.token_context(idx.shape[1], idx.device, self.embed.weight.dtype)
         x = self.embed_tokens(idx, positions)  # (B, T, d)
@@ -205,15 +225,23 @@ class NCPModel(nn.Module):
             states = {"encoder": enc_states, "concept": co.states, "decoder": dec_states}
         out = NCPOutput(logits=None, concept=co if self.concept is not None else None, states=states,
                         hidden=hN if return_hidden else None, metrics=dict(co.metrics), stats=dict(co.stats))
+        h_bar, parts = self.readout(hN, concept_labels, losses=targets is not None)
+        if parts is not None:
+            out.metrics.update(parts.metrics)
+            out.bottleneck = parts if return_bottleneck else None
         if targets is None:
-            out.logits = self.head(hN) if compute_logits else None  # (B, T, V)
+            out.logits = self.head(h_bar) if compute_logits else None  # (B, T, V)
             return out
-        out.logits, ntp = self.head(hN, targets)  # == F.cross_entropy(lm_head(h).float(), targets)
-        out.losses = {"ntp_loss": ntp, **co.losses}
+        out.logits, ntp = self.head(h_bar, targets)  # == F.cross_entropy(lm_head(h_bar).float(), targets)
+        out.losses = {"ntp_loss": ntp, **co.losses, **(parts.losses if parts is not None else {})}
         out.loss = ntp
-        if self.concept is not None:
-            for name, weight in self.concept.loss_weights().items():
+        weights = {**(self.concept.loss_weights() if self.concept is not None else {}),
+                   **(self.bottleneck.loss_weights() if self.bottleneck is not None else {})}
+        for name, weight in weights.items():
+            if name in out.losses:  # the bottleneck's concept loss needs labels
                 out.loss = out.loss + weight * out.losses[name]
+        if parts is not None:
+            out.metrics["concept_share"] = self.bottleneck.share(parts, self.lm_head.weight, targets)
         if self.mtp is not None and self.training:  # validation and evaluation: the main head only
             out.losses["mtp_loss"], mtp_metrics = self.mtp(hN, targets, self)
             out.metrics.update(mtp_metrics)
@@ -240,13 +268,14 @@ class NCPModel(nn.Module):
         elif self.concept is not None and (self.crc is not None or type(self.concept.coupling).decoder_context
                                            is not Coupling.decoder_context):
             raise ValueError("from_decoder_input: this model's decoder reads the concepts; pass concept=out.concept")
-        return self.head(self.decode(z, dec_ctx))
+        return self.head(self.readout(self.decode(z, dec_ctx))[0])
 
     # ---- what the training loop logs (declared once, the same on every rank) ----
 
     def log_keys(self) -> list[LogKey]:
         keys = [LogKey("loss"), LogKey("ntp_loss")]
         keys += self.concept.log_keys() if self.concept is not None else []
+        keys += self.bottleneck.log_keys() if self.bottleneck is not None else []
         return keys + (self.mtp.log_keys() if self.mtp is not None else [])
 
     def attention_stats(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,

@@ -52,6 +52,8 @@ class NCPOutput:
     # with ``return_states``: {"encoder", "concept", "decoder"} -> each stack's input and every
     # layer's output (a list of n_layers + 1 tensors; concept: None when no concept closed)
     states: dict[str, Any] | None = None
+    # with ``return_bottleneck``: the concept bottleneck's parts (bottleneck.BottleneckOutput)
+    bottleneck: Any | None = None
 
     # ---- named views (the spec's vocabulary; None when the model does not produce them) ----
     @property

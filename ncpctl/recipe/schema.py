@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from ncpctl.model.config import ConceptConfig, ModelConfig
+from ncpctl.model.config import BottleneckConfig, ConceptConfig, ModelConfig
 
 
 class Section(BaseModel):
@@ -109,7 +109,9 @@ def _model_section(dc: type, name: str, nested: dict[str, type] | None = None) -
 
 
 ConceptSection = _model_section(ConceptConfig, "ConceptSection")
-_ModelOverrides = _model_section(ModelConfig, "_ModelOverrides", nested={"concept": ConceptSection})
+BottleneckSection = _model_section(BottleneckConfig, "BottleneckSection")
+_ModelOverrides = _model_section(ModelConfig, "_ModelOverrides",
+                                 nested={"concept": ConceptSection, "bottleneck": BottleneckSection})
 
 
 class ModelSection(_ModelOverrides):  # type: ignore[valid-type,misc]

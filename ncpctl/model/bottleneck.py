@@ -1,0 +1,319 @@
+"""Steerling's additive concept bottleneck (``model.bottleneck``; shared/papers/004, Fig. 16).
+
+Between the final norm and the linear LM head, the final-norm state h (B, T, d) is decomposed
+exactly into known (labelled) concepts, unknown concepts and a residual:
+
+    k     = sigmoid(f(h))            (B, T, n)   f = ``known``: Linear(d, n); optional top-k per token
+    k_hat = k @ K                    (B, T, d)   K: (n, d), the known concepts' embeddings
+    u     = sigmoid(g(sg(h)))        (B, T, m)   g = ``unknown``: Linear(d, m) (or d -> r -> m); optional top-k
+    u_hat = (u @ A) @ B              (B, T, d)   U = A B: A (m, r), B (r, d)
+    e     = h - k_hat - sg(u_hat)    (B, T, d)   not detached: the residual is what is left of h
+    h_bar = k_hat + sg(u_hat) + drop(e)          = h + (drop(e) - e); the LM head reads h_bar
+
+``drop`` is inverted dropout (``dropout``; Steerling 0.1, mid-training 0.3) in training only:
+outside training, and with dropout 0, h_bar IS h (bitwise), so the bottleneck never changes an
+evaluation's logits, decoding or the export's numbers; it makes every logit an exact sum of
+concept terms, logit_y = k K W_y + u U W_y + e W_y (``attribute``). The training signal comes from
+dropping e: the LM gradient reaches k_hat as (1 - mask / (1 - p)), and the dropout noise on e
+costs loss, which pushes k_hat + u_hat toward h so that the concepts carry the signal.
+
+The unknown head reads sg(h) and the LM reads sg(u_hat) (as Steerling's public code composes
+them): the unknown part learns from the reconstruction and independence losses only, and cannot
+open a second uninterpretable channel for the LM. K and f learn from the LM, the concept loss and
+the independence penalty.
+
+Labels ``(B, T, n)``: L[b, t, c] = 1 iff token t carries evidence of concept c. Chunks are
+``chunk`` tokens from position 0 (a trailing partial chunk is a chunk).
+
+* concept loss: BCE of the chunk's OR aggregation k_chunk = 1 - prod_t (1 - k_t) (from the dense
+  logits, before top-k) against the chunk label (OR of its tokens' labels), in log space:
+  log(1 - k_chunk) = sum_t logsigmoid(-z_t); mean over rows, chunks and concepts.
+* causal labels: at token t, concept c is known-true iff a token s <= t of t's chunk carries c
+  (the cumulative OR within the chunk; the whole chunk's label would show t its future).
+* teacher forcing (training only, labels given): with probability alpha per (row, chunk), that
+  chunk's k is replaced by its causal labels (all n concepts); alpha anneals linearly from
+  ``teacher_forcing_start`` to ``teacher_forcing_end`` over ``teacher_forcing_steps`` optimizer steps.
+* reconstruction: mean squared error of u_hat toward sg(h - k_true K), k_true the causal labels
+  (without labels: toward sg(h - k_hat), what the known part leaves).
+* independence: ||Cov(k_hat, u_hat)||_F^2, the squared Frobenius norm of the batch cross-covariance
+  (d, d) over all B*T tokens (linear HSIC); ``known_unknown_residual`` adds ||Cov(u_hat, e)||_F^2 with
+  e = sg(h) - k_hat - u_hat (mid-training).
+
+Metric ``concept_share``: for the scored token y of each position (the target in a training or
+validation forward), (|k_hat.W_y| + |u_hat.W_y|) / (|k_hat.W_y| + |u_hat.W_y| + |e.W_y|), the
+concepts' share of the logit magnitude (Steerling's 0.62 -> 0.85; the residual carries the rest),
+averaged over positions. ``detection_auc`` scores held-out chunk labels. ``respond_loss`` and
+``express_loss`` are Steerling's steering-stage terms, for a stage that injects directions
+(``concept_direction``). The MTP head (training only) reads the final-norm states, not h_bar.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .outputs import LogKey
+
+LOSSES = ("concept_loss", "reconstruction_loss", "independence_loss")
+
+
+@dataclass
+class BottleneckOutput:
+    """The parts of one forward's decomposition (B, T, ...) and its loss terms.
+
+    ``e`` is the residual term the LM head read (dropped out in training), so that
+    h_bar = k_hat + u_hat + e holds in every mode; ``k`` the known activations k_hat is made
+    of (after top-k and teacher forcing), ``k_logits`` f(h) (dense, before top-k)."""
+
+    h_bar: torch.Tensor
+    k: torch.Tensor  # (B, T, n)
+    k_logits: torch.Tensor  # (B, T, n)
+    u: torch.Tensor  # (B, T, m)
+    k_hat: torch.Tensor  # (B, T, d)
+    u_hat: torch.Tensor  # (B, T, d)
+    e: torch.Tensor  # (B, T, d)
+    losses: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class Attribution:
+    """Exact logit attribution of tokens y (B, T): logit = known + unknown + residual, and
+    known = per_concept.sum(-1) with per_concept[..., c] = k_c (K_c . W_y)."""
+
+    logit: torch.Tensor  # (B, T)
+    known: torch.Tensor  # (B, T)  k_hat . W_y
+    unknown: torch.Tensor  # (B, T)  u_hat . W_y
+    residual: torch.Tensor  # (B, T)  e . W_y
+    per_concept: torch.Tensor | None  # (B, T, n)
+
+    @property
+    def share(self) -> torch.Tensor:
+        """(B, T) the concepts' share of the logit magnitude (module docstring)."""
+        k, u, e = self.known.abs(), self.unknown.abs(), self.residual.abs()
+        return (k + u) / (k + u + e).clamp_min(1e-12)
+
+
+class ConceptBottleneck(nn.Module):
+    owns_init = True  # NCPModel.init_weights leaves it to reset_parameters (K, A, B, the prior bias)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        b = self.bcfg = cfg.bottleneck
+        d, n, m, r = cfg.d_model, b.concepts, cfg.bottleneck_unknown, cfg.bottleneck_rank
+        self.n, self.m, self.init_std = n, m, cfg.init_std
+        self.known = nn.Linear(d, n)  # f
+        self.K = nn.Parameter(torch.empty(n, d))
+        # g: dense, or factorised through the rank r of U (unknown_head: low_rank)
+        self.unknown = nn.Linear(d, m) if b.unknown_head == "dense" else \
+            nn.Sequential(nn.Linear(d, r, bias=False), nn.Linear(r, m))
+        self.A = nn.Parameter(torch.empty(m, r))
+        self.B = nn.Parameter(torch.empty(r, d))
+        self.alpha = float(b.teacher_forcing_start)  # the teacher-forcing probability of this step
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        unknown = [m for m in self.unknown.modules() if isinstance(m, nn.Linear)]
+        for p in (self.known.weight, *(m.weight for m in unknown), self.K, self.A, self.B):
+            nn.init.normal_(p, std=self.init_std)
+        # known prior: each token's k = ln2 / chunk, so a chunk's OR starts near 1/2 (a bias of 0,
+        # k = 1/2 per token, would start every chunk at 1 - 2^-chunk: a huge loss on the negatives)
+        q = math.log(2) / self.bcfg.chunk
+        nn.init.constant_(self.known.bias, math.log(q / (1 - q)))
+        nn.init.zeros_(unknown[-1].bias)
+
+    # ---- the schedule and what the loop logs ----
+
+    def on_step_begin(self, step: int) -> None:
+        b = self.bcfg
+        frac = 1.0 if b.teacher_forcing_steps == 0 else min(1.0, step / b.teacher_forcing_steps)
+        self.alpha = float(b.teacher_forcing_start + (b.teacher_forcing_end - b.teacher_forcing_start) * frac)
+
+    def loss_weights(self) -> dict[str, float]:
+        b = self.bcfg
+        return {"concept_loss": b.concept_weight, "reconstruction_loss": b.reconstruction_weight,
+                "independence_loss": b.independence_weight}
+
+    def log_keys(self) -> list[LogKey]:
+        return [*(LogKey(name) for name in LOSSES), LogKey("concept_share"),
+                LogKey("teacher_forcing", train_only=True)]
+
+    # ---- the decomposition ----
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, *, losses: bool = False) -> BottleneckOutput:
+        """Final-norm states h (B, T, d), labels (B, T, n) or None -> the parts; ``losses``: the
+        loss terms too (labels-free ones only without labels)."""
+        b = self.bcfg
+        causal = None
+        if labels is not None:
+            if labels.shape != (*h.shape[:2], self.n):
+                raise ValueError(f"concept_labels must be (B, T, n) = {(*h.shape[:2], self.n)}, got {tuple(labels.shape)}")
+            causal = causal_labels(labels, b.chunk).to(h.dtype)
+        z = self.known(h)  # (B, T, n)
+        k = top_k(torch.sigmoid(z), b.top_k_known)
+        if self.training and causal is not None and self.alpha > 0:
+            k = torch.where(chunk_mask(h.shape[0], h.shape[1], b.chunk, self.alpha, h.device), causal, k)
+        k_hat = k @ self.K  # (B, T, d)
+        hd = h.detach()
+        u = top_k(torch.sigmoid(self.unknown(hd)), b.top_k_unknown)  # (B, T, m)
+        u_hat = (u @ self.A) @ self.B  # (B, T, d)
+        e = h - k_hat - u_hat.detach()
+        if self.training and b.dropout > 0:
+            dropped = F.dropout(e, b.dropout, training=True)
+            h_bar = h + (dropped - e)  # = k_hat + sg(u_hat) + dropped
+        else:
+            dropped, h_bar = e, h  # exactly h: the decomposition is exact by construction
+        out = BottleneckOutput(h_bar=h_bar, k=k, k_logits=z, u=u, k_hat=k_hat, u_hat=u_hat, e=dropped)
+        if self.training:
+            out.metrics["teacher_forcing"] = h.new_tensor(self.alpha if causal is not None else 0.0)
+        if losses:
+            self._losses(out, z, hd, labels, causal)
+        return out
+
+    def _losses(self, out: BottleneckOutput, z, hd, labels, causal) -> None:
+        b = self.bcfg
+        if labels is not None:
+            out.losses["concept_loss"] = chunk_bce(z, labels, b.chunk)
+            target = hd - causal @ self.K.detach()  # h - k_true K
+        else:
+            target = hd - out.k_hat.detach()
+        out.losses["reconstruction_loss"] = F.mse_loss(out.u_hat.float(), target.float())
+        indep = cross_covariance(out.k_hat, out.u_hat)
+        if b.independence == "known_unknown_residual":
+            indep = indep + cross_covariance(out.u_hat, hd - out.k_hat - out.u_hat)
+        out.losses["independence_loss"] = indep
+
+    # ---- reading it: attribution, share, steering ----
+
+    def attribute(self, parts: BottleneckOutput, lm_head_weight: torch.Tensor, token_ids: torch.Tensor,
+                  per_concept: bool = True) -> Attribution:
+        """Exact attribution of the logits of ``token_ids`` (B, T) (e.g. the argmax) to the parts
+        of one forward (``NCPModel.forward(..., return_bottleneck=True).bottleneck``);
+        ``lm_head_weight`` (V, d): ``model.lm_head.weight``. ``per_concept`` False skips the
+        (B, T, n) per-concept terms (None then)."""
+        w = lm_head_weight[token_ids]  # (B, T, d) W_y
+        dot = lambda x: (x * w).sum(-1)  # noqa: E731
+        known, unknown, residual = dot(parts.k_hat), dot(parts.u_hat), dot(parts.e)
+        terms = parts.k * torch.einsum("btd,nd->btn", w, self.K) if per_concept else None
+        return Attribution(logit=known + unknown + residual, known=known, unknown=unknown, residual=residual,
+                           per_concept=terms)
+
+    @torch.no_grad()
+    def share(self, parts: BottleneckOutput, lm_head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean concept share over the positions whose target is not ignored (-100)."""
+        keep = targets != -100
+        att = self.attribute(parts, lm_head_weight, targets.clamp_min(0), per_concept=False)
+        return (att.share * keep).sum() / keep.sum().clamp_min(1)
+
+    def concept_direction(self, index: int) -> torch.Tensor:
+        """The steering direction of known concept ``index``: K_c / ||K_c||, (d,)."""
+        if not 0 <= index < self.n:
+            raise IndexError(f"known concept {index} is out of range (the bottleneck has {self.n})")
+        v = self.K[index].detach()
+        return v / v.norm().clamp_min(1e-12)
+
+
+# ---- label arithmetic (chunks of ``chunk`` tokens from position 0) ----
+
+
+def _chunked(x: torch.Tensor, chunk: int, fill: float = 0.0) -> torch.Tensor:
+    """(B, T, n) -> (B, C, chunk, n), C = ceil(T / chunk), the tail padded with ``fill``."""
+    B, T, n = x.shape
+    C = -(-T // chunk)
+    if C * chunk != T:
+        x = torch.cat([x, x.new_full((B, C * chunk - T, n), fill)], dim=1)
+    return x.view(B, C, chunk, n)
+
+
+def chunk_labels(labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Token labels (B, T, n) -> chunk labels (B, C, n): the OR of the chunk's tokens (float)."""
+    return _chunked(labels.float(), chunk).amax(dim=2)
+
+
+def causal_labels(labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B, T, n) -> (B, T, n): concept c at token t iff a token s <= t of t's chunk carries c."""
+    T = labels.shape[1]
+    x = _chunked(labels.float(), chunk).cummax(dim=2).values
+    return x.flatten(1, 2)[:, :T]
+
+
+def chunk_mask(B: int, T: int, chunk: int, alpha: float, device) -> torch.Tensor:
+    """(B, T, 1) bool: one Bernoulli(alpha) draw per (row, chunk), spread over its tokens."""
+    C = -(-T // chunk)
+    draw = torch.rand(B, C, 1, device=device) < alpha
+    return draw.repeat_interleave(chunk, dim=1)[:, :T]
+
+
+def _log_or(z: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Known logits (B, T, n) -> (log k_chunk, log(1 - k_chunk)) per chunk (B, C, n), fp32."""
+    s = _chunked(F.logsigmoid(-z.float()), chunk).sum(dim=2).clamp_max(-1e-30)  # log prod_t (1 - k_t)
+    # log(1 - exp(s)), stable on both sides of -ln 2
+    log_p = torch.where(s > -math.log(2), torch.log(-torch.expm1(s)), torch.log1p(-torch.exp(s)))
+    return log_p, s
+
+
+def chunk_probs(z: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Known logits (B, T, n) -> the OR-aggregated chunk probabilities 1 - prod_t (1 - k_t), (B, C, n)."""
+    return _log_or(z, chunk)[0].exp()
+
+
+def chunk_bce(z: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Mean BCE of the OR-aggregated chunk probabilities against the chunk labels."""
+    log_p, log_q = _log_or(z, chunk)
+    y = chunk_labels(labels, chunk)
+    return -(y * log_p + (1 - y) * log_q).mean()
+
+
+def top_k(x: torch.Tensor, k: int | None) -> torch.Tensor:
+    """Keep the k largest entries of the last dimension, zero the rest (None: dense)."""
+    if k is None or k >= x.shape[-1]:
+        return x
+    v, i = x.topk(k, dim=-1)
+    return torch.zeros_like(x).scatter(-1, i, v)
+
+
+def cross_covariance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """||Cov(x, y)||_F^2 of (B, T, d) x (B, T, d'), the covariance over all B*T tokens (fp32)."""
+    with torch.autocast(x.device.type, enabled=False):  # a sum of d^2 small squares: fp32, not bf16
+        xs, ys = x.reshape(-1, x.shape[-1]).float(), y.reshape(-1, y.shape[-1]).float()
+        xs, ys = xs - xs.mean(0), ys - ys.mean(0)
+        cov = xs.t() @ ys / max(xs.shape[0], 1)  # (d, d')
+        return cov.pow(2).sum()
+
+
+# ---- Steerling's steering-stage losses (mid-training; a stage that injects directions uses them) ----
+
+
+def respond_loss(k_logits: torch.Tensor, concept: int, positions: torch.Tensor) -> torch.Tensor:
+    """L_respond = -1/|I| sum_{t in I} log k_{c,t}: known concept ``concept``'s activation pushed to 1
+    at the positions ``positions`` (B, T) bool where its direction was injected; k_logits (B, T, n)."""
+    z = k_logits[..., concept].float()
+    return -(F.logsigmoid(z) * positions).sum() / positions.sum().clamp_min(1)
+
+
+def express_loss(logits: torch.Tensor, lift_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """L_express = -1/|I| sum_{t in I} log sum_{y in T_c} p(y | t): the probability of the concept's lift
+    tokens ``lift_tokens`` (ids, (L,)) raised at ``positions`` (B, T) bool; logits (B, T, V)."""
+    logp = logits.float().log_softmax(-1)[..., lift_tokens].logsumexp(-1)  # (B, T)
+    return -(logp * positions).sum() / positions.sum().clamp_min(1)
+
+
+def detection_auc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Rank-based ROC AUC (Mann-Whitney U, ties at their mean rank) of ``scores`` against binary
+    ``labels`` of one shape, pooled over every element (e.g. chunks x concepts: ``chunk_probs``
+    against ``chunk_labels``). NaN when the labels hold only one class."""
+    s, y = scores.detach().reshape(-1).double(), labels.reshape(-1).bool()
+    P = int(y.sum())
+    N = y.numel() - P
+    if P == 0 or N == 0:
+        return torch.tensor(float("nan"))
+    values, inverse, counts = torch.unique(s, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    mean_rank = ends - (counts.double() - 1) / 2  # 1-based mean rank of each distinct value
+    rank_sum = mean_rank[inverse][y].sum()
+    return (rank_sum - P * (P + 1) / 2) / (P * N)

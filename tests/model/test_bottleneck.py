@@ -1,0 +1,427 @@
+"""Steerling's additive concept bottleneck (model.bottleneck): config validation, the exact
+decomposition (h_bar == h outside training; logit = kKW + uUW + eW), the chunk OR loss and causal
+labels against direct references, causality with teacher forcing off and on, cached decoding,
+training on synthetic span labels, accounting, detection AUC and the export's refusal."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ncpctl.model.bottleneck import (
+    causal_labels, chunk_bce, chunk_labels, chunk_probs, cross_covariance, detection_auc, top_k,
+)
+from ncpctl.model.config import ConfigError, build_config
+from ncpctl.model.model import NCPModel
+
+from ._helpers import build, ragged_batch, tiny, tokens
+
+N_CONCEPTS = 6
+BN = dict(enabled=True, concepts=N_CONCEPTS, chunk=4, rank=8)
+
+
+def bn_cfg(concept: dict | None = None, **bottleneck):
+    return tiny("neox", concept=concept, bottleneck={**BN, **bottleneck})
+
+
+def span_labels(B: int, T: int, n: int, seed: int = 0, spans: int = 3) -> torch.Tensor:
+    """(B, T, n) bool: a few random spans per row, each labelled with one concept."""
+    g = torch.Generator().manual_seed(seed)
+    L = torch.zeros(B, T, n, dtype=torch.bool)
+    for b in range(B):
+        for _ in range(spans):
+            c, s = int(torch.randint(0, n, (1,), generator=g)), int(torch.randint(0, T, (1,), generator=g))
+            L[b, s : s + int(torch.randint(1, 6, (1,), generator=g)), c] = True
+    return L
+
+
+# ---- config ------------------------------------------------------------------------------
+
+
+def test_steerling_8b_sizes_and_the_low_rank_unknown_head():
+    """Steerling-8B's module: n = 33,732, m = 3n = 101,196, rank 256, d = 4096; the released code's
+    factorised g holds (d + m) r + m instead of d m + m."""
+    from ncpctl.model.accounting import count_parameters
+
+    n, m, d, r = 33_732, 101_196, 4096, 256
+    dense = build_config("llama3.1-8b", bottleneck=dict(enabled=True, concepts=n))
+    low = build_config("llama3.1-8b", bottleneck=dict(enabled=True, concepts=n, unknown_head="low_rank"))
+    assert (dense.bottleneck_unknown, dense.bottleneck_rank) == (m, r)
+    known = d * n + n + n * d
+    assert count_parameters(dense).components["bottleneck"] == known + d * m + m + m * r + r * d
+    assert count_parameters(low).components["bottleneck"] == known + (d + m) * r + m + m * r + r * d
+
+
+def test_defaults_and_derived_sizes():
+    off = build_config("debug")
+    assert not off.bottleneck.enabled and off.bottleneck_unknown == off.bottleneck_rank == 0
+    b = build_config("pythia-160m", bottleneck=dict(enabled=True, concepts=1000)).bottleneck
+    assert (b.chunk, b.dropout, b.teacher_forcing_start, b.teacher_forcing_end) == (64, 0.1, 1.0, 0.5)
+    cfg = build_config("pythia-160m", bottleneck=dict(enabled=True, concepts=1000))
+    assert (cfg.bottleneck_unknown, cfg.bottleneck_rank) == (3000, 256)  # m = 3n, rank 256
+    small = build_config("debug", bottleneck=dict(enabled=True, concepts=8))
+    assert (small.bottleneck_unknown, small.bottleneck_rank) == (24, 24)  # 256 capped to min(d=64, m)
+    again = type(cfg).from_dict(cfg.to_dict())
+    assert again.bottleneck == cfg.bottleneck and again.bottleneck_rank == 256
+    old = cfg.to_dict()
+    old.pop("bottleneck")  # a checkpoint from before the bottleneck: off
+    assert not type(cfg).from_dict(old).bottleneck.enabled
+
+
+@pytest.mark.parametrize("over,key,text", [
+    (dict(enabled=True), "bottleneck.concepts", "required"),
+    (dict(enabled=True, concepts=4, rank=128), "bottleneck.rank", "d_model=64"),
+    (dict(enabled=True, concepts=4, unknown=8, rank=16), "bottleneck.rank", "8 unknown"),
+    (dict(enabled=True, concepts=4, dropout=1.0), "bottleneck.dropout", "[0, 1)"),
+    (dict(enabled=True, concepts=4, chunk=0), "bottleneck.chunk", "positive"),
+    (dict(enabled=True, concepts=4, independence="hsic"), "bottleneck.independence", "known_unknown"),
+    (dict(enabled=True, concepts=4, teacher_forcing_end=1.5), "bottleneck.teacher_forcing_end", "probability"),
+    (dict(enabled=True, concepts=4, top_k_known=5), "bottleneck.top_k_known", "exceeds"),
+    (dict(enabled=True, concepts=4, concept_weight=-1), "bottleneck.concept_weight", ">= 0"),
+])
+def test_bad_keys_are_one_line_problems(over, key, text):
+    with pytest.raises(ConfigError) as e:
+        build_config("debug", bottleneck=over)
+    assert [k for k, _ in e.value.problems] == [key]
+    assert text in e.value.problems[0][1] and "\n" not in e.value.problems[0][1]
+
+
+def test_recipe_layer_names_the_key(tmp_path):
+    from ncpctl.errors import UserError
+    from ncpctl.recipe.load import load_recipe
+
+    (tmp_path / "r.yaml").write_text("model:\n  size: debug\n  bottleneck:\n    enabled: true\n    rank: 512\n")
+    with pytest.raises(UserError) as e:
+        load_recipe(tmp_path / "r.yaml", need_sources=False)
+    text = "\n".join(e.value.problems)
+    assert "model.bottleneck.concepts" in text
+    (tmp_path / "s.yaml").write_text("model:\n  size: debug\n  bottleneck:\n    enabled: true\n    concepts: 4\n"
+                                     "    chunk: 8\n")
+    r = load_recipe(tmp_path / "s.yaml", need_sources=False)
+    assert r.model_config.bottleneck.chunk == 8 and r.model_config.bottleneck_unknown == 12
+
+
+# ---- label arithmetic against direct references -------------------------------------------
+
+
+def test_causal_and_chunk_labels():
+    L = span_labels(2, 11, 3, seed=4, spans=5)
+    chunk = 4
+    ref_c = torch.zeros(2, 11, 3)
+    ref_k = torch.zeros(2, 3, 3)
+    for t in range(11):
+        start = t // chunk * chunk
+        ref_c[:, t] = L[:, start : t + 1].any(1).float()
+        ref_k[:, t // chunk] = torch.maximum(ref_k[:, t // chunk], L[:, t].float())
+    assert torch.equal(causal_labels(L, chunk), ref_c)
+    assert torch.equal(chunk_labels(L, chunk), ref_k)
+
+
+def test_chunk_bce_is_the_or_aggregation():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 10, 3, generator=g, dtype=torch.float64) * 3
+    L = span_labels(2, 10, 3, seed=1)
+    k = torch.sigmoid(z)
+    p = torch.stack([1 - (1 - k[:, s : s + 4]).prod(1) for s in range(0, 10, 4)], 1)  # (B, C, n)
+    y = chunk_labels(L, 4).double()
+    ref = -(y * p.log() + (1 - y) * (1 - p).log()).mean()
+    assert chunk_bce(z, L, 4).item() == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.allclose(chunk_probs(z, 4).double(), p, atol=1e-6)
+    # log space: saturated logits stay finite
+    far = torch.full((1, 64, 2), -40.0)
+    assert torch.isfinite(chunk_bce(far, torch.ones(1, 64, 2), 64)) and torch.isfinite(chunk_bce(-far, torch.zeros(1, 64, 2), 64))
+
+
+def test_top_k_and_cross_covariance():
+    x = torch.tensor([[0.1, 0.9, 0.5, 0.7]])
+    assert torch.equal(top_k(x, 2), torch.tensor([[0.0, 0.9, 0.0, 0.7]]))
+    a, b = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 2, dtype=torch.float64)
+    fa, fb = a.reshape(15, 4), b.reshape(15, 2)
+    cov = (fa - fa.mean(0)).t() @ (fb - fb.mean(0)) / 15
+    assert cross_covariance(a, b).item() == pytest.approx(cov.pow(2).sum().item(), rel=1e-5)
+
+
+def test_detection_auc_is_mann_whitney():
+    scores = torch.tensor([0.1, 0.4, 0.35, 0.8, 0.4, 0.9])
+    labels = torch.tensor([0, 0, 1, 1, 1, 0])
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    ref = sum(float(p > q) + 0.5 * float(p == q) for p in pos for q in neg) / (len(pos) * len(neg))
+    assert detection_auc(scores, labels).item() == pytest.approx(ref)
+    assert detection_auc(labels.float(), labels).item() == 1.0
+    assert math.isnan(detection_auc(scores, torch.zeros(6)).item())
+
+
+# ---- the decomposition is exact ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("concept", [None, dict(k=4)])
+def test_eval_logits_are_the_base_models_and_attribution_is_exact(concept):
+    """Outside training h_bar is h: the logits equal the same weights without a bottleneck, and
+    each logit is k K W_y + u U W_y + e W_y, per known concept k_c (K_c . W_y), to 1e-4 in fp32."""
+    cfg = bn_cfg(concept, top_k_known=3)
+    model = build(cfg, scale=0.2)
+    base = NCPModel(type(cfg).from_dict({**cfg.to_dict(), "bottleneck": {}})).eval()
+    base.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("bottleneck.")})
+    x = tokens(cfg, 2, 23)
+    with torch.no_grad():
+        out = model(x, return_bottleneck=True)
+        assert torch.equal(out.logits, base(x).logits)
+        parts = out.bottleneck
+        assert parts.k.shape == (2, 23, N_CONCEPTS) and parts.u.shape == (2, 23, 3 * N_CONCEPTS)
+        assert int((parts.k > 0).sum(-1).max()) <= 3  # top-k known
+        y = out.logits.argmax(-1)
+        att = model.bottleneck.attribute(parts, model.lm_head.weight, y)
+        logit = out.logits.gather(-1, y[..., None])[..., 0]
+        assert (att.logit - logit).abs().max() <= 1e-4
+        assert (att.per_concept.sum(-1) - att.known).abs().max() <= 1e-4
+        assert ((att.share >= 0) & (att.share <= 1)).all()
+
+
+def test_training_mode_drops_the_residual_only():
+    cfg = bn_cfg(dropout=0.5, teacher_forcing_start=0.0)
+    model = build(cfg).train()
+    x = tokens(cfg, 2, 16)
+    with torch.no_grad():
+        parts = model(x, return_bottleneck=True, return_hidden=True)
+    h, p = parts.hidden, parts.bottleneck
+    assert torch.allclose(p.h_bar, p.k_hat + p.u_hat + p.e, atol=1e-5)
+    assert not torch.allclose(p.h_bar, h)  # dropped
+    full = h - p.k_hat - p.u_hat
+    kept = p.e != 0
+    assert torch.allclose(p.e[kept], full[kept] / 0.5, atol=1e-5)  # inverted dropout on e
+    model.bottleneck.bcfg.dropout = 0.0
+    with torch.no_grad():
+        again = model(x, return_bottleneck=True, return_hidden=True)
+    assert torch.equal(again.bottleneck.h_bar, again.hidden)
+
+
+def test_steering_direction_and_gradients():
+    cfg = bn_cfg()
+    model = build(cfg).train()
+    v = model.bottleneck.concept_direction(2)
+    assert v.shape == (cfg.d_model,) and v.norm().item() == pytest.approx(1.0)
+    assert torch.allclose(v, model.bottleneck.K[2] / model.bottleneck.K[2].norm())
+    with pytest.raises(IndexError):
+        model.bottleneck.concept_direction(N_CONCEPTS)
+    x, L = tokens(cfg, 2, 16), span_labels(2, 16, N_CONCEPTS)
+    out = model(x, x, concept_labels=L)
+    assert {"concept_loss", "reconstruction_loss", "independence_loss"} <= set(out.losses)
+    assert set(out.metrics) >= {"concept_share", "teacher_forcing"}
+    names = [k.name for k in model.log_keys()]
+    assert {"concept_loss", "reconstruction_loss", "independence_loss", "concept_share"} <= set(names)
+    # the unknown head learns from reconstruction and independence only: the LM reads sg(u_hat)
+    model.zero_grad()
+    out.losses["ntp_loss"].backward()
+    assert model.bottleneck.A.grad is None or model.bottleneck.A.grad.abs().max() == 0
+    assert model.bottleneck.K.grad.abs().max() > 0
+    with pytest.raises(ValueError, match="concept_labels"):
+        model(x, x, concept_labels=L[..., :2])
+
+
+def test_teacher_forcing_schedule_and_use():
+    cfg = bn_cfg(teacher_forcing_start=1.0, teacher_forcing_end=0.5, teacher_forcing_steps=10, dropout=0.0)
+    model = build(cfg).train()
+    model.on_step_begin(0)
+    assert model.bottleneck.alpha == 1.0
+    model.on_step_begin(5)
+    assert model.bottleneck.alpha == pytest.approx(0.75)
+    model.on_step_begin(50)
+    assert model.bottleneck.alpha == 0.5
+    model.bottleneck.alpha = 1.0
+    x, L = tokens(cfg, 2, 16), span_labels(2, 16, N_CONCEPTS)
+    with torch.no_grad():
+        forced = model(x, concept_labels=L, return_bottleneck=True).bottleneck
+        assert torch.equal(forced.k, causal_labels(L, 4))  # every chunk forced to its causal labels
+        model.eval()  # never in evaluation / validation
+        free = model(x, concept_labels=L, return_bottleneck=True).bottleneck
+        assert not torch.equal(free.k, causal_labels(L, 4))
+        assert torch.equal(free.k, model(x, return_bottleneck=True).bottleneck.k)
+
+
+# ---- causality and cached decoding --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("forcing", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("concept", [None, dict(k=4)])
+def test_future_tokens_and_labels_change_no_earlier_logit_or_k(forcing, concept):
+    """Training mode with teacher forcing off, on and at 0.5 (same draws by seed): changing the
+    tokens and the labels from position p on leaves every logit and k before p unchanged."""
+    cfg = bn_cfg(concept, dropout=0.1)
+    model = build(cfg, scale=0.2).train()
+    model.bottleneck.alpha = forcing
+    T = 13
+    x, L = tokens(cfg, 2, T), span_labels(2, T, N_CONCEPTS, spans=6)
+
+    def run(xx, LL):
+        torch.manual_seed(7)  # the same dropout masks and teacher-forcing draws
+        with torch.no_grad():
+            out = model(xx, concept_labels=LL, return_bottleneck=True)
+        return out.logits, out.bottleneck.k
+
+    ref_logits, ref_k = run(x, L)
+    g = torch.Generator().manual_seed(3)
+    for p in range(1, T):
+        y, M = x.clone(), L.clone()
+        y[:, p:] = torch.randint(0, cfg.vocab_size, (2, T - p), generator=g)
+        M[:, p:] = torch.rand(2, T - p, N_CONCEPTS, generator=g) < 0.5
+        logits, k = run(y, M)
+        assert torch.allclose(logits[:, :p], ref_logits[:, :p], atol=1e-5, rtol=0), p
+        assert torch.allclose(k[:, :p], ref_k[:, :p], atol=1e-6, rtol=0), p
+
+
+@pytest.mark.parametrize("concept", [None, dict(k=4)])
+def test_cached_decode_equals_full_forward(concept):
+    cfg = bn_cfg(concept, top_k_known=2, top_k_unknown=5)
+    model = build(cfg, scale=0.2)
+    lengths, n_new = [5, 2, 7], 9
+    Tp = max(lengths)
+    seqs, prompt = ragged_batch(cfg, lengths, n_new)
+    with torch.no_grad():
+        full = [model(seqs[b : b + 1, : n + n_new]).logits[0] for b, n in enumerate(lengths)]
+        logits, state = model.prefill(prompt, lengths, max_len=Tp + n_new)
+        for b, n in enumerate(lengths):
+            assert (logits[b, Tp - n :] - full[b][:n]).abs().max() <= 1e-5
+        for t in range(n_new):
+            step = model.decode_step(state, torch.stack([seqs[b, n + t] for b, n in enumerate(lengths)]))
+            for b, n in enumerate(lengths):
+                assert (step[b] - full[b][n + t]).abs().max() <= 1e-5, (t, b)
+
+
+# ---- training on synthetic span labels ---------------------------------------------------------
+
+
+def _synthetic(cfg, B: int, T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token spans drawn from a concept's own 16-token range, labelled with that concept."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 100, (B, T), generator=g)
+    L = torch.zeros(B, T, N_CONCEPTS, dtype=torch.bool)
+    for b in range(B):
+        for _ in range(3):
+            c, s = int(torch.randint(0, N_CONCEPTS, (1,), generator=g)), int(torch.randint(0, T - 6, (1,), generator=g))
+            x[b, s : s + 6] = 100 + 16 * c + torch.randint(0, 16, (6,), generator=g)
+            L[b, s : s + 6, c] = True
+    return x, L
+
+
+def test_thirty_adamw_steps_reduce_the_concept_loss_and_detect_held_out_chunks():
+    cfg = build_config("debug", vocab_size=256, pad_vocab_multiple=64,
+                       bottleneck=dict(enabled=True, concepts=N_CONCEPTS, chunk=8, teacher_forcing_steps=30))
+    torch.manual_seed(0)
+    model = NCPModel(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x, L = _synthetic(cfg, 8, 64)
+    first = None
+    for step in range(30):
+        model.on_step_begin(step)
+        out = model(x, x.roll(-1, 1), concept_labels=L)
+        first = first if first is not None else out.losses["concept_loss"].item()
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        last = model(x, x.roll(-1, 1), concept_labels=L).losses["concept_loss"].item()
+        hx, hL = _synthetic(cfg, 8, 64, seed=1)  # held out
+        z = model(hx, return_bottleneck=True).bottleneck.k_logits
+        auc = detection_auc(chunk_probs(z, 8), chunk_labels(hL, 8)).item()
+    assert last < 0.7 * first, (first, last)
+    assert auc > 0.7, auc
+
+
+# ---- accounting ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [{}, dict(concept=dict(enabled=True)),
+                                   dict(independence="known_unknown_residual", top_k_known=3),
+                                   dict(unknown_head="low_rank")])
+def test_accounting_params_and_flops_equal_torchs_counter(extra):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ncpctl.model.accounting import PARAM_GROUPS, count_parameters, exact_flops
+
+    concept = extra.pop("concept", None)
+    cfg = build_config("debug", **({"concept": concept} if concept else {}),
+                       bottleneck=dict(enabled=True, concepts=8, chunk=8, rank=16, **extra))
+    d, n, m, r = cfg.d_model, 8, 24, 16
+    p = count_parameters(cfg)
+    assert "bottleneck" in PARAM_GROUPS and sum(p.components.values()) == p.total
+    g = d * m + m if extra.get("unknown_head") != "low_rank" else d * r + r * m + m
+    assert p.components["bottleneck"] == (d * n + n) + n * d + g + m * r + r * d
+    torch.manual_seed(0)
+    model, T, B = NCPModel(cfg).train(), 32, 2
+    x, L = torch.randint(0, cfg.vocab_size, (B, T)), torch.rand(B, T, 8) < 0.3
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(x, x, concept_labels=L).loss.backward()
+    e = exact_flops(cfg, T, B, trainable={k: v.numel() for k, v in model.named_parameters() if v.requires_grad})
+    assert {k for k in e.components if k.startswith("bottleneck.")} == {
+        "bottleneck.known", "bottleneck.known_embed", "bottleneck.unknown", "bottleneck.unknown_A",
+        "bottleneck.unknown_B"}
+    assert e.components["bottleneck.unknown_A"] == 2 * T * m * r and e.components["bottleneck.known"] == 2 * T * d * n
+    other = 0
+    if cfg.concept.enabled:  # as tests/model/test_accounting.py: pooling's adds, the ncp_code_acc metric
+        S, N, ds, M = cfg.n_segments, cfg.concept.codes, cfg.segment_dim, e.concept_positions
+        other = B * 2 * (M - 1) * S * N * ds - B * (e.components["concept.pooling"] + e.backward["concept.pooling"])
+    assert counter.get_total_flops() == e.training_per_step() + other
+
+
+# ---- export --------------------------------------------------------------------------------------
+
+
+def test_export_refuses_the_bottleneck(tmp_path):
+    from ncpctl.checkpoint import save_model_files
+
+    from ..conftest import run_cli
+
+    model = build(bn_cfg())
+    ck = tmp_path / "ck"
+    save_model_files(ck, model, step=0, tokens_seen=0, recipe=None, tokenizer_path=None)
+    r = run_cli("export", str(ck), "--out", str(tmp_path / "hf"))
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "model.bottleneck" in lines[0], r.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_respond_and_express_losses():
+    from ncpctl.model.bottleneck import express_loss, respond_loss
+
+    z = torch.tensor([[[0.0, 2.0], [1.0, -1.0], [3.0, 0.5]]])  # (1, 3, 2)
+    at = torch.tensor([[True, False, True]])
+    ref = -(math.log(torch.sigmoid(torch.tensor(2.0)).item()) + math.log(torch.sigmoid(torch.tensor(0.5)).item())) / 2
+    assert respond_loss(z, 1, at).item() == pytest.approx(ref, rel=1e-5)
+    logits = torch.randn(1, 3, 7)
+    lift = torch.tensor([2, 5])
+    p = logits.softmax(-1)[..., lift].sum(-1)  # (1, 3)
+    assert express_loss(logits, lift, at).item() == pytest.approx(-(p[0, 0].log() + p[0, 2].log()).item() / 2, rel=1e-5)
+
+
+def test_cli_reports_every_bottleneck_problem_at_once():
+    from ..conftest import REPO, run_cli
+
+    r = run_cli("pretrain", str(REPO / "recipes" / "debug.yaml"), "--set", "model.bottleneck.enabled=true",
+                "--set", "model.bottleneck.rank=999", "--set", "model.bottleneck.dropout=2")
+    assert r.returncode == 2
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 3 and all("model.bottleneck." in ln for ln in errors), r.stderr
+    assert any("model.bottleneck.concepts" in ln for ln in errors) and any("d_model=64" in ln for ln in errors)
+
+
+def test_hf_import_adds_a_fresh_bottleneck_with_the_bases_logits(tmp_path):
+    """midtrain from a Hugging Face base with model.bottleneck: the bottleneck starts fresh and,
+    outside training, the logits are exactly the base's."""
+    import transformers
+
+    from ncpctl.interop.hf_import import load_hf_pretrained
+    from ncpctl.model.hf import hf_config
+
+    torch.manual_seed(0)
+    hf = transformers.GPTNeoXForCausalLM(hf_config(tiny("neox"))).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    x = torch.randint(0, 200, (2, 19), generator=torch.Generator().manual_seed(2))
+    model = load_hf_pretrained(tmp_path / "hf", bottleneck=BN).eval()
+    assert model.bottleneck is not None
+    with torch.no_grad():
+        assert (model(x).logits - hf(input_ids=x).logits).abs().max() <= 1e-5
