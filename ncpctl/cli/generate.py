@@ -29,7 +29,7 @@ def main(
                                                 "(prompt i uses seed+i).", show_default=False)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompts decoded together.")] = 8,
     steer: Annotated[Optional[list[str]], typer.Option("--steer", help="Steer every prompt (repeatable): inline "
-                                                       "key=value,... (code=S/N or mix=S:N=W+..., strength=6logit "
+                                                       "key=value,... (code=S/N, mix=S:N=W+... or concept=NAME, strength=6logit "
                                                        "| 2norm, at=decoder_input | decoder.L | encoder.L, start, "
                                                        "length, penalty) or a spec file (.json/.yaml). A "
                                                        "--prompts-file JSON line may carry its own \"steer\".",
@@ -83,7 +83,8 @@ def main(
     loaded = load_model(checkpoint)
     steering = None
     if any(per_prompt):
-        steering = [[resolve(loaded.model, sp) for sp in specs] for specs in per_prompt]
+        names = loaded.meta.get("concept_names")
+        steering = [[resolve(loaded.model, sp, names) for sp in specs] for specs in per_prompt]
     if seed is not None:
         torch.manual_seed(seed)
     stream = len(prompts) == 1 and not json_out

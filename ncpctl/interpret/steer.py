@@ -3,9 +3,10 @@ to a layer's residual stream while generating, Steerling-style.
 
 A ``SteerSpec`` names
 
-* ``direction``: ``code:S/N`` (codebook code N of segment S, placed in segment S's slice of d)
-  or ``mix:S:N1=W1+N2=W2...`` (a mix of segment S's codes with those weights: what a block's
-  prediction puts in that segment);
+* ``direction``: ``code:S/N`` (codebook code N of segment S, placed in segment S's slice of d),
+  ``mix:S:N1=W1+N2=W2...`` (a mix of segment S's codes with those weights: what a block's
+  prediction puts in that segment) or ``concept:NAME`` (a labelled concept of the concept
+  bottleneck, ``model.bottleneck``: its embedding K_c, Steerling's e_c = K_c / ||K_c||);
 * ``at``: ``decoder_input`` (default) or ``encoder.L`` / ``decoder.L`` (after layer L, 0-based);
 * ``strength`` with its units: ``logit`` (nominal logit units, Steerling's: gamma = strength /
   peak(W_lm . e/||e||), so that the direction alone, read straight through the LM head, would
@@ -71,14 +72,14 @@ class SteerSpec:
     def from_dict(cls, d: dict[str, Any], where: str = "steer") -> "SteerSpec":
         known = {f.name for f in fields(cls)}
         d = dict(d)
-        if "code" in d or "mix" in d:  # the inline shorthand's keys
-            kind = "code" if "code" in d else "mix"
-            d["direction"] = f"{kind}:{d.pop(kind)}"
+        for kind in ("code", "mix", "concept"):  # the inline shorthand's keys
+            if kind in d:
+                d["direction"] = f"{kind}:{d.pop(kind)}"
         unknown = sorted(set(d) - known)
         if unknown:
-            raise UserError(f"{where}: unknown key {unknown[0]!r} (known: code, mix, {', '.join(sorted(known))})")
+            raise UserError(f"{where}: unknown key {unknown[0]!r} (known: code, mix, concept, {', '.join(sorted(known))})")
         if "direction" not in d:
-            raise UserError(f"{where}: no direction (code=S/N, mix=S:N=W+..., or direction=...)")
+            raise UserError(f"{where}: no direction (code=S/N, mix=S:N=W+..., concept=NAME, or direction=...)")
         if "strength" not in d:
             raise UserError(f"{where}: no strength (e.g. strength=6logit)")
         if "units" not in d:
@@ -101,7 +102,8 @@ class SteerSpec:
             if "=" not in part:
                 raise UserError(f"--steer {text!r}: {part!r} is not key=value")
             k, v = part.split("=", 1)
-            d[k.strip()] = _scalar(v.strip()) if k.strip() not in ("code", "mix", "direction", "at") else v.strip()
+            d[k.strip()] = _scalar(v.strip()) if k.strip() not in ("code", "mix", "concept", "direction", "at") \
+                else v.strip()
         return cls.from_dict(d, where=f"--steer {text!r}")
 
     @classmethod
@@ -154,10 +156,10 @@ def parse_direction(text: str) -> tuple[str, int, dict[int, float]]:
                 raise UserError(f"steer: direction {text!r}: {part!r} is not CODE=WEIGHT")
             weights[int(mm.group(1))] = float(mm.group(2))
         return "mix", int(m.group(1)), weights
-    if text.startswith("concept:"):
-        raise UserError(f"steer: direction {text!r}: labelled concepts need a model with a concept bottleneck "
-                        f"(model.bottleneck), which this version does not build yet")
-    raise UserError(f"steer: direction {text!r}: expected code:S/N or mix:S:N=W+N=W")
+    m = re.fullmatch(r"concept:(.+)", text)
+    if m:
+        return "concept", -1, {m.group(1).strip(): 1.0}  # type: ignore[dict-item]  (a name, resolved later)
+    raise UserError(f"steer: direction {text!r}: expected code:S/N, mix:S:N=W+N=W or concept:NAME")
 
 
 def parse_site(text: str) -> tuple[str, int | None]:
@@ -172,10 +174,25 @@ def parse_site(text: str) -> tuple[str, int | None]:
 # ----------------------------------------------------------------------------- against a model
 
 
-def direction_vector(model, spec: SteerSpec):
-    """The spec's direction e (d,) from the model's codebook (a UserError naming a bad code)."""
+def direction_vector(model, spec: SteerSpec, names: Sequence[str] | None = None):
+    """The spec's direction e (d,): from the model's codebook (a UserError naming a bad code), or
+    for ``concept:NAME`` the bottleneck's embedding K_c of labelled concept NAME (``names``: the
+    checkpoint's ``concept_names``), as Steerling steers."""
     import torch
 
+    kind, _, weights = parse_direction(spec.direction)
+    if kind == "concept":
+        (name,) = weights
+        if getattr(model, "bottleneck", None) is None:
+            raise UserError(f"steer: direction {spec.direction!r}: this checkpoint has no concept bottleneck "
+                            f"(model.bottleneck), so no labelled concepts to steer with")
+        if not names:
+            raise UserError(f"steer: direction {spec.direction!r}: the checkpoint records no concept names "
+                            f"(train it on a dataset with data.labels)")
+        if name not in names:
+            raise UserError(f"steer: direction {spec.direction!r}: unknown concept {name!r} (known: "
+                            f"{', '.join(list(names)[:12])}{', ...' if len(names) > 12 else ''})")
+        return model.bottleneck.concept_direction(list(names).index(name)).detach().float()
     if model.concept is None:
         raise UserError("steer: this checkpoint has no concept path, so no codebook to steer with")
     codes = model.concept.codebook().detach().float()  # (S, N, ds)
@@ -215,7 +232,8 @@ class Resolved:
         return {**self.spec.to_dict(), "gamma": self.gamma, "peak_logit_per_unit_norm": self.peak}
 
 
-def resolve(model, spec: SteerSpec) -> Resolved:
+def resolve(model, spec: SteerSpec, names: Sequence[str] | None = None) -> Resolved:
+    """``spec`` against ``model`` (``names``: the checkpoint's labelled concepts, for concept:NAME)."""
     import torch
 
     kind, layer = parse_site(spec.at)
@@ -223,7 +241,7 @@ def resolve(model, spec: SteerSpec) -> Resolved:
         n = len(getattr(model, kind))
         if layer >= n:
             raise UserError(f"steer: at {spec.at!r}: the {kind} has {n} layers (0..{n - 1})")
-    e = direction_vector(model, spec)
+    e = direction_vector(model, spec, names)
     resp, peak = _head_response(model, e)
     if spec.units == "logit" and peak <= 0:
         raise UserError(f"steer: direction {spec.direction!r} raises no token's logit (peak {peak:.3g}): "

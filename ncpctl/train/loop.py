@@ -247,6 +247,29 @@ def _dataset(recipe: Recipe, split: str) -> IndexedDataset:
     return IndexedDataset(prefix)
 
 
+def _labels(recipe: Recipe, ds: IndexedDataset) -> tuple[Any, list[str] | None]:
+    """The concept labels of ``ds`` (``PREFIX.labels.npy``, ncpctl.data.labels) when the model has a
+    concept bottleneck: (LabelSpans, the vocabulary from meta.json or None); (None, None) otherwise.
+    The bottleneck's ``concepts`` must equal the vocabulary's size."""
+    b = recipe.model_config.bottleneck
+    if not b.enabled:
+        return None, None
+    from ncpctl.data.labels import LabelSpans
+
+    prefix = str(ds.bin_path)[: -len(".bin")]
+    meta_path = Path(prefix).parent / "meta.json"
+    names = None
+    if meta_path.is_file():
+        names = (json.loads(meta_path.read_text()).get("labels") or {}).get("vocabulary")
+        if names is None:
+            raise UserError(f"{meta_path}: the dataset has no concept labels, but model.bottleneck is on",
+                            hint="set data.labels (python-ast or field) and run `ncpctl tokenize` again")
+        if len(names) != b.concepts:
+            raise UserError(f"model.bottleneck.concepts: {b.concepts}, but the dataset's label vocabulary has "
+                            f"{len(names)} names ({meta_path})", hint=f"set model.bottleneck.concepts={len(names)}")
+    return LabelSpans(prefix, ds.num_tokens, b.concepts), names
+
+
 def _check_vocab(recipe: Recipe, ds: IndexedDataset, vocab: int) -> None:
     """The data's token ids must fit the model's embedding (checked before training)."""
     meta_path = Path(str(ds.bin_path)[: -len(".bin")]).parent / "meta.json"
@@ -441,7 +464,9 @@ def _open_data(recipe: Recipe, d: Dist) -> tuple[IndexedDataset, IndexedDataset,
     t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
     train_ds, val_ds = _dataset(recipe, "train"), _dataset(recipe, "val")
     _check_vocab(recipe, train_ds, recipe.model_config.vocab_size)
-    loader = WindowLoader(train_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world)
+    labels, names = _labels(recipe, train_ds)
+    loader = WindowLoader(train_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world, labels=labels)
+    loader.concept_names = names  # the bottleneck's labelled concepts, recorded in checkpoints
     if loader.num_windows < G:
         raise UserError(f"{train_ds.bin_path}: {train_ds.num_tokens:,} tokens make {loader.num_windows} windows of "
                         f"seq_len+1 = {T + 1} tokens, fewer than one global batch of {G}",
@@ -619,9 +644,12 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
         if _attention_due(r.train.attention_stats_every, run.tot.step + 1) else None
     terms = torch.zeros(pk.n_terms, device=d.device)
     stats = torch.zeros(len(pk.stats), device=d.device)
-    for mb in batch.split(r.train.micro_batch_size):
+    labels = run.loader.last_labels()  # (micro * accum, T, n) concept-label evidence, or None
+    label_mbs = [None] * math.ceil(batch.shape[0] / r.train.micro_batch_size) if labels is None else \
+        torch.from_numpy(labels).split(r.train.micro_batch_size)
+    for mb, lab in zip(batch.split(r.train.micro_batch_size), label_mbs):
         x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)  # (micro, T) inputs, next tokens
-        o = engine(x, y)
+        o = engine(x, y) if lab is None else engine(x, y, concept_labels=lab.to(d.device))
         loss = o.loss * float("nan") if nan else o.loss
         engine.backward(loss)
         engine.step()  # DeepSpeed applies the update at the accumulation boundary
@@ -698,19 +726,32 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
     t, T, G = r.train, r.seq_len, r.global_batch_size
     S = cfg.n_segments if cfg.concept.enabled else 0
     engine.eval()
-    val = WindowLoader(run.val_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world)
+    labels, _ = _labels(r, run.val_ds)
+    val = WindowLoader(run.val_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world, labels=labels)
     batches = min(t.eval_batches, math.ceil(val.num_windows / G))
     acc = torch.zeros(pk.n_terms, device=d.device)
     counts = torch.zeros(S, cfg.concept.codes, device=d.device) if collect_codes and S else None
+    detection: list[tuple[torch.Tensor, torch.Tensor]] = []  # (chunk scores, chunk labels) per micro-batch
     with torch.no_grad():
         for _ in range(batches):
-            for mb in torch.from_numpy(next(val)).split(t.micro_batch_size):  # (micro, T+1)
-                o = engine(mb[:, :-1].to(d.device), mb[:, 1:].to(d.device))
+            windows = torch.from_numpy(next(val))
+            ev = val.last_labels()
+            label_mbs = [None] * math.ceil(windows.shape[0] / t.micro_batch_size) if ev is None else \
+                torch.from_numpy(ev).split(t.micro_batch_size)
+            for mb, lab in zip(windows.split(t.micro_batch_size), label_mbs):  # (micro, T+1)
+                x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)
+                if lab is None:
+                    o = engine(x, y)
+                else:
+                    o = engine(x, y, concept_labels=lab.to(d.device), return_bottleneck=True)
+                    detection.append(_chunk_detection(cfg, o, lab))
                 acc += pk.terms(o)
                 if counts is not None and o.pred is not None:
                     counts += _code_hits(engine, o.concept)
     terms = pk.split_terms(d.sum(acc), mean_over=d.world * batches * r.grad_accum_steps)
     run.tot.val = pk.scalars(terms)
+    if detection:
+        run.tot.val["concept_auc"] = _detection_auc(detection, d)
     if counts is not None:
         run.code_counts = d.sum(counts.flatten()).view(S, -1).numpy()
     engine.train()
@@ -720,11 +761,33 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
         run.display.validation(run.tot.step, run.tot.val)
 
 
+def _chunk_detection(cfg: Any, o: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Held-out concept detection of one micro-batch: the known head's chunk probabilities (the OR
+    over a chunk's tokens) against the chunk labels, both (B * chunks, n), on the CPU."""
+    from ncpctl.model.bottleneck import chunk_labels, chunk_probs
+
+    chunk = cfg.bottleneck.chunk
+    scores = chunk_probs(o.bottleneck.k_logits.float(), chunk).cpu()
+    return scores.reshape(-1, scores.shape[-1]), chunk_labels(labels.float(), chunk).reshape(-1, scores.shape[-1])
+
+
+def _detection_auc(parts: list[tuple[torch.Tensor, torch.Tensor]], d: Dist) -> float:
+    """Rank AUC over every (chunk, concept) pair of this rank's validation share, averaged over
+    ranks (AUC does not decompose over shards; one rank is exact). NaN when one class is absent."""
+    from ncpctl.model.bottleneck import detection_auc
+
+    scores = torch.cat([s for s, _ in parts]).flatten()
+    labels = torch.cat([lab for _, lab in parts]).flatten()
+    auc = float(detection_auc(scores, labels))
+    return float(d.sum(torch.tensor([auc], dtype=torch.float64)).item()) / d.world if d.world > 1 else auc
+
+
 def _save(run: _Run) -> None:
     """A checkpoint (collective): DeepSpeed's state plus the training state ncpctl.json records."""
     r, tot, stage = run.recipe, run.tot, run.stage
     meta = {"stage": stage.name, "tokens_seen": tot.tokens, "model_config": r.model_config.to_dict(),
             "optimizer": r.train.optimizer,
+            "concept_names": getattr(run.loader, "concept_names", None),  # model.bottleneck's labels
             "data": {"train": run.loader.state_dict(), "train_prefix": str(run.train_ds.bin_path)[:-4]},
             "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
             "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,

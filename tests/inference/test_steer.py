@@ -134,7 +134,7 @@ def test_cli_steer_save_and_prompts_file(runs, tmp_path):
     ("code=0/1,strength=2", "has no units"),
     ("code=0/1,strength=2logit,at=decoder.7", "the decoder has"),
     ("concept:def,strength=2logit", "is not key=value"),
-    ("direction=concept:class_def,strength=2logit", "labelled concepts need a model with a concept bottleneck"),
+    ("direction=concept:class_def,strength=2logit", "this checkpoint has no concept bottleneck (model.bottleneck)"),
 ])
 def test_bad_specs_are_one_error_line(runs, spec, message):
     r = run_cli("generate", str(runs["concept"]), "-p", "x", "-n", "2", "--steer", spec)

@@ -38,7 +38,19 @@ def pile_like(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 def test_every_recipe_file_is_covered() -> None:
     shipped = {p.stem for p in RECIPES.glob("*.yaml")}
-    assert shipped == {"debug", "pythia-common", *PYTHIA, *PAPER_RECIPES, *ARCHPREVIEW_RECIPES}
+    assert shipped == {"debug", "debug-bottleneck", "pythia-common", *PYTHIA, *PAPER_RECIPES, *ARCHPREVIEW_RECIPES}
+
+
+def test_debug_bottleneck_recipe() -> None:
+    """Steerling's bottleneck scaled down, on the built-in corpus labelled by the ast labeller
+    (trained through the CLI in tests/train/test_bottleneck_training.py)."""
+    from ncpctl.data.labels import PYTHON_CONCEPTS
+
+    r = load_recipe(RECIPES / "debug-bottleneck.yaml", need_sources=True)
+    b = r.model_config.bottleneck
+    assert r.data.labels == "python-ast" and b.enabled and b.concepts == len(PYTHON_CONCEPTS)
+    assert (b.chunk, b.dropout, b.teacher_forcing_start, b.teacher_forcing_end) == (16, 0.1, 1.0, 0.5)
+    assert r.model_config.bottleneck_unknown == 3 * b.concepts and r.run_dir == Path("runs/debug-bottleneck")
 
 
 def test_debug_recipe() -> None:
