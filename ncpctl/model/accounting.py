@@ -348,7 +348,8 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
     M = 0
     c = cfg.concept
     if c.enabled:
-        M = cfg.num_concepts(T)  # the segmentation's law (fixed blocks: T // k, a partial block not pooled)
+        # the segmentation's law (fixed blocks: T // k, a partial block not pooled; dynamic: T // R)
+        M = cfg.expected_concepts(T)
         S, N, ds = cfg.n_segments, c.codes, cfg.segment_dim
         comps["concept.pooling"] = round(M * cfg.tokens_per_concept) * d  # one add per pooled element
         con = _stack_flops(cfg, cfg.concept_windows, M)

@@ -145,13 +145,15 @@ class ConceptModule(nn.Module):
     # ---- full-sequence forward ----
 
     def forward(self, h: torch.Tensor, losses: bool, interventions=(), states: bool = False,
-                crc=None, enc_states: list | None = None) -> ConceptOutput:
+                crc=None, enc_states: list | None = None, sample_ids: torch.Tensor | None = None) -> ConceptOutput:
         """Encoder output h (B, T, d) -> ConceptOutput (decoder input z and the concept terms).
 
         ``crc`` (residual.CrossModules) with an encoder-concept connection pools every encoder
         depth ``enc_states`` (E + 1 of (B, T, d)) with the same segments and feeds them to the
-        concept stack; ``states`` also returns the concept stack's depths (concept-decoder CRC)."""
-        seg, pooled = self.segment(h, enc_states if crc is not None and crc.has("encoder-concept") else None)
+        concept stack; ``states`` also returns the concept stack's depths (concept-decoder CRC);
+        ``sample_ids`` (B,) global sample indices, for a segmenter whose sampling is keyed by them."""
+        seg, pooled = self.segment(h, enc_states if crc is not None and crc.has("encoder-concept") else None,
+                                   sample_ids)
         out = ConceptOutput(z=h, segments=seg, losses=dict(seg.losses), metrics=dict(seg.metrics),
                             stats=dict(seg.stats))
         M = seg.concepts.shape[1]
@@ -177,10 +179,13 @@ class ConceptModule(nn.Module):
             self._losses(seg, pred, codes, out)
         return out
 
-    def segment(self, h: torch.Tensor, depths: list | None) -> tuple[Segments, list | None]:
+    def segment(self, h: torch.Tensor, depths: list | None,
+                sample_ids: torch.Tensor | None = None) -> tuple[Segments, list | None]:
         """Segments of h; with ``depths`` (a width-independent segmentation) every depth is pooled
         by the same segments in one pass: (segments of h, [pooled depth (B, M, d)])."""
         if depths is None:
+            if getattr(self.segmenter, "keyed", False):  # its sampling noise is keyed by the sample index
+                return self.segmenter(h, sample_ids=sample_ids), None
             return self.segmenter(h), None
         seg = self.segmenter(torch.cat(depths, dim=-1))  # (B, M, K*d): h = depths[-1] comes last
         pooled = list(seg.concepts.chunk(len(depths), dim=-1))

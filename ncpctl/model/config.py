@@ -45,21 +45,61 @@ class SegmentationLaw:
     # pooling depends on positions only (not on the states): any tensor, e.g. every encoder depth
     # for the encoder-concept cross-module residual, can be pooled by the same segments
     pools_any_width: bool = False
+    # the segmentation's own recipe checks: (concept config, model config) -> [(concept key, message)]
+    check: Callable[["ConceptConfig", "ModelConfig"], list] | None = None
+    # data-dependent segmentations: the concepts the cost model counts in T tokens (None: ``concepts``)
+    expected_concepts: Callable[["ConceptConfig", int], int] | None = None
 
 
 # Fixed blocks of k tokens (ConceptLM): a trailing partial block is not pooled.
 FIXED_BLOCKS = SegmentationLaw(concepts=lambda c, T: T // c.k, tokens_per_concept=lambda c: float(c.k),
                                length_key="k", pools_any_width=True)
+BOUNDARY_MODES = ("predictor", "boundary")
+BALANCES = ("global", "sequence")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_dynamic(c: "ConceptConfig", cfg: "ModelConfig") -> list[tuple[str, str]]:
+    """The keys of ``segmentation: dynamic`` (DLCM Sec. 3.3, 8.1)."""
+    out = []
+    if c.boundary_mode not in BOUNDARY_MODES:
+        out.append(("boundary_mode", f"must be one of {', '.join(BOUNDARY_MODES)}, got {c.boundary_mode!r}"))
+    if not _is_number(c.target_ratio) or c.target_ratio <= 1:
+        out.append(("target_ratio", f"R must be a number > 1 (the target boundary rate is 1/R), got {c.target_ratio!r}"))
+    if c.balance not in BALANCES:
+        out.append(("balance", f"must be one of {', '.join(BALANCES)}, got {c.balance!r}"))
+    if not _is_number(c.balance_weight) or c.balance_weight < 0:
+        out.append(("balance_weight", f"must be a number >= 0, got {c.balance_weight!r}"))
+    if not _is_number(c.boundary_temperature) or c.boundary_temperature <= 0:
+        out.append(("boundary_temperature", f"must be a number > 0, got {c.boundary_temperature!r}"))
+    if not _is_number(c.boundary_threshold) or not 0 < c.boundary_threshold < 1:
+        out.append(("boundary_threshold", f"must be in (0, 1), got {c.boundary_threshold!r}"))
+    if c.boundary_mode == "boundary":
+        if c.boundary_tau is None:
+            out.append(("boundary_tau", "boundary_mode: boundary compares (1 - cos(h[t-1], h[t]))/2 against tau; "
+                                        "none given"))
+        elif not _is_number(c.boundary_tau) or not 0 < c.boundary_tau < 1:
+            out.append(("boundary_tau", f"must be in (0, 1), got {c.boundary_tau!r}"))
+    return out
+
+
+# Data-dependent boundaries (DLCM): at most T - 1 segments close within T tokens (the last one is
+# still open); the cost model counts T / R concepts at the target ratio R.
+DYNAMIC = SegmentationLaw(concepts=lambda c, T: max(T - 1, 0), tokens_per_concept=lambda c: float(c.target_ratio),
+                          check=_check_dynamic, expected_concepts=lambda c, T: int(T // c.target_ratio))
 CRC_CONNECTIONS = ("encoder-concept", "encoder-decoder", "concept-decoder")
 
 # Names of the extension points' strategies: name -> a class, a "module:attr" import path
 # (relative paths are resolved in this package) or, for segmentations, also its law.
 STRATEGIES: dict[str, dict[str, Any]] = {
-    "segmentation": {"fixed": ".segment:FixedBlocks"},
-    "coupling": {"add": ".coupling:AddCoupling"},
+    "segmentation": {"fixed": ".segment:FixedBlocks", "dynamic": ".dynamic:DynamicSegmenter"},
+    "coupling": {"add": ".coupling:AddCoupling", "cross_attention": ".coupling:CrossAttentionCoupling"},
     "residual": {"plain": ".layers:PlainResidual", "irc": ".residual:IRC"},
 }
-LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS}
+LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS, "dynamic": DYNAMIC}
 
 
 def _check_rope_scaling(rs: Any) -> list[tuple[str, str]]:
@@ -184,6 +224,32 @@ class ConceptConfig:
         "so the term only adds commitment x the codebook distance to the logged value: it has no gradient "
         "(NCP-ArchPreview Eq. 21 has no such term; 0 gives its value).")
     rope_scale_by_k: bool = _f(False, "Concept transformer RoPE positions j -> j*k (token-aligned).")
+    d_concept: int | None = _f(
+        None, "Width of the concept transformer (DLCM: d_concept 3072 over d_token 1536); null = d_model. Only "
+        "d_model is implemented so far (issue 13).")
+    boundary_mode: Literal["predictor", "boundary"] = _f(
+        "predictor", "segmentation: dynamic. predictor = DLCM Sec. 3.3.1: p_t = (1 - cos(W_q h[t-1], W_k h[t]))/2, "
+        "W_q = W_k = I at init, p_0 = 1, trained by the balance loss only; boundary = Sec. 8.1's rule: a boundary "
+        "where (1 - cos(h[t-1], h[t]))/2 >= boundary_tau (no parameters, the same in training and inference).")
+    boundary_temperature: float = _f(
+        0.5, "predictor, training: boundaries are Bernoulli(sigmoid(logit(p)/temperature)); < 1 sharpens p away "
+        "from 0.5 (the paper names a temperature but no value); 1 = Bernoulli(p).")
+    boundary_threshold: float = _f(0.5, "predictor, inference: b_t = [p_t >= threshold] (DLCM: 0.5).")
+    boundary_tau: float | None = _f(None, "boundary mode: the threshold tau on (1 - cos(h[t-1], h[t]))/2; required there.")
+    boundary_grad_to_encoder: bool = _f(
+        False, "predictor: let the balance loss's gradient reach the encoder through h (false: W_q and W_k see "
+        "h detached, so only they learn from it). The LM loss never reaches W_q, W_k.")
+    target_ratio: float = _f(4.0, "R: target tokens per concept of segmentation: dynamic (DLCM: 4); boundary rate 1/R.")
+    balance: Literal["global", "sequence"] = _f(
+        "global", "Load balance L_aux (DLCM Eq. 10) over: global = the global batch (the Global Parser; F is the "
+        "previous optimizer step's global boundary rate, G the batch mean of p); sequence = each sequence's own "
+        "F and G, averaged (Table 4's Normal).")
+    balance_weight: float = _f(
+        0.03, "lambda: weight of L_aux in the loss (the DLCM notes give none; 0.03 is H-Net's ratio-loss weight).")
+    cross_attention: Literal["per_concept", "replicated"] = _f(
+        "per_concept", "coupling: cross_attention (DLCM Eq. 14). per_concept = a softmax over the closed concepts, "
+        "each once; replicated = DLCM Sec. 4.1's kernel: each concept's key/value copied onto the tokens of the "
+        "next segment under a causal mask, so a concept weighs by its visible copies (ncp-model.md section 8).")
     copy_concept_layers_from_base: bool = _f(
         False, "HF import: initialise the concept layers from the base's first C layers (else fresh).")
 
@@ -322,6 +388,7 @@ class ModelConfig:
                 ("add", ("raw", "normed")),
                 ("ncp_reduction", ("mean", "sum_dim", "sum_segment")),
                 ("vq_reduction", ("mean", "sum_segment")),
+                ("cross_attention", ("per_concept", "replicated")),
             ):
                 if getattr(c, name) not in allowed:
                     problems.append((f"concept.{name}", f"must be one of {', '.join(allowed)}, got {getattr(c, name)!r}"))
@@ -343,6 +410,11 @@ class ModelConfig:
                 law = segmentation_law(c.segmentation)
             except ConfigError as e:
                 problems.extend(("concept.segmentation", m) for _, m in e.problems)
+        if law is not None and law.check is not None:
+            problems.extend((f"concept.{k}", m) for k, m in law.check(c, self))
+        if c.enabled and c.d_concept is not None and c.d_concept != self.d_model:
+            problems.append(("concept.d_concept", f"a concept width other than d_model={self.d_model} is not "
+                                                  f"implemented yet (issue 13), got {c.d_concept!r}"))
         problems += self._check_residuals(law)
         if problems:
             raise ConfigError(problems)
@@ -437,6 +509,14 @@ class ModelConfig:
     def num_concepts(self, T: int) -> int:
         """Concepts a T-token sequence gives (the segmentation's law; 0 without the path)."""
         return segmentation_law(self.concept.segmentation).concepts(self.concept, T) if self.concept.enabled else 0
+
+    def expected_concepts(self, T: int) -> int:
+        """Concepts the cost model counts in T tokens: ``num_concepts`` for a fixed law, T / R at the
+        target ratio for a data-dependent one (whose ``num_concepts`` is a cache bound)."""
+        if not self.concept.enabled:
+            return 0
+        law = segmentation_law(self.concept.segmentation)
+        return (law.expected_concepts or law.concepts)(self.concept, T)
 
     @property
     def tokens_per_concept(self) -> float | None:

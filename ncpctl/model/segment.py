@@ -76,6 +76,9 @@ class Segmenter(nn.Module):
 
     law: SegmentationLaw
     owns_init = False  # True: NCPModel.init_weights leaves this module to its reset_parameters
+    # True: ``forward(h, sample_ids=...)`` also receives each row's global sample index (B,) or None,
+    # the key of sampling noise that must not depend on the rank or the batch position (DLCM)
+    keyed = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
