@@ -194,7 +194,10 @@ class DynamicSegmenter(Segmenter):
         return Segments(c, torch.arange(M, device=h.device)[None], valid=valid, closed=sid, n_closed=n_closed)
 
     def _terms(self, seg: Segments, p: torch.Tensor, b: torch.Tensor) -> None:
-        """Metrics, the per-step statistics and the balance loss of one forward (every token counts)."""
+        """Metrics, the per-step statistics and the balance loss of one forward (every token counts).
+        The logged means over micro-batches and ranks of ``boundary_rate`` and ``boundary_prob`` are
+        the global F and G (equal token counts); that of ``tokens_per_concept`` is a mean of ratios:
+        the global value is ``boundary_tokens / boundaries`` of the step statistics."""
         n = float(b.numel())
         bf = b.to(p.dtype)
         count = bf.sum()

@@ -14,7 +14,9 @@ from .conftest import metrics, ncpctl, result
 SETS = ["--set", "train.max_steps=3", "--set", "train.eval_every=0", "--set", "train.save_every=0",
         "--set", "model.concept.segmentation=dynamic", "--set", "model.concept.ncp_weight=0",
         "--set", "model.concept.vq_weight=0"]
-KEYS = ("boundary_rate", "boundary_prob", "balance_loss", "tokens_per_concept", "loss")
+# (the logged tokens_per_concept is the mean of each micro-batch's ratio, so it depends on the
+# micro-batch size; the global one is boundary_tokens / boundaries of the step statistics)
+KEYS = ("boundary_rate", "boundary_prob", "balance_loss", "loss", "boundaries", "boundary_tokens")
 
 
 @pytest.mark.slow
@@ -32,4 +34,4 @@ def test_one_rank_two_ranks_and_no_accumulation_agree(make_recipe) -> None:
         for other in ("two", "whole"):
             got = logs[other][step]
             for k in KEYS:
-                assert abs(got[k] - ref[k]) <= 1e-4 * max(1.0, abs(ref[k])), (other, step, k, got[k], ref[k])
+                assert abs(got[k] - ref[k]) <= 1e-5 * max(1.0, abs(ref[k])), (other, step, k, got[k], ref[k])
