@@ -109,7 +109,8 @@ class CrossAttentionCoupling(Coupling):
     * ``replicated`` (DLCM Sec. 4.1's kernel): concept j's key/value copied onto the tokens at which
       it is the latest closed concept (segment j+1), under an ordinary causal mask; computed here
       exactly as the per-concept softmax with the bias log(copies visible at t), which is what
-      repeated keys do to a softmax. Cached decoding supports ``per_concept`` only so far.
+      repeated keys do to a softmax. Decoding keeps each row's copy counts: every new token adds one
+      copy of its latest closed concept.
 
     Concept smoothing (Sec. 3.5.1) is not implemented yet (the paper does not specify it).
     """
@@ -162,22 +163,27 @@ class CrossAttentionCoupling(Coupling):
     # ---- incremental decoding: each row's concept keys/values and closed count ----
 
     def decode_state(self, pred, seg, segmenter, like) -> dict:
-        if self.replicated:
-            raise NotImplementedError("cached decoding of concept.cross_attention: replicated (issue 13); "
-                                      "use per_concept")
-        B, d = like.shape[0], like.shape[-1]
+        B, Tp = like.shape[0], like.shape[1]
         if pred is None:
             k = v = like.new_zeros(B, self.H, 0, self.hd)
         else:
             k, v = self.keys_values(pred)
-        return {"k": k, "v": v, "n": seg.n_closed.clone()}
+        state = {"k": k, "v": v, "n": seg.n_closed.clone()}
+        if self.replicated:  # copies of each concept among the prompt's real tokens (B, M)
+            closed = segmenter.closed_counts(seg, Tp)  # aligned layout: row b real for t < lengths[b]
+            real = torch.arange(Tp, device=like.device)[None] < seg.lengths[:, None]
+            state["copies"] = self.copies(torch.where(real, closed, 0), k.shape[2])[:, -1]
+        return state
 
     def decode_update(self, state, closing, pred) -> None:
         k, v = self.keys_values(pred[:, None])  # (B, H, 1, hd) of the concept at closing.index
         K, V = state["k"], state["v"]
         if closing.length > K.shape[2]:  # room for index < length
-            grow = K.new_zeros(K.shape[0], K.shape[1], closing.length - K.shape[2], K.shape[3])
+            more = closing.length - K.shape[2]
+            grow = K.new_zeros(K.shape[0], K.shape[1], more, K.shape[3])
             K, V = torch.cat([K, grow], 2), torch.cat([V, grow], 2)
+            if "copies" in state:
+                state["copies"] = torch.cat([state["copies"], state["copies"].new_zeros(K.shape[0], more)], 1)
         rows, j = torch.arange(K.shape[0], device=K.device), closing.index
         keep = closing.closed[:, None, None]  # (B, 1, 1) against (B, H, hd)
         K[rows, :, j] = torch.where(keep, k[:, :, 0], K[rows, :, j])
@@ -189,5 +195,10 @@ class CrossAttentionCoupling(Coupling):
         M = state["k"].shape[2]
         if M == 0:
             return h
-        vis = (torch.arange(M, device=h.device)[None] < state["n"][:, None])[:, None]  # (B, 1, M)
-        return h + self.attend(h, state["k"], state["v"], vis.long())
+        latest = torch.arange(M, device=h.device)[None] == (state["n"] - 1)[:, None]  # (B, M); none while n = 0
+        if "copies" in state:  # the new token is one more copy of its latest closed concept
+            state["copies"] = state["copies"] + latest.long()
+            copies = state["copies"]
+        else:
+            copies = (torch.arange(M, device=h.device)[None] < state["n"][:, None]).long()
+        return h + self.attend(h, state["k"], state["v"], copies[:, None])

@@ -151,6 +151,7 @@ def _concept_prefill(model, st: DecodeState, h: torch.Tensor, lengths: list[int]
     lengths_t = torch.tensor(lengths, device=dev)
     st.seg = cm.segmenter.decode_init(B, h_in.shape[-1], dev, h.dtype)
     seg = cm.segmenter.decode_prefill(st.seg, h_al, lengths_t, lengths)
+    seg.lengths = lengths_t
     pooled = None
     if pooled_depths is not None:
         pooled = list(seg.concepts.chunk(len(pooled_depths), dim=-1))

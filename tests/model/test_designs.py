@@ -61,6 +61,10 @@ DESIGNS = {
     # DLCM's token-to-concept cross-attention (Eq. 14), over dynamic and over fixed segments
     "dlcm-cross-attention-llama": tiny("llama", concept=dict(segmentation="dynamic", coupling="cross_attention")),
     "cross-attention-fixed-blocks-neox": tiny("neox", concept=dict(coupling="cross_attention")),
+    "dlcm-cross-attention-replicated-llama": tiny("llama", concept=dict(
+        segmentation="dynamic", coupling="cross_attention", cross_attention="replicated")),
+    "cross-attention-replicated-alternating-neox": tiny("neox", concept=dict(
+        segmentation="alt23", coupling="cross_attention", cross_attention="replicated")),
     # the cross sub-layer under post-norm: sequential (llama) and parallel (neox) blocks
     "toy-cross-attention-llama-post": tiny("llama", norm_placement="post", qk_norm="layer", concept=dict(
         coupling="cross_attend")),
