@@ -112,7 +112,10 @@ class CrossAttentionCoupling(Coupling):
       repeated keys do to a softmax. Decoding keeps each row's copy counts: every new token adds one
       copy of its latest closed concept.
 
-    Concept smoothing (Sec. 3.5.1) is not implemented yet (the paper does not specify it).
+    Concept smoothing (Sec. 3.5.1; the paper does not specify it): a causal two-tap filter over the
+    concept sequence, z~_j = z_j + s * z_{j-1} (z_{-1} = 0) with a learned per-dimension s, zero at
+    init (no smoothing). Concept j-1 closed before concept j, so z~_j is visible exactly when z_j
+    is; it reads no boundary probability, so the LM loss still cannot reach the predictor.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -124,6 +127,12 @@ class CrossAttentionCoupling(Coupling):
         self.wkv = nn.Linear(d, 2 * d, bias=False)
         self.wo = nn.Linear(d, d, bias=False)
         self.q_norm, self.k_norm = RMSNorm(self.hd, cfg.norm_eps), RMSNorm(self.hd, cfg.norm_eps)
+        self.smooth = nn.Parameter(torch.zeros(d))  # concept smoothing, zero = none (init_weights keeps it)
+
+    def smoothed(self, mem: torch.Tensor) -> torch.Tensor:
+        """Concepts (B, M, d) -> z~ (B, M, d): z_j + s * z_{j-1}, causal over the concept index."""
+        prev = torch.cat([mem.new_zeros(mem.shape[0], 1, mem.shape[2]), mem[:, :-1]], dim=1)
+        return mem + self.smooth * prev
 
     def keys_values(self, mem: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Concepts (B, M, d) -> k, v (B, H, M, hd), k normed per head."""
@@ -157,18 +166,22 @@ class CrossAttentionCoupling(Coupling):
         if pred is None:  # no concept closed in any row
             return h
         closed = segmenter.closed_counts(seg, h.shape[1])
-        k, v = self.keys_values(pred)
+        k, v = self.keys_values(self.smoothed(pred))
         return h + self.attend(h, k, v, self.copies(closed, pred.shape[1]))
 
     # ---- incremental decoding: each row's concept keys/values and closed count ----
 
     def decode_state(self, pred, seg, segmenter, like) -> dict:
         B, Tp = like.shape[0], like.shape[1]
+        last = like.new_zeros(B, like.shape[-1])  # the latest closed concept (smoothing's z_{j-1})
         if pred is None:
             k = v = like.new_zeros(B, self.H, 0, self.hd)
         else:
-            k, v = self.keys_values(pred)
-        state = {"k": k, "v": v, "n": seg.n_closed.clone()}
+            k, v = self.keys_values(self.smoothed(pred))
+            n = seg.n_closed
+            at = pred[torch.arange(B, device=pred.device), (n - 1).clamp_min(0)]
+            last = torch.where((n > 0)[:, None], at, last)
+        state = {"k": k, "v": v, "n": seg.n_closed.clone(), "last": last}
         if self.replicated:  # copies of each concept among the prompt's real tokens (B, M)
             closed = segmenter.closed_counts(seg, Tp)  # aligned layout: row b real for t < lengths[b]
             real = torch.arange(Tp, device=like.device)[None] < seg.lengths[:, None]
@@ -176,7 +189,9 @@ class CrossAttentionCoupling(Coupling):
         return state
 
     def decode_update(self, state, closing, pred) -> None:
-        k, v = self.keys_values(pred[:, None])  # (B, H, 1, hd) of the concept at closing.index
+        # the concept at closing.index, smoothed with the row's previous one: (B, H, 1, hd)
+        k, v = self.keys_values((pred + self.smooth * state["last"])[:, None])
+        state["last"] = torch.where(closing.closed[:, None], pred, state["last"])
         K, V = state["k"], state["v"]
         if closing.length > K.shape[2]:  # room for index < length
             more = closing.length - K.shape[2]

@@ -144,3 +144,20 @@ def test_a_token_never_sees_its_own_segments_concept():
         bumped[0, j] += 1.0
         changed = (run(bumped) - base).abs().amax(-1)[0] > 1e-9  # (T,)
         assert changed.tolist() == (closed[0] > j).tolist(), j  # visible exactly once segment j closed
+
+
+def test_concept_smoothing_is_causal_and_starts_as_none():
+    """z~_j = z_j + s * z_{j-1}: zero s at init (a fresh model), and with s set a concept's
+    smoothed value depends on itself and the one before it only."""
+    from ncpctl.model.model import NCPModel
+
+    cfg = tiny("llama", concept=dict(segmentation="dynamic", coupling="cross_attention"))
+    assert torch.equal(NCPModel(cfg).concept.coupling.smooth, torch.zeros(32))
+    cpl = _coupling("per_concept")
+    mem = torch.randn(2, 6, 32, dtype=torch.float64)
+    z = cpl.smoothed(mem)
+    assert torch.allclose(z[:, 0], mem[:, 0]) and torch.allclose(z[:, 1:], mem[:, 1:] + cpl.smooth * mem[:, :-1])
+    bumped = mem.clone()
+    bumped[:, 3] += 1.0
+    changed = (cpl.smoothed(bumped) - z).abs().amax(-1) > 0  # (2, 6)
+    assert changed[0].tolist() == [False, False, False, True, True, False]
