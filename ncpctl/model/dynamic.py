@@ -6,9 +6,10 @@ output:
 * ``boundary_mode: predictor`` (Sec. 3.3.1): q = W_q h, k = W_k h (bias-free, identity at init as
   in H-Net), p_t = (1 - cos(q[t-1], k[t]))/2 for t >= 1, p_0 = 1. Training samples
   b_t ~ Bernoulli(sigmoid(logit(p_t) / temperature)) (temperature < 1 sharpens p away from 0.5;
-  p = 0.5 stays 0.5, so training and inference cut at the same p); inference (eval mode and
-  incremental decoding) takes b_t = [p_t >= threshold]. The sampling noise is a counter-based
-  hash of (global sample index, t) (``keyed_uniform``), so a sample draws the same boundaries
+  p = 0.5 stays 0.5, so training and inference cut at the same p, and temperature -> 0 is the
+  inference rule itself: the default 0.1 keeps the inference rate near the trained one);
+  inference (eval mode and incremental decoding) takes b_t = [p_t >= threshold]. The sampling
+  noise is a counter-based hash of (global sample index, t) (``keyed_uniform``), so a sample draws the same boundaries
   on any rank, at any batch position and under any world size; without sample indices the
   global torch RNG is used (not rank-invariant).
 * ``boundary_mode: boundary`` (Sec. 8.1, from h[t-1] and h[t], never h[t+1]): b_t = [(1 - cos(h[t-1],

@@ -60,8 +60,8 @@ def test_corrupt_dataset_through_pretrain(tmp_path: Path, corrupt, message: str)
 
 @pytest.mark.parametrize("concept,message", [
     ("target_ratio: 1", "model.concept.target_ratio: R must be a number > 1 (the target boundary rate is 1/R), got 1"),
-    ("boundary_mode: boundary", "model.concept.boundary_tau: boundary_mode: boundary compares (1 - cos(h[t-1], h[t]))/2 "
-                                "against tau; none given"),
+    ("boundary_mode: boundary",
+     "model.concept.boundary_tau: boundary_mode: boundary compares (1 - cos(h[t-1], h[t]))/2 against tau; none given"),
     ("boundary_threshold: 1.5", "model.concept.boundary_threshold: must be in (0, 1), got 1.5"),
 ])
 def test_bad_dlcm_segmentation_keys(tmp_path: Path, concept: str, message: str) -> None:
