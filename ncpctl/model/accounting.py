@@ -365,6 +365,7 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
         training_only["concept.vq_quantise"] = 2 * M * S * N * ds
 
     comps.update(_dynamic_residual_flops(cfg, T, M))
+    comps.update(_dlcm_flops(cfg, T, M))
     comps["lm_head"] = 2 * T * d * cfg.padded_vocab_size
     backward = backward_causal = None
     if trainable is not None:
@@ -383,6 +384,21 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
         backward=backward,
         backward_causal=backward_causal or {},
     )
+
+
+def _dlcm_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
+    """DLCM's matmuls (ncpctl.model.dynamic, coupling.CrossAttentionCoupling) at M concepts: the
+    boundary predictor's W_q, W_k on every token; the cross-attention's W_Q, W_O on the tokens,
+    W_K, W_V on the concepts and the (T, M) scores and weighted sum (SDPA computes the masked
+    entries too). The cosine and the smoothing are elementwise (not counted)."""
+    c, d, out = cfg.concept, cfg.d_model, {}
+    if not c.enabled:
+        return out
+    if c.segmentation == "dynamic" and c.boundary_mode == "predictor":
+        out["concept.boundary_predictor"] = 2 * (2 * T * d * d)
+    if c.coupling == "cross_attention":
+        out["concept.cross_attention"] = 2 * (2 * T * d * d) + 2 * M * d * 2 * d + 2 * (2 * T * M * d)
+    return out
 
 
 def _dynamic_residual_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:

@@ -291,3 +291,17 @@ def test_the_law_sizes_caches_and_the_cost_model():
     cfg = dlcm(target_ratio=3)
     assert cfg.num_concepts(12) == 11 and cfg.expected_concepts(12) == 4 and cfg.tokens_per_concept == 3.0
     assert math.isclose(cfg.block_equivalents, 3 + 2 / 3)
+
+
+def test_accounting_counts_the_predictor_and_the_cross_attention_at_the_target_ratio():
+    from ncpctl.model.accounting import exact_flops
+
+    T, d = 64, 32
+    plain = exact_flops(dlcm(), T).components
+    cross = exact_flops(dlcm(coupling="cross_attention"), T).components
+    M = T // 4  # concepts at the target ratio R = 4 (the law's num_concepts, T - 1, only sizes caches)
+    assert exact_flops(dlcm(), T).concept_positions == M
+    assert plain["concept.boundary_predictor"] == 4 * T * d * d and "concept.cross_attention" not in plain
+    assert cross["concept.cross_attention"] == 4 * T * d * d + 4 * M * d * d + 4 * T * M * d
+    rule = exact_flops(dlcm(boundary_mode="boundary", boundary_tau=0.5), T).components
+    assert "concept.boundary_predictor" not in rule
