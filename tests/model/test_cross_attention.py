@@ -161,3 +161,20 @@ def test_concept_smoothing_is_causal_and_starts_as_none():
     bumped[:, 3] += 1.0
     changed = (cpl.smoothed(bumped) - z).abs().amax(-1) > 0  # (2, 6)
     assert changed[0].tolist() == [False, False, False, True, True, False]
+
+
+def test_the_flash_friendly_replication_equals_the_models_replicated_attention():
+    """profile-kernels' ``replicated`` row (K/V copied onto the tokens of the next segment, plain
+    is_causal from segment 1 on) computes the model's replicated attention (a softmax over the
+    closed concepts with log(visible copies) added): the fast path is the declared attention."""
+    import torch.nn.functional as F
+
+    closed = _random_closed(1, 30, seed=9)[0]  # (T,) own segment = closed(t)
+    M, first = int(closed[-1]), int((closed == 0).sum())
+    q = torch.randn(1, 2, 30, 8, dtype=torch.float64)
+    kc, vc = torch.randn(1, 2, M, 8, dtype=torch.float64), torch.randn(1, 2, M, 8, dtype=torch.float64)
+    carried = closed[first:] - 1
+    fast = F.scaled_dot_product_attention(q[:, :, first:], kc[:, :, carried], vc[:, :, carried], is_causal=True)
+    bias = CrossAttentionCoupling.copies(closed[None], M).to(q.dtype).log()[:, None]  # (1, 1, T, M)
+    model = F.scaled_dot_product_attention(q[:, :, first:], kc, vc, attn_mask=bias[:, :, first:])
+    assert (fast - model).abs().max() <= 1e-12

@@ -69,10 +69,10 @@ def test_kernels_schema(run) -> None:
     assert any(r["group"] == "sdpa" and r.get("available") for r in k["rows"])
     _has(k["layer_ratio"], {"concept_over_token_time": NUM, "concept_over_token_flops": NUM, "k": int})
     d = k["dlcm"]
-    _has(d, {"grid": dict, "rows": list, "repeat_over_irregular": list})
+    _has(d, {"grid": dict, "rows": list, "replicated_over_per_concept": list})
     n = len(d["grid"]["seq_len"]) * len(d["grid"]["hidden"])
-    assert len(d["rows"]) == 2 * n and len(d["repeat_over_irregular"]) == n
-    assert {r["name"] for r in d["rows"]} == {"irregular_mask", "repeat_causal"}
+    assert len(d["rows"]) == 2 * n and len(d["replicated_over_per_concept"]) == n
+    assert {r["name"] for r in d["rows"]} == {"per_concept", "replicated"}
 
 
 def test_plot_written(run) -> None:
