@@ -243,6 +243,11 @@ class NCPModel(nn.Module):
             raise ValueError("from_decoder_input: this model's decoder reads the concepts; pass concept=out.concept")
         return self.head(self.decode(z, dec_ctx))
 
+    @property
+    def uses_sample_ids(self) -> bool:
+        """Whether ``forward`` wants ``sample_ids`` (a segmenter whose sampling is keyed by them)."""
+        return self.concept is not None and getattr(self.concept.segmenter, "keyed", False)
+
     # ---- what the training loop logs (declared once, the same on every rank) ----
 
     def log_keys(self) -> list[LogKey]:

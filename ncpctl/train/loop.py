@@ -604,11 +604,12 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     engine.module.on_step_begin(run.tot.step)  # schedules inside the model (the MTP weight)
     batch = torch.from_numpy(next(run.loader))  # (micro * accum, T+1) this rank's share
     ids = torch.from_numpy(run.loader.sample_ids()).split(r.train.micro_batch_size)  # global sample indices
+    keyed = getattr(engine.module, "uses_sample_ids", False)  # the key of sampled boundaries (DLCM)
     terms = torch.zeros(pk.n_terms, device=d.device)
     stats = torch.zeros(len(pk.stats), device=d.device)
     for mb, mb_ids in zip(batch.split(r.train.micro_batch_size), ids):
         x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)  # (micro, T) inputs, next tokens
-        o = engine(x, y, sample_ids=mb_ids.to(d.device))  # sample_ids: the key of sampled boundaries
+        o = engine(x, y, sample_ids=mb_ids.to(d.device)) if keyed else engine(x, y)
         loss = o.loss * float("nan") if nan else o.loss
         engine.backward(loss)
         engine.step()  # DeepSpeed applies the update at the accumulation boundary

@@ -305,3 +305,8 @@ def test_accounting_counts_the_predictor_and_the_cross_attention_at_the_target_r
     assert cross["concept.cross_attention"] == 4 * T * d * d + 4 * M * d * d + 4 * T * M * d
     rule = exact_flops(dlcm(boundary_mode="boundary", boundary_tau=0.5), T).components
     assert "concept.boundary_predictor" not in rule
+
+
+def test_only_a_keyed_segmentation_asks_the_loop_for_sample_ids():
+    assert NCPModel(dlcm()).uses_sample_ids
+    assert not NCPModel(tiny("llama", concept={})).uses_sample_ids and not NCPModel(tiny("llama")).uses_sample_ids
