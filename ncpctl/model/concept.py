@@ -110,16 +110,24 @@ class ConceptModule(nn.Module):
         self.cfg = cfg
         self.S, self.N = cfg.n_segments, c.codes
         self.segmenter = _build("segmentation", c.segmentation, Segmenter, cfg)
-        self.layers = Stack(cfg, cfg.concept_windows)
-        self.norm = make_norm(cfg, cfg.d_model)
-        # S per-segment heads fused into one matmul: (B, M, d) -> (B, M, S*N).
-        self.heads = nn.Linear(cfg.d_model, self.S * self.N, bias=cfg.bias)
+        # the concept transformer at its own width d_c (DLCM): W_up lifts the pooled (B, M, d) concepts
+        self.ccfg = ccfg = cfg.concept_cfg
+        dc = ccfg.d_model
+        self.up = nn.Linear(cfg.d_model, dc, bias=cfg.bias) if dc != cfg.d_model else None
+        self.layers = Stack(ccfg, cfg.concept_windows)
+        self.norm = make_norm(ccfg, dc)
+        # S per-segment heads fused into one matmul: (B, M, d_c) -> (B, M, S*N).
+        self.heads = nn.Linear(dc, self.S * self.N, bias=cfg.bias)
         self.codebook = Codebook(cfg)
         self.coupling = _build("coupling", c.coupling, Coupling, cfg)
         # checkpoints before the coupling existed kept its norms here (concept.norm_h, .norm_pred)
         self.register_load_state_dict_pre_hook(_move_coupling_keys)
 
     # ---- pieces shared by the full forward and incremental decoding ----
+
+    def lift(self, c: torch.Tensor) -> torch.Tensor:
+        """Pooled concepts (B, M, d) -> the concept transformer's input (B, M, d_c) (W_up, DLCM Sec. 3.3.2)."""
+        return c if self.up is None else self.up(c)
 
     def code_weights(self, u: torch.Tensor) -> torch.Tensor:
         """Concept-transformer output u (B, M, d) -> code weights w (B, M, S, N)."""
@@ -140,7 +148,7 @@ class ConceptModule(nn.Module):
 
     def context(self, positions: torch.Tensor, dtype: torch.dtype) -> Context:
         """The concept stack's context for concepts at RoPE ``positions`` (B|1, M), unpadded."""
-        return Context.causal(self.cfg, positions, self.cfg.concept_windows, dtype)
+        return Context.causal(self.ccfg, positions, self.cfg.concept_windows, dtype)
 
     # ---- full-sequence forward ----
 
@@ -167,9 +175,9 @@ class ConceptModule(nn.Module):
         if pooled is not None:
             ctx = ctx.with_(post=crc.hook([("encoder-concept", pooled)]))
         if states:
-            u, out.states = self.layers(seg.concepts, ctx, states=True)
+            u, out.states = self.layers(self.lift(seg.concepts), ctx, states=True)
         else:
-            u = self.layers(seg.concepts, ctx)
+            u = self.layers(self.lift(seg.concepts), ctx)
         codes = self.codebook()  # (S, N, ds)
         w = edit_code_weights(interventions, self.code_weights(u), torch.arange(M, device=h.device)[None])
         pred = self.mix(w, codes)  # (B, M, d); pred[j] predicts c[j+1]

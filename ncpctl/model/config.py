@@ -226,8 +226,11 @@ class ConceptConfig:
         "(NCP-ArchPreview Eq. 21 has no such term; 0 gives its value).")
     rope_scale_by_k: bool = _f(False, "Concept transformer RoPE positions j -> j*k (token-aligned).")
     d_concept: int | None = _f(
-        None, "Width of the concept transformer (DLCM: d_concept 3072 over d_token 1536); null = d_model. Only "
-        "d_model is implemented so far (issue 13).")
+        None, "Width of the concept transformer (DLCM Sec. 3.3.2: d_concept 3072 over d_token 1536); null = "
+        "d_model. Wider: the pooled concepts are up-projected (W_up) and the heads read the wide states.")
+    concept_heads: int | None = _f(
+        None, "Attention heads of the concept transformer; null = d_concept / the token layers' head size "
+        "(DLCM: 48 heads at 3072). Its FFN follows the backbone's rule at d_concept (4d, or 8/3 d for llama).")
     boundary_mode: Literal["predictor", "boundary"] = _f(
         "predictor", "segmentation: dynamic. predictor = DLCM Sec. 3.3.1: p_t = (1 - cos(W_q h[t-1], W_k h[t]))/2, "
         "W_q = W_k = I at init, p_0 = 1, trained by the balance loss only; boundary = Sec. 8.1's rule: a boundary "
@@ -341,6 +344,8 @@ class ModelConfig:
     concept_windows: tuple = field(init=False)
     learned_positions: bool = field(init=False)  # gpt2: a (max_seq_len, d) position embedding, no RoPE
     extra_layers: tuple = field(init=False)  # token-layer indices of PM's extra layers
+    # the concept transformer's block config (itself unless concept.d_concept / concept_heads differ)
+    concept_cfg: "ModelConfig" = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.concept, dict):
@@ -416,12 +421,12 @@ class ModelConfig:
                 problems.extend(("concept.segmentation", m) for _, m in e.problems)
         if law is not None and law.check is not None:
             problems.extend((f"concept.{k}", m) for k, m in law.check(c, self))
-        if c.enabled and c.d_concept is not None and c.d_concept != self.d_model:
-            problems.append(("concept.d_concept", f"a concept width other than d_model={self.d_model} is not "
-                                                  f"implemented yet (issue 13), got {c.d_concept!r}"))
+        if c.enabled:
+            problems += self._check_concept_width()
         problems += self._check_residuals(law)
         if problems:
             raise ConfigError(problems)
+        self.concept_cfg = self._concept_stack_config()
 
         self.token_windows = tuple(self._window(n) for n in range(1, self.n_token_layers + 1))
         self.concept_windows = tuple(self._window(n) for n in range(1, c.concept_layers + 1)) if c.enabled else ()
@@ -433,6 +438,47 @@ class ModelConfig:
             self.encoder_layers = 0
             self.decoder_layers = self.n_token_layers
             self.block_equivalents = float(self.n_token_layers)
+
+    def _concept_width(self) -> tuple[int, int]:
+        """(d_concept, concept heads) with the nulls resolved."""
+        c = self.concept
+        dc = self.d_model if c.d_concept is None else c.d_concept
+        return dc, (dc // self.head_dim if c.concept_heads is None else c.concept_heads)
+
+    def _check_concept_width(self) -> list[tuple[str, str]]:
+        c, out = self.concept, []
+        for name in ("d_concept", "concept_heads"):
+            v = getattr(c, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                out.append((f"concept.{name}", f"must be a positive integer or null, got {v!r}"))
+        if out:
+            return out
+        dc, hc = self._concept_width()
+        group = self.n_heads // self.n_kv_heads
+        if hc <= 0 or dc % hc:
+            out.append(("concept.d_concept", f"{dc} is not divisible by the {hc} concept heads (concept.concept_heads)"))
+        elif hc % group:
+            out.append(("concept.concept_heads", f"{hc} is not a multiple of the {group} query heads per KV head"))
+        if (dc, hc) != (self.d_model, self.n_heads):
+            if self.crc_connections:
+                out.append(("crc_connections", "cross-module residuals add concept and token states: they need "
+                                               "concept.d_concept = d_model and the token head count"))
+            if c.copy_concept_layers_from_base:
+                out.append(("concept.copy_concept_layers_from_base", "the base's layers have the token width; "
+                                                                     "concept.d_concept differs"))
+        return out
+
+    def _concept_stack_config(self) -> "ModelConfig":
+        """The concept transformer's block config: this one, or the same backbone at d_concept."""
+        if not self.concept.enabled:
+            return self
+        dc, hc = self._concept_width()
+        if (dc, hc) == (self.d_model, self.n_heads):
+            return self
+        return dataclasses.replace(
+            self, name=f"{self.name}.concept", d_model=dc, n_heads=hc, n_kv_heads=hc // (self.n_heads // self.n_kv_heads),
+            ffn_dim=None, n_layers=1, extra_token_layers=0, extra_token_layers_at=None, crc_connections=[],
+            mtp_depth=None, mtp_weight_schedule=[], concept=ConceptConfig())
 
     def _backbone_defaults(self) -> None:
         """The backbone's values of the keys left null."""

@@ -26,8 +26,8 @@ only when segment j+1 starts at e+1, so ``closed(t) = seg(t)`` and token t may u
 not pooled (like a trailing partial block). Concepts are segment means of h (B, M, d), M = the
 most closed segments of any row (one host sync per forward), rows with fewer marked by
 ``valid`` and zero-padded after their real ones; RoPE positions of the concept transformer =
-the concept index j. (``d_concept`` other than d_model is not implemented yet, so there is no
-up-projection: W_up would be a (d, d_concept) map here.)
+the concept index j. The up-projection W_up to ``d_concept`` (Sec. 3.3.2) is the concept path's
+(``ConceptModule.lift``), so any segmentation can feed a wider concept transformer.
 
 Load balance (Eq. 10): L_aux = R/(R-1) [(R-1) F G + (1-F)(1-G)] - 1, with F the realised
 boundary rate (no gradient) and G the mean of p; dL/dG = R/(R-1) (R F - 1), so p is pushed down

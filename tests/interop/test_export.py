@@ -184,14 +184,14 @@ def test_post_norm_base_exports_as_olmo(tmp_path, arch, window):
         assert (back(x).logits - ref).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("attention", ["per_concept", "replicated"])
-def test_dlcm_exports_through_remote_code(tmp_path, attention):
+@pytest.mark.parametrize("attention, width", [("per_concept", None), ("replicated", None), ("per_concept", 64)])
+def test_dlcm_exports_through_remote_code(tmp_path, attention, width):
     """DLCM (dynamic segmentation, cross-attention, the balance's step counts as a buffer)
     exports with remote code; the export's own check (full forward and cached generate at the
     inference boundaries) passes and the reloaded model gives the same logits."""
     tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
     cfg = tiny("llama", vocab_size=320, concept=dict(segmentation="dynamic", coupling="cross_attention",
-                                                     cross_attention=attention))
+                                                     cross_attention=attention, d_concept=width))
     model = build(cfg, seed=3)
     model.concept.segmenter.on_step_end({"boundaries": 30.0, "boundary_tokens": 100.0, "boundary_prob_sum": 0.0})
     save_model_files(tmp_path / "ck", model, step=0, tokens_seen=0, recipe=None, tokenizer_path=tok)

@@ -61,6 +61,10 @@ DESIGNS = {
     # DLCM's token-to-concept cross-attention (Eq. 14), over dynamic and over fixed segments
     "dlcm-cross-attention-llama": tiny("llama", concept=dict(segmentation="dynamic", coupling="cross_attention")),
     "cross-attention-fixed-blocks-neox": tiny("neox", concept=dict(coupling="cross_attention")),
+    # DLCM's wider concept transformer (d_concept 64 over d 32, own heads, W_up), fixed and dynamic
+    "dlcm-wide-concepts-llama": tiny("llama", qk_norm="head", concept=dict(
+        segmentation="dynamic", coupling="cross_attention", d_concept=64)),
+    "conceptlm-wide-concepts-neox": tiny("neox", concept=dict(d_concept=64, concept_heads=4)),
     "dlcm-cross-attention-replicated-llama": tiny("llama", concept=dict(
         segmentation="dynamic", coupling="cross_attention", cross_attention="replicated")),
     "cross-attention-replicated-alternating-neox": tiny("neox", concept=dict(

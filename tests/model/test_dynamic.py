@@ -279,7 +279,10 @@ def test_decoding_sees_the_boundaries_of_the_full_forward():
     (dict(boundary_mode="boundary", boundary_tau=1.5), "concept.boundary_tau"),
     (dict(balance="local"), "concept.balance"),
     (dict(balance_weight=-1), "concept.balance_weight"),
-    (dict(d_concept=64), "concept.d_concept"),
+    (dict(d_concept=60, concept_heads=8), "concept.d_concept"),
+    (dict(d_concept=64, concept_heads=7), "concept.d_concept"),
+    (dict(d_concept=0), "concept.d_concept"),
+    (dict(d_concept=64, concept_heads=1), "concept.concept_heads"),  # tiny llama: 2 query heads per KV head
 ])
 def test_bad_dynamic_keys_are_config_errors(concept, key):
     with pytest.raises(ConfigError) as e:
@@ -310,3 +313,30 @@ def test_accounting_counts_the_predictor_and_the_cross_attention_at_the_target_r
 def test_only_a_keyed_segmentation_asks_the_loop_for_sample_ids():
     assert NCPModel(dlcm()).uses_sample_ids
     assert not NCPModel(tiny("llama", concept={})).uses_sample_ids and not NCPModel(tiny("llama")).uses_sample_ids
+
+
+def test_a_wider_concept_transformer_is_lifted_by_w_up():
+    """DLCM Sec. 3.3.2: pooled concepts (d) -> W_up -> a concept transformer at d_concept with its own
+    heads; the heads read the wide states; parameters and FLOPs are counted at that width."""
+    from ncpctl.model.accounting import count_parameters, exact_flops
+
+    cfg = dlcm(d_concept=64, coupling="cross_attention")
+    cc = cfg.concept_cfg
+    assert (cc.d_model, cc.n_heads, cc.n_kv_heads, cc.head_dim, cc.ffn_dim) == (64, 8, 4, 8, 256)
+    same = dlcm()
+    assert same.concept_cfg is same  # same width: the config itself
+    model = NCPModel(cfg)
+    cm = model.concept
+    assert (cm.up.in_features, cm.up.out_features, cm.heads.in_features) == (32, 64, 64)
+    assert cm.layers[0].attn.qkv.in_features == 64 and cm.layers[0].mlp.proj.out_features == 64
+    counts = count_parameters(cfg)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.components["concept_layers"] == sum(p.numel() for n, p in model.named_parameters()
+                                                      if n.startswith(("concept.layers.", "concept.up.")))
+    T, M = 64, 16
+    f = exact_flops(cfg, T).components
+    assert f["concept.up"] == 2 * M * 32 * 64
+    assert f["concept_layers.qkv"] == 2 * 2 * M * 64 * (64 + 2 * 32)  # 2 layers, q 64 + k, v 32 (GQA)
+    assert f["concept.heads"] == 2 * M * 64 * 4 * 8
+    with pytest.raises(ConfigError, match="need concept.d_concept = d_model"):
+        tiny("llama", crc_connections=["concept-decoder"], concept=dict(d_concept=64))
