@@ -239,7 +239,7 @@ class ConceptConfig:
         0.1, "predictor, training: boundaries are Bernoulli(sigmoid(logit(p)/temperature)); < 1 sharpens p away "
         "from 0.5 toward the inference rule p >= 0.5 (temperature -> 0), 1 = Bernoulli(p). The paper names a "
         "temperature but no value; 0.1 keeps the inference rate near the trained one (debug-dlcm, 200 steps: "
-        "validation tokens per concept 4.2 at R = 4, against 6.1 with 0.5).")
+        "validation tokens per concept 4.2-4.3 at R = 4, against 6.1 with 0.5).")
     boundary_threshold: float = _f(0.5, "predictor, inference: b_t = [p_t >= threshold] (DLCM: 0.5).")
     boundary_tau: float | None = _f(
         None, "boundary mode: the threshold tau on (1 - cos(h[t-1], h[t]))/2; required there.")

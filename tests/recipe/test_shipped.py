@@ -57,6 +57,7 @@ def test_debug_dlcm_recipe() -> None:
         "dynamic", "cross_attention", "per_concept", "predictor")
     assert (c.target_ratio, c.balance, c.balance_weight, c.ncp_weight, c.vq_weight) == (4, "global", 0.03, 0, 0)
     assert r.run_dir == Path("runs/debug-dlcm") and r.seq_len == 256
+    assert (r.model_config.concept_cfg.d_model, r.model_config.concept_cfg.n_heads) == (128, 8)
 
 
 @pytest.mark.parametrize("name", PYTHIA)
