@@ -130,7 +130,7 @@ class ConceptModule(nn.Module):
         return c if self.up is None else self.up(c)
 
     def code_weights(self, u: torch.Tensor) -> torch.Tensor:
-        """Concept-transformer output u (B, M, d) -> code weights w (B, M, S, N)."""
+        """Concept-transformer output u (B, M, d_c) -> code weights w (B, M, S, N)."""
         B, M, _ = u.shape
         w = self.heads(self.norm(u)).view(B, M, self.S, self.N)
         if self.cfg.concept.code_weights == "softmax":  # pred in the convex hull of each segment
@@ -143,7 +143,7 @@ class ConceptModule(nn.Module):
         return torch.einsum("bmsn,snd->bmsd", w, codes).reshape(B, M, -1)
 
     def predict(self, u: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """Concept-transformer output u (B, M, d) -> pred (B, M, d) as a mix of codes."""
+        """Concept-transformer output u (B, M, d_c) -> pred (B, M, d) as a mix of codes."""
         return self.mix(self.code_weights(u), codes)
 
     def context(self, positions: torch.Tensor, dtype: torch.dtype) -> Context:

@@ -109,7 +109,8 @@ def concept_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, r
     h = torch.randn(B, T, d, device=device, dtype=dtype, requires_grad=True)
     segments = seg(h.detach())
     M = segments.concepts.shape[1]
-    u = torch.randn(B, M, d, device=device, dtype=dtype, requires_grad=True)
+    dc = cm.ccfg.d_model  # the concept transformer's width (its output feeds the heads)
+    u = torch.randn(B, M, dc, device=device, dtype=dtype, requires_grad=True)
     shape = {"B": B, "T": T, "M": M, "d": d, "S": S, "N": N}
     rows = []
 
@@ -122,13 +123,14 @@ def concept_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, r
 
     st = measure(_fwd_bwd(heads_codebook, [u]), device, warmup, repeats)
     rows.append(_row("concept", "heads + codebook (Linear + einsum)", shape, st,
-                     3.0 * (2 * B * M * d * S * N * 2)))
+                     3.0 * (2 * B * M * S * N * (dc + d))))
 
     st = measure(_fwd_bwd(lambda: seg.spread(segments, u, T), [u]), device, warmup, repeats)
     rows.append(_row("concept", "causal shift (segmenter.spread)", shape, st))
 
     codes = cm.codebook().detach()
-    st = measure(lambda: nearest_code(u.detach(), codes), device, warmup, repeats)
+    c = segments.concepts.detach()  # (B, M, d): the VQ searches the pooled concepts sg(c)
+    st = measure(lambda: nearest_code(c, codes), device, warmup, repeats)
     rows.append(_row("concept", "nearest code (VQ, no grad)", shape, st, 2.0 * B * M * S * N * cfg.segment_dim))
     return rows
 
