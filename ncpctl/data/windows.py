@@ -81,6 +81,7 @@ class WindowLoader:
         self.epoch = 0
         self.position = 0  # windows of `epoch` already consumed (by all ranks together)
         self._orders: dict[int, np.ndarray] = {}
+        self._first = 0  # global sample index of the last batch's first window
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
@@ -92,6 +93,7 @@ class WindowLoader:
 
     def next_window_ids(self) -> np.ndarray:
         """Advance one step; the global batch's window ids ``(global_batch_size,)``."""
+        self._first = self.epoch * self.num_windows + self.position
         parts, need = [], self.global_batch_size
         while need:
             take = self._order(self.epoch)[self.position:self.position + need]
@@ -118,6 +120,14 @@ class WindowLoader:
             return None
         T = self.seq_len
         return np.stack([self.labels.window(int(i) * T, T) for i in self.last_ids])
+
+    def sample_ids(self) -> np.ndarray:
+        """(local_batch_size,) int64: the global sample index of each row of the last batch, i.e.
+        the windows all ranks consumed before it, counted over epochs (step s, global row i: s*G + i
+        in a run that never changed its batch size). It does not depend on ``rank``/``world_size``,
+        so a key derived from it (DLCM's boundary noise) is the same for any number of ranks."""
+        start = self._first + self.rank * self.local_batch_size
+        return np.arange(start, start + self.local_batch_size, dtype=np.int64)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position plus what must match on resume (order and dataset)."""

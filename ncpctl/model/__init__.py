@@ -29,6 +29,7 @@ _LAZY = {
     "Closing": "ncpctl.model.segment",
     "FixedBlocks": "ncpctl.model.segment",
     "segment_means": "ncpctl.model.segment",
+    "DynamicSegmenter": "ncpctl.model.dynamic",
     "Coupling": "ncpctl.model.coupling",
     "Residual": "ncpctl.model.layers",
     "Context": "ncpctl.model.layers",

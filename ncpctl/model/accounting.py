@@ -353,14 +353,18 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
     M = 0
     c = cfg.concept
     if c.enabled:
-        M = cfg.num_concepts(T)  # the segmentation's law (fixed blocks: T // k, a partial block not pooled)
+        # the segmentation's law (fixed blocks: T // k, a partial block not pooled; dynamic: T // R)
+        M = cfg.expected_concepts(T)
         S, N, ds = cfg.n_segments, c.codes, cfg.segment_dim
         comps["concept.pooling"] = round(M * cfg.tokens_per_concept) * d  # one add per pooled element
-        con = _stack_flops(cfg, cfg.concept_windows, M)
+        dc = cfg.concept_cfg.d_model  # the concept transformer's width (d unless concept.d_concept)
+        if dc != d:
+            comps["concept.up"] = 2 * M * d * dc  # W_up: (B,M,d) -> (B,M,d_c)
+        con = _stack_flops(cfg.concept_cfg, cfg.concept_windows, M)
         for key in ("qkv", "attn_out", "mlp", "attention"):
             comps[f"concept_layers.{key}"] = con[key]
         causal["concept_layers.attention"] = con["attention_causal"]
-        comps["concept.heads"] = 2 * M * d * S * N  # fused Linear(d, S*N): (B,M,d)->(B,M,S*N)
+        comps["concept.heads"] = 2 * M * dc * S * N  # fused Linear(d_c, S*N): (B,M,d_c)->(B,M,S*N)
         # einsum (B,M,S,N) x (S,N,d/S) -> (B,M,S,d/S)
         comps["concept.codebook_einsum"] = 2 * M * S * N * ds
         # codes = Linear(ds,2ds) -> ReLU -> Linear(2ds,ds) on the (S,N,ds) base, once per step
@@ -372,6 +376,7 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
     bottleneck, bottleneck_training = _bottleneck_flops(cfg, T)
     comps.update(bottleneck)
     training_only.update(bottleneck_training)
+    comps.update(_dlcm_flops(cfg, T, M))
     comps["lm_head"] = 2 * T * d * cfg.padded_vocab_size
     for key, (full, causal_part) in _mtp_flops(cfg, T).items():
         comps[key] = full
@@ -401,6 +406,19 @@ STACKS = ("encoder", "concept", "decoder")
 
 def _crc_key(cfg: ModelConfig) -> str:
     return "residual.crc_input" if cfg.crc_mode == "input" else "residual.crc"
+def _dlcm_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
+    """DLCM's matmuls (ncpctl.model.dynamic, coupling.CrossAttentionCoupling) at M concepts: the
+    boundary predictor's W_q, W_k on every token; the cross-attention's W_Q, W_O on the tokens,
+    W_K, W_V on the concepts and the (T, M) scores and weighted sum (SDPA computes the masked
+    entries too). The cosine and the smoothing are elementwise (not counted)."""
+    c, d, out = cfg.concept, cfg.d_model, {}
+    if not c.enabled:
+        return out
+    if c.segmentation == "dynamic" and c.boundary_mode == "predictor":
+        out["concept.boundary_predictor"] = 2 * (2 * T * d * d)
+    if c.coupling == "cross_attention":
+        out["concept.cross_attention"] = 2 * (2 * T * d * d) + 2 * M * d * 2 * d + 2 * (2 * T * M * d)
+    return out
 
 
 def _dynamic_residual_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
@@ -535,9 +553,9 @@ class _Backward:
             self.add("adapters", a * (1 + rg) + 2 * b)
         return rg or self.trains(f"{module}.")
 
-    def block(self, group: str, prefix: str, n: int, window: int | None, rg: bool) -> bool:
-        """Block ``prefix`` (attention then MLP, ncpctl.model.layers.Block) on n positions."""
-        cfg, d = self.cfg, self.cfg.d_model
+    def block(self, group: str, prefix: str, n: int, window: int | None, rg: bool, cfg: ModelConfig) -> bool:
+        """Block ``prefix`` (attention then MLP, ncpctl.model.layers.Block, shaped by ``cfg``) on n positions."""
+        d = cfg.d_model
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         x = rg or self.trains(f"{prefix}attn_norm.")
         q = self.linear(f"{group}.qkv", f"{prefix}attn.qkv", 2 * n * d * (q_dim + 2 * kv_dim), n, x)
@@ -551,9 +569,9 @@ class _Backward:
         self.linear(f"{group}.mlp", f"{prefix}mlp.proj", 2 * n * cfg.ffn_dim * d, n, h)
         return rg or self.trains(prefix)  # any trained parameter of the block (cross sub-layer too)
 
-    def stack(self, group: str, prefix: str, windows, n: int, rg: bool) -> bool:
+    def stack(self, group: str, prefix: str, windows, n: int, rg: bool, cfg: ModelConfig | None = None) -> bool:
         for i, w in enumerate(windows):
-            rg = self.block(group, f"{prefix}.{i}.", n, w, rg) or self.trains(f"{prefix}.residual.")
+            rg = self.block(group, f"{prefix}.{i}.", n, w, rg, cfg or self.cfg) or self.trains(f"{prefix}.residual.")
         return rg
 
     def dynamic_residuals(self, T: int, M: int, rg: dict[str, bool]) -> None:
@@ -602,7 +620,9 @@ class _Backward:
         z = h
         if c.enabled:
             self.add("concept.pooling", 2 * comps["concept.pooling"] * h)
-            u = self.stack("concept_layers", "concept.layers", cfg.concept_windows, M, h) or self.trains("concept.norm.")
+            c_in = self.linear("concept.up", "concept.up", comps["concept.up"], M, h) if "concept.up" in comps else h
+            u = self.stack("concept_layers", "concept.layers", cfg.concept_windows, M, c_in, cfg.concept_cfg) \
+                or self.trains("concept.norm.")
             w = self.linear("concept.heads", "concept.heads", comps["concept.heads"], M, u)
             codes = "concept.codebook.base" in self.numel
             if c.codebook == "simvq":  # base -> Linear(ds, 2ds) -> ReLU -> Linear(2ds, ds), once per step
@@ -655,6 +675,7 @@ _PREFIXES = (
     ("encoder.", "token_layers"),
     ("decoder.", "token_layers"),
     ("concept.layers.", "concept_layers"),
+    ("concept.up.", "concept_layers"),  # DLCM's W_up into a wider concept transformer
     ("concept.heads.", "concept_heads"),
     ("concept.codebook.transform.", "codebook_transform"),
     ("concept.codebook.", "codebook"),  # frozen base codes (or a plain learned codebook)

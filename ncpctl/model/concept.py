@@ -110,10 +110,14 @@ class ConceptModule(nn.Module):
         self.cfg = cfg
         self.S, self.N = cfg.n_segments, c.codes
         self.segmenter = _build("segmentation", c.segmentation, Segmenter, cfg)
-        self.layers = Stack(cfg, cfg.concept_windows)
-        self.norm = make_norm(cfg, cfg.d_model)
-        # S per-segment heads fused into one matmul: (B, M, d) -> (B, M, S*N).
-        self.heads = nn.Linear(cfg.d_model, self.S * self.N, bias=cfg.bias)
+        # the concept transformer at its own width d_c (DLCM): W_up lifts the pooled (B, M, d) concepts
+        self.ccfg = ccfg = cfg.concept_cfg
+        dc = ccfg.d_model
+        self.up = nn.Linear(cfg.d_model, dc, bias=cfg.bias) if dc != cfg.d_model else None
+        self.layers = Stack(ccfg, cfg.concept_windows)
+        self.norm = make_norm(ccfg, dc)
+        # S per-segment heads fused into one matmul: (B, M, d_c) -> (B, M, S*N).
+        self.heads = nn.Linear(dc, self.S * self.N, bias=cfg.bias)
         self.codebook = Codebook(cfg)
         self.coupling = _build("coupling", c.coupling, Coupling, cfg)
         # checkpoints before the coupling existed kept its norms here (concept.norm_h, .norm_pred)
@@ -121,8 +125,12 @@ class ConceptModule(nn.Module):
 
     # ---- pieces shared by the full forward and incremental decoding ----
 
+    def lift(self, c: torch.Tensor) -> torch.Tensor:
+        """Pooled concepts (B, M, d) -> the concept transformer's input (B, M, d_c) (W_up, DLCM Sec. 3.3.2)."""
+        return c if self.up is None else self.up(c)
+
     def code_weights(self, u: torch.Tensor) -> torch.Tensor:
-        """Concept-transformer output u (B, M, d) -> code weights w (B, M, S, N)."""
+        """Concept-transformer output u (B, M, d_c) -> code weights w (B, M, S, N)."""
         B, M, _ = u.shape
         w = self.heads(self.norm(u)).view(B, M, self.S, self.N)
         if self.cfg.concept.code_weights == "softmax":  # pred in the convex hull of each segment
@@ -135,23 +143,25 @@ class ConceptModule(nn.Module):
         return torch.einsum("bmsn,snd->bmsd", w, codes).reshape(B, M, -1)
 
     def predict(self, u: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """Concept-transformer output u (B, M, d) -> pred (B, M, d) as a mix of codes."""
+        """Concept-transformer output u (B, M, d_c) -> pred (B, M, d) as a mix of codes."""
         return self.mix(self.code_weights(u), codes)
 
     def context(self, positions: torch.Tensor, dtype: torch.dtype) -> Context:
         """The concept stack's context for concepts at RoPE ``positions`` (B|1, M), unpadded."""
-        return Context.causal(self.cfg, positions, self.cfg.concept_windows, dtype)
+        return Context.causal(self.ccfg, positions, self.cfg.concept_windows, dtype)
 
     # ---- full-sequence forward ----
 
     def forward(self, h: torch.Tensor, losses: bool, interventions=(), states: bool = False,
-                crc=None, enc_states: list | None = None) -> ConceptOutput:
+                crc=None, enc_states: list | None = None, sample_ids: torch.Tensor | None = None) -> ConceptOutput:
         """Encoder output h (B, T, d) -> ConceptOutput (decoder input z and the concept terms).
 
         ``crc`` (residual.CrossModules) with an encoder-concept connection pools every encoder
         depth ``enc_states`` (E + 1 of (B, T, d)) with the same segments and feeds them to the
-        concept stack; ``states`` also returns the concept stack's depths (concept-decoder CRC)."""
-        seg, pooled = self.segment(h, enc_states if crc is not None and crc.has("encoder-concept") else None)
+        concept stack; ``states`` also returns the concept stack's depths (concept-decoder CRC);
+        ``sample_ids`` (B,) global sample indices, for a segmenter whose sampling is keyed by them."""
+        seg, pooled = self.segment(h, enc_states if crc is not None and crc.has("encoder-concept") else None,
+                                   sample_ids)
         out = ConceptOutput(z=h, segments=seg, losses=dict(seg.losses), metrics=dict(seg.metrics),
                             stats=dict(seg.stats))
         M = seg.concepts.shape[1]
@@ -165,9 +175,9 @@ class ConceptModule(nn.Module):
         if pooled is not None:
             ctx = crc.attach(ctx, [("encoder-concept", pooled)])
         if states:
-            u, out.states = self.layers(seg.concepts, ctx, states=True)
+            u, out.states = self.layers(self.lift(seg.concepts), ctx, states=True)
         else:
-            u = self.layers(seg.concepts, ctx)
+            u = self.layers(self.lift(seg.concepts), ctx)
         codes = self.codebook()  # (S, N, ds)
         w = edit_code_weights(interventions, self.code_weights(u), torch.arange(M, device=h.device)[None])
         pred = self.mix(w, codes)  # (B, M, d); pred[j] predicts c[j+1]
@@ -177,10 +187,13 @@ class ConceptModule(nn.Module):
             self._losses(seg, pred, codes, out)
         return out
 
-    def segment(self, h: torch.Tensor, depths: list | None) -> tuple[Segments, list | None]:
+    def segment(self, h: torch.Tensor, depths: list | None,
+                sample_ids: torch.Tensor | None = None) -> tuple[Segments, list | None]:
         """Segments of h; with ``depths`` (a width-independent segmentation) every depth is pooled
         by the same segments in one pass: (segments of h, [pooled depth (B, M, d)])."""
         if depths is None:
+            if getattr(self.segmenter, "keyed", False):  # its sampling noise is keyed by the sample index
+                return self.segmenter(h, sample_ids=sample_ids), None
             return self.segmenter(h), None
         seg = self.segmenter(torch.cat(depths, dim=-1))  # (B, M, K*d): h = depths[-1] comes last
         pooled = list(seg.concepts.chunk(len(depths), dim=-1))

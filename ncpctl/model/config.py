@@ -45,22 +45,63 @@ class SegmentationLaw:
     # pooling depends on positions only (not on the states): any tensor, e.g. every encoder depth
     # for the encoder-concept cross-module residual, can be pooled by the same segments
     pools_any_width: bool = False
+    # the segmentation's own recipe checks: (concept config, model config) -> [(concept key, message)]
+    check: Callable[["ConceptConfig", "ModelConfig"], list] | None = None
+    # data-dependent segmentations: the concepts the cost model counts in T tokens (None: ``concepts``)
+    expected_concepts: Callable[["ConceptConfig", int], int] | None = None
 
 
 # Fixed blocks of k tokens (ConceptLM): a trailing partial block is not pooled.
 FIXED_BLOCKS = SegmentationLaw(concepts=lambda c, T: T // c.k, tokens_per_concept=lambda c: float(c.k),
                                length_key="k", pools_any_width=True)
+BOUNDARY_MODES = ("predictor", "boundary")
+BALANCES = ("global", "sequence")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_dynamic(c: "ConceptConfig", cfg: "ModelConfig") -> list[tuple[str, str]]:
+    """The keys of ``segmentation: dynamic`` (DLCM Sec. 3.3, 8.1)."""
+    out = []
+    if c.boundary_mode not in BOUNDARY_MODES:
+        out.append(("boundary_mode", f"must be one of {', '.join(BOUNDARY_MODES)}, got {c.boundary_mode!r}"))
+    if not _is_number(c.target_ratio) or c.target_ratio <= 1:
+        out.append(("target_ratio",
+                    f"R must be a number > 1 (the target boundary rate is 1/R), got {c.target_ratio!r}"))
+    if c.balance not in BALANCES:
+        out.append(("balance", f"must be one of {', '.join(BALANCES)}, got {c.balance!r}"))
+    if not _is_number(c.balance_weight) or c.balance_weight < 0:
+        out.append(("balance_weight", f"must be a number >= 0, got {c.balance_weight!r}"))
+    if not _is_number(c.boundary_temperature) or c.boundary_temperature <= 0:
+        out.append(("boundary_temperature", f"must be a number > 0, got {c.boundary_temperature!r}"))
+    if not _is_number(c.boundary_threshold) or not 0 < c.boundary_threshold < 1:
+        out.append(("boundary_threshold", f"must be in (0, 1), got {c.boundary_threshold!r}"))
+    if c.boundary_mode == "boundary":
+        if c.boundary_tau is None:
+            out.append(("boundary_tau", "boundary_mode: boundary compares (1 - cos(h[t-1], h[t]))/2 against tau; "
+                                        "none given"))
+        elif not _is_number(c.boundary_tau) or not 0 < c.boundary_tau < 1:
+            out.append(("boundary_tau", f"must be in (0, 1), got {c.boundary_tau!r}"))
+    return out
+
+
+# Data-dependent boundaries (DLCM): at most T - 1 segments close within T tokens (the last one is
+# still open); the cost model counts T / R concepts at the target ratio R.
+DYNAMIC = SegmentationLaw(concepts=lambda c, T: max(T - 1, 0), tokens_per_concept=lambda c: float(c.target_ratio),
+                          check=_check_dynamic, expected_concepts=lambda c, T: int(T // c.target_ratio))
 CRC_CONNECTIONS = ("encoder-concept", "encoder-decoder", "concept-decoder")
 CRC_MODES = ("layers", "input")
 
 # Names of the extension points' strategies: name -> a class, a "module:attr" import path
 # (relative paths are resolved in this package) or, for segmentations, also its law.
 STRATEGIES: dict[str, dict[str, Any]] = {
-    "segmentation": {"fixed": ".segment:FixedBlocks"},
-    "coupling": {"add": ".coupling:AddCoupling"},
+    "segmentation": {"fixed": ".segment:FixedBlocks", "dynamic": ".dynamic:DynamicSegmenter"},
+    "coupling": {"add": ".coupling:AddCoupling", "cross_attention": ".coupling:CrossAttentionCoupling"},
     "residual": {"plain": ".layers:PlainResidual", "irc": ".residual:IRC", "block_attnres": ".residual:BlockAttnRes"},
 }
-LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS}
+LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS, "dynamic": DYNAMIC}
 
 
 def _check_rope_scaling(rs: Any) -> list[tuple[str, str]]:
@@ -185,6 +226,38 @@ class ConceptConfig:
         "so the term only adds commitment x the codebook distance to the logged value: it has no gradient "
         "(NCP-ArchPreview Eq. 21 has no such term; 0 gives its value).")
     rope_scale_by_k: bool = _f(False, "Concept transformer RoPE positions j -> j*k (token-aligned).")
+    d_concept: int | None = _f(
+        None, "Width of the concept transformer (DLCM Sec. 3.3.2: d_concept 3072 over d_token 1536); null = "
+        "d_model. Wider: the pooled concepts are up-projected (W_up) and the heads read the wide states.")
+    concept_heads: int | None = _f(
+        None, "Attention heads of the concept transformer; null = d_concept / the token layers' head size "
+        "(DLCM: 48 heads at 3072). Its FFN follows the backbone's rule at d_concept (4d, or 8/3 d for llama).")
+    boundary_mode: Literal["predictor", "boundary"] = _f(
+        "predictor", "segmentation: dynamic. predictor = DLCM Sec. 3.3.1: p_t = (1 - cos(W_q h[t-1], W_k h[t]))/2, "
+        "W_q = W_k = I at init, p_0 = 1, trained by the balance loss only; boundary = Sec. 8.1's rule: a boundary "
+        "where (1 - cos(h[t-1], h[t]))/2 >= boundary_tau (no parameters, the same in training and inference).")
+    boundary_temperature: float = _f(
+        0.1, "predictor, training: boundaries are Bernoulli(sigmoid(logit(p)/temperature)); < 1 sharpens p away "
+        "from 0.5 toward the inference rule p >= 0.5 (temperature -> 0), 1 = Bernoulli(p). The paper names a "
+        "temperature but no value; 0.1 keeps the inference rate near the trained one (debug-dlcm, 200 steps: "
+        "validation tokens per concept 4.2-4.3 at R = 4, against 6.1 with 0.5).")
+    boundary_threshold: float = _f(0.5, "predictor, inference: b_t = [p_t >= threshold] (DLCM: 0.5).")
+    boundary_tau: float | None = _f(
+        None, "boundary mode: the threshold tau on (1 - cos(h[t-1], h[t]))/2; required there.")
+    boundary_grad_to_encoder: bool = _f(
+        False, "predictor: let the balance loss's gradient reach the encoder through h (false: W_q and W_k see "
+        "h detached, so only they learn from it). The LM loss never reaches W_q, W_k.")
+    target_ratio: float = _f(4.0, "R: target tokens per concept of segmentation: dynamic (DLCM: 4); boundary rate 1/R.")
+    balance: Literal["global", "sequence"] = _f(
+        "global", "Load balance L_aux (DLCM Eq. 10) over: global = the global batch (the Global Parser; F is the "
+        "previous optimizer step's global boundary rate, G the batch mean of p); sequence = each sequence's own "
+        "F and G, averaged (Table 4's Normal).")
+    balance_weight: float = _f(
+        0.03, "lambda: weight of L_aux in the loss (the DLCM notes give none; 0.03 is H-Net's ratio-loss weight).")
+    cross_attention: Literal["per_concept", "replicated"] = _f(
+        "per_concept", "coupling: cross_attention (DLCM Eq. 14). per_concept = a softmax over the closed concepts, "
+        "each once; replicated = DLCM Sec. 4.1's kernel: each concept's key/value copied onto the tokens of the "
+        "next segment under a causal mask, so a concept weighs by its visible copies (ncp-model.md section 8).")
     copy_concept_layers_from_base: bool = _f(
         False, "HF import: initialise the concept layers from the base's first C layers (else fresh).")
 
@@ -388,6 +461,8 @@ class ModelConfig:
     extra_layers: tuple = field(init=False)  # token-layer indices of PM's extra layers
     bottleneck_unknown: int = field(init=False)  # m (0 without the bottleneck)
     bottleneck_rank: int = field(init=False)  # r of U = A B (0 without the bottleneck)
+    # the concept transformer's block config (itself unless concept.d_concept / concept_heads differ)
+    concept_cfg: "ModelConfig" = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.concept, dict):
@@ -441,6 +516,7 @@ class ModelConfig:
                 ("add", ("raw", "normed")),
                 ("ncp_reduction", ("mean", "sum_dim", "sum_segment")),
                 ("vq_reduction", ("mean", "sum_segment")),
+                ("cross_attention", ("per_concept", "replicated")),
             ):
                 if getattr(c, name) not in allowed:
                     problems.append((f"concept.{name}", f"must be one of {', '.join(allowed)}, got {getattr(c, name)!r}"))
@@ -462,11 +538,16 @@ class ModelConfig:
                 law = segmentation_law(c.segmentation)
             except ConfigError as e:
                 problems.extend(("concept.segmentation", m) for _, m in e.problems)
+        if law is not None and law.check is not None:
+            problems.extend((f"concept.{k}", m) for k, m in law.check(c, self))
+        if c.enabled:
+            problems += self._check_concept_width()
         problems += self._check_residuals(law)
         bottleneck_problems, self.bottleneck_unknown, self.bottleneck_rank = _check_bottleneck(self.bottleneck, self.d_model)
         problems += bottleneck_problems
         if problems:
             raise ConfigError(problems)
+        self.concept_cfg = self._concept_stack_config()
 
         self.token_windows = tuple(self._window(n) for n in range(1, self.n_token_layers + 1))
         self.concept_windows = tuple(self._window(n) for n in range(1, c.concept_layers + 1)) if c.enabled else ()
@@ -478,6 +559,47 @@ class ModelConfig:
             self.encoder_layers = 0
             self.decoder_layers = self.n_token_layers
             self.block_equivalents = float(self.n_token_layers)
+
+    def _concept_width(self) -> tuple[int, int]:
+        """(d_concept, concept heads) with the nulls resolved."""
+        c = self.concept
+        dc = self.d_model if c.d_concept is None else c.d_concept
+        return dc, (dc // self.head_dim if c.concept_heads is None else c.concept_heads)
+
+    def _check_concept_width(self) -> list[tuple[str, str]]:
+        c, out = self.concept, []
+        for name in ("d_concept", "concept_heads"):
+            v = getattr(c, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                out.append((f"concept.{name}", f"must be a positive integer or null, got {v!r}"))
+        if out:
+            return out
+        dc, hc = self._concept_width()
+        group = self.n_heads // self.n_kv_heads
+        if hc <= 0 or dc % hc:
+            out.append(("concept.d_concept", f"{dc} is not divisible by the {hc} concept heads (concept.concept_heads)"))
+        elif hc % group:
+            out.append(("concept.concept_heads", f"{hc} is not a multiple of the {group} query heads per KV head"))
+        if (dc, hc) != (self.d_model, self.n_heads):
+            if self.crc_connections:
+                out.append(("crc_connections", "cross-module residuals add concept and token states: they need "
+                                               "concept.d_concept = d_model and the token head count"))
+            if c.copy_concept_layers_from_base:
+                out.append(("concept.copy_concept_layers_from_base", "the base's layers have the token width; "
+                                                                     "concept.d_concept differs"))
+        return out
+
+    def _concept_stack_config(self) -> "ModelConfig":
+        """The concept transformer's block config: this one, or the same backbone at d_concept."""
+        if not self.concept.enabled:
+            return self
+        dc, hc = self._concept_width()
+        if (dc, hc) == (self.d_model, self.n_heads):
+            return self
+        return dataclasses.replace(
+            self, name=f"{self.name}.concept", d_model=dc, n_heads=hc, n_kv_heads=hc // (self.n_heads // self.n_kv_heads),
+            ffn_dim=None, n_layers=1, extra_token_layers=0, extra_token_layers_at=None, crc_connections=[],
+            mtp_depth=None, mtp_weight_schedule=[], concept=ConceptConfig())
 
     def _backbone_defaults(self) -> None:
         """The backbone's values of the keys left null."""
@@ -579,6 +701,14 @@ class ModelConfig:
     def num_concepts(self, T: int) -> int:
         """Concepts a T-token sequence gives (the segmentation's law; 0 without the path)."""
         return segmentation_law(self.concept.segmentation).concepts(self.concept, T) if self.concept.enabled else 0
+
+    def expected_concepts(self, T: int) -> int:
+        """Concepts the cost model counts in T tokens: ``num_concepts`` for a fixed law, T / R at the
+        target ratio for a data-dependent one (whose ``num_concepts`` is a cache bound)."""
+        if not self.concept.enabled:
+            return 0
+        law = segmentation_law(self.concept.segmentation)
+        return (law.expected_concepts or law.concepts)(self.concept, T)
 
     @property
     def tokens_per_concept(self) -> float | None:

@@ -27,10 +27,11 @@ Interface (shapes: B batch, T tokens, M concepts, d width):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import make_norm
+from .layers import RMSNorm, make_norm
 
 
 class Coupling(nn.Module):
@@ -90,3 +91,129 @@ class AddCoupling(Coupling):
 
     def decode_input(self, h: torch.Tensor, state: dict) -> torch.Tensor:
         return self.combine(h, state["pred"][:, None])
+
+
+class CrossAttentionCoupling(Coupling):
+    """DLCM Sec. 3.5.2, Eq. 14: z = h + W_O softmax(q k^T / sqrt(hd) + mask) v, ONE causal
+    cross-attention from every token to the processed concepts closed at that token, added to
+    the encoder states before the token decoder (so the decoder blocks stay plain).
+
+    q = W_Q h (B, H, T, hd), k = W_K pred, v = W_V pred (B, H, M, hd) with H = n_heads token heads,
+    RMSNorm per head on q and k (DLCM Sec. 4); no RoPE (the mask carries the order). Token t
+    sees concepts 0 .. closed(t) - 1, never its own segment's (ncp-model.md section 8); a token
+    that sees none gets exactly zero (the masked row is not a NaN). The memory is ``pred`` (B, M, d),
+    what the concept path hands every coupling (the concept heads' mix of codes).
+
+    ``concept.cross_attention`` declares which attention the model is:
+    * ``per_concept``: a softmax over the visible concepts, each once (SDPA over M with a (T, M) mask);
+    * ``replicated`` (DLCM Sec. 4.1's kernel): concept j's key/value copied onto the tokens at which
+      it is the latest closed concept (segment j+1), under an ordinary causal mask; computed here
+      exactly as the per-concept softmax with the bias log(copies visible at t), which is what
+      repeated keys do to a softmax. Decoding keeps each row's copy counts: every new token adds one
+      copy of its latest closed concept.
+
+    Concept smoothing (Sec. 3.5.1; the paper does not specify it): a causal two-tap filter over the
+    concept sequence, z~_j = z_j + s * z_{j-1} (z_{-1} = 0) with a learned per-dimension s, zero at
+    init (no smoothing). Concept j-1 closed before concept j, so z~_j is visible exactly when z_j
+    is; it reads no boundary probability, so the LM loss still cannot reach the predictor.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        d, self.H = cfg.d_model, cfg.n_heads
+        self.hd = d // self.H
+        self.replicated = cfg.concept.cross_attention == "replicated"
+        self.wq = nn.Linear(d, d, bias=False)
+        self.wkv = nn.Linear(d, 2 * d, bias=False)
+        self.wo = nn.Linear(d, d, bias=False)
+        self.q_norm, self.k_norm = RMSNorm(self.hd, cfg.norm_eps), RMSNorm(self.hd, cfg.norm_eps)
+        self.smooth = nn.Parameter(torch.zeros(d))  # concept smoothing, zero = none (init_weights keeps it)
+
+    def smoothed(self, mem: torch.Tensor) -> torch.Tensor:
+        """Concepts (B, M, d) -> z~ (B, M, d): z_j + s * z_{j-1}, causal over the concept index."""
+        prev = torch.cat([mem.new_zeros(mem.shape[0], 1, mem.shape[2]), mem[:, :-1]], dim=1)
+        return mem + self.smooth * prev
+
+    def keys_values(self, mem: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concepts (B, M, d) -> k, v (B, H, M, hd), k normed per head."""
+        B, M, _ = mem.shape
+        k, v = self.wkv(mem).view(B, M, 2, self.H, self.hd).unbind(2)
+        return self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
+        """Tokens x (B, T, d) to concepts k, v (B, H, M, hd); ``copies`` (B, T, M): how many copies
+        of concept j token t sees (0 = invisible; per_concept uses only > 0) -> (B, T, d)."""
+        B, T, d = x.shape
+        q = self.q_norm(self.wq(x).view(B, T, self.H, self.hd)).transpose(1, 2)  # (B, H, T, hd)
+        vis = copies > 0
+        seen = vis.any(-1)  # (B, T) tokens with a closed concept
+        if self.replicated:
+            bias = copies.to(q.dtype).log()  # log(copies): -inf where none is visible
+            mask = torch.where(seen[..., None], bias, torch.zeros_like(bias))[:, None]  # (B, 1, T, M) additive
+        else:
+            mask = (vis | ~seen[..., None])[:, None]  # (B, 1, T, M): rows that see nothing attend anywhere ...
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * seen[:, None, :, None].to(q.dtype)  # ... x 0
+        return self.wo(y.transpose(1, 2).reshape(B, T, d))
+
+    @staticmethod
+    def copies(closed: torch.Tensor, M: int) -> torch.Tensor:
+        """closed (B, T) -> (B, T, M): copies of concept j visible at t = #{s <= t: closed(s) = j + 1}
+        (> 0 exactly when j < closed(t), closed being non-decreasing)."""
+        one = F.one_hot(closed.clamp_max(M), M + 1)[..., 1:]  # (B, T, M) closed(s) == j + 1
+        return one.cumsum(1)
+
+    def forward(self, h, pred, seg, segmenter) -> torch.Tensor:
+        if pred is None:  # no concept closed in any row
+            return h
+        closed = segmenter.closed_counts(seg, h.shape[1])
+        k, v = self.keys_values(self.smoothed(pred))
+        return h + self.attend(h, k, v, self.copies(closed, pred.shape[1]))
+
+    # ---- incremental decoding: each row's concept keys/values and closed count ----
+
+    def decode_state(self, pred, seg, segmenter, like) -> dict:
+        B, Tp = like.shape[0], like.shape[1]
+        last = like.new_zeros(B, like.shape[-1])  # the latest closed concept (smoothing's z_{j-1})
+        if pred is None:
+            k = v = like.new_zeros(B, self.H, 0, self.hd)
+        else:
+            k, v = self.keys_values(self.smoothed(pred))
+            n = seg.n_closed
+            at = pred[torch.arange(B, device=pred.device), (n - 1).clamp_min(0)]
+            last = torch.where((n > 0)[:, None], at, last)
+        state = {"k": k, "v": v, "n": seg.n_closed.clone(), "last": last}
+        if self.replicated:  # copies of each concept among the prompt's real tokens (B, M)
+            closed = segmenter.closed_counts(seg, Tp)  # aligned layout: row b real for t < lengths[b]
+            real = torch.arange(Tp, device=like.device)[None] < seg.lengths[:, None]
+            state["copies"] = self.copies(torch.where(real, closed, 0), k.shape[2])[:, -1]
+        return state
+
+    def decode_update(self, state, closing, pred) -> None:
+        # the concept at closing.index, smoothed with the row's previous one: (B, H, 1, hd)
+        k, v = self.keys_values((pred + self.smooth * state["last"])[:, None])
+        state["last"] = torch.where(closing.closed[:, None], pred, state["last"])
+        K, V = state["k"], state["v"]
+        if closing.length > K.shape[2]:  # room for index < length
+            more = closing.length - K.shape[2]
+            grow = K.new_zeros(K.shape[0], K.shape[1], more, K.shape[3])
+            K, V = torch.cat([K, grow], 2), torch.cat([V, grow], 2)
+            if "copies" in state:
+                state["copies"] = torch.cat([state["copies"], state["copies"].new_zeros(K.shape[0], more)], 1)
+        rows, j = torch.arange(K.shape[0], device=K.device), closing.index
+        keep = closing.closed[:, None, None]  # (B, 1, 1) against (B, H, hd)
+        K[rows, :, j] = torch.where(keep, k[:, :, 0], K[rows, :, j])
+        V[rows, :, j] = torch.where(keep, v[:, :, 0], V[rows, :, j])
+        state["k"], state["v"] = K, V
+        state["n"] = torch.where(closing.closed, closing.index + 1, state["n"])
+
+    def decode_input(self, h, state) -> torch.Tensor:
+        M = state["k"].shape[2]
+        if M == 0:
+            return h
+        latest = torch.arange(M, device=h.device)[None] == (state["n"] - 1)[:, None]  # (B, M); none while n = 0
+        if "copies" in state:  # the new token is one more copy of its latest closed concept
+            state["copies"] = state["copies"] + latest.long()
+            copies = state["copies"]
+        else:
+            copies = (torch.arange(M, device=h.device)[None] < state["n"][:, None]).long()
+        return h + self.attend(h, state["k"], state["v"], copies[:, None])

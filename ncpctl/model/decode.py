@@ -67,8 +67,8 @@ class DecodeState:
                 d[k] = v[rows]
 
 
-def _caches(model, n: int, batch: int, capacity: int | None, device, dtype) -> list[KVCache]:
-    cfg = model.cfg
+def _caches(cfg, n: int, batch: int, capacity: int | None, device, dtype) -> list[KVCache]:
+    """KV caches of n layers whose blocks ``cfg`` describes (the token or the concept stack's)."""
     return [KVCache(batch, cfg.n_kv_heads, cfg.head_dim, device, dtype, capacity) for _ in range(n)]
 
 
@@ -100,9 +100,9 @@ def prefill(model, tokens: torch.Tensor, lengths, max_len: int | None, ivs: list
     con_cap = None if max_len is None or cm is None else cm.segmenter.max_concepts(max_len) + 1
     st = DecodeState(
         pad=pad, pad_t=torch.tensor(pad, device=dev), slot=Tp, capacity=max_len,
-        enc=_caches(model, len(model.encoder), B, max_len, dev, dtype),
-        dec=_caches(model, len(model.decoder), B, max_len, dev, dtype),
-        con=_caches(model, n_con, B, con_cap, dev, dtype), interventions=ivs,
+        enc=_caches(cfg, len(model.encoder), B, max_len, dev, dtype),
+        dec=_caches(cfg, len(model.decoder), B, max_len, dev, dtype),
+        con=_caches(cfg.concept_cfg, n_con, B, con_cap, dev, dtype), interventions=ivs,
     )
     slots = torch.arange(Tp, device=dev)
     valid = slots[None] >= st.pad_t[:, None]  # (B, Tp) real tokens
@@ -151,6 +151,7 @@ def _concept_prefill(model, st: DecodeState, h: torch.Tensor, lengths: list[int]
     lengths_t = torch.tensor(lengths, device=dev)
     st.seg = cm.segmenter.decode_init(B, h_in.shape[-1], dev, h.dtype)
     seg = cm.segmenter.decode_prefill(st.seg, h_al, lengths_t, lengths)
+    seg.lengths = lengths_t
     pooled = None
     if pooled_depths is not None:
         pooled = list(seg.concepts.chunk(len(pooled_depths), dim=-1))
@@ -165,7 +166,8 @@ def _concept_prefill(model, st: DecodeState, h: torch.Tensor, lengths: list[int]
         ctx = cm.context(seg.positions, h.dtype).with_(caches=st.con, at=0, length=M)
         if pooled is not None:
             ctx = model.crc.attach(ctx, [("encoder-concept", pooled)])
-        u, cdepths = cm.layers(seg.concepts, ctx, states=True) if want else (cm.layers(seg.concepts, ctx), None)
+        c_in = cm.lift(seg.concepts)  # (B, M, d_c)
+        u, cdepths = cm.layers(c_in, ctx, states=True) if want else (cm.layers(c_in, ctx), None)
         w = edit_code_weights(ivs, cm.code_weights(u), torch.arange(M, device=dev)[None])
         pred = cm.mix(w, st.codes)  # (B, M, d)
     z_al = cm.coupling(h_al, pred, seg, cm.segmenter)  # (B, Tp, d)
@@ -219,8 +221,8 @@ def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, iv
     if closing.any is not False:  # some row may have closed a concept: one concept step for all
         j, n = closing.index, closing.length
         pooled = None if pooled_depths is None else [c[:, None] for c in closing.concept.chunk(len(pooled_depths), -1)]
-        c_in = closing.concept[:, None] if pooled is None else pooled[-1]
-        cos, sin = rope(closing.position[:, None], cm.cfg, h.dtype)
+        c_in = cm.lift(closing.concept[:, None] if pooled is None else pooled[-1])  # (B, 1, d_c)
+        cos, sin = rope(closing.position[:, None], cm.ccfg, h.dtype)
         keys = torch.arange(n, device=h.device)
         masks = {w: attn_mask(j[:, None], keys[None], w) for w in cm.layers.windows}
         ctx = Context(cos, sin, masks, st.con, at=j, length=n)

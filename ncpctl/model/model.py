@@ -42,6 +42,7 @@ from .outputs import LogKey, NCPOutput
 from .mtp import MTPHead
 from .residual import BlockSources, CrossModules
 from .stability import CHUNK_ELEMENTS, attention_stats
+from .dynamic import DynamicSegmenter  # noqa: F401  (a built-in strategy: exported with the model package)
 
 
 class NCPModel(nn.Module):
@@ -120,11 +121,12 @@ class NCPModel(nn.Module):
         return self.encoder(x, ctx, states=states)
 
     def concepts(self, h: torch.Tensor, *, losses: bool = False, interventions: Sequence[Intervention] = (),
-                 states: bool = False, enc_states: list | None = None) -> ConceptOutput:
+                 states: bool = False, enc_states: list | None = None,
+                 sample_ids: torch.Tensor | None = None) -> ConceptOutput:
         if self.concept is None:
             return ConceptOutput(z=h)
         return self.concept(h, losses=losses, interventions=interventions, states=states, crc=self.crc,
-                            enc_states=enc_states)
+                            enc_states=enc_states, sample_ids=sample_ids)
 
     # ---- cross-module residuals: which depths to keep, and the decoder's hook ----
 
@@ -201,13 +203,16 @@ class NCPModel(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 interventions: Sequence[Intervention] | None = None, return_hidden: bool = False,
                 return_states: bool = False, compute_logits: bool = True,
-                concept_labels: torch.Tensor | None = None, return_bottleneck: bool = False) -> NCPOutput:
+                concept_labels: torch.Tensor | None = None, return_bottleneck: bool = False,
+                sample_ids: torch.Tensor | None = None) -> NCPOutput:
         """idx (B, T) token ids; targets (B, T) next-token ids aligned with idx (targets[:, p]
         = x[p+1]), -100 = ignore. Returns logits (B, T, V) and, with targets, the losses;
         ``return_hidden``: the final-norm states; ``return_states``: every stack's per-depth states.
         ``concept_labels`` (B, T, n) bool/float: token t carries evidence of labelled concept c
         (the bottleneck's concept loss and teacher forcing); ``return_bottleneck``: its parts
-        (k, u, k_hat, u_hat, e) as ``out.bottleneck``, for attribution."""
+        (k, u, k_hat, u_hat, e) as ``out.bottleneck``, for attribution; ``sample_ids`` (B,) each
+        row's global sample index (the training loop's: the key of a segmenter's sampling noise,
+        so every rank count draws the same boundaries)."""
         ivs = self.check_interventions(interventions)
         ctx, positions = self.token_context(idx.shape[1], idx.device, self.embed.weight.dtype)
         x = self.embed_tokens(idx, positions)  # (B, T, d)
@@ -215,7 +220,7 @@ class NCPModel(nn.Module):
         h, enc_states = self.encode(x, enc_ctx, states=True) if self._keeps_encoder_depths(return_states) \
             else (self.encode(x, enc_ctx), None)
         co = self.concepts(h, losses=targets is not None, interventions=ivs, enc_states=enc_states,
-                           states=return_states or self._crc_has("concept-decoder"))
+                           states=return_states or self._crc_has("concept-decoder"), sample_ids=sample_ids)
         z = decoder_input_addition(ivs, co.z, positions)  # (B, T, d)
         dec_ctx = self._decoder_context(dec_ctx, co, enc_states, z)
         hN = self.decode(z, dec_ctx, states=return_states)  # (B, T, d)
@@ -269,6 +274,11 @@ class NCPModel(nn.Module):
                                            is not Coupling.decoder_context):
             raise ValueError("from_decoder_input: this model's decoder reads the concepts; pass concept=out.concept")
         return self.head(self.readout(self.decode(z, dec_ctx))[0])
+
+    @property
+    def uses_sample_ids(self) -> bool:
+        """Whether ``forward`` wants ``sample_ids`` (a segmenter whose sampling is keyed by them)."""
+        return self.concept is not None and getattr(self.concept.segmenter, "keyed", False)
 
     # ---- what the training loop logs (declared once, the same on every rank) ----
 

@@ -40,7 +40,8 @@ class Segments:
     ``concepts`` (B, M, d) pooled states; ``positions`` (B|1, M) RoPE positions of the concept
     transformer; ``valid`` (B, M) bool, None when every concept is real; ``closed`` (B, T) long,
     segments closed at or before each token (None when the segmenter spreads by its own law);
-    ``n_closed`` (B,) long, closed concepts within each row's real tokens (decoding prefill).
+    ``n_closed`` (B,) long, closed concepts within each row's real tokens (decoding prefill);
+    ``lengths`` (B,) long, each row's real tokens (set by the decoder's prefill, for couplings).
     ``losses``/``metrics``/``stats`` are the segmenter's own terms (see outputs.py).
     """
 
@@ -49,6 +50,7 @@ class Segments:
     valid: torch.Tensor | None = None
     closed: torch.Tensor | None = None
     n_closed: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
     losses: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
@@ -76,6 +78,9 @@ class Segmenter(nn.Module):
 
     law: SegmentationLaw
     owns_init = False  # True: NCPModel.init_weights leaves this module to its reset_parameters
+    # True: ``forward(h, sample_ids=...)`` also receives each row's global sample index (B,) or None,
+    # the key of sampling noise that must not depend on the rank or the batch position (DLCM)
+    keyed = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -7,12 +7,13 @@
   that runs on this device (``torch.nn.attention.sdpa_kernel``).
 * ``concept``: the concept path's pieces, forward + backward: pooling (a reshape + mean),
   heads + codebook (one Linear, one einsum), the causal shift, the nearest-code search.
-* ``dlcm``: the DLCM cross-attention trick (DLCM Table 6). Tokens attend to the concepts
-  completed so far; segments have irregular lengths. ``irregular_mask``: queries (B,H,T,hd)
-  against the M concept keys with a boolean (T, M) mask; ``repeat_causal``: each concept's
-  K/V is repeated for the tokens of its segment, so keys are (B,H,T,hd) and the plain
-  causal mask (``is_causal=True``, flash kernels) applies (a token then also sees its own,
-  unfinished segment's concept and each concept once per token: DLCM's form). Forward,
+* ``dlcm``: DLCM's token -> concept attention (DLCM Table 6), the model's two declared forms
+  (ncp-model.md section 8, ``concept.cross_attention``) on the same queries, concepts and
+  irregular segments: token t sees the concepts of the segments closed at t, never its own.
+  ``per_concept``: queries (B,H,T,hd) against the M closed concepts' keys with a boolean (T, M)
+  mask, each concept once; ``replicated``: concept j's K/V copied onto the tokens of segment
+  j+1 and the plain causal mask (``is_causal=True``, flash kernels) over the tokens from
+  segment 1 on (segment 0 sees nothing), so a concept weighs by its visible copies. Forward,
   over a grid of sequence lengths x widths (reduced on CPU).
 """
 
@@ -108,7 +109,8 @@ def concept_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, r
     h = torch.randn(B, T, d, device=device, dtype=dtype, requires_grad=True)
     segments = seg(h.detach())
     M = segments.concepts.shape[1]
-    u = torch.randn(B, M, d, device=device, dtype=dtype, requires_grad=True)
+    dc = cm.ccfg.d_model  # the concept transformer's width (its output feeds the heads)
+    u = torch.randn(B, M, dc, device=device, dtype=dtype, requires_grad=True)
     shape = {"B": B, "T": T, "M": M, "d": d, "S": S, "N": N}
     rows = []
 
@@ -121,13 +123,14 @@ def concept_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, r
 
     st = measure(_fwd_bwd(heads_codebook, [u]), device, warmup, repeats)
     rows.append(_row("concept", "heads + codebook (Linear + einsum)", shape, st,
-                     3.0 * (2 * B * M * d * S * N * 2)))
+                     3.0 * (2 * B * M * S * N * (dc + d))))
 
     st = measure(_fwd_bwd(lambda: seg.spread(segments, u, T), [u]), device, warmup, repeats)
     rows.append(_row("concept", "causal shift (segmenter.spread)", shape, st))
 
     codes = cm.codebook().detach()
-    st = measure(lambda: nearest_code(u.detach(), codes), device, warmup, repeats)
+    c = segments.concepts.detach()  # (B, M, d): the VQ searches the pooled concepts sg(c)
+    st = measure(lambda: nearest_code(c, codes), device, warmup, repeats)
     rows.append(_row("concept", "nearest code (VQ, no grad)", shape, st, 2.0 * B * M * S * N * cfg.segment_dim))
     return rows
 
@@ -163,34 +166,34 @@ def dlcm_rows(grid: dict[str, Any], k: int, device, dtype, warmup: int, repeats:
         H = max(1, d // hd)
         for T in grid["seq_len"]:
             lens = torch.tensor(_segments(T, k, gen))
-            M = len(lens)
-            seg = torch.repeat_interleave(torch.arange(M), lens).to(device)  # (T,) segment of each token
-            end = (torch.cumsum(lens, 0) - 1).to(device)  # (M,) last token of each segment
+            seg = torch.repeat_interleave(torch.arange(len(lens)), lens).to(device)  # (T,) own segment
+            M, first = len(lens) - 1, int(lens[0])  # closed concepts (the last segment is open)
+            if M == 0:
+                continue
             q = torch.randn(1, H, T, hd, device=device, dtype=dtype)
             kc = torch.randn(1, H, M, hd, device=device, dtype=dtype)
             vc = torch.randn(1, H, M, hd, device=device, dtype=dtype)
-            # token t sees concept j once segment j is complete (end_j <= t); the current,
-            # unfinished segment is not visible. Rows before the first completed segment see
-            # nothing: give them the first concept so SDPA has no empty row (never NaN).
-            mask = end[None, :] <= torch.arange(T, device=device)[:, None]  # (T, M)
-            mask[:, 0] |= True
+            # token t sees concepts j < seg(t); segment 0 sees none: an all-true row keeps SDPA
+            # from a NaN (the model zeroes those rows)
+            mask = torch.arange(M, device=device)[None, :] < seg[:, None]  # (T, M)
+            mask[seg == 0] = True
+            carried = seg[first:] - 1  # the concept each token from segment 1 on carries (a copy)
             shape = {"T": T, "d": d, "H": H, "hd": hd, "M": M}
 
-            def irregular():
+            def per_concept():
                 return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
 
-            def repeat_causal():
-                # K/V of concept seg(t) repeated at every token t of the segment: (1,H,T,hd)
-                kr, vr = kc.index_select(2, seg), vc.index_select(2, seg)
-                return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+            def replicated():
+                kr, vr = kc.index_select(2, carried), vc.index_select(2, carried)  # (1,H,T-first,hd)
+                return F.scaled_dot_product_attention(q[:, :, first:], kr, vr, is_causal=True)
 
-            pairs_irr = int(mask.sum())
-            for name, fn, pairs in (("irregular_mask", irregular, T * M),
-                                    ("repeat_causal", repeat_causal, T * (T + 1) // 2)):
+            visible = int((torch.arange(M, device=device)[None, :] < seg[:, None]).sum())
+            n = T - first
+            for name, fn, pairs in (("per_concept", per_concept, T * M), ("replicated", replicated, n * (n + 1) // 2)):
                 with torch.no_grad():
                     st = measure(fn, device, warmup, repeats)
                 row = _row("dlcm", name, shape, st, 2.0 * 2 * H * hd * pairs)
-                row["attended_pairs"] = pairs_irr
+                row["attended_pairs"] = visible  # (token, concept) pairs the model's attention covers
                 rows.append(row)
     return rows
 
@@ -215,13 +218,13 @@ def kernels_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, w
         "concept_over_token_flops": con["flops"] / tok["flops"],
         "k": k,
     }
-    # repeat_causal / irregular_mask per grid point (< 1: the repeat trick is faster)
+    # replicated / per_concept per grid point (< 1: replication is faster on this device)
     speedup = []
     by_key: dict[tuple, dict[str, float]] = {}
     for r in dlcm:
         by_key.setdefault((r["shape"]["T"], r["shape"]["d"]), {})[r["name"]] = r["median_s"]
     for (T, d), v in sorted(by_key.items()):
-        speedup.append({"T": T, "d": d, "repeat_over_irregular": v["repeat_causal"] / v["irregular_mask"]})
+        speedup.append({"T": T, "d": d, "replicated_over_per_concept": v["replicated"] / v["per_concept"]})
     return {
         "device": str(dev),
         "dtype": str(dtype).removeprefix("torch."),
@@ -232,5 +235,5 @@ def kernels_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, w
         "seq_len": seq_len,
         "rows": rows,
         "layer_ratio": ratio,
-        "dlcm": {"grid": grid, "rows": dlcm, "repeat_over_irregular": speedup},
+        "dlcm": {"grid": grid, "rows": dlcm, "replicated_over_per_concept": speedup},
     }

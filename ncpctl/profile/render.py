@@ -82,16 +82,16 @@ def render(con: Any, res: dict[str, Any]) -> None:
         lr = k["layer_ratio"]
         con.print(f"concept layer / token layer (k={lr['k']}): time {lr['concept_over_token_time']:.3f}, "
                   f"FLOPs {lr['concept_over_token_flops']:.3f}")
-        t = Table(title="DLCM token->concept attention (forward): irregular mask vs repeated K/V + causal",
+        t = Table(title="DLCM token->concept attention (forward): per_concept (T, M) mask vs replicated K/V + causal",
                   title_justify="left")
-        for col in ("T", "d", "irregular ms", "repeat+causal ms", "repeat / irregular"):
+        for col in ("T", "d", "per_concept ms", "replicated ms", "replicated / per_concept"):
             t.add_column(col, justify="right")
         by: dict[tuple, dict[str, float]] = {}
         for r in k["dlcm"]["rows"]:
             by.setdefault((r["shape"]["T"], r["shape"]["d"]), {})[r["name"]] = r["median_s"]
         for (T, dd), x in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            t.add_row(str(T), str(dd), _ms(x["irregular_mask"]), _ms(x["repeat_causal"]),
-                      f"{x['repeat_causal'] / x['irregular_mask']:.2f}")
+            t.add_row(str(T), str(dd), _ms(x["per_concept"]), _ms(x["replicated"]),
+                      f"{x['replicated'] / x['per_concept']:.2f}")
         con.print(t)
         for p in k.get("plots", []):
             con.print(f"plot: {p}")
@@ -130,7 +130,7 @@ def plot_kernels(k: dict[str, Any], out_dir: Path) -> list[Path]:
     for (name, d), pts in sorted(series.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o",
-                linestyle="-" if name == "repeat_causal" else "--", label=f"{name}, d={d}")
+                linestyle="-" if name == "replicated" else "--", label=f"{name}, d={d}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length T")

@@ -642,14 +642,18 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     batch = torch.from_numpy(next(run.loader))  # (micro * accum, T+1) this rank's share
     attention = _attention_stats(run, batch[: r.train.micro_batch_size]) \
         if _attention_due(r.train.attention_stats_every, run.tot.step + 1) else None
+    ids = torch.from_numpy(run.loader.sample_ids()).split(r.train.micro_batch_size)  # global sample indices
+    keyed = getattr(engine.module, "uses_sample_ids", False)  # the key of sampled boundaries (DLCM)
     terms = torch.zeros(pk.n_terms, device=d.device)
     stats = torch.zeros(len(pk.stats), device=d.device)
     labels = run.loader.last_labels()  # (micro * accum, T, n) concept-label evidence, or None
-    label_mbs = [None] * math.ceil(batch.shape[0] / r.train.micro_batch_size) if labels is None else \
-        torch.from_numpy(labels).split(r.train.micro_batch_size)
-    for mb, lab in zip(batch.split(r.train.micro_batch_size), label_mbs):
+    label_mbs = [None] * len(ids) if labels is None else torch.from_numpy(labels).split(r.train.micro_batch_size)
+    for mb, mb_ids, lab in zip(batch.split(r.train.micro_batch_size), ids, label_mbs):
         x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)  # (micro, T) inputs, next tokens
-        o = engine(x, y) if lab is None else engine(x, y, concept_labels=lab.to(d.device))
+        kw: dict[str, Any] = {"sample_ids": mb_ids.to(d.device)} if keyed else {}
+        if lab is not None:
+            kw["concept_labels"] = lab.to(d.device)
+        o = engine(x, y, **kw)
         loss = o.loss * float("nan") if nan else o.loss
         engine.backward(loss)
         engine.step()  # DeepSpeed applies the update at the accumulation boundary

@@ -84,3 +84,19 @@ def test_one_layer_modules_with_irc_are_legal() -> None:
                 "--set", "model.concept.concept_layers=1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["ok"]
+
+
+@pytest.mark.parametrize("concept,message", [
+    ("target_ratio: 1", "model.concept.target_ratio: R must be a number > 1 (the target boundary rate is 1/R), got 1"),
+    ("boundary_mode: boundary",
+     "model.concept.boundary_tau: boundary_mode: boundary compares (1 - cos(h[t-1], h[t]))/2 against tau; none given"),
+    ("boundary_threshold: 1.5", "model.concept.boundary_threshold: must be in (0, 1), got 1.5"),
+])
+def test_bad_dlcm_segmentation_keys(tmp_path: Path, concept: str, message: str) -> None:
+    """DLCM's keys (segmentation: dynamic) are checked with the recipe, before any work."""
+    p = tmp_path / "r.yaml"
+    p.write_text(f"run: {{dir: {tmp_path / 'run'}}}\ntokenizer: {{vocab_size: 512}}\n"
+                 f"model: {{size: debug, concept: {{enabled: true, segmentation: dynamic, {concept}}}}}\n")
+    (err,) = _errors(run_cli("pretrain", str(p)))
+    assert err.startswith(f"error: {p}") and message in err
+    assert not (tmp_path / "run").exists()

@@ -115,3 +115,21 @@ def test_load_state_dict_rejects_mismatches(tmp_path: Path) -> None:
         WindowLoader(ds, T, 4, seed=5).load_state_dict({**state, "position": 24})
     with pytest.raises(UserError, match="lacks epoch"):
         WindowLoader(ds, T, 4, seed=5).load_state_dict({k: v for k, v in state.items() if k != "epoch"})
+
+
+def test_sample_ids_are_global_and_independent_of_the_world_size(tmp_path: Path) -> None:
+    """The global sample index of each row (DLCM's boundary-noise key): step s, global row i is
+    s * G + i on one rank or many, and it continues after a resume."""
+    ds = make_dataset(tmp_path, 23 * T + 1)
+    single = WindowLoader(ds, T, 6, seed=3)
+    ranks = [WindowLoader(ds, T, 6, seed=3, rank=r, world_size=3) for r in range(3)]
+    for s in range(9):  # batches straddle epoch boundaries
+        next(single)
+        assert single.sample_ids().tolist() == list(range(6 * s, 6 * s + 6))
+        for loader in ranks:
+            next(loader)
+        assert np.concatenate([loader.sample_ids() for loader in ranks]).tolist() == single.sample_ids().tolist()
+    resumed = WindowLoader(ds, T, 6, seed=3, rank=1, world_size=2)
+    resumed.load_state_dict(json.loads(json.dumps(single.state_dict())))
+    next(resumed)
+    assert resumed.sample_ids().tolist() == [57, 58, 59]

@@ -142,7 +142,7 @@ def test_exported_code_is_the_model_package():
 
     files = {p.name: p for p in hf_export.remote_files()}
     assert {"modeling_ncp.py", "configuration_ncp.py", "model.py", "layers.py", "concept.py", "segment.py",
-            "coupling.py", "decode.py", "head.py", "config.py"} <= set(files)
+            "coupling.py", "decode.py", "head.py", "config.py", "dynamic.py"} <= set(files)
     for name, path in files.items():
         text = path.read_text()
         assert not re.search(r"^\s*(from|import)\s+ncpctl\b", text, re.MULTILINE), name
@@ -182,3 +182,28 @@ def test_post_norm_base_exports_as_olmo(tmp_path, arch, window):
         ref = model(x).logits
         assert (hf(x).logits - ref).abs().max() <= 1e-5
         assert (back(x).logits - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("attention, width", [("per_concept", None), ("replicated", None), ("per_concept", 64)])
+def test_dlcm_exports_through_remote_code(tmp_path, attention, width):
+    """DLCM (dynamic segmentation, cross-attention, the balance's step counts as a buffer)
+    exports with remote code; the export's own check (full forward and cached generate at the
+    inference boundaries) passes and the reloaded model gives the same logits."""
+    tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
+    cfg = tiny("llama", vocab_size=320, concept=dict(segmentation="dynamic", coupling="cross_attention",
+                                                     cross_attention=attention, d_concept=width))
+    model = build(cfg, seed=3)
+    model.concept.segmenter.on_step_end({"boundaries": 30.0, "boundary_tokens": 100.0, "boundary_prob_sum": 0.0})
+    save_model_files(tmp_path / "ck", model, step=0, tokens_seen=0, recipe=None, tokenizer_path=tok)
+    info = export(tmp_path / "ck", tmp_path / "hf")
+    assert info["remote_code"] and info["verify"]["max_abs_diff"] <= 1e-5
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    x = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (hf(input_ids=x).logits - model(x).logits).abs().max() <= 1e-5
+    xp = torch.zeros(2, 9, dtype=torch.long)  # ragged, left-padded prompts (9 and 4 tokens)
+    xp[0], xp[1, 5:] = x[0, :9], x[1, :4]
+    kw = dict(attention_mask=(torch.arange(9) >= torch.tensor([[0], [5]])).long(), max_new_tokens=10,
+              do_sample=False, eos_token_id=None, pad_token_id=0)
+    cached = hf.generate(xp, **kw)
+    assert torch.equal(hf.generate(xp, use_cache=False, **kw), cached)

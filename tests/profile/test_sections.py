@@ -69,10 +69,10 @@ def test_kernels_schema(run) -> None:
     assert any(r["group"] == "sdpa" and r.get("available") for r in k["rows"])
     _has(k["layer_ratio"], {"concept_over_token_time": NUM, "concept_over_token_flops": NUM, "k": int})
     d = k["dlcm"]
-    _has(d, {"grid": dict, "rows": list, "repeat_over_irregular": list})
+    _has(d, {"grid": dict, "rows": list, "replicated_over_per_concept": list})
     n = len(d["grid"]["seq_len"]) * len(d["grid"]["hidden"])
-    assert len(d["rows"]) == 2 * n and len(d["repeat_over_irregular"]) == n
-    assert {r["name"] for r in d["rows"]} == {"irregular_mask", "repeat_causal"}
+    assert len(d["rows"]) == 2 * n and len(d["replicated_over_per_concept"]) == n
+    assert {r["name"] for r in d["rows"]} == {"per_concept", "replicated"}
 
 
 def test_plot_written(run) -> None:
@@ -108,3 +108,14 @@ def test_bad_section_is_a_user_error() -> None:
     r = run_cli("profile-kernels", str(RECIPES / "debug.yaml"), "--only", "accounting,nope", "--json")
     assert r.returncode == 2 and "nope" in r.stderr and "Traceback" not in r.stderr
     assert json.loads(r.stdout)["ok"] is False
+
+
+def test_kernels_on_the_dlcm_recipe(tmp_path) -> None:
+    """debug-dlcm (dynamic segments, a concept transformer twice as wide): the kernels section runs."""
+    r = run_cli("profile-kernels", str(RECIPES / "debug-dlcm.yaml"), "--quick", "--only", "kernels", "--json",
+                "--set", f"run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    k = json.loads(r.stdout)["kernels"]
+    assert {r["name"] for r in k["dlcm"]["rows"]} == {"per_concept", "replicated"}
+    heads = next(r for r in k["rows"] if r["name"].startswith("heads"))
+    assert heads["median_s"] > 0

@@ -38,7 +38,8 @@ def pile_like(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 def test_every_recipe_file_is_covered() -> None:
     shipped = {p.stem for p in RECIPES.glob("*.yaml")}
-    assert shipped == {"debug", "debug-bottleneck", "pythia-common", *PYTHIA, *PAPER_RECIPES, *ARCHPREVIEW_RECIPES}
+    assert shipped == {"debug", "debug-bottleneck", "debug-dlcm", "pythia-common", *PYTHIA, *PAPER_RECIPES,
+                       *ARCHPREVIEW_RECIPES}
 
 
 def test_debug_bottleneck_recipe() -> None:
@@ -59,6 +60,17 @@ def test_debug_recipe() -> None:
     assert r.run_dir == Path("runs/debug")
     assert cfg.concept.enabled and cfg.name == "debug" and cfg.vocab_size == r.tokenizer.vocab_size
     assert r.seq_len == 256 and r.global_batch_size == 8
+
+
+def test_debug_dlcm_recipe() -> None:
+    """DLCM at the debug size: dynamic boundaries, cross-attention, CE + lambda L_aux only."""
+    r = load_recipe(RECIPES / "debug-dlcm.yaml", need_sources=True)
+    c = r.model_config.concept
+    assert (c.segmentation, c.coupling, c.cross_attention, c.boundary_mode) == (
+        "dynamic", "cross_attention", "per_concept", "predictor")
+    assert (c.target_ratio, c.balance, c.balance_weight, c.ncp_weight, c.vq_weight) == (4, "global", 0.03, 0, 0)
+    assert r.run_dir == Path("runs/debug-dlcm") and r.seq_len == 256
+    assert (r.model_config.concept_cfg.d_model, r.model_config.concept_cfg.n_heads) == (128, 8)
 
 
 @pytest.mark.parametrize("name", PYTHIA)
