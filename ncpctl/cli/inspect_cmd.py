@@ -63,7 +63,12 @@ def main(
     model, tok = loaded.model, loaded.tokenizer
     if tok is None:
         raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint")
-    C._require_concepts(model)
+    has_bottleneck = getattr(model, "bottleneck", None) is not None
+    if model.concept is None and not has_bottleneck:
+        raise UserError("this checkpoint has neither a concept path (model.concept.enabled) nor a concept "
+                        "bottleneck (model.bottleneck): nothing to inspect")
+    if corpus and model.concept is None:
+        raise UserError("--corpus builds code dictionaries of the concept path's codebook; this checkpoint has none")
     decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
     plot_dir = Path(plot) if plot else None
     files: list[str] = []
@@ -80,13 +85,24 @@ def main(
             raise UserError(f"--target is {len(ids)} tokens: no room for the prompt in max_seq_len="
                             f"{loaded.config.max_seq_len}")
         x = torch.tensor(ids, dtype=torch.long)[None]
+        entry: dict[str, Any] = {"prompt": text, "tokens": len(ids)}
+        if has_bottleneck:
+            rep = C.bottleneck_report(model, x, loaded.meta.get("concept_names"), top=top,
+                                      target_start=n_prompt if target is not None else None)
+            for pos in rep["positions"]:
+                pos["text"] = decode([pos["token"]])
+            for ch in rep["chunks"]:
+                ch["text"] = decode(ids[ch["span"][0]:ch["span"][1]])
+            entry["bottleneck"] = rep
+        if model.concept is None:
+            report["prompts"].append(entry)
+            continue
         view = C.concept_view(model, x)
         blocks = C.decompose(view, top)
         for b in blocks:
             a, e = b["span"]
             b["text"] = decode(ids[a:e])
-        entry: dict[str, Any] = {"prompt": text, "tokens": len(ids), "blocks": blocks,
-                                 "max_reconstruction_error": max(b["reconstruction_error"] for b in blocks)}
+        entry.update(blocks=blocks, max_reconstruction_error=max(b["reconstruction_error"] for b in blocks))
         if target is not None:
             abl = C.default_ablations(blocks, len(ids), ablate_codes)
             base, rows = C.ablate(model, x, n_prompt, abl, view)
@@ -120,6 +136,10 @@ def _human(con, report: dict[str, Any]) -> None:
 
     normed = report["add"] == "normed"
     for p in report["prompts"]:
+        if "bottleneck" in p:
+            _human_bottleneck(con, p)
+        if "blocks" not in p:
+            continue
         t = Table(title=f"{p['prompt'][:60]!r}: each block's predicted concept as codes per segment"
                         + (" (pred before the coupling's norm)" if normed else ""), title_justify="left")
         t.add_column("block")
@@ -149,3 +169,20 @@ def _human(con, report: dict[str, Any]) -> None:
         con.print(t)
     for f in report["files"]:
         con.print(f"wrote {f}")
+
+
+def _human_bottleneck(con, p: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    rep = p["bottleneck"]
+    t = Table(title=f"{p['prompt'][:60]!r}: each logit = known + unknown + residual (exact; error "
+                    f"{rep['attribution_error']:.1e}), concept share {rep['mean_share']:.2f}", title_justify="left")
+    for col in ("pos", "scores", "logit", "known", "unknown", "residual", "top known concepts (term)"):
+        t.add_column(col)
+    for q in rep["positions"][-16:]:
+        t.add_row(str(q["position"]), repr(q["text"]), f"{q['logit']:.2f}", f"{q['known']:.2f}", f"{q['unknown']:.2f}",
+                  f"{q['residual']:.2f}", ", ".join(f"{c['concept']} ({c['term']:+.2f})" for c in q["concepts"][:3]))
+    con.print(t)
+    for ch in rep["chunks"]:
+        con.print(f"chunk {ch['chunk']} {ch['text'][:40]!r}: "
+                  + ", ".join(f"{c['concept']} {c['probability']:.2f}" for c in ch["concepts"][:4]))

@@ -280,3 +280,48 @@ def corpus_windows(tokenizer, sources: Sequence[str], seq_len: int, limit: int) 
     if not out:
         raise UserError(f"{', '.join(sources)}: no document is {seq_len} tokens long (lower --seq-len)")
     return out
+
+
+# ----------------------------------------------------------------------------- the concept bottleneck
+
+
+@torch.no_grad()
+def bottleneck_report(model, ids: torch.Tensor, names: Sequence[str] | None, *, target_start: int | None = None,
+                      top: int = 5) -> dict[str, Any]:
+    """Steerling's exact attribution for ``ids`` (1, T) on a model with ``model.bottleneck``: at each
+    position the logit of the token it scores (the next token of ``ids`` from ``target_start`` on,
+    else the argmax) split into known + unknown + residual, the ``top`` known concepts by the size
+    of their term k_c (K_c . W_y), the concept share, and per label chunk the ``top`` concepts the
+    known head detects (the OR over the chunk's tokens). ``attribution_error``: the largest
+    |known + unknown + residual - logit| over positions (exact up to float rounding)."""
+    from ncpctl.model.bottleneck import chunk_probs
+
+    b = model.bottleneck
+    out = model(ids, return_bottleneck=True)
+    parts, logits = out.bottleneck, out.logits[0].float()  # (T, V)
+    T = ids.shape[1]
+    scored = logits[:, : model.cfg.vocab_size].argmax(-1)  # (T,) what each position predicts
+    if target_start is not None:
+        scored[target_start - 1 : T - 1] = ids[0, target_start:]
+    att = b.attribute(parts, model.lm_head.weight, scored[None])
+    label = (lambda c: names[c] if names and c < len(names) else f"concept {c}")
+    error = float((att.logit[0] - logits.gather(-1, scored[:, None])[:, 0]).abs().max())
+    positions = []
+    first, last = (0, T) if target_start is None else (target_start - 1, T - 1)
+    for t in range(first, last):
+        terms = att.per_concept[0, t]
+        order = terms.abs().argsort(descending=True)[:top]
+        positions.append({"position": t, "token": int(scored[t]), "logit": float(att.logit[0, t]),
+                          "known": float(att.known[0, t]), "unknown": float(att.unknown[0, t]),
+                          "residual": float(att.residual[0, t]), "share": float(att.share[0, t]),
+                          "concepts": [{"concept": label(int(c)), "term": float(terms[c]),
+                                        "activation": float(parts.k[0, t, c])} for c in order]})
+    chunk = b.bcfg.chunk
+    probs = chunk_probs(parts.k_logits.float(), chunk)[0]  # (chunks, n)
+    chunks = []
+    for j in range(probs.shape[0]):
+        order = probs[j].argsort(descending=True)[:top]
+        chunks.append({"chunk": j, "span": [j * chunk, min(T, (j + 1) * chunk)],
+                       "concepts": [{"concept": label(int(c)), "probability": float(probs[j, c])} for c in order]})
+    return {"attribution_error": error, "mean_share": float(att.share[0].mean()), "positions": positions,
+            "chunks": chunks}

@@ -144,4 +144,4 @@ def test_bad_input(runs, args, message):
 
 def test_a_model_without_concepts_is_refused(runs):
     r = run_cli("inspect", str(runs["base"]), "-p", PROMPT)
-    assert r.returncode == 2 and "no concept path" in r.stderr
+    assert r.returncode == 2 and "neither a concept path (model.concept.enabled) nor a concept bottleneck" in r.stderr

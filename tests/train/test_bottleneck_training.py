@@ -88,3 +88,22 @@ def test_a_dataset_without_labels(tiny_data: Path, tmp_path: Path) -> None:
     assert r.returncode == 2
     (err,) = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
     assert "the dataset has no concept labels, but model.bottleneck is on" in err
+
+
+def test_inspect_reports_the_exact_attribution(trained: Path) -> None:
+    """``ncpctl inspect`` on a bottleneck checkpoint: every scored logit is known + unknown +
+    residual to float precision, the concepts carry their names, and --target scores the target."""
+    ck = str(trained / "checkpoints" / "step_0000040")
+    prompt = "import re\ntry:\n    m = re.match(p, s)\nexcept ValueError:\n    raise"
+    r = result(ncpctl("inspect", ck, "-p", prompt, "--json"))
+    (p,) = r["prompts"]
+    rep = p["bottleneck"]
+    assert rep["attribution_error"] < 1e-4 and len(rep["positions"]) == p["tokens"]
+    for q in rep["positions"]:
+        assert q["known"] + q["unknown"] + q["residual"] == pytest.approx(q["logit"], abs=1e-4)
+        assert 0.0 <= q["share"] <= 1.0
+    names = json.loads((Path(ck) / "ncpctl.json").read_text())["concept_names"]
+    assert {c["concept"] for ch in rep["chunks"] for c in ch["concepts"]} <= set(names)
+    t = result(ncpctl("inspect", ck, "-p", "import os\n", "--target", "import sys", "--json"))
+    tgt = t["prompts"][0]["bottleneck"]["positions"]
+    assert [q["text"] for q in tgt] and "".join(q["text"] for q in tgt) == "import sys"
