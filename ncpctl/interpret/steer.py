@@ -7,7 +7,10 @@ A ``SteerSpec`` names
   ``mix:S:N1=W1+N2=W2...`` (a mix of segment S's codes with those weights: what a block's
   prediction puts in that segment) or ``concept:NAME`` (a labelled concept of the concept
   bottleneck, ``model.bottleneck``: its embedding K_c, Steerling's e_c = K_c / ||K_c||);
-* ``at``: ``decoder_input`` (default) or ``encoder.L`` / ``decoder.L`` (after layer L, 0-based);
+* ``at``: ``decoder_input`` (default), ``encoder.L`` / ``decoder.L`` (after layer L, 0-based) or
+  ``readout`` (what the LM head reads: after the final norm and the concept bottleneck, where
+  adding gamma * K_c/||K_c|| raises known concept c's activation, Steerling's intervention; there
+  the logit units are exact, not nominal);
 * ``strength`` with its units: ``logit`` (nominal logit units, Steerling's: gamma = strength /
   peak(W_lm . e/||e||), so that the direction alone, read straight through the LM head, would
   raise the most-promoted token's logit by ``strength``; nominal because the decoder layers and
@@ -163,11 +166,11 @@ def parse_direction(text: str) -> tuple[str, int, dict[int, float]]:
 
 
 def parse_site(text: str) -> tuple[str, int | None]:
-    if text == "decoder_input":
+    if text in ("decoder_input", "readout"):
         return text, None
     m = re.fullmatch(r"(encoder|decoder)\.(\d+)", text)
     if m is None:
-        raise UserError(f"steer: at {text!r}: expected decoder_input, encoder.L or decoder.L")
+        raise UserError(f"steer: at {text!r}: expected decoder_input, readout, encoder.L or decoder.L")
     return m.group(1), int(m.group(2))
 
 
@@ -253,7 +256,7 @@ def resolve(model, spec: SteerSpec, names: Sequence[str] | None = None) -> Resol
 
 def interventions_for(resolved: Sequence[Sequence[Resolved]], prompt_lengths: Sequence[int]) -> list:
     """One intervention per (row, spec): rows are batch rows, positions each row's own."""
-    from ncpctl.model.interventions import AddToDecoderInput, AddToResidual
+    from ncpctl.model.interventions import AddToDecoderInput, AddToReadout, AddToResidual
 
     out = []
     for row, (specs, P) in enumerate(zip(resolved, prompt_lengths)):
@@ -264,7 +267,9 @@ def interventions_for(resolved: Sequence[Sequence[Resolved]], prompt_lengths: Se
             else:
                 start, length = P - 1 + s.start, s.length
             kind, layer = parse_site(s.at)
-            if layer is None:
+            if kind == "readout":
+                out.append(AddToReadout(start=start, length=length, rows=[row], vector=r.vector))
+            elif layer is None:
                 out.append(AddToDecoderInput(start=start, length=length, rows=[row], vector=r.vector))
             else:
                 out.append(AddToResidual(start=start, length=length, rows=[row], vector=r.vector, stack=kind,

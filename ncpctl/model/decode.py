@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .interventions import decoder_input_addition, edit_code_weights, residual_additions
+from .interventions import decoder_input_addition, edit_code_weights, readout_addition, residual_additions
 from .layers import Context, KVCache, attn_mask, rope
 
 
@@ -115,7 +115,8 @@ def prefill(model, tokens: torch.Tensor, lengths, max_len: int | None, ivs: list
     z, concept_depths = _concept_prefill(model, st, h, lengths, ivs, depths) if cm is not None else (h, None)
     z = decoder_input_addition(ivs, z, positions)
     hN = model.decode(z, _decoder_context(model, dec, st, positions, depths, concept_depths))
-    return model.head(model.readout(hN)[0]), st  # the full forward's head path (bottleneck included)
+    h_bar = readout_addition(ivs, model.readout(hN)[0], positions)  # the full forward's head path
+    return model.head(h_bar), st
 
 
 def _encode(model, x: torch.Tensor, ctx: Context):
@@ -206,7 +207,7 @@ def step(model, st: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
     z = decoder_input_addition(ivs, z, pos)
     dec = _decoder_context(model, dec, st, pos, depths, concept_depths)
     st.slot += 1
-    return model.head(model.readout(model.decode(z, dec))[0])[:, 0]
+    return model.head(readout_addition(ivs, model.readout(model.decode(z, dec))[0], pos))[:, 0]
 
 
 def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, ivs: list,

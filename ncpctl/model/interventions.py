@@ -13,6 +13,9 @@ optionally to some batch ``rows`` only:
   input; ``vector`` (d,) or per row (B, d)).
 * ``AddToResidual``: the same, added to the residual stream after layer ``layer`` (0-based)
   of the ``encoder`` or ``decoder`` stack.
+* ``AddToReadout``: the same, added to what the LM head reads (after the final norm and the
+  concept bottleneck: h_bar). On a bottleneck model adding gamma * K_c there is exactly raising
+  known concept c's activation by gamma / ||K_c|| (Steerling's concept intervention).
 
 Positions are those of the tokens (0 = a row's first real token), whatever the padding.
 """
@@ -83,6 +86,11 @@ class AddToResidual(AddToDecoderInput):
     layer: int = 0  # after this layer (0-based in its stack)
 
 
+@dataclass
+class AddToReadout(AddToDecoderInput):
+    pass
+
+
 def check(interventions: Sequence[Intervention] | None, n_layers: dict[str, int]) -> list[Intervention]:
     """The interventions as a list, with their targets checked (ValueError naming the problem)."""
     out = list(interventions or ())
@@ -110,6 +118,13 @@ def decoder_input_addition(ivs: Sequence[Intervention], z: torch.Tensor, positio
         if type(iv) is AddToDecoderInput:
             z = z + iv.addition(positions, z)
     return z
+
+
+def readout_addition(ivs: Sequence[Intervention], h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    for iv in ivs:
+        if type(iv) is AddToReadout:
+            h = h + iv.addition(positions, h)
+    return h
 
 
 def residual_additions(ivs: Sequence[Intervention], stack: str, n_layers: int, positions: torch.Tensor,

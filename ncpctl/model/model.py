@@ -36,7 +36,7 @@ from .bottleneck import BottleneckOutput, ConceptBottleneck
 from .config import ModelConfig
 from .decode import DecodeState, prefill, step
 from .head import LMHead
-from .interventions import Intervention, check, decoder_input_addition, residual_additions
+from .interventions import Intervention, check, decoder_input_addition, readout_addition, residual_additions
 from .layers import Context, RMSNorm, Stack, make_norm
 from .outputs import LogKey, NCPOutput
 from .mtp import MTPHead
@@ -231,6 +231,7 @@ class NCPModel(nn.Module):
         out = NCPOutput(logits=None, concept=co if self.concept is not None else None, states=states,
                         hidden=hN if return_hidden else None, metrics=dict(co.metrics), stats=dict(co.stats))
         h_bar, parts = self.readout(hN, concept_labels, losses=targets is not None)
+        h_bar = readout_addition(ivs, h_bar, positions)  # (B, T, d): AddToReadout (steering at the head)
         if parts is not None:
             out.metrics.update(parts.metrics)
             out.bottleneck = parts if return_bottleneck else None
@@ -273,7 +274,7 @@ class NCPModel(nn.Module):
         elif self.concept is not None and (self.crc is not None or type(self.concept.coupling).decoder_context
                                            is not Coupling.decoder_context):
             raise ValueError("from_decoder_input: this model's decoder reads the concepts; pass concept=out.concept")
-        return self.head(self.readout(self.decode(z, dec_ctx))[0])
+        return self.head(readout_addition(ivs, self.readout(self.decode(z, dec_ctx))[0], positions))
 
     @property
     def uses_sample_ids(self) -> bool:

@@ -77,7 +77,8 @@ def _recompute(lm, prompt_ids, resolved, n):
 
 @pytest.mark.parametrize("spec", ["code=1/0,strength=10logit,length=6",
                                   "mix=3:0=0.5+5=0.5,strength=8logit,at=decoder.0,start=2",
-                                  "code=0/0,strength=-6logit,penalty=3,start=prompt,length=4"])
+                                  "code=0/0,strength=-6logit,penalty=3,start=prompt,length=4",
+                                  "code=2/3,strength=3logit,at=readout,length=5"])
 def test_cached_steered_decoding_equals_full_recompute(lm, spec):
     r = resolve(lm.model, SteerSpec.parse(spec))
     p = SamplingParams(max_new_tokens=10, greedy=True, stop=[])
@@ -141,3 +142,16 @@ def test_bad_specs_are_one_error_line(runs, spec, message):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_readout_steering_moves_the_logits_by_exactly_the_strength(lm):
+    """At the LM head's input the logit units are exact: the logits move by W_lm . vector, whose
+    largest entry is the strength."""
+    r = resolve(lm.model, SteerSpec.parse("code=1/3,strength=5logit,at=readout"))
+    ids = torch.tensor(lm.tokenizer.encode(PROMPTS[0], add_special_tokens=False).ids)[None]
+    (iv,) = interventions_for([[r]], [1])  # a prompt of length 1: positions from 0 on
+    with torch.no_grad():
+        a = lm.model(ids).logits[0, :, : lm.config.vocab_size]
+        b = lm.model(ids, interventions=[iv]).logits[0, :, : lm.config.vocab_size]
+    assert float((b - a).max(-1).values.min()) == pytest.approx(5.0, abs=1e-4)
+    assert float((b - a).max(-1).values.max()) == pytest.approx(5.0, abs=1e-4)
