@@ -88,9 +88,10 @@ def _check_dynamic(c: "ConceptConfig", cfg: "ModelConfig") -> list[tuple[str, st
 
 
 # Data-dependent boundaries (DLCM): at most T - 1 segments close within T tokens (the last one is
-# still open); the cost model counts T / R concepts at the target ratio R.
+# still open); the cost model counts int(T / R) concepts at the target ratio R (not T // R, which
+# is 79.0 for 256 // 3.2).
 DYNAMIC = SegmentationLaw(concepts=lambda c, T: max(T - 1, 0), tokens_per_concept=lambda c: float(c.target_ratio),
-                          check=_check_dynamic, expected_concepts=lambda c, T: int(T // c.target_ratio))
+                          check=_check_dynamic, expected_concepts=lambda c, T: int(T / c.target_ratio))
 CRC_CONNECTIONS = ("encoder-concept", "encoder-decoder", "concept-decoder")
 CRC_MODES = ("layers", "input")
 
