@@ -71,8 +71,11 @@ class PositionLoss:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"positions": self.positions, "dlcm": self.dlcm, "base": self.base, "delta": self.delta,
-                "counts": self.counts, "tokens_per_concept": self.tokens_per_concept, **self.extra}
+        """JSON-ready: a position no token reached is null (not NaN)."""
+        clean = lambda xs: None if xs is None else [None if v != v else v for v in xs]  # noqa: E731
+        return {"positions": self.positions, "dlcm": clean(self.dlcm), "base": clean(self.base),
+                "delta": clean(self.delta), "counts": self.counts, "tokens_per_concept": self.tokens_per_concept,
+                **self.extra}
 
 
 @torch.no_grad()
@@ -134,3 +137,52 @@ def compression_by_source(model: torch.nn.Module, corpora: dict[str, Iterable[to
     finally:
         model.train(was)
     return out
+
+
+def _windows(ids: list[int], T: int, max_windows: int, batch: int) -> list[torch.Tensor]:
+    """Non-overlapping (b, T) windows of a token stream, at most ``max_windows`` in all; a
+    stream shorter than T gives one window of its length."""
+    n = min(max(len(ids) // T, 1 if ids else 0), max_windows)
+    T = T if len(ids) >= T else len(ids)
+    rows = torch.tensor(ids[: n * T], dtype=torch.long).view(n, T) if n else torch.zeros(0, T, dtype=torch.long)
+    return list(rows.split(batch)) if n else []
+
+
+def concept_report(target: Any, specs: list[Any], *, base: Any = None, seq_len: int | None = None,
+                   max_windows: int = 600, max_position: int = 20, batch: int = 8) -> dict[str, Any]:
+    """``ncpctl eval TARGET --concepts``: Table 5 (tokens per concept per held-out corpus, e.g. one
+    per ``data.sources`` entry) and Fig. 7 (loss by position within the concept over all of them,
+    against ``base``) for the DLCM checkpoint ``target``. Each corpus (``HeldoutSource``: the syntax
+    of a ``data.sources`` entry) is read and tokenized with the checkpoint's tokenizer, documents
+    joined by the end-of-document token, cut into at most ``max_windows`` windows of ``seq_len``
+    (default: the model's max_seq_len; the paper: 600 validation samples)."""
+    from ncpctl.checkpoint import load_model
+    from ncpctl.errors import UserError
+    from ncpctl.evaluate.heldout import check_labels, documents
+
+    lm = load_model(target)
+    c = lm.config.concept
+    if not (c.enabled and c.segmentation == "dynamic"):
+        raise UserError(f"{target}: --concepts needs a model with model.concept.segmentation: dynamic (DLCM)")
+    if lm.tokenizer is None:
+        raise UserError(f"{lm.path}: the checkpoint has no tokenizer.json")
+    ref = load_model(base, with_tokenizer=False) if base is not None else None
+    if ref is not None and ref.config.vocab_size != lm.config.vocab_size:
+        raise UserError(f"--base {base}: vocabulary {ref.config.vocab_size} differs from {lm.config.vocab_size}",
+                        hint="compare models trained with the same tokenizer")
+    labels = check_labels(specs, [])
+    T = min(seq_len or lm.config.max_seq_len, lm.config.max_seq_len)
+    eod = (lm.meta.get("recipe") or {}).get("tokenizer", {}).get("eod_token", "<|endoftext|>")
+    eod_id = lm.tokenizer.token_to_id(eod)
+    corpora = {}
+    for spec, label in zip(specs, labels):
+        ids: list[int] = []
+        for row in documents(spec, lm.tokenizer):
+            ids += lm.tokenizer.encode(row["text"], add_special_tokens=False).ids + ([eod_id] if eod_id is not None else [])
+        corpora[label] = _windows(ids, T, max_windows, batch)
+    by_source = compression_by_source(lm.model, corpora)
+    every = [x for xs in corpora.values() for x in xs]
+    fig7 = loss_by_concept_position(lm.model, every, base=ref.model if ref else None, max_position=max_position)
+    return {"checkpoint": str(lm.path), "base": str(ref.path) if ref else None, "seq_len": T,
+            "target_ratio": c.target_ratio, "threshold": c.boundary_threshold,
+            "tokens_per_concept_by_source": by_source, "loss_by_concept_position": fig7.to_dict()}

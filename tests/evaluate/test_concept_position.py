@@ -89,3 +89,39 @@ def test_a_model_without_dynamic_segments_is_refused():
     base = build(tiny("llama"), seed=1)
     with pytest.raises(ValueError, match="dynamic"):
         loss_by_concept_position(base, [tokens(base.cfg, 1, 8)])
+
+
+def test_eval_concepts_through_the_cli(tmp_path):
+    """``ncpctl eval CKPT --concepts --heldout A --heldout B --base BASE``: Table 5's rows per corpus
+    and Fig. 7's 20 positions, in concepts.json and on stdout (--json)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from ncpctl.checkpoint import save_model_files
+    from tests.conftest import run_cli
+
+    prose = tmp_path / "prose.txt"
+    prose.write_text("the quick brown fox jumps over the lazy dog and runs far away into the woods\n" * 30)
+    code = tmp_path / "code.py"
+    code.write_text("def f(x):\n    return [i * x for i in range(10) if i % 2]\n" * 30)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train([str(prose), str(code)], trainers.BpeTrainer(vocab_size=180, special_tokens=["<|endoftext|>", "[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ck, base_ck = tmp_path / "dlcm", tmp_path / "base"
+    for path, model in ((ck, _dlcm()), (base_ck, build(tiny("llama"), seed=1))):
+        save_model_files(path, model, step=1, tokens_seen=0, recipe=None, tokenizer_path=tmp_path / "tokenizer.json")
+    r = run_cli("eval", str(ck), "--concepts", "--heldout", f"{{path: {prose}, label: prose}}", "--heldout",
+                f"{{path: {code}, label: code}}", "--base", str(base_ck), "--out", str(tmp_path / "out"), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    saved = json.loads((tmp_path / "out" / "concepts.json").read_text())
+    assert set(res["tokens_per_concept_by_source"]) == {"prose", "code"} == set(saved["tokens_per_concept_by_source"])
+    for row in saved["tokens_per_concept_by_source"].values():
+        assert row["tokens"] > 0 and row["tokens_per_concept"] == pytest.approx(row["tokens"] / row["concepts"])
+    f7 = saved["loss_by_concept_position"]
+    assert f7["positions"] == list(range(1, 21)) and f7["counts"][0] > 0 and f7["base"] is not None
+    assert saved["target_ratio"] == 3 and saved["seq_len"] == 64
+    bad = run_cli("eval", str(base_ck), "--concepts", "--heldout", str(prose))
+    assert bad.returncode == 2 and "segmentation: dynamic" in bad.stderr
