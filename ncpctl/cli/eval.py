@@ -35,6 +35,13 @@ def main(
                                                        show_default=False)] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="Output directory (default run.dir/eval; with "
                                                "--compare the first run's eval/).", show_default=False)] = None,
+    concepts: Annotated[bool, typer.Option(
+        "--concepts", help="DLCM checkpoints: realised tokens per concept per --heldout corpus (Table 5: one corpus "
+        "per domain / data.sources entry) and the loss by position within the concept, 1-20, over all of them "
+        "(Fig. 7; against --base), at the inference threshold. Writes concepts.json to --out.")] = False,
+    base: Annotated[Optional[str], typer.Option(
+        "--base", metavar="CHECKPOINT", help="With --concepts: the base model compared position by position "
+        "(same tokenizer).", show_default=False)] = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -67,6 +74,9 @@ def main(
         return
     if len(targets) != 1:
         raise UserError(f"eval takes one TARGET, got {len(targets)}", hint="to compare runs: ncpctl eval --compare A B")
+    if concepts or base is not None:
+        _concepts(out_, targets[0], heldout, base, out)
+        return
     from ncpctl.evaluate.run import evaluate, resolve_target, rich_table
 
     t = resolve_target(targets[0], set_ or [], names, batch_size, limit, num_fewshot, out, heldout=heldout)
@@ -75,3 +85,47 @@ def main(
         con.print(rich_table(summary)),
         con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),
     ))
+
+
+def _concepts(out_: Output, target: str, heldout: list[str] | None, base: str | None, out: str | None) -> None:
+    """``--concepts``: ncpctl.evaluate.concept_position.concept_report on the --heldout corpora."""
+    import json
+    from pathlib import Path
+
+    if not heldout:
+        raise UserError("--concepts needs --heldout corpora (one per domain, e.g. per data.sources entry)",
+                        hint="e.g. --heldout '{path: val/code/*.py, label: code}' --heldout '{path: val/web.jsonl, label: web}'")
+    from ncpctl.checkpoint import resolve, run_dir_of
+    from ncpctl.evaluate.concept_position import concept_report
+    from ncpctl.evaluate.heldout import parse_spec
+    from ncpctl.fsutil import atomic_write
+
+    specs = [parse_spec(h) for h in heldout]
+    report = concept_report(target, specs, base=base)
+    ckpt = resolve(Path(target))
+    out_dir = Path(out) if out else (run_dir_of(ckpt) or ckpt) / "eval"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / "concepts.json", json.dumps(report, indent=2) + "\n")
+    report["file"] = str(out_dir / "concepts.json")
+
+    def human(con) -> None:
+        from rich.table import Table
+
+        t = Table(title=f"tokens per concept (target R {report['target_ratio']:g}, threshold {report['threshold']:g})")
+        for col in ("corpus", "tokens", "concepts", "tokens per concept"):
+            t.add_column(col, justify="left" if col == "corpus" else "right")
+        for name, row in report["tokens_per_concept_by_source"].items():
+            t.add_row(name, f"{row['tokens']:,}", f"{row['concepts']:,}", f"{row['tokens_per_concept']:.2f}")
+        con.print(t)
+        f7 = report["loss_by_concept_position"]
+        t = Table(title="loss by position within the concept")
+        for col in ("position", "tokens", "DLCM", "base", "DLCM - base"):
+            t.add_column(col, justify="right")
+        for i, k in enumerate(f7["positions"]):
+            fmt = lambda v: "" if v is None or v != v else f"{v:.4f}"  # noqa: E731
+            t.add_row(str(k), f"{f7['counts'][i]:,}", fmt(f7["dlcm"][i]), fmt(f7["base"][i] if f7["base"] else None),
+                      fmt(f7["delta"][i] if f7["delta"] else None))
+        con.print(t)
+        con.print(f"[dim]{report['file']}[/]")
+
+    out_.result({"command": "eval", "mode": "concepts", **report}, human)

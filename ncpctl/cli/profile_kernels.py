@@ -27,6 +27,10 @@ def main(
         "--repeats", min=1, help="Timed repeats per kernel / step (default: 5 / 3 on CPU, 20 / 10 on GPU).")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Smallest grid, one repeat: a smoke run.")] = False,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda if present).")] = None,
+    realised_ratio: Annotated[Optional[float], typer.Option(
+        "--realised-ratio", metavar="TOKENS_PER_CONCEPT",
+        help="Accounting of a dynamic segmentation (DLCM) at this measured tokens per concept (validation's "
+             "tokens_per_concept) instead of the target model.concept.target_ratio; parameters do not change.")] = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -53,6 +57,13 @@ def main(
     for note in notes:
         out.warn(note)
 
+    c = r.model_config.concept
+    if realised_ratio is not None and not (c.enabled and c.segmentation == "dynamic"):
+        raise UserError("--realised-ratio: the recipe's model has no dynamic segmentation",
+                        hint="it applies to model.concept.segmentation: dynamic (DLCM); fixed blocks have k")
+    if realised_ratio is not None and not realised_ratio > 1:
+        raise UserError(f"--realised-ratio: must be > 1 (tokens per concept), got {realised_ratio:g}")
+
     from ncpctl.profile.run import profile
 
     if device is not None:
@@ -65,7 +76,7 @@ def main(
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise UserError(f"--device: {device}: no CUDA device here", hint="use --device cpu")
     res = profile(r, sections, device=device, repeats=repeats, quick=quick, plot=plot,
-                  log=lambda msg: out.info(f"[dim]{msg}[/]"))
+                  realised_ratio=realised_ratio, log=lambda msg: out.info(f"[dim]{msg}[/]"))
     res["notes"] = notes
 
     def human(con) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "describe",
     "saving",
     "parameter_equivalent_layers",
+    "at_realised_ratio",
     "PARAM_GROUPS",
 ]
 
@@ -103,8 +104,10 @@ class PaperFlops:
         return out
 
 
-def paper_flops(cfg: ModelConfig, seq_len: int | None = None) -> PaperFlops:
-    """ConceptLM App. C cost of ``cfg`` at ``seq_len`` (default ``cfg.max_seq_len``)."""
+def paper_flops(cfg: ModelConfig, seq_len: int | None = None, realised_ratio: float | None = None) -> PaperFlops:
+    """ConceptLM App. C cost of ``cfg`` at ``seq_len`` (default ``cfg.max_seq_len``); a dynamic
+    segmentation's concepts at ``realised_ratio`` tokens each instead of R (``at_realised_ratio``)."""
+    cfg = at_realised_ratio(cfg, realised_ratio)
     T = int(seq_len if seq_len is not None else cfg.max_seq_len)
     if T <= 0:
         raise ValueError(f"seq_len must be positive, got {T}")
@@ -323,8 +326,24 @@ class ExactFlops:
         return out
 
 
+def at_realised_ratio(cfg: ModelConfig, ratio: float | None) -> ModelConfig:
+    """``cfg`` costed at a measured compression: a data-dependent segmentation (DLCM's dynamic
+    boundaries) counts its concepts at the target R (T // R); a trained model realises its own
+    tokens per concept (validation's ``tokens_per_concept``, DLCM Table 4: 3.92 or 3.15 at R = 4),
+    so the FLOPs at that ratio are those of the same model with R replaced by it. The parameters
+    do not depend on R. None: ``cfg`` itself. Fixed blocks have no realised ratio other than k."""
+    if ratio is None:
+        return cfg
+    c = cfg.concept
+    if not c.enabled or c.segmentation != "dynamic":
+        raise ValueError("a realised ratio applies to model.concept.segmentation: dynamic (fixed blocks: k)")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 1:
+        raise ValueError(f"the realised tokens per concept must be a number > 1, got {ratio!r}")
+    return dataclasses.replace(cfg, concept=dataclasses.replace(c, target_ratio=float(ratio)))
+
+
 def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 1,
-                trainable: Mapping[str, int] | None = None) -> ExactFlops:
+                trainable: Mapping[str, int] | None = None, realised_ratio: float | None = None) -> ExactFlops:
     """Exact matmul FLOPs of ``cfg`` at ``seq_len`` (default ``cfg.max_seq_len``).
 
     Elementwise work (norms, rotary, softmax, residual adds) is not counted; pooling is,
@@ -336,7 +355,11 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
     autograd computes: a weight gradient only for a trained weight, an input gradient only where
     something upstream trains, nothing below the lowest trained parameter. LoRA adapters add
     their own matmuls (``components["adapters"]``). None: every weight trains (3x forward).
+
+    ``realised_ratio``: count a dynamic segmentation's concepts at this measured tokens per
+    concept instead of the target R (``at_realised_ratio``).
     """
+    cfg = at_realised_ratio(cfg, realised_ratio)
     T = int(seq_len if seq_len is not None else cfg.max_seq_len)
     if T <= 0 or batch_size <= 0:
         raise ValueError(f"seq_len and batch_size must be positive, got {T}, {batch_size}")

@@ -88,9 +88,10 @@ def _check_dynamic(c: "ConceptConfig", cfg: "ModelConfig") -> list[tuple[str, st
 
 
 # Data-dependent boundaries (DLCM): at most T - 1 segments close within T tokens (the last one is
-# still open); the cost model counts T / R concepts at the target ratio R.
+# still open); the cost model counts int(T / R) concepts at the target ratio R (not T // R, which
+# is 79.0 for 256 // 3.2).
 DYNAMIC = SegmentationLaw(concepts=lambda c, T: max(T - 1, 0), tokens_per_concept=lambda c: float(c.target_ratio),
-                          check=_check_dynamic, expected_concepts=lambda c, T: int(T // c.target_ratio))
+                          check=_check_dynamic, expected_concepts=lambda c, T: int(T / c.target_ratio))
 CRC_CONNECTIONS = ("encoder-concept", "encoder-decoder", "concept-decoder")
 CRC_MODES = ("layers", "input")
 
@@ -773,6 +774,19 @@ SIZES: dict[str, dict[str, Any]] = {
         concept=dict(
             enabled=True, k=4, encoder_layers=16, concept_layers=8, segments=32, codes=128,
             code_weights="softmax", ncp_reduction="sum_dim",
+        ),
+    ),
+    # DLCM 2.3B (Table 3): d_token 1536 (24 heads), a concept transformer at d_concept 3072 (48
+    # heads), E/C/D = 10/16/6, vocab 128,815 (DeepSeek-V3's tokenizer), 8k positions, learned
+    # boundaries at R = 4 with the Global Parser, one causal cross-attention, L_CE + lambda L_aux.
+    # LLaMA blocks (the paper follows LLaMA): SwiGLU at 8/3 d, RoPE base 10000, RMSNorm eps 1e-6.
+    "dlcm-2.3b": dict(
+        backbone="llama", vocab_size=128815, d_model=1536, n_layers=16, n_heads=24, max_seq_len=8192,
+        norm_eps=1e-6,
+        concept=dict(
+            enabled=True, segmentation="dynamic", coupling="cross_attention", encoder_layers=10,
+            concept_layers=16, d_concept=3072, concept_heads=48, target_ratio=4, balance="global",
+            ncp_weight=0.0, vq_weight=0.0,
         ),
     ),
 }

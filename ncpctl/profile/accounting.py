@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ncpctl.model.accounting import count_parameters, exact_flops, paper_flops, saving, tokens_per_concept
+from ncpctl.model.accounting import (at_realised_ratio, count_parameters, exact_flops, paper_flops, saving,
+                                     tokens_per_concept)
 from ncpctl.model.config import ModelConfig
 
 VARIANTS = ("recipe", "base", "pm")
@@ -82,8 +83,12 @@ def describe_variant(cfg: ModelConfig, seq_len: int, micro_batch: int, global_ba
 
 
 def accounting_section(cfg: ModelConfig, seq_len: int, micro_batch: int = 1, global_batch: int | None = None,
-                       params: bool = True) -> dict[str, Any]:
-    """Paper and exact FLOPs, parameters, savings of ``recipe`` vs ``base`` and ``pm``."""
+                       params: bool = True, realised_ratio: float | None = None) -> dict[str, Any]:
+    """Paper and exact FLOPs, parameters, savings of ``recipe`` vs ``base`` and ``pm``.
+    ``realised_ratio``: the recipe's dynamic segmentation costed at this measured tokens per
+    concept instead of its target R (``ncpctl.model.accounting.at_realised_ratio``)."""
+    target = cfg.concept.target_ratio if cfg.concept.enabled and cfg.concept.segmentation == "dynamic" else None
+    cfg = at_realised_ratio(cfg, realised_ratio)
     global_batch = global_batch or micro_batch
     variants = {name: describe_variant(c, seq_len, micro_batch, global_batch, params)
                 for name, c in siblings(cfg).items()}
@@ -97,6 +102,8 @@ def accounting_section(cfg: ModelConfig, seq_len: int, micro_batch: int = 1, glo
         }
     return {
         "seq_len": seq_len,
+        "target_ratio": target,  # R of a dynamic segmentation (None otherwise)
+        "realised_ratio": realised_ratio,  # the tokens per concept the FLOPs are counted at (None: R)
         "micro_batch_size": micro_batch,
         "global_batch_size": global_batch,
         "tokens_per_step": seq_len * global_batch,

@@ -29,7 +29,9 @@ def render(con: Any, res: dict[str, Any]) -> None:
 
     if "accounting" in res:
         a = res["accounting"]
-        t = Table(title=f"accounting: T={a['seq_len']}, {a['tokens_per_step']:,} tokens per optimizer step",
+        at = f", concepts at {a['realised_ratio']:g} tokens each (target R {a['target_ratio']:g})" \
+            if a.get("realised_ratio") else ""
+        t = Table(title=f"accounting: T={a['seq_len']}, {a['tokens_per_step']:,} tokens per optimizer step{at}",
                   title_justify="left")
         for col in ("", *a["variants"]):
             t.add_column(col, justify="left" if not col else "right")

@@ -23,12 +23,14 @@ def profile(
     repeats: int | None = None,
     quick: bool = False,
     plot: bool = False,
+    realised_ratio: float | None = None,
     out_dir: Path | None = None,
     log: Callable[[str], None] = lambda msg: None,
 ) -> dict[str, Any]:
     """Run ``only`` (default: every section) for ``recipe``; results keyed by section.
 
     ``quick``: the smallest grid, one repeat, no warm-up beyond one call (tests, smoke runs).
+    ``realised_ratio``: the accounting of a dynamic segmentation at this measured tokens per concept.
     """
     from ncpctl.profile.accounting import accounting_section, config_summary
 
@@ -46,7 +48,8 @@ def profile(
     }
     if "accounting" in sections:
         log("accounting: parameters and FLOPs (recipe, base, PM)")
-        result["accounting"] = accounting_section(cfg, T, B, recipe.global_batch_size)
+        result["accounting"] = accounting_section(cfg, T, B, recipe.global_batch_size,
+                                                  realised_ratio=realised_ratio)
     heavy = [s for s in sections if s != "accounting"]
     if not heavy:
         return result

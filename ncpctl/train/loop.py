@@ -426,7 +426,9 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
                 run.display.stop()
             if run.metrics is not None:
                 run.metrics.close()
-    plots = write_plots(recipe.run_dir, run.code_counts, run.warn) if run.d.rank == 0 and t.plots else []
+    c = recipe.model_config.concept
+    target = c.target_ratio if c.enabled and c.segmentation == "dynamic" else None
+    plots = write_plots(recipe.run_dir, run.code_counts, run.warn, target) if run.d.rank == 0 and t.plots else []
     return _summary(run, interrupted=bool(stop.signum), plots=plots)
 
 

@@ -115,12 +115,14 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any) -> list[str]:
+def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any,
+                target_ratio: float | None = None) -> list[str]:
     """``loss_curves.png`` (train loss terms and validation losses against step),
     ``codebook_usage.png`` (one panel per codebook segment: how often each code is the nearest
-    code of a predicted concept over the final validation pass, sorted; ConceptLM Fig. 5) and,
-    when there are stability records, ``attention_stats.png`` (``_attention_plot``).
-    Returns the file names written."""
+    code of a predicted concept over the final validation pass, sorted; ConceptLM Fig. 5),
+    when there are stability records, ``attention_stats.png`` (``_attention_plot``) and, when the
+    records carry ``tokens_per_concept`` (a dynamic segmentation), ``compression.png``
+    (``_compression_plot``; ``target_ratio``: R, drawn as a line). Returns the file names written."""
     try:
         import matplotlib
 
@@ -173,7 +175,41 @@ def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any) -> lis
     if stability:
         _attention_plot(plt, run_dir / "attention_stats.png", stability, train)
         written.append("attention_stats.png")
+    if any("tokens_per_concept" in r for r in train + val):
+        _compression_plot(plt, run_dir / "compression.png", train, val, target_ratio)
+        written.append("compression.png")
     return written
+
+
+def _compression_plot(plt: Any, path: Path, train: list[dict[str, Any]], val: list[dict[str, Any]],
+                      target: float | None) -> None:
+    """DLCM Fig. 8 for this run: the compressed length over training, as tokens per concept (train:
+    the sampled boundaries of each step; validation: the inference threshold), with the target R;
+    and the boundary rate F and mean boundary probability G the load balance drives to 1/R."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), squeeze=False)
+    ax = axes[0][0]
+    for recs, style, label in ((train, "-", "train (sampled)"), (val, "o-", "val (p >= threshold)")):
+        pts = [(r["step"], r["tokens_per_concept"]) for r in recs if isinstance(r.get("tokens_per_concept"), (int, float))]
+        if pts:
+            ax.plot(*zip(*pts), style, lw=1, ms=3, label=label)
+    if target is not None:
+        ax.axhline(target, color="k", ls="--", lw=1, label=f"target R = {target:g}")
+    ax.set_title("tokens per concept")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+    ax = axes[0][1]
+    for key, label in (("boundary_rate", "F (train)"), ("boundary_prob", "G (train)")):
+        pts = [(r["step"], r[key]) for r in train if isinstance(r.get(key), (int, float))]
+        if pts:
+            ax.plot(*zip(*pts), lw=1, label=label)
+    if target is not None:
+        ax.axhline(1 / target, color="k", ls="--", lw=1, label="1/R")
+    ax.set_title("boundary rate F, probability G")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
 
 
 def _attention_plot(plt: Any, path: Path, recs: list[dict[str, Any]], train: list[dict[str, Any]]) -> None:

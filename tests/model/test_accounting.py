@@ -443,3 +443,24 @@ def test_adapt_vq_at_8_9b_backward_is_the_decoders_input_gradients():
     assert e.forward_per_step() == full.forward_per_step()
     # the training FLOPs MFU counts: about half of full fine-tuning's at this shape
     assert 0.45 < e.training_per_step() / full.training_per_step() < 0.55
+
+
+def test_exact_flops_at_a_realised_ratio():
+    """DLCM's concepts are counted at the target R (T // R); ``realised_ratio`` counts them at a
+    measured tokens per concept instead: the same as the model with R replaced, parameters unchanged."""
+    from ncpctl.model.accounting import at_realised_ratio
+
+    cfg = build_config("debug", concept=dict(enabled=True, segmentation="dynamic", coupling="cross_attention",
+                                             target_ratio=4))
+    at = exact_flops(cfg, 256, realised_ratio=3.2)
+    same = exact_flops(build_config("debug", concept=dict(enabled=True, segmentation="dynamic",
+                                                          coupling="cross_attention", target_ratio=3.2)), 256)
+    assert at.concept_positions == 80 == 256 * 10 // 32 and at.components == same.components
+    assert exact_flops(cfg, 256).concept_positions == 64 and at.forward_per_token > exact_flops(cfg, 256).forward_per_token
+    assert paper_flops(cfg, 256, realised_ratio=3.2).k == 3.2 and paper_flops(cfg, 256).k == 4
+    assert at_realised_ratio(cfg, None) is cfg and cfg.concept.target_ratio == 4  # cfg untouched
+    assert count_parameters(at_realised_ratio(cfg, 3.2)).total == count_parameters(cfg).total
+    with pytest.raises(ValueError, match="> 1"):
+        exact_flops(cfg, 256, realised_ratio=1.0)
+    with pytest.raises(ValueError, match="dynamic"):
+        exact_flops(build_config("debug", concept=dict(enabled=True)), 256, realised_ratio=3.0)

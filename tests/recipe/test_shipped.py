@@ -1,7 +1,7 @@
 """Every shipped recipe loads and validates; the Pythia trio differs in one key each. The paper's
 other recipes (GPT-2, Llama-3.1-8B, recipes/ablations/) are tested in test_paper_recipes.py, the
 NCP-ArchPreview ones (recipes/ncp-archpreview-*, debug-archpreview, recipes/archpreview/) in
-test_archpreview_recipes.py."""
+test_archpreview_recipes.py, the DLCM ones (recipes/dlcm-*, recipes/dlcm/) in test_dlcm_recipes.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ncpctl.recipe import load_recipe
 
 from ..conftest import RECIPES
 from ._archpreview import TOP as ARCHPREVIEW_RECIPES
+from .test_dlcm_recipes import TOP as DLCM_RECIPES
 from .test_paper_recipes import PAPER_RECIPES
 
 PYTHIA = ["pythia70m", "pythia160m", "pythia160m-base", "pythia160m-pm", "pythia410m"]
@@ -39,7 +40,7 @@ def pile_like(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 def test_every_recipe_file_is_covered() -> None:
     shipped = {p.stem for p in RECIPES.glob("*.yaml")}
     assert shipped == {"debug", "debug-bottleneck", "debug-dlcm", "pythia-common", *PYTHIA, *PAPER_RECIPES,
-                       *ARCHPREVIEW_RECIPES}
+                       *ARCHPREVIEW_RECIPES, *DLCM_RECIPES}
 
 
 def test_debug_bottleneck_recipe() -> None:
