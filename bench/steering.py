@@ -8,9 +8,9 @@ prompts. For each labelled concept with a detector (below) and each method:
 
   none      the prompt as is (the unsteered base rate)
   prompt    the prompting baseline: a leading comment naming the concept (``# <description>``)
-  steer@S   ``ncpctl generate --steer concept=NAME,strength=S logit,at=decoder.L`` (L: the last
-            decoder layer, just below the bottleneck; ``--at readout``: the bottleneck's output),
-            for several strengths S
+  steer@S   ``ncpctl generate --steer concept=NAME,strength=S logit,at=readout`` (the bottleneck's
+            output, where adding gamma * K_c raises k_c: Steerling's intervention; ``--at decoder.3``
+            etc. for a layer's stream), for several strengths S
 
 each continuation is scored by
 
@@ -25,7 +25,8 @@ and each (concept, method) gets its mean concept score, mean quality and their h
 prompt, the same seeds for every method.
 
     .venv/bin/python bench/steering.py                      # train (or reuse) and score, ~3-4 min
-    .venv/bin/python bench/steering.py --strengths 2,4,8 --samples 4 --json
+    .venv/bin/python bench/steering.py --strengths 1,2,4 --samples 4 --json
+    .venv/bin/python bench/steering.py --at decoder.3 --strengths 1,2,4,8
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ncpctl.data.labels import PYTHON_CONCEPTS
 
     concepts = [c for c in DETECTORS if c in names]
-    at = args.at or f"decoder.{len(model.decoder) - 1}"
+    at = args.at
     strengths = [float(s) for s in args.strengths.split(",") if s]
     methods = ["none", "prompt", *(f"steer@{s:g}" for s in strengths)]
     prompts = PROMPTS[: args.prompts]
@@ -193,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run-dir", default=str(REPO / "runs" / "bench-steering"))
     ap.add_argument("--train-steps", type=int, default=300)
-    ap.add_argument("--strengths", default="4,8", help="steering strengths in nominal logit units")
-    ap.add_argument("--at", help="where to add the direction (generate --steer's at=; default: the last decoder "
-                    "layer, decoder.L; readout = the LM head's input, the bottleneck's output)")
+    ap.add_argument("--strengths", default="1,2,4", help="steering strengths in nominal logit units")
+    ap.add_argument("--at", default="readout", help="where to add the direction (generate --steer's at=): "
+                    "readout = the bottleneck's output, the LM head's input (Steerling's concept intervention); "
+                    "or decoder.L, encoder.L, decoder_input")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--samples", type=int, default=3, help="seeds per prompt")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per continuation")
