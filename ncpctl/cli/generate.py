@@ -30,7 +30,7 @@ def main(
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompts decoded together.")] = 8,
     steer: Annotated[Optional[list[str]], typer.Option("--steer", help="Steer every prompt (repeatable): inline "
                                                        "key=value,... (code=S/N, mix=S:N=W+... or concept=NAME, strength=6logit "
-                                                       "| 2norm, at=decoder_input | decoder.L | encoder.L, start, "
+                                                       "| 2norm, at=decoder_input | readout | decoder.L | encoder.L, start, "
                                                        "length, penalty) or a spec file (.json/.yaml). A "
                                                        "--prompts-file JSON line may carry its own \"steer\".",
                                                        show_default=False)] = None,
