@@ -41,10 +41,10 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def hidden_linears(model: nn.Module) -> dict[str, tuple[nn.Linear, str, float]]:
-    """``{module name: (Linear, "token" | "concept", s)}`` of the hidden matrices (the module doc);
-    empty without muP."""
-    cfg = model.cfg
-    widths = cfg.mup_widths
+    """``{module name: (Linear, "token" | "concept", s)}`` of the hidden matrices of an ``NCPModel``
+    (the module doc); empty without muP."""
+    cfg = getattr(model, "cfg", None)  # any other module (a test's toy): no muP
+    widths = cfg.mup_widths if cfg is not None else None
     if widths is None:
         return {}
     mixers = {id(m) for mixer in model.modules() if getattr(mixer, "no_weight_decay", False) for m in mixer.modules()}
