@@ -14,8 +14,9 @@ Hidden in the token module (s_token; fan-in d_model, or the FFN width / 2 d_mode
   * the boundary predictor ``concept.segmenter`` (W_q, W_k, d -> d; it keeps its identity init:
     ``owns_init``, so only its lr and epsilon follow);
   * the concept lift ``concept.up`` (W_up, d_model -> d_concept: its fan-in is the token width);
-  * the concept bottleneck's Linears that read h (``bottleneck``, in_features = d_model; owns_init:
-    lr and epsilon only).
+  * the concept bottleneck's Linears that read h (``bottleneck.known``, ``bottleneck.unknown`` or its
+    first factor ``unknown.0``; owns_init: lr and epsilon only);
+  * LoRA adapters inside those modules: A (fan-in d) is hidden, B (fan-in the rank r) is not.
 Hidden in the concept module (s_concept; fan-in d_concept):
   * every ``nn.Linear`` weight of the concept blocks (``concept.layers``) and the concept heads
     ``concept.heads`` (d_concept -> S N: a readout over the codebook, whose fan-in is the concept width).
@@ -31,7 +32,8 @@ from __future__ import annotations
 
 from torch import nn
 
-TOKEN_PREFIXES = ("encoder.", "decoder.", "mtp.", "concept.coupling.", "concept.segmenter.", "concept.up")
+TOKEN_PREFIXES = ("encoder.", "decoder.", "mtp.", "concept.coupling.", "concept.segmenter.", "concept.up",
+                  "bottleneck.known", "bottleneck.unknown", "bottleneck.unknown.0")  # unknown.1: fan-in r
 CONCEPT_PREFIXES = ("concept.layers.", "concept.heads")
 
 
@@ -50,10 +52,10 @@ def hidden_linears(model: nn.Module) -> dict[str, tuple[nn.Linear, str, float]]:
     mixers = {id(m) for mixer in model.modules() if getattr(mixer, "no_weight_decay", False) for m in mixer.modules()}
     out = {}
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or id(m) in mixers:
+        if not isinstance(m, nn.Linear) or id(m) in mixers or ".lora_B." in name:  # LoRA's B: fan-in r
             continue
         if _under(name, CONCEPT_PREFIXES):
             out[name] = (m, "concept", widths[1])
-        elif _under(name, TOKEN_PREFIXES) or (name.startswith("bottleneck.") and m.in_features == cfg.d_model):
+        elif _under(name, TOKEN_PREFIXES):
             out[name] = (m, "token", widths[0])
     return out

@@ -202,3 +202,19 @@ def test_reset_hyperparameters_keeps_each_groups_multiplier() -> None:
         assert g["eps"] == pytest.approx(t.eps * m)
     assert sched.base_lrs == [g["initial_lr"] for g in opt.param_groups]
     assert {g.get("lr_mult") for g in opt.param_groups} == {None, 0.5, 0.25}
+
+
+def test_which_matrices_are_hidden() -> None:
+    """The fan-in rule (mup.py): W_up and the coupling are token-hidden, the concept heads
+    concept-hidden; the LM head, codebook, bottleneck K / A B and its rank-r factor are not."""
+    from ncpctl.model.mup import hidden_linears
+
+    cfg = tiny("llama", mup_base_width=16, bottleneck=dict(enabled=True, concepts=6, unknown_head="low_rank"),
+               concept=dict(segmentation="dynamic", coupling="cross_attention", d_concept=64))
+    kinds = {name: kind for name, (_, kind, _) in hidden_linears(NCPModel(cfg)).items()}
+    for name in ("concept.up", "concept.coupling.wq", "concept.segmenter.q", "bottleneck.known",
+                 "bottleneck.unknown.0", "encoder.0.mlp.fc", "decoder.1.attn.proj"):
+        assert kinds.pop(name) == "token", name
+    for name in ("concept.heads", "concept.layers.1.attn.qkv"):
+        assert kinds.pop(name) == "concept", name
+    assert not any(n.startswith(("lm_head", "concept.codebook", "bottleneck.unknown.1")) for n in kinds), kinds
