@@ -7,6 +7,9 @@
   entirely. With ``muon`` the hidden matrices (``muon_matrices``) form their own group.
 * ``muon_matrices(model)``: which parameters ``train.optimizer: muon`` orthogonalises (the rule
   is in its docstring); ``ncpctl.train.muon.MuonAdamW`` is the optimizer.
+* decoupled muP (``model.mup_base_width``, DLCM Sec. 6.1): the hidden matrices of the token and
+  the concept module (``ncpctl.model.mup``) get groups of their own whose ``lr_mult`` and
+  ``eps_mult`` (1/s of the module) ``apply_mup`` turns into the group's lr and AdamW epsilon.
 * ``GuardedAdamW``: torch AdamW that skips a step whose gradient is not finite. DeepSpeed's
   ZeRO optimizers (stages 1-3) already skip such steps in fp32 (an invalid global norm marks
   an overflow); the plain stage-0 fp32 path does not, so there this optimizer clips, measures
@@ -90,15 +93,6 @@ def muon_matrices(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
             continue
         out[f"{name}.weight"] = m.weight
     return out
-
-
-def mup_multipliers(model: torch.nn.Module) -> dict[str, float]:
-    """Decoupled muP (DLCM Sec. 6.1; ``ncpctl.model.mup``): ``{parameter name: 1/s}`` of every
-    hidden matrix's weight (s of its module); the lr and the AdamW epsilon of its group are
-    multiplied by it. Empty without ``model.mup_base_width``."""
-    from ncpctl.model.mup import hidden_linears
-
-    return {f"{name}.weight": 1.0 / s for name, (_, _, s) in hidden_linears(model).items()}
 
 
 # Group name suffix of each muP module (stable: a checkpoint's groups are matched by position and name)
