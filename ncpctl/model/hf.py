@@ -45,8 +45,7 @@ def hf_config(cfg: ModelConfig):
     if cfg.residual != "plain":
         problems.append(("residual", f"HF models have plain residuals, not {cfg.residual!r}"))
     if cfg.mup_base_width is not None and cfg.tie_embeddings:
-        problems.append(("mup_base_width", "decoupled muP divides the logits by s_token, which a native HF model "
-                                           "can only hold in an untied LM head (tie_embeddings: true here)"))
+        problems.append(("mup_base_width", _MUP_TIED))
     build = {"neox": _neox_config, "gpt2": _gpt2_config, "llama": _llama_config}[cfg.backbone]
     return build(cfg, problems)
 
@@ -437,11 +436,14 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
+_MUP_TIED = ("decoupled muP divides the logits by s_token, which a native HF model can only hold folded into an "
+             "untied LM head (tie_embeddings: true here)")
+
+
 def _untied_for_mup(cfg: ModelConfig) -> None:
     """Decoupled muP's logit divisor travels folded into an untied LM head; a tied one cannot hold it."""
     if cfg.mup_base_width is not None and cfg.tie_embeddings:
-        raise ConfigError([("mup_base_width", "decoupled muP divides the logits by s_token, which a native HF "
-                                              "model can only hold in an untied LM head (tie_embeddings: true)")])
+        raise ConfigError([("mup_base_width", _MUP_TIED)])
 
 
 def from_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
