@@ -303,7 +303,7 @@ def bottleneck_report(model, ids: torch.Tensor, names: Sequence[str] | None, *, 
     scored = logits[:, : model.cfg.vocab_size].argmax(-1)  # (T,) what each position predicts
     if target_start is not None:
         scored[target_start - 1 : T - 1] = ids[0, target_start:]
-    att = b.attribute(parts, model.lm_head.weight, scored[None])
+    att = b.attribute(parts, model.logit_weight, scored[None])  # W / s_token under muP: exact
     label = (lambda c: names[c] if names and c < len(names) else f"concept {c}")
     error = float((att.logit[0] - logits.gather(-1, scored[:, None])[:, 0]).abs().max())
     positions = []

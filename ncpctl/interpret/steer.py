@@ -217,7 +217,7 @@ def direction_vector(model, spec: SteerSpec, names: Sequence[str] | None = None)
 def _head_response(model, e):
     """W_lm . e/||e|| over the real vocabulary (V,), and its peak (the largest entry)."""
     unit = e / e.norm()
-    resp = model.lm_head.weight.detach().float()[: model.cfg.vocab_size] @ unit
+    resp = model.logit_weight.detach().float()[: model.cfg.vocab_size] @ unit  # muP: / s_token, as the logits
     return resp, float(resp.max())
 
 

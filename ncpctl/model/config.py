@@ -441,6 +441,14 @@ class ModelConfig:
         list, "[[from_step, weight], ...]: the MTP weight from each step on (DeepSeek-V3: 0.3, then 0.1).")
     mtp_stop_token: int | None = _f(
         None, "End-of-document token id: an MTP shift across it is not scored (null: shifts cross documents).")
+    mup_base_width: int | None = _f(
+        None, "Decoupled muP (DLCM Sec. 6.1): the base width d_base the hyperparameters were tuned at; null = off "
+        "(standard parametrization). s_token = d_model / d_base: token-module hidden matrices get init variance "
+        "and AdamW lr and epsilon / s_token, the logits are divided by s_token; embeddings, norms, biases and the "
+        "LM head keep the base init and lr; which matrix is hidden: README, Decoupled muP.")
+    mup_base_concept_width: int | None = _f(
+        None, "Decoupled muP: the concept transformer's base width; s_concept = d_concept / it scales the concept "
+        "module's hidden matrices the same way; null = mup_base_width.")
     concept: ConceptConfig = _f(ConceptConfig, "The concept path.")
     bottleneck: BottleneckConfig = _f(BottleneckConfig, "Steerling's additive concept bottleneck before the LM head.")
 
@@ -561,6 +569,15 @@ class ModelConfig:
             self.decoder_layers = self.n_token_layers
             self.block_equivalents = float(self.n_token_layers)
 
+    @property
+    def mup_widths(self) -> tuple[float, float] | None:
+        """Decoupled muP's width multipliers (s_token, s_concept) = (d_model, d_concept) / their base
+        widths (DLCM Sec. 6.1); None when ``mup_base_width`` is null (standard parametrization)."""
+        if self.mup_base_width is None:
+            return None
+        base_c = self.mup_base_concept_width or self.mup_base_width
+        return self.d_model / self.mup_base_width, self.concept_cfg.d_model / base_c
+
     def _concept_width(self) -> tuple[int, int]:
         """(d_concept, concept heads) with the nulls resolved."""
         c = self.concept
@@ -642,6 +659,13 @@ class ModelConfig:
             problems.append(("qk_norm", f"must be none, layer or head, got {self.qk_norm!r}"))
         if self.norm_placement not in ("pre", "post"):
             problems.append(("norm_placement", f"must be pre or post, got {self.norm_placement!r}"))
+        for name in ("mup_base_width", "mup_base_concept_width"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                problems.append((name, f"must be a positive integer (a width) or null, got {v!r}"))
+        if self.mup_base_concept_width is not None and self.mup_base_width is None:
+            problems.append(("mup_base_concept_width", "decoupled muP is off (mup_base_width: null); set "
+                                                       "mup_base_width too"))
         if self.init not in ("hf", "gpt-neox"):
             problems.append(("init", f"must be hf or gpt-neox, got {self.init!r}"))
         if self.mtp_depth is not None and (not isinstance(self.mtp_depth, int) or self.mtp_depth < 1):

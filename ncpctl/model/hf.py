@@ -44,6 +44,8 @@ def hf_config(cfg: ModelConfig):
         problems.append(("concept.enabled", "HF models have no concept path; export a base model"))
     if cfg.residual != "plain":
         problems.append(("residual", f"HF models have plain residuals, not {cfg.residual!r}"))
+    if cfg.mup_base_width is not None and cfg.tie_embeddings:
+        problems.append(("mup_base_width", _MUP_TIED))
     build = {"neox": _neox_config, "gpt2": _gpt2_config, "llama": _llama_config}[cfg.backbone]
     return build(cfg, problems)
 
@@ -424,11 +426,24 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     if cfg.concept.enabled:
         raise ConfigError([("concept.enabled", "HF models have no concept path; export a base model")])
     _pre_norm_only(cfg)
+    _untied_for_mup(cfg)
     sd = model.state_dict()
     out = {hf: sd[ours] for ours, hf in _names(cfg).items() if ours in sd}
+    if cfg.mup_widths is not None:  # decoupled muP: the logit divisor 1/s_token folded into the head
+        out["lm_head.weight"] = out["lm_head.weight"] / cfg.mup_widths[0]
     for i in range(cfg.n_token_layers):
         out.update(_layer_to_hf(cfg, sd, _ours_layer(cfg, i), _hf_layer(cfg, i)))
     return out
+
+
+_MUP_TIED = ("decoupled muP divides the logits by s_token, which a native HF model can only hold folded into an "
+             "untied LM head (tie_embeddings: true here)")
+
+
+def _untied_for_mup(cfg: ModelConfig) -> None:
+    """Decoupled muP's logit divisor travels folded into an untied LM head; a tied one cannot hold it."""
+    if cfg.mup_base_width is not None and cfg.tie_embeddings:
+        raise ConfigError([("mup_base_width", _MUP_TIED)])
 
 
 def from_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -449,6 +464,9 @@ def from_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[st
     out = {ours: sd[hf] for ours, hf in _names(cfg).items() if hf in sd}
     if "lm_head.weight" not in out:  # HF may omit a tied head
         out["lm_head.weight"] = out["embed.weight"]
+    if cfg.mup_widths is not None:  # decoupled muP divides by s_token at the head: undo the fold
+        _untied_for_mup(cfg)
+        out["lm_head.weight"] = out["lm_head.weight"] * cfg.mup_widths[0]
     for name in ("embed.weight", "lm_head.weight"):
         rows = out[name].shape[0]
         if rows > cfg.padded_vocab_size:

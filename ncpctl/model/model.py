@@ -40,6 +40,7 @@ from .interventions import Intervention, check, decoder_input_addition, readout_
 from .layers import Context, RMSNorm, Stack, make_norm
 from .outputs import LogKey, NCPOutput
 from .mtp import MTPHead
+from .mup import hidden_linears
 from .residual import BlockSources, CrossModules
 from .stability import CHUNK_ELEMENTS, attention_stats
 from .dynamic import DynamicSegmenter  # noqa: F401  (a built-in strategy: exported with the model package)
@@ -70,6 +71,8 @@ class NCPModel(nn.Module):
         self.mtp = MTPHead(cfg) if cfg.mtp_depth else None  # multi-token prediction (training only)
         # Steerling's additive concept bottleneck before the LM head (with or without the concept path)
         self.bottleneck = ConceptBottleneck(cfg) if cfg.bottleneck.enabled else None
+        # decoupled muP: the logits are divided by s_token (None: standard parametrization)
+        self.logit_divisor = cfg.mup_widths[0] if cfg.mup_widths is not None else None
         self.init_weights()
 
     @torch.no_grad()
@@ -79,18 +82,25 @@ class NCPModel(nn.Module):
         and MLP output projections (L = token layers). Zero biases, unit norms either way.
 
         Modules whose init is part of their design (``owns_init``: e.g. a depth mixer that must
-        start as the plain residual) are skipped here and initialise themselves."""
+        start as the plain residual) are skipped here and initialise themselves.
+
+        Decoupled muP (``mup_base_width``): the stds are the base model's (gpt-neox's at d_base),
+        and a hidden matrix (mup.py) gets std / sqrt(s) of its module (variance / s); embeddings
+        and the LM head keep the base std."""
         cfg = self.cfg
         own = [m for m in self.modules() if getattr(m, "owns_init", False)]
         skip = {id(sub) for m in own for sub in m.modules()}
-        std = cfg.init_std if cfg.init == "hf" else math.sqrt(2 / (5 * cfg.d_model))
-        out_std = cfg.init_std if cfg.init == "hf" else 2 / cfg.n_token_layers / math.sqrt(cfg.d_model)
+        width = cfg.d_model if cfg.mup_base_width is None else cfg.mup_base_width
+        std = cfg.init_std if cfg.init == "hf" else math.sqrt(2 / (5 * width))
+        out_std = cfg.init_std if cfg.init == "hf" else 2 / cfg.n_token_layers / math.sqrt(width)
         outputs = {id(m) for blk in self._blocks() for m in (blk.attn.proj, blk.mlp.proj)}
+        hidden = {id(m): s for m, _, s in hidden_linears(self).values()}  # muP: module -> s of its module
         for m in self.modules():
             if id(m) in skip:
                 continue
             if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=out_std if id(m) in outputs else std)
+                base = out_std if id(m) in outputs else std
+                nn.init.normal_(m.weight, std=base / math.sqrt(hidden[id(m)]) if id(m) in hidden else base)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
             elif isinstance(m, (nn.LayerNorm, RMSNorm)):
@@ -176,9 +186,25 @@ class NCPModel(nn.Module):
         parts = self.bottleneck(h, concept_labels, losses=losses)
         return parts.h_bar, parts
 
-    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None):
-        """(B, T, d) -> logits (B, T, V); with targets -> (logits or None, mean NTP loss)."""
-        return self.lm_head(h) if targets is None else self.lm_head(h, targets)
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None, top1: bool = False):
+        """(B, T, d) -> logits (B, T, V); with targets -> (logits or None, mean NTP loss) (``top1``:
+        also the top-1 hits, ``LMHead``). Decoupled muP divides the logits by s_token, as h / s_token
+        before the head so the fused loss stays; with a concept bottleneck h is its h_bar, so the
+        division comes after it: every logit is (W_y . (kK + uU + e)) / s_token, and attribution
+        reads ``logit_weight`` = W / s_token to stay exact. Every path (forward, decoding,
+        ``from_decoder_input``, MTP) goes through here."""
+        if self.logit_divisor is not None:
+            h = h / self.logit_divisor
+        if targets is None:
+            return self.lm_head(h)
+        return self.lm_head(h, targets, top1=True) if top1 else self.lm_head(h, targets)
+
+    @property
+    def logit_weight(self) -> torch.Tensor:
+        """The (V, d) matrix taking what the head reads to the logits: ``lm_head.weight`` / s_token
+        under muP (the weight itself otherwise)."""
+        w = self.lm_head.weight
+        return w if self.logit_divisor is None else w / self.logit_divisor
 
     # ---- contexts: what the token stacks need besides their input ----
 
@@ -247,7 +273,7 @@ class NCPModel(nn.Module):
             if name in out.losses:  # the bottleneck's concept loss needs labels
                 out.loss = out.loss + weight * out.losses[name]
         if parts is not None:
-            out.metrics["concept_share"] = self.bottleneck.share(parts, self.lm_head.weight, targets)
+            out.metrics["concept_share"] = self.bottleneck.share(parts, self.logit_weight, targets)
         if self.mtp is not None and self.training:  # validation and evaluation: the main head only
             out.losses["mtp_loss"], mtp_metrics = self.mtp(hN, targets, self)
             out.metrics.update(mtp_metrics)

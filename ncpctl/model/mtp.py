@@ -77,7 +77,7 @@ class MTPHead(nn.Module):
             if crossing is not None:  # an end of document among x[t+1 .. t+k]: across documents
                 before = torch.cat([crossing.new_zeros(B, 1), crossing[:, : n - 1]], dim=1)
                 tgt[(crossing[:, k - 1 : k - 1 + n] - before) > 0] = -100
-            _, loss, hits = model.lm_head(model.final_norm(prev), tgt, top1=True)  # the shared head
+            _, loss, hits = model.head(model.final_norm(prev), tgt, top1=True)  # the shared head (muP: its logit divisor too)
             losses.append(loss)
             accs.append(hits / (tgt != -100).sum().clamp_min(1))  # top-1 accuracy of this depth
         if not losses:

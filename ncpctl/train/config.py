@@ -7,6 +7,9 @@
   entirely. With ``muon`` the hidden matrices (``muon_matrices``) form their own group.
 * ``muon_matrices(model)``: which parameters ``train.optimizer: muon`` orthogonalises (the rule
   is in its docstring); ``ncpctl.train.muon.MuonAdamW`` is the optimizer.
+* decoupled muP (``model.mup_base_width``, DLCM Sec. 6.1): the hidden matrices of the token and
+  the concept module (``ncpctl.model.mup``) get groups of their own whose ``lr_mult`` and
+  ``eps_mult`` (1/s of the module) ``apply_mup`` turns into the group's lr and AdamW epsilon.
 * ``GuardedAdamW``: torch AdamW that skips a step whose gradient is not finite. DeepSpeed's
   ZeRO optimizers (stages 1-3) already skip such steps in fp32 (an invalid global norm marks
   an overflow); the plain stage-0 fp32 path does not, so there this optimizer clips, measures
@@ -92,28 +95,60 @@ def muon_matrices(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return out
 
 
+# Group name suffix of each muP module (stable: a checkpoint's groups are matched by position and name)
+MUP_SUFFIX = {"token": "_token", "concept": "_concept"}
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float, muon: bool = False) -> list[dict[str, Any]]:
     """Trainable parameters split into decayed matrices and undecayed vectors/embeddings, and
     with ``muon`` the hidden matrices (``muon_matrices``, decayed too) first in a group of their own.
 
     Parameters of modules marked ``no_weight_decay`` (depth mixers: their weights are mixing
-    coefficients, not features; ncp-model.md section 8) are never decayed either."""
+    coefficients, not features; ncp-model.md section 8) are never decayed either.
+
+    Decoupled muP (``model.mup_base_width``): the hidden matrices of the token and the concept
+    module get groups of their own, ``decay_token`` / ``decay_concept`` (AdamW) or ``muon_token`` /
+    ``muon_concept`` (Muon), whose ``lr_mult`` = ``eps_mult`` = 1/s of the module: the group's lr
+    (and so the LambdaLR schedule, which multiplies each group's initial lr) is train.lr / s and
+    its AdamW epsilon train.eps / s. Every other group keeps lr_mult 1 (the base lr)."""
+    from ncpctl.model.mup import hidden_linears
+
     exempt = {id(p) for m in model.modules() if getattr(m, "no_weight_decay", False) for p in m.parameters()}
     hidden = {id(p) for p in muon_matrices(model).values()} if muon else set()
-    matrices, decay, no_decay = [], [], []
+    module_of = {id(lin.weight): (kind, 1.0 / s) for lin, kind, s in hidden_linears(model).values()}
+    buckets: dict[str, dict[str, Any]] = {}
+
+    def put(name: str, p: torch.nn.Parameter, decayed: bool, is_muon: bool = False, mult: float | None = None) -> None:
+        g = buckets.setdefault(name, {"params": [], "weight_decay": weight_decay if decayed else 0.0, "name": name})
+        if is_muon:
+            g["muon"] = True
+        if mult is not None:  # a muP group: 1/s of its module
+            g["lr_mult"] = g["eps_mult"] = mult
+        g["params"].append(p)
+
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:  # frozen, or a tied weight already listed
             continue
         seen.add(id(p))
+        kind, mult = module_of.get(id(p), (None, None))
+        suffix = MUP_SUFFIX[kind] if kind else ""
         if id(p) in hidden:
-            matrices.append(p)
+            put("muon" + suffix, p, True, is_muon=True, mult=mult)
+        elif kind:
+            put("decay" + suffix, p, True, mult=mult)
         else:
-            (no_decay if p.ndim < 2 or name.startswith("embed.") or id(p) in exempt else decay).append(p)
-    groups = [{"params": matrices, "weight_decay": weight_decay, "name": "muon", "muon": True},
-              {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
-    return [g for g in groups if g["params"]]
+            put("no_decay" if p.ndim < 2 or name.startswith("embed.") or id(p) in exempt else "decay", p,
+                p.ndim >= 2 and not name.startswith("embed.") and id(p) not in exempt)
+    order = ["muon", "muon_token", "muon_concept", "decay", "decay_token", "decay_concept", "no_decay"]
+    return [buckets[n] for n in order if n in buckets]
+
+
+def apply_mup(groups: list[dict[str, Any]], lr: float, eps: float) -> list[dict[str, Any]]:
+    """Each group's lr and epsilon: train.lr / train.eps times its muP multipliers (1 without)."""
+    for g in groups:
+        g["lr"], g["eps"] = lr * g.get("lr_mult", 1.0), eps * g.get("eps_mult", 1.0)
+    return groups
 
 
 class GuardedAdamW(torch.optim.AdamW):
@@ -153,7 +188,7 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, on_gpu: bool) -> Guar
     """``train.optimizer``: AdamW on every group, or Muon on the hidden matrices + AdamW on the rest
     (``MuonAdamW``; after ``deepspeed.initialize`` call its ``bind(engine.optimizer)``)."""
     t = recipe.train
-    groups = param_groups(model, t.weight_decay, muon=t.optimizer == "muon")
+    groups = apply_mup(param_groups(model, t.weight_decay, muon=t.optimizer == "muon"), t.lr, t.eps)
     kw = dict(guard=guard_in_optimizer(recipe, on_gpu), max_norm=t.grad_clip, lr=t.lr,
               betas=(t.betas[0], t.betas[1]), eps=t.eps, weight_decay=t.weight_decay)
     if t.optimizer == "adamw":

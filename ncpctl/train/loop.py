@@ -853,12 +853,20 @@ def _code_hits(engine: Any, co: Any) -> torch.Tensor:
 def _reset_hyperparameters(engine: Any, recipe: Recipe) -> None:
     """midtrain with ``load: all``: the optimizer *state* comes from the checkpoint, but lr,
     betas, eps, weight decay (and Muon's momentum and scale) are this recipe's (the loaded param
-    groups carry the old ones)."""
+    groups carry the old ones). Each group keeps its decoupled-muP multiplier (``lr_mult``,
+    ``eps_mult``: 1/s of its module, by group name as ``param_groups`` builds them for this model)."""
+    from ncpctl.train.config import param_groups
+
     t, schedule = recipe.train, lr_schedule(recipe)
     opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the ZeRO wrapper's inner torch optimizer
+    mults = {g["name"]: g for g in param_groups(engine.module, t.weight_decay, muon=t.optimizer == "muon")}
     for g in opt.param_groups:
-        g.update(lr=t.lr * schedule(0), initial_lr=t.lr, betas=(t.betas[0], t.betas[1]), eps=t.eps,
-                 weight_decay=t.weight_decay if g.get("name", "decay") in ("decay", "muon") else 0.0)
+        mine = mults.get(g.get("name"), {})
+        lr = t.lr * mine.get("lr_mult", 1.0)
+        g.update(lr=lr * schedule(0), initial_lr=lr, betas=(t.betas[0], t.betas[1]),
+                 eps=t.eps * mine.get("eps_mult", 1.0), weight_decay=t.weight_decay if g.get("name", "decay").startswith(("decay", "muon")) else 0.0)
+        if "lr_mult" in mine:
+            g.update(lr_mult=mine["lr_mult"], eps_mult=mine["eps_mult"])
         if g.get("muon"):
             g.update(momentum=t.muon_momentum, lr_scale=t.muon_lr_scale)
-    engine.lr_scheduler.base_lrs = [t.lr] * len(opt.param_groups)  # our LambdaLR (deepspeed.initialize keeps it)
+    engine.lr_scheduler.base_lrs = [g["initial_lr"] for g in opt.param_groups]  # our LambdaLR (kept by deepspeed)

@@ -10,7 +10,12 @@ The update of a Muon matrix W (d_out, d_in) with gradient G is torch.optim.Muon'
                                                   or sqrt(max(d_in, d_out))      (sqrt_max_dim, Eq. 25)
 
 One lr (the schedule's) serves Muon and AdamW; weight decay is decoupled and uses the
-unadjusted lr, as torch's Muon does. The other groups are torch AdamW, unchanged.
+unadjusted lr, as torch's Muon does. The other groups are torch AdamW, unchanged. Each group's
+lr is read per group (``g["lr"]``): under decoupled muP the groups ``muon_token`` /
+``muon_concept`` hold train.lr / s of their module (``ncpctl.train.config.param_groups``). The
+multiplier is AdamW's: with match_rms_adamw a Muon step has AdamW's per-entry size, so the
+1/s that keeps AdamW's hidden updates width-independent applies unchanged (sqrt_max_dim only
+rescales every matrix by the same constant 5).
 
 Why our own optimizer, not DeepSpeed's ``optimizer.type: Muon``: DeepSpeed's tags
 ``use_muon`` by a name rule of its own (overwriting ours), scales by sqrt(max(1, rows/cols))

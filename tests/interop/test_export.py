@@ -207,3 +207,39 @@ def test_dlcm_exports_through_remote_code(tmp_path, attention, width):
               do_sample=False, eos_token_id=None, pad_token_id=0)
     cached = hf.generate(xp, **kw)
     assert torch.equal(hf.generate(xp, use_cache=False, **kw), cached)
+
+
+def test_mup_base_model_exports_natively_with_the_divisor_folded(tmp_path):
+    """Decoupled muP's logit divisor 1/s_token is folded into an untied native LM head (and
+    multiplied back on import); a tied head cannot hold it: one error naming the key."""
+    from ncpctl.model.config import ConfigError
+    from ncpctl.model.hf import hf_config
+
+    tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
+    cfg = tiny("neox", vocab_size=320, mup_base_width=8)  # s_token = 4
+    model = build(cfg, seed=5)
+    save_model_files(tmp_path / "ck", model, step=0, tokens_seen=0, recipe=None, tokenizer_path=tok)
+    info = export(tmp_path / "ck", tmp_path / "hf")
+    assert info["architecture"] == "GPTNeoXForCausalLM" and info["verify"]["max_abs_diff"] <= 1e-5
+    back = load_hf_pretrained(tmp_path / "hf", cfg=cfg).eval()
+    x = torch.randint(0, 320, (2, 19), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (back(x).logits - model(x).logits).abs().max() <= 1e-5
+    with pytest.raises(ConfigError, match="mup_base_width"):
+        hf_config(tiny("neox", vocab_size=320, mup_base_width=8, tie_embeddings=True))
+
+
+def test_mup_dlcm_exports_through_remote_code(tmp_path):
+    """The remote code is ncpctl's own: the config carries mup_base_width and the export's check passes."""
+    tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"
+    cfg = tiny("llama", vocab_size=320, mup_base_width=16,
+               concept=dict(segmentation="dynamic", coupling="cross_attention", d_concept=64))
+    model = build(cfg, seed=3)
+    save_model_files(tmp_path / "ck", model, step=0, tokens_seen=0, recipe=None, tokenizer_path=tok)
+    info = export(tmp_path / "ck", tmp_path / "hf")
+    assert info["remote_code"] and info["verify"]["max_abs_diff"] <= 1e-5
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["ncp"]["mup_base_width"] == 16
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    x = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (hf(input_ids=x).logits - model(x).logits).abs().max() <= 1e-5
