@@ -271,6 +271,9 @@ class DynamicSegmenter(Segmenter):
         state["count"] = torch.where(start[:, None], torch.ones_like(state["count"]), state["count"] + 1)
         state["n"] = state["n"] + closed.long()
         state["prev"] = q[:, 0]
-        # at most pos segments closed by position pos: a host bound on the concept cache, no sync
-        return Closing(closed, concept, index, index, max(pos_host) + 1, None)
+        # One host sync per step (a sampling loop syncs for its token anyway): whether any row closed
+        # a segment (else the concept step is skipped: the base model's cost on those steps) and the
+        # concepts closed so far, which bound the concept cache the step attends over (not pos + 1).
+        any_closed, n_max = torch.stack([closed.any().long(), state["n"].max()]).tolist()
+        return Closing(closed, concept, index, index, int(n_max) + 1, bool(any_closed))
 

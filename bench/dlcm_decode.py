@@ -1,0 +1,110 @@
+"""DLCM cached decode cost per token against the base model of the same token width and layer
+count (issue: DLCM, goal <= 1.2x at batch 1 and 8, R = 4).
+
+A script, not a test. ``recipes/debug-dlcm.yaml``'s model (dynamic boundaries, the concept
+transformer at d_concept, causal cross-attention to closed concepts) at ``--d-model`` with its
+concept width doubled, against the same config with the concept path off: prefill of
+``--prompt`` random tokens, then ``--steps`` greedy ``decode_step`` calls, per-token seconds
+best-of-``--repeats``, the two models interleaved. Random weights: the boundary predictor starts
+at the identity, so the realised boundary rate is what random states give; the concept step
+runs on every decoding step for every row whatever the rate (ncpctl.model.dynamic: no host sync
+to skip it), so the cost depends little on R. The realised tokens per concept of the decoded
+sequences is printed.
+
+    .venv/bin/python bench/dlcm_decode.py                 # d=256, batch 1 and 8, ~1 min
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import time  # noqa: E402
+
+REPO = _HERE.parent
+
+
+def models(d: int):
+    import torch
+
+    from ncpctl.model.model import NCPModel
+    from ncpctl.recipe import load_recipe
+
+    sets = [f"model.d_model={d}", f"model.concept.d_concept={2 * d}", f"model.n_heads={max(1, d // 64)}",
+            f"model.n_kv_heads={max(1, d // 64)}", f"model.concept.concept_heads={max(1, 2 * d // 64)}",
+            f"model.ffn_dim={4 * d}", "model.max_seq_len=1024", "model.mup_base_width=null"]
+    r = load_recipe(REPO / "recipes" / "debug-dlcm.yaml", sets)
+    cfg = r.model_config
+    torch.manual_seed(0)
+    dlcm = NCPModel(cfg).eval()
+    base_cfg = type(cfg).from_dict({**cfg.to_dict(), "concept": {**cfg.to_dict()["concept"], "enabled": False}})
+    torch.manual_seed(0)
+    return NCPModel(base_cfg).eval(), dlcm, cfg
+
+
+def per_token(model, B: int, prompt: int, steps: int) -> float:
+    import torch
+
+    x = torch.randint(0, model.cfg.vocab_size, (B, prompt), generator=torch.Generator().manual_seed(B))
+    with torch.no_grad():
+        logits, st = model.prefill(x, [prompt] * B, max_len=prompt + steps + 1)
+        nxt = logits[:, -1].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            nxt = model.decode_step(st, nxt).argmax(-1)
+        return (time.perf_counter() - t0) / steps
+
+
+def tokens_per_concept(model, B: int, T: int) -> float:
+    import torch
+
+    x = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        m = model(x, x).metrics
+    v = m.get("tokens_per_concept")
+    return float(v) if v is not None else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    base, dlcm, cfg = models(args.d_model)
+    out = {"d_model": args.d_model, "d_concept": cfg.concept.d_concept, "layers": cfg.n_token_layers,
+           "target_ratio": cfg.concept.target_ratio, "threads": args.threads, "batches": {},
+           "tokens_per_concept_random_weights": tokens_per_concept(dlcm, 2, 256)}
+    for B in (int(b) for b in args.batches.split(",")):
+        best = {"base": float("inf"), "dlcm": float("inf")}
+        for _ in range(args.repeats):
+            for name, m in (("base", base), ("dlcm", dlcm)):
+                best[name] = min(best[name], per_token(m, B, args.prompt, args.steps))
+        out["batches"][str(B)] = {**{f"{k}_ms": v * 1e3 for k, v in best.items()}, "ratio": best["dlcm"] / best["base"]}
+    out["loadavg_1min"] = round(os.getloadavg()[0], 2)
+    for B, r in out["batches"].items():
+        print(f"batch {B}: base {r['base_ms']:.3f} ms/token, DLCM {r['dlcm_ms']:.3f} ms/token, ratio {r['ratio']:.3f} "
+              f"(goal <= 1.2)", file=sys.stderr)
+    print(f"d={out['d_model']} (concepts {out['d_concept']}), {out['layers']} token layers, R = {out['target_ratio']}, "
+          f"random-weight tokens per concept {out['tokens_per_concept_random_weights']:.2f}, load {out['loadavg_1min']}",
+          file=sys.stderr)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
