@@ -243,3 +243,65 @@ def test_mup_dlcm_exports_through_remote_code(tmp_path):
     x = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert (hf(input_ids=x).logits - model(x).logits).abs().max() <= 1e-5
+
+
+def test_dlcm_export_is_causal_and_decodes_without_ncpctl(tmp_path):
+    """The DLCM export with ncpctl hidden (only transformers and the copied remote code): its
+    logits equal ncpctl's, changing the tokens after position p changes no logit at or before p
+    (float64: a changed concept count moves fp32 sums at ~1e-6), and its cached greedy generate on
+    ragged prompts equals use_cache=False and ncpctl's own incremental decoder."""
+    tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
+    cfg = tiny("llama", vocab_size=320, concept=dict(segmentation="dynamic", coupling="cross_attention"))
+    model = build(cfg, seed=3)
+    model.concept.segmenter.on_step_end({"boundaries": 30.0, "boundary_tokens": 100.0, "boundary_prob_sum": 0.0})
+    save_model_files(tmp_path / "ck", model, step=0, tokens_seen=0, recipe=None, tokenizer_path=tok)
+    out = tmp_path / "hf"
+    export(tmp_path / "ck", out)
+    x = torch.randint(0, 320, (2, 29), generator=torch.Generator().manual_seed(4))
+    xp = torch.zeros(2, 11, dtype=torch.long)  # ragged, left-padded prompts (11 and 5 tokens)
+    xp[0], xp[1, 6:] = x[0, :11], x[1, :5]
+    mask = (torch.arange(11) >= torch.tensor([[0], [6]])).long()
+    with torch.no_grad():
+        ref = model(x).logits
+        logits, state = model.prefill(xp, [11, 5], max_len=11 + 10)
+        new = [logits[:, -1, :320].argmax(-1)]
+        for _ in range(9):
+            new.append(model.decode_step(state, new[-1])[:, :320].argmax(-1))
+    torch.save({"x": x, "ref": ref, "xp": xp, "mask": mask, "new": torch.stack(new, 1)}, tmp_path / "probe.pt")
+    script = textwrap.dedent(f"""
+        import importlib.abc, sys
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "ncpctl" or name.startswith("ncpctl."):
+                    raise ImportError("ncpctl is hidden")
+        sys.meta_path.insert(0, Block())
+        import torch
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        p = torch.load({str(tmp_path / 'probe.pt')!r})
+        with torch.no_grad():
+            d = (m(input_ids=p["x"]).logits - p["ref"]).abs().max().item()
+            m64, x = m.double(), p["x"]
+            worst, moved = 0.0, 1.0
+            for cut in (3, 10, 20):
+                y = x.clone()
+                y[:, cut + 1:] = (y[:, cut + 1:] * 7 + 11) % 320  # every later token changed
+                a, b = m64(input_ids=x).logits, m64(input_ids=y).logits
+                worst = max(worst, (a[:, : cut + 1] - b[:, : cut + 1]).abs().max().item())
+                moved = min(moved, (a[:, cut + 1:] - b[:, cut + 1:]).abs().max().item())  # it did change later
+            m = m.float()
+        kw = dict(attention_mask=p["mask"], max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+        cached = m.generate(p["xp"], **kw)
+        assert torch.equal(m.generate(p["xp"], use_cache=False, **kw), cached)
+        assert torch.equal(cached[:, 11:], p["new"]), (cached[:, 11:], p["new"])
+        assert "ncpctl" not in sys.modules
+        assert moved > 1e-3, moved
+        print("DIFF", d, "CAUSAL", worst)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    r = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    diff, causal = (float(v) for v in r.stdout.split("DIFF")[-1].split("CAUSAL"))
+    assert diff <= 1e-5 and causal <= 1e-10, r.stdout
