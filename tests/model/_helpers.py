@@ -79,3 +79,20 @@ def ragged_batch(cfg: ModelConfig, lengths: list[int], n_new: int) -> tuple[torc
     for b, n in enumerate(lengths):
         prompt[b, Tp - n :] = seqs[b, :n]
     return seqs, prompt
+
+
+def check_cached_decode(model, seqs: torch.Tensor, prompt: torch.Tensor, lengths: list[int], full: list[torch.Tensor],
+                        tol: float, **prefill_kw):
+    """``model.prefill`` of the left-padded ``prompt`` and one ``decode_step`` per new token give,
+    for every row b, the full forward's logits ``full[b]`` ((lengths[b] + n_new, V)) to ``tol``.
+    ``prefill_kw`` go to prefill (max_len, interventions). Returns the decode state."""
+    Tp, n_new = prompt.shape[1], full[0].shape[0] - lengths[0]
+    with torch.no_grad():
+        logits, state = model.prefill(prompt, lengths, **prefill_kw)
+        for b, n in enumerate(lengths):
+            assert (logits[b, Tp - n :] - full[b][:n]).abs().max() <= tol
+        for t in range(n_new):
+            step = model.decode_step(state, torch.stack([seqs[b, n + t] for b, n in enumerate(lengths)]))
+            for b, n in enumerate(lengths):
+                assert (step[b] - full[b][n + t]).abs().max() <= tol, (t, b)
+    return state

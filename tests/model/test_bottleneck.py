@@ -16,7 +16,7 @@ from ncpctl.model.bottleneck import (
 from ncpctl.model.config import ConfigError, build_config
 from ncpctl.model.model import NCPModel
 
-from ._helpers import build, ragged_batch, tiny, tokens
+from ._helpers import build, check_cached_decode, ragged_batch, tiny, tokens
 
 N_CONCEPTS = 6
 BN = dict(enabled=True, concepts=N_CONCEPTS, chunk=4, rank=8)
@@ -280,13 +280,7 @@ def test_cached_decode_equals_full_forward(concept):
     seqs, prompt = ragged_batch(cfg, lengths, n_new)
     with torch.no_grad():
         full = [model(seqs[b : b + 1, : n + n_new]).logits[0] for b, n in enumerate(lengths)]
-        logits, state = model.prefill(prompt, lengths, max_len=Tp + n_new)
-        for b, n in enumerate(lengths):
-            assert (logits[b, Tp - n :] - full[b][:n]).abs().max() <= 1e-5
-        for t in range(n_new):
-            step = model.decode_step(state, torch.stack([seqs[b, n + t] for b, n in enumerate(lengths)]))
-            for b, n in enumerate(lengths):
-                assert (step[b] - full[b][n + t]).abs().max() <= 1e-5, (t, b)
+    check_cached_decode(model, seqs, prompt, lengths, full, 1e-5, max_len=Tp + n_new)
 
 
 # ---- training on synthetic span labels ---------------------------------------------------------

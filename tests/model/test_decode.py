@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._helpers import build, ragged_batch, tiny, tokens
+from ._helpers import build, check_cached_decode, ragged_batch, tiny, tokens
 
 CONFIGS = {
     "neox-base": tiny("neox"),
@@ -32,13 +32,7 @@ def test_incremental_equals_full_forward(name):
     seqs, prompt = ragged_batch(cfg, lengths, n_new)  # row b: seqs[b, :lengths[b] + n_new]
     with torch.no_grad():
         full = [model(seqs[b : b + 1, : n + n_new]).logits[0] for b, n in enumerate(lengths)]  # (n+n_new, V)
-        logits, state = model.prefill(prompt, lengths, max_len=Tp + n_new)
-        for b, n in enumerate(lengths):
-            assert (logits[b, Tp - n :] - full[b][:n]).abs().max() <= 1e-5
-        for t in range(n_new):
-            step = model.decode_step(state, torch.stack([seqs[b, n + t] for b, n in enumerate(lengths)]))
-            for b, n in enumerate(lengths):
-                assert (step[b] - full[b][n + t]).abs().max() <= 1e-5, (t, b)
+    state = check_cached_decode(model, seqs, prompt, lengths, full, 1e-5, max_len=Tp + n_new)
     assert state.lengths == [n + n_new for n in lengths]
     with pytest.raises(ValueError, match="full"):
         model.decode_step(state, seqs[:, 0])

@@ -11,7 +11,7 @@ import torch
 from ncpctl.model.model import NCPModel
 
 from . import toys  # noqa: F401  (registers the toy designs)
-from ._helpers import build, check_causal, ragged_batch, tiny, tokens
+from ._helpers import build, check_causal, check_cached_decode, ragged_batch, tiny, tokens
 
 DESIGNS = {
     "conceptlm-neox": tiny("neox", concept={}),
@@ -113,14 +113,7 @@ def test_cached_decode_equals_full_forward(name):
     for max_len in (Tp + n_new, None):  # preallocated caches, and caches that grow
         with torch.no_grad():
             full = [model(seqs[b : b + 1, : n + n_new]).logits[0] for b, n in enumerate(lengths)]
-            tol = 1e-9
-            logits, state = model.prefill(prompt, lengths, max_len=max_len)
-            for b, n in enumerate(lengths):
-                assert (logits[b, Tp - n :] - full[b][:n]).abs().max() <= tol
-            for t in range(n_new):
-                step = model.decode_step(state, torch.stack([seqs[b, n + t] for b, n in enumerate(lengths)]))
-                for b, n in enumerate(lengths):
-                    assert (step[b] - full[b][n + t]).abs().max() <= tol, (t, b)
+        check_cached_decode(model, seqs, prompt, lengths, full, 1e-9, max_len=max_len)
 
 
 @pytest.mark.parametrize("name", list(DESIGNS))

@@ -11,7 +11,7 @@ import torch
 from ncpctl.model import AddToDecoderInput, AddToResidual, CodeEdit
 
 from . import toys  # noqa: F401  (registers the toy designs)
-from ._helpers import build, ragged_batch, tiny, tokens
+from ._helpers import build, check_cached_decode, ragged_batch, tiny, tokens
 
 MODELS = {
     "conceptlm-neox": tiny("neox", concept={}),
@@ -55,13 +55,7 @@ def test_intervened_cached_decode_equals_intervened_full_forward(name, kind):
         full = [alone(b, n, ivs) for b, n in enumerate(lengths)]
         plain = [alone(b, n, []) for b, n in enumerate(lengths)]
         assert any((f - p).abs().max() > 1e-3 for f, p in zip(full, plain))  # the intervention acts
-        logits, state = model.prefill(prompt, lengths, max_len=Tp + n_new, interventions=ivs)
-        for b, n in enumerate(lengths):
-            assert (logits[b, Tp - n :] - full[b][:n]).abs().max() <= 1e-9
-        for t in range(n_new):
-            step = model.decode_step(state, torch.stack([seqs[b, n + t] for b, n in enumerate(lengths)]))
-            for b, n in enumerate(lengths):
-                assert (step[b] - full[b][n + t]).abs().max() <= 1e-9, (t, b)
+    check_cached_decode(model, seqs, prompt, lengths, full, 1e-9, max_len=Tp + n_new, interventions=ivs)
 
 
 def _only_row(iv, b):
