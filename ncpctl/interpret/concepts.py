@@ -39,7 +39,9 @@ from ncpctl.model.interventions import AddToDecoderInput, CodeEdit
 class ConceptView:
     """One forward's concept signal for a single row: code weights w (M, S, N), pred (M, d),
     codes (S, N, ds), each concept's token span [start, end) and the first token it reaches
-    (``applies_from[j]`` = the closing token of block j: pred[j] is added from there on)."""
+    (``applies_from[j]`` = the closing token of block j: pred[j] is added from there on), and
+    ``indices[j]``: the model's concept index of block j (they differ only where a segmenter
+    marks concepts invalid)."""
 
     weights: torch.Tensor
     pred: torch.Tensor
@@ -47,6 +49,7 @@ class ConceptView:
     spans: list[tuple[int, int]]
     applies_from: list[int]
     normed: bool
+    indices: list[int]
 
 
 def _require_concepts(model) -> None:
@@ -73,7 +76,8 @@ def concept_view(model, ids: torch.Tensor) -> ConceptView:
     idx = torch.tensor(keep, dtype=torch.long)
     return ConceptView(weights=co.weights[0, idx].float(), pred=co.pred[0, idx].float(),
                        codes=model.concept.codebook().float(), spans=[spans[j] for j in keep],
-                       applies_from=[ends[j] for j in keep], normed=model.cfg.concept.add == "normed")
+                       applies_from=[ends[j] for j in keep], normed=model.cfg.concept.add == "normed",
+                       indices=keep)
 
 
 def decompose(view: ConceptView, top: int = 5) -> list[dict[str, Any]]:
@@ -144,11 +148,10 @@ def ablate(model, ids: torch.Tensor, target_start: int, ablations: Sequence[Abla
         raise UserError("the target continuation is empty: give --target TEXT")
     _, S, N = view.weights.shape
     base = float(_target_logprob(model(ids).logits, ids, target_start)[0])
-    concept_index = _concept_indices(model, ids, view)
     rows: list[dict[str, Any]] = []
     for lo in range(0, len(ablations), batch):
         chunk = list(ablations[lo : lo + batch])
-        edits = [CodeEdit(start=concept_index[ab.block], length=1, rows=[r], scale=_edit_scale(S, N, ab))
+        edits = [CodeEdit(start=view.indices[ab.block], length=1, rows=[r], scale=_edit_scale(S, N, ab))
                  for r, ab in enumerate(chunk)]
         logits = model(ids.expand(len(chunk), -1), interventions=edits).logits
         for ab, lp in zip(chunk, _target_logprob(logits, ids, target_start).tolist()):
@@ -156,16 +159,6 @@ def ablate(model, ids: torch.Tensor, target_start: int, ablations: Sequence[Abla
                          "logprob": lp, "delta": lp - base})
     rows.sort(key=lambda r: r["delta"])
     return base, rows
-
-
-def _concept_indices(model, ids: torch.Tensor, view: ConceptView) -> list[int]:
-    """The model's concept index of each kept block in ``view`` (they differ only when a
-    segmenter marks concepts invalid)."""
-    with torch.no_grad():
-        co = model(ids, compute_logits=False).concept
-    T = ids.shape[1]
-    closed = model.concept.segmenter.closed_counts(co.segments, T)[0]
-    return [int(closed[t]) - 1 for t in view.applies_from]
 
 
 def default_ablations(decomposition: list[dict[str, Any]], T: int, per_segment: int = 3) -> list[Ablation]:
