@@ -228,25 +228,16 @@ def token_spans(offsets: list[tuple[int, int]], spans: Iterable[tuple[int, int, 
 
 
 def labelled_documents(recipe, stats) -> Iterator[tuple[np.ndarray, list[str], list[Any]]]:
-    """(document indices, texts, raw labels) in the token pass's order (``tokenize._documents``:
-    the same sources, min_chars and max_documents); raw labels are None for python-ast."""
-    from ncpctl.data.sources import iter_documents
+    """(document indices, texts, raw labels) in the token pass's order (``tokenize._documents``,
+    the same reader and filters); raw labels are None for python-ast."""
+    from ncpctl.data.tokenize import _documents
 
     d = recipe.data
-    field = d.labels_field if d.labels == "field" else None
-    index = 0
-    for src in d.sources:
-        for batch in iter_documents(src, stats, batch=d.batch_documents, extra_field=field):
-            texts, raw = (list(x) for x in zip(*batch)) if field else (batch, [None] * len(batch))
-            if d.max_documents is not None:
-                texts, raw = texts[: max(0, d.max_documents - index)], raw[: max(0, d.max_documents - index)]
-            idx = np.arange(index, index + len(texts))
-            index += len(texts)
-            keep = [i for i, t in enumerate(texts) if len(t) >= max(d.min_chars, 1)]
-            if keep:
-                yield idx[keep], [texts[i] for i in keep], [raw[i] for i in keep]
-            if d.max_documents is not None and index >= d.max_documents:
-                return
+    if d.labels == "field":
+        yield from _documents(recipe, stats, extra_field=d.labels_field)
+        return
+    for idx, texts in _documents(recipe, stats):
+        yield idx, texts, [None] * len(texts)
 
 
 def write_labels(recipe, out: Path, split, log) -> dict[str, Any]:

@@ -173,22 +173,24 @@ def _up_to_date(data_dir: Path, fp: str) -> dict[str, Any] | None:
     return meta
 
 
-def _documents(recipe: Recipe, stats: ReadStats) -> Iterator[tuple[np.ndarray, list[str]]]:
-    """(global document indices, texts) batches over all sources, honouring min_chars/max_documents."""
+def _documents(recipe: Recipe, stats: ReadStats, extra_field: str | None = None) -> Iterator[tuple[Any, ...]]:
+    """(global document indices, texts) batches over all sources, honouring min_chars/max_documents;
+    with ``extra_field`` (concept labels) (indices, texts, each record's value of that field)."""
     d = recipe.data
     index = 0
     for src in d.sources:
-        for texts in iter_documents(src, stats, batch=d.batch_documents):
+        for items in iter_documents(src, stats, batch=d.batch_documents, extra_field=extra_field):
             if d.max_documents is not None:
-                texts = texts[: max(0, d.max_documents - index)]
+                items = items[: max(0, d.max_documents - index)]
+            texts = items if extra_field is None else [t for t, _ in items]
             idx = np.arange(index, index + len(texts))
             index += len(texts)
             keep = [i for i, t in enumerate(texts) if len(t) >= max(d.min_chars, 1)]
             stats.too_short += len(texts) - len(keep)
             if len(keep) != len(texts):
-                idx, texts = idx[keep], [texts[i] for i in keep]
+                idx, texts, items = idx[keep], [texts[i] for i in keep], [items[i] for i in keep]
             if texts:
-                yield idx, texts
+                yield (idx, texts) if extra_field is None else (idx, texts, [v for _, v in items])
             if d.max_documents is not None and index >= d.max_documents:
                 return
 
