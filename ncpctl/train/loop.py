@@ -309,6 +309,20 @@ class _Totals:
 
 
 @dataclass
+class _Labels:
+    """Concept labels of a run whose model has a bottleneck: the validation split's spans (the
+    train split's live in its loader) and the vocabulary names checkpoints record."""
+
+    val: Any = None  # ncpctl.data.labels.LabelSpans
+    names: list[str] | None = None
+
+
+def _micro_labels(labels: np.ndarray | None, n_micro: int, micro: int) -> list[torch.Tensor | None]:
+    """A batch's label evidence (micro * n_micro, T, n) as one tensor per micro-batch (None each without labels)."""
+    return [None] * n_micro if labels is None else list(torch.from_numpy(labels).split(micro))
+
+
+@dataclass
 class _Run:
     """What the loop's pieces read and update; built once by ``_prepare``."""
 
@@ -327,6 +341,7 @@ class _Run:
     n_params: int
     n_trainable: int
     bf16: bool
+    labels: _Labels  # model.bottleneck's concept labels (validation spans, names), or empty
     tot: _Totals = field(default_factory=_Totals)
     # ---- observability (metrics and display on rank 0 only) ----
     flops_per_step: float = 0.0
@@ -443,7 +458,7 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     d = init_distributed()
     info, warn = (out.info, out.warn) if d.rank == 0 else (_quiet, _quiet)
     faults.announce(warn)
-    train_ds, val_ds, loader = _open_data(recipe, d)
+    train_ds, val_ds, loader, labels = _open_data(recipe, d)
     resume_from, meta = _weights_source(recipe, stage, d, loader)
     _move_foreign_checkpoints(recipe, resume_from, d, warn)
 
@@ -455,26 +470,27 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     engine, bf16 = _build_engine(recipe, model, d, info)
 
     run = _Run(recipe, stage, d, faults, info, warn, train_ds, val_ds, loader, engine, packing, resume_from,
-               n_params, n_trainable, bf16)
+               n_params, n_trainable, bf16, labels)
     _restore(run, meta)
     _observe(run, out)
     return run
 
 
-def _open_data(recipe: Recipe, d: Dist) -> tuple[IndexedDataset, IndexedDataset, WindowLoader]:
-    """Train and validation data, checked against the model and the batch (clear errors first)."""
+def _open_data(recipe: Recipe, d: Dist) -> tuple[IndexedDataset, IndexedDataset, WindowLoader, _Labels]:
+    """Train and validation data (and their concept labels), checked against the model and the
+    batch (clear errors first)."""
     t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
     train_ds, val_ds = _dataset(recipe, "train"), _dataset(recipe, "val")
     _check_vocab(recipe, train_ds, recipe.model_config.vocab_size)
-    labels, names = _labels(recipe, train_ds)
-    loader = WindowLoader(train_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world, labels=labels)
-    loader.concept_names = names  # the bottleneck's labelled concepts, recorded in checkpoints
+    train_labels, names = _labels(recipe, train_ds)
+    labels = _Labels(val=_labels(recipe, val_ds)[0], names=names)
+    loader = WindowLoader(train_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world, labels=train_labels)
     if loader.num_windows < G:
         raise UserError(f"{train_ds.bin_path}: {train_ds.num_tokens:,} tokens make {loader.num_windows} windows of "
                         f"seq_len+1 = {T + 1} tokens, fewer than one global batch of {G}",
                         hint="use more data, or lower train.seq_len / train.global_batch_size")
     WindowLoader(val_ds, T, G, seed=t.seed)  # raises if validation has not one window
-    return train_ds, val_ds, loader
+    return train_ds, val_ds, loader, labels
 
 
 def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: WindowLoader) -> tuple[Path | None, dict[str, Any]]:
@@ -648,8 +664,7 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     keyed = getattr(engine.module, "uses_sample_ids", False)  # the key of sampled boundaries (DLCM)
     terms = torch.zeros(pk.n_terms, device=d.device)
     stats = torch.zeros(len(pk.stats), device=d.device)
-    labels = run.loader.last_labels()  # (micro * accum, T, n) concept-label evidence, or None
-    label_mbs = [None] * len(ids) if labels is None else torch.from_numpy(labels).split(r.train.micro_batch_size)
+    label_mbs = _micro_labels(run.loader.last_labels(), len(ids), r.train.micro_batch_size)
     for mb, mb_ids, lab in zip(batch.split(r.train.micro_batch_size), ids, label_mbs):
         x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)  # (micro, T) inputs, next tokens
         kw: dict[str, Any] = {"sample_ids": mb_ids.to(d.device)} if keyed else {}
@@ -732,8 +747,7 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
     t, T, G = r.train, r.seq_len, r.global_batch_size
     S = cfg.n_segments if cfg.concept.enabled else 0
     engine.eval()
-    labels, _ = _labels(r, run.val_ds)
-    val = WindowLoader(run.val_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world, labels=labels)
+    val = WindowLoader(run.val_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world, labels=run.labels.val)
     batches = min(t.eval_batches, math.ceil(val.num_windows / G))
     acc = torch.zeros(pk.n_terms, device=d.device)
     counts = torch.zeros(S, cfg.concept.codes, device=d.device) if collect_codes and S else None
@@ -741,9 +755,8 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
     with torch.no_grad():
         for _ in range(batches):
             windows = torch.from_numpy(next(val))
-            ev = val.last_labels()
-            label_mbs = [None] * math.ceil(windows.shape[0] / t.micro_batch_size) if ev is None else \
-                torch.from_numpy(ev).split(t.micro_batch_size)
+            label_mbs = _micro_labels(val.last_labels(), math.ceil(windows.shape[0] / t.micro_batch_size),
+                                      t.micro_batch_size)
             for mb, lab in zip(windows.split(t.micro_batch_size), label_mbs):  # (micro, T+1)
                 x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)
                 if lab is None:
@@ -793,7 +806,7 @@ def _save(run: _Run) -> None:
     r, tot, stage = run.recipe, run.tot, run.stage
     meta = {"stage": stage.name, "tokens_seen": tot.tokens, "model_config": r.model_config.to_dict(),
             "optimizer": r.train.optimizer,
-            "concept_names": getattr(run.loader, "concept_names", None),  # model.bottleneck's labels
+            "concept_names": run.labels.names,  # model.bottleneck's labels
             "data": {"train": run.loader.state_dict(), "train_prefix": str(run.train_ds.bin_path)[:-4]},
             "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
             "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
