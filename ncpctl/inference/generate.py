@@ -110,8 +110,7 @@ def generate(
     if any(len(t) == 0 for t in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_len is not None:
-        keep = max(1, max_len - n_new)
-        prompts = [t[-keep:] for t in prompts]
+        prompts = fit_prompts(prompts, max_len, n_new)
     if n_new == 0:
         return [Completion("", [], "length") for _ in prompts]
     dev = model.embed.weight.device
@@ -168,6 +167,13 @@ def generate(
     return result
 
 
+def fit_prompts(prompts: Sequence[Sequence[int]], max_len: int, n_new: int) -> list[list[int]]:
+    """The last ``max_len - n_new`` tokens of each prompt (at least one), so that a prompt and its
+    new tokens fit ``max_len``."""
+    keep = max(1, max_len - n_new)
+    return [list(t)[-keep:] for t in prompts]
+
+
 def eod_token(loaded) -> tuple[str, int | None]:
     """The end-of-document token of a loaded checkpoint (its recipe's ``tokenizer.eod_token``,
     default ``<|endoftext|>``) and its id in the checkpoint's tokenizer (None if absent)."""
@@ -197,13 +203,12 @@ def generate_texts(loaded, prompts: Sequence[str], params: SamplingParams, *, ba
         cb = None if on_text is None else (lambda row, delta, s=s: on_text(s + row, delta))
         # prompt i samples with seed + i whatever the batch size (generate seeds row b with seed + b)
         p = params if params.seed is None else replace(params, seed=params.seed + s)
-        batch = encoded[s : s + batch_size]
+        batch = fit_prompts(encoded[s : s + batch_size], loaded.config.max_seq_len, params.max_new_tokens)
         ivs = adjust = None
-        if steer is not None:
+        if steer is not None:  # positions count from each (fitted) prompt's first token
             from ncpctl.interpret.steer import interventions_for, logit_adjuster
 
-            keep = max(1, loaded.config.max_seq_len - params.max_new_tokens)  # generate() keeps the last `keep`
-            ivs = interventions_for(steer[s : s + batch_size], [min(len(t), keep) for t in batch])
+            ivs = interventions_for(steer[s : s + batch_size], [len(t) for t in batch])
             adjust = logit_adjuster(steer[s : s + batch_size])
         out += generate(loaded.model, batch, p,
                         lambda ids: tok.decode(ids, skip_special_tokens=False), eod_id=eod,
