@@ -57,7 +57,7 @@ def main(
     import torch
 
     from ncpctl.checkpoint import load_model
-    from ncpctl.interpret import concepts as C
+    from ncpctl.interpret import concepts as C, plots
 
     loaded = load_model(checkpoint)
     model, tok = loaded.model, loaded.tokenizer
@@ -108,7 +108,7 @@ def main(
             base, rows = C.ablate(model, x, n_prompt, abl, view)
             entry["target"] = {"text": target, "logprob": base, "ablations": rows}
         if plot_dir is not None:
-            out = C_plots().weight_heatmap(view.weights.numpy(), [f"{b['block']}: {b['text'][:14]!r}" for b in blocks],
+            out = plots.weight_heatmap(view.weights.numpy(), [f"{b['block']}: {b['text'][:14]!r}" for b in blocks],
                                            plot_dir / f"weights_prompt{i}.png", o.info)
             files += [out] if out else []
         report["prompts"].append(entry)
@@ -119,16 +119,10 @@ def main(
         report["dictionary"] = C.code_dictionary(model, wins, decode, lift_windows=lift)
         report["dictionary"].update(corpus=list(corpus), windows=len(wins), seq_len=L)
         if plot_dir is not None:
-            out = C_plots().usage_bars(report["dictionary"], plot_dir / "code_usage.png", o.info)
+            out = plots.usage_bars(report["dictionary"], plot_dir / "code_usage.png", o.info)
             files += [out] if out else []
     report["files"] = files
     o.result(report, lambda con: _human(con, report))
-
-
-def C_plots():
-    from ncpctl.interpret import plots
-
-    return plots
 
 
 def _human(con, report: dict[str, Any]) -> None:
