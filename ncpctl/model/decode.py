@@ -8,11 +8,12 @@ every row computes what it would alone.
 
 The concept path runs per row: the segmenter's device-side update (segment.py) says which
 rows closed a segment at this token, with the pooled concept and its index j. The concept
-cache is indexed by each row's own j and written with a per-row index; rows that closed
-nothing compute a throw-away concept step (written at their next, not yet valid, index,
-overwritten when that concept closes) and keep their coupling state. When the segmenter
-knows from host integers that no row closed (fixed blocks: from the pads), the concept step
-is skipped without a device sync.
+cache is indexed by each row's own j and written with a per-row index. When the segmenter
+knows on the host which rows closed (fixed blocks: from the pads; learned boundaries: from
+its one sync per step), the concept step runs on those rows only (``KVCache.rows``) and is
+skipped when none did; otherwise every row computes it, and rows that closed nothing write a
+throw-away entry at their next, not yet valid, index (overwritten when that concept closes)
+and keep their coupling state.
 
 Per row the state holds (spec 5): encoder/decoder/concept KV caches, the segmenter's state
 (fixed blocks: the sum of h over the open block), the coupling's (addition: the current
@@ -219,18 +220,32 @@ def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, iv
     h_in = h[:, 0] if pooled_depths is None else torch.cat(pooled_depths, dim=-1)[:, 0]
     closing = cm.segmenter.decode_step(st.seg, h_in, pos, [st.slot - p for p in st.pad])
     want = model._crc_has("concept-decoder")
-    if closing.any is not False:  # some row may have closed a concept: one concept step for all
-        j, n = closing.index, closing.length
-        pooled = None if pooled_depths is None else [c[:, None] for c in closing.concept.chunk(len(pooled_depths), -1)]
-        c_in = cm.lift(closing.concept[:, None] if pooled is None else pooled[-1])  # (B, 1, d_c)
-        cos, sin = rope(closing.position[:, None], cm.ccfg, h.dtype)
+    if closing.any is not False:  # some row may have closed a concept: one concept step
+        B = h.shape[0]
+        # Only the rows that closed a concept when the segmenter knows them (the others' results
+        # would be thrown away): at small batch on a CPU the concept layers are compute-bound,
+        # and with learned boundaries a few rows of a batch close at each step.
+        sub = closing.rows is not None and len(closing.rows) < B
+        rows = torch.tensor(closing.rows, device=h.device) if sub else None
+        pick = (lambda t: t[rows]) if sub else (lambda t: t)  # noqa: E731
+        j, n = pick(closing.index), closing.length
+        concept = pick(closing.concept)
+        pooled = None if pooled_depths is None else [c[:, None] for c in concept.chunk(len(pooled_depths), -1)]
+        c_in = cm.lift(concept[:, None] if pooled is None else pooled[-1])  # (R, 1, d_c)
+        cos, sin = rope(pick(closing.position)[:, None], cm.ccfg, h.dtype)
         keys = torch.arange(n, device=h.device)
         masks = {w: attn_mask(j[:, None], keys[None], w) for w in cm.layers.windows}
-        ctx = Context(cos, sin, masks, st.con, at=j, length=n)
+        caches = [c.rows(rows) for c in st.con] if sub else st.con
+        ctx = Context(cos, sin, masks, caches, at=j, length=n)
         if pooled is not None:
             ctx = model.crc.attach(ctx, [("encoder-concept", pooled)])
         u, cdepths = cm.layers(c_in, ctx, states=True) if want else (cm.layers(c_in, ctx), None)
-        w = edit_code_weights(ivs, cm.code_weights(u), j[:, None])
+        w = cm.code_weights(u)  # (R, 1, S, N)
+        if sub:  # back to all B rows (the others' entries are never read: closing.closed masks them)
+            w = w.new_zeros(B, *w.shape[1:]).index_copy(0, rows, w)
+            if cdepths is not None:
+                cdepths = [c.new_zeros(B, *c.shape[1:]).index_copy(0, rows, c) for c in cdepths]
+        w = edit_code_weights(ivs, w, closing.index[:, None])  # per-row edits see all B rows
         cm.coupling.decode_update(st.cpl, closing, cm.mix(w, st.codes)[:, 0])
         if want:
             st.crc["concept"] = torch.where(closing.closed[:, None, None], torch.cat(cdepths, 1), st.crc["concept"])

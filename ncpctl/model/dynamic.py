@@ -271,9 +271,11 @@ class DynamicSegmenter(Segmenter):
         state["count"] = torch.where(start[:, None], torch.ones_like(state["count"]), state["count"] + 1)
         state["n"] = state["n"] + closed.long()
         state["prev"] = q[:, 0]
-        # One host sync per step (a sampling loop syncs for its token anyway): whether any row closed
-        # a segment (else the concept step is skipped: the base model's cost on those steps) and the
-        # concepts closed so far, which bound the concept cache the step attends over (not pos + 1).
-        any_closed, n_max = torch.stack([closed.any().long(), state["n"].max()]).tolist()
-        return Closing(closed, concept, index, index, int(n_max) + 1, bool(any_closed))
+        # One host sync per step (a sampling loop syncs for its token anyway): which rows closed a
+        # segment (the concept step runs on those rows only, and is skipped when none did: the base
+        # model's cost on those steps) and the concepts closed so far, which bound the concept cache
+        # the step attends over (not pos + 1).
+        *flags, n_max = torch.cat([closed.long(), state["n"].max()[None]]).tolist()
+        rows = [b for b, f in enumerate(flags) if f]
+        return Closing(closed, concept, index, index, int(n_max) + 1, bool(rows), rows)
 

@@ -223,6 +223,34 @@ class KVCache:
         if self.k is not None:
             self.k, self.v = self.k[rows], self.v[rows]
 
+    def rows(self, rows: torch.Tensor) -> "RowsCache":
+        """This cache seen through batch rows ``rows`` (R,) only: a forward over those R rows
+        writes into and reads from their rows here (a decoding step that only some rows need)."""
+        return RowsCache(self, rows)
+
+
+class RowsCache:
+    """``KVCache.rows``: the same ``at`` (an (R,) per-row index or an int) / ``len`` / ``update``
+    contract over a subset of the batch rows. Reads gather (R, Hkv, len, hd) copies."""
+
+    def __init__(self, cache: KVCache, rows: torch.Tensor):
+        self.cache, self.idx = cache, rows
+        self.at: int | torch.Tensor = 0
+        self.len = 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cache
+        if self.len > c.capacity:
+            c._grow(max(self.len, 2 * c.capacity))
+        if isinstance(self.at, int):
+            at = torch.arange(self.at, self.at + k.shape[2], device=k.device)
+            c.k[self.idx[:, None], :, at[None]] = k.transpose(1, 2)
+            c.v[self.idx[:, None], :, at[None]] = v.transpose(1, 2)
+        else:
+            c.k[self.idx, :, self.at] = k[:, :, 0]
+            c.v[self.idx, :, self.at] = v[:, :, 0]
+        return c.k[self.idx, :, : self.len], c.v[self.idx, :, : self.len]
+
 
 @dataclass
 class Context:

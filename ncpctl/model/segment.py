@@ -62,7 +62,8 @@ class Closing:
     (B, d) and its ``index`` (B,) long and RoPE ``position`` (B,) (rows that closed nothing:
     their next index, where a throw-away entry may be written); ``length``: a host bound on
     the concept cache length after this step; ``any``: host knowledge whether a row closed
-    (None: unknown without a device sync)."""
+    (None: unknown without a device sync); ``rows``: host knowledge of which rows closed
+    (None: unknown), so the concept step can run on those rows only."""
 
     closed: torch.Tensor
     concept: torch.Tensor
@@ -70,6 +71,7 @@ class Closing:
     position: torch.Tensor
     length: int
     any: bool | None
+    rows: list[int] | None = None
 
 
 class Segmenter(nn.Module):
@@ -198,8 +200,8 @@ class FixedBlocks(Segmenter):
         state["sum"] = state["sum"].masked_fill(done[:, None], 0.0)
         j = pos // k
         # host ints tell whether any row completes a block: no device sync
-        return Closing(done, c, j, self.positions(j), max(p // k for p in pos_host) + 1,
-                       any(p % k == k - 1 for p in pos_host))
+        rows = [b for b, p in enumerate(pos_host) if p % k == k - 1]
+        return Closing(done, c, j, self.positions(j), max(p // k for p in pos_host) + 1, bool(rows), rows)
 
 
 def shift_blocks(pred: torch.Tensor, k: int, T: int) -> torch.Tensor:

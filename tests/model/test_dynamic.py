@@ -252,11 +252,16 @@ def test_causal_in_training_with_random_boundaries_and_fixed_noise(seed):
 
 def test_decoding_sees_the_boundaries_of_the_full_forward():
     """Ragged prompts, then tokens one by one: the closed-segment count of every row after each
-    step equals the full forward's closed(t) (the same boundaries), and the logits agree."""
+    step equals the full forward's closed(t) (the same boundaries), and the logits agree. The
+    concept step runs on the closing rows only (decode.py), so a step where some rows but not
+    all close must occur here, or the check would not cover that path."""
     cfg = dlcm()
     model = build(cfg, scale=0.2).double()
     lengths, n_new = [6, 2, 5], 9
     seqs, prompt = ragged_batch(cfg, lengths, n_new)
+    seg, seen = model.concept.segmenter, []
+    step_of = seg.decode_step
+    seg.decode_step = lambda *a: seen.append(step_of(*a)) or seen[-1]
     with torch.no_grad():
         full = [model(seqs[b : b + 1, : n + n_new]) for b, n in enumerate(lengths)]
         _, state = model.prefill(prompt, lengths)
@@ -267,6 +272,8 @@ def test_decoding_sees_the_boundaries_of_the_full_forward():
                 assert (step[b] - full[b].logits[0, n + t]).abs().max() <= 1e-9
     closes = sum(f.concept.segments.n_closed.item() for f in full)
     assert closes >= 3  # the check saw segments close during decoding
+    assert all(c.rows == c.closed.nonzero()[:, 0].tolist() for c in seen)
+    assert any(0 < len(c.rows) < len(lengths) for c in seen)  # the subset path ran
 
 
 @pytest.mark.parametrize("concept,key", [

@@ -97,3 +97,33 @@ def test_post_norm_block_update(backbone, with_cross):
     assert set(pre.state_dict()) == set(blk.state_dict())  # same names in both placements
     pre.load_state_dict(blk.state_dict())
     assert (pre(x, ctx) - got).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("at", ["int", "per_row"])
+def test_a_rows_view_of_a_kv_cache_writes_and_reads_those_rows_only(at):
+    """``KVCache.rows``: a write through rows (2, 0) lands where writing those rows of the whole
+    cache would, leaves row 1 alone, and reads back exactly those rows; a view past capacity
+    grows the shared buffers."""
+    from ncpctl.model.layers import KVCache
+
+    torch.manual_seed(0)
+    B, H, hd = 3, 2, 4
+    cache = KVCache(B, H, hd, "cpu", torch.float64, capacity=4)
+    cache.k.normal_(), cache.v.normal_()
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    rows = torch.tensor([2, 0])
+    view = cache.rows(rows)
+    k, v = torch.randn(2, H, 1, hd, dtype=torch.float64), torch.randn(2, H, 1, hd, dtype=torch.float64)
+    index = torch.tensor([5, 1])  # row 2 writes past the capacity of 4
+    view.at, view.len = (int(index.max()) if at == "int" else index), 6
+    got_k, got_v = view.update(k, v)
+    assert cache.capacity >= 6
+    want_k, want_v = torch.zeros(B, H, cache.capacity, hd, dtype=torch.float64), None
+    want_k[:, :, :4] = before_k
+    want_v = want_k.clone()
+    want_v[:, :, :4] = before_v
+    for r, (b, j) in enumerate(zip(rows.tolist(), index.tolist() if at == "per_row" else [5, 5])):
+        want_k[b, :, j], want_v[b, :, j] = k[r, :, 0], v[r, :, 0]
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)
+    assert torch.equal(cache.k[1, :, :4], before_k[1])
+    assert torch.equal(got_k, want_k[rows, :, :6]) and torch.equal(got_v, want_v[rows, :, :6])
