@@ -12,6 +12,12 @@ prompts. For each labelled concept with a detector (below) and each method:
             output, where adding gamma * K_c raises k_c: Steerling's intervention; ``--at decoder.3``
             etc. for a layer's stream), for several strengths S
 
+for two models: the pretrained one, and the same after Steerling's steering stage
+(``recipes/debug-bottleneck-steer.yaml``: 90 steps of ``ncpctl midtrain`` that inject a labelled
+concept's direction where the labels say the text is about it, with the respond and express
+losses; trained into ``--run-dir``-steer; ``--no-steering-stage`` skips it). Each model's
+unsteered continuations are its own reference.
+
 each continuation is scored by
 
   concept   whether the concept's detector fires on the continuation (a regular expression per
@@ -24,7 +30,7 @@ and each (concept, method) gets its mean concept score, mean quality and their h
 (Steerling's combined score). Sampling: temperature 0.8, top-p 0.95, ``--samples`` seeds per
 prompt, the same seeds for every method.
 
-    .venv/bin/python bench/steering.py                      # train (or reuse) and score, ~3-4 min
+    .venv/bin/python bench/steering.py                      # train (or reuse) both and score, ~4 min
     .venv/bin/python bench/steering.py --strengths 1,2,4 --samples 4 --json
     .venv/bin/python bench/steering.py --at decoder.3 --strengths 1,2,4,8
 """
@@ -50,6 +56,7 @@ from typing import Any  # noqa: E402
 
 REPO = _HERE.parent
 RECIPE = REPO / "recipes" / "debug-bottleneck.yaml"
+STAGE = REPO / "recipes" / "debug-bottleneck-steer.yaml"  # Steerling's steering stage on top of it
 PROMPTS = [
     "def load(path):\n    ",
     "class Config:\n    def __init__(self, name):\n        self.name = name\n\n    def ",
@@ -94,6 +101,25 @@ def checkpoint(run_dir: Path, steps: int) -> Path:
     return resolve(run_dir)
 
 
+def stage_checkpoint(run_dir: Path, base: Path) -> Path:
+    """The steering stage (recipes/debug-bottleneck-steer.yaml) on top of checkpoint ``base``, in
+    ``run_dir``-steer (reused when it holds a checkpoint)."""
+    from ncpctl.checkpoint import resolve
+
+    out = run_dir.with_name(run_dir.name + "-steer")
+    try:
+        return resolve(out)
+    except Exception:
+        pass
+    data = run_dir / "data"
+    sets = [x for kv in (f"run.dir={out}", f"train.init_from={base}", f"data.train_prefix={data / 'train'}",
+                         f"data.val_prefix={data / 'val'}") for x in ("--set", kv)]
+    t0 = time.perf_counter()
+    _ncpctl("midtrain", str(STAGE), *sets)
+    print(f"trained the steering stage {STAGE.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return resolve(out)
+
+
 def _nll(model, tok, prompt: str, text: str) -> float:
     """Mean negative log-likelihood of ``text``'s tokens after ``prompt`` under ``model``."""
     import torch
@@ -117,7 +143,7 @@ def _parses(code: str) -> bool:
         return False
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     import torch
 
     from ncpctl.checkpoint import load_model
@@ -126,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ncpctl.interpret.steer import SteerSpec, resolve
 
     torch.set_num_threads(args.threads)
-    loaded = load_model(checkpoint(Path(args.run_dir), args.train_steps))
+    loaded = load_model(path)
     model, tok, names = loaded.model, loaded.tokenizer, loaded.meta.get("concept_names") or []
     from ncpctl.data.labels import PYTHON_CONCEPTS
 
@@ -202,10 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=3, help="seeds per prompt")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per continuation")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-steering-stage", action="store_true",
+                    help="score the pretrained model only (default: also the model after the steering stage, "
+                         "recipes/debug-bottleneck-steer.yaml, trained into RUN_DIR-steer)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    res = run(args)
-    print(table(res), file=sys.stderr if args.json else sys.stdout)
+    base = checkpoint(Path(args.run_dir), args.train_steps)
+    models = {"pretrained": base}
+    if not args.no_steering_stage:
+        models["steering_stage"] = stage_checkpoint(Path(args.run_dir), base)
+    res = {}
+    for name, path in models.items():
+        res[name] = run(args, path)
+        print(f"== {name}\n{table(res[name])}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(res, indent=2))
     return 0

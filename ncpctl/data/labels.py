@@ -329,3 +329,35 @@ class LabelSpans:
             if e > a:
                 out[max(s - a, 0) : min(e - a, T), c] = True
         return out
+
+
+def lift_tokens(tokens: np.ndarray, spans: LabelSpans, count: int, vocab: int, *, min_count: int = 5,
+                max_tokens: int = 4_000_000) -> np.ndarray:
+    """A steering stage's lift tokens T_c (Steerling's L_express): per labelled concept, the ``count``
+    token ids most over-represented inside its spans, (n, count) int64, -1 where a concept has fewer.
+
+    Over-representation is the smoothed log ratio log((a_y + 1) / (A + V)) - log((b_y + 1) / (N + V))
+    of a token's count a_y among concept c's span tokens (A of them) against its count b_y in the
+    stream (N), among tokens seen at least ``min_count`` times in c's spans. At most ``max_tokens``
+    tokens are read per concept (spans in stream order) and for the stream (its start), so this
+    is one linear pass, deterministic for a dataset."""
+    n = spans.n
+    stream = np.asarray(tokens[:max_tokens]).astype(np.int64)
+    b = np.bincount(stream, minlength=vocab)[:vocab].astype(np.float64)
+    inside = [[] for _ in range(n)]
+    taken = np.zeros(n, dtype=np.int64)
+    for s, e, c in np.asarray(spans.spans):
+        if taken[c] < max_tokens:
+            inside[c].append(np.asarray(tokens[s:e]))
+            taken[c] += e - s
+    out = np.full((n, count), -1, dtype=np.int64)
+    for c in range(n):
+        if not inside[c]:
+            continue
+        a = np.bincount(np.concatenate(inside[c]).astype(np.int64), minlength=vocab)[:vocab].astype(np.float64)
+        score = np.log((a + 1) / (a.sum() + vocab)) - np.log((b + 1) / (b.sum() + vocab))
+        score[a < min_count] = -np.inf
+        top = np.argsort(-score, kind="stable")[:count]
+        top = top[np.isfinite(score[top])]
+        out[c, : len(top)] = top
+    return out

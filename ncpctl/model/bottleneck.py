@@ -60,6 +60,18 @@ from .config import ModelConfig
 from .outputs import LogKey
 
 LOSSES = ("concept_loss", "reconstruction_loss", "independence_loss")
+STEERING_LOSSES = ("respond_loss", "express_loss")
+
+
+@dataclass
+class Injection:
+    """A steering stage's injection into one training forward (``ConceptBottleneck.injection``):
+    row b gets ``vector[b]`` (B, d) added at the site ``bottleneck.steer_at`` on the token slots
+    ``where[b]`` (B, T) bool, all False for a row without one; ``concept`` (B,) long, its concept."""
+
+    concept: torch.Tensor
+    where: torch.Tensor
+    vector: torch.Tensor
 
 
 @dataclass
@@ -115,6 +127,10 @@ class ConceptBottleneck(nn.Module):
         self.A = nn.Parameter(torch.empty(m, r))
         self.B = nn.Parameter(torch.empty(r, d))
         self.alpha = float(b.teacher_forcing_start)  # the teacher-forcing probability of this step
+        # the steering stage's lift tokens T_c (n, L) long, -1 = none: set by the training loop from the
+        # train split's labels (ncpctl.data.labels.lift_tokens) before training; derived from the data
+        # on every start, so it is not a weight (not in the state dict)
+        self.register_buffer("lift", torch.full((n, 0), -1, dtype=torch.long), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -137,11 +153,56 @@ class ConceptBottleneck(nn.Module):
     def loss_weights(self) -> dict[str, float]:
         b = self.bcfg
         return {"concept_loss": b.concept_weight, "reconstruction_loss": b.reconstruction_weight,
-                "independence_loss": b.independence_weight}
+                "independence_loss": b.independence_weight, "respond_loss": b.respond_weight,
+                "express_loss": b.express_weight}
+
+    @property
+    def steering(self) -> bool:
+        """Whether training runs a steering stage (respond or express weight above 0)."""
+        return self.bcfg.respond_weight > 0 or self.bcfg.express_weight > 0
 
     def log_keys(self) -> list[LogKey]:
+        steer = [LogKey(name, train_only=True) for name in STEERING_LOSSES] if self.steering else []
         return [*(LogKey(name) for name in LOSSES), LogKey("concept_share"),
-                LogKey("teacher_forcing", train_only=True)]
+                LogKey("teacher_forcing", train_only=True), *steer]
+
+    # ---- the steering stage (Steerling's mid-training) ----
+
+    def injection(self, labels: torch.Tensor, logit_weight: torch.Tensor) -> Injection | None:
+        """The steering stage's injection for a training batch with labels (B, T, n): with
+        probability ``steer_fraction`` a row draws one concept c among those its causal labels
+        carry and gets gamma * K_c / ||K_c|| at the slots where c is known-true causally (a token
+        of its chunk at or before t carries c: the text there is about c), gamma = steer_strength
+        / peak(W_lm e_c) (nominal logit units). The direction and gamma are constants (no
+        gradient into K or the head through the injection). None outside a steering stage."""
+        if not (self.training and self.steering):
+            return None
+        b = self.bcfg
+        causal = causal_labels(labels, b.chunk) > 0  # (B, T, n)
+        present = causal.any(dim=1)  # (B, n)
+        B = labels.shape[0]
+        draw = torch.rand(B, self.n, device=labels.device).masked_fill(~present, -1.0)
+        concept = draw.argmax(dim=-1)  # (B,) uniform among the present concepts
+        on = present.any(dim=1) & (torch.rand(B, device=labels.device) < b.steer_fraction)
+        where = causal[torch.arange(B, device=labels.device), :, concept] & on[:, None]  # (B, T)
+        e = self.K.detach()[concept]
+        e = e / e.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # (B, d)
+        peak = (e @ logit_weight.detach().t()).amax(dim=-1).clamp_min(1e-6)  # (B,)
+        return Injection(concept=torch.where(on, concept, -1), where=where, vector=(b.steer_strength / peak)[:, None] * e)
+
+    def steering_losses(self, parts: BottleneckOutput, inj: Injection, h_bar: torch.Tensor, head) -> dict:
+        """L_respond and L_express of one injected forward; ``head`` maps (K, d) states to (K, V)
+        logits (the model's ``head``). Both are 0 (with a gradient path) when nothing was injected."""
+        out = {"respond_loss": respond_loss(parts.k_logits, inj.concept.clamp_min(0), inj.where)}
+        if self.bcfg.express_weight > 0:
+            if self.lift.shape[1] == 0:
+                raise ValueError("bottleneck.express_weight > 0 but no lift tokens were set (ConceptBottleneck.lift: "
+                                 "the training loop derives them from the train split's labels)")
+            rows = inj.where.nonzero()[:, 0]  # (K,) the row of each injected slot
+            logits = head(h_bar[inj.where])  # (K, V): only the injected slots' logits
+            lift = self.lift[inj.concept[rows]]  # (K, L)
+            out["express_loss"] = express_loss(logits, lift, (lift >= 0).any(-1))
+        return out
 
     # ---- the decomposition ----
 
@@ -289,18 +350,26 @@ def cross_covariance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 # ---- Steerling's steering-stage losses (mid-training; a stage that injects directions uses them) ----
 
 
-def respond_loss(k_logits: torch.Tensor, concept: int, positions: torch.Tensor) -> torch.Tensor:
+def respond_loss(k_logits: torch.Tensor, concept: int | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """L_respond = -1/|I| sum_{t in I} log k_{c,t}: known concept ``concept``'s activation pushed to 1
-    at the positions ``positions`` (B, T) bool where its direction was injected; k_logits (B, T, n)."""
-    z = k_logits[..., concept].float()
-    return -(F.logsigmoid(z) * positions).sum() / positions.sum().clamp_min(1)
+    at the positions ``positions`` (B, T) bool where its direction was injected; k_logits (B, T, n);
+    ``concept`` one index or one per row (B,)."""
+    if isinstance(concept, int):
+        z = k_logits[..., concept]
+    else:
+        z = k_logits.gather(-1, concept[:, None, None].expand(*k_logits.shape[:2], 1))[..., 0]
+    return -(F.logsigmoid(z.float()) * positions).sum() / positions.sum().clamp_min(1)
 
 
 def express_loss(logits: torch.Tensor, lift_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """L_express = -1/|I| sum_{t in I} log sum_{y in T_c} p(y | t): the probability of the concept's lift
-    tokens ``lift_tokens`` (ids, (L,)) raised at ``positions`` (B, T) bool; logits (B, T, V)."""
-    logp = logits.float().log_softmax(-1)[..., lift_tokens].logsumexp(-1)  # (B, T)
-    return -(logp * positions).sum() / positions.sum().clamp_min(1)
+    tokens raised at ``positions`` (...) bool; logits (..., V); ``lift_tokens`` ids (L,) for all
+    positions or (..., L) per position, -1 = no token (a concept with fewer than L)."""
+    logp = logits.float().log_softmax(-1)
+    lift = lift_tokens.expand(*logp.shape[:-1], lift_tokens.shape[-1])
+    picked = logp.gather(-1, lift.clamp_min(0)).masked_fill(lift < 0, float("-inf")).logsumexp(-1)
+    picked = torch.where(positions, picked, torch.zeros_like(picked))  # no -inf outside I
+    return -(picked * positions).sum() / positions.sum().clamp_min(1)
 
 
 def detection_auc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

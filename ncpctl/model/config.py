@@ -307,6 +307,36 @@ class BottleneckConfig:
                                        "mid-training: 32).")
     top_k_unknown: int | None = _f(None, "Keep the top-k unknown activations per token; null = dense (Steerling "
                                          "mid-training: 128).")
+    # Steerling's steering stages (mid-training, 4 x 90 steps): inject a labelled concept's direction
+    # where the labels say the text carries it, and teach the model to respond (bottleneck.py)
+    respond_weight: float = _f(
+        0.0, "Steering stage: weight of L_respond = -mean log k_c at the positions where concept c's direction "
+        "was injected (Steerling; 0 = no steering stage). With express_weight > 0 too, training injects.")
+    express_weight: float = _f(
+        0.0, "Steering stage: weight of L_express = -mean log sum_{y in T_c} p(y) at the injected positions, T_c "
+        "the concept's lift tokens (the tokens most over-represented in its labelled spans of the train split).")
+    steer_at: str = _f(
+        "readout", "Steering stage: where the direction is added in training: readout (the bottleneck's output, "
+        "what the LM head reads: Steerling's concept intervention, raising k_c), decoder_input, encoder.L or "
+        "decoder.L (after layer L of that stack); generate --steer's at= names these sites the same way. "
+        "readout is the default because it is where steering worked at the debug size (bench/steering.py).")
+    steer_strength: float = _f(
+        2.0, "Steering stage: the injection's strength in nominal logit units, gamma = strength / peak(W_lm e_c) "
+        "(Steerling's tau / peak(e_c), whose value the paper does not give; generate --steer ...,strength=S logit).")
+    steer_fraction: float = _f(
+        0.5, "Steering stage: the probability that a training row is injected (with one of the concepts its "
+        "labels carry, drawn uniformly); the other rows train as plain language modelling.")
+    lift_tokens: int = _f(16, "Steering stage: |T_c|, lift tokens per concept for L_express.")
+
+
+def steer_site(at: Any) -> tuple[str, int | None] | None:
+    """``decoder_input`` / ``readout`` -> (that, None); ``encoder.L`` / ``decoder.L`` -> (stack, L); None if neither."""
+    if at in ("decoder_input", "readout"):
+        return at, None
+    stack, _, layer = str(at).partition(".")
+    if stack in ("encoder", "decoder") and layer.lstrip("-").isdigit():
+        return stack, int(layer)
+    return None
 
 
 def _check_bottleneck(b: BottleneckConfig, d: int) -> tuple[list[tuple[str, str]], int, int]:
@@ -344,6 +374,15 @@ def _check_bottleneck(b: BottleneckConfig, d: int) -> tuple[list[tuple[str, str]
     for key in ("concept_weight", "reconstruction_weight", "independence_weight"):
         if not num(getattr(b, key)) or getattr(b, key) < 0:
             problems.append((f"bottleneck.{key}", f"must be a number >= 0, got {getattr(b, key)!r}"))
+    for key in ("respond_weight", "express_weight", "steer_strength"):
+        if not num(getattr(b, key)) or getattr(b, key) < 0:
+            problems.append((f"bottleneck.{key}", f"must be a number >= 0, got {getattr(b, key)!r}"))
+    if not num(b.steer_fraction) or not 0 < b.steer_fraction <= 1:
+        problems.append(("bottleneck.steer_fraction", f"a probability in (0, 1] is required, got {b.steer_fraction!r}"))
+    pos_int("lift_tokens", b.lift_tokens, required=True)
+    if steer_site(b.steer_at) is None:
+        problems.append(("bottleneck.steer_at", f"must be decoder_input, readout, encoder.L or decoder.L, "
+                                                f"got {b.steer_at!r}"))
     if b.unknown_head not in ("dense", "low_rank"):
         problems.append(("bottleneck.unknown_head", f"must be dense or low_rank, got {b.unknown_head!r}"))
     if b.independence not in BOTTLENECK_INDEPENDENCE:
@@ -568,6 +607,16 @@ class ModelConfig:
             self.encoder_layers = 0
             self.decoder_layers = self.n_token_layers
             self.block_equivalents = float(self.n_token_layers)
+        self._check_steer_layer()
+
+    def _check_steer_layer(self) -> None:
+        """``bottleneck.steer_at``'s layer must exist in its stack (the stacks' sizes are known only now)."""
+        if not self.bottleneck.enabled:
+            return
+        stack, layer = steer_site(self.bottleneck.steer_at)
+        n = {"encoder": self.encoder_layers, "decoder": self.decoder_layers}.get(stack)
+        if n is not None and not 0 <= layer < n:
+            raise ConfigError([("bottleneck.steer_at", f"the {stack} has layers 0..{n - 1}, got {layer}")])
 
     @property
     def mup_widths(self) -> tuple[float, float] | None:

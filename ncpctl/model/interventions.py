@@ -33,6 +33,10 @@ class Intervention:
     start: int = 0  # first position it applies to
     length: int | None = None  # at most this many positions (None: to the end)
     rows: Sequence[int] | None = None  # batch rows it applies to (None: all)
+    # (B, T) bool: the token slots of a full forward it applies to, besides start/length/rows (a
+    # training injection at labelled positions); None: every slot. A full forward only: it is
+    # refused in a prefill or decoding step, whose slots are not the forward's
+    where: torch.Tensor | None = None
 
     def mask(self, positions: torch.Tensor, batch: int) -> torch.Tensor:
         """(B, T) bool: where it applies, for integer positions (B|1, T)."""
@@ -40,6 +44,11 @@ class Intervention:
         if self.length is not None:
             m = m & (positions < self.start + self.length)
         m = m.expand(batch, positions.shape[-1])
+        if self.where is not None:
+            if self.where.shape != m.shape:
+                raise ValueError(f"{type(self).__name__}.where is {tuple(self.where.shape)}, the forward's slots "
+                                 f"{tuple(m.shape)} (where is for a full forward only)")
+            m = m & self.where
         if self.rows is not None:
             keep = torch.zeros(batch, dtype=torch.bool, device=positions.device)
             keep[list(self.rows)] = True

@@ -33,10 +33,11 @@ from torch import nn
 from .concept import ConceptModule, ConceptOutput, coupling_layer_factory
 from .coupling import Coupling
 from .bottleneck import BottleneckOutput, ConceptBottleneck
-from .config import ModelConfig
+from .config import ModelConfig, steer_site
 from .decode import DecodeState, prefill, step
 from .head import LMHead
-from .interventions import Intervention, check, decoder_input_addition, readout_addition, residual_additions
+from .interventions import (AddToDecoderInput, AddToReadout, AddToResidual, Intervention, check, decoder_input_addition,
+                            readout_addition, residual_additions)
 from .layers import Context, RMSNorm, Stack, make_norm
 from .outputs import LogKey, NCPOutput
 from .mtp import MTPHead
@@ -240,6 +241,10 @@ class NCPModel(nn.Module):
         row's global sample index (the training loop's: the key of a segmenter's sampling noise,
         so every rank count draws the same boundaries)."""
         ivs = self.check_interventions(interventions)
+        inj = self.bottleneck.injection(concept_labels, self.logit_weight) \
+            if self.bottleneck is not None and concept_labels is not None and targets is not None else None
+        if inj is not None:  # a steering stage (Steerling): the direction added at the labelled slots
+            ivs = ivs + [self._injection_site(inj)]
         ctx, positions = self.token_context(idx.shape[1], idx.device, self.embed.weight.dtype)
         x = self.embed_tokens(idx, positions)  # (B, T, d)
         enc_ctx, dec_ctx = self._stack_contexts(ctx, ivs, positions, x)
@@ -266,6 +271,8 @@ class NCPModel(nn.Module):
             return out
         out.logits, ntp = self.head(h_bar, targets)  # == F.cross_entropy(lm_head(h_bar).float(), targets)
         out.losses = {"ntp_loss": ntp, **co.losses, **(parts.losses if parts is not None else {})}
+        if inj is not None:
+            out.losses.update(self.bottleneck.steering_losses(parts, inj, h_bar, self.head))
         out.loss = ntp
         weights = {**(self.concept.loss_weights() if self.concept is not None else {}),
                    **(self.bottleneck.loss_weights() if self.bottleneck is not None else {})}
@@ -279,6 +286,15 @@ class NCPModel(nn.Module):
             out.metrics.update(mtp_metrics)
             out.loss = out.loss + self.mtp.weight * out.losses["mtp_loss"]
         return out
+
+    def _injection_site(self, inj) -> Intervention:
+        """The steering stage's injection as the intervention at ``bottleneck.steer_at``."""
+        stack, layer = steer_site(self.cfg.bottleneck.steer_at)
+        if stack == "decoder_input":
+            return AddToDecoderInput(vector=inj.vector, where=inj.where)
+        if stack == "readout":
+            return AddToReadout(vector=inj.vector, where=inj.where)
+        return AddToResidual(vector=inj.vector, where=inj.where, stack=stack, layer=layer)
 
     def from_decoder_input(self, z: torch.Tensor, *, concept: ConceptOutput | None = None,
                            encoder_states: list | None = None,
@@ -352,7 +368,10 @@ class NCPModel(nn.Module):
                 interventions: Sequence[Intervention] | None = None) -> tuple[torch.Tensor, DecodeState]:
         """Left-padded prompts (B, Tp) with real ``lengths`` -> (logits (B, Tp, V), state).
         ``max_len``: slots to allocate (None: caches grow as needed)."""
-        return prefill(self, tokens, lengths, max_len, self.check_interventions(interventions))
+        ivs = self.check_interventions(interventions)
+        if any(iv.where is not None for iv in ivs):
+            raise ValueError("an intervention with `where` (slots of a full forward) cannot apply to decoding")
+        return prefill(self, tokens, lengths, max_len, ivs)
 
     def decode_step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """One new token per row (B,) -> next-token logits (B, V); advances ``state``."""

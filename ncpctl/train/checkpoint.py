@@ -102,13 +102,38 @@ def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
         return saved
 
 
+# Model keys a new stage may change from the checkpoint it starts from (train.init_from): training
+# terms of the concept bottleneck, none of which shapes a weight (Steerling's mid-training raises the
+# residual dropout, ends teacher forcing, splits the independence penalty, sparsifies the heads and
+# interleaves steering stages). A resumed run must match its checkpoint exactly.
+STAGE_KEYS = tuple(f"bottleneck.{k}" for k in (
+    "dropout", "concept_weight", "reconstruction_weight", "independence_weight", "independence",
+    "teacher_forcing_start", "teacher_forcing_end", "teacher_forcing_steps", "top_k_known", "top_k_unknown",
+    "respond_weight", "express_weight", "steer_at", "steer_strength", "steer_fraction", "lift_tokens"))
+
+
+def _tokenizer_file(recipe: Any) -> Path:
+    """The tokenizer the run's data was made with: tokenizer.path, else the one `ncpctl tokenize`
+    wrote next to the data (the run's data/, or beside data.train_prefix when that is given)."""
+    if recipe.tokenizer.path:
+        return Path(recipe.tokenizer.path)
+    own = recipe.data_dir / "tokenizer.json"
+    if own.is_file() or not recipe.data.train_prefix:
+        return own
+    return Path(recipe.data.train_prefix).parent / "tokenizer.json"
+
+
 def check_compatible(path: Path, meta: dict[str, Any], model_config: dict[str, Any], *,
-                     world_size: int, zero_stage: int, optimizer_state: bool) -> None:
+                     world_size: int, zero_stage: int, optimizer_state: bool, new_stage: bool = False) -> None:
     """Raise a UserError (before any training) when ``path`` cannot continue this run.
 
     The saved config is read through ``ModelConfig`` first, so a key added to the config since
-    the checkpoint was written compares as its default (what loading that checkpoint gives)."""
-    problems = [f"{path}: {d}" for d in config_differences(_with_defaults(meta["model_config"]), model_config)]
+    the checkpoint was written compares as its default (what loading that checkpoint gives).
+    ``new_stage``: ``path`` starts another stage (init_from), which may change ``STAGE_KEYS``."""
+    diffs = config_differences(_with_defaults(meta["model_config"]), model_config)
+    if new_stage:
+        diffs = [d for d in diffs if d.split(":")[0].removeprefix("model.") not in STAGE_KEYS]
+    problems = [f"{path}: {d}" for d in diffs]
     if optimizer_state:  # DeepSpeed's optimizer partitions are per (stage, world size)
         if meta["zero_stage"] != zero_stage:
             problems.append(f"{path}: saved with deepspeed.zero_stage={meta['zero_stage']}, now {zero_stage}")
@@ -185,7 +210,7 @@ def save(engine: Any, root: Path, step: int, meta: dict[str, Any], recipe: Any, 
     barrier()  # every rank's files are on disk
     if rank == 0:
         recipe.write_resolved(path)
-        tok = Path(recipe.tokenizer.path) if recipe.tokenizer.path else recipe.data_dir / "tokenizer.json"
+        tok = _tokenizer_file(recipe)
         # weights first, ncpctl.json last (atomically): a directory with ncpctl.json is complete
         save_model_files(path, weights, step=step, tokens_seen=meta["tokens_seen"], recipe=recipe.to_dict(),
                          tokenizer_path=tok if tok.is_file() else None,

@@ -463,6 +463,7 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     _move_foreign_checkpoints(recipe, resume_from, d, warn)
 
     model = _build_model(recipe, stage, fresh=resume_from is None, info=info)
+    _set_lift_tokens(model, recipe, train_ds, loader, labels, info)
     packing = StepPacking.for_model(model, FLAGS, reserved=RECORD_FIELDS)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -474,6 +475,22 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     _restore(run, meta)
     _observe(run, out)
     return run
+
+
+def _set_lift_tokens(model: torch.nn.Module, recipe: Recipe, ds: IndexedDataset, loader: WindowLoader,
+                     labels: _Labels, info: Callable[[str], None]) -> None:
+    """A steering stage's lift tokens T_c (L_express), from the train split's labels: derived
+    from the data at every start, fresh or resumed, so a resume sees the same ones."""
+    bn = getattr(model, "bottleneck", None)
+    if bn is None or bn.bcfg.express_weight <= 0:
+        return
+    from ncpctl.data.labels import lift_tokens
+
+    lift = lift_tokens(ds.tokens, loader.labels, bn.bcfg.lift_tokens, recipe.model_config.vocab_size)
+    bn.lift = torch.from_numpy(lift)
+    empty = [labels.names[c] if labels.names else str(c) for c in range(lift.shape[0]) if lift[c, 0] < 0]
+    info(f"steering stage: {bn.bcfg.lift_tokens} lift tokens per concept from the train split's labels"
+         + (f" (none for {', '.join(empty)}: no express loss there)" if empty else ""))
 
 
 def _open_data(recipe: Recipe, d: Dist) -> tuple[IndexedDataset, IndexedDataset, WindowLoader, _Labels]:
@@ -516,7 +533,8 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: WindowLoader)
     if stage.init_from is not None and not stage.hf:
         init_meta = ckpt.read_meta(stage.init_from)
         ckpt.check_compatible(stage.init_from, init_meta, cfg.to_dict(), world_size=d.world,
-                              zero_stage=recipe.deepspeed.zero_stage, optimizer_state=stage.load == "all")
+                              zero_stage=recipe.deepspeed.zero_stage, optimizer_state=stage.load == "all",
+                              new_stage=True)
         if stage.load == "all":
             _check_optimizer(recipe, stage.init_from, init_meta)
     return None, {}

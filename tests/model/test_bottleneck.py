@@ -419,3 +419,160 @@ def test_hf_import_adds_a_fresh_bottleneck_with_the_bases_logits(tmp_path):
     assert model.bottleneck is not None
     with torch.no_grad():
         assert (model(x).logits - hf(input_ids=x).logits).abs().max() <= 1e-5
+
+
+# ---- the steering stage (Steerling's mid-training) ---------------------------------------
+
+STEER = dict(respond_weight=1.0, express_weight=1.0, steer_fraction=1.0, steer_strength=3.0)
+
+
+def test_per_row_respond_and_express_losses_and_missing_lift_tokens():
+    from ncpctl.model.bottleneck import express_loss, respond_loss
+
+    torch.manual_seed(0)
+    z = torch.randn(2, 4, 3)
+    at = torch.tensor([[True, True, False, False], [False, False, False, True]])
+    c = torch.tensor([2, 0])
+    ref = -(F_logsig(z[0, 0, 2]) + F_logsig(z[0, 1, 2]) + F_logsig(z[1, 3, 0])) / 3
+    assert respond_loss(z, c, at).item() == pytest.approx(ref.item(), rel=1e-6)
+    logits = torch.randn(3, 9)
+    lift = torch.tensor([[1, 4, -1], [2, -1, -1], [-1, -1, -1]])  # row 2: a concept without lift tokens
+    keep = (lift >= 0).any(-1)
+    p = logits.softmax(-1)
+    want = -(p[0, [1, 4]].sum().log() + p[1, 2].log()) / 2
+    assert express_loss(logits, lift, keep).item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def F_logsig(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.logsigmoid(x)
+
+
+def test_the_injection_is_the_labelled_concepts_direction_at_its_causal_slots():
+    """A row is injected with a concept its causal labels carry, at exactly the slots where that
+    concept is known-true causally, with gamma * K_c / ||K_c|| whose peak logit is the strength;
+    a row without labels is not injected; eval mode injects nothing."""
+    cfg = bn_cfg(**STEER)
+    model = build(cfg).train()
+    T = 12
+    labels = torch.zeros(3, T, N_CONCEPTS, dtype=torch.bool)
+    labels[0, 5, 1] = True  # chunk [4, 8): known-true at 5, 6, 7
+    labels[1, 2, 3] = labels[1, 9, 3] = True  # chunks [0, 4) and [8, 12): 2, 3 and 9, 10, 11
+    torch.manual_seed(1)
+    inj = model.bottleneck.injection(labels, model.logit_weight)
+    assert inj.concept.tolist() == [1, 3, -1]
+    assert inj.where[0].nonzero()[:, 0].tolist() == [5, 6, 7]
+    assert inj.where[1].nonzero()[:, 0].tolist() == [2, 3, 9, 10, 11]
+    assert not inj.where[2].any()
+    for b, c in ((0, 1), (1, 3)):
+        K = model.bottleneck.K[c].detach()
+        e = inj.vector[b] / inj.vector[b].norm()
+        assert torch.allclose(e, K / K.norm(), atol=1e-6)
+        assert (model.logit_weight @ inj.vector[b]).max().item() == pytest.approx(3.0, rel=1e-5)
+    model.eval()
+    assert model.bottleneck.injection(labels, model.logit_weight) is None
+
+
+@pytest.mark.parametrize("at", ["decoder_input", "decoder.1", "readout"])
+def test_an_injected_forward_is_the_intervened_forward_plus_the_stage_losses(at):
+    """The steering stage's forward equals the same forward with the injection given as an
+    explicit intervention (AddToDecoderInput / AddToResidual / AddToReadout with its ``where``
+    slots), and its
+    respond / express terms are recomputed from that forward's parts and logits."""
+    from ncpctl.model.bottleneck import express_loss, respond_loss
+    from ncpctl.model.interventions import AddToDecoderInput, AddToReadout, AddToResidual
+
+    cfg = bn_cfg(**STEER, dropout=0.0, teacher_forcing_start=0.0, teacher_forcing_end=0.0, steer_at=at)
+    model = build(cfg).double().train()
+    model.bottleneck.lift = torch.tensor([[1, 2], [3, -1], [4, 5], [6, 7], [8, -1], [9, 10]])
+    x = tokens(cfg, 2, 12)
+    labels = span_labels(2, 12, N_CONCEPTS, seed=3)
+    torch.manual_seed(5)
+    out = model(x, x, concept_labels=labels, return_bottleneck=True)
+    torch.manual_seed(5)
+    inj = model.bottleneck.injection(labels, model.logit_weight)
+    assert inj.where.any()
+    iv = {"decoder_input": AddToDecoderInput, "readout": AddToReadout}.get(at)
+    iv = iv(vector=inj.vector, where=inj.where) if iv else \
+        AddToResidual(vector=inj.vector, where=inj.where, stack="decoder", layer=1)
+    cfg_off = bn_cfg(**{**STEER, "respond_weight": 0.0, "express_weight": 0.0}, dropout=0.0,
+                     teacher_forcing_start=0.0, teacher_forcing_end=0.0, steer_at=at)
+    ref_model = NCPModel(cfg_off).double().train()
+    ref_model.load_state_dict(model.state_dict())
+    # the reference without targets: its logits (the stage only injects when training on targets)
+    ref = ref_model(x, concept_labels=labels, interventions=[iv], return_bottleneck=True)
+    ntp = torch.nn.functional.cross_entropy(ref.logits.flatten(0, 1), x.flatten())
+    assert out.losses["ntp_loss"].item() == pytest.approx(ntp.item(), rel=1e-6)  # the head's loss is fp32
+    r = respond_loss(ref.bottleneck.k_logits, inj.concept.clamp_min(0), inj.where)
+    assert out.losses["respond_loss"].item() == pytest.approx(r.item(), rel=1e-9)
+    rows = inj.where.nonzero()[:, 0]
+    lift = model.bottleneck.lift[inj.concept[rows]]
+    e = express_loss(ref.logits[inj.where], lift, (lift >= 0).any(-1))
+    assert out.losses["express_loss"].item() == pytest.approx(e.item(), rel=1e-9)
+    w = cfg.bottleneck
+    parts = sum(out.losses[k] * wt for k, wt in (("concept_loss", w.concept_weight), ("reconstruction_loss",
+                w.reconstruction_weight), ("independence_loss", w.independence_weight), ("respond_loss", 1.0),
+                ("express_loss", 1.0)))
+    assert out.loss.item() == pytest.approx((out.losses["ntp_loss"] + parts).item(), rel=1e-6)
+
+
+def test_the_respond_loss_teaches_the_network_not_only_the_head():
+    """L_respond's gradient reaches the decoder's weights (the model must learn to carry an
+    injected direction to the bottleneck) and the known head; the injected direction itself
+    is a constant (no gradient into K through it)."""
+    cfg = bn_cfg(respond_weight=1.0, steer_fraction=1.0, dropout=0.0, teacher_forcing_start=0.0,
+                 teacher_forcing_end=0.0, concept_weight=0.0, reconstruction_weight=0.0, independence_weight=0.0)
+    model = build(cfg).train()
+    x = tokens(cfg, 2, 12)
+    out = model(x, x, concept_labels=span_labels(2, 12, N_CONCEPTS, seed=2))
+    out.losses["respond_loss"].backward()
+    assert model.decoder[0].mlp.proj.weight.grad.abs().sum() > 0
+    assert model.bottleneck.known.weight.grad.abs().sum() > 0
+    assert model.bottleneck.K.grad is None or model.bottleneck.K.grad.abs().sum() == 0
+
+
+def test_express_without_lift_tokens_and_where_in_decoding_are_errors():
+    from ncpctl.model.interventions import AddToDecoderInput
+
+    cfg = bn_cfg(**STEER)
+    model = build(cfg).train()
+    x = tokens(cfg, 2, 12)
+    with pytest.raises(ValueError, match="no lift tokens were set"):
+        model(x, x, concept_labels=span_labels(2, 12, N_CONCEPTS))
+    iv = AddToDecoderInput(vector=torch.ones(cfg.d_model), where=torch.ones(2, 12, dtype=torch.bool))
+    with pytest.raises(ValueError, match="cannot apply to decoding"):
+        model.eval().prefill(x, [12, 12], interventions=[iv])
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("respond_weight", -1, "must be a number >= 0"),
+    ("steer_fraction", 0, "a probability in (0, 1]"),
+    ("steer_at", "head", "must be decoder_input, readout, encoder.L or decoder.L"),
+    ("steer_at", "decoder.7", "the decoder has layers 0..2"),
+    ("lift_tokens", 0, "must be a positive integer"),
+])
+def test_bad_steering_stage_keys(key, value, message):
+    with pytest.raises(ConfigError) as e:
+        bn_cfg(**{key: value})
+    assert f"bottleneck.{key}" in str(e.value) and message in str(e.value)
+
+
+def test_lift_tokens_are_the_tokens_over_represented_in_a_concepts_spans(tmp_path):
+    """Concept 0's spans are mostly token 7 (common nowhere else), concept 1's token 9; concept 2
+    has no spans: its row is all -1."""
+    import numpy as np
+
+    from ncpctl.data.labels import LabelSpans, labels_path, lift_tokens
+
+    rng = np.random.default_rng(0)
+    stream = rng.integers(0, 50, 4000)
+    spans = []
+    for s in range(0, 4000, 100):
+        stream[s : s + 10] = 7 if (s // 100) % 2 == 0 else 9
+        spans.append((s, s + 10, (s // 100) % 2))
+    prefix = tmp_path / "train"
+    np.save(labels_path(prefix), np.array(spans, dtype=np.int64))
+    lab = LabelSpans(prefix, len(stream), 3)
+    out = lift_tokens(stream, lab, 4, 50)
+    assert out.shape == (3, 4)
+    assert out[0, 0] == 7 and out[1, 0] == 9
+    assert (out[2] == -1).all()

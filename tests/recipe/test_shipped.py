@@ -39,7 +39,7 @@ def pile_like(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 def test_every_recipe_file_is_covered() -> None:
     shipped = {p.stem for p in RECIPES.glob("*.yaml")}
-    assert shipped == {"debug", "debug-bottleneck", "debug-dlcm", "pythia-common", *PYTHIA, *PAPER_RECIPES,
+    assert shipped == {"debug", "debug-bottleneck", "debug-bottleneck-steer", "debug-dlcm", "pythia-common", *PYTHIA, *PAPER_RECIPES,
                        *ARCHPREVIEW_RECIPES, *DLCM_RECIPES}
 
 
@@ -53,6 +53,22 @@ def test_debug_bottleneck_recipe() -> None:
     assert r.data.labels == "python-ast" and b.enabled and b.concepts == len(PYTHON_CONCEPTS)
     assert (b.chunk, b.dropout, b.teacher_forcing_start, b.teacher_forcing_end) == (16, 0.1, 1.0, 0.5)
     assert r.model_config.bottleneck_unknown == 3 * b.concepts and r.run_dir == Path("runs/debug-bottleneck")
+
+
+def test_the_steering_stage_recipe_continues_debug_bottleneck() -> None:
+    """Steerling's mid-training changes (dropout 0.3, teacher forcing 0) and the steering terms, on
+    debug-bottleneck's data and weights; only training terms differ from its model (STAGE_KEYS)."""
+    from ncpctl.train.checkpoint import STAGE_KEYS, config_differences
+
+    base = load_recipe(RECIPES / "debug-bottleneck.yaml")
+    r = load_recipe(RECIPES / "debug-bottleneck-steer.yaml")
+    b = r.model_config.bottleneck
+    assert (b.dropout, b.teacher_forcing_start, b.teacher_forcing_end) == (0.3, 0.0, 0.0)
+    assert (b.respond_weight, b.express_weight, b.steer_at, b.steer_strength) == (1.0, 1.0, "readout", 2.0)
+    assert r.train.init_from == "runs/debug-bottleneck" and r.data.train_prefix == "runs/debug-bottleneck/data/train"
+    assert r.train.max_steps == 90  # Steerling's steering stages: 90 steps each
+    diffs = config_differences(base.model_config.to_dict(), r.model_config.to_dict())
+    assert diffs and all(d.split(":")[0].removeprefix("model.") in STAGE_KEYS for d in diffs)
 
 
 def test_debug_recipe() -> None:

@@ -107,3 +107,31 @@ def test_inspect_reports_the_exact_attribution(trained: Path) -> None:
     t = result(ncpctl("inspect", ck, "-p", "import os\n", "--target", "import sys", "--json"))
     tgt = t["prompts"][0]["bottleneck"]["positions"]
     assert [q["text"] for q in tgt] and "".join(q["text"] for q in tgt) == "import sys"
+
+
+def test_a_steering_stage_continues_a_bottleneck_run(trained: Path, labelled: Path, tmp_path: Path) -> None:
+    """``ncpctl midtrain recipes/debug-bottleneck-steer.yaml`` from a bottleneck run: the stage may
+    change the bottleneck's training terms (Steerling's mid-training: dropout, teacher forcing, the
+    steering weights) but not its shape; it derives lift tokens from the train split's labels,
+    logs the respond and express losses in training only, and L_respond falls."""
+    run = tmp_path / "steer"
+    ck = trained / "checkpoints" / "step_0000040"
+    sets = _sets(labelled, run, f"train.init_from={ck}", "train.max_steps=30", "train.eval_every=30",
+                 "train.save_every=30", "train.lr=3e-3")
+    proc = ncpctl("midtrain", str(RECIPES / "debug-bottleneck-steer.yaml"), "--json", *sets)
+    r = result(proc)
+    assert r["step"] == 30 and r["nonfinite_steps"] == 0
+    assert "steering stage: 16 lift tokens per concept from the train split's labels" in proc.stderr
+    train, (val,) = metrics(run), metrics(run, "val")
+    assert all("respond_loss" in m and "express_loss" in m for m in train)
+    assert "respond_loss" not in val and "express_loss" not in val
+    first = sum(m["respond_loss"] for m in train[:5]) / 5
+    last = sum(m["respond_loss"] for m in train[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    assert (run / "checkpoints" / "step_0000030" / "tokenizer.json").is_file()
+    # a key that shapes the weights still has to match the checkpoint
+    bad = ncpctl("midtrain", str(RECIPES / "debug-bottleneck-steer.yaml"), *sets,
+                 "--set", "model.bottleneck.rank=16", "--set", f"run.dir={tmp_path / 'bad'}")
+    assert bad.returncode == 2
+    (err,) = [x for x in bad.stderr.splitlines() if x.startswith("error: ")]
+    assert "model.bottleneck.rank" in err, bad.stderr
