@@ -3,7 +3,8 @@
 * Base models (no concept path) become native ``GPTNeoXForCausalLM`` / ``LlamaForCausalLM``
   (``Qwen3ForCausalLM`` with per-head QK-norm; ``Olmo2ForCausalLM``, or ``Olmo3ForCausalLM``
   with a sliding window, for post-norm blocks) / ``GPT2LMHeadModel`` through ``ncpctl.model.hf``.
-* ConceptLM models become ``NCPForCausalLM``: the HF adapter (``configuration_ncp.py``,
+* ConceptLM models (and any model with Steerling's concept bottleneck, whose heads and concept
+  embeddings travel with it: ``model.core`` attributes exactly) become ``NCPForCausalLM``: the HF adapter (``configuration_ncp.py``,
   ``modeling_ncp.py`` from ``ncpctl/interop/remote/``) and the modules of ``ncpctl/model/``
   it imports (``model.py``, ``layers.py``, ..., found by following their relative imports)
   are copied verbatim into the directory, and ``config.json`` maps them with ``auto_map``:
@@ -51,10 +52,6 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
     if dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype: {dtype!r} is not one of fp32, bf16")
     loaded = load_model(checkpoint)
-    if loaded.config.bottleneck.enabled:
-        raise UserError(f"model.bottleneck: {loaded.path} has Steerling's concept bottleneck, which the exported "
-                        "Hugging Face code does not carry (its concept heads and embeddings would be dropped)",
-                        hint="attribution and concept steering run in ncpctl (inspect, generate --steer)")
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint; an export needs one")
     out = Path(out)
@@ -112,7 +109,9 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
     cfg, model = loaded.config, loaded.model
     eod_token, eod = _eod(loaded)
     dtype_name = str(torch_dtype).removeprefix("torch.")
-    if cfg.concept.enabled:
+    # the concept path or Steerling's bottleneck: no HF architecture holds them, so the export carries
+    # ncpctl's own modeling code (remote code); the bottleneck's heads and embeddings travel with it
+    if _remote(cfg):
         arch = "NCPForCausalLM"
         config = {
             "architectures": [arch], "model_type": "ncp",
@@ -154,8 +153,13 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
     tok = PreTrainedTokenizerFast(tokenizer_object=loaded.tokenizer, bos_token=eod_token, eos_token=eod_token,
                                   unk_token=eod_token, pad_token=eod_token, model_max_length=cfg.max_seq_len)
     tok.save_pretrained(d)
-    return {"architecture": arch, "remote_code": cfg.concept.enabled, "shards": shards,
+    return {"architecture": arch, "remote_code": arch == "NCPForCausalLM", "shards": shards,
             "parameters": sum(t.numel() for t in state.values())}
+
+
+def _remote(cfg) -> bool:
+    """Whether the export carries ncpctl's modeling code (no HF architecture holds the model)."""
+    return cfg.concept.enabled or cfg.bottleneck.enabled
 
 
 def remote_files() -> list[Path]:
@@ -240,7 +244,7 @@ def _verify(loaded, d: Path, dtype: str) -> dict[str, Any]:
             ref = rounded(x).logits.float()
         else:
             ref = ref_fp32
-        hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, trust_remote_code=cfg.concept.enabled)
+        hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, trust_remote_code=_remote(cfg))
         hf.eval()
         got = hf(input_ids=x).logits.float()
     if got.shape != ref.shape:

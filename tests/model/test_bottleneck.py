@@ -1,7 +1,8 @@
 """Steerling's additive concept bottleneck (model.bottleneck): config validation, the exact
 decomposition (h_bar == h outside training; logit = kKW + uUW + eW), the chunk OR loss and causal
 labels against direct references, causality with teacher forcing off and on, cached decoding,
-training on synthetic span labels, accounting, detection AUC and the export's refusal."""
+training on synthetic span labels, accounting, detection AUC, the export (exact attribution
+without ncpctl) and the steering stage."""
 
 from __future__ import annotations
 
@@ -364,19 +365,65 @@ def test_accounting_params_and_flops_equal_torchs_counter(extra):
 # ---- export --------------------------------------------------------------------------------------
 
 
-def test_export_refuses_the_bottleneck(tmp_path):
+def test_the_export_carries_the_bottleneck_and_attributes_without_ncpctl(tmp_path):
+    """A bottleneck model exports with its own modeling code: loaded with ncpctl hidden, its logits
+    equal ncpctl's (1e-5), ``model.core`` decomposes every argmax logit exactly into known +
+    unknown + residual (1e-4, fp32) with the same per-concept terms as ncpctl, and cached greedy
+    generate equals use_cache=False."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
     from ncpctl.checkpoint import save_model_files
+    from ncpctl.interop.hf_export import export
 
-    from ..conftest import run_cli
-
-    model = build(bn_cfg())
-    ck = tmp_path / "ck"
-    save_model_files(ck, model, step=0, tokens_seen=0, recipe=None, tokenizer_path=None)
-    r = run_cli("export", str(ck), "--out", str(tmp_path / "hf"))
-    assert r.returncode == 2, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "model.bottleneck" in lines[0], r.stderr
-    assert not (tmp_path / "hf").exists()
+    tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
+    cfg = tiny("llama", vocab_size=320, bottleneck=BN)
+    model = build(cfg, seed=4)
+    save_model_files(tmp_path / "ck", model, step=0, tokens_seen=0, recipe=None, tokenizer_path=tok)
+    info = export(tmp_path / "ck", tmp_path / "hf")
+    assert info["architecture"] == "NCPForCausalLM" and info["remote_code"]
+    x = torch.randint(0, 320, (2, 21), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        o = model(x, return_bottleneck=True)
+        y = o.logits.argmax(-1)
+        terms = model.bottleneck.attribute(o.bottleneck, model.logit_weight, y).per_concept
+    torch.save({"x": x, "ref": o.logits, "terms": terms}, tmp_path / "probe.pt")
+    script = textwrap.dedent(f"""
+        import importlib.abc, sys
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "ncpctl" or name.startswith("ncpctl."):
+                    raise ImportError("ncpctl is hidden")
+        sys.meta_path.insert(0, Block())
+        import torch
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'hf')!r}, trust_remote_code=True).eval()
+        p = torch.load({str(tmp_path / 'probe.pt')!r})
+        with torch.no_grad():
+            logits = m(input_ids=p["x"]).logits
+            d = (logits - p["ref"]).abs().max().item()
+            o = m.core(p["x"], return_bottleneck=True)
+            y = logits.argmax(-1)
+            a = m.core.bottleneck.attribute(o.bottleneck, m.core.logit_weight, y)
+            exact = (a.known + a.unknown + a.residual - logits.gather(-1, y[..., None])[..., 0]).abs().max().item()
+            terms = (a.per_concept - p["terms"]).abs().max().item()
+        kw = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(m.generate(p["x"][:, :7], use_cache=False, **kw), m.generate(p["x"][:, :7], **kw))
+        assert "ncpctl" not in sys.modules
+        print("DIFF", d, "EXACT", exact, "TERMS", terms)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    r = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.split("DIFF")[-1]
+    diff, rest = out.split("EXACT")
+    exact, terms = rest.split("TERMS")
+    assert float(diff) <= 1e-5 and float(exact) <= 1e-4 and float(terms) <= 1e-5, r.stdout
 
 
 def test_respond_and_express_losses():
@@ -576,3 +623,35 @@ def test_lift_tokens_are_the_tokens_over_represented_in_a_concepts_spans(tmp_pat
     assert out.shape == (3, 4)
     assert out[0, 0] == 7 and out[1, 0] == 9
     assert (out[2] == -1).all()
+
+
+def test_at_the_readout_the_express_loss_trains_only_the_heads_response_to_the_direction():
+    """steer_at: readout: L_express's value is that of the injected logits, its gradient reaches the
+    LM head only, as the gradient of the same loss through W v alone (v the injected vector), and
+    none of the network below."""
+    from ncpctl.model.bottleneck import express_loss
+
+    cfg = bn_cfg(express_weight=1.0, steer_fraction=1.0, steer_at="readout", dropout=0.0,
+                 teacher_forcing_start=0.0, teacher_forcing_end=0.0)
+    model = build(cfg).double().train()
+    model.bottleneck.lift = torch.tensor([[1, 2], [3, -1], [4, 5], [6, 7], [8, -1], [9, 10]])
+    x = tokens(cfg, 2, 12)
+    labels = span_labels(2, 12, N_CONCEPTS, seed=3)
+    torch.manual_seed(7)
+    out = model(x, x, concept_labels=labels)
+    out.losses["express_loss"].backward()
+    assert all(p.grad is None or p.grad.abs().max() == 0 for n, p in model.named_parameters() if n != "lm_head.weight")
+    got = model.lm_head.weight.grad.clone()
+    torch.manual_seed(7)
+    inj = model.bottleneck.injection(labels, model.logit_weight)
+    with torch.no_grad():
+        base = model(x, concept_labels=labels, return_hidden=True).hidden  # h_bar == h: no dropout
+    rows = inj.where.nonzero()[:, 0]
+    W = model.lm_head.weight.detach().clone().requires_grad_(True)
+    v = inj.vector[rows]
+    logits = base[inj.where] @ W.detach().t() + v @ W.t()
+    lift = model.bottleneck.lift[inj.concept[rows]]
+    ref = express_loss(logits, lift, (lift >= 0).any(-1))
+    ref.backward()
+    assert out.losses["express_loss"].item() == pytest.approx(ref.item(), rel=1e-9)
+    assert torch.allclose(got, W.grad, atol=1e-12)

@@ -64,7 +64,7 @@ def test_the_steering_stage_recipe_continues_debug_bottleneck() -> None:
     r = load_recipe(RECIPES / "debug-bottleneck-steer.yaml")
     b = r.model_config.bottleneck
     assert (b.dropout, b.teacher_forcing_start, b.teacher_forcing_end) == (0.3, 0.0, 0.0)
-    assert (b.respond_weight, b.express_weight, b.steer_at, b.steer_strength) == (1.0, 1.0, "readout", 2.0)
+    assert (b.respond_weight, b.express_weight, b.steer_at, b.steer_strength) == (0.0, 1.0, "readout", 2.0)
     assert r.train.init_from == "runs/debug-bottleneck" and r.data.train_prefix == "runs/debug-bottleneck/data/train"
     assert r.train.max_steps == 90  # Steerling's steering stages: 90 steps each
     diffs = config_differences(base.model_config.to_dict(), r.model_config.to_dict())

@@ -113,11 +113,13 @@ def test_a_steering_stage_continues_a_bottleneck_run(trained: Path, labelled: Pa
     """``ncpctl midtrain recipes/debug-bottleneck-steer.yaml`` from a bottleneck run: the stage may
     change the bottleneck's training terms (Steerling's mid-training: dropout, teacher forcing, the
     steering weights) but not its shape; it derives lift tokens from the train split's labels,
-    logs the respond and express losses in training only, and L_respond falls."""
+    logs the respond and express losses in training only, and with the injection in a layer's
+    stream (L_respond on) the injected direction comes to raise k_c: L_respond falls."""
     run = tmp_path / "steer"
     ck = trained / "checkpoints" / "step_0000040"
     sets = _sets(labelled, run, f"train.init_from={ck}", "train.max_steps=30", "train.eval_every=30",
-                 "train.save_every=30", "train.lr=3e-3")
+                 "train.save_every=30", "train.lr=3e-3", "model.bottleneck.respond_weight=1",
+                 "model.bottleneck.steer_at=decoder.2")
     proc = ncpctl("midtrain", str(RECIPES / "debug-bottleneck-steer.yaml"), "--json", *sets)
     r = result(proc)
     assert r["step"] == 30 and r["nonfinite_steps"] == 0
