@@ -34,9 +34,26 @@ def test_loads_with_the_same_logits(name):
     assert (got - ref["logits"]).abs().max() <= 1e-5
 
 
+def _with_validation_data(ck: Path, tmp_path: Path) -> None:
+    """The offline tasks read the run's validation split, which the fixtures do not carry (their
+    recipe names the run directory they were trained in, /tmp/fx/NAME, gone on another machine):
+    tokenize a small one with the fixture's own tokenizer and point the copy's recipe at it."""
+    run = tmp_path / "run"
+    recipe = tmp_path / "tok.yaml"
+    recipe.write_text("data:\n  sources: [builtin:python-stdlib]\n  max_documents: 40\n  val_fraction: 0.25\n"
+                      f"tokenizer:\n  path: {ck / 'tokenizer.json'}\nrun:\n  dir: {run}\n")
+    r = run_cli("tokenize", str(recipe))
+    assert r.returncode == 0, r.stderr[-2000:]
+    meta_path = ck / "ncpctl.json"
+    meta = json.loads(meta_path.read_text())
+    meta["recipe"]["run"]["dir"] = str(run)
+    meta_path.write_text(json.dumps(meta))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_evaluates_and_exports(name, tmp_path):
     ck = _copy(name, tmp_path)
+    _with_validation_data(ck, tmp_path)
     r = run_cli("eval", str(ck), "--tasks", "ncp_offline", "--limit", "3", "--out", str(tmp_path / "eval"), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
