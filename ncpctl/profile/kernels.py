@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ncpctl.model.config import ModelConfig
@@ -235,5 +236,20 @@ def kernels_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, w
         "seq_len": seq_len,
         "rows": rows,
         "layer_ratio": ratio,
-        "dlcm": {"grid": grid, "rows": dlcm, "replicated_over_per_concept": speedup},
+        "dlcm": {"grid": grid, "rows": dlcm, "replicated_over_per_concept": speedup,
+                 **_faster_form(speedup, cfg.concept.cross_attention if cfg.concept.enabled else None)},
     }
+
+
+def _faster_form(speedup: list[dict[str, Any]], configured: str | None) -> dict[str, Any]:
+    """Which of the two declared attentions was faster on this device (the geometric mean of
+    replicated / per_concept over the grid), and whether the recipe's ``concept.cross_attention``
+    is it. The two are different functions, so the model never switches form by itself: a run
+    keeps the form it was trained with, and this says which to declare for a new one."""
+    if not speedup:
+        return {}
+    ratios = [r["replicated_over_per_concept"] for r in speedup]
+    gmean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    faster = "replicated" if gmean < 1 else "per_concept"
+    return {"faster_form": faster, "replicated_over_per_concept_gmean": gmean,
+            "configured_form": configured, "configured_is_faster": None if configured is None else configured == faster}

@@ -95,6 +95,15 @@ def render(con: Any, res: dict[str, Any]) -> None:
             t.add_row(str(T), str(dd), _ms(x["per_concept"]), _ms(x["replicated"]),
                       f"{x['replicated'] / x['per_concept']:.2f}")
         con.print(t)
+        dl = k["dlcm"]
+        if "faster_form" in dl:
+            line = (f"faster on {k['device']}: {dl['faster_form']} (replicated / per_concept, geometric mean "
+                    f"{dl['replicated_over_per_concept_gmean']:.2f})")
+            if dl["configured_form"] is not None:
+                line += (f"; this recipe declares {dl['configured_form']}" +
+                         ("" if dl["configured_is_faster"] else
+                          f": a new run here is faster with model.concept.cross_attention: {dl['faster_form']}"))
+            con.print(line)
         for p in k.get("plots", []):
             con.print(f"plot: {p}")
 

@@ -4,6 +4,7 @@ and --quick (one repeat, the smallest grid): the JSON schema, the trace file, th
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,11 @@ def test_kernels_schema(run) -> None:
     n = len(d["grid"]["seq_len"]) * len(d["grid"]["hidden"])
     assert len(d["rows"]) == 2 * n and len(d["replicated_over_per_concept"]) == n
     assert {r["name"] for r in d["rows"]} == {"per_concept", "replicated"}
+    ratios = [r["replicated_over_per_concept"] for r in d["replicated_over_per_concept"]]
+    gmean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    assert d["replicated_over_per_concept_gmean"] == pytest.approx(gmean)
+    assert d["faster_form"] == ("replicated" if gmean < 1 else "per_concept")
+    assert d["configured_is_faster"] == (d["configured_form"] == d["faster_form"])
 
 
 def test_plot_written(run) -> None:
