@@ -255,10 +255,14 @@ class ConceptConfig:
         "F and G, averaged (Table 4's Normal).")
     balance_weight: float = _f(
         0.03, "lambda: weight of L_aux in the loss (the DLCM notes give none; 0.03 is H-Net's ratio-loss weight).")
-    cross_attention: Literal["per_concept", "replicated"] = _f(
-        "per_concept", "coupling: cross_attention (DLCM Eq. 14). per_concept = a softmax over the closed concepts, "
+    cross_attention: Literal["auto", "per_concept", "replicated"] = _f(
+        "auto", "coupling: cross_attention (DLCM Eq. 14). per_concept = a softmax over the closed concepts, "
         "each once; replicated = DLCM Sec. 4.1's kernel: each concept's key/value copied onto the tokens of the "
-        "next segment under a causal mask, so a concept weighs by its visible copies (ncp-model.md section 8).")
+        "next segment under a causal mask, so a concept weighs by its visible copies (ncp-model.md section 8). "
+        "The two are different functions. auto = the faster form on the device where the config is made (a "
+        "run's start), written into its checkpoints as that form: replicated where CUDA is available (flash "
+        "kernels under a plain causal mask; DLCM measured replication 1.26-1.73x faster than FlexAttention on "
+        "GPUs), per_concept elsewhere (2-3x faster on a CPU: profile-kernels, which reports the faster form).")
     copy_concept_layers_from_base: bool = _f(
         False, "HF import: initialise the concept layers from the base's first C layers (else fresh).")
 
@@ -327,6 +331,24 @@ class BottleneckConfig:
         0.5, "Steering stage: the probability that a training row is injected (with one of the concepts its "
         "labels carry, drawn uniformly); the other rows train as plain language modelling.")
     lift_tokens: int = _f(16, "Steering stage: |T_c|, lift tokens per concept for L_express.")
+
+
+def _no_cuda() -> bool:
+    return False
+
+
+# Whether CUDA is available here, for ``concept.cross_attention: auto``. This module imports only the
+# standard library (it is copied into exported directories), so the package sets the real test
+# (ncpctl/model/__init__.py: torch.cuda.is_available, imported on first use).
+cuda_available: Callable[[], bool] = _no_cuda
+
+
+def _faster_cross_attention() -> str:
+    """``concept.cross_attention: auto`` on this machine: the two forms are different functions,
+    so this is decided once, where a config is made from a recipe, and the concrete form is what
+    checkpoints and exports record (a run resumed on another kind of device keeps its form, or is
+    refused with the difference named)."""
+    return "replicated" if cuda_available() else "per_concept"
 
 
 def steer_site(at: Any) -> tuple[str, int | None] | None:
@@ -564,7 +586,7 @@ class ModelConfig:
                 ("add", ("raw", "normed")),
                 ("ncp_reduction", ("mean", "sum_dim", "sum_segment")),
                 ("vq_reduction", ("mean", "sum_segment")),
-                ("cross_attention", ("per_concept", "replicated")),
+                ("cross_attention", ("auto", "per_concept", "replicated")),
             ):
                 if getattr(c, name) not in allowed:
                     problems.append((f"concept.{name}", f"must be one of {', '.join(allowed)}, got {getattr(c, name)!r}"))
@@ -595,6 +617,8 @@ class ModelConfig:
         problems += bottleneck_problems
         if problems:
             raise ConfigError(problems)
+        if c.coupling == "cross_attention" and c.cross_attention == "auto":
+            c.cross_attention = _faster_cross_attention()  # the config (and every checkpoint) holds the form
         self.concept_cfg = self._concept_stack_config()
 
         self.token_windows = tuple(self._window(n) for n in range(1, self.n_token_layers + 1))

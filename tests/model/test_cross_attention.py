@@ -178,3 +178,19 @@ def test_the_flash_friendly_replication_equals_the_models_replicated_attention()
     bias = CrossAttentionCoupling.copies(closed[None], M).to(q.dtype).log()[:, None]  # (1, 1, T, M)
     model = F.scaled_dot_product_attention(q[:, :, first:], kc, vc, attn_mask=bias[:, :, first:])
     assert (fast - model).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("cuda, form", [(False, "per_concept"), (True, "replicated")])
+def test_auto_is_decided_once_where_the_config_is_made(monkeypatch, cuda, form):
+    """``cross_attention: auto`` (the default) becomes the faster form of the machine that makes
+    the config (replicated with CUDA, per_concept otherwise), and that concrete form is what the
+    config writes, so a checkpoint read elsewhere keeps the function it was trained as."""
+    import ncpctl.model.config as config
+    from ncpctl.model.config import ModelConfig
+
+    monkeypatch.setattr(config, "cuda_available", lambda: cuda)
+    cfg = tiny("llama", concept=dict(segmentation="dynamic", coupling="cross_attention"))
+    assert cfg.concept.cross_attention == form and cfg.to_dict()["concept"]["cross_attention"] == form
+    monkeypatch.setattr(config, "cuda_available", lambda: not cuda)  # read back on the other kind of machine
+    assert ModelConfig.from_dict(cfg.to_dict()).concept.cross_attention == form
+    assert build(cfg).concept.coupling.replicated == (form == "replicated")
