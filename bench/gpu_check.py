@@ -74,6 +74,15 @@ How to read each section (JSON keys in brackets):
    DeepSpeed's wrapper). ``decode``: the irc_crc model's cached decode against a full forward in
    the section's dtype (tolerance as section 4).
 
+7. DLCM [dlcm]: ``attention``: the two token-to-concept attention forms (``profile-kernels``'s
+   rows: per_concept's (T, M) mask vs replicated K/V under ``is_causal``) at T 2048 / 8192, d
+   1024 / 2048, head dim 128, in the section's dtype: ``faster_form`` and whether
+   ``concept.cross_attention: auto`` (replicated with CUDA) picks it (``configured_is_faster``;
+   DLCM measured replication 1.26-1.73x faster than FlexAttention). ``decode``:
+   bench/dlcm_decode.py's DLCM (d 1024, concepts 2048, R = 4, random weights) against its
+   layer-matched and token-layer bases, per-token decode time best of 3, batch 1 and 8 (goal:
+   DLCM <= 1.2x the matched base). Speed only: not in ``checks``.
+
 ``--dry`` runs the same code on the CPU with tiny shapes (``debug`` size, T=64, fp32, one
 warm-up step, two rounds, a few decode tokens; ZeRO on DeepSpeed's CPU accelerator) so the
 test suite catches breakage; its numbers mean nothing and the backend reads "n/a on CPU".
@@ -116,6 +125,16 @@ ARCH_VARIANTS = {"plain": ["model.residual=plain", "model.crc_connections=[]", "
 VARIANTS = {"base": (False, 0), "concept": (True, 0), "pm": (False, 2)}
 
 
+def _bench_module(name: str) -> Any:
+    """A sibling bench script as a module."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", _HERE / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _train_step_helpers() -> Any:
     """bench/train_step.py as a module (``_ratios``, ``_batch``, ``GOALS``): one definition of the
     paired ratio and of the random batch for both benchmarks."""
@@ -144,10 +163,12 @@ class Shapes:
     decode_batches: tuple[int, ...]
     archpreview: tuple[int, int, int, int] = (64, 4, 176, 4)  # section 6: d, heads, FFN, layers (E + D)
     archpreview_steps: int = 3
+    dlcm_grid: tuple[tuple[int, ...], tuple[int, ...], int] = ((128, 256), (64,), 16)  # section 7: T, d, head dim
+    dlcm_decode_d: int = 64  # section 7: the decode benchmark's token width (concepts twice as wide)
 
 
 GPU_SHAPES = Shapes("pythia-160m", 2048, 8, 3, 12, "pythia-70m", 6, "pythia-160m", 128, 256, (1, 8),
-                    (1024, 16, 2816, 12), 8)
+                    (1024, 16, 2816, 12), 8, ((2048, 8192), (1024, 2048), 128), 1024)
 DRY_SHAPES = Shapes("debug", 64, 2, 1, 2, "debug", 3, "debug", 16, 8, (1, 4), (64, 4, 176, 4), 3)
 
 
@@ -507,6 +528,55 @@ def decode_section(sh: Shapes, env: Env) -> dict[str, Any]:
     return out
 
 
+# ----------------------------------------------------------------------------- 7: DLCM
+
+
+def dlcm_section(sh: Shapes, env: Env) -> dict[str, Any]:
+    """DLCM's two attention forms on this device (which one ``concept.cross_attention: auto``
+    should pick) and its cached decode cost against the layer-matched and the token-layer base
+    (bench/dlcm_decode.py's models, in the section's dtype)."""
+    import torch
+
+    from ncpctl.profile.kernels import _faster_form, dlcm_rows
+
+    dtype = torch.bfloat16 if env.bf16 else torch.float32
+    seq, hidden, hd = sh.dlcm_grid
+    rows = dlcm_rows({"seq_len": list(seq), "hidden": list(hidden), "head_dim": hd}, 4, env.device, dtype,
+                     warmup=2, repeats=5)
+    by: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        by.setdefault((r["shape"]["T"], r["shape"]["d"]), {})[r["name"]] = r["median_s"]
+    speed = [{"T": T, "d": d, "replicated_over_per_concept": v["replicated"] / v["per_concept"]}
+             for (T, d), v in sorted(by.items())]
+    from ncpctl.model.config import _faster_cross_attention
+
+    out: dict[str, Any] = {"attention": {"dtype": str(dtype).removeprefix("torch."), "grid": speed,
+                                         **_faster_form(speed, _faster_cross_attention())}}
+    dec = _bench_module("dlcm_decode")
+    bases, dlcm, cfg = dec.models(sh.dlcm_decode_d)
+    models = {"dlcm": dlcm, **{f"base_{k}": m for k, m in bases.items()}}
+    for m in models.values():
+        m.to(env.device, dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    batches: dict[str, Any] = {}
+    with torch.no_grad():
+        for B in sh.decode_batches:
+            prompts = torch.randint(0, cfg.vocab_size, (B, sh.prompt_len), generator=g).to(env.device)
+            best = {k: float("inf") for k in models}
+            for _ in range(3):
+                for k, m in models.items():
+                    r = _greedy(m, prompts, sh.new_tokens, cfg.vocab_size, env)
+                    best[k] = min(best[k], r["decode_s"] / sh.new_tokens)
+            batches[str(B)] = {**{f"{k}_ms": v * 1e3 for k, v in best.items()},
+                               "ratio_matched": best["dlcm"] / best["base_matched"],
+                               "ratio_token": best["dlcm"] / best["base_token"]}
+    out["decode"] = {"d_model": sh.dlcm_decode_d, "d_concept": cfg.concept.d_concept, "batches": batches,
+                     "goal": "<= 1.2 (ratio_matched)"}
+    del models, dlcm, bases
+    _free(env)
+    return out
+
+
 # ----------------------------------------------------------------------------- 6: NCP-ArchPreview
 
 
@@ -623,6 +693,14 @@ def summary(res: dict[str, Any]) -> str:
         for n, m in a["models"].items():
             lines.append(f"    {n:12} {m['median_s'] * 1e3:9.2f} ms  loss {m['losses'][0]:.3f} -> {m['losses'][-1]:.3f}  "
                          f"{m['optimizer']}")
+    if "dlcm" in res:
+        a, dd = res["dlcm"]["attention"], res["dlcm"]["decode"]
+        lines.append(f"[7] DLCM attention ({a['dtype']}): faster {a['faster_form']} (replicated / per_concept "
+                     f"{a['replicated_over_per_concept_gmean']:.2f}); auto picks {a['configured_form']} "
+                     f"({'right' if a['configured_is_faster'] else 'WRONG'} here)")
+        for B, r in dd["batches"].items():
+            lines.append(f"    decode batch {B}: DLCM {r['dlcm_ms']:.2f} ms/token, /matched base {r['ratio_matched']:.3f}, "
+                         f"/token-layer base {r['ratio_token']:.3f} (goal <= 1.2 matched)")
     failed = [k for k, v in res.get("checks", {}).items() if not v]
     lines.append(f"checks: {'all passed' if not failed else 'FAILED ' + ', '.join(failed)} ({len(res.get('checks', {}))} run)")
     for name, err in res["errors"].items():
@@ -723,6 +801,7 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
     section("zero", lambda: zero_section(sh, env, helpers))
     section("decode", lambda: decode_section(sh, env))
     section("archpreview", lambda: archpreview_section(sh, env, helpers))
+    section("dlcm", lambda: dlcm_section(sh, env))
     res["process_s"] = round(time.perf_counter() - _T_PROCESS, 2)
     res["checks"] = checks(res)
     res["ok"] = not res["errors"] and all(res["checks"].values())

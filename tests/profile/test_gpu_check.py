@@ -24,7 +24,7 @@ from ..conftest import REPO
 SCRIPT = REPO / "bench" / "gpu_check.py"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
        "TOKENIZERS_PARALLELISM": "false"}
-SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview")
+SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview", "dlcm")
 VARIANTS = {"base": dict(concept=dict(enabled=False)), "concept": dict(concept=dict(enabled=True)),
             "pm": dict(concept=dict(enabled=False), extra_token_layers=2)}
 
@@ -85,6 +85,20 @@ def test_archpreview_section(dry) -> None:
     assert _positive(a["irc_crc_over_plain"]) and 0 < a["residual_flops_share"] < 0.2
     assert a["decode"]["ok"] and a["decode"]["max_abs_diff"] < 1e-4
     assert dry["checks"]["archpreview_trains_and_decodes"]
+
+
+def test_dlcm_section(dry) -> None:
+    """Section 7: both DLCM attention forms timed on each grid point, which is faster and whether
+    auto's choice for this device (per_concept without CUDA) is it; decode ratios at each batch."""
+    a, d = dry["dlcm"]["attention"], dry["dlcm"]["decode"]
+    assert len(a["grid"]) == 2 and all(_positive(g["replicated_over_per_concept"]) for g in a["grid"])
+    assert a["configured_form"] == "per_concept"
+    assert a["faster_form"] in ("per_concept", "replicated")
+    assert a["configured_is_faster"] == (a["faster_form"] == "per_concept")
+    assert set(d["batches"]) == {"1", "4"}
+    for r in d["batches"].values():
+        assert _positive(r["ratio_matched"]) and _positive(r["ratio_token"])
+        assert r["ratio_matched"] == pytest.approx(r["dlcm_ms"] / r["base_matched_ms"])
 
 
 def test_sdpa_profiler_path(dry) -> None:
