@@ -138,12 +138,7 @@ def _bench_module(name: str) -> Any:
 def _train_step_helpers() -> Any:
     """bench/train_step.py as a module (``_ratios``, ``_batch``, ``GOALS``): one definition of the
     paired ratio and of the random batch for both benchmarks."""
-    spec = importlib.util.spec_from_file_location("_bench_train_step", _HERE / "train_step.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return _bench_module("train_step")
 
 
 @dataclass(frozen=True)
