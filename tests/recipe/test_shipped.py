@@ -55,11 +55,18 @@ def test_debug_bottleneck_recipe() -> None:
     assert r.model_config.bottleneck_unknown == 3 * b.concepts and r.run_dir == Path("runs/debug-bottleneck")
 
 
-def test_the_steering_stage_recipe_continues_debug_bottleneck() -> None:
+def test_the_steering_stage_recipe_continues_debug_bottleneck(tmp_path: Path, monkeypatch) -> None:
     """Steerling's mid-training changes (dropout 0.3, teacher forcing 0) and the steering terms, on
-    debug-bottleneck's data and weights; only training terms differ from its model (STAGE_KEYS)."""
+    debug-bottleneck's data and weights; only training terms differ from its model (STAGE_KEYS).
+    Its data paths are relative to the working directory: stand-ins for debug-bottleneck's run there."""
     from ncpctl.train.checkpoint import STAGE_KEYS, config_differences
 
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "runs" / "debug-bottleneck" / "data"
+    data.mkdir(parents=True)
+    for split in ("train", "val"):
+        with IndexedDatasetWriter(data / split, "uint16") as w:
+            w.add_document([1, 2, 3, 0])
     base = load_recipe(RECIPES / "debug-bottleneck.yaml")
     r = load_recipe(RECIPES / "debug-bottleneck-steer.yaml")
     b = r.model_config.bottleneck
