@@ -617,7 +617,9 @@ class ModelConfig:
         problems += bottleneck_problems
         if problems:
             raise ConfigError(problems)
-        if c.coupling == "cross_attention" and c.cross_attention == "auto":
+        if c.coupling != "cross_attention":  # unused: one value, as every checkpoint before `auto` holds
+            c.cross_attention = "per_concept"
+        elif c.cross_attention == "auto":
             c.cross_attention = _faster_cross_attention()  # the config (and every checkpoint) holds the form
         self.concept_cfg = self._concept_stack_config()
 

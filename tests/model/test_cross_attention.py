@@ -194,3 +194,16 @@ def test_auto_is_decided_once_where_the_config_is_made(monkeypatch, cuda, form):
     monkeypatch.setattr(config, "cuda_available", lambda: not cuda)  # read back on the other kind of machine
     assert ModelConfig.from_dict(cfg.to_dict()).concept.cross_attention == form
     assert build(cfg).concept.coupling.replicated == (form == "replicated")
+
+
+def test_a_model_without_cross_attention_compares_equal_to_a_checkpoint_from_before_auto():
+    """Without the cross-attention coupling the key is unused and holds per_concept (the default
+    every checkpoint before ``auto`` recorded), so such a checkpoint still continues or starts a
+    new stage: no difference is reported."""
+    from ncpctl.train.checkpoint import config_differences
+
+    cfg = tiny("llama", concept=dict())  # ConceptLM: coupling add
+    saved = cfg.to_dict()
+    saved["concept"] = {**saved["concept"], "cross_attention": "per_concept"}
+    assert cfg.concept.cross_attention == "per_concept"
+    assert config_differences(saved, cfg.to_dict()) == []
