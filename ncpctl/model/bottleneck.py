@@ -49,6 +49,7 @@ averaged over positions. ``detection_auc`` scores held-out chunk labels. ``respo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -218,9 +219,17 @@ class ConceptBottleneck(nn.Module):
 
     # ---- the decomposition ----
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, *, losses: bool = False) -> BottleneckOutput:
-        """Final-norm states h (B, T, d), labels (B, T, n) or None -> the parts; ``losses``: the
-        loss terms too (labels-free ones only without labels)."""
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, *, losses: bool = False) -> dict:
+        """Final-norm states h (B, T, d), labels (B, T, n) or None -> the parts as a dict of
+        ``BottleneckOutput``'s fields (``parts``); ``losses``: the loss terms too (labels-free ones
+        only without labels). A dict, not the dataclass: ZeRO-3 finds the tensors a module returns
+        (to gather K, A and B again for their backward) in tuples, lists and dicts only."""
+        out = self.parts(h, labels, losses=losses)
+        return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+
+    def parts(self, h: torch.Tensor, labels: torch.Tensor | None = None, *, losses: bool = False) -> BottleneckOutput:
+        """``forward``'s computation, as a ``BottleneckOutput`` (call the module, not this, in a
+        training forward: ZeRO-3's hooks are on the module call)."""
         b = self.bcfg
         causal = None
         if labels is not None:

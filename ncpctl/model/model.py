@@ -184,7 +184,7 @@ class NCPModel(nn.Module):
             if concept_labels is not None:
                 raise ValueError("concept_labels given, but this model has no concept bottleneck (model.bottleneck)")
             return h, None
-        parts = self.bottleneck(h, concept_labels, losses=losses)
+        parts = BottleneckOutput(**self.bottleneck(h, concept_labels, losses=losses))
         return parts.h_bar, parts
 
     def head(self, h: torch.Tensor, targets: torch.Tensor | None = None, top1: bool = False):

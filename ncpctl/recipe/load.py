@@ -579,11 +579,6 @@ def _check_combinations(
                              "muon runs at ZeRO stage 0, 1 or 2"))
         if ds.offload_optimizer:
             problems.append(("deepspeed.offload_optimizer", "not supported with train.optimizer: muon"))
-    if ds is not None and ds.zero_stage == 3 and cfg is not None and cfg.bottleneck.enabled:
-        # measured: the bottleneck's backward fails under ZeRO-3 ("mat2 must be a matrix": K is still
-        # partitioned when its matmul's gradient runs), so it is refused before any training
-        problems.append(("deepspeed.zero_stage", "3 is not supported with model.bottleneck (its backward needs K, "
-                         "A and B gathered, which ZeRO-3 does not do for them); use ZeRO stage 0, 1 or 2"))
     if ds is not None:
         # one source of truth: the train section owns batch sizes, clipping and precision
         owned = {"train_batch_size": "train.global_batch_size", "train_micro_batch_size_per_gpu":

@@ -583,6 +583,19 @@ def _build_model(recipe: Recipe, stage: Stage, *, fresh: bool, info: Callable[[s
     return model
 
 
+def _register_external_parameters(model: torch.nn.Module, zero_stage: int) -> None:
+    """ZeRO-3 gathers a parameter for its own module's forward only; NCPModel.forward itself reads
+    the LM head's weight (the bottleneck's concept share, the steering stage's gamma) and the
+    bottleneck's K (the steering stage's direction), so they are declared to it."""
+    bn = getattr(model, "bottleneck", None)
+    if zero_stage != 3 or bn is None:
+        return
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    for p in (model.lm_head.weight, bn.K):
+        register_external_parameter(model, p)
+
+
 def _hf_model(directory: Path, cfg: Any, zero_concept_output: bool) -> torch.nn.Module:
     """The Hugging Face weights in ``cfg``, which the recipe loader resolved from the HF config
     plus the recipe's keys (``load_hf_pretrained`` runs its weight checks)."""
@@ -603,6 +616,7 @@ def _build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callabl
                                            config=ds_config, dist_init_required=False)
     if hasattr(optimizer, "bind"):  # Muon: where its matrices lie in the flat ZeRO partitions
         optimizer.bind(engine.optimizer)
+    _register_external_parameters(model, recipe.deepspeed.zero_stage)
     bf16 = use_bf16(recipe, on_gpu)
     if bf16:
         info("precision: bf16")

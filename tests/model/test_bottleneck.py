@@ -439,15 +439,6 @@ def test_respond_and_express_losses():
     assert express_loss(logits, lift, at).item() == pytest.approx(-(p[0, 0].log() + p[0, 2].log()).item() / 2, rel=1e-5)
 
 
-def test_zero3_is_refused_with_the_bottleneck():
-    from ..conftest import REPO, run_cli
-
-    r = run_cli("pretrain", str(REPO / "recipes" / "debug-bottleneck.yaml"), "--set", "deepspeed.zero_stage=3")
-    assert r.returncode == 2
-    (err,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert "deepspeed.zero_stage: 3 is not supported with model.bottleneck" in err
-
-
 def test_cli_reports_every_bottleneck_problem_at_once():
     from ..conftest import REPO, run_cli
 

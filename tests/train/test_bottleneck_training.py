@@ -137,3 +137,22 @@ def test_a_steering_stage_continues_a_bottleneck_run(trained: Path, labelled: Pa
     assert bad.returncode == 2
     (err,) = [x for x in bad.stderr.splitlines() if x.startswith("error: ")]
     assert "model.bottleneck.rank" in err, bad.stderr
+
+
+def test_zero3_trains_the_bottleneck_and_its_steering_stage_as_zero2(trained: Path, labelled: Path,
+                                                                      tmp_path: Path) -> None:
+    """Two ranks, the steering stage (which reads K and the LM head's weight in NCPModel.forward,
+    outside their modules: declared to ZeRO-3 by the loop) and the bottleneck's parts (returned as
+    a dict, so ZeRO-3 gathers K, A and B again for their backward): ZeRO-3 gives ZeRO-2's losses."""
+    ck = trained / "checkpoints" / "step_0000040"
+    losses = {}
+    for stage in (2, 3):
+        run = tmp_path / f"z{stage}"
+        sets = _sets(labelled, run, f"train.init_from={ck}", "train.max_steps=3", "train.eval_every=0",
+                     "train.save_every=0", f"deepspeed.zero_stage={stage}", "model.bottleneck.respond_weight=1",
+                     "model.bottleneck.steer_at=decoder.2")
+        result(ncpctl("midtrain", str(RECIPES / "debug-bottleneck-steer.yaml"), "--json", *sets, launcher_ranks=2))
+        losses[stage] = [(m["loss"], m["respond_loss"], m["express_loss"]) for m in metrics(run)]
+    assert len(losses[2]) == 3
+    for a, b in zip(losses[2], losses[3]):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
