@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,34 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, **kw) -> 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "COLUMNS": "200"}
     return subprocess.run([*ncpctl_cmd(), *args], capture_output=True, text=True, cwd=cwd, env=env,
                           timeout=timeout, **kw)
+
+
+# prepended to the code run_without_ncpctl runs: the venv has ncpctl installed, so it is hidden
+HIDE_NCPCTL = """\
+import importlib.abc, sys
+class _Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "ncpctl" or name.startswith("ncpctl."):
+            raise ImportError("ncpctl is hidden")
+sys.meta_path.insert(0, _Hide())
+try:
+    import ncpctl
+    raise SystemExit("ncpctl importable")
+except ImportError:
+    pass
+"""
+
+
+def run_without_ncpctl(code: str, tmp_path: Path, timeout: float = 180) -> str:
+    """Run ``code`` (dedented) in an isolated interpreter where ncpctl cannot be imported (an
+    export must work with transformers and its own remote code only), offline, with the remote
+    modules cached under tmp_path; asserts exit 0 and returns its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    r = subprocess.run([sys.executable, "-I", "-c", HIDE_NCPCTL + textwrap.dedent(code)], capture_output=True,
+                       text=True, cwd=tmp_path, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
 
 
 @pytest.fixture

@@ -5,10 +5,6 @@ a wrong conversion is caught and nothing is kept."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,7 +17,7 @@ from ncpctl.interop import hf_export
 from ncpctl.interop.hf_export import export
 from ncpctl.interop.hf_import import load_hf_pretrained
 
-from ..conftest import run_cli
+from ..conftest import run_cli, run_without_ncpctl
 from ..model._helpers import build, tiny
 
 torch.set_num_threads(1)
@@ -64,18 +60,7 @@ def test_conceptlm_loads_without_ncpctl(runs, tmp_path):
         for _ in range(11):
             new.append(src.decode_step(state, new[-1]).argmax(-1))
     torch.save({"x": x, "ref": ref, "xp": xp, "mask": mask, "new": torch.stack(new, 1)}, tmp_path / "probe.pt")
-    script = textwrap.dedent(f"""
-        import importlib.abc, sys
-        class Block(importlib.abc.MetaPathFinder):  # the venv has ncpctl installed: hide it
-            def find_spec(self, name, path=None, target=None):
-                if name == "ncpctl" or name.startswith("ncpctl."):
-                    raise ImportError("ncpctl is hidden")
-        sys.meta_path.insert(0, Block())
-        try:
-            import ncpctl
-            raise SystemExit("ncpctl importable")
-        except ImportError:
-            pass
+    stdout = run_without_ncpctl(f"""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
@@ -90,13 +75,8 @@ def test_conceptlm_loads_without_ncpctl(runs, tmp_path):
         assert torch.equal(m.generate(p["xp"], use_cache=False, **kw), out.sequences)
         assert type(m).__name__ == "NCPForCausalLM" and "ncpctl" not in sys.modules, sys.modules.keys()
         print("DIFF", d)
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
-    r = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert float(r.stdout.split("DIFF")[-1]) <= 1e-5
+    """, tmp_path, timeout=120)
+    assert float(stdout.split("DIFF")[-1]) <= 1e-5
 
 
 def test_bf16_export_verifies(runs, tmp_path):
@@ -268,13 +248,7 @@ def test_dlcm_export_is_causal_and_decodes_without_ncpctl(tmp_path):
         for _ in range(9):
             new.append(model.decode_step(state, new[-1])[:, :320].argmax(-1))
     torch.save({"x": x, "ref": ref, "xp": xp, "mask": mask, "new": torch.stack(new, 1)}, tmp_path / "probe.pt")
-    script = textwrap.dedent(f"""
-        import importlib.abc, sys
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name == "ncpctl" or name.startswith("ncpctl."):
-                    raise ImportError("ncpctl is hidden")
-        sys.meta_path.insert(0, Block())
+    stdout = run_without_ncpctl(f"""
         import torch
         from transformers import AutoModelForCausalLM
         m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
@@ -297,11 +271,6 @@ def test_dlcm_export_is_causal_and_decodes_without_ncpctl(tmp_path):
         assert "ncpctl" not in sys.modules
         assert moved > 1e-3, moved
         print("DIFF", d, "CAUSAL", worst)
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
-    r = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
-                       timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
-    diff, causal = (float(v) for v in r.stdout.split("DIFF")[-1].split("CAUSAL"))
-    assert diff <= 1e-5 and causal <= 1e-10, r.stdout
+    """, tmp_path, timeout=180)
+    diff, causal = (float(v) for v in stdout.split("DIFF")[-1].split("CAUSAL"))
+    assert diff <= 1e-5 and causal <= 1e-10, stdout

@@ -370,14 +370,12 @@ def test_the_export_carries_the_bottleneck_and_attributes_without_ncpctl(tmp_pat
     equal ncpctl's (1e-5), ``model.core`` decomposes every argmax logit exactly into known +
     unknown + residual (1e-4, fp32) with the same per-concept terms as ncpctl, and cached greedy
     generate equals use_cache=False."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
     from pathlib import Path
 
     from ncpctl.checkpoint import save_model_files
     from ncpctl.interop.hf_export import export
+
+    from ..conftest import run_without_ncpctl
 
     tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
     cfg = tiny("llama", vocab_size=320, bottleneck=BN)
@@ -391,13 +389,7 @@ def test_the_export_carries_the_bottleneck_and_attributes_without_ncpctl(tmp_pat
         y = o.logits.argmax(-1)
         terms = model.bottleneck.attribute(o.bottleneck, model.logit_weight, y).per_concept
     torch.save({"x": x, "ref": o.logits, "terms": terms}, tmp_path / "probe.pt")
-    script = textwrap.dedent(f"""
-        import importlib.abc, sys
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name == "ncpctl" or name.startswith("ncpctl."):
-                    raise ImportError("ncpctl is hidden")
-        sys.meta_path.insert(0, Block())
+    stdout = run_without_ncpctl(f"""
         import torch
         from transformers import AutoModelForCausalLM
         m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'hf')!r}, trust_remote_code=True).eval()
@@ -414,16 +406,11 @@ def test_the_export_carries_the_bottleneck_and_attributes_without_ncpctl(tmp_pat
         assert torch.equal(m.generate(p["x"][:, :7], use_cache=False, **kw), m.generate(p["x"][:, :7], **kw))
         assert "ncpctl" not in sys.modules
         print("DIFF", d, "EXACT", exact, "TERMS", terms)
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
-    r = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
-                       timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = r.stdout.split("DIFF")[-1]
+    """, tmp_path, timeout=180)
+    out = stdout.split("DIFF")[-1]
     diff, rest = out.split("EXACT")
     exact, terms = rest.split("TERMS")
-    assert float(diff) <= 1e-5 and float(exact) <= 1e-4 and float(terms) <= 1e-5, r.stdout
+    assert float(diff) <= 1e-5 and float(exact) <= 1e-4 and float(terms) <= 1e-5, stdout
 
 
 def test_respond_and_express_losses():
