@@ -532,21 +532,15 @@ def dlcm_section(sh: Shapes, env: Env) -> dict[str, Any]:
     (bench/dlcm_decode.py's models, in the section's dtype)."""
     import torch
 
-    from ncpctl.profile.kernels import _faster_form, dlcm_rows
+    from ncpctl.model.config import faster_cross_attention
+    from ncpctl.profile.kernels import dlcm_rows, dlcm_speedup, faster_form
 
     dtype = torch.bfloat16 if env.bf16 else torch.float32
     seq, hidden, hd = sh.dlcm_grid
-    rows = dlcm_rows({"seq_len": list(seq), "hidden": list(hidden), "head_dim": hd}, 4, env.device, dtype,
-                     warmup=2, repeats=5)
-    by: dict[tuple, dict[str, float]] = {}
-    for r in rows:
-        by.setdefault((r["shape"]["T"], r["shape"]["d"]), {})[r["name"]] = r["median_s"]
-    speed = [{"T": T, "d": d, "replicated_over_per_concept": v["replicated"] / v["per_concept"]}
-             for (T, d), v in sorted(by.items())]
-    from ncpctl.model.config import _faster_cross_attention
-
+    speed = dlcm_speedup(dlcm_rows({"seq_len": list(seq), "hidden": list(hidden), "head_dim": hd}, 4, env.device,
+                                   dtype, warmup=2, repeats=5))
     out: dict[str, Any] = {"attention": {"dtype": str(dtype).removeprefix("torch."), "grid": speed,
-                                         **_faster_form(speed, _faster_cross_attention())}}
+                                         **faster_form(speed, faster_cross_attention())}}
     dec = _bench_module("dlcm_decode")
     bases, dlcm, cfg = dec.models(sh.dlcm_decode_d)
     models = {"dlcm": dlcm, **{f"base_{k}": m for k, m in bases.items()}}

@@ -343,7 +343,7 @@ def _no_cuda() -> bool:
 cuda_available: Callable[[], bool] = _no_cuda
 
 
-def _faster_cross_attention() -> str:
+def faster_cross_attention() -> str:
     """``concept.cross_attention: auto`` on this machine: the two forms are different functions,
     so this is decided once, where a config is made from a recipe, and the concrete form is what
     checkpoints and exports record (a run resumed on another kind of device keeps its form, or is
@@ -620,7 +620,7 @@ class ModelConfig:
         if c.coupling != "cross_attention":  # unused: one value, as every checkpoint before `auto` holds
             c.cross_attention = "per_concept"
         elif c.cross_attention == "auto":
-            c.cross_attention = _faster_cross_attention()  # the config (and every checkpoint) holds the form
+            c.cross_attention = faster_cross_attention()  # the config (and every checkpoint) holds the form
         self.concept_cfg = self._concept_stack_config()
 
         self.token_windows = tuple(self._window(n) for n in range(1, self.n_token_layers + 1))

@@ -219,13 +219,7 @@ def kernels_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, w
         "concept_over_token_flops": con["flops"] / tok["flops"],
         "k": k,
     }
-    # replicated / per_concept per grid point (< 1: replication is faster on this device)
-    speedup = []
-    by_key: dict[tuple, dict[str, float]] = {}
-    for r in dlcm:
-        by_key.setdefault((r["shape"]["T"], r["shape"]["d"]), {})[r["name"]] = r["median_s"]
-    for (T, d), v in sorted(by_key.items()):
-        speedup.append({"T": T, "d": d, "replicated_over_per_concept": v["replicated"] / v["per_concept"]})
+    speedup = dlcm_speedup(dlcm)
     return {
         "device": str(dev),
         "dtype": str(dtype).removeprefix("torch."),
@@ -237,11 +231,20 @@ def kernels_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, w
         "rows": rows,
         "layer_ratio": ratio,
         "dlcm": {"grid": grid, "rows": dlcm, "replicated_over_per_concept": speedup,
-                 **_faster_form(speedup, cfg.concept.cross_attention if cfg.concept.enabled else None)},
+                 **faster_form(speedup, cfg.concept.cross_attention if cfg.concept.enabled else None)},
     }
 
 
-def _faster_form(speedup: list[dict[str, Any]], configured: str | None) -> dict[str, Any]:
+def dlcm_speedup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``dlcm_rows`` -> replicated / per_concept per grid point (< 1: replication is faster here)."""
+    by_key: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        by_key.setdefault((r["shape"]["T"], r["shape"]["d"]), {})[r["name"]] = r["median_s"]
+    return [{"T": T, "d": d, "replicated_over_per_concept": v["replicated"] / v["per_concept"]}
+            for (T, d), v in sorted(by_key.items())]
+
+
+def faster_form(speedup: list[dict[str, Any]], configured: str | None) -> dict[str, Any]:
     """Which of the two declared attentions was faster on this device (the geometric mean of
     replicated / per_concept over the grid), and whether the recipe's ``concept.cross_attention``
     is it. The two are different functions, so the model never switches form by itself: a run
