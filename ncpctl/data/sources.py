@@ -18,6 +18,9 @@ sources a recipe names, e.g. evaluation on held-out text), stable:
 - ``source_problem(src)``: the one-line problem with a source, or None (a directory listing;
   no tokenizing).
 - ``fingerprint(sources)``: a cheap identity of the inputs (file paths, sizes, mtimes).
+- ``source_slug(path)`` / ``source_labels(sources)``: a short name per source, from the path's
+  last two parts (``builtin:python-stdlib`` -> ``python_stdlib``), made unique; per-source
+  metrics (validation's tokens per concept) and held-out task names use them.
 - ``package_listing(src)``: for ``builtin:python-packages``, the documents in the same order
   as ``iter_documents`` yields them (each ``.package`` and ``.path``; undecodable files are
   skipped by the reader), the document count per included package, the held-out packages,
@@ -33,6 +36,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -135,6 +139,33 @@ def fingerprint(sources: list[SourceSpec]) -> str:
             st = f.stat()
             h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
+
+
+MAX_SLUG = 48
+
+
+def source_slug(path: str) -> str:
+    """A short name for a source path: its last two parts (wildcard-only parts left out),
+    lower-case, non-alphanumerics as ``_``: ``/data/notes/*.md`` -> ``notes_md``,
+    ``builtin:python-stdlib`` -> ``python_stdlib``; ``corpus`` when nothing is left."""
+    path = re.sub(r"^(builtin|hf):", "", path)
+    parts = [p for p in re.split(r"[/\\]+", path) if p.strip("*?.~")]
+    slug = re.sub(r"[^a-z0-9]+", "_", "_".join(parts[-2:]).lower()).strip("_")
+    return slug[-MAX_SLUG:].lstrip("_") or "corpus"
+
+
+def source_labels(sources: list[SourceSpec]) -> list[str]:
+    """One label per ``data.sources`` entry, in order: ``source_slug`` of its path, with ``_2``,
+    ``_3`` ... appended to the later ones of a repeated slug (two globs in one directory)."""
+    labels: list[str] = []
+    for src in sources:
+        base, n = source_slug(src.path), 1
+        label = base
+        while label in labels:
+            n += 1
+            label = f"{base}_{n}"
+        labels.append(label)
+    return labels
 
 
 def count_documents(src: SourceSpec) -> int | None:

@@ -35,7 +35,8 @@ import numpy as np
 from ncpctl import __version__
 from ncpctl.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from ncpctl.data.packages import cached_listings, is_packages_source
-from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents, package_summary
+from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents, package_summary, \
+    source_labels
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write, fsync_dir, fsync_tree
 from ncpctl.recipe.load import Recipe
@@ -173,12 +174,17 @@ def _up_to_date(data_dir: Path, fp: str) -> dict[str, Any] | None:
     return meta
 
 
-def _documents(recipe: Recipe, stats: ReadStats, extra_field: str | None = None) -> Iterator[tuple[Any, ...]]:
+def _documents(recipe: Recipe, stats: ReadStats, extra_field: str | None = None,
+               starts: list[int] | None = None) -> Iterator[tuple[Any, ...]]:
     """(global document indices, texts) batches over all sources, honouring min_chars/max_documents;
-    with ``extra_field`` (concept labels) (indices, texts, each record's value of that field)."""
+    with ``extra_field`` (concept labels) (indices, texts, each record's value of that field).
+    ``starts``: gets each source's first global index appended as its reading begins (the
+    sources are read in order, so document i is from source ``searchsorted(starts, i, 'right') - 1``)."""
     d = recipe.data
     index = 0
     for src in d.sources:
+        if starts is not None:
+            starts.append(index)
         for items in iter_documents(src, stats, batch=d.batch_documents, extra_field=extra_field):
             if d.max_documents is not None:
                 items = items[: max(0, d.max_documents - index)]
@@ -320,7 +326,7 @@ class _Pass:
     dtype: np.dtype
     documents: int
     tokens: int
-    splits: dict[str, dict[str, int]]
+    splits: dict[str, dict[str, Any]]  # per split: the writer's counts and documents_per_source
     stats: ReadStats
     seconds: dict[str, float]
     extremes: _Extremes
@@ -360,6 +366,8 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
         "fingerprint": fp,
         "source_fingerprint": fingerprint(d.sources),
         "sources": [s.model_dump(mode="json") for s in d.sources],
+        # per-source metrics' names, in data.sources order (splits.*.documents_per_source counts them)
+        "source_labels": source_labels(d.sources),
         # builtin:python-packages sources: documents per included package, held-out packages
         "packages": {s.path: package_summary(s) for s in d.sources if is_packages_source(s.path)},
         "tokenizer": {
@@ -423,7 +431,9 @@ def _encode_corpus(recipe: Recipe, out: Path, split: Split, on_progress: Any, on
         # Up to DEPTH chunks encode in the Rust pool (GIL released) while this thread reads the
         # next chunk and flattens/writes the oldest finished one, in corpus order.
         in_flight: deque[tuple[np.ndarray, Future[Any]]] = deque()
-        chunks = _chunks(_documents(recipe, stats))
+        starts: list[int] = []  # each source's first global document index
+        per_source = {"train": np.zeros(len(d.sources), np.int64), "val": np.zeros(len(d.sources), np.int64)}
+        chunks = _chunks(_documents(recipe, stats, starts=starts))
         while True:
             while len(in_flight) < ENCODE_DEPTH and (chunk := next(chunks, None)) is not None:
                 idx, texts = chunk
@@ -434,9 +444,11 @@ def _encode_corpus(recipe: Recipe, out: Path, split: Split, on_progress: Any, on
             flat, lens = _flatten(pending.result(), eod)
             val = split.is_val(idx)
             extremes.see(idx, val, split.seed)
-            for writer, mask in ((w_train, ~val), (w_val, val)):
+            src = np.searchsorted(starts, idx, side="right") - 1  # (n,) each document's source
+            for name, writer, mask in (("train", w_train, ~val), ("val", w_val, val)):
                 if mask.any():
                     writer.add_documents(*_select(flat, lens, mask))
+                    per_source[name] += np.bincount(src[mask], minlength=len(d.sources))
             n_docs += len(idx)
             n_tok += int(flat.shape[0])
             if on_progress is not None:
@@ -444,6 +456,9 @@ def _encode_corpus(recipe: Recipe, out: Path, split: Split, on_progress: Any, on
         if n_docs == 0:
             raise UserError(_empty_message(recipe, stats))
         train_stats, val_stats = (dataclasses.asdict(w.finalize()) for w in (w_train, w_val))
+        # documents are written in source order, so these counts map a split's documents to sources
+        train_stats["documents_per_source"] = per_source["train"].tolist()
+        val_stats["documents_per_source"] = per_source["val"].tolist()
     t_enc = time.perf_counter() - t1
     return _Pass(trained=trained, vocab=vocab, eod=eod, dtype=np.dtype(dtype), documents=n_docs, tokens=n_tok,
                  splits={"train": train_stats, "val": val_stats}, stats=stats,

@@ -40,6 +40,28 @@ def epoch_order(num_windows: int, seed: int, epoch: int) -> np.ndarray:
     return order.astype(np.int32) if num_windows < 2**31 else order  # half the memory on big corpora
 
 
+class SourceMap:
+    """Which ``data.sources`` entry each token of a dataset came from, for per-source metrics
+    (validation's tokens per concept, DLCM Table 5). A dataset's sequences are its documents in
+    source order (``ncpctl tokenize`` writes them so and records ``documents_per_source`` per
+    split in meta.json), so token offset o is in sequence ``searchsorted(starts, o, 'right') - 1``
+    and that sequence's source follows from the cumulative counts."""
+
+    def __init__(self, dataset: IndexedDataset, documents_per_source: list[int], labels: list[str]):
+        counts = np.asarray(documents_per_source, dtype=np.int64)
+        if counts.ndim != 1 or len(counts) != len(labels) or (counts < 0).any() or counts.sum() != len(dataset):
+            raise ValueError(f"{dataset.idx_path}: documents_per_source {documents_per_source} does not fit the "
+                             f"{len(dataset)} sequences and {len(labels)} sources")
+        self.labels = list(labels)
+        self._starts = dataset.pointers // dataset.dtype.itemsize  # (n,) first token of each sequence
+        self._doc_ends = np.cumsum(counts)  # (S,) sequences before the end of each source
+
+    def sources(self, offsets: np.ndarray) -> np.ndarray:
+        """Token offsets (any shape) -> the source index of each, same shape (int64)."""
+        seq = np.searchsorted(self._starts, offsets, side="right") - 1
+        return np.searchsorted(self._doc_ends, seq, side="right")
+
+
 class WindowLoader:
     """Iterator over training batches, ``(global_batch_size // world_size, seq_len + 1)`` int64.
 
@@ -49,7 +71,8 @@ class WindowLoader:
     """
 
     def __init__(self, dataset: IndexedDataset, seq_len: int, global_batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, labels: Any | None = None):
+                 rank: int = 0, world_size: int = 1, labels: Any | None = None,
+                 sources: SourceMap | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world size {world_size}")
         if seq_len < 1 or global_batch_size < 1:
@@ -77,6 +100,7 @@ class WindowLoader:
                                    strides=(seq_len * tokens.strides[0], tokens.strides[0]),
                                    writeable=False)
         self.labels = labels  # ncpctl.data.labels.LabelSpans of the dataset, or None
+        self.sources = sources  # which data.sources entry each token is from, or None
         self.last_ids: np.ndarray | None = None  # this rank's window ids of the last batch
         self.epoch = 0
         self.position = 0  # windows of `epoch` already consumed (by all ranks together)
@@ -120,6 +144,14 @@ class WindowLoader:
             return None
         T = self.seq_len
         return np.stack([self.labels.window(int(i) * T, T) for i in self.last_ids])
+
+    def last_sources(self) -> np.ndarray | None:
+        """The source index of each input token of the last batch, (B, T) int64 (None without a
+        ``SourceMap``): window i's inputs are tokens i*T .. i*T+T-1."""
+        if self.sources is None or self.last_ids is None:
+            return None
+        T = self.seq_len
+        return self.sources.sources(self.last_ids.astype(np.int64)[:, None] * T + np.arange(T))
 
     def sample_ids(self) -> np.ndarray:
         """(local_batch_size,) int64: the global sample index of each row of the last batch, i.e.

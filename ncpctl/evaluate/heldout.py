@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from ncpctl.recipe.schema import HeldoutSource
 
 LABEL = re.compile(r"^[A-Za-z0-9_.-]+$")
-MAX_SLUG = 48
 
 
 def parse_spec(text: str, where: str = "--heldout") -> "HeldoutSource":
@@ -58,14 +57,11 @@ def parse_spec(text: str, where: str = "--heldout") -> "HeldoutSource":
 
 
 def label_of(spec: "HeldoutSource") -> str:
-    """The task name: ``spec.label``, else ``heldout_`` + a slug of the path's last two parts
-    (wildcard-only parts left out): ``/data/notes/*.md`` -> ``heldout_notes_md``."""
-    if spec.label:
-        return spec.label
-    path = re.sub(r"^(builtin|hf):", "", spec.path)
-    parts = [p for p in re.split(r"[/\\]+", path) if p.strip("*?.~")]
-    slug = re.sub(r"[^a-z0-9]+", "_", "_".join(parts[-2:]).lower()).strip("_")
-    return "heldout_" + (slug[-MAX_SLUG:].lstrip("_") or "corpus")
+    """The task name: ``spec.label``, else ``heldout_`` + the source's slug (its path's last two
+    parts, wildcard-only parts left out): ``/data/notes/*.md`` -> ``heldout_notes_md``."""
+    from ncpctl.data.sources import source_slug
+
+    return spec.label or "heldout_" + source_slug(spec.path)
 
 
 def check_labels(specs: list["HeldoutSource"], tasks: list[str]) -> list[str]:

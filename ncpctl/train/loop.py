@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ncpctl.data.indexed import IndexedDataset, paths
-from ncpctl.data.windows import WindowLoader
+from ncpctl.data.windows import SourceMap, WindowLoader
 from ncpctl.errors import UserError
 from ncpctl.recipe.load import Recipe
 from ncpctl.train import checkpoint as ckpt
@@ -270,6 +270,31 @@ def _labels(recipe: Recipe, ds: IndexedDataset) -> tuple[Any, list[str] | None]:
     return LabelSpans(prefix, ds.num_tokens, b.concepts), names
 
 
+def _val_sources(recipe: Recipe, ds: IndexedDataset, info: Callable[[str], None]) -> SourceMap | None:
+    """For a model with learned (dynamic) segments: which ``data.sources`` entry each validation
+    token is from, so validation reports tokens per concept per source (DLCM Table 5), from the
+    split's ``documents_per_source`` in meta.json. None (and a note why) when the model has fixed
+    segments or the dataset does not say (a ``data.val_prefix`` made elsewhere, or tokenized by
+    an earlier ncpctl: ``ncpctl tokenize --force`` adds the counts)."""
+    c = recipe.model_config.concept
+    if not (c.enabled and c.segmentation == "dynamic"):
+        return None
+    meta_path = Path(str(ds.bin_path)[: -len(".bin")]).parent / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    counts = (meta.get("splits") or {}).get("val", {}).get("documents_per_source")
+    labels = meta.get("source_labels")
+    why = None
+    if counts is None or labels is None:
+        why = f"{meta_path} does not count documents per source" if meta else f"no {meta_path}"
+    else:
+        try:
+            return SourceMap(ds, counts, labels)
+        except ValueError as e:
+            why = str(e)
+    info(f"validation: no tokens per concept per source ({why})")
+    return None
+
+
 def _check_vocab(recipe: Recipe, ds: IndexedDataset, vocab: int) -> None:
     """The data's token ids must fit the model's embedding (checked before training)."""
     meta_path = Path(str(ds.bin_path)[: -len(".bin")]).parent / "meta.json"
@@ -318,7 +343,8 @@ class _Labels:
 
 
 def _micro_labels(labels: np.ndarray | None, n_micro: int, micro: int) -> list[torch.Tensor | None]:
-    """A batch's label evidence (micro * n_micro, T, n) as one tensor per micro-batch (None each without labels)."""
+    """A batch's per-token array (label evidence (micro * n_micro, T, n), or token sources
+    (micro * n_micro, T)) as one tensor per micro-batch (None each without one)."""
     return [None] * n_micro if labels is None else list(torch.from_numpy(labels).split(micro))
 
 
@@ -342,6 +368,7 @@ class _Run:
     n_trainable: int
     bf16: bool
     labels: _Labels  # model.bottleneck's concept labels (validation spans, names), or empty
+    val_sources: SourceMap | None = None  # a dynamic segmentation's per-source validation metric
     tot: _Totals = field(default_factory=_Totals)
     # ---- observability (metrics and display on rank 0 only) ----
     flops_per_step: float = 0.0
@@ -471,7 +498,7 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     engine, bf16 = _build_engine(recipe, model, d, info)
 
     run = _Run(recipe, stage, d, faults, info, warn, train_ds, val_ds, loader, engine, packing, resume_from,
-               n_params, n_trainable, bf16, labels)
+               n_params, n_trainable, bf16, labels, _val_sources(recipe, val_ds, info))
     _restore(run, meta)
     _observe(run, out)
     return run
@@ -784,18 +811,23 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
     acc = torch.zeros(pk.n_terms, device=d.device)
     counts = torch.zeros(S, cfg.concept.codes, device=d.device) if collect_codes and S else None
     detection: list[tuple[torch.Tensor, torch.Tensor]] = []  # (chunk scores, chunk labels) per micro-batch
+    val.sources = run.val_sources
+    by_source = None if run.val_sources is None else torch.zeros(2, len(run.val_sources.labels), dtype=torch.long)
     with torch.no_grad():
         for _ in range(batches):
             windows = torch.from_numpy(next(val))
-            label_mbs = _micro_labels(val.last_labels(), math.ceil(windows.shape[0] / t.micro_batch_size),
-                                      t.micro_batch_size)
-            for mb, lab in zip(windows.split(t.micro_batch_size), label_mbs):  # (micro, T+1)
+            n_micro = math.ceil(windows.shape[0] / t.micro_batch_size)
+            label_mbs = _micro_labels(val.last_labels(), n_micro, t.micro_batch_size)
+            src_mbs = _micro_labels(val.last_sources(), n_micro, t.micro_batch_size)
+            for mb, lab, src in zip(windows.split(t.micro_batch_size), label_mbs, src_mbs):  # (micro, T+1)
                 x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)
                 if lab is None:
                     o = engine(x, y)
                 else:
                     o = engine(x, y, concept_labels=lab.to(d.device), return_bottleneck=True)
                     detection.append(_chunk_detection(cfg, o, lab))
+                if by_source is not None:
+                    by_source += _source_counts(o, src, by_source.shape[1])
                 acc += pk.terms(o)
                 if counts is not None and o.pred is not None:
                     counts += _code_hits(engine, o.concept)
@@ -803,6 +835,10 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
     run.tot.val = pk.scalars(terms)
     if detection:
         run.tot.val["concept_auc"] = _detection_auc(detection, d)
+    if by_source is not None:
+        concepts, tokens = d.sum(by_source.to(d.device)).tolist()
+        run.tot.val.update({f"tokens_per_concept/{name}": n / c for name, c, n in
+                            zip(run.val_sources.labels, concepts, tokens) if n > 0})
     if counts is not None:
         run.code_counts = d.sum(counts.flatten()).view(S, -1).numpy()
     engine.train()
@@ -810,6 +846,19 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
         run.metrics.write({"split": "val", "step": run.tot.step, **run.tot.val})
     if run.display is not None:
         run.display.validation(run.tot.step, run.tot.val)
+
+
+def _source_counts(o: Any, sources: torch.Tensor, n: int) -> torch.Tensor:
+    """(2, n) long: the concepts started (segment starts, b_t = 1) and the tokens of one
+    micro-batch per source, from its inference segments (``Segments.closed`` (micro, T)) and each
+    token's source (micro, T); tokens / concepts per source is validation's tokens per concept
+    there (the global ratio, as DLCM Table 5, not a mean of window ratios)."""
+    from ncpctl.evaluate.concept_position import positions_in_concept
+
+    starts = (positions_in_concept(o.concept.segments.closed) == 1).long().cpu().flatten()
+    src = sources.flatten()
+    return torch.stack([torch.zeros(n, dtype=torch.long).index_add_(0, src, starts),
+                        torch.bincount(src, minlength=n)])
 
 
 def _chunk_detection(cfg: Any, o: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -184,14 +184,20 @@ def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any,
 def _compression_plot(plt: Any, path: Path, train: list[dict[str, Any]], val: list[dict[str, Any]],
                       target: float | None) -> None:
     """DLCM Fig. 8 for this run: the compressed length over training, as tokens per concept (train:
-    the sampled boundaries of each step; validation: the inference threshold), with the target R;
-    and the boundary rate F and mean boundary probability G the load balance drives to 1/R."""
+    the sampled boundaries of each step; validation: the inference threshold, overall and per
+    ``data.sources`` entry, the ``tokens_per_concept/<source>`` keys), with the target R; and the
+    boundary rate F and mean boundary probability G the load balance drives to 1/R."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), squeeze=False)
     ax = axes[0][0]
     for recs, style, label in ((train, "-", "train (sampled)"), (val, "o-", "val (p >= threshold)")):
         pts = [(r["step"], r["tokens_per_concept"]) for r in recs if isinstance(r.get("tokens_per_concept"), (int, float))]
         if pts:
             ax.plot(*zip(*pts), style, lw=1, ms=3, label=label)
+    per_source = dict.fromkeys(k for r in val for k in r if k.startswith("tokens_per_concept/"))
+    if len(per_source) > 1:  # one source: the same as the overall line
+        for key in per_source:
+            pts = [(r["step"], r[key]) for r in val if isinstance(r.get(key), (int, float))]
+            ax.plot(*zip(*pts), ".--", lw=0.8, ms=3, label=f"val: {key.split('/', 1)[1]}")
     if target is not None:
         ax.axhline(target, color="k", ls="--", lw=1, label=f"target R = {target:g}")
     ax.set_title("tokens per concept")

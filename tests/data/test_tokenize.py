@@ -305,3 +305,29 @@ def test_a_hash_split_with_both_splits_non_empty_is_unchanged(tmp_path: Path, te
                     ext.see(part, val[part], 1234)
             moved = ext.rebalanced(Split(1234, frac), int((~val).sum()), int(val.sum()))
             assert (moved is None) == (0 < val.sum() < n), (n, frac)
+
+
+def test_documents_per_source_map_each_split_back_to_its_sources(tmp_path: Path, text_corpus: Path) -> None:
+    """meta.json counts each split's documents per data.sources entry (they are written in source
+    order), which is what per-source validation metrics read: decoding the split's documents in
+    order, the first counts[0] are the first source's and the rest the second's."""
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(10):
+        (other / f"note{i}.md").write_text(f"zebra note {i}: " + "quiet harbour lights " * (30 + i) + "\n")
+    r = load_recipe(recipe_file(tmp_path, f"['{text_corpus}/*.txt', '{other}/*.md', '{other}/*.md']"),
+                    need_sources=True)
+    meta = tokenize(r)
+    assert meta["source_labels"] == ["corpus_txt", "other_md", "other_md_2"]
+    data = tmp_path / "run" / "data"
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    seen = {"corpus": 0, "other": 0}
+    for split in ("train", "val"):
+        counts = meta["splits"][split]["documents_per_source"]
+        ds = IndexedDataset(data / split)
+        assert len(counts) == 3 and sum(counts) == len(ds) == meta["splits"][split]["documents"]
+        kinds = ["corpus" if tok.decode(ds[i].tolist()).startswith("# document") else "other" for i in range(len(ds))]
+        assert kinds == ["corpus"] * counts[0] + ["other"] * (counts[1] + counts[2]), split
+        seen["corpus"] += counts[0]
+        seen["other"] += counts[1] + counts[2]
+    assert seen == {"corpus": 24, "other": 20}

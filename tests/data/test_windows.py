@@ -133,3 +133,26 @@ def test_sample_ids_are_global_and_independent_of_the_world_size(tmp_path: Path)
     resumed.load_state_dict(json.loads(json.dumps(single.state_dict())))
     next(resumed)
     assert resumed.sample_ids().tolist() == [57, 58, 59]
+
+
+def test_source_map_names_each_tokens_source(tmp_path: Path) -> None:
+    """SourceMap against a per-token reference: each sequence's source repeated over its tokens."""
+    from ncpctl.data.windows import SourceMap
+
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 40, size=23)
+    with IndexedDatasetWriter(tmp_path / "s", np.uint16) as w:
+        for n in sizes:
+            w.add_document(rng.integers(0, 100, size=int(n)))
+    ds = IndexedDataset(tmp_path / "s")
+    counts = [5, 0, 11, 7]  # an empty source in between
+    smap = SourceMap(ds, counts, ["a", "b", "c", "d"])
+    ref = np.repeat(np.repeat(np.arange(4), counts), sizes)  # (num_tokens,)
+    assert (smap.sources(np.arange(ds.num_tokens)) == ref).all()
+    loader = WindowLoader(ds, 16, 4, seed=3, sources=smap)
+    for _ in range(5):
+        next(loader)
+        want = ref[loader.last_ids[:, None] * 16 + np.arange(16)]
+        assert (loader.last_sources() == want).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        SourceMap(ds, [5, 0, 11, 6], ["a", "b", "c", "d"])
