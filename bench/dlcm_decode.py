@@ -7,8 +7,8 @@ concept width doubled, against two bases with the concept path off, all at the t
 ``matched`` has as many token layers as DLCM has layers (encoder + concept + decoder: how
 DLCM builds its inference-FLOPs-matched baseline, recipes/dlcm-baseline-1.3b.yaml's 32 =
 10 + 16 + 6), and ``token`` only DLCM's encoder + decoder layers. Prefill of ``--prompt``
-random tokens, then ``--steps`` greedy ``decode_step`` calls, per-token seconds
-best-of-``--repeats``, the models interleaved. Random weights: the boundary predictor starts at
+random tokens, then ``--steps`` greedy ``decode_step`` calls, seconds per step (B tokens; the
+ratio is the same per token) best-of-``--repeats``, the models interleaved. Random weights: the boundary predictor starts at
 the identity, so the realised boundary rate is what random states give (printed). The concept
 step runs on a step only for the rows that closed a segment (ncpctl.model.decode), so at batch
 1 it runs on about 1/R of the steps and at batch 8 on most steps, for a few rows: where
@@ -16,6 +16,7 @@ decoding is bound by reading the weights (a GPU, or this CPU once the concept la
 fit its cache) a step where any row closes costs a whole read of the concept stack.
 
     .venv/bin/python bench/dlcm_decode.py                 # d=256, batch 1 and 8, ~1 min
+    .venv/bin/python bench/dlcm_decode.py --batches 1,8,32,64   # where the ratio falls to 1.2
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def models(d: int):
     return bases, dlcm, cfg
 
 
-def per_token(model, B: int, prompt: int, steps: int) -> float:
+def per_step(model, B: int, prompt: int, steps: int) -> float:
+    """Seconds per decode step (one new token for each of the B rows), after a prefill."""
     import torch
 
     x = torch.randint(0, model.cfg.vocab_size, (B, prompt), generator=torch.Generator().manual_seed(B))
@@ -101,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         best = {k: float("inf") for k in names}
         for _ in range(args.repeats):
             for name, m in names.items():
-                best[name] = min(best[name], per_token(m, B, args.prompt, args.steps))
+                best[name] = min(best[name], per_step(m, B, args.prompt, args.steps))
         out["batches"][str(B)] = {**{f"{k}_ms": v * 1e3 for k, v in best.items()},
                                   **{f"ratio_{k}": best["dlcm"] / best[f"base_{k}"] for k in bases}}
     out["loadavg_1min"] = round(os.getloadavg()[0], 2)
     L = cfg.n_token_layers + cfg.concept.concept_layers
     for B, r in out["batches"].items():
-        print(f"batch {B}: DLCM {r['dlcm_ms']:.3f} ms/token; base of {L} layers (matched) {r['base_matched_ms']:.3f}, "
+        print(f"batch {B}: DLCM {r['dlcm_ms']:.3f} ms/step; base of {L} layers (matched) {r['base_matched_ms']:.3f}, "
               f"ratio {r['ratio_matched']:.3f} (goal <= 1.2); base of {cfg.n_token_layers} token layers "
               f"{r['base_token_ms']:.3f}, ratio {r['ratio_token']:.3f}", file=sys.stderr)
     print(f"d={out['d_model']} (concepts {out['d_concept']}), {cfg.n_token_layers} token + {cfg.concept.concept_layers} "

@@ -688,7 +688,7 @@ def summary(res: dict[str, Any]) -> str:
                      f"{a['replicated_over_per_concept_gmean']:.2f}); auto picks {a['configured_form']} "
                      f"({'right' if a['configured_is_faster'] else 'WRONG'} here)")
         for B, r in dd["batches"].items():
-            lines.append(f"    decode batch {B}: DLCM {r['dlcm_ms']:.2f} ms/token, /matched base {r['ratio_matched']:.3f}, "
+            lines.append(f"    decode batch {B}: DLCM {r['dlcm_ms']:.2f} ms/step, /matched base {r['ratio_matched']:.3f}, "
                          f"/token-layer base {r['ratio_token']:.3f} (goal <= 1.2 matched)")
     failed = [k for k, v in res.get("checks", {}).items() if not v]
     lines.append(f"checks: {'all passed' if not failed else 'FAILED ' + ', '.join(failed)} ({len(res.get('checks', {}))} run)")
