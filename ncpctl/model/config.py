@@ -232,7 +232,11 @@ class ConceptConfig:
         "d_model. Wider: the pooled concepts are up-projected (W_up) and the heads read the wide states.")
     concept_heads: int | None = _f(
         None, "Attention heads of the concept transformer; null = d_concept / the token layers' head size "
-        "(DLCM: 48 heads at 3072). Its FFN follows the backbone's rule at d_concept (4d, or 8/3 d for llama).")
+        "(DLCM: 48 heads at 3072).")
+    ffn_dim: int | None = _f(
+        None, "MLP width of the concept transformer; null = model.ffn_dim when the concept transformer has the "
+        "token layers' width and heads, else the backbone's rule at d_concept (4 d_concept, or 8/3 d_concept "
+        "rounded to 256 for llama). DLCM gives no value.")
     boundary_mode: Literal["predictor", "boundary"] = _f(
         "predictor", "segmentation: dynamic. predictor = DLCM Sec. 3.3.1: p_t = (1 - cos(W_q h[t-1], W_k h[t]))/2, "
         "W_q = W_k = I at init, p_0 = 1, trained by the balance loss only; boundary = Sec. 8.1's rule: a boundary "
@@ -661,7 +665,7 @@ class ModelConfig:
 
     def _check_concept_width(self) -> list[tuple[str, str]]:
         c, out = self.concept, []
-        for name in ("d_concept", "concept_heads"):
+        for name in ("d_concept", "concept_heads", "ffn_dim"):
             v = getattr(c, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 out.append((f"concept.{name}", f"must be a positive integer or null, got {v!r}"))
@@ -673,6 +677,9 @@ class ModelConfig:
             out.append(("concept.d_concept", f"{dc} is not divisible by the {hc} concept heads (concept.concept_heads)"))
         elif hc % group:
             out.append(("concept.concept_heads", f"{hc} is not a multiple of the {group} query heads per KV head"))
+        if c.ffn_dim is not None and c.ffn_dim != self.ffn_dim and c.copy_concept_layers_from_base:
+            out.append(("concept.copy_concept_layers_from_base", f"the base's layers have MLP width {self.ffn_dim}; "
+                                                                 f"concept.ffn_dim is {c.ffn_dim}"))
         if (dc, hc) != (self.d_model, self.n_heads):
             if self.crc_connections:
                 out.append(("crc_connections", "cross-module residuals add concept and token states: they need "
@@ -687,11 +694,12 @@ class ModelConfig:
         if not self.concept.enabled:
             return self
         dc, hc = self._concept_width()
-        if (dc, hc) == (self.d_model, self.n_heads):
+        ffn = self.concept.ffn_dim
+        if (dc, hc) == (self.d_model, self.n_heads) and ffn in (None, self.ffn_dim):
             return self
         return dataclasses.replace(
             self, name=f"{self.name}.concept", d_model=dc, n_heads=hc, n_kv_heads=hc // (self.n_heads // self.n_kv_heads),
-            ffn_dim=None, n_layers=1, extra_token_layers=0, extra_token_layers_at=None, crc_connections=[],
+            ffn_dim=ffn, n_layers=1, extra_token_layers=0, extra_token_layers_at=None, crc_connections=[],
             mtp_depth=None, mtp_weight_schedule=[], concept=ConceptConfig())
 
     def _backbone_defaults(self) -> None:

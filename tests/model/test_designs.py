@@ -81,6 +81,10 @@ DESIGNS = {
     "dlcm-wide-concepts-llama": tiny("llama", qk_norm="head", concept=dict(
         segmentation="dynamic", coupling="cross_attention", d_concept=64)),
     "conceptlm-wide-concepts-neox": tiny("neox", concept=dict(d_concept=64, concept_heads=4)),
+    # the concept transformer's own MLP width (concept.ffn_dim), wide and at the token width
+    "dlcm-concept-ffn-llama": tiny("llama", concept=dict(segmentation="dynamic", coupling="cross_attention",
+                                                         d_concept=64, ffn_dim=96)),
+    "conceptlm-concept-ffn-neox": tiny("neox", concept=dict(ffn_dim=40)),
     "dlcm-cross-attention-replicated-llama": tiny("llama", concept=dict(
         segmentation="dynamic", coupling="cross_attention", cross_attention="replicated")),
     "cross-attention-replicated-alternating-neox": tiny("neox", concept=dict(
@@ -346,3 +350,18 @@ def test_unknown_or_wrong_strategies_are_config_errors():
         tiny("neox", residual="no.such.module:Mixer")
     cfg = tiny("neox", concept=dict(segmentation="tests.model.toys:Alternating23"))  # by import path
     assert cfg.num_concepts(12) == 5 and cfg.block_equivalents == 3 + 2 / 2.5
+
+
+@pytest.mark.parametrize("name, width", [("dlcm-concept-ffn-llama", 96), ("conceptlm-concept-ffn-neox", 40),
+                                         ("dlcm-wide-concepts-llama", None)])
+def test_the_concept_transformer_has_its_own_mlp_width(name, width):
+    """concept.ffn_dim sizes every concept layer's MLP (and only those); null keeps the backbone's
+    rule at d_concept, so the widened design without it is unchanged."""
+    cfg = DESIGNS[name]
+    model = build(cfg)
+    cc = cfg.concept_cfg
+    expect = width if width is not None else (256 if cfg.backbone == "llama" else 4 * cc.d_model)
+    assert cc.ffn_dim == expect
+    widths = {n.split(".mlp.")[0]: p.shape[1] for n, p in model.named_parameters() if n.endswith("mlp.proj.weight")}
+    assert {w for n, w in widths.items() if n.startswith("concept.layers.")} == {expect}
+    assert {w for n, w in widths.items() if n.startswith(("encoder.", "decoder."))} == {cfg.ffn_dim}
