@@ -70,6 +70,71 @@ def per_step(model, B: int, prompt: int, steps: int) -> float:
         return (time.perf_counter() - t0) / steps
 
 
+def work_per_step(model, B: int, prompt: int, steps: int) -> dict[str, float]:
+    """What one decode step does, averaged over ``steps``: matmul FLOPs (torch's FlopCounterMode,
+    SDPA's math kernel so attention counts as matmuls) and the bytes of weights it reads (every
+    module that ran, its parameters once per step; an embedding its B looked-up rows), plus the
+    fraction of steps that ran the concept stack. Weight reads are what a step costs where
+    decoding is bandwidth-bound (small batches on a GPU; here once the weights outgrow the cache),
+    FLOPs where it is compute-bound."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ran: set[torch.nn.Module] = set()
+    hooks = [m.register_forward_pre_hook(lambda mod, _a: ran.add(mod)) for m in model.modules()]
+    x = torch.randint(0, model.cfg.vocab_size, (B, prompt), generator=torch.Generator().manual_seed(B))
+    concept = getattr(getattr(model, "concept", None), "layers", None)
+    weight_bytes, concept_steps = 0, 0
+    try:
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+            logits, st = model.prefill(x, [prompt] * B, max_len=prompt + steps + 1)
+            nxt = logits[:, -1].argmax(-1)
+            with FlopCounterMode(display=False) as counter:
+                for _ in range(steps):
+                    ran.clear()
+                    nxt = model.decode_step(st, nxt).argmax(-1)
+                    for mod in ran:
+                        own = list(mod.parameters(recurse=False))
+                        if isinstance(mod, torch.nn.Embedding):
+                            weight_bytes += B * mod.embedding_dim * mod.weight.element_size()
+                        else:
+                            weight_bytes += sum(p.numel() * p.element_size() for p in own)
+                    concept_steps += concept is not None and concept in ran
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"flops": counter.get_total_flops() / steps, "weight_bytes": weight_bytes / steps,
+            "concept_step_fraction": concept_steps / steps}
+
+
+def paper_shape_weight_ratio(batches: list[int]) -> dict[str, float]:
+    """The weights a bandwidth-bound decode step reads, recipes/dlcm-2.3b.yaml over
+    recipes/dlcm-baseline-1.3b.yaml (meta-device models: shapes only): the token side (every
+    module but the concept step's and the embedding) every step, the concept step's (W_up, the
+    concept layers, the heads) on the steps where some row closes a segment, 1 - (1 - 1/R)^B of
+    them for independent rows at rate 1/R."""
+    import torch
+
+    from ncpctl.model.config import build_config
+    from ncpctl.model.model import NCPModel
+
+    def sizes(cfg) -> tuple[int, int]:
+        with torch.device("meta"):
+            model = NCPModel(cfg)
+        step = ("concept.layers.", "concept.lift", "concept.heads", "concept.norm")
+        own = {n: p.numel() for n, p in model.named_parameters() if not n.startswith("embed.")}
+        return (sum(v for n, v in own.items() if not n.startswith(step)),
+                sum(v for n, v in own.items() if n.startswith(step)))
+
+    # the recipes' models (their data and tokenizer paths are placeholders): the named size, and
+    # recipes/dlcm-baseline-1.3b.yaml's change of it
+    tok, con = sizes(build_config("dlcm-2.3b", vocab_size=128815))
+    base = sum(sizes(build_config("dlcm-2.3b", vocab_size=128815, n_layers=32, concept=dict(enabled=False))))
+    R = 4.0
+    return {str(B): (tok + (1 - (1 - 1 / R) ** B) * con) / base for B in batches}
+
+
 def tokens_per_concept(model, B: int, T: int) -> float:
     import torch
 
@@ -104,14 +169,25 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             for name, m in names.items():
                 best[name] = min(best[name], per_step(m, B, args.prompt, args.steps))
+        work = {name: work_per_step(m, B, args.prompt, min(args.steps, 64)) for name, m in names.items()}
         out["batches"][str(B)] = {**{f"{k}_ms": v * 1e3 for k, v in best.items()},
-                                  **{f"ratio_{k}": best["dlcm"] / best[f"base_{k}"] for k in bases}}
+                                  **{f"ratio_{k}": best["dlcm"] / best[f"base_{k}"] for k in bases},
+                                  "concept_step_fraction": work["dlcm"]["concept_step_fraction"],
+                                  **{f"{q}_ratio_{k}": work["dlcm"][q] / work[f"base_{k}"][q]
+                                     for k in bases for q in ("flops", "weight_bytes")}}
+    out["paper_shape_weight_ratio"] = paper_shape_weight_ratio([int(b) for b in out["batches"]])
     out["loadavg_1min"] = round(os.getloadavg()[0], 2)
     L = cfg.n_token_layers + cfg.concept.concept_layers
     for B, r in out["batches"].items():
         print(f"batch {B}: DLCM {r['dlcm_ms']:.3f} ms/step; base of {L} layers (matched) {r['base_matched_ms']:.3f}, "
               f"ratio {r['ratio_matched']:.3f} (goal <= 1.2); base of {cfg.n_token_layers} token layers "
               f"{r['base_token_ms']:.3f}, ratio {r['ratio_token']:.3f}", file=sys.stderr)
+        print(f"    per step against the matched base: FLOPs {r['flops_ratio_matched']:.3f}x, weights read "
+              f"{r['weight_bytes_ratio_matched']:.3f}x (the concept stack ran on {100 * r['concept_step_fraction']:.0f}% "
+              f"of the steps)", file=sys.stderr)
+    print("at the paper's shape (dlcm-2.3b over dlcm-baseline-1.3b) a bandwidth-bound step reads "
+          + ", ".join(f"{v:.2f}x the weights at batch {B}" for B, v in out["paper_shape_weight_ratio"].items()),
+          file=sys.stderr)
     print(f"d={out['d_model']} (concepts {out['d_concept']}), {cfg.n_token_layers} token + {cfg.concept.concept_layers} "
           f"concept layers, R = {out['target_ratio']}, random-weight tokens per concept "
           f"{out['tokens_per_concept_random_weights']:.2f}, load {out['loadavg_1min']}", file=sys.stderr)
