@@ -19,7 +19,7 @@ app = typer.Typer(
     help="Train and study Next Concept Prediction (NCP) language models.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,  # our own error handling: one line, tracebacks with --debug
-    rich_markup_mode="rich",
+    rich_markup_mode="markdown",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

@@ -17,7 +17,7 @@ def main(
         metavar="TARGET")],
     compare: Annotated[bool, typer.Option(
         "--compare", help="Compare the TARGETs' results side by side (Δ to the first); a target without results "
-        "is evaluated first. Writes compare_<runs>.{json,md,png} to --out (default: the first run's eval/).")] = False,
+        "is evaluated first. Writes `compare_<runs>.{json,md,png}` to --out (default: the first run's eval/).")] = False,
     tasks: Annotated[Optional[str], typer.Option(
         "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: eval.tasks of the recipe, or of "
         "the recipe a checkpoint carries; '' = none, only --heldout). "

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, Output, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, command
 
 
 @command
@@ -35,6 +35,7 @@ def main(
                                               "to, for its lift tokens (0: none).")] = 2,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Write PNGs (code-weight heat maps, code usage) "
                                                 "into this directory.", show_default=False)] = None,
+    set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -44,13 +45,24 @@ def main(
     from ncpctl.errors import UserError
 
     o = Output(json_out)
+    if set_:
+        raise UserError("--set does not apply to inspect", hint="use the options (see --help)")
     prompts = list(prompt or [])
     if prompts_file:
         from ncpctl.inference.prompts import read_prompts
 
         prompts += read_prompts(prompts_file)
+    from ncpctl.checkpoint import resolve
+
+    problems = []
+    try:
+        resolve(checkpoint)  # a missing checkpoint is named with the other problems
+    except UserError as e:
+        problems += e.problems
     if not prompts and not corpus:
-        raise UserError("nothing to inspect", hint="pass --prompt TEXT, --prompts-file FILE or --corpus SOURCE")
+        problems.append("nothing to inspect: pass --prompt TEXT, --prompts-file FILE or --corpus SOURCE")
+    if problems:
+        raise UserError(*problems)
     if target is not None and len(prompts) != 1:
         raise UserError(f"--target needs exactly one prompt, got {len(prompts)}")
 

@@ -17,7 +17,7 @@ from ncpctl.errors import UserError
 
 from ..conftest import RECIPES, run_cli
 
-COMMANDS = ["tokenize", "pretrain", "midtrain", "adapt-vq", "eval", "generate", "export", "profile-kernels"]
+COMMANDS = ["tokenize", "pretrain", "midtrain", "adapt-vq", "eval", "generate", "export", "profile-kernels", "inspect"]
 
 
 def test_help_lists_commands_and_imports_no_torch() -> None:
@@ -85,6 +85,17 @@ def test_python_dash_m_entry_point() -> None:
     assert r.returncode == 0 and __version__ in r.stdout
 
 
+def test_help_paragraphs_flow_to_the_terminal_width() -> None:
+    """A command's description is wrapped by the terminal, not where its docstring's source lines
+    break (at 200 columns a sentence the source splits is one line), and markup in it renders:
+    backticks as code, a literal <name> kept."""
+    export = run_cli("export", "--help").stdout
+    assert "ConceptLM models carry their own modeling code (load with trust_remote_code=True)" in export
+    pretrain = run_cli("pretrain", "--help").stdout
+    assert "`" not in pretrain.split("Arguments")[0] and "train.resume: auto continues" in pretrain
+    assert "compare_<runs>.{json,md,png}" in run_cli("eval", "--help").stdout
+
+
 def test_help_is_light_through_the_entry_point() -> None:
     """`ncpctl --help` and every `ncpctl CMD --help` run with torch and deepspeed made
     unimportable (so none of them imports either), and `ncpctl --help` costs under a second
@@ -113,7 +124,7 @@ def test_json_on_every_command(name: str, where: str, tmp_path: Path) -> None:
     errors; human messages stay on stderr."""
     target = str(tmp_path / "missing.yaml")
     args = ["--json", name, target] if where == "global" else [name, target, "--json"]
-    if name == "generate":
+    if name in ("generate", "inspect"):
         args += ["--prompt", "x"]
     r = run_cli(*args)
     assert r.returncode == 2, r.stderr
