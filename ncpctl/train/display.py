@@ -60,11 +60,18 @@ class TrainDisplay:
         self.progress.update(self.task, completed=rec["step"], terms=terms)
 
     def validation(self, step: int, val: dict[str, Any]) -> None:
-        """One line per evaluation: the total, and with several loss terms the first one (the
-        token loss, comparable across models)."""
+        """One line per evaluation: the total, with several loss terms the first one (the token
+        loss, comparable across models), and with learned segments the tokens per concept (per
+        data.sources entry when there are several)."""
         parts = loss_terms(val)
         first = f" ({_short(parts[0])} {val[parts[0]]:.4f})" if len(parts) > 1 else ""
-        self.message(f"step {step}: val loss {val['loss']:.4f}{first}")
+        extra = ""
+        if isinstance(val.get("tokens_per_concept"), (int, float)):  # learned segments: the realised compression
+            extra = f", {val['tokens_per_concept']:.2f} tokens per concept"
+            per = {k.split("/", 1)[1]: v for k, v in val.items() if k.startswith("tokens_per_concept/")}
+            if len(per) > 1:
+                extra += " (" + ", ".join(f"{name} {v:.2f}" for name, v in per.items()) + ")"
+        self.message(f"step {step}: val loss {val['loss']:.4f}{first}{extra}")
 
     def message(self, text: str) -> None:
         self.progress.console.print(text)

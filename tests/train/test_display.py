@@ -32,3 +32,13 @@ def test_todays_keys_and_a_new_loss_term() -> None:
     terms, out = _shown({**REC, "balance_loss": 0.5}, {"loss": 5.5, "ntp_loss": 5.5})  # base model: one term
     assert "vq 0.0625  balance 0.5000  codes 25%" in terms
     assert "step 3: val loss 5.5000\n" in out
+
+
+def test_validation_shows_the_realised_compression_and_its_sources() -> None:
+    val = {"loss": 5.5, "ntp_loss": 5.25, "balance_loss": 0.01, "tokens_per_concept": 3.9,
+           "tokens_per_concept/python_stdlib": 3.71, "tokens_per_concept/prose_txt": 5.125}
+    _, out = _shown(REC, val)
+    assert "step 3: val loss 5.5000 (ntp 5.2500), 3.90 tokens per concept (python_stdlib 3.71, prose_txt 5.12)" in out
+    _, out = _shown(REC, {"loss": 5.5, "ntp_loss": 5.25, "balance_loss": 0.01, "tokens_per_concept": 3.9,
+                          "tokens_per_concept/python_stdlib": 3.71})
+    assert "step 3: val loss 5.5000 (ntp 5.2500), 3.90 tokens per concept\n" in out
