@@ -37,8 +37,9 @@ def main(
                                                "--compare the first run's eval/).", show_default=False)] = None,
     concepts: Annotated[bool, typer.Option(
         "--concepts", help="DLCM checkpoints: realised tokens per concept per --heldout corpus (Table 5: one corpus "
-        "per domain / data.sources entry) and the loss by position within the concept, 1-20, over all of them "
-        "(Fig. 7; against --base), at the inference threshold. Writes concepts.json to --out.")] = False,
+        "per domain; without --heldout, per data.sources entry of the run's validation split) and the loss by "
+        "position within the concept, 1-20, over all of them (Fig. 7; against --base), at the inference "
+        "threshold. Writes concepts.json to --out.")] = False,
     base: Annotated[Optional[str], typer.Option(
         "--base", metavar="CHECKPOINT", help="With --concepts: the base model compared position by position "
         "(same tokenizer).", show_default=False)] = None,
@@ -88,19 +89,17 @@ def main(
 
 
 def _concepts(out_: Output, target: str, heldout: list[str] | None, base: str | None, out: str | None) -> None:
-    """``--concepts``: ncpctl.evaluate.concept_position.concept_report on the --heldout corpora."""
+    """``--concepts``: ncpctl.evaluate.concept_position.concept_report on the --heldout corpora, or
+    without them on the checkpoint's validation split, one corpus per data.sources entry."""
     import json
     from pathlib import Path
 
-    if not heldout:
-        raise UserError("--concepts needs --heldout corpora (one per domain, e.g. per data.sources entry)",
-                        hint="e.g. --heldout '{path: val/code/*.py, label: code}' --heldout '{path: val/web.jsonl, label: web}'")
     from ncpctl.checkpoint import resolve, run_dir_of
     from ncpctl.evaluate.concept_position import concept_report
     from ncpctl.evaluate.heldout import parse_spec
     from ncpctl.fsutil import atomic_write
 
-    specs = [parse_spec(h) for h in heldout]
+    specs = [parse_spec(h) for h in heldout or []]
     report = concept_report(target, specs, base=base)
     ckpt = resolve(Path(target))
     out_dir = Path(out) if out else (run_dir_of(ckpt) or ckpt) / "eval"

@@ -55,6 +55,14 @@ class SourceMap:
         self.labels = list(labels)
         self._starts = dataset.pointers // dataset.dtype.itemsize  # (n,) first token of each sequence
         self._doc_ends = np.cumsum(counts)  # (S,) sequences before the end of each source
+        self._num_tokens = int(dataset.num_tokens)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """Each source's tokens as one contiguous range [start, end) of token offsets (empty for a
+        source with no document in this split)."""
+        bounds = np.concatenate([[0], self._doc_ends])  # (S+1,) sequence index at each source's start
+        first = np.append(self._starts, self._num_tokens)  # token offset of sequence i, and the end
+        return [(int(first[a]), int(first[b])) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def sources(self, offsets: np.ndarray) -> np.ndarray:
         """Token offsets (any shape) -> the source index of each, same shape (int64)."""

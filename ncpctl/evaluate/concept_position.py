@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -148,6 +149,30 @@ def _windows(ids: list[int], T: int, max_windows: int, batch: int) -> list[torch
     return list(rows.split(batch)) if n else []
 
 
+def validation_corpora(target: Any, T: int, max_windows: int, batch: int) -> dict[str, list[torch.Tensor]]:
+    """The checkpoint's own validation split as one corpus per ``data.sources`` entry (its
+    documents are stored in source order, counted per source in meta.json): ``{source label:
+    windows}``, each source's token stream cut like a held-out corpus's."""
+    import json
+
+    from ncpctl.data.indexed import IndexedDataset
+    from ncpctl.data.windows import SourceMap
+    from ncpctl.errors import UserError
+    from ncpctl.evaluate.offline import data_dir_for
+
+    data, _ = data_dir_for(str(target))
+    meta_path = data / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    counts = ((meta.get("splits") or {}).get("val") or {}).get("documents_per_source")
+    if counts is None or meta.get("source_labels") is None:
+        raise UserError(f"{meta_path}: no validation documents per source (tokenized by an earlier ncpctl)",
+                        hint="re-tokenize with `ncpctl tokenize --force RECIPE`, or pass --heldout corpora")
+    ds = IndexedDataset(data / "val")
+    smap = SourceMap(ds, counts, meta["source_labels"])
+    return {label: _windows(ds.tokens[a:min(b, a + max_windows * T)].astype(np.int64).tolist(), T, max_windows, batch)
+            for label, (a, b) in zip(smap.labels, smap.ranges()) if b > a}
+
+
 def concept_report(target: Any, specs: list[Any], *, base: Any = None, seq_len: int | None = None,
                    max_windows: int = 600, max_position: int = 20, batch: int = 8) -> dict[str, Any]:
     """``ncpctl eval TARGET --concepts``: Table 5 (tokens per concept per held-out corpus, e.g. one
@@ -155,7 +180,8 @@ def concept_report(target: Any, specs: list[Any], *, base: Any = None, seq_len: 
     against ``base``) for the DLCM checkpoint ``target``. Each corpus (``HeldoutSource``: the syntax
     of a ``data.sources`` entry) is read and tokenized with the checkpoint's tokenizer, documents
     joined by the end-of-document token, cut into at most ``max_windows`` windows of ``seq_len``
-    (default: the model's max_seq_len; the paper: 600 validation samples)."""
+    (default: the model's max_seq_len; the paper: 600 validation samples). No ``specs``: the
+    checkpoint's validation split, one corpus per ``data.sources`` entry (``validation_corpora``)."""
     from ncpctl.checkpoint import load_model
     from ncpctl.errors import UserError
     from ncpctl.evaluate.heldout import check_labels, documents
@@ -174,7 +200,7 @@ def concept_report(target: Any, specs: list[Any], *, base: Any = None, seq_len: 
     T = min(seq_len or lm.config.max_seq_len, lm.config.max_seq_len)
     eod = (lm.meta.get("recipe") or {}).get("tokenizer", {}).get("eod_token", "<|endoftext|>")
     eod_id = lm.tokenizer.token_to_id(eod)
-    corpora = {}
+    corpora = validation_corpora(target, T, max_windows, batch) if not specs else {}
     for spec, label in zip(specs, labels):
         ids: list[int] = []
         for row in documents(spec, lm.tokenizer):
@@ -184,5 +210,6 @@ def concept_report(target: Any, specs: list[Any], *, base: Any = None, seq_len: 
     every = [x for xs in corpora.values() for x in xs]
     fig7 = loss_by_concept_position(lm.model, every, base=ref.model if ref else None, max_position=max_position)
     return {"checkpoint": str(lm.path), "base": str(ref.path) if ref else None, "seq_len": T,
+            "corpora": "held-out" if specs else "validation split, per data.sources entry",
             "target_ratio": c.target_ratio, "threshold": c.boundary_threshold,
             "tokens_per_concept_by_source": by_source, "loss_by_concept_position": fig7.to_dict()}

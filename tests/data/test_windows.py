@@ -149,6 +149,8 @@ def test_source_map_names_each_tokens_source(tmp_path: Path) -> None:
     smap = SourceMap(ds, counts, ["a", "b", "c", "d"])
     ref = np.repeat(np.repeat(np.arange(4), counts), sizes)  # (num_tokens,)
     assert (smap.sources(np.arange(ds.num_tokens)) == ref).all()
+    for i, (a, b) in enumerate(smap.ranges()):  # each source's tokens, contiguous
+        assert (ref[a:b] == i).all() and (b - a) == (ref == i).sum()
     loader = WindowLoader(ds, 16, 4, seed=3, sources=smap)
     for _ in range(5):
         next(loader)

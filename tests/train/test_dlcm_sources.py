@@ -84,3 +84,31 @@ def _seed(run: Path) -> int:
     import yaml
 
     return int(yaml.safe_load((run / "recipe.resolved.yaml").read_text())["train"]["seed"])
+
+
+def test_eval_concepts_defaults_to_the_validation_split_per_source(tmp_path: Path) -> None:
+    """``ncpctl eval CKPT --concepts`` without --heldout: Table 5 on the run's own validation split,
+    one corpus per data.sources entry, each that source's tokens (from documents_per_source) cut
+    into windows of the model's length."""
+    code, prose = _corpora(tmp_path)
+    run = tmp_path / "run"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"extends: {RECIPES / 'debug-dlcm.yaml'}\nrun: {{dir: {run}}}\n"
+                      f"data: {{sources: ['{code}/*.txt', '{prose}/*.txt'], val_fraction: 0.2}}\n"
+                      "tokenizer: {vocab_size: 512}\nmodel: {max_seq_len: 64}\n"
+                      "train: {max_steps: 1, seq_len: 64, micro_batch_size: 4, global_batch_size: 8, eval_every: 0,"
+                      " save_every: 1, plots: false}\n")
+    assert ncpctl("tokenize", str(recipe)).returncode == 0
+    ckpt = result(ncpctl("pretrain", str(recipe), "--json"))["checkpoint"]
+    rep = result(ncpctl("eval", ckpt, "--concepts", "--json"))
+    from ncpctl.data.indexed import IndexedDataset
+
+    meta = json.loads((run / "data" / "meta.json").read_text())
+    sizes = np.asarray(IndexedDataset(run / "data" / "val").sizes)
+    counts = meta["splits"]["val"]["documents_per_source"]
+    per_source = [int(sizes[sum(counts[:i]):sum(counts[:i + 1])].sum()) for i in range(len(counts))]
+    by = rep["tokens_per_concept_by_source"]
+    assert list(by) == meta["source_labels"] == ["code_txt", "prose_txt"]
+    for name, n in zip(meta["source_labels"], per_source):
+        assert by[name]["tokens"] == min(n // 64, 600) * 64 and 0 < by[name]["concepts"] <= by[name]["tokens"]
+    assert rep["corpora"].startswith("validation split")
