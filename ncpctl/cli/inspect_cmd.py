@@ -45,26 +45,7 @@ def main(
     from ncpctl.errors import UserError
 
     o = Output(json_out)
-    if set_:
-        raise UserError("--set does not apply to inspect", hint="use the options (see --help)")
-    prompts = list(prompt or [])
-    if prompts_file:
-        from ncpctl.inference.prompts import read_prompts
-
-        prompts += read_prompts(prompts_file)
-    from ncpctl.checkpoint import resolve
-
-    problems = []
-    try:
-        resolve(checkpoint)  # a missing checkpoint is named with the other problems
-    except UserError as e:
-        problems += e.problems
-    if not prompts and not corpus:
-        problems.append("nothing to inspect: pass --prompt TEXT, --prompts-file FILE or --corpus SOURCE")
-    if problems:
-        raise UserError(*problems)
-    if target is not None and len(prompts) != 1:
-        raise UserError(f"--target needs exactly one prompt, got {len(prompts)}")
+    prompts = _checked_prompts(checkpoint, prompt, prompts_file, corpus, target, set_)
 
     import torch
 
@@ -192,3 +173,31 @@ def _human_bottleneck(con, p: dict[str, Any]) -> None:
     for ch in rep["chunks"]:
         con.print(f"chunk {ch['chunk']} {ch['text'][:40]!r}: "
                   + ", ".join(f"{c['concept']} {c['probability']:.2f}" for c in ch["concepts"][:4]))
+
+
+def _checked_prompts(checkpoint: str, prompt: list[str] | None, prompts_file: str | None,
+                     corpus: list[str] | None, target: str | None, set_: list[str] | None) -> list[str]:
+    """The prompts to inspect (--prompt, then --prompts-file), after the checks that need no
+    model: a missing checkpoint and an empty request are reported together."""
+    from ncpctl.checkpoint import resolve
+    from ncpctl.errors import UserError
+
+    if set_:
+        raise UserError("--set does not apply to inspect", hint="use the options (see --help)")
+    prompts = list(prompt or [])
+    if prompts_file:
+        from ncpctl.inference.prompts import read_prompts
+
+        prompts += read_prompts(prompts_file)
+    problems = []
+    try:
+        resolve(checkpoint)
+    except UserError as e:
+        problems += e.problems
+    if not prompts and not corpus:
+        problems.append("nothing to inspect: pass --prompt TEXT, --prompts-file FILE or --corpus SOURCE")
+    if problems:
+        raise UserError(*problems)
+    if target is not None and len(prompts) != 1:
+        raise UserError(f"--target needs exactly one prompt, got {len(prompts)}")
+    return prompts

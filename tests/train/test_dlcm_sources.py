@@ -1,7 +1,8 @@
 """DLCM Table 5 during training: a model with learned segments reports validation tokens per
 concept per ``data.sources`` entry (``tokens_per_concept/<source>``), and each equals the ratio
 recomputed from the checkpoint over the same validation windows with every token's source taken
-from the documents' order (``documents_per_source``), not from the loop's SourceMap."""
+from the documents' order (``documents_per_source``), not from the loop's SourceMap; and
+``ncpctl eval CKPT --concepts`` without corpora reports the same split per source."""
 
 from __future__ import annotations
 
@@ -78,6 +79,16 @@ def test_validation_reports_tokens_per_concept_per_source(tmp_path: Path) -> Non
         assert math.isclose(per[name], tokens[i] / concepts[i], rel_tol=2e-3), (name, per[name], tokens[i] / concepts[i])
     assert per["code_txt"] != per["prose_txt"]
 
+    # ncpctl eval CKPT --concepts without --heldout: Table 5 on this validation split, one corpus per
+    # source, each that source's tokens (from documents_per_source) cut into windows of the model's length
+    rep = result(ncpctl("eval", res["checkpoint"], "--concepts", "--json"))
+    by = rep["tokens_per_concept_by_source"]
+    assert list(by) == meta["source_labels"] and rep["corpora"].startswith("validation split")
+    sizes = np.asarray(ds.sizes)
+    for i, name in enumerate(meta["source_labels"]):
+        n = int(sizes[sum(counts[:i]):sum(counts[:i + 1])].sum())
+        assert by[name]["tokens"] == min(n // T, 600) * T and 0 < by[name]["concepts"] <= by[name]["tokens"]
+
 
 def _seed(run: Path) -> int:
     """train.seed of the run (its resolved recipe)."""
@@ -85,30 +96,3 @@ def _seed(run: Path) -> int:
 
     return int(yaml.safe_load((run / "recipe.resolved.yaml").read_text())["train"]["seed"])
 
-
-def test_eval_concepts_defaults_to_the_validation_split_per_source(tmp_path: Path) -> None:
-    """``ncpctl eval CKPT --concepts`` without --heldout: Table 5 on the run's own validation split,
-    one corpus per data.sources entry, each that source's tokens (from documents_per_source) cut
-    into windows of the model's length."""
-    code, prose = _corpora(tmp_path)
-    run = tmp_path / "run"
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"extends: {RECIPES / 'debug-dlcm.yaml'}\nrun: {{dir: {run}}}\n"
-                      f"data: {{sources: ['{code}/*.txt', '{prose}/*.txt'], val_fraction: 0.2}}\n"
-                      "tokenizer: {vocab_size: 512}\nmodel: {max_seq_len: 64}\n"
-                      "train: {max_steps: 1, seq_len: 64, micro_batch_size: 4, global_batch_size: 8, eval_every: 0,"
-                      " save_every: 1, plots: false}\n")
-    assert ncpctl("tokenize", str(recipe)).returncode == 0
-    ckpt = result(ncpctl("pretrain", str(recipe), "--json"))["checkpoint"]
-    rep = result(ncpctl("eval", ckpt, "--concepts", "--json"))
-    from ncpctl.data.indexed import IndexedDataset
-
-    meta = json.loads((run / "data" / "meta.json").read_text())
-    sizes = np.asarray(IndexedDataset(run / "data" / "val").sizes)
-    counts = meta["splits"]["val"]["documents_per_source"]
-    per_source = [int(sizes[sum(counts[:i]):sum(counts[:i + 1])].sum()) for i in range(len(counts))]
-    by = rep["tokens_per_concept_by_source"]
-    assert list(by) == meta["source_labels"] == ["code_txt", "prose_txt"]
-    for name, n in zip(meta["source_labels"], per_source):
-        assert by[name]["tokens"] == min(n // 64, 600) * 64 and 0 < by[name]["concepts"] <= by[name]["tokens"]
-    assert rep["corpora"].startswith("validation split")
