@@ -8,8 +8,11 @@ concept width doubled, against two bases with the concept path off, all at the t
 DLCM builds its inference-FLOPs-matched baseline, recipes/dlcm-baseline-1.3b.yaml's 32 =
 10 + 16 + 6), and ``token`` only DLCM's encoder + decoder layers. Prefill of ``--prompt``
 random tokens, then ``--steps`` greedy ``decode_step`` calls, seconds per step (B tokens; the
-ratio is the same per token) best-of-``--repeats``, the models interleaved. Random weights: the boundary predictor starts at
-the identity, so the realised boundary rate is what random states give (printed). The concept
+ratio is the same per token) best-of-``--repeats``, the models interleaved. Random weights: the
+boundary predictor starts at the identity, and what rate random states give depends on the width
+(3.8 tokens per concept at d = 256, 256 at d = 1024), so the inference threshold is set to the
+(1 - 1/R) quantile of p on random tokens (``calibrate_threshold``), which realises R = 4 as a
+trained model's balance loss does (the realised value is printed). The concept
 step runs on a step only for the rows that closed a segment (ncpctl.model.decode), so at batch
 1 it runs on about 1/R of the steps and at batch 8 on most steps, for a few rows: where
 decoding is bound by reading the weights (a GPU, or this CPU once the concept layers no longer
@@ -47,13 +50,33 @@ def models(d: int):
     r = load_recipe(REPO / "recipes" / "debug-dlcm.yaml", sets)
     cfg = r.model_config
     torch.manual_seed(0)
-    dlcm = NCPModel(cfg).eval()
+    dlcm = calibrate_threshold(NCPModel(cfg).eval(), cfg.concept.target_ratio)
     plain = {**cfg.to_dict(), "concept": {**cfg.to_dict()["concept"], "enabled": False}}
     bases = {}
     for name, n in (("matched", cfg.n_token_layers + cfg.concept.concept_layers), ("token", cfg.n_token_layers)):
         torch.manual_seed(0)
         bases[name] = NCPModel(type(cfg).from_dict({**plain, "n_layers": n})).eval()
     return bases, dlcm, cfg
+
+
+def calibrate_threshold(model, R: float, B: int = 4, T: int = 256):
+    """Set the model's inference boundary threshold to the (1 - 1/R) quantile of the boundary
+    probabilities p it gives on random tokens, so about 1/R of the tokens start a segment (the
+    rate the balance loss trains a model to). Returns the model."""
+    import torch
+
+    seg = model.concept.segmenter
+    seen = {}
+    hook = seg.register_forward_pre_hook(lambda _m, args: seen.setdefault("h", args[0]))
+    x = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(11))
+    try:
+        with torch.no_grad():
+            model(x, compute_logits=False)
+            p = seg.probabilities(seen["h"])[:, 1:].float().flatten()  # p_0 = 1 is not a decision
+    finally:
+        hook.remove()
+    seg.threshold = float(torch.quantile(p, 1 - 1 / R))
+    return model
 
 
 def per_step(model, B: int, prompt: int, steps: int) -> float:
@@ -138,7 +161,8 @@ def paper_shape_weight_ratio(batches: list[int]) -> dict[str, float]:
 def tokens_per_concept(model, B: int, T: int) -> float:
     import torch
 
-    x = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(7))
+    dev = next(model.parameters()).device
+    x = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(7)).to(dev)
     with torch.no_grad():
         m = model(x, x).metrics
     v = m.get("tokens_per_concept")
@@ -160,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     bases, dlcm, cfg = models(args.d_model)
     out = {"d_model": args.d_model, "d_concept": cfg.concept.d_concept, "token_layers": cfg.n_token_layers,
+           "boundary_threshold": dlcm.concept.segmenter.threshold,
            "concept_layers": cfg.concept.concept_layers, "target_ratio": cfg.concept.target_ratio,
            "threads": args.threads, "batches": {},
            "tokens_per_concept_random_weights": tokens_per_concept(dlcm, 2, 256)}
@@ -189,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{v:.2f}x the weights at batch {B}" for B, v in out["paper_shape_weight_ratio"].items()),
           file=sys.stderr)
     print(f"d={out['d_model']} (concepts {out['d_concept']}), {cfg.n_token_layers} token + {cfg.concept.concept_layers} "
-          f"concept layers, R = {out['target_ratio']}, random-weight tokens per concept "
-          f"{out['tokens_per_concept_random_weights']:.2f}, load {out['loadavg_1min']}", file=sys.stderr)
+          f"concept layers, R = {out['target_ratio']}, tokens per concept {out['tokens_per_concept_random_weights']:.2f} "
+          f"(random weights, threshold {out['boundary_threshold']:.4f}), load {out['loadavg_1min']}", file=sys.stderr)
     if args.json:
         print(json.dumps(out, indent=2))
     return 0

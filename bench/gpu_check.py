@@ -560,7 +560,8 @@ def dlcm_section(sh: Shapes, env: Env) -> dict[str, Any]:
                                "ratio_matched": best["dlcm"] / best["base_matched"],
                                "ratio_token": best["dlcm"] / best["base_token"]}
     out["decode"] = {"d_model": sh.dlcm_decode_d, "d_concept": cfg.concept.d_concept, "batches": batches,
-                     "goal": "<= 1.2 (ratio_matched)"}
+                     "boundary_threshold": dlcm.concept.segmenter.threshold,  # calibrated for R = 4 (dlcm_decode)
+                     "tokens_per_concept": dec.tokens_per_concept(dlcm, 2, 256), "goal": "<= 1.2 (ratio_matched)"}
     del models, dlcm, bases
     _free(env)
     return out
@@ -690,6 +691,8 @@ def summary(res: dict[str, Any]) -> str:
         for B, r in dd["batches"].items():
             lines.append(f"    decode batch {B}: DLCM {r['dlcm_ms']:.2f} ms/step, /matched base {r['ratio_matched']:.3f}, "
                          f"/token-layer base {r['ratio_token']:.3f} (goal <= 1.2 matched)")
+        lines.append(f"    decode at {dd['tokens_per_concept']:.2f} tokens per concept (R = 4 by the calibrated "
+                     f"threshold {dd['boundary_threshold']:.4f})")
     failed = [k for k, v in res.get("checks", {}).items() if not v]
     lines.append(f"checks: {'all passed' if not failed else 'FAILED ' + ', '.join(failed)} ({len(res.get('checks', {}))} run)")
     for name, err in res["errors"].items():

@@ -93,6 +93,60 @@ class AddCoupling(Coupling):
         return self.combine(h, state["pred"][:, None])
 
 
+# An extra query/key coordinate of 1 against -_FAR puts a key's score at -_FAR / sqrt(hd) (below
+# -1000 for head dims up to 256): exp() of it is exactly 0 in fp32, so the key is out of the
+# softmax while the mask stays SDPA's plain causal one. 2^14: exact in bf16 and fp16 (no inf, so a
+# row with no valid key is uniform over zero values, not a NaN).
+_FAR = float(2 ** 14)
+_PAD = 8  # the extra coordinate, padded so the head dim stays a multiple of 8 (flash kernels)
+
+
+def per_concept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:
+    """``per_concept``: q (B, H, T, hd) over the concepts k, v (B, H, M, hd), token t seeing
+    concepts 0 .. closed[t] - 1 once each (SDPA with a (B, 1, T, M) boolean mask) -> (B, H, T, hd),
+    exactly zero where closed[t] = 0."""
+    M = k.shape[2]
+    vis = torch.arange(M, device=closed.device) < closed[..., None]  # (B, T, M)
+    seen = closed > 0  # (B, T)
+    mask = (vis | ~seen[..., None])[:, None]  # rows that see nothing attend anywhere ...
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * seen[:, None, :, None].to(q.dtype)  # ... x 0
+
+
+def replicated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:
+    """``replicated`` (DLCM Sec. 4.1's kernel): concept j's key/value copied onto the positions of
+    segment j+1 (the tokens with closed = j+1: never onto its own segment), then ONE attention over
+    the T token-aligned keys under the plain causal mask (``is_causal``: flash kernels), so token t
+    weighs concept j by its copies at positions <= t. Segment 0 carries no concept: its key slots
+    get the extra coordinate -_FAR (exactly out of the softmax) and zero values, and its tokens'
+    outputs are zeroed. Shapes as ``per_concept_attention``; memory (B, H, T, hd + _PAD) for the
+    copies, as the paper's kernel."""
+    B, H, T, hd = q.shape
+    valid = closed > 0  # (B, T) the slot carries concept closed - 1
+    idx = (closed - 1).clamp_min(0)[:, None, :, None].expand(B, H, T, hd)
+    kr, vr = k.gather(2, idx), v.gather(2, idx) * valid[:, None, :, None].to(v.dtype)  # (B, H, T, hd)
+    ext_q = q.new_zeros(B, H, T, _PAD)
+    ext_q[..., 0] = 1
+    ext_k = q.new_zeros(B, H, T, _PAD)
+    ext_k[..., 0] = torch.where(valid, 0.0, -_FAR).to(q.dtype)[:, None]
+    y = F.scaled_dot_product_attention(torch.cat([q, ext_q], -1), torch.cat([kr, ext_k], -1),
+                                       torch.cat([vr, torch.zeros_like(ext_q)], -1), is_causal=True,
+                                       scale=hd ** -0.5)[..., :hd]
+    return y * valid[:, None, :, None].to(q.dtype)
+
+
+def copies_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
+    """The replicated form from copy counts, for decoding steps (a query per row, T = 1): the
+    softmax over the M concepts with the bias log(copies) (what repeated keys do to a softmax),
+    computed in fp32 (log of a count in bf16 is off by up to 2%; T = 1 makes it cheap); copies
+    (B, T, M), 0 = invisible. -> (B, H, T, hd) in q's dtype, zero where no concept is visible."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    seen = (copies > 0).any(-1)  # (B, T)
+    bias = torch.where(copies > 0, copies.to(wide).log(), torch.full_like(copies, float("-inf"), dtype=wide))
+    bias = torch.where(seen[..., None], bias, torch.zeros_like(bias))[:, None]  # (B, 1, T, M)
+    y = F.scaled_dot_product_attention(q.to(wide), k.to(wide), v.to(wide), attn_mask=bias)
+    return (y * seen[:, None, :, None].to(wide)).to(q.dtype)
+
+
 class CrossAttentionCoupling(Coupling):
     """DLCM Sec. 3.5.2, Eq. 14: z = h + W_O softmax(q k^T / sqrt(hd) + mask) v, ONE causal
     cross-attention from every token to the processed concepts closed at that token, added to
@@ -105,12 +159,13 @@ class CrossAttentionCoupling(Coupling):
     what the concept path hands every coupling (the concept heads' mix of codes).
 
     ``concept.cross_attention`` declares which attention the model is:
-    * ``per_concept``: a softmax over the visible concepts, each once (SDPA over M with a (T, M) mask);
-    * ``replicated`` (DLCM Sec. 4.1's kernel): concept j's key/value copied onto the tokens at which
-      it is the latest closed concept (segment j+1), under an ordinary causal mask; computed here
-      exactly as the per-concept softmax with the bias log(copies visible at t), which is what
-      repeated keys do to a softmax. Decoding keeps each row's copy counts: every new token adds one
-      copy of its latest closed concept.
+    * ``per_concept``: a softmax over the visible concepts, each once (``per_concept_attention``:
+      SDPA over M with a (T, M) mask);
+    * ``replicated`` (DLCM Sec. 4.1's kernel, ``replicated_attention``): concept j's key/value copied
+      onto the tokens at which it is the latest closed concept (segment j+1), under the plain
+      causal mask, so each concept weighs by its visible copies. Decoding keeps each row's copy
+      counts (every new token adds one copy of its latest closed concept) and attends with the
+      equivalent bias log(copies) (``copies_attention``).
 
     Concept smoothing (Sec. 3.5.1; the paper does not specify it): a causal two-tap filter over the
     concept sequence, z~_j = z_j + s * z_{j-1} (z_{-1} = 0) with a learned per-dimension s, zero at
@@ -140,20 +195,28 @@ class CrossAttentionCoupling(Coupling):
         k, v = self.wkv(mem).view(B, M, 2, self.H, self.hd).unbind(2)
         return self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
 
-    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
-        """Tokens x (B, T, d) to concepts k, v (B, H, M, hd); ``copies`` (B, T, M): how many copies
-        of concept j token t sees (0 = invisible; per_concept uses only > 0) -> (B, T, d)."""
-        B, T, d = x.shape
-        q = self.q_norm(self.wq(x).view(B, T, self.H, self.hd)).transpose(1, 2)  # (B, H, T, hd)
-        vis = copies > 0
-        seen = vis.any(-1)  # (B, T) tokens with a closed concept
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens x (B, T, d) -> q (B, H, T, hd), normed per head."""
+        B, T, _ = x.shape
+        return self.q_norm(self.wq(x).view(B, T, self.H, self.hd)).transpose(1, 2)
+
+    def _out(self, y: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = y.shape
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:
+        """Tokens x (B, T, d) of a whole sequence to concepts k, v (B, H, M, hd), token t seeing
+        concepts 0 .. closed[t] - 1 (closed (B, T)), in the declared form -> (B, T, d)."""
+        form = replicated_attention if self.replicated else per_concept_attention
+        return self._out(form(self.queries(x), k, v, closed))
+
+    def attend_step(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
+        """Decoding: new tokens x (B, 1, d); ``copies`` (B, 1, M): copies of concept j the token
+        sees (0 = invisible; per_concept uses only > 0) -> (B, 1, d)."""
+        q = self.queries(x)
         if self.replicated:
-            bias = copies.to(q.dtype).log()  # log(copies): -inf where none is visible
-            mask = torch.where(seen[..., None], bias, torch.zeros_like(bias))[:, None]  # (B, 1, T, M) additive
-        else:
-            mask = (vis | ~seen[..., None])[:, None]  # (B, 1, T, M): rows that see nothing attend anywhere ...
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * seen[:, None, :, None].to(q.dtype)  # ... x 0
-        return self.wo(y.transpose(1, 2).reshape(B, T, d))
+            return self._out(copies_attention(q, k, v, copies))
+        return self._out(per_concept_attention(q, k, v, (copies > 0).sum(-1)))
 
     @staticmethod
     def copies(closed: torch.Tensor, M: int) -> torch.Tensor:
@@ -167,7 +230,7 @@ class CrossAttentionCoupling(Coupling):
             return h
         closed = segmenter.closed_counts(seg, h.shape[1])
         k, v = self.keys_values(self.smoothed(pred))
-        return h + self.attend(h, k, v, self.copies(closed, pred.shape[1]))
+        return h + self.attend(h, k, v, closed)
 
     # ---- incremental decoding: each row's concept keys/values and closed count ----
 
@@ -193,8 +256,8 @@ class CrossAttentionCoupling(Coupling):
         k, v = self.keys_values((pred + self.smooth * state["last"])[:, None])
         state["last"] = torch.where(closing.closed[:, None], pred, state["last"])
         K, V = state["k"], state["v"]
-        if closing.length > K.shape[2]:  # room for index < length
-            more = closing.length - K.shape[2]
+        if closing.length > K.shape[2]:  # room for index < length: grow by doubling (amortised O(M) copies)
+            more = max(closing.length - K.shape[2], K.shape[2])
             grow = K.new_zeros(K.shape[0], K.shape[1], more, K.shape[3])
             K, V = torch.cat([K, grow], 2), torch.cat([V, grow], 2)
             if "copies" in state:
@@ -210,10 +273,11 @@ class CrossAttentionCoupling(Coupling):
         M = state["k"].shape[2]
         if M == 0:
             return h
+        # slots past a row's n (not closed yet, or spare room) are invisible: zero copies
         latest = torch.arange(M, device=h.device)[None] == (state["n"] - 1)[:, None]  # (B, M); none while n = 0
         if "copies" in state:  # the new token is one more copy of its latest closed concept
             state["copies"] = state["copies"] + latest.long()
             copies = state["copies"]
         else:
             copies = (torch.arange(M, device=h.device)[None] < state["n"][:, None]).long()
-        return h + self.attend(h, state["k"], state["v"], copies[:, None])
+        return h + self.attend_step(h, state["k"], state["v"], copies[:, None])

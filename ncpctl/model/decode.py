@@ -226,7 +226,9 @@ def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, iv
         # would be thrown away): at small batch on a CPU the concept layers are compute-bound,
         # and with learned boundaries a few rows of a batch close at each step.
         sub = closing.rows is not None and len(closing.rows) < B
-        rows = torch.tensor(closing.rows, device=h.device) if sub else None
+        # the closing rows in order, from the device mask (a host list copied over would be a second
+        # sync per step on a GPU): a stable sort puts the True rows first, their count is known here
+        rows = torch.argsort((~closing.closed).to(torch.int8), stable=True)[:len(closing.rows)] if sub else None
         pick = (lambda t: t[rows]) if sub else (lambda t: t)  # noqa: E731
         j, n = pick(closing.index), closing.length
         concept = pick(closing.concept)

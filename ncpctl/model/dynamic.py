@@ -238,9 +238,11 @@ class DynamicSegmenter(Segmenter):
     # ---- incremental decoding (inference boundaries) ----
 
     def decode_init(self, B: int, d: int, device, dtype) -> dict:
+        # the open segment's running sum and count in fp32 or wider (in bf16, 256 + 1 = 256)
+        wide = torch.promote_types(dtype, torch.float32)
         return {"prev": torch.zeros(B, d, device=device, dtype=dtype),  # q (or h) of the previous token
-                "sum": torch.zeros(B, d, device=device, dtype=dtype),  # h summed over the open segment
-                "count": torch.zeros(B, 1, device=device, dtype=dtype),
+                "sum": torch.zeros(B, d, device=device, dtype=wide),  # h summed over the open segment
+                "count": torch.zeros(B, 1, device=device, dtype=wide),
                 "n": torch.zeros(B, dtype=torch.long, device=device)}  # closed segments
 
     def _threshold(self) -> float:
@@ -254,8 +256,8 @@ class DynamicSegmenter(Segmenter):
         seg = self._segments(h, b, lengths)
         rows, last = torch.arange(B, device=h.device), lengths - 1
         open_ = (seg.closed == seg.n_closed[:, None]) & (torch.arange(T, device=h.device)[None] < lengths[:, None])
-        state["sum"] = (h * open_[..., None].to(h.dtype)).sum(1)
-        state["count"] = open_.sum(1, keepdim=True).to(h.dtype)
+        state["sum"] = (_wide(h) * open_[..., None]).sum(1)
+        state["count"] = open_.sum(1, keepdim=True).to(state["sum"].dtype)
         state["n"] = seg.n_closed.clone()
         state["prev"] = self._project(h[rows, last][:, None])[0][:, 0]
         return seg
@@ -265,9 +267,9 @@ class DynamicSegmenter(Segmenter):
         p = ((1 - cosine(_wide(state["prev"]), _wide(k[:, 0]))) / 2).clamp(0, 1)
         start = (p >= self._threshold()) | (pos == 0)  # (B,) this token starts a segment
         closed = start & (pos > 0)  # ... so the previous one is over
-        concept = state["sum"] / state["count"].clamp_min(1)
+        concept = (state["sum"] / state["count"].clamp_min(1)).to(h.dtype)
         index = state["n"].clone()
-        state["sum"] = torch.where(start[:, None], h, state["sum"] + h)
+        state["sum"] = torch.where(start[:, None], _wide(h), state["sum"] + h)
         state["count"] = torch.where(start[:, None], torch.ones_like(state["count"]), state["count"] + 1)
         state["n"] = state["n"] + closed.long()
         state["prev"] = q[:, 0]

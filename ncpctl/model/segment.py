@@ -143,13 +143,16 @@ class Segmenter(nn.Module):
 
 def segment_means(h: torch.Tensor, seg_id: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean of h (B, T, d) over each segment: ``seg_id`` (B, T) in [0, M) or -1 (not pooled).
-    Returns (means (B, M, d), token counts (B, M)); empty segments give zeros."""
-    B, T, d = h.shape
-    keep = seg_id >= 0
-    idx = seg_id.clamp_min(0)
-    sums = h.new_zeros(B, M, d).scatter_add_(1, idx[..., None].expand(B, T, d), h * keep[..., None].to(h.dtype))
-    counts = torch.zeros(B, M, device=h.device, dtype=h.dtype).scatter_add_(1, idx, keep.to(h.dtype))
-    return sums / counts.clamp_min(1)[..., None], counts
+    Returns (means (B, M, d), token counts (B, M)); empty segments give zeros.
+
+    The sums are one batched GEMM of the (B, M, T) segment indicator with h: deterministic on
+    every device and accumulated in fp32 for bf16 inputs (a scatter-add would round every
+    addition in bf16, where 256 + 1 = 256, and uses atomics in an order that varies on a GPU);
+    the counts are exact integers."""
+    member = seg_id[:, None, :] == torch.arange(M, device=h.device)[None, :, None]  # (B, M, T); -1 is in none
+    counts = member.sum(-1)  # (B, M)
+    sums = torch.bmm(member.to(h.dtype), h)  # (B, M, d)
+    return sums / counts.clamp_min(1)[..., None].to(h.dtype), counts.to(h.dtype)
 
 
 class FixedBlocks(Segmenter):
@@ -180,7 +183,8 @@ class FixedBlocks(Segmenter):
         return ((torch.arange(T, device=seg.concepts.device) + 1) // self.k)[None].expand(B, T)
 
     def decode_init(self, B: int, d: int, device, dtype) -> dict:
-        return {"sum": torch.zeros(B, d, device=device, dtype=dtype)}  # h summed over the open block
+        # h summed over the open block, in fp32 or wider (the forward's mean accumulates so too)
+        return {"sum": torch.zeros(B, d, device=device, dtype=torch.promote_types(dtype, torch.float32))}
 
     def decode_prefill(self, state, h, lengths, lengths_host):
         B, T, d = h.shape
@@ -189,14 +193,14 @@ class FixedBlocks(Segmenter):
         seg.n_closed = lengths // k  # (B,) complete blocks per row
         ar = torch.arange(T, device=h.device)
         in_open = (ar[None] >= (seg.n_closed * k)[:, None]) & (ar[None] < lengths[:, None])
-        state["sum"] = (h * in_open[..., None]).sum(dim=1)  # (B, d)
+        state["sum"] = (h.to(state["sum"].dtype) * in_open[..., None]).sum(dim=1)  # (B, d)
         return seg
 
     def decode_step(self, state, h, pos, pos_host):
         k = self.k
         state["sum"] = state["sum"] + h
         done = pos % k == k - 1  # (B,) the block ends at this token
-        c = state["sum"] / k  # (B, d) the pooled block (junk where not done)
+        c = (state["sum"] / k).to(h.dtype)  # (B, d) the pooled block (junk where not done)
         state["sum"] = state["sum"].masked_fill(done[:, None], 0.0)
         j = pos // k
         # host ints tell whether any row completes a block: no device sync

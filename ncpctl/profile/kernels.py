@@ -8,13 +8,14 @@
 * ``concept``: the concept path's pieces, forward + backward: pooling (a reshape + mean),
   heads + codebook (one Linear, one einsum), the causal shift, the nearest-code search.
 * ``dlcm``: DLCM's token -> concept attention (DLCM Table 6), the model's two declared forms
-  (ncp-model.md section 8, ``concept.cross_attention``) on the same queries, concepts and
-  irregular segments: token t sees the concepts of the segments closed at t, never its own.
-  ``per_concept``: queries (B,H,T,hd) against the M closed concepts' keys with a boolean (T, M)
-  mask, each concept once; ``replicated``: concept j's K/V copied onto the tokens of segment
-  j+1 and the plain causal mask (``is_causal=True``, flash kernels) over the tokens from
-  segment 1 on (segment 0 sees nothing), so a concept weighs by its visible copies. Forward,
-  over a grid of sequence lengths x widths (reduced on CPU).
+  (ncp-model.md section 8, ``concept.cross_attention``) as the model runs them
+  (``ncpctl.model.coupling``), on the same queries, concepts and irregular segments: token t
+  sees the concepts of the segments closed at t, never its own. ``per_concept``: queries
+  (B,H,T,hd) against the M closed concepts' keys with a boolean (T, M) mask, each concept once;
+  ``replicated``: concept j's K/V copied onto the tokens of segment j+1 and one plain causal
+  attention over the T token-aligned keys (``is_causal=True``, flash kernels; segment 0's slots
+  pushed out of the softmax by an extra key coordinate), so a concept weighs by its visible
+  copies. Forward, over a grid of sequence lengths x widths (reduced on CPU).
 """
 
 from __future__ import annotations
@@ -157,8 +158,12 @@ def _segments(T: int, mean_len: int, gen) -> list[int]:
 
 
 def dlcm_rows(grid: dict[str, Any], k: int, device, dtype, warmup: int, repeats: int) -> list[dict[str, Any]]:
+    """The model's own two attention kernels (``ncpctl.model.coupling.per_concept_attention`` and
+    ``replicated_attention``, what ``CrossAttentionCoupling`` runs in a forward) on the same
+    queries, concepts and irregular segments, forward, over the grid."""
     import torch
-    import torch.nn.functional as F
+
+    from ncpctl.model.coupling import per_concept_attention, replicated_attention
 
     gen = torch.Generator().manual_seed(0)
     hd = grid["head_dim"]
@@ -167,34 +172,23 @@ def dlcm_rows(grid: dict[str, Any], k: int, device, dtype, warmup: int, repeats:
         H = max(1, d // hd)
         for T in grid["seq_len"]:
             lens = torch.tensor(_segments(T, k, gen))
-            seg = torch.repeat_interleave(torch.arange(len(lens)), lens).to(device)  # (T,) own segment
+            closed = torch.repeat_interleave(torch.arange(len(lens)), lens).to(device)[None]  # (1, T) own segment
             M, first = len(lens) - 1, int(lens[0])  # closed concepts (the last segment is open)
             if M == 0:
                 continue
             q = torch.randn(1, H, T, hd, device=device, dtype=dtype)
             kc = torch.randn(1, H, M, hd, device=device, dtype=dtype)
             vc = torch.randn(1, H, M, hd, device=device, dtype=dtype)
-            # token t sees concepts j < seg(t); segment 0 sees none: an all-true row keeps SDPA
-            # from a NaN (the model zeroes those rows)
-            mask = torch.arange(M, device=device)[None, :] < seg[:, None]  # (T, M)
-            mask[seg == 0] = True
-            carried = seg[first:] - 1  # the concept each token from segment 1 on carries (a copy)
             shape = {"T": T, "d": d, "H": H, "hd": hd, "M": M}
-
-            def per_concept():
-                return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
-
-            def replicated():
-                kr, vr = kc.index_select(2, carried), vc.index_select(2, carried)  # (1,H,T-first,hd)
-                return F.scaled_dot_product_attention(q[:, :, first:], kr, vr, is_causal=True)
-
-            visible = int((torch.arange(M, device=device)[None, :] < seg[:, None]).sum())
+            visible = int((torch.arange(M, device=device)[None, :] < closed[0, :, None]).sum())
             n = T - first
-            for name, fn, pairs in (("per_concept", per_concept, T * M), ("replicated", replicated, n * (n + 1) // 2)):
+            for name, fn, pairs in (("per_concept", per_concept_attention, T * M),
+                                    ("replicated", replicated_attention, T * (T + 1) // 2)):
                 with torch.no_grad():
-                    st = measure(fn, device, warmup, repeats)
+                    st = measure(lambda fn=fn: fn(q, kc, vc, closed), device, warmup, repeats)
                 row = _row("dlcm", name, shape, st, 2.0 * 2 * H * hd * pairs)
                 row["attended_pairs"] = visible  # (token, concept) pairs the model's attention covers
+                row["tokens_with_a_concept"] = n
                 rows.append(row)
     return rows
 

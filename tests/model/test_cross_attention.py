@@ -86,7 +86,7 @@ def test_each_attention_equals_its_direct_reference(kind, reference):
     h = torch.randn(B, T, d, dtype=torch.float64)
     mem = torch.randn(B, M, d, dtype=torch.float64)
     k, v = cpl.keys_values(mem)
-    got = cpl.attend(h, k, v, cpl.copies(closed, M))
+    got = cpl.attend(h, k, v, closed)
     ref = reference(cpl, h, mem, closed)
     assert (got - ref).abs().max() <= 1e-10
     first = closed == 0  # segment 0: no concept, exactly zero, no NaN
@@ -100,7 +100,7 @@ def test_the_two_attentions_differ():
     M = int(closed[:, -1].max())
     h, mem = torch.randn(2, 14, 32, dtype=torch.float64), torch.randn(2, M, 32, dtype=torch.float64)
     ka, va = a.keys_values(mem)
-    assert (a.attend(h, ka, va, a.copies(closed, M)) - r.attend(h, ka, va, r.copies(closed, M))).abs().max() > 1e-4
+    assert (a.attend(h, ka, va, closed) - r.attend(h, ka, va, closed)).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("kind", ["per_concept", "replicated"])
@@ -126,17 +126,18 @@ def test_causal_with_random_boundaries(kind, seed):
             assert torch.allclose(got[:, : p + 1], ref.logits[:, : p + 1], atol=1e-10, rtol=0), p
 
 
-def test_a_token_never_sees_its_own_segments_concept():
+@pytest.mark.parametrize("kind", ["per_concept", "replicated"])
+def test_a_token_never_sees_its_own_segments_concept(kind):
     """Perturbing the concept of token t's own segment (pred[closed(t)], the next one to close)
     changes no output of t; perturbing the latest closed one (pred[closed(t) - 1]) does."""
-    cpl = _coupling("per_concept")
+    cpl = _coupling(kind)
     closed = _random_closed(1, 14, seed=2)
     M = int(closed[0, -1])
     h, mem = torch.randn(1, 14, 32, dtype=torch.float64), torch.randn(1, M + 1, 32, dtype=torch.float64)
 
     def run(m):
         k, v = cpl.keys_values(m)
-        return cpl.attend(h, k, v, cpl.copies(closed, M + 1))
+        return cpl.attend(h, k, v, closed)
 
     base = run(mem)
     for j in range(M + 1):
@@ -207,3 +208,46 @@ def test_a_model_without_cross_attention_compares_equal_to_a_checkpoint_from_bef
     saved["concept"] = {**saved["concept"], "cross_attention": "per_concept"}
     assert cfg.concept.cross_attention == "per_concept"
     assert config_differences(saved, cfg.to_dict()) == []
+
+
+def test_replicated_runs_one_plain_causal_attention(monkeypatch):
+    """The replicated form is the paper's kernel, not the per-concept softmax with a bias: one
+    SDPA call over the T token-aligned keys with is_causal and no mask (what flash kernels take),
+    head dim still a multiple of 8; per_concept passes its (B, 1, T, M) boolean mask."""
+    import torch.nn.functional as F
+
+    from ncpctl.model import coupling as C
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append((tuple(k.shape), attn_mask is None, is_causal, q.shape[-1] % 8 == 0))
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(C.F, "scaled_dot_product_attention", spy)
+    closed = _random_closed(2, 16, seed=3)
+    M = int(closed[:, -1].max())
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 4, M, 8), torch.randn(2, 4, M, 8)
+    C.replicated_attention(q, k, v, closed)
+    C.per_concept_attention(q, k, v, closed)
+    assert calls[0] == ((2, 4, 16, 16), True, True, True)  # T keys, no mask, causal
+    assert calls[1][:3] == ((2, 4, M, 8), False, False)
+
+
+@pytest.mark.parametrize("kind", ["per_concept", "replicated"])
+def test_bf16_stays_near_the_reference_and_finite(kind):
+    """In bf16 (what a GPU run uses) each form stays within bf16 rounding of its float64
+    reference, and segment 0's tokens are exactly zero (the -_FAR key slots give no NaN)."""
+    from ncpctl.model import coupling as C
+
+    closed = _random_closed(3, 40, seed=9)
+    M = int(closed[:, -1].max())
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, 2, n, 16, generator=g, dtype=torch.float64) for n in (40, M, M))
+    form = C.replicated_attention if kind == "replicated" else C.per_concept_attention
+    ref = form(q, k, v, closed)
+    got = form(q.bfloat16(), k.bfloat16(), v.bfloat16(), closed).double()
+    assert torch.isfinite(got).all() and (got - ref).abs().max() < 0.05
+    first = (closed == 0)[:, None, :, None].expand_as(got)
+    assert torch.equal(got[first], torch.zeros_like(got[first]))

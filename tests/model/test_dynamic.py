@@ -347,3 +347,27 @@ def test_a_wider_concept_transformer_is_lifted_by_w_up():
     assert f["concept.heads"] == 2 * M * 64 * 4 * 8
     with pytest.raises(ConfigError, match="need concept.d_concept = d_model"):
         tiny("llama", crc_connections=["concept-decoder"], concept=dict(d_concept=64))
+
+
+def test_long_segments_pool_accurately_in_bf16():
+    """A 600-token segment in bf16 (a GPU run's dtype): the forward's pooled mean (one GEMM with
+    fp32 accumulation) and the decode step's running sum (kept in fp32) both give the segment's
+    mean to bf16 rounding; summed in bf16 the count would stop at 256 (256 + 1 = 256 there)."""
+    from ncpctl.model.segment import segment_means
+
+    g = torch.Generator().manual_seed(0)
+    d, n = 16, 600
+    base = torch.randn(d, generator=g, dtype=torch.float64)
+    h = base + 0.1 * torch.randn(1, n, d, generator=g, dtype=torch.float64)  # one slowly varying segment
+    want = h[0].mean(0)
+    means, counts = segment_means(h.bfloat16(), torch.zeros(1, n, dtype=torch.long), 1)
+    assert counts.item() == n and (means[0, 0].double() - want).abs().max() < 0.02 * want.abs().max()
+
+    cfg = tiny("llama", concept=dict(segmentation="dynamic", boundary_mode="boundary", boundary_tau=0.5))
+    seg = DynamicSegmenter(cfg).eval()
+    x = torch.cat([h, -base[None, None]], 1).bfloat16()  # then a token pointing the other way: p = 1
+    st = seg.decode_init(1, d, x.device, torch.bfloat16)
+    for t in range(n + 1):
+        closing = seg.decode_step(st, x[:, t], torch.tensor([t]), [t])
+    assert closing.rows == [0] and closing.concept.dtype == torch.bfloat16
+    assert (closing.concept[0].double() - want).abs().max() < 0.02 * want.abs().max()
