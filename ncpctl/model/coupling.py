@@ -201,6 +201,7 @@ class CrossAttentionCoupling(Coupling):
         return self.q_norm(self.wq(x).view(B, T, self.H, self.hd)).transpose(1, 2)
 
     def _out(self, y: torch.Tensor) -> torch.Tensor:
+        """Heads y (B, H, T, hd) joined and projected back: W_O y, (B, T, d)."""
         B, _, T, _ = y.shape
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -209,14 +210,6 @@ class CrossAttentionCoupling(Coupling):
         concepts 0 .. closed[t] - 1 (closed (B, T)), in the declared form -> (B, T, d)."""
         form = replicated_attention if self.replicated else per_concept_attention
         return self._out(form(self.queries(x), k, v, closed))
-
-    def attend_step(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
-        """Decoding: new tokens x (B, 1, d); ``copies`` (B, 1, M): copies of concept j the token
-        sees (0 = invisible; per_concept uses only > 0) -> (B, 1, d)."""
-        q = self.queries(x)
-        if self.replicated:
-            return self._out(copies_attention(q, k, v, copies))
-        return self._out(per_concept_attention(q, k, v, (copies > 0).sum(-1)))
 
     @staticmethod
     def copies(closed: torch.Tensor, M: int) -> torch.Tensor:
@@ -273,11 +266,11 @@ class CrossAttentionCoupling(Coupling):
         M = state["k"].shape[2]
         if M == 0:
             return h
-        # slots past a row's n (not closed yet, or spare room) are invisible: zero copies
-        latest = torch.arange(M, device=h.device)[None] == (state["n"] - 1)[:, None]  # (B, M); none while n = 0
-        if "copies" in state:  # the new token is one more copy of its latest closed concept
-            state["copies"] = state["copies"] + latest.long()
-            copies = state["copies"]
-        else:
-            copies = (torch.arange(M, device=h.device)[None] < state["n"][:, None]).long()
-        return h + self.attend_step(h, state["k"], state["v"], copies[:, None])
+        # slots past a row's n (not closed yet, or spare room) are invisible
+        q, k, v = self.queries(h), state["k"], state["v"]
+        if "copies" not in state:  # per_concept: the new token sees concepts 0 .. n - 1
+            return h + self._out(per_concept_attention(q, k, v, state["n"][:, None]))
+        # replicated: the new token is one more copy of its latest closed concept (none while n = 0)
+        latest = torch.arange(M, device=h.device)[None] == (state["n"] - 1)[:, None]  # (B, M)
+        state["copies"] = state["copies"] + latest.long()
+        return h + self._out(copies_attention(q, k, v, state["copies"][:, None]))

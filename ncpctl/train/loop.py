@@ -247,6 +247,11 @@ def _dataset(recipe: Recipe, split: str) -> IndexedDataset:
     return IndexedDataset(prefix)
 
 
+def _meta_path(ds: IndexedDataset) -> Path:
+    """The meta.json ``ncpctl tokenize`` writes beside a dataset's PREFIX.bin/.idx."""
+    return Path(str(ds.bin_path)[: -len(".bin")]).parent / "meta.json"
+
+
 def _labels(recipe: Recipe, ds: IndexedDataset) -> tuple[Any, list[str] | None]:
     """The concept labels of ``ds`` (``PREFIX.labels.npy``, ncpctl.data.labels) when the model has a
     concept bottleneck: (LabelSpans, the vocabulary from meta.json or None); (None, None) otherwise.
@@ -257,7 +262,7 @@ def _labels(recipe: Recipe, ds: IndexedDataset) -> tuple[Any, list[str] | None]:
     from ncpctl.data.labels import LabelSpans
 
     prefix = str(ds.bin_path)[: -len(".bin")]
-    meta_path = Path(prefix).parent / "meta.json"
+    meta_path = _meta_path(ds)
     names = None
     if meta_path.is_file():
         names = (json.loads(meta_path.read_text()).get("labels") or {}).get("vocabulary")
@@ -279,7 +284,7 @@ def _val_sources(recipe: Recipe, ds: IndexedDataset, info: Callable[[str], None]
     c = recipe.model_config.concept
     if not (c.enabled and c.segmentation == "dynamic"):
         return None
-    meta_path = Path(str(ds.bin_path)[: -len(".bin")]).parent / "meta.json"
+    meta_path = _meta_path(ds)
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     counts = (meta.get("splits") or {}).get("val", {}).get("documents_per_source")
     labels = meta.get("source_labels")
@@ -297,7 +302,7 @@ def _val_sources(recipe: Recipe, ds: IndexedDataset, info: Callable[[str], None]
 
 def _check_vocab(recipe: Recipe, ds: IndexedDataset, vocab: int) -> None:
     """The data's token ids must fit the model's embedding (checked before training)."""
-    meta_path = Path(str(ds.bin_path)[: -len(".bin")]).parent / "meta.json"
+    meta_path = _meta_path(ds)
     if meta_path.is_file():
         data_vocab = json.loads(meta_path.read_text())["tokenizer"]["vocab_size"]
         if data_vocab > vocab:
@@ -806,12 +811,12 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
     t, T, G = r.train, r.seq_len, r.global_batch_size
     S = cfg.n_segments if cfg.concept.enabled else 0
     engine.eval()
-    val = WindowLoader(run.val_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world, labels=run.labels.val)
+    val = WindowLoader(run.val_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world, labels=run.labels.val,
+                       sources=run.val_sources)
     batches = min(t.eval_batches, math.ceil(val.num_windows / G))
     acc = torch.zeros(pk.n_terms, device=d.device)
     counts = torch.zeros(S, cfg.concept.codes, device=d.device) if collect_codes and S else None
     detection: list[tuple[torch.Tensor, torch.Tensor]] = []  # (chunk scores, chunk labels) per micro-batch
-    val.sources = run.val_sources
     by_source = None if run.val_sources is None else torch.zeros(2, len(run.val_sources.labels), dtype=torch.long)
     with torch.no_grad():
         for _ in range(batches):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -130,6 +131,28 @@ def weights(checkpoint: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     return load_file(str(checkpoint / "model.safetensors"))
+
+
+def crash_and_resume(make_recipe, name: str, sets: list[str]) -> tuple[Path, Path]:
+    """Run ``NAME_ref`` uninterrupted to its 6 steps, and ``NAME_crash`` killed (SIGKILL) inside
+    its step-6 checkpoint write, then resumed to the end from the last complete checkpoint (step
+    3); returns the two run directories."""
+    assert result(ncpctl("pretrain", str(make_recipe(f"{name}_ref")), *sets, "--json"))["step"] == 6
+    crash = make_recipe(f"{name}_crash")
+    proc = ncpctl("pretrain", str(crash), *sets, env={"NCPCTL_FAULT": "kill_in_save@6"})
+    assert proc.returncode == -signal.SIGKILL
+    r = result(ncpctl("pretrain", str(crash), *sets, "--json"))
+    assert r["resumed_from"].endswith("step_0000003") and r["step"] == 6
+    return crash.parent / f"{name}_ref", crash.parent / f"{name}_crash"
+
+
+def same_weights(a: Path, b: Path, step: int) -> bool:
+    """Whether two runs' checkpoints of ``step`` hold bit-identical weights."""
+    import torch
+
+    tag = f"checkpoints/step_{step:07d}"
+    wa, wb = weights(a / tag), weights(b / tag)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def copy_run(src: Path, dst: Path) -> Path:
