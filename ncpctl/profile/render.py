@@ -99,10 +99,9 @@ def render(con: Any, res: dict[str, Any]) -> None:
         if "faster_form" in dl:
             line = (f"faster on {k['device']}: {dl['faster_form']} (replicated / per_concept, geometric mean "
                     f"{dl['replicated_over_per_concept_gmean']:.2f})")
-            if dl["configured_form"] is not None:
-                line += (f"; this recipe declares {dl['configured_form']}" +
-                         ("" if dl["configured_is_faster"] else
-                          f": a new run here is faster with model.concept.cross_attention: {dl['faster_form']}"))
+            if dl["configured_form"] is not None:  # different functions: the recipe chooses, not the device
+                line += (f"; this recipe declares {dl['configured_form']} (model.concept.cross_attention: the function "
+                         "it trains, the same on every device)")
             con.print(line)
         for p in k.get("plots", []):
             con.print(f"plot: {p}")
