@@ -235,6 +235,19 @@ def test_a_model_without_cross_attention_compares_equal_to_a_checkpoint_from_bef
     assert config_differences(saved, cfg.to_dict()) == []
 
 
+def test_a_baseline_checkpoint_made_with_auto_on_cuda_still_continues():
+    """dlcm-baseline-1.3b turns the concept path off under the 2.3B's coupling: ``auto`` recorded
+    replicated there on a GPU, for a key the model never reads. The saved config, read as
+    ``check_compatible`` reads it, equals the recipe's now (the unused key holds per_concept)."""
+    from ncpctl.model.config import ModelConfig
+    from ncpctl.train.checkpoint import config_differences
+
+    cfg = tiny("llama", concept=dict(enabled=False, segmentation="dynamic", coupling="cross_attention"))
+    saved = cfg.to_dict()
+    saved["concept"] = {**saved["concept"], "cross_attention": "replicated"}
+    assert config_differences(ModelConfig.from_dict(saved).to_dict(), cfg.to_dict()) == []
+
+
 def test_replicated_runs_one_plain_causal_attention(monkeypatch):
     """The replicated form is the paper's kernel, not the per-concept softmax with a bias: one
     SDPA call over the T token-aligned keys with is_causal and no mask (what flash kernels take),
