@@ -515,7 +515,9 @@ class ModelConfig:
     decoder_layers: int = field(init=False)  # D = n_token_layers - E
     n_segments: int = field(init=False)  # S
     segment_dim: int = field(init=False)  # d / S
-    block_equivalents: float = field(init=False)  # token layers + C / (tokens per concept)
+    # token layers + C (d_concept / d)^2 / (tokens per concept): a concept layer's 12 T d^2 term of the
+    # paper view (ConceptLM App. C) at its own width on T / k positions, in token layers
+    block_equivalents: float = field(init=False)
     # attention window of each token layer (encoder then decoder) and each concept layer;
     # None = full attention. Layer n (1-based, in its stack) is full when n % full_attn_every == 0.
     token_windows: tuple = field(init=False)
@@ -621,7 +623,8 @@ class ModelConfig:
         if c.enabled:
             self.encoder_layers = c.encoder_layers
             self.decoder_layers = self.n_token_layers - c.encoder_layers
-            self.block_equivalents = self.n_token_layers + c.concept_layers / law.tokens_per_concept(c)
+            wide = (self.concept_cfg.d_model / self.d_model) ** 2  # a wider concept layer costs (d_c/d)^2 per position
+            self.block_equivalents = self.n_token_layers + c.concept_layers * wide / law.tokens_per_concept(c)
         else:
             self.encoder_layers = 0
             self.decoder_layers = self.n_token_layers
