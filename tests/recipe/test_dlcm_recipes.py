@@ -157,6 +157,17 @@ def test_inference_flops_matched(deepseek_like: list[str]) -> None:
     assert exact_flops(cfg, 8192).forward_per_token_causal < realised < exact_flops(base, 8192).forward_per_token_causal
 
 
+def test_paper_recipes_train_with_decoupled_mup(deepseek_like: list[str]) -> None:
+    """Sec. 6.1: the 2.3B model and every point that extends it train with decoupled muP, one d_base
+    for both widths (s = d / d_base), and Sec. 6.1.1's three base rates set (token, concept, others)."""
+    for name in (MAIN, *POINTS):
+        r = _load(name, deepseek_like)
+        cfg, t = r.model_config, r.train
+        assert cfg.mup_base_width is not None and cfg.mup_base_concept_width is None, name
+        assert cfg.mup_widths == (cfg.d_model / cfg.mup_base_width, cfg.concept_cfg.d_model / cfg.mup_base_width)
+        assert None not in (t.mup_lr_token, t.mup_lr_concept, t.lr), name
+
+
 # ----------------------------------------------------------------------------- the scaling grid
 
 
