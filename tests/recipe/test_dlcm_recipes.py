@@ -158,9 +158,10 @@ def test_inference_flops_matched(deepseek_like: list[str]) -> None:
 
 
 def test_paper_recipes_train_with_decoupled_mup(deepseek_like: list[str]) -> None:
-    """Sec. 6.1: the 2.3B model and every point that extends it train with decoupled muP, one d_base
-    for both widths (s = d / d_base), and Sec. 6.1.1's three base rates set (token, concept, others)."""
-    for name in (MAIN, *POINTS):
+    """Sec. 6.1: the 2.3B model and the points that extend it train with decoupled muP, one d_base
+    for both widths (s = d / d_base), and Sec. 6.1.1's three base rates set (token, concept, others).
+    The other points differ from these in their listed keys only (test_point_differs_in_exactly_its_keys)."""
+    for name in (MAIN, "table4-normal", *(f"scaling-{size}-p50-r4" for size in GRID)):
         r = _load(name, deepseek_like)
         cfg, t = r.model_config, r.train
         assert cfg.mup_base_width is not None and cfg.mup_base_concept_width is None, name
