@@ -76,9 +76,10 @@ How to read each section (JSON keys in brackets):
 
 7. DLCM [dlcm]: ``attention``: the two token-to-concept attention forms (``profile-kernels``'s
    rows: per_concept's (T, M) mask vs replicated K/V under ``is_causal``) at T 2048 / 8192, d
-   1024 / 2048, head dim 128, in the section's dtype: ``faster_form`` and whether
-   ``concept.cross_attention: auto`` (replicated with CUDA) picks it (``configured_is_faster``;
-   DLCM measured replication 1.26-1.73x faster than FlexAttention). ``decode``:
+   1024 / 2048, head dim 128, in the section's dtype: ``faster_form`` and whether the default
+   ``concept.cross_attention: per_concept`` (Eq. 14) is it (``configured_is_faster``; the two are
+   different functions, a recipe chooses by what it computes; DLCM measured replication 1.26-1.73x
+   faster than FlexAttention). ``decode``:
    bench/dlcm_decode.py's DLCM (d 1024, concepts 2048, R = 4, random weights) against its
    layer-matched and token-layer bases, per-token decode time best of 3, batch 1 and 8 (goal:
    DLCM <= 1.2x the matched base). Speed only: not in ``checks``.
@@ -527,12 +528,12 @@ def decode_section(sh: Shapes, env: Env) -> dict[str, Any]:
 
 
 def dlcm_section(sh: Shapes, env: Env) -> dict[str, Any]:
-    """DLCM's two attention forms on this device (which one ``concept.cross_attention: auto``
-    should pick) and its cached decode cost against the layer-matched and the token-layer base
+    """DLCM's two attention forms on this device (what the default per_concept costs against
+    replicated) and its cached decode cost against the layer-matched and the token-layer base
     (bench/dlcm_decode.py's models, in the section's dtype)."""
     import torch
 
-    from ncpctl.model.config import faster_cross_attention
+    from ncpctl.model.config import ConceptConfig
     from ncpctl.profile.kernels import dlcm_rows, dlcm_speedup, faster_form
 
     dtype = torch.bfloat16 if env.bf16 else torch.float32
@@ -540,7 +541,7 @@ def dlcm_section(sh: Shapes, env: Env) -> dict[str, Any]:
     speed = dlcm_speedup(dlcm_rows({"seq_len": list(seq), "hidden": list(hidden), "head_dim": hd}, 4, env.device,
                                    dtype, warmup=2, repeats=5))
     out: dict[str, Any] = {"attention": {"dtype": str(dtype).removeprefix("torch."), "grid": speed,
-                                         **faster_form(speed, faster_cross_attention())}}
+                                         **faster_form(speed, ConceptConfig().cross_attention)}}
     dec = _bench_module("dlcm_decode")
     bases, dlcm, cfg = dec.models(sh.dlcm_decode_d)
     models = {"dlcm": dlcm, **{f"base_{k}": m for k, m in bases.items()}}
@@ -686,8 +687,8 @@ def summary(res: dict[str, Any]) -> str:
     if "dlcm" in res:
         a, dd = res["dlcm"]["attention"], res["dlcm"]["decode"]
         lines.append(f"[7] DLCM attention ({a['dtype']}): faster {a['faster_form']} (replicated / per_concept "
-                     f"{a['replicated_over_per_concept_gmean']:.2f}); auto picks {a['configured_form']} "
-                     f"({'right' if a['configured_is_faster'] else 'WRONG'} here)")
+                     f"{a['replicated_over_per_concept_gmean']:.2f}); the default {a['configured_form']} is "
+                     f"{'the faster' if a['configured_is_faster'] else 'the slower'} kernel here")
         for B, r in dd["batches"].items():
             lines.append(f"    decode batch {B}: DLCM {r['dlcm_ms']:.2f} ms/step, /matched base {r['ratio_matched']:.3f}, "
                          f"/token-layer base {r['ratio_token']:.3f} (goal <= 1.2 matched)")

@@ -19,16 +19,6 @@ from ncpctl.model.config import (
     SIZES, BottleneckConfig, ConceptConfig, ConfigError, ModelConfig, SegmentationLaw, build_config, register,
 )
 from ncpctl.model.outputs import LogKey, NCPOutput
-from ncpctl.model import config as _config
-
-
-def _cuda_available() -> bool:
-    import torch  # on first use only: importing the config stays torch-free
-
-    return torch.cuda.is_available()
-
-
-_config.cuda_available = _cuda_available  # concept.cross_attention: auto (config.py)
 
 _LAZY = {
     "NCPModel": "ncpctl.model.model",

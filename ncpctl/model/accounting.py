@@ -3,10 +3,13 @@
 Spec: shared/docs/ncp-model.md section 6. Three views of one ``ModelConfig``:
 
 * ``paper_flops``: the ConceptLM App. C simplification. A token layer costs
-  ``12*T*d^2 + 2*T^2*d`` per sequence (forward), a concept layer the same on ``T/k``
-  positions (k: the segmentation's mean tokens per concept, its ``SegmentationLaw``; the block
-  length for fixed blocks); training = 3x forward. The two coefficients are returned so the formula can be
-  printed symbolically (PM: ``408*T*d^2 + 68*T^2*d``; ConceptLM: ``390*T*d^2 + 64.25*T^2*d``).
+  ``12*T*d^2 + 2*T^2*d`` per sequence (forward), a concept layer the same at its own width d_c on
+  ``T/k`` positions, ``12*(T/k)*d_c^2 + 2*(T/k)^2*d_c`` (k: the segmentation's mean tokens per
+  concept, its ``SegmentationLaw``; the block length for fixed blocks; d_c = ``concept.d_concept``,
+  d unless set); training = 3x forward. In the token width d, with w = d_c / d, L token and C
+  concept layers: ``12*(L + C w^2/k)*T*d^2 + 2*(L + C w/k^2)*T^2*d``. The two coefficients are
+  returned so the formula can be printed symbolically (PM: ``408*T*d^2 + 68*T^2*d``; ConceptLM:
+  ``390*T*d^2 + 64.25*T^2*d``; DLCM 2.3B, w = 2, k = 4: ``384*T*d^2 + 36*T^2*d``).
 * ``exact_flops``: matmul FLOPs (2 per multiply-add) with the real shapes (GQA, FFN width
   and gating, sliding window, padded vocab, concept heads, codebook), by component. Training
   is 3x forward when every weight trains; a stage that freezes weights (adapt-vq, LoRA) passes
@@ -71,16 +74,18 @@ def _fmt(x: float) -> str:
 
 @dataclass(frozen=True)
 class PaperFlops:
-    """Forward cost per sequence = ``coef_Td2*T*d^2 + coef_T2d*T^2*d``; training = 3x."""
+    """Forward cost per sequence = ``coef_Td2*T*d^2 + coef_T2d*T^2*d`` (d the token width);
+    training = 3x."""
 
     seq_len: int  # T
     d_model: int  # d
+    d_concept: int | None  # d_c, the concept layers' width (None without the path)
     token_layers: int  # E + D (+ PM's extra layers)
     concept_layers: int  # C (0 without the concept path)
     k: float | None  # tokens per concept: the block length k for fixed blocks (None without the path)
-    coef_Td2: float  # 12 * (token layers + C/k)
-    coef_T2d: float  # 2 * (token layers + C/k^2)
-    block_equivalents: float  # token layers + C/k (from the config)
+    coef_Td2: float  # 12 * (token layers + C w^2/k), w = d_c / d
+    coef_T2d: float  # 2 * (token layers + C w/k^2)
+    block_equivalents: float  # token layers + C w^2/k (from the config) = coef_Td2 / 12
     parameter_equivalent_layers: int  # token layers + C
     forward_per_sequence: float
     training_per_sequence: float
@@ -115,13 +120,17 @@ def paper_flops(cfg: ModelConfig, seq_len: int | None = None, realised_ratio: fl
     L = cfg.n_token_layers
     C = _concept_layers(cfg)
     k = tokens_per_concept(cfg)
-    # A concept layer on T/k positions: 12*(T/k)*d^2 + 2*(T/k)^2*d.
-    coef_Td2 = 12.0 * L + (12.0 * C / k if C else 0.0)
-    coef_T2d = 2.0 * L + (2.0 * C / (k * k) if C else 0.0)
+    dc = cfg.concept_cfg.d_model if cfg.concept.enabled else None
+    w = dc / d if dc else 1.0
+    # A concept layer at width d_c = w d on T/k positions: 12*(T/k)*d_c^2 + 2*(T/k)^2*d_c
+    # = (12 w^2/k)*T*d^2 + (2 w/k^2)*T^2*d.
+    coef_Td2 = 12.0 * L + (12.0 * C * w * w / k if C else 0.0)
+    coef_T2d = 2.0 * L + (2.0 * C * w / (k * k) if C else 0.0)
     fwd = coef_Td2 * T * d * d + coef_T2d * T * T * d
     return PaperFlops(
         seq_len=T,
         d_model=d,
+        d_concept=dc,
         token_layers=L,
         concept_layers=C,
         k=k,

@@ -259,14 +259,13 @@ class ConceptConfig:
         "F and G, averaged (Table 4's Normal).")
     balance_weight: float = _f(
         0.03, "lambda: weight of L_aux in the loss (the DLCM notes give none; 0.03 is H-Net's ratio-loss weight).")
-    cross_attention: Literal["auto", "per_concept", "replicated"] = _f(
-        "auto", "coupling: cross_attention (DLCM Eq. 14). per_concept = a softmax over the closed concepts, "
-        "each once; replicated = DLCM Sec. 4.1's kernel: each concept's key/value copied onto the tokens of the "
-        "next segment under a causal mask, so a concept weighs by its visible copies (ncp-model.md section 8). "
-        "The two are different functions. auto = the faster form on the device where the config is made (a "
-        "run's start), written into its checkpoints as that form: replicated where CUDA is available (flash "
-        "kernels under a plain causal mask; DLCM measured replication 1.26-1.73x faster than FlexAttention on "
-        "GPUs), per_concept elsewhere (2-3x faster on a CPU: profile-kernels, which reports the faster form).")
+    cross_attention: Literal["per_concept", "replicated"] = _f(
+        "per_concept", "coupling: cross_attention: which function the token-to-concept attention is (ncp-model.md "
+        "section 8). per_concept = DLCM Eq. 14: a softmax over the closed concepts, each once; replicated = DLCM "
+        "Sec. 4.1's kernel taken as the function: each concept's key/value copied onto the tokens of the next "
+        "segment under a causal mask, so a concept weighs by its visible copies. The recipe chooses the function, "
+        "the same on every machine; the device only picks the kernel that computes it (per_concept: SDPA with a "
+        "(T, M) boolean mask, a fused masked kernel on a GPU; replicated: one is_causal SDPA, flash on a GPU).")
     copy_concept_layers_from_base: bool = _f(
         False, "HF import: initialise the concept layers from the base's first C layers (else fresh).")
 
@@ -337,22 +336,12 @@ class BottleneckConfig:
     lift_tokens: int = _f(16, "Steering stage: |T_c|, lift tokens per concept for L_express.")
 
 
-def _no_cuda() -> bool:
-    return False
-
-
-# Whether CUDA is available here, for ``concept.cross_attention: auto``. This module imports only the
-# standard library (it is copied into exported directories), so the package sets the real test
-# (ncpctl/model/__init__.py: torch.cuda.is_available, imported on first use).
-cuda_available: Callable[[], bool] = _no_cuda
-
-
-def faster_cross_attention() -> str:
-    """``concept.cross_attention: auto`` on this machine: the two forms are different functions,
-    so this is decided once, where a config is made from a recipe, and the concrete form is what
-    checkpoints and exports record (a run resumed on another kind of device keeps its form, or is
-    refused with the difference named)."""
-    return "replicated" if cuda_available() else "per_concept"
+# ``concept.cross_attention: auto`` took the faster form of the machine where a run started, so one
+# recipe trained different functions on a laptop and on a cluster. It resolved where the config was
+# made, so no checkpoint or resolved recipe holds it: only a hand-written recipe can.
+_NO_AUTO = ("auto is no longer a value: per_concept (DLCM Eq. 14, the default) and replicated (Sec. 4.1) are "
+            "different functions, so the recipe names one (a checkpoint made with auto recorded the one it was "
+            "trained as: its recipe.resolved.yaml)")
 
 
 def steer_site(at: Any) -> tuple[str, int | None] | None:
@@ -526,7 +515,9 @@ class ModelConfig:
     decoder_layers: int = field(init=False)  # D = n_token_layers - E
     n_segments: int = field(init=False)  # S
     segment_dim: int = field(init=False)  # d / S
-    block_equivalents: float = field(init=False)  # token layers + C / (tokens per concept)
+    # token layers + C (d_concept / d)^2 / (tokens per concept): a concept layer's 12 T d^2 term of the
+    # paper view (ConceptLM App. C) at its own width on T / k positions, in token layers
+    block_equivalents: float = field(init=False)
     # attention window of each token layer (encoder then decoder) and each concept layer;
     # None = full attention. Layer n (1-based, in its stack) is full when n % full_attn_every == 0.
     token_windows: tuple = field(init=False)
@@ -590,9 +581,11 @@ class ModelConfig:
                 ("add", ("raw", "normed")),
                 ("ncp_reduction", ("mean", "sum_dim", "sum_segment")),
                 ("vq_reduction", ("mean", "sum_segment")),
-                ("cross_attention", ("auto", "per_concept", "replicated")),
+                ("cross_attention", ("per_concept", "replicated")),
             ):
-                if getattr(c, name) not in allowed:
+                if name == "cross_attention" and c.cross_attention == "auto":  # the machine chose the function
+                    problems.append(("concept.cross_attention", _NO_AUTO))
+                elif getattr(c, name) not in allowed:
                     problems.append((f"concept.{name}", f"must be one of {', '.join(allowed)}, got {getattr(c, name)!r}"))
         chosen = [("residual", "residual", self.residual)]
         if c.enabled:
@@ -621,10 +614,8 @@ class ModelConfig:
         problems += bottleneck_problems
         if problems:
             raise ConfigError(problems)
-        if c.coupling != "cross_attention":  # unused: one value, as every checkpoint before `auto` holds
+        if not c.enabled or c.coupling != "cross_attention":  # unused: one value, whatever a checkpoint recorded
             c.cross_attention = "per_concept"
-        elif c.cross_attention == "auto":
-            c.cross_attention = faster_cross_attention()  # the config (and every checkpoint) holds the form
         self.concept_cfg = self._concept_stack_config()
 
         self.token_windows = tuple(self._window(n) for n in range(1, self.n_token_layers + 1))
@@ -632,7 +623,8 @@ class ModelConfig:
         if c.enabled:
             self.encoder_layers = c.encoder_layers
             self.decoder_layers = self.n_token_layers - c.encoder_layers
-            self.block_equivalents = self.n_token_layers + c.concept_layers / law.tokens_per_concept(c)
+            wide = (self.concept_cfg.d_model / self.d_model) ** 2  # a wider concept layer costs (d_c/d)^2 per position
+            self.block_equivalents = self.n_token_layers + c.concept_layers * wide / law.tokens_per_concept(c)
         else:
             self.encoder_layers = 0
             self.decoder_layers = self.n_token_layers

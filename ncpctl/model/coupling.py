@@ -158,9 +158,11 @@ class CrossAttentionCoupling(Coupling):
     that sees none gets exactly zero (the masked row is not a NaN). The memory is ``pred`` (B, M, d),
     what the concept path hands every coupling (the concept heads' mix of codes).
 
-    ``concept.cross_attention`` declares which attention the model is:
-    * ``per_concept``: a softmax over the visible concepts, each once (``per_concept_attention``:
-      SDPA over M with a (T, M) mask);
+    ``concept.cross_attention`` declares which attention the model is, the same function on every
+    machine (the device picks only the kernel SDPA runs):
+    * ``per_concept`` (the default, Eq. 14): a softmax over the visible concepts, each once
+      (``per_concept_attention``: SDPA over M with a (T, M) boolean mask: on a GPU a fused masked
+      kernel, memory-efficient attention, as flash kernels take no mask);
     * ``replicated`` (DLCM Sec. 4.1's kernel, ``replicated_attention``): concept j's key/value copied
       onto the tokens at which it is the latest closed concept (segment j+1), under the plain
       causal mask, so each concept weighs by its visible copies. Decoding keeps each row's copy

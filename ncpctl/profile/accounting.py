@@ -7,7 +7,8 @@ Siblings (spec section 6, ConceptLM's three-way comparison):
 * ``pm``:     the parameter-matched baseline: base + C token layers (C = the recipe's
               concept layers, default 2), no concept path.
 
-Each gets the paper view (ConceptLM App. C formula) and the exact view (real shapes,
+Each gets the paper view (ConceptLM App. C formula, concept layers at their own width
+``d_concept``) and the exact view (real shapes,
 matmul FLOPs; attention counted under the causal mask, as flash kernels skip masked
 blocks, with the full-square count alongside) side by side, plus its share of compute in
 the concept path. Pure arithmetic on the config apart from the parameter count, which
@@ -55,6 +56,7 @@ def describe_variant(cfg: ModelConfig, seq_len: int, micro_batch: int, global_ba
         "concept_layers": cfg.concept.concept_layers if cfg.concept.enabled else 0,
         "k": tokens_per_concept(cfg),  # the segmentation's mean tokens per concept (k for fixed blocks)
         "d_model": cfg.d_model,
+        "d_concept": paper.d_concept,  # the concept layers' width, at which both views count them
         "block_equivalents": cfg.block_equivalents,
         "parameter_equivalent_layers": paper.parameter_equivalent_layers,
         "params": count_parameters(cfg).to_dict() if params else None,

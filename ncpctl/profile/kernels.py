@@ -241,8 +241,9 @@ def dlcm_speedup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def faster_form(speedup: list[dict[str, Any]], configured: str | None) -> dict[str, Any]:
     """Which of the two declared attentions was faster on this device (the geometric mean of
     replicated / per_concept over the grid), and whether the recipe's ``concept.cross_attention``
-    is it. The two are different functions, so the model never switches form by itself: a run
-    keeps the form it was trained with, and this says which to declare for a new one."""
+    is it. The two are different functions (Eq. 14's softmax over the closed concepts, Sec. 4.1's
+    weighting by copies): a recipe chooses one for what it computes, on every machine alike, and the
+    device only the kernel that computes it; this says what that choice costs here."""
     if not speedup:
         return {}
     ratios = [r["replicated_over_per_concept"] for r in speedup]

@@ -57,6 +57,11 @@ def render(con: Any, res: dict[str, Any]) -> None:
         for label, fn in rows:
             t.add_row(label, *(fn(x) for x in v.values()))
         con.print(t)
+        r = v["recipe"]
+        if r.get("d_concept") and r["d_concept"] != r["d_model"]:  # App. C's concept layer at its own width
+            w, k = r["d_concept"] / r["d_model"], r["k"]
+            con.print(f"paper view: concept layers at d_concept={r['d_concept']} (w = {w:g} x d): each counts as "
+                      f"w^2/k = {w * w / k:g} token layers in T*d^2, w/k^2 = {w / (k * k):g} in T^2*d")
         s = a["savings"]
         con.print("saving of recipe vs PM: paper {:.4%}, exact {:.4%};  vs base: paper {:.4%}, exact {:.4%}".format(
             s["recipe_vs_pm"]["paper"], s["recipe_vs_pm"]["exact"],
@@ -99,10 +104,9 @@ def render(con: Any, res: dict[str, Any]) -> None:
         if "faster_form" in dl:
             line = (f"faster on {k['device']}: {dl['faster_form']} (replicated / per_concept, geometric mean "
                     f"{dl['replicated_over_per_concept_gmean']:.2f})")
-            if dl["configured_form"] is not None:
-                line += (f"; this recipe declares {dl['configured_form']}" +
-                         ("" if dl["configured_is_faster"] else
-                          f": a new run here is faster with model.concept.cross_attention: {dl['faster_form']}"))
+            if dl["configured_form"] is not None:  # different functions: the recipe chooses, not the device
+                line += (f"; this recipe declares {dl['configured_form']} (model.concept.cross_attention: the function "
+                         "it trains, the same on every device)")
             con.print(line)
         for p in k.get("plots", []):
             con.print(f"plot: {p}")

@@ -478,6 +478,16 @@ def _hf_init_config(model: Any, directory: str, problems: list[Problem]) -> Mode
         return None
 
 
+def _check_mup_lrs(train: Any, cfg: ModelConfig | None) -> list[Problem]:
+    """``train.mup_lr_token`` / ``mup_lr_concept`` are the base rates of decoupled muP's groups:
+    without muP there are no such groups, and every matrix takes train.lr."""
+    if cfg is None or cfg.mup_base_width is not None:
+        return []
+    return [(f"train.{k}", "decoupled muP is off (model.mup_base_width: null): every weight trains at train.lr; "
+             "set model.mup_base_width or drop this key") for k in ("mup_lr_token", "mup_lr_concept")
+            if getattr(train, k) is not None]
+
+
 def _check_combinations(
     s: dict[str, Any], world_size: int, need_sources: bool, name: str, derived: dict[str, Any]
 ) -> list[Problem]:
@@ -567,6 +577,7 @@ def _check_combinations(
         if warm > train.max_steps:
             problems.append(("train.warmup_steps", f"{warm} exceeds train.max_steps={train.max_steps}"))
         derived["warmup_steps"] = warm
+        problems += _check_mup_lrs(train, cfg)
         if train.resume not in ("auto", "never") and not Path(train.resume).exists():
             problems.append(("train.resume", f"checkpoint not found: {train.resume} (or use auto / never)"))
         if train.init_from and not Path(train.init_from).exists():

@@ -152,7 +152,16 @@ class TrainSection(Section):
         "(`match_rms_adamw`, Moonlight: the update RMS of AdamW, so AdamW's lr and weight decay carry over) or "
         "lr x sqrt(max(d_in, d_out)) (`sqrt_max_dim`, NCP-ArchPreview Eq. 25 as written).")
     muon_momentum: float = Field(0.95, gt=0, lt=1, description="Muon momentum (Nesterov; torch.optim.Muon's default).")
-    lr: float = Field(6e-4, gt=0, description="Peak learning rate (Pythia: 6e-4).")
+    lr: float = Field(6e-4, gt=0, description="Peak learning rate (Pythia: 6e-4). Under decoupled muP "
+                      "(model.mup_base_width) the base rate of everything outside the hidden matrices (DLCM Sec. "
+                      "6.1.1's eta_base_others: embeddings, norms, biases, the LM head, ...).")
+    mup_lr_token: Optional[float] = Field(
+        None, gt=0, description="Decoupled muP (model.mup_base_width): eta_base_token of DLCM Sec. 6.1.1, the "
+        "base lr of the token module's hidden matrices, which train at mup_lr_token / s_token; null = train.lr. "
+        "The schedule scales it as train.lr (to min_lr / lr of it at the end).")
+    mup_lr_concept: Optional[float] = Field(
+        None, gt=0, description="Decoupled muP: eta_base_concept, the base lr of the concept module's hidden "
+        "matrices (concept layers and heads), which train at mup_lr_concept / s_concept; null = train.lr.")
     min_lr: float = Field(6e-5, ge=0, description="Final learning rate of the cosine decay.")
     warmup_fraction: float = Field(0.01, ge=0, le=1, description="Linear warmup as a fraction of max_steps.")
     warmup_steps: Optional[int] = Field(None, ge=0, description="Linear warmup in steps (overrides warmup_fraction).")

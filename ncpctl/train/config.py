@@ -9,7 +9,9 @@
   is in its docstring); ``ncpctl.train.muon.MuonAdamW`` is the optimizer.
 * decoupled muP (``model.mup_base_width``, DLCM Sec. 6.1): the hidden matrices of the token and
   the concept module (``ncpctl.model.mup``) get groups of their own whose ``lr_mult`` and
-  ``eps_mult`` (1/s of the module) ``apply_mup`` turns into the group's lr and AdamW epsilon.
+  ``eps_mult`` (1/s of the module) ``apply_mup`` turns into the group's lr and AdamW epsilon,
+  from the module's base rate (``base_lrs``: Sec. 6.1.1's eta_base_token, eta_base_concept and
+  eta_base_others = ``train.mup_lr_token``, ``mup_lr_concept``, ``lr``).
 * ``GuardedAdamW``: torch AdamW that skips a step whose gradient is not finite. DeepSpeed's
   ZeRO optimizers (stages 1-3) already skip such steps in fp32 (an invalid global norm marks
   an overflow); the plain stage-0 fp32 path does not, so there this optimizer clips, measures
@@ -108,9 +110,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float, muon: bool = False
 
     Decoupled muP (``model.mup_base_width``): the hidden matrices of the token and the concept
     module get groups of their own, ``decay_token`` / ``decay_concept`` (AdamW) or ``muon_token`` /
-    ``muon_concept`` (Muon), whose ``lr_mult`` = ``eps_mult`` = 1/s of the module: the group's lr
-    (and so the LambdaLR schedule, which multiplies each group's initial lr) is train.lr / s and
-    its AdamW epsilon train.eps / s. Every other group keeps lr_mult 1 (the base lr)."""
+    ``muon_concept`` (Muon), whose ``mup`` names the module and ``lr_mult`` = ``eps_mult`` = 1/s of
+    it: the group's lr (and so the LambdaLR schedule, which multiplies each group's initial lr) is
+    the module's base rate / s (``apply_mup``) and its AdamW epsilon train.eps / s. Every other group
+    keeps lr_mult 1 and train.lr."""
     from ncpctl.model.mup import hidden_linears
 
     exempt = {id(p) for m in model.modules() if getattr(m, "no_weight_decay", False) for p in m.parameters()}
@@ -118,12 +121,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float, muon: bool = False
     module_of = {id(lin.weight): (kind, 1.0 / s) for lin, kind, s in hidden_linears(model).values()}
     buckets: dict[str, dict[str, Any]] = {}
 
-    def put(name: str, p: torch.nn.Parameter, decayed: bool, is_muon: bool = False, mult: float | None = None) -> None:
+    def put(name: str, p: torch.nn.Parameter, decayed: bool, is_muon: bool = False, mult: float | None = None,
+            kind: str | None = None) -> None:
         g = buckets.setdefault(name, {"params": [], "weight_decay": weight_decay if decayed else 0.0, "name": name})
         if is_muon:
             g["muon"] = True
-        if mult is not None:  # a muP group: 1/s of its module
-            g["lr_mult"] = g["eps_mult"] = mult
+        if mult is not None:  # a muP group: its module (token | concept) and 1/s of it
+            g["mup"], g["lr_mult"], g["eps_mult"] = kind, mult, mult
         g["params"].append(p)
 
     seen: set[int] = set()
@@ -134,9 +138,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float, muon: bool = False
         kind, mult = module_of.get(id(p), (None, None))
         suffix = MUP_SUFFIX[kind] if kind else ""
         if id(p) in hidden:
-            put("muon" + suffix, p, True, is_muon=True, mult=mult)
+            put("muon" + suffix, p, True, is_muon=True, mult=mult, kind=kind)
         elif kind:
-            put("decay" + suffix, p, True, mult=mult)
+            put("decay" + suffix, p, True, mult=mult, kind=kind)
         else:
             put("no_decay" if p.ndim < 2 or name.startswith("embed.") or id(p) in exempt else "decay", p,
                 p.ndim >= 2 and not name.startswith("embed.") and id(p) not in exempt)
@@ -144,10 +148,19 @@ def param_groups(model: torch.nn.Module, weight_decay: float, muon: bool = False
     return [buckets[n] for n in order if n in buckets]
 
 
-def apply_mup(groups: list[dict[str, Any]], lr: float, eps: float) -> list[dict[str, Any]]:
-    """Each group's lr and epsilon: train.lr / train.eps times its muP multipliers (1 without)."""
+def base_lrs(train: Any) -> dict[str, float]:
+    """Decoupled muP's base rates by module (DLCM Sec. 6.1.1: eta_base_token, eta_base_concept; the
+    others' eta_base_others is train.lr): ``train.mup_lr_token`` / ``mup_lr_concept``, train.lr if null."""
+    return {"token": train.mup_lr_token or train.lr, "concept": train.mup_lr_concept or train.lr}
+
+
+def apply_mup(groups: list[dict[str, Any]], lr: float, eps: float,
+              base: dict[str, float] | None = None) -> list[dict[str, Any]]:
+    """Each group's lr and epsilon: its base rate (a muP group's module's in ``base``, else ``lr``)
+    and train.eps, times its muP multipliers (1 without)."""
     for g in groups:
-        g["lr"], g["eps"] = lr * g.get("lr_mult", 1.0), eps * g.get("eps_mult", 1.0)
+        rate = (base or {}).get(g.get("mup"), lr)
+        g["lr"], g["eps"] = rate * g.get("lr_mult", 1.0), eps * g.get("eps_mult", 1.0)
     return groups
 
 
@@ -188,7 +201,7 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, on_gpu: bool) -> Guar
     """``train.optimizer``: AdamW on every group, or Muon on the hidden matrices + AdamW on the rest
     (``MuonAdamW``; after ``deepspeed.initialize`` call its ``bind(engine.optimizer)``)."""
     t = recipe.train
-    groups = apply_mup(param_groups(model, t.weight_decay, muon=t.optimizer == "muon"), t.lr, t.eps)
+    groups = apply_mup(param_groups(model, t.weight_decay, muon=t.optimizer == "muon"), t.lr, t.eps, base_lrs(t))
     kw = dict(guard=guard_in_optimizer(recipe, on_gpu), max_norm=t.grad_clip, lr=t.lr,
               betas=(t.betas[0], t.betas[1]), eps=t.eps, weight_decay=t.weight_decay)
     if t.optimizer == "adamw":

@@ -953,19 +953,20 @@ def _reset_hyperparameters(engine: Any, recipe: Recipe) -> None:
     """midtrain with ``load: all``: the optimizer *state* comes from the checkpoint, but lr,
     betas, eps, weight decay (and Muon's momentum and scale) are this recipe's (the loaded param
     groups carry the old ones). Each group keeps its decoupled-muP multiplier (``lr_mult``,
-    ``eps_mult``: 1/s of its module, by group name as ``param_groups`` builds them for this model)."""
-    from ncpctl.train.config import param_groups
+    ``eps_mult``: 1/s of its module, by group name as ``param_groups`` builds them for this model)
+    on its module's base rate (``base_lrs``)."""
+    from ncpctl.train.config import base_lrs, param_groups
 
-    t, schedule = recipe.train, lr_schedule(recipe)
+    t, schedule, base = recipe.train, lr_schedule(recipe), base_lrs(recipe.train)
     opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the ZeRO wrapper's inner torch optimizer
     mults = {g["name"]: g for g in param_groups(engine.module, t.weight_decay, muon=t.optimizer == "muon")}
     for g in opt.param_groups:
         mine = mults.get(g.get("name"), {})
-        lr = t.lr * mine.get("lr_mult", 1.0)
+        lr = base.get(mine.get("mup"), t.lr) * mine.get("lr_mult", 1.0)
         g.update(lr=lr * schedule(0), initial_lr=lr, betas=(t.betas[0], t.betas[1]),
                  eps=t.eps * mine.get("eps_mult", 1.0), weight_decay=t.weight_decay if g.get("name", "decay").startswith(("decay", "muon")) else 0.0)
         if "lr_mult" in mine:
-            g.update(lr_mult=mine["lr_mult"], eps_mult=mine["eps_mult"])
+            g.update(lr_mult=mine["lr_mult"], eps_mult=mine["eps_mult"], mup=mine["mup"])
         if g.get("muon"):
             g.update(momentum=t.muon_momentum, lr_scale=t.muon_lr_scale)
     engine.lr_scheduler.base_lrs = [g["initial_lr"] for g in opt.param_groups]  # our LambdaLR (kept by deepspeed)

@@ -181,20 +181,45 @@ def test_the_flash_friendly_replication_equals_the_models_replicated_attention()
     assert (fast - model).abs().max() <= 1e-12
 
 
-@pytest.mark.parametrize("cuda, form", [(False, "per_concept"), (True, "replicated")])
-def test_auto_is_decided_once_where_the_config_is_made(monkeypatch, cuda, form):
-    """``cross_attention: auto`` (the default) becomes the faster form of the machine that makes
-    the config (replicated with CUDA, per_concept otherwise), and that concrete form is what the
-    config writes, so a checkpoint read elsewhere keeps the function it was trained as."""
-    import ncpctl.model.config as config
+def test_the_recipe_chooses_the_function_not_the_machine(monkeypatch):
+    """``concept.cross_attention`` is the recipe's, per_concept (Eq. 14) by default: with
+    ``torch.cuda.is_available`` mocked either way a recipe resolves to the same recipe, a config
+    to the same function (equal logits), and a checkpoint's config written on one kind of machine
+    builds that function on the other; a recorded replicated stays replicated."""
     from ncpctl.model.config import ModelConfig
+    from ncpctl.recipe import load_recipe
 
-    monkeypatch.setattr(config, "cuda_available", lambda: cuda)
-    cfg = tiny("llama", concept=dict(segmentation="dynamic", coupling="cross_attention"))
-    assert cfg.concept.cross_attention == form and cfg.to_dict()["concept"]["cross_attention"] == form
-    monkeypatch.setattr(config, "cuda_available", lambda: not cuda)  # read back on the other kind of machine
-    assert ModelConfig.from_dict(cfg.to_dict()).concept.cross_attention == form
-    assert build(cfg).concept.coupling.replicated == (form == "replicated")
+    from ..conftest import RECIPES
+
+    resolved, logits, written = {}, {}, {}
+    x = tokens(tiny("llama"), 2, 24)
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        resolved[cuda] = load_recipe(RECIPES / "debug-dlcm.yaml").to_dict()
+        cfg = tiny("llama", concept=dict(segmentation="dynamic", coupling="cross_attention"))
+        written[cuda] = cfg.to_dict()
+        with torch.no_grad():
+            logits[cuda] = build(cfg)(x).logits
+    assert resolved[False] == resolved[True]
+    assert resolved[True]["model"]["concept"]["cross_attention"] == "per_concept"
+    assert written[False] == written[True] and written[True]["concept"]["cross_attention"] == "per_concept"
+    assert torch.equal(logits[False], logits[True])
+    replicated = {**written[True], "concept": {**written[True]["concept"], "cross_attention": "replicated"}}
+    for cuda in (False, True):  # the checkpoints read back on either kind of machine
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        with torch.no_grad():
+            assert torch.equal(build(ModelConfig.from_dict(written[not cuda]))(x).logits, logits[cuda])
+        assert build(ModelConfig.from_dict(replicated)).concept.coupling.replicated
+
+
+def test_auto_is_refused_with_one_line():
+    """The former ``auto`` (the machine chose the function) names the key and the two functions."""
+    from ncpctl.model.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        tiny("llama", concept=dict(segmentation="dynamic", coupling="cross_attention", cross_attention="auto"))
+    [(key, message)] = e.value.problems
+    assert key == "concept.cross_attention" and "Eq. 14" in message and "replicated" in message
 
 
 def test_a_model_without_cross_attention_compares_equal_to_a_checkpoint_from_before_auto():
@@ -208,6 +233,19 @@ def test_a_model_without_cross_attention_compares_equal_to_a_checkpoint_from_bef
     saved["concept"] = {**saved["concept"], "cross_attention": "per_concept"}
     assert cfg.concept.cross_attention == "per_concept"
     assert config_differences(saved, cfg.to_dict()) == []
+
+
+def test_a_baseline_checkpoint_made_with_auto_on_cuda_still_continues():
+    """dlcm-baseline-1.3b turns the concept path off under the 2.3B's coupling: ``auto`` recorded
+    replicated there on a GPU, for a key the model never reads. The saved config, read as
+    ``check_compatible`` reads it, equals the recipe's now (the unused key holds per_concept)."""
+    from ncpctl.model.config import ModelConfig
+    from ncpctl.train.checkpoint import config_differences
+
+    cfg = tiny("llama", concept=dict(enabled=False, segmentation="dynamic", coupling="cross_attention"))
+    saved = cfg.to_dict()
+    saved["concept"] = {**saved["concept"], "cross_attention": "replicated"}
+    assert config_differences(ModelConfig.from_dict(saved).to_dict(), cfg.to_dict()) == []
 
 
 def test_replicated_runs_one_plain_causal_attention(monkeypatch):

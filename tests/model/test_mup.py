@@ -204,6 +204,40 @@ def test_reset_hyperparameters_keeps_each_groups_multiplier() -> None:
     assert {g.get("lr_mult") for g in opt.param_groups} == {None, 0.5, 0.25}
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_three_base_rates_reach_their_groups(optimizer: str) -> None:
+    """DLCM Sec. 6.1.1's three base rates: eta_E,D = train.mup_lr_token / s_token, eta_M =
+    train.mup_lr_concept / s_concept, eta_base_others = train.lr for the rest, in the optimizer's
+    groups, under the schedule and after midtrain's reset (s_token 2, s_concept 4 at base 32)."""
+    from ncpctl.train.loop import _reset_hyperparameters
+
+    lrs = dict(token=1e-3, concept=2e-3, others=5e-4)
+    r = load_recipe(REPO / "recipes" / "debug-dlcm.yaml", [
+        "model.mup_base_width=32", f"train.optimizer={optimizer}", f"train.lr={lrs['others']}",
+        f"train.mup_lr_token={lrs['token']}", f"train.mup_lr_concept={lrs['concept']}", "train.min_lr=1e-5"])
+    s_token, s_concept = r.model_config.mup_widths
+    assert (s_token, s_concept) == (2.0, 4.0)
+    model = NCPModel(r.model_config)
+    opt = make_optimizer(model, r, on_gpu=False)
+    want = {g["name"]: lrs[g.get("mup", "others")] / {"token": s_token, "concept": s_concept}.get(g.get("mup"), 1.0)
+            for g in opt.param_groups}
+    prefix = "muon" if optimizer == "muon" else "decay"
+    assert want[f"{prefix}_token"] == lrs["token"] / 2 and want[f"{prefix}_concept"] == lrs["concept"] / 4
+    assert want["decay"] == want["no_decay"] == lrs["others"]
+    assert {g["name"]: g["lr"] for g in opt.param_groups} == pytest.approx(want)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(r))
+    for g in opt.param_groups:  # what a checkpoint of another recipe would have left
+        g.update(lr=1.0, initial_lr=1.0)
+    _reset_hyperparameters(SimpleNamespace(optimizer=opt, module=model, lr_scheduler=sched), r)
+    assert {g["name"]: g["initial_lr"] for g in opt.param_groups} == pytest.approx(want)
+
+
+def test_base_rates_need_mup() -> None:
+    with pytest.raises(UserError) as e:
+        load_recipe(REPO / "recipes" / "debug.yaml", ["train.mup_lr_concept=1e-3"])
+    assert "train.mup_lr_concept" in str(e.value) and "mup_base_width" in str(e.value)
+
+
 def test_which_matrices_are_hidden() -> None:
     """The fan-in rule (mup.py): W_up and the coupling are token-hidden, the concept heads
     concept-hidden; the LM head, codebook, bottleneck K / A B and its rank-r factor are not."""

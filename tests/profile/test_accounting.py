@@ -43,6 +43,28 @@ def test_archpreview_34_of_40_through_the_section() -> None:
     assert a["variants"]["pm"]["token_layers"] == 40  # PM: base 32 + C=8 token layers
 
 
+def test_dlcm_paper_view_counts_concept_layers_at_their_width() -> None:
+    """DLCM 2.3B (d 1536, d_concept 3072, 16 token + 16 concept layers, R = 4) at T = 8192. App. C's
+    concept layer at width d_c on T/k positions costs 12 (T/k) d_c^2 + 2 (T/k)^2 d_c: in the token
+    width, w^2/k token layers in the T d^2 term and w/k^2 in the T^2 d term (w = d_c/d = 2). So
+    16 + 16 * 4/4 = 32 block-equivalents, PM's 32 token layers: the paper view saves only in the
+    attention term (36 against 64 T^2 d). The exact count (real shapes) is untouched: 10.4%."""
+    cfg = build_config("dlcm-2.3b")
+    T, d, dc = 8192, cfg.d_model, cfg.concept_cfg.d_model
+    L, C, k, w = cfg.n_token_layers, cfg.concept.concept_layers, cfg.concept.target_ratio, dc / d
+    assert (L, C, k, w) == (16, 16, 4, 2)
+    a = accounting_section(cfg, seq_len=T, params=False)
+    v, s = a["variants"], a["savings"]["recipe_vs_pm"]
+    be = L + C * w**2 / k
+    assert v["recipe"]["block_equivalents"] == cfg.block_equivalents == be == 32 == v["pm"]["block_equivalents"]
+    assert v["recipe"]["paper"]["formula"] == f"{12 * be:g}*T*d^2 + {2 * (L + C * w / k**2):g}*T^2*d"
+    per_token = {n: 3 * (12 * b * d * d + 2 * a2 * T * d) for n, (b, a2) in
+                 {"recipe": (be, L + C * w / k**2), "pm": (L + C, L + C)}.items()}
+    assert v["recipe"]["paper"]["training_per_token"] == pytest.approx(per_token["recipe"], rel=1e-12)
+    assert s["paper"] == pytest.approx(1 - per_token["recipe"] / per_token["pm"], rel=1e-12)
+    assert round(s["exact"], 3) == 0.104  # the issue's exact figure, which this view never touched
+
+
 @pytest.mark.parametrize("sets,check", [
     # App. C through the CLI: a 32-layer ConceptLM at d=4096, T=8192
     (["model.size=pythia-160m", "model.d_model=4096", "model.n_layers=32", "model.n_heads=32",

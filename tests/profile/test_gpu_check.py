@@ -89,7 +89,7 @@ def test_archpreview_section(dry) -> None:
 
 def test_dlcm_section(dry) -> None:
     """Section 7: both DLCM attention forms timed on each grid point, which is faster and whether
-    auto's choice for this device (per_concept without CUDA) is it; decode ratios at each batch."""
+    the default form (per_concept, on every device) is it; decode ratios at each batch."""
     a, d = dry["dlcm"]["attention"], dry["dlcm"]["decode"]
     assert len(a["grid"]) == 2 and all(_positive(g["replicated_over_per_concept"]) for g in a["grid"])
     assert a["configured_form"] == "per_concept"

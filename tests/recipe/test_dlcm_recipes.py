@@ -157,6 +157,18 @@ def test_inference_flops_matched(deepseek_like: list[str]) -> None:
     assert exact_flops(cfg, 8192).forward_per_token_causal < realised < exact_flops(base, 8192).forward_per_token_causal
 
 
+def test_paper_recipes_train_with_decoupled_mup(deepseek_like: list[str]) -> None:
+    """Sec. 6.1: the 2.3B model and the points that extend it train with decoupled muP, one d_base
+    for both widths (s = d / d_base), and Sec. 6.1.1's three base rates set (token, concept, others).
+    The other points differ from these in their listed keys only (test_point_differs_in_exactly_its_keys)."""
+    for name in (MAIN, "table4-normal", *(f"scaling-{size}-p50-r4" for size in GRID)):
+        r = _load(name, deepseek_like)
+        cfg, t = r.model_config, r.train
+        assert cfg.mup_base_width is not None and cfg.mup_base_concept_width is None, name
+        assert cfg.mup_widths == (cfg.d_model / cfg.mup_base_width, cfg.concept_cfg.d_model / cfg.mup_base_width)
+        assert None not in (t.mup_lr_token, t.mup_lr_concept, t.lr), name
+
+
 # ----------------------------------------------------------------------------- the scaling grid
 
 
