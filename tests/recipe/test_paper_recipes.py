@@ -225,6 +225,13 @@ def test_gpt2_recipe_validates(name: str, gpt2_like: list[str]) -> None:
     assert load_recipe(RECIPES / f"{name}.yaml", gpt2_like, world_size=8).grad_accum_steps == 512 // (8 * micro)
 
 
+def test_gpt2_recipes_use_gpt2s_init(gpt2_like: list[str]) -> None:
+    """GPT-2's init (residual output projections at 0.02 / sqrt(2L)), not hf's N(0, 0.02) everywhere."""
+    for name in GPT2:
+        cfg = load_recipe(RECIPES / f"{name}.yaml", gpt2_like).model_config
+        assert (cfg.init, cfg.init_std) == ("gpt2", 0.02), name
+
+
 @pytest.mark.parametrize("size", list(GPT2_DIMS))
 def test_gpt2_comparison_differs_in_one_key(size: str, gpt2_like: list[str]) -> None:
     got = {v: load_recipe(RECIPES / f"gpt2-{size}{v}.yaml", gpt2_like).to_dict() for v in ("", "-base", "-pm")}

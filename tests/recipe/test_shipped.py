@@ -110,6 +110,18 @@ def test_pythia_recipes_validate(name: str, pile_like: list[str]) -> None:
     assert load_recipe(RECIPES / f"{name}.yaml", pile_like, world_size=8).grad_accum_steps == 16
 
 
+# ConceptLM's peak learning rates for its Pythia backbones (App. B; the notes' Sec. 3.1 lists
+# 1e-3, 6e-4, 4e-4 for 70M, 160M, 410M), cosine down to 10%
+PAPER_LR = {"pythia-70m": 1e-3, "pythia-160m": 6e-4, "pythia-410m": 4e-4}
+
+
+@pytest.mark.parametrize("name", PYTHIA)
+def test_pythia_recipes_use_the_papers_lr(name: str, pile_like: list[str]) -> None:
+    r = load_recipe(RECIPES / f"{name}.yaml", pile_like)
+    lr = PAPER_LR[r.model_config.name]
+    assert r.train.lr == lr and r.train.min_lr == pytest.approx(lr / 10)
+
+
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:
     out: dict[str, object] = {}
     for k, v in d.items():
