@@ -502,7 +502,7 @@ class ModelConfig:
         "pooled like the concepts, encoder and concept -> decoder aligned and shifted like CRC): Table 3's arm.")
     mtp_depth: int | None = _f(
         None, "Multi-token prediction depths D (NCP-ArchPreview Sec. 5.2: 1, predicting t+2; ConceptLM Table 4's "
-        "baseline: 4); null = off. Training only: evaluation and export use the main head.")
+        "4-future-token baseline: 3, the main head predicting t+1); null = off. Training only: evaluation and export use the main head.")
     mtp_weight: float = _f(0.3, "Weight of the mean MTP depth loss in the total loss (ArchPreview, DeepSeek-V3: 0.3).")
     mtp_weight_schedule: list = _f(
         list, "[[from_step, weight], ...]: the MTP weight from each step on (DeepSeek-V3: 0.3, then 0.1).")

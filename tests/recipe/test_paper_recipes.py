@@ -36,6 +36,8 @@ POINTS: dict[str, dict[str, Any]] = {
     "table4-vq-only": {"concept.ncp_weight": 0.0},
     "table4-ncp-only": {"concept.vq_weight": 0.0},
     "table4-full": {"concept.ncp_weight": 1.0, "concept.vq_weight": 1.0},
+    # Table 4's token-level MTP baseline: 4 future tokens = the main head + 3 sequential depths
+    "table4-mtp": {"mtp_depth": 3, "concept.enabled": False},
     # Table 5: added depth, token layers (PM-style, no concept path) vs concept layers
     **{f"table5-token-{n}": {"extra_token_layers": n, "concept.enabled": False} for n in (2, 6, 10)},
     **{f"table5-concept-{n}": {"concept.concept_layers": n} for n in (2, 6, 10)},
@@ -192,6 +194,15 @@ def test_ablation_point_trains_two_steps(name: str, trained_points: dict[str, di
     for key, value in POINTS[name].items():
         assert resolved[key] == value and saved[key] == value, key
     assert saved["d_model"] == 192 and saved["n_heads"] == 12 and saved["n_layers"] == 12
+
+
+def test_table4_mtp_trains_three_mtp_depths(trained_points: dict[str, dict[str, Any]]) -> None:
+    """Table 4's MTP arm is a token model whose loss includes three sequential MTP depths."""
+    run = trained_points["table4-mtp"]
+    train = [json.loads(x) for x in (run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in train if m.get("split") == "train"]
+    assert train and all(m["mtp_loss"] > 0 and len(m["mtp_acc_per_depth"]) == 3 for m in train)
+    assert not any("ncp_loss" in m for m in train)  # no concept path
 
 
 # ----------------------------------------------------------------------------- GPT-2
