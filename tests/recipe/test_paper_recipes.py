@@ -69,6 +69,18 @@ LLAMA31_8B = {
 }
 
 
+# ConceptLM's 4 perplexity sets: the training distribution's held-out split, wikitext, LAMBADA x 2
+PPL_SETS = {"conceptlm_val_ppl", "wikitext", "lambada_openai", "lambada_standard"}
+
+
+def eval_leaves(r) -> set[str]:
+    """The lm-eval tasks a recipe's ``eval.tasks`` expand to (our groups opened)."""
+    from ncpctl.evaluate.run import _leaves, our_tasks
+
+    ours = our_tasks()
+    return {leaf for t in r.eval.tasks for leaf in _leaves(t, ours)}
+
+
 def _stand_ins(root: Path, vocab: int, dtype: str = "uint16") -> list[str]:
     """--set values pointing a recipe at a one-document Megatron dataset and a tokenizer.json of
     ``vocab`` tokens: what the recipe loader checks, without the real files."""
@@ -117,7 +129,7 @@ def test_ablation_base_is_pythia160m_at_30b_tokens(pile_like: list[str]) -> None
     r = load_recipe(ABLATIONS / f"{BASE}.yaml", pile_like)
     parent = load_recipe(RECIPES / "pythia160m.yaml", pile_like)
     # warmup_steps is derived: 1% of max_steps, in both
-    assert _diff(r.to_dict(), parent.to_dict()) == {"train.max_steps", "train.warmup_steps", "eval.tasks"}
+    assert _diff(r.to_dict(), parent.to_dict()) == {"train.max_steps", "train.warmup_steps"}
     assert r.warmup_steps == 143
     assert r.train.max_steps * r.seq_len * r.global_batch_size == pytest.approx(30e9, rel=1e-4)
     assert r.model_config.name == "pythia-160m" and r.model_config.concept.enabled
@@ -241,6 +253,18 @@ def test_gpt2_recipes_use_gpt2s_init(gpt2_like: list[str]) -> None:
     for name in GPT2:
         cfg = load_recipe(RECIPES / f"{name}.yaml", gpt2_like).model_config
         assert (cfg.init, cfg.init_std) == ("gpt2", 0.02), name
+
+
+def test_gpt2_recipes_average_held_out_openwebtext(gpt2_like: list[str]) -> None:
+    """The perplexity sets are ConceptLM's four; the training-distribution one is the OpenWebText
+    documents these recipes hold out (conceptlm_val_ppl reads data.val_prefix, else
+    run.dir/data/val: here the val_fraction split of the OpenWebText source), never the Pile."""
+    for name in GPT2:
+        r = load_recipe(RECIPES / f"{name}.yaml", gpt2_like)
+        leaves = eval_leaves(r)
+        assert PPL_SETS <= leaves and not any(t.startswith("pile") for t in leaves), name
+        assert r.data.val_prefix is None and r.data.val_fraction > 0, name
+        assert [s.path for s in r.data.sources] == ["hf:Skylion007/openwebtext"], name
 
 
 @pytest.mark.parametrize("size", list(GPT2_DIMS))
