@@ -268,8 +268,8 @@ def val_ppl(**metadata: Any):
     tokenizer = Tokenizer.from_file(str(tok_path))
     eod, ds = _eod_id(prefix.parent, tokenizer), IndexedDataset(prefix)
     rows = []
-    for start in range(0, len(ds), 1024):
-        docs = [[int(t) for t in ds[i]] for i in range(start, min(start + 1024, len(ds)))]
+    for start in range(0, len(ds), 1024):  # decoded and re-encoded 1024 documents at a time
+        docs = [ds[i].tolist() for i in range(start, min(start + 1024, len(ds)))]
         texts = [t for t in tokenizer.decode_batch([d[:-1] if d and d[-1] == eod else d for d in docs]) if t.strip()]
         for text, enc in zip(texts, tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []):
             rows.append({"text": text, "n_tokens": len(enc.ids)})
