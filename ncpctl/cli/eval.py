@@ -53,8 +53,10 @@ def main(
     eval section (a checkpoint or run directory: the recipe stored in the checkpoint); flags
     override them.
 
-    Perplexity sets are summarised twice: the mean of per-set perplexities (the ConceptLM
-    paper's average) and the token-weighted perplexity over all their tokens.
+    Perplexity sets are summarised twice: the mean of the held-out sets' perplexities, each in
+    its own unit (the ConceptLM paper's average; sets scored on a training split are listed, not
+    averaged), and the token-weighted perplexity over their tokens; the table prints each set's
+    unit and the rule.
 
     With --compare: one table of several runs, from the results they already have.
     """

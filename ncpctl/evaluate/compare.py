@@ -18,7 +18,8 @@ results nor a checkpoint is a user error naming it.
 The table: one row per (task, metric) over the union of the runs' tasks (a run that lacks a
 task has a blank and a note says so), each run's value and its delta to the first run
 (``value - first``), then both perplexity averages of each run's ``perplexity`` entry
-(``mean_of_sets``, ``token_weighted``; ``ncpctl.evaluate.run``). Written as
+(``mean_of_sets``, ``token_weighted``; ``ncpctl.evaluate.run``), and a note with the rule each
+run's average follows (which held-out sets, each in its unit). Written as
 ``compare_<labels>.json`` / ``.md`` / ``.png`` (bars per task, one bar per run, and the runs'
 validation loss curves from ``metrics.jsonl``) into ``out`` (default: the first run's ``eval/``).
 """
@@ -250,7 +251,7 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
              "results_file": str(e.results_file), "evaluated": e.evaluated,
              "step": _step(e.results_file.stem) if e.results_file else None,
              "limit": _request(e.res).get("limit"),
-             "perplexity_sets": sorted(e.ppl.get("per_set") or {})}
+             "perplexity_sets": sorted(e.ppl.get("averaged", e.ppl.get("per_set") or {}))}
             for e in entries]
     payload = {"runs": runs, "baseline": entries[0].label, "rows": rows, "missing": missing,
                "notes": _notes(entries, runs, missing), "val_loss": val_curves(entries)}
@@ -269,7 +270,22 @@ def _notes(entries: list[Entry], runs: list[dict[str, Any]], missing: dict[str, 
     if len({tuple(r["perplexity_sets"]) for r in runs}) > 1:
         notes.append("the perplexity averages are over different sets: "
                      + "; ".join(f"{r['label']}: {', '.join(r['perplexity_sets']) or 'none'}" for r in runs))
+    rules = {e.label: _rule(e.ppl) for e in entries if e.ppl}
+    if len(set(rules.values())) == 1:
+        notes.append(f"perplexity averages: {next(iter(rules.values()))}")
+    else:
+        notes += [f"{lab}: {rule}" for lab, rule in rules.items()]
     return notes
+
+
+def _rule(ppl: dict[str, Any]) -> str:
+    """A run's averaging rule with each set's unit (``ncpctl.evaluate.run.perplexity_summary``);
+    results written before it recorded one: the sets its mean took, with their lm-eval metrics."""
+    if ppl.get("rule"):
+        return ppl["rule"]
+    sets = ppl.get("per_set") or {}
+    terms = " + ".join(f"{k} [{v.get('metric')}]" for k, v in sets.items())
+    return f"mean_of_sets = ({terms}) / {len(sets)}"
 
 
 def _s(p: Path | None) -> str | None:

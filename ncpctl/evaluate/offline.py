@@ -1,6 +1,7 @@
 """Offline lm-eval tasks built from the tokenized corpus's validation split (no network).
 
-Three tasks (YAMLs in ``ncpctl/evaluate/tasks/``, group ``ncp_offline``):
+Three tasks (YAMLs in ``ncpctl/evaluate/tasks/``, group ``ncp_offline``), and ConceptLM's
+training-distribution perplexity ``conceptlm_val_ppl`` (``val_ppl`` below: the whole split):
 
 * ``ncp_heldout_ppl`` (``loglikelihood_rolling``): held-out perplexity of whole validation
   documents. Metrics: ``token_perplexity`` (exp of the mean NLL per token of the data's own
@@ -221,6 +222,60 @@ def cloze(**metadata: Any):
 
 def last_ident(**metadata: Any):
     return _dataset("ncp_last_ident", metadata)
+
+
+# ---- the training distribution's held-out split (``conceptlm_val_ppl``) -------------------
+
+
+def validation_prefix(checkpoint: str) -> tuple[Path, Path]:
+    """(PREFIX of the checkpoint's validation split, its tokenizer.json): the split its training
+    validated on, i.e. the recipe's ``data.val_prefix`` (the Pythia recipes: the Pile's validation
+    set), else ``run.dir/data/val`` (``ncpctl tokenize``'s held-out documents: the GPT-2 recipes'
+    OpenWebText), looked for in the checkpoint's own run directory, then the recipe's ``run.dir``."""
+    from ncpctl.checkpoint import TOKENIZER, read_meta, resolve, run_dir_of
+    from ncpctl.data.indexed import paths
+
+    ckpt = resolve(checkpoint)
+    recipe = read_meta(ckpt).get("recipe") or {}
+    given = (recipe.get("data") or {}).get("val_prefix")
+    if given:
+        candidates = [Path(given)]
+    else:
+        run_dir = (recipe.get("run") or {}).get("dir")
+        candidates = [d / "data" / "val" for d in (run_dir_of(ckpt), Path(run_dir) if run_dir else None) if d]
+    for prefix in candidates:
+        if all(f.is_file() for f in paths(prefix)):
+            if not (ckpt / TOKENIZER).is_file():
+                raise UserError(f"{ckpt / TOKENIZER}: missing (needed to decode the validation split)")
+            return prefix, ckpt / TOKENIZER
+    where = f"data.val_prefix {given}" if given else ", ".join(str(c) for c in candidates) or "no run directory"
+    raise UserError(f"{ckpt}: conceptlm_val_ppl: no validation split ({where}: no .bin/.idx)",
+                    hint="run `ncpctl tokenize RECIPE`, or point data.val_prefix at the held-out split")
+
+
+def val_ppl(**metadata: Any):
+    """Every document of the validation split (``validation_prefix``), decoded whole: lm-eval's
+    ``loglikelihood_rolling`` scores each token once, in windows of the model's ``max_seq_len``
+    (``--limit N``: the first N documents)."""
+    import datasets
+    from tokenizers import Tokenizer
+
+    from ncpctl.data.indexed import IndexedDataset
+
+    if not metadata.get("checkpoint"):
+        raise UserError("conceptlm_val_ppl needs the checkpoint (lm-eval: --model_args checkpoint=DIR)")
+    prefix, tok_path = validation_prefix(metadata["checkpoint"])
+    tokenizer = Tokenizer.from_file(str(tok_path))
+    eod, ds = _eod_id(prefix.parent, tokenizer), IndexedDataset(prefix)
+    rows = []
+    for start in range(0, len(ds), 1024):  # decoded and re-encoded 1024 documents at a time
+        docs = [ds[i].tolist() for i in range(start, min(start + 1024, len(ds)))]
+        texts = [t for t in tokenizer.decode_batch([d[:-1] if d and d[-1] == eod else d for d in docs]) if t.strip()]
+        for text, enc in zip(texts, tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []):
+            rows.append({"text": text, "n_tokens": len(enc.ids)})
+    if not rows:
+        raise UserError(f"{prefix}: the validation split has no text")
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 
 def ppl_results(doc: dict[str, Any], results: list[float]) -> dict[str, tuple[float, int]]:

@@ -7,12 +7,16 @@ and ``results_<tag>.md`` (lm-eval's markdown table plus the perplexity summary) 
 Perplexity across sets (the ``perplexity`` entry; sets = the tasks whose lm-eval metrics
 include a perplexity):
   * ``per_set[task]``: ``metric`` and ``value``, the set's own lm-eval perplexity (the first
-    of token_perplexity, perplexity, word_perplexity, byte_perplexity it reports: wikitext
-    and the Pile report word perplexity, LAMBADA the target perplexity), plus
+    of token_perplexity, perplexity, word_perplexity, byte_perplexity it reports: ours report
+    token perplexity, wikitext word perplexity, LAMBADA the target perplexity), its
     ``token_perplexity`` = exp(NLL / tokens) over its scored tokens, ``tokens`` and ``nll``;
-  * ``mean_of_sets`` = the arithmetic mean of the per-set ``value``s (how the ConceptLM
-    paper averages its perplexity sets; the units differ between sets, as in the paper);
-  * ``token_weighted`` = exp(sum of NLL / sum of tokens) over all sets' scored tokens
+    ``unit`` (token / target / word / byte perplexity) and ``split`` (the split lm-eval scored);
+  * ``mean_of_sets`` = the arithmetic mean of the held-out sets' ``value``s (how the ConceptLM
+    paper averages its perplexity sets; the units differ between sets, as in the paper). A set
+    scored on a training split (``split`` ``train``: lm-eval's ``pile_10k``, its ``pile_*``
+    family) is listed with ``averaged: false`` and left out; ``averaged`` / ``excluded`` name
+    the sets, ``rule`` says it in one line (printed under the table and in the markdown);
+  * ``token_weighted`` = exp(sum of NLL / sum of tokens) over the averaged sets' scored tokens
     (big sets weigh more; one unit: our tokenizer's tokens).
 
 Held-out corpora (``EvalTarget.heldout``: ``--heldout`` or ``eval.heldout``) are tasks of their
@@ -42,6 +46,10 @@ from ncpctl.evaluate import TASKS_DIR
 from ncpctl.fsutil import atomic_write
 
 PPL_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity")  # preference order
+# what each metric is a perplexity of (lm-eval's `perplexity` of loglikelihood tasks: per target
+# continuation, e.g. LAMBADA's last word)
+PPL_UNITS = {"token_perplexity": "token perplexity", "perplexity": "target perplexity",
+             "word_perplexity": "word perplexity", "byte_perplexity": "byte perplexity"}
 
 
 @dataclass
@@ -209,7 +217,7 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
                           batch_size=t.batch_size, log_samples=False, bootstrap_iters=1000,
                           metadata={"checkpoint": str(t.checkpoint)})
     res.pop("samples", None)
-    ppl = perplexity_summary(res["results"], lm.token_stats)
+    ppl = perplexity_summary(res["results"], lm.token_stats, res.get("configs"))
     res["perplexity"] = ppl
     res["request"] = request = {
         "checkpoint": str(t.checkpoint), "tasks": t.tasks, "limit": t.limit, "batch_size": t.batch_size,
@@ -258,7 +266,20 @@ def metrics(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict[str, float]]) -> dict[str, Any]:
+def _scored_split(config: dict[str, Any] | None) -> str | None:
+    """The split lm-eval scored for a task (its ``test_split``, else ``validation_split``)."""
+    if not config:
+        return None
+    split = config.get("test_split") or config.get("validation_split")
+    return None if split is None else str(split)
+
+
+def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict[str, float]],
+                       configs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every task with a perplexity metric and scored tokens is a set (``per_set``: its own value,
+    its ``unit``, the ``split`` scored); the held-out ones are averaged: a set whose scored split
+    is a training split (``train``, e.g. lm-eval's ``pile_10k``) is listed, never averaged.
+    ``rule`` says in words which sets the average takes, in which units."""
     sets = {}
     for task, m in results.items():
         reported = {k.split(",")[0]: v for k, v in m.items()
@@ -267,31 +288,50 @@ def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict
         if not reported or not st or not st["tokens"]:
             continue
         metric = next(name for name in PPL_METRICS if name in reported)
-        sets[task] = {"metric": metric, "value": float(reported[metric]),
+        split = _scored_split((configs or {}).get(task))
+        sets[task] = {"metric": metric, "unit": PPL_UNITS[metric], "value": float(reported[metric]), "split": split,
+                      "averaged": split is None or split.split("[")[0] != "train",
                       "token_perplexity": math.exp(st["nll"] / st["tokens"]), "tokens": int(st["tokens"]),
                       "nll": st["nll"]}
     if not sets:
         return {}
-    nll, n = sum(s["nll"] for s in sets.values()), sum(s["tokens"] for s in sets.values())
-    return {"per_set": sets, "mean_of_sets": sum(s["value"] for s in sets.values()) / len(sets),
-            "token_weighted": math.exp(nll / n)}
+    avg = {k: s for k, s in sets.items() if s["averaged"]}
+    nll, n = sum(s["nll"] for s in avg.values()), sum(s["tokens"] for s in avg.values())
+    excluded = [k for k in sets if k not in avg]
+    terms = " + ".join(f"{k} [{s['unit']}]" for k, s in avg.items())
+    rule = (f"mean_of_sets = ({terms}) / {len(avg)}: each held-out set's own perplexity in its own unit "
+            "(the ConceptLM paper's Avg PPL)" if avg else "mean_of_sets: no held-out set")
+    if excluded:
+        rule += "; not averaged (scored on a training split): " + ", ".join(excluded)
+    return {"per_set": sets, "mean_of_sets": sum(s["value"] for s in avg.values()) / len(avg) if avg else None,
+            "token_weighted": math.exp(nll / n) if avg else None, "averaged": list(avg), "excluded": excluded,
+            "rule": rule}
+
+
+def _num(v: float | None) -> str:
+    return "" if v is None else f"{v:.4f}"
 
 
 def _ppl_markdown(ppl: dict[str, Any]) -> str:
     if not ppl:
         return ""
     lines = ["", "## Perplexity across sets", "",
-             "| set | lm-eval metric | value | scored tokens | token perplexity |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {k} | {v['metric']} | {v['value']:.4f} | {v['tokens']} | {v['token_perplexity']:.4f} |"
+             "| set | unit (lm-eval metric) | split | value | averaged | scored tokens | token perplexity |",
+             "|---|---|---|---:|---|---:|---:|"]
+    lines += [f"| {k} | {v['unit']} ({v['metric']}) | {v['split'] or ''} | {v['value']:.4f} | "
+              f"{'yes' if v['averaged'] else 'no: training split'} | {v['tokens']} | {v['token_perplexity']:.4f} |"
               for k, v in ppl["per_set"].items()]
-    lines += ["", f"- mean of per-set perplexities (the `value` column; the ConceptLM paper's average): "
-              f"{ppl['mean_of_sets']:.4f}",
-              f"- token-weighted perplexity (all sets' scored tokens pooled): {ppl['token_weighted']:.4f}", ""]
+    lines += ["", f"- mean of per-set perplexities (the `value` column of the averaged sets; the ConceptLM paper's "
+              f"Avg PPL): {_num(ppl['mean_of_sets'])}",
+              f"- rule: {ppl['rule']}",
+              f"- token-weighted perplexity (the averaged sets' scored tokens pooled): {_num(ppl['token_weighted'])}",
+              ""]
     return "\n".join(lines)
 
 
 def rich_table(summary: dict[str, Any]):
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=f"{summary['checkpoint']}", title_justify="left")
     for col, just in (("task", "left"), ("metric", "left"), ("value", "right"), ("± stderr", "right")):
@@ -306,8 +346,12 @@ def rich_table(summary: dict[str, Any]):
     ppl = summary.get("perplexity") or {}
     if ppl:
         table.add_section()
-        table.add_row("perplexity sets", "mean of per-set ppl (paper's average)", f"{ppl['mean_of_sets']:.4f}", "")
-        table.add_row("perplexity sets", "token-weighted ppl (tokens pooled)", f"{ppl['token_weighted']:.4f}", "")
+        for task, v in ppl["per_set"].items():  # each set's unit, and whether the average takes it
+            table.add_row(task, f"{v['unit']}" + ("" if v["averaged"] else " (training split: not averaged)"),
+                          f"{v['value']:.4f}", "")
+        table.add_row("perplexity sets", "mean of per-set ppl (paper's average)", _num(ppl["mean_of_sets"]), "")
+        table.add_row("perplexity sets", "token-weighted ppl (tokens pooled)", _num(ppl["token_weighted"]), "")
+        table.caption, table.caption_justify = Text(ppl["rule"]), "left"  # Text: its [unit]s are not markup
     return table
 
 

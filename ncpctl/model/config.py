@@ -453,10 +453,12 @@ class ModelConfig:
         "Sec. 3 builds; the report does not state its placement). HF: post = Olmo2/Olmo3 (llama, qk_norm: layer).")
     sliding_window: int | None = _f(None, "Sliding-window attention width; null = full attention everywhere.")
     full_attn_every: int = _f(1, "With a sliding window: every n-th layer (n, 2n, ...) attends fully.")
-    init_std: float = _f(0.02, "Std of the normal init of matrices and embeddings (init: hf).")
-    init: Literal["hf", "gpt-neox"] = _f(
-        "hf", "Weight init: hf = N(0, init_std) everywhere; gpt-neox = Pythia's (small_init N(0, sqrt(2/(5d))), "
-        "wang_init N(0, 2/(L*sqrt(d))) on the attention and MLP output projections).")
+    init_std: float = _f(0.02, "Std of the normal init of matrices and embeddings (init: hf, gpt2).")
+    init: Literal["hf", "gpt2", "gpt-neox"] = _f(
+        "hf", "Weight init: hf = N(0, init_std) everywhere; gpt2 = GPT-2's (HF GPT2's _init_weights): N(0, init_std) "
+        "with the residual output projections (attention out-proj, MLP down-proj) N(0, init_std/sqrt(2L)); gpt-neox "
+        "= Pythia's (small_init N(0, sqrt(2/(5d))), wang_init N(0, 2/(L*sqrt(d))) on those projections). L = the "
+        "token layers (n_layers + extra_token_layers), for the concept layers' projections too.")
     extra_token_layers: int = _f(0, "Extra token layers: 2 = the parameter-matched (PM) baseline.")
     extra_token_layers_at: int | None = _f(
         None, "Where the extra token layers go: before backbone layer i (0 = at the bottom); null = on top.")
@@ -489,7 +491,7 @@ class ModelConfig:
         "pooled like the concepts, encoder and concept -> decoder aligned and shifted like CRC): Table 3's arm.")
     mtp_depth: int | None = _f(
         None, "Multi-token prediction depths D (NCP-ArchPreview Sec. 5.2: 1, predicting t+2; ConceptLM Table 4's "
-        "baseline: 4); null = off. Training only: evaluation and export use the main head.")
+        "4-future-token baseline: 3, the main head predicting t+1); null = off. Training only: evaluation and export use the main head.")
     mtp_weight: float = _f(0.3, "Weight of the mean MTP depth loss in the total loss (ArchPreview, DeepSeek-V3: 0.3).")
     mtp_weight_schedule: list = _f(
         list, "[[from_step, weight], ...]: the MTP weight from each step on (DeepSeek-V3: 0.3, then 0.1).")
@@ -741,8 +743,8 @@ class ModelConfig:
         if self.mup_base_concept_width is not None and self.mup_base_width is None:
             problems.append(("mup_base_concept_width", "decoupled muP is off (mup_base_width: null); set "
                                                        "mup_base_width too"))
-        if self.init not in ("hf", "gpt-neox"):
-            problems.append(("init", f"must be hf or gpt-neox, got {self.init!r}"))
+        if self.init not in ("hf", "gpt2", "gpt-neox"):
+            problems.append(("init", f"must be hf, gpt2 or gpt-neox, got {self.init!r}"))
         if self.mtp_depth is not None and (not isinstance(self.mtp_depth, int) or self.mtp_depth < 1):
             problems.append(("mtp_depth", f"must be >= 1 (null turns MTP off), got {self.mtp_depth!r}"))
         sched = self.mtp_weight_schedule

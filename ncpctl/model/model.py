@@ -78,9 +78,17 @@ class NCPModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """``init: hf``: N(0, init_std) for matrices and embeddings (HF's init); ``init: gpt-neox``:
-        Pythia's small_init N(0, sqrt(2/(5d))) with wang_init N(0, 2/(L sqrt(d))) on the attention
-        and MLP output projections (L = token layers). Zero biases, unit norms either way.
+        """``init: hf``: N(0, init_std) for matrices and embeddings (HF's init); ``init: gpt2``:
+        GPT-2's (HF ``GPT2PreTrainedModel._init_weights``): N(0, init_std), with the residual output
+        projections (attention out-proj, MLP down-proj: GPT-2's ``c_proj``) N(0, init_std / sqrt(2L));
+        ``init: gpt-neox``: Pythia's small_init N(0, sqrt(2/(5d))) with wang_init N(0, 2/(L sqrt(d)))
+        on those projections. Zero biases, unit norms in all three.
+
+        L = the token layers (``n_token_layers``: PM's extra layers count), also for the concept
+        layers' output projections: HF scales every block of a model by its ``config.n_layer``, and
+        ConceptLM's GPT-2 code builds its concept blocks as ``GPT2Block``s under the backbone's
+        config, initialised by the same rule. MTP depth layers keep the base std (neither GPT-2
+        nor Pythia has them).
 
         Modules whose init is part of their design (``owns_init``: e.g. a depth mixer that must
         start as the plain residual) are skipped here and initialise themselves.
@@ -92,8 +100,9 @@ class NCPModel(nn.Module):
         own = [m for m in self.modules() if getattr(m, "owns_init", False)]
         skip = {id(sub) for m in own for sub in m.modules()}
         width = cfg.d_model if cfg.mup_base_width is None else cfg.mup_base_width
-        std = cfg.init_std if cfg.init == "hf" else math.sqrt(2 / (5 * width))
-        out_std = cfg.init_std if cfg.init == "hf" else 2 / cfg.n_token_layers / math.sqrt(width)
+        L = cfg.n_token_layers
+        std = math.sqrt(2 / (5 * width)) if cfg.init == "gpt-neox" else cfg.init_std
+        out_std = {"hf": std, "gpt2": std / math.sqrt(2 * L), "gpt-neox": 2 / L / math.sqrt(width)}[cfg.init]
         outputs = {id(m) for blk in self._blocks() for m in (blk.attn.proj, blk.mlp.proj)}
         hidden = {id(m): s for m, _, s in hidden_linears(self).values()}  # muP: module -> s of its module
         for m in self.modules():

@@ -9,7 +9,8 @@ token k ahead (teacher forcing):
     loss_k = CE(lm_head(final_norm(h_k)), x[t + k + 1])                    the shared LM head
 
 with h_0 the main model's final-norm states. The total loss adds ``weight * mean_k loss_k``
-(ArchPreview: one depth, 0.3; ConceptLM Table 4's baseline: four; the weight can follow
+(ArchPreview: one depth, 0.3; ConceptLM Table 4's baseline predicts four future tokens: the main
+head and three depths, ``recipes/ablations/table4-mtp.yaml``; the weight can follow
 ``mtp_weight_schedule``). A prediction whose shift would cross a document boundary (an
 end-of-document token among x[t+1 .. t+k], ``mtp_stop_token``) is not scored. MTP runs in
 training only: validation, evaluation, decoding and the export use the main head alone (its

@@ -209,7 +209,8 @@ class EvalSection(Section):
     tasks: list[str] = Field(default_factory=list, description="lm-eval task or group names: `ncp_offline` "
                              "(held-out perplexity, next-block cloze, last-identifier completion from the "
                              "validation split; no network), `conceptlm` / `conceptlm_downstream` / "
-                             "`conceptlm_ppl` (the ConceptLM paper's benchmarks; need the hub or a cache), "
+                             "`conceptlm_ppl` (the ConceptLM paper's benchmarks; need the hub or a cache, but "
+                             "`conceptlm_val_ppl`: the run's validation split), "
                              "or any lm-eval task.")
     batch_size: int = Field(8, gt=0, description="Requests per batch.")
     limit: Optional[int] = Field(None, gt=0, description="Examples per task (smoke runs).")

@@ -148,3 +148,21 @@ def test_a_run_with_neither_results_nor_checkpoint_is_one_error_line(finished, t
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and str(tmp_path / "empty") in errors[0] and "no checkpoint" in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_table_says_how_each_average_is_made(finished, tmp_path):
+    """A note gives the rule the runs' perplexity average follows (its sets, each with its unit);
+    a results file written before rules were recorded gets one from its per-set metrics."""
+    rule = _results(finished["concept"])["perplexity"]["rule"]
+    assert rule.startswith("mean_of_sets = (ncp_heldout_ppl [token perplexity] + held [token perplexity]) / 2")
+    got = compare([str(finished["concept"]), str(finished["base"])], out=str(tmp_path / "a"))
+    assert f"perplexity averages: {rule}" in got["notes"]
+    assert f"- perplexity averages: {rule}" in Path(got["files"]["markdown"]).read_text()
+    old = tmp_path / "old" / "eval"
+    old.mkdir(parents=True)
+    res = _results(finished["base"])
+    res["perplexity"].pop("rule")
+    (old / TAG).write_text(json.dumps(res))
+    got = compare([str(finished["concept"]), str(old.parent)], out=str(tmp_path / "b"))
+    assert f"concept: {rule}" in got["notes"]
+    assert "old: mean_of_sets = (ncp_heldout_ppl [token_perplexity] + held [token_perplexity]) / 2" in got["notes"]

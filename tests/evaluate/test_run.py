@@ -71,3 +71,82 @@ def test_checkpoint_without_eval_tasks_or_with_a_bad_section(tmp_path: Path) -> 
     (ck / "ncpctl.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match="no tasks to evaluate"):
         resolve_target(str(ck), [], None, None, None, None, None)
+
+
+# ---- ConceptLM's perplexity sets: units, the average's rule, the held-out training distribution
+
+HELD = {"conceptlm_val_ppl": "token perplexity", "wikitext": "word perplexity",
+        "lambada_openai": "target perplexity", "lambada_standard": "target perplexity"}
+
+
+def test_avg_ppl_follows_the_printed_rule_and_skips_training_splits() -> None:
+    """ConceptLM's four sets plus pile_10k (Pile training documents: lm-eval scores its `train`
+    split): the average takes the four held-out sets, each in its own unit; the rule printed under
+    the table and in the markdown names exactly those, and recomputing from it gives the average."""
+    import math
+    import re
+
+    from rich.console import Console
+
+    from ncpctl.evaluate.run import _ppl_markdown, perplexity_summary, rich_table
+
+    results = {"conceptlm_val_ppl": {"token_perplexity,none": 12.0, "word_perplexity,none": 40.0},
+               "wikitext": {"word_perplexity,none": 30.0, "byte_perplexity,none": 1.9},
+               "lambada_openai": {"perplexity,none": 20.0, "acc,none": 0.4},
+               "lambada_standard": {"perplexity,none": 70.0, "acc,none": 0.3},
+               "pile_10k": {"word_perplexity,none": 1000.0, "byte_perplexity,none": 2.5},
+               "arc_easy": {"acc,none": 0.5}}
+    stats = {t: {"nll": 10.0 * (i + 1), "tokens": 5 * (i + 1)} for i, t in enumerate(results)}
+    configs = {**{t: {"test_split": "test"} for t in results}, "pile_10k": {"test_split": "train"},
+               "wikitext": {"validation_split": "validation", "test_split": "test"}}
+    p = perplexity_summary(results, stats, configs)
+    assert {k: v["unit"] for k, v in p["per_set"].items()} == {**HELD, "pile_10k": "word perplexity"}
+    assert p["excluded"] == ["pile_10k"] and not p["per_set"]["pile_10k"]["averaged"]
+    m = re.fullmatch(r"mean_of_sets = \((.*)\) / (\d+): .*; not averaged \(scored on a training split\): pile_10k",
+                     p["rule"])
+    assert m, p["rule"]
+    terms = dict(re.fullmatch(r"(\S+) \[(.+)\]", t).groups() for t in m.group(1).split(" + "))
+    assert terms == HELD and int(m.group(2)) == len(terms)
+    assert p["mean_of_sets"] == pytest.approx(sum(p["per_set"][k]["value"] for k in terms) / len(terms))
+    assert p["mean_of_sets"] == pytest.approx((12 + 30 + 20 + 70) / 4)
+    held = [stats[k] for k in HELD]
+    assert p["token_weighted"] == pytest.approx(math.exp(sum(s["nll"] for s in held) / sum(s["tokens"] for s in held)))
+    md = _ppl_markdown(p)
+    assert f"- rule: {p['rule']}" in md and all(f"| {k} | {u} (" in md for k, u in HELD.items())
+    assert "| pile_10k | word perplexity (word_perplexity) | train | 1000.0000 | no: training split |" in md
+    con = Console(record=True, width=200)
+    con.print(rich_table({"checkpoint": "ck", "results": {}, "groups": {}, "perplexity": p}))
+    text = con.export_text()
+    assert " ".join(p["rule"].split()) in " ".join(text.split())  # the caption, however it wraps
+    rows = {ln.split("│")[1].strip(): ln for ln in text.splitlines() if ln.count("│") >= 4}
+    assert all(u in rows[k] for k, u in HELD.items()) and "training split: not averaged" in rows["pile_10k"]
+
+
+def test_conceptlm_val_ppl_scores_the_checkpoints_validation_split(fixture_run: Path, tmp_path: Path) -> None:
+    """The lm-eval task (offline): whole documents of run.dir/data/val, every token scored once, in
+    token perplexity, averaged; data.val_prefix (the Pythia recipes' Pile validation set) wins."""
+    from ncpctl.checkpoint import resolve
+    from ncpctl.data.indexed import IndexedDataset, IndexedDatasetWriter
+    from ncpctl.evaluate.offline import validation_prefix
+    from ncpctl.evaluate.run import evaluate
+
+    s = evaluate(resolve_target(str(fixture_run), [], ["conceptlm_val_ppl"], 4, 3, None, str(tmp_path / "eval")))
+    v = s["perplexity"]["per_set"]["conceptlm_val_ppl"]
+    assert (v["unit"], v["split"], v["averaged"], v["value"]) == (
+        "token perplexity", "test", True, s["results"]["conceptlm_val_ppl"]["token_perplexity"])
+    val = IndexedDataset(fixture_run / "data" / "val")
+    eod = json.loads((fixture_run / "data" / "meta.json").read_text())["tokenizer"]["eod_id"]
+    assert v["tokens"] == sum(len(val[i]) - (int(val[i][-1]) == eod) for i in range(3))  # the first 3 documents
+    ckpt = resolve(fixture_run)
+    assert validation_prefix(str(ckpt))[0] == fixture_run / "data" / "val"
+    copy, pile = tmp_path / "ckpt", tmp_path / "pile" / "pile_val_text_document"
+    shutil.copytree(ckpt, copy)
+    meta = json.loads((copy / "ncpctl.json").read_text())
+    meta["recipe"]["data"]["val_prefix"] = str(pile)
+    (copy / "ncpctl.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=f"data.val_prefix {pile}: no .bin/.idx"):
+        validation_prefix(str(copy))
+    pile.parent.mkdir()
+    with IndexedDatasetWriter(pile, "uint16") as w:
+        w.add_document([5, 6, 7])
+    assert validation_prefix(str(copy)) == (pile, copy / "tokenizer.json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ncpctl.model import NCPModel, build_config
@@ -82,6 +83,37 @@ def test_gpt_neox_init_is_small_init_with_wang_init_outputs():
         assert abs(p.std().item() / want - 1) < 0.1, (name, p.std().item(), want)
     hf = NCPModel(tiny("neox", d_model=d, n_heads=4, n_layers=L))
     assert abs(hf.decoder[0].attn.proj.weight.std().item() / 0.02 - 1) < 0.1
+
+
+def test_gpt2_init_scales_the_residual_output_projections():
+    """init: gpt2 = HF GPT2's _init_weights: N(0, 0.02) everywhere but the residual output
+    projections (attention out-proj, MLP down-proj; GPT-2's c_proj), N(0, 0.02 / sqrt(2L)) with L
+    the token layers (PM's extra layer counts), the concept layers' projections included. HF's
+    own GPT2LMHeadModel of the same depth gives its c_proj that std (the formula is HF's rule)."""
+    import math
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    d, L = 256, 4  # 3 backbone layers + 1 extra; proj matrices of 65k-262k entries: std known to ~0.3%
+    model = NCPModel(tiny("gpt2", d_model=d, n_heads=4, n_layers=3, extra_token_layers=1, init="gpt2",
+                          concept=dict(encoder_layers=0, segments=4)))
+    out_std = 0.02 / math.sqrt(2 * L)
+    seen = {"out": 0, "concept_out": 0, "other": 0}
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or "codebook" in name:  # norms/biases: 1/0; the codebook: its own init
+            continue
+        out = name.endswith(("attn.proj.weight", "mlp.proj.weight"))
+        seen["concept_out" if out and name.startswith("concept.") else "out" if out else "other"] += 1
+        assert p.std().item() == pytest.approx(out_std if out else 0.02, rel=0.03), name
+    assert seen["out"] == 2 * L and seen["concept_out"] == 2 * 2 and seen["other"] > 0
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=L, n_embd=d, n_head=4, vocab_size=256, n_positions=64))
+    for name, p in hf.named_parameters():
+        if name.endswith("c_proj.weight"):
+            assert p.std().item() == pytest.approx(out_std, rel=0.03), name
+        elif name.endswith("c_attn.weight"):
+            assert p.std().item() == pytest.approx(0.02, rel=0.03), name
 
 
 def test_extra_token_layers_are_inserted_where_asked():

@@ -36,6 +36,8 @@ POINTS: dict[str, dict[str, Any]] = {
     "table4-vq-only": {"concept.ncp_weight": 0.0},
     "table4-ncp-only": {"concept.vq_weight": 0.0},
     "table4-full": {"concept.ncp_weight": 1.0, "concept.vq_weight": 1.0},
+    # Table 4's token-level MTP baseline: 4 future tokens = the main head + 3 sequential depths
+    "table4-mtp": {"mtp_depth": 3, "concept.enabled": False},
     # Table 5: added depth, token layers (PM-style, no concept path) vs concept layers
     **{f"table5-token-{n}": {"extra_token_layers": n, "concept.enabled": False} for n in (2, 6, 10)},
     **{f"table5-concept-{n}": {"concept.concept_layers": n} for n in (2, 6, 10)},
@@ -65,6 +67,18 @@ LLAMA31_8B = {
                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     "torch_dtype": "bfloat16", "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
 }
+
+
+# ConceptLM's 4 perplexity sets: the training distribution's held-out split, wikitext, LAMBADA x 2
+PPL_SETS = {"conceptlm_val_ppl", "wikitext", "lambada_openai", "lambada_standard"}
+
+
+def eval_leaves(r) -> set[str]:
+    """The lm-eval tasks a recipe's ``eval.tasks`` expand to (our groups opened)."""
+    from ncpctl.evaluate.run import _leaves, our_tasks
+
+    ours = our_tasks()
+    return {leaf for t in r.eval.tasks for leaf in _leaves(t, ours)}
 
 
 def _stand_ins(root: Path, vocab: int, dtype: str = "uint16") -> list[str]:
@@ -115,7 +129,7 @@ def test_ablation_base_is_pythia160m_at_30b_tokens(pile_like: list[str]) -> None
     r = load_recipe(ABLATIONS / f"{BASE}.yaml", pile_like)
     parent = load_recipe(RECIPES / "pythia160m.yaml", pile_like)
     # warmup_steps is derived: 1% of max_steps, in both
-    assert _diff(r.to_dict(), parent.to_dict()) == {"train.max_steps", "train.warmup_steps", "eval.tasks"}
+    assert _diff(r.to_dict(), parent.to_dict()) == {"train.max_steps", "train.warmup_steps"}
     assert r.warmup_steps == 143
     assert r.train.max_steps * r.seq_len * r.global_batch_size == pytest.approx(30e9, rel=1e-4)
     assert r.model_config.name == "pythia-160m" and r.model_config.concept.enabled
@@ -194,6 +208,15 @@ def test_ablation_point_trains_two_steps(name: str, trained_points: dict[str, di
     assert saved["d_model"] == 192 and saved["n_heads"] == 12 and saved["n_layers"] == 12
 
 
+def test_table4_mtp_trains_three_mtp_depths(trained_points: dict[str, dict[str, Any]]) -> None:
+    """Table 4's MTP arm is a token model whose loss includes three sequential MTP depths."""
+    run = trained_points["table4-mtp"]
+    train = [json.loads(x) for x in (run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in train if m.get("split") == "train"]
+    assert train and all(m["mtp_loss"] > 0 and len(m["mtp_acc_per_depth"]) == 3 for m in train)
+    assert not any("ncp_loss" in m for m in train)  # no concept path
+
+
 # ----------------------------------------------------------------------------- GPT-2
 
 
@@ -223,6 +246,25 @@ def test_gpt2_recipe_validates(name: str, gpt2_like: list[str]) -> None:
         (4, 1 if name.endswith("-l1") else 0, 2, 64, "normed")
     assert micro == (16 if size in ("124m", "355m") else 8) and r.deepspeed.zero_stage == 1
     assert load_recipe(RECIPES / f"{name}.yaml", gpt2_like, world_size=8).grad_accum_steps == 512 // (8 * micro)
+
+
+def test_gpt2_recipes_use_gpt2s_init(gpt2_like: list[str]) -> None:
+    """GPT-2's init (residual output projections at 0.02 / sqrt(2L)), not hf's N(0, 0.02) everywhere."""
+    for name in GPT2:
+        cfg = load_recipe(RECIPES / f"{name}.yaml", gpt2_like).model_config
+        assert (cfg.init, cfg.init_std) == ("gpt2", 0.02), name
+
+
+def test_gpt2_recipes_average_held_out_openwebtext(gpt2_like: list[str]) -> None:
+    """The perplexity sets are ConceptLM's four; the training-distribution one is the OpenWebText
+    documents these recipes hold out (conceptlm_val_ppl reads data.val_prefix, else
+    run.dir/data/val: here the val_fraction split of the OpenWebText source), never the Pile."""
+    for name in GPT2:
+        r = load_recipe(RECIPES / f"{name}.yaml", gpt2_like)
+        leaves = eval_leaves(r)
+        assert PPL_SETS <= leaves and not any(t.startswith("pile") for t in leaves), name
+        assert r.data.val_prefix is None and r.data.val_fraction > 0, name
+        assert [s.path for s in r.data.sources] == ["hf:Skylion007/openwebtext"], name
 
 
 @pytest.mark.parametrize("size", list(GPT2_DIMS))

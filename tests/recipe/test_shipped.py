@@ -16,7 +16,7 @@ from ncpctl.recipe import load_recipe
 from ..conftest import RECIPES
 from ._archpreview import TOP as ARCHPREVIEW_RECIPES
 from .test_dlcm_recipes import TOP as DLCM_RECIPES
-from .test_paper_recipes import PAPER_RECIPES
+from .test_paper_recipes import PAPER_RECIPES, PPL_SETS, eval_leaves
 
 PYTHIA = ["pythia70m", "pythia160m", "pythia160m-base", "pythia160m-pm", "pythia410m"]
 
@@ -108,6 +108,31 @@ def test_pythia_recipes_validate(name: str, pile_like: list[str]) -> None:
     assert cfg.name == {"pythia70m": "pythia-70m", "pythia410m": "pythia-410m"}.get(name, "pythia-160m")
     # on 8 ranks the same recipe needs 16 micro-batches of 8 per step
     assert load_recipe(RECIPES / f"{name}.yaml", pile_like, world_size=8).grad_accum_steps == 16
+
+
+# ConceptLM's peak learning rates for its Pythia backbones (App. B; the notes' Sec. 3.1 lists
+# 1e-3, 6e-4, 4e-4 for 70M, 160M, 410M), cosine down to 10%
+PAPER_LR = {"pythia-70m": 1e-3, "pythia-160m": 6e-4, "pythia-410m": 4e-4}
+
+
+@pytest.mark.parametrize("name", PYTHIA)
+def test_pythia_recipes_use_the_papers_lr(name: str, pile_like: list[str]) -> None:
+    r = load_recipe(RECIPES / f"{name}.yaml", pile_like)
+    lr = PAPER_LR[r.model_config.name]
+    assert r.train.lr == lr and r.train.min_lr == pytest.approx(lr / 10)
+
+
+def test_pythia_recipes_average_the_piles_validation_set(pile_like: list[str]) -> None:
+    """ConceptLM's four perplexity sets, the training-distribution one (conceptlm_val_ppl: the
+    recipe's data.val_prefix) being the Pile's validation set, never Pile training documents."""
+    import yaml
+
+    data = yaml.safe_load((RECIPES / "pythia-common.yaml").read_text())["data"]
+    assert data["val_prefix"] == "/data/pile/pile_val_text_document" != data["train_prefix"]
+    for path in [*(RECIPES / f"{n}.yaml" for n in PYTHIA), RECIPES / "ablations" / "pythia160m-30b.yaml"]:
+        assert "val_prefix" not in (yaml.safe_load(path.read_text()).get("data") or {}), path
+        leaves = eval_leaves(load_recipe(path, pile_like))
+        assert PPL_SETS <= leaves and not any(t.startswith("pile") for t in leaves), path
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:
