@@ -873,13 +873,15 @@ SIZES: dict[str, dict[str, Any]] = {
                           original_max_position_embeddings=8192)),
     # NCP-ArchPreview 8.94B: E/C/D = 16/8/16 (spec section 4). The report (Sec. 4.1, Table 10) gives
     # RMSNorm eps 1e-6 and OLMo's layer-wise QK-norm but not the norm placement (OLMo-3, its base and
-    # baseline, is post-norm): pre until the released weights say otherwise.
+    # baseline, is post-norm): pre until the released weights say otherwise. The codes are learned
+    # directly (Sec. 2.3: S x N = 32 x 128 codes of d/S = 128 dims, 524,288 parameters; Sec. 5.1's
+    # adapt-vq trains them), not made by SimVQ's transform; the NCP loss is Eq. 22's (summed over d).
     "ncp-archpreview-8.9b": dict(
         backbone="llama", vocab_size=100278, d_model=4096, n_layers=32, n_heads=32, ffn_dim=11008,
         max_seq_len=8192, rope_base=500000.0, norm_eps=1e-6, qk_norm="layer", norm_placement="pre",
         sliding_window=4096, full_attn_every=4,
         concept=dict(
-            enabled=True, k=4, encoder_layers=16, concept_layers=8, segments=32, codes=128,
+            enabled=True, k=4, encoder_layers=16, concept_layers=8, segments=32, codes=128, codebook="learned",
             code_weights="softmax", ncp_reduction="sum_dim",
         ),
     ),
