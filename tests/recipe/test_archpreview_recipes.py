@@ -249,13 +249,14 @@ def test_fig6_pair_differs_in_the_qk_norm_only(tree: Path, olmo_like: list[str])
 # ----------------------------------------------------------------------------- debug-archpreview
 
 
-def test_debug_archpreview_has_the_design(tree: Path) -> None:
+def test_debug_archpreview_has_the_design(tree: Path, olmo_like: list[str]) -> None:
     r = load_recipe(_path(tree, "debug-archpreview"), need_sources=True)
     cfg = r.model_config
     assert (cfg.backbone, cfg.norm_placement, cfg.qk_norm, cfg.residual, cfg.crc_connections, cfg.mtp_depth) == \
         ("llama", "post", "layer", "irc", ALL_LINKS, 1)
     assert cfg.concept.enabled and (cfg.encoder_layers, cfg.concept.concept_layers, cfg.decoder_layers) == (2, 1, 2)
     assert (cfg.concept.code_weights, cfg.concept.ncp_reduction, cfg.sliding_window) == ("softmax", "sum_dim", 32)
+    assert cfg.concept.codebook == _load(tree, MAIN, olmo_like).model_config.concept.codebook == "learned"
     assert r.run_dir == Path("runs/debug-archpreview") and r.data.sources[0].path == "builtin:python-stdlib"
 
 
