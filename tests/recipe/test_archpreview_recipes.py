@@ -112,6 +112,39 @@ def test_every_archpreview_file_is_a_point() -> None:
 def test_recipe_loads_as_shipped(name: str, olmo_like: list[str]) -> None:
     r = _load(RECIPES, name, olmo_like, need_sources=name == "debug-archpreview")
     assert r.train.optimizer == "muon"
+    c = r.model_config.concept
+    if c.enabled:  # the report's codebook and Eq. 21's VQ loss (no commitment term) in every arm with codes
+        assert (c.codebook, c.vq_reduction, c.commitment) == ("learned", "sum_segment", 0.0)
+
+
+@pytest.mark.parametrize("name", [MAIN, "debug-archpreview"])
+def test_vq_loss_is_eq21(name: str, tree: Path, olmo_like: list[str]) -> None:
+    """The recipe's resolved VQ settings on a tiny concept module: the VQ part of the total loss
+    is beta x Eq. 21, 1/(M S) sum_m sum_s min_n ||sg(c_m^s) - e_n^s||^2 (mean over the batch), by
+    hand; the commitment term is logged apart, and 0."""
+    import torch
+
+    from ncpctl.model.concept import ConceptOutput, Segments
+    from ncpctl.model.model import NCPModel
+
+    from ..model._helpers import tiny
+
+    c = _load(tree, name, olmo_like).model_config.concept
+    keys = ("codebook", "code_weights", "vq_reduction", "commitment", "vq_weight")
+    concept = NCPModel(tiny("llama", concept={k: getattr(c, k) for k in keys})).concept  # S = 4, N = 8, d/S = 8
+    B, M, S, N, ds = 2, 3, 4, 8, 8
+    x = torch.randn(B, M, S * ds, generator=torch.Generator().manual_seed(0))
+    out = ConceptOutput(z=x)
+    with torch.no_grad():
+        codes = concept.codebook().detach()  # (S, N, ds)
+        concept._losses(Segments(concepts=x, positions=torch.arange(M)[None]), x, codes, out)
+    eq21 = sum(min(float(((x[b, m, s * ds:(s + 1) * ds] - codes[s, n]) ** 2).sum()) for n in range(N))
+               for b in range(B) for m in range(M) for s in range(S)) / (B * M * S)
+    assert out.losses["vq_loss"].item() == pytest.approx(eq21, rel=1e-5)
+    assert out.losses["commitment_loss"].item() == 0.0
+    w = concept.loss_weights()
+    vq_part = sum(w[k] * out.losses[k].item() for k in ("vq_loss", "commitment_loss"))
+    assert vq_part == pytest.approx(c.vq_weight * eq21, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- the 8.9B model
