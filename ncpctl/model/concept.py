@@ -169,7 +169,7 @@ class ConceptModule(nn.Module):
             out.z = self.coupling(h, None, seg, self.segmenter)
             if losses:
                 zero = h.new_zeros(())
-                out.losses.update(ncp_loss=zero, vq_loss=zero)
+                out.losses.update(ncp_loss=zero, vq_loss=zero, commitment_loss=zero)
             return out
         ctx = self.context(seg.positions, h.dtype)
         if pooled is not None:
@@ -202,16 +202,20 @@ class ConceptModule(nn.Module):
 
     def loss_weights(self) -> dict[str, float]:
         c = self.cfg.concept
-        return {"ncp_loss": c.ncp_weight, "vq_loss": c.vq_weight, **self.segmenter.loss_weights()}
+        # the commitment term enters the total with L_VQ's weight, as when it was part of vq_loss
+        return {"ncp_loss": c.ncp_weight, "vq_loss": c.vq_weight, "commitment_loss": c.vq_weight,
+                **self.segmenter.loss_weights()}
 
     def log_keys(self) -> list[LogKey]:
         S = self.S
-        keys = [LogKey("ncp_loss"), LogKey("vq_loss"), *self.segmenter.log_keys()]
+        keys = [LogKey("ncp_loss"), LogKey("vq_loss"), LogKey("commitment_loss"), *self.segmenter.log_keys()]
         return keys + [LogKey("code_perplexity", S), LogKey("ncp_code_acc", S), LogKey("code_usage", S, per="segment")]
 
     def _losses(self, seg: Segments, pred: torch.Tensor, codes: torch.Tensor, out: ConceptOutput) -> None:
         """NCP and VQ terms (ncp-model.md section 3), reduced as ``ncp_reduction`` / ``vq_reduction``
-        say; concepts that ``seg.valid`` marks as padding count in neither (nor in the metrics)."""
+        say; concepts that ``seg.valid`` marks as padding count in neither (nor in the metrics).
+        ``vq_loss`` is the codebook term alone (NCP-ArchPreview Eq. 21 with ``sum_segment``); the
+        commitment term is ``commitment_loss``, logged apart."""
         cfg = self.cfg.concept
         c, valid = seg.concepts, seg.valid
         B, M, d = c.shape
@@ -222,20 +226,21 @@ class ConceptModule(nn.Module):
             out.losses["ncp_loss"] = self._reduce(err, pair, cfg.ncp_reduction)
         else:
             out.losses["ncp_loss"] = c.new_zeros(())
-        # VQ on sg(c): trains only the codebook (transform). The commitment term ||c - sg(q)||^2
-        # has c detached too, so it adds commitment x the distance to the value and no gradient.
+        # VQ on sg(c): trains only the codebook (the learned codes, or SimVQ's transform).
         cs = c.detach()
         idx = nearest_code(cs, codes.detach())  # (B, M, S)
         q = codes[torch.arange(self.S, device=c.device), idx].reshape(B, M, d)  # (B, M, d), grad -> codes
         if cfg.vq_reduction == "sum_segment":  # Eq. 21: 1/(M S) sum_m sum_s ||sg(c_m^s) - q_m^s||^2
-            out.losses["vq_loss"] = (self._reduce((q - cs).pow(2), valid, "sum_segment")
-                                     + cfg.commitment * self._reduce((cs - q.detach()).pow(2), valid, "sum_segment"))
+            vq = self._reduce((q - cs).pow(2), valid, "sum_segment")
         elif valid is None:  # mean: the element mean (as F.mse_loss), ConceptLM
-            out.losses["vq_loss"] = F.mse_loss(q, cs) + cfg.commitment * F.mse_loss(cs, q.detach())
+            vq = F.mse_loss(q, cs)
         else:
-            n = (valid.sum() * d).clamp_min(1)
             m = valid[..., None].to(c.dtype)
-            out.losses["vq_loss"] = (((q - cs) * m).pow(2).sum() + cfg.commitment * ((cs - q.detach()) * m).pow(2).sum()) / n
+            vq = ((q - cs) * m).pow(2).sum() / (valid.sum() * d).clamp_min(1)
+        out.losses["vq_loss"] = vq
+        # The commitment term commitment x ||c - sg(q)||^2, reduced alike: c is detached at the VQ
+        # input, so it equals commitment x vq_loss exactly and has no gradient (Eq. 21 has none).
+        out.losses["commitment_loss"] = cfg.commitment * vq.detach()
         with torch.no_grad():  # metrics as tensors: no host sync on the hot path
             self._code_metrics(idx, pred, codes, valid, out.metrics)
 

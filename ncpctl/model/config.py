@@ -219,13 +219,13 @@ class ConceptConfig:
     vq_reduction: Literal["mean", "sum_segment"] = _f(
         "mean", "VQ loss ||sg(c) - q||^2 over blocks: mean = mean over all elements (ConceptLM's MSE); "
         "sum_segment = sum over each segment's d/S elements, mean over segments and blocks (NCP-ArchPreview "
-        "Eq. 21), i.e. d/S times mean. The commitment term is reduced alike.")
+        "Eq. 21), i.e. d/S times mean. The commitment term (concept.commitment) is reduced alike.")
     ncp_weight: float = _f(1.0, "alpha: weight of the next-concept MSE loss.")
     vq_weight: float = _f(1.0, "beta_vq: weight of the codebook loss.")
     commitment: float = _f(
-        0.25, "Weight of the commitment term ||c - sg(q)||^2 inside the VQ loss. c is detached at the VQ input, "
-        "so the term only adds commitment x the codebook distance to the logged value: it has no gradient "
-        "(NCP-ArchPreview Eq. 21 has no such term; 0 gives its value).")
+        0.25, "Weight of the commitment term ||c - sg(q)||^2, logged apart from vq_loss as commitment_loss and "
+        "added to the total loss with vq_weight. c is detached at the VQ input, so the term is commitment x the "
+        "codebook distance and has no gradient (NCP-ArchPreview Eq. 21 has no such term: 0).")
     rope_scale_by_k: bool = _f(False, "Concept transformer RoPE positions j -> j*k (token-aligned).")
     d_concept: int | None = _f(
         None, "Width of the concept transformer (DLCM Sec. 3.3.2: d_concept 3072 over d_token 1536); null = "
@@ -867,14 +867,18 @@ SIZES: dict[str, dict[str, Any]] = {
                           original_max_position_embeddings=8192)),
     # NCP-ArchPreview 8.94B: E/C/D = 16/8/16 (spec section 4). The report (Sec. 4.1, Table 10) gives
     # RMSNorm eps 1e-6 and OLMo's layer-wise QK-norm but not the norm placement (OLMo-3, its base and
-    # baseline, is post-norm): pre until the released weights say otherwise.
+    # baseline, is post-norm): pre until the released weights say otherwise. The codes are learned
+    # directly (Sec. 2.3: S x N = 32 x 128 codes of d/S = 128 dims, 524,288 parameters; Sec. 5.1's
+    # adapt-vq trains them), not made by SimVQ's transform. The losses are the report's: Eq. 21's VQ
+    # (summed over a segment's d/S dims, mean over segments and blocks; no commitment term) and Eq.
+    # 22's NCP (summed over d).
     "ncp-archpreview-8.9b": dict(
         backbone="llama", vocab_size=100278, d_model=4096, n_layers=32, n_heads=32, ffn_dim=11008,
         max_seq_len=8192, rope_base=500000.0, norm_eps=1e-6, qk_norm="layer", norm_placement="pre",
         sliding_window=4096, full_attn_every=4,
         concept=dict(
-            enabled=True, k=4, encoder_layers=16, concept_layers=8, segments=32, codes=128,
-            code_weights="softmax", ncp_reduction="sum_dim",
+            enabled=True, k=4, encoder_layers=16, concept_layers=8, segments=32, codes=128, codebook="learned",
+            code_weights="softmax", ncp_reduction="sum_dim", vq_reduction="sum_segment", commitment=0.0,
         ),
     ),
     # DLCM 2.3B (Table 3): d_token 1536 (24 heads), a concept transformer at d_concept 3072 (48

@@ -69,6 +69,10 @@ class NCPOutput:
         return self.losses.get("vq_loss")
 
     @property
+    def commitment_loss(self):  # commitment x ||c - sg(q)||^2: no gradient, logged apart from vq_loss
+        return self.losses.get("commitment_loss")
+
+    @property
     def code_usage(self):  # (S,) fraction of codes used per segment
         return self.metrics.get("code_usage")
 

@@ -216,10 +216,9 @@ def test_params_archpreview():
     p = count_parameters(cfg)
     _check_sums(p)
     assert abs(p.total - 8.94e9) / 8.94e9 < 0.01
-    assert p.components["codebook"] == 524_288 == 128 * 4096  # frozen base codes (S, N, d/S)
-    assert p.trainable == p.total - p.components["codebook"]
+    assert p.components["codebook"] == 524_288 == 128 * 4096  # learned codes (S, N, d/S), Sec. 2.3
+    assert p.trainable == p.total and p.components["codebook_transform"] == 0  # no SimVQ transform
     assert p.components["concept_heads"] >= 4096 * 32 * 128
-    assert 2 * 128 * 256 <= p.components["codebook_transform"] <= 2 * 128 * 256 + 256 + 128
     assert p.components["embeddings"] == p.components["lm_head"] == 100352 * 4096
     # concept layers are token layers' shape: 8 of them vs 32
     assert p.components["concept_layers"] * 4 == pytest.approx(p.components["token_layers"], rel=1e-3)

@@ -121,13 +121,14 @@ def test_losses_match_the_formulas():
         ncp = err.mean() if red == "mean" else err.sum(-1).mean()
         idx = nearest_code(c, codes)
         q = torch.stack([codes[s][idx[..., s]] for s in range(4)], 2).reshape(2, 4, 32)
-        vq = 1.25 * ((c - q) ** 2).mean()
+        vq = ((c - q) ** 2).mean()  # the codebook term; the commitment term (0.25 x it) is logged apart
         logits = model(x).logits
         ntp = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         torch.testing.assert_close(out.ncp_loss, ncp)
         torch.testing.assert_close(out.vq_loss, vq)
+        torch.testing.assert_close(out.commitment_loss, 0.25 * vq)
         torch.testing.assert_close(out.ntp_loss, ntp)
-        torch.testing.assert_close(out.loss, ntp + 0.5 * ncp + 2.0 * vq)
+        torch.testing.assert_close(out.loss, ntp + 0.5 * ncp + 2.0 * 1.25 * vq)
         # metrics: shapes and ranges; accuracy = nearest code of pred == of the next block
         assert out.code_usage.shape == out.code_perplexity.shape == out.ncp_code_acc.shape == (4,)
         assert torch.all((out.code_usage > 0) & (out.code_usage <= 1))
@@ -152,14 +153,14 @@ def _ncp_formula(pred, c, how, S):
     return (seg.sum((-1, -2)) / ((M - 1) * S)).mean()
 
 
-def _vq_formula(c, q, how, S, commitment):
-    """Codebook term plus the commitment term (equal values: c is detached at the VQ input)."""
+def _vq_formula(c, q, how, S):
+    """The codebook term (the commitment term, logged apart, is commitment x it: c is detached at
+    the VQ input)."""
     B, M, d = c.shape
     if how == "mean":
-        dist = ((c - q) ** 2).mean()
-    else:  # Eq. 21: 1/(M S) sum_m sum_s ||sg(c_m^s) - d_m^s||^2
-        dist = (((c - q) ** 2).reshape(B, M, S, d // S).sum(-1).sum((-1, -2)) / (M * S)).mean()
-    return (1 + commitment) * dist
+        return ((c - q) ** 2).mean()
+    # Eq. 21: 1/(M S) sum_m sum_s ||sg(c_m^s) - d_m^s||^2
+    return (((c - q) ** 2).reshape(B, M, S, d // S).sum(-1).sum((-1, -2)) / (M * S)).mean()
 
 
 @pytest.mark.parametrize("vq", ["mean", "sum_segment"])
@@ -174,7 +175,8 @@ def test_each_reduction_equals_its_formula(ncp, vq):
     idx = nearest_code(c, codes)
     q = torch.stack([codes[s][idx[..., s]] for s in range(4)], 2).reshape(2, 5, 32)
     torch.testing.assert_close(out.ncp_loss, _ncp_formula(out.pred, c, ncp, 4))
-    torch.testing.assert_close(out.vq_loss, _vq_formula(c, q, vq, 4, 0.3))
+    torch.testing.assert_close(out.vq_loss, _vq_formula(c, q, vq, 4))
+    torch.testing.assert_close(out.commitment_loss, 0.3 * _vq_formula(c, q, vq, 4))
 
 
 @pytest.mark.parametrize("vq", ["mean", "sum_segment"])
@@ -200,13 +202,15 @@ def test_each_reduction_skips_padding_concepts(ncp, vq):
     torch.testing.assert_close(out.losses["ncp_loss"], (ncp_rows * pairs).sum() / pairs.sum())
     idx = nearest_code(c, codes)
     q = torch.stack([codes[s][idx[..., s]] for s in range(4)], 2).reshape(2, 5, 32)
-    vq_rows = torch.stack([_vq_formula(c[:1], q[:1], vq, 4, 0.25), _vq_formula(c[1:, :3], q[1:, :3], vq, 4, 0.25)])
+    vq_rows = torch.stack([_vq_formula(c[:1], q[:1], vq, 4), _vq_formula(c[1:, :3], q[1:, :3], vq, 4)])
     real = torch.tensor([5.0, 3.0])
     torch.testing.assert_close(out.losses["vq_loss"], (vq_rows * real).sum() / real.sum())
+    torch.testing.assert_close(out.losses["commitment_loss"], 0.25 * (vq_rows * real).sum() / real.sum())
 
 
 def test_default_reductions_are_the_previous_expressions_bit_for_bit():
-    """ncp mean / sum_dim and vq mean compute exactly what they computed before the options."""
+    """ncp mean / sum_dim and vq mean compute exactly what they computed before the options (vq:
+    its codebook term; the commitment term is logged apart since, commitment x that term)."""
     from ncpctl.model.concept import ConceptOutput, Segments
 
     for ncp in ("mean", "sum_dim"):
@@ -224,23 +228,25 @@ def test_default_reductions_are_the_previous_expressions_bit_for_bit():
             q = codes[torch.arange(4), idx].reshape(2, 5, 32)
             if valid is None:
                 want_ncp = err.mean() if ncp == "mean" else per.mean()
-                want_vq = F.mse_loss(q, c) + 0.25 * F.mse_loss(c, q)
+                want_vq = F.mse_loss(q, c)
             else:
                 pair = valid[:, :-1] & valid[:, 1:]
                 want_ncp = (per * pair).sum() / pair.sum().clamp_min(1)
                 m = valid[..., None].float()
-                want_vq = (((q - c) * m).pow(2).sum() + 0.25 * ((c - q) * m).pow(2).sum()) / (valid.sum() * 32)
+                want_vq = ((q - c) * m).pow(2).sum() / (valid.sum() * 32)
             assert torch.equal(out.losses["ncp_loss"], want_ncp) and torch.equal(out.losses["vq_loss"], want_vq)
+            assert torch.equal(out.losses["commitment_loss"], 0.25 * want_vq)
 
 
 @pytest.mark.parametrize("vq", ["mean", "sum_segment"])
 def test_commitment_term_has_no_gradient(vq):
-    """With c detached at the VQ input the commitment weight changes the value, never a gradient."""
+    """With c detached at the VQ input the commitment weight changes the value, never a gradient
+    (of the whole training loss)."""
     grads = {}
     for beta in (0.0, 0.25):
         model = build(tiny("neox", concept=dict(commitment=beta, vq_reduction=vq)))
         x = tokens(model.cfg, 2, 16)
-        model(x, x).vq_loss.backward()
+        model(x, x).loss.backward()
         grads[beta] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert grads[0.0].keys() == grads[0.25].keys() and grads[0.0]
     assert all(torch.equal(grads[0.0][n], grads[0.25][n]) for n in grads[0.0])
@@ -390,14 +396,22 @@ def test_design_choices_are_keys_with_spec_defaults(tmp_path):
     assert {k: getattr(got, k) for k in other} == other
 
 
-def test_commitment_weight_enters_the_vq_loss():
-    """VQ = ||sg(c) - q||^2 + commitment * ||c - sg(q)||^2 with c detached: value (1 + beta) * mse."""
-    values = {}
-    for beta in (0.25, 1.0):
-        model = build(tiny("neox", concept=dict(commitment=beta)))  # same seed: same weights
+def test_commitment_term_is_logged_apart():
+    """vq_loss = ||sg(c) - q||^2 alone, whatever the commitment weight; commitment_loss =
+    commitment x ||c - sg(q)||^2 (c detached: commitment x vq_loss), its own log key, in the total
+    with vq_weight."""
+    outs = {}
+    for beta in (0.0, 0.25, 1.0):
+        model = build(tiny("neox", concept=dict(commitment=beta, vq_weight=2.0)))  # same seed: same weights
         x = tokens(model.cfg, 2, 16)
-        values[beta] = model(x, x).vq_loss
-    torch.testing.assert_close(values[1.0] / values[0.25], torch.tensor(2.0 / 1.25))
+        outs[beta] = model(x, x)
+        assert [k.name for k in model.log_keys()][2:5] == ["ncp_loss", "vq_loss", "commitment_loss"]
+    vq = outs[0.0].vq_loss
+    for beta, out in outs.items():
+        assert torch.equal(out.vq_loss, vq)
+        torch.testing.assert_close(out.commitment_loss, beta * vq)
+        torch.testing.assert_close(out.loss - outs[0.0].loss, 2.0 * beta * vq)
+    assert outs[0.0].commitment_loss.item() == 0
 
 
 @pytest.mark.parametrize("size", ["debug", "llama-debug", "pythia-70m", "pythia-160m", "pythia-410m",

@@ -32,8 +32,11 @@ def test_archpreview_parameter_count():
     total = _count(model)
     assert abs(total - 8.94e9) / 8.94e9 < 0.01
     assert (len(model.encoder), len(model.concept.layers), len(model.decoder)) == (16, 8, 16)
-    base = model.concept.codebook.base
-    assert base.shape == (32, 128, 128) and base.numel() == 524_288 and not base.requires_grad
+    # the report's codebook (Sec. 2.3): S x N = 32 x 128 learned codes of d/S = 128 dims, no SimVQ transform
+    assert cfg.concept.codebook == "learned"
+    codebook = dict(model.concept.codebook.named_parameters())
+    assert list(codebook) == ["base"] and codebook["base"].requires_grad
+    assert codebook["base"].shape == (32, 128, 128) and _count(model.concept.codebook) == 524_288
     assert model.concept.heads.weight.shape == (32 * 128, 4096)
     # windows: token layer i (1-based) full when i % 4 == 0, counted across encoder+decoder
     windows = [b.attn.window for b in model.token_layers()]

@@ -34,7 +34,7 @@ def test_depths_predict_further_tokens_with_the_shared_head():
             logits = model.lm_head(model.final_norm(prev))
             want.append(F.cross_entropy(logits.flatten(0, 1), y[:, k:].flatten()))  # x[t + k + 1]
     torch.testing.assert_close(out.losses["mtp_loss"], torch.stack(want).mean(), rtol=1e-5, atol=1e-6)
-    main = out.losses["ntp_loss"] + out.losses["ncp_loss"] + out.losses["vq_loss"]
+    main = out.losses["ntp_loss"] + out.losses["ncp_loss"] + out.losses["vq_loss"] + out.losses["commitment_loss"]
     torch.testing.assert_close(out.loss, main + 0.3 * out.losses["mtp_loss"])
     assert out.metrics["mtp_acc"].shape == (2,)
     out.loss.backward()

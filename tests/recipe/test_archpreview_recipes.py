@@ -112,6 +112,39 @@ def test_every_archpreview_file_is_a_point() -> None:
 def test_recipe_loads_as_shipped(name: str, olmo_like: list[str]) -> None:
     r = _load(RECIPES, name, olmo_like, need_sources=name == "debug-archpreview")
     assert r.train.optimizer == "muon"
+    c = r.model_config.concept
+    if c.enabled:  # the report's codebook and Eq. 21's VQ loss (no commitment term) in every arm with codes
+        assert (c.codebook, c.vq_reduction, c.commitment) == ("learned", "sum_segment", 0.0)
+
+
+@pytest.mark.parametrize("name", [MAIN, "debug-archpreview"])
+def test_vq_loss_is_eq21(name: str, tree: Path, olmo_like: list[str]) -> None:
+    """The recipe's resolved VQ settings on a tiny concept module: the VQ part of the total loss
+    is beta x Eq. 21, 1/(M S) sum_m sum_s min_n ||sg(c_m^s) - e_n^s||^2 (mean over the batch), by
+    hand; the commitment term is logged apart, and 0."""
+    import torch
+
+    from ncpctl.model.concept import ConceptOutput, Segments
+    from ncpctl.model.model import NCPModel
+
+    from ..model._helpers import tiny
+
+    c = _load(tree, name, olmo_like).model_config.concept
+    keys = ("codebook", "code_weights", "vq_reduction", "commitment", "vq_weight")
+    concept = NCPModel(tiny("llama", concept={k: getattr(c, k) for k in keys})).concept  # S = 4, N = 8, d/S = 8
+    B, M, S, N, ds = 2, 3, 4, 8, 8
+    x = torch.randn(B, M, S * ds, generator=torch.Generator().manual_seed(0))
+    out = ConceptOutput(z=x)
+    with torch.no_grad():
+        codes = concept.codebook().detach()  # (S, N, ds)
+        concept._losses(Segments(concepts=x, positions=torch.arange(M)[None]), x, codes, out)
+    eq21 = sum(min(float(((x[b, m, s * ds:(s + 1) * ds] - codes[s, n]) ** 2).sum()) for n in range(N))
+               for b in range(B) for m in range(M) for s in range(S)) / (B * M * S)
+    assert out.losses["vq_loss"].item() == pytest.approx(eq21, rel=1e-5)
+    assert out.losses["commitment_loss"].item() == 0.0
+    w = concept.loss_weights()
+    vq_part = sum(w[k] * out.losses[k].item() for k in ("vq_loss", "commitment_loss"))
+    assert vq_part == pytest.approx(c.vq_weight * eq21, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- the 8.9B model
@@ -249,13 +282,14 @@ def test_fig6_pair_differs_in_the_qk_norm_only(tree: Path, olmo_like: list[str])
 # ----------------------------------------------------------------------------- debug-archpreview
 
 
-def test_debug_archpreview_has_the_design(tree: Path) -> None:
+def test_debug_archpreview_has_the_design(tree: Path, olmo_like: list[str]) -> None:
     r = load_recipe(_path(tree, "debug-archpreview"), need_sources=True)
     cfg = r.model_config
     assert (cfg.backbone, cfg.norm_placement, cfg.qk_norm, cfg.residual, cfg.crc_connections, cfg.mtp_depth) == \
         ("llama", "post", "layer", "irc", ALL_LINKS, 1)
     assert cfg.concept.enabled and (cfg.encoder_layers, cfg.concept.concept_layers, cfg.decoder_layers) == (2, 1, 2)
     assert (cfg.concept.code_weights, cfg.concept.ncp_reduction, cfg.sliding_window) == ("softmax", "sum_dim", 32)
+    assert cfg.concept.codebook == _load(tree, MAIN, olmo_like).model_config.concept.codebook == "learned"
     assert r.run_dir == Path("runs/debug-archpreview") and r.data.sources[0].path == "builtin:python-stdlib"
 
 
