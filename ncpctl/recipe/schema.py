@@ -219,7 +219,9 @@ class EvalSection(Section):
 
 class ExportSection(Section):
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="Weight dtype of the export.")
-    out: Optional[str] = Field(None, description="Output directory; default run.dir/export.")
+    out: Optional[str] = Field(None, description="Recorded only: `ncpctl export` writes to its `--out`, else "
+                               "run.dir/export; a checkpoint's recipe never chooses where an export writes (a "
+                               "shared checkpoint could name any directory).")
     verify: bool = Field(True, description="Reload the export and compare logits with the source.")
     max_shard_size: str = Field("5GB", description="Shard safetensors above this size.")
 
