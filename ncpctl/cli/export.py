@@ -12,8 +12,9 @@ from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, command
 @command
 def main(
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint or run directory.", show_default=False)],
-    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Output directory (default: the checkpoint "
-                                               "recipe's export.out, else run.dir/export).", show_default=False)] = None,
+    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Output directory: new, empty, or an earlier "
+                                               "export (default: RUN/export of the checkpoint's run directory; a "
+                                               "checkpoint's export.out is not followed).", show_default=False)] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weight dtype: fp32 or bf16 (default export.dtype).",
                                                  show_default=False)] = None,
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Do not reload the export and compare logits.")] = False,
@@ -28,7 +29,8 @@ def main(
 
     Base models become native GPTNeoXForCausalLM / LlamaForCausalLM; ConceptLM models carry their
     own modeling code (load with trust_remote_code=True). The export reloads itself and compares
-    logits with the source on a probe batch; above tolerance nothing is written.
+    logits with the source on a probe batch; above tolerance nothing is written. An existing
+    directory that export did not write (no .ncpctl-export.json) is never replaced.
     """
     from pathlib import Path
 
@@ -42,7 +44,14 @@ def main(
                         hint="use --out/--dtype/--max-shard-size/--skip-verify")
     ck = resolve(checkpoint)
     section = ((read_meta(ck).get("recipe") or {}).get("export") or {})
-    target = Path(out or section.get("out") or (run_dir_of(ck) or ck) / "export")
+    # Where to write is the user's choice (--out), never the checkpoint's: a shared or downloaded
+    # checkpoint's recipe could name any directory (issue 21). Its export.out is only mentioned.
+    target = Path(out) if out else (run_dir_of(ck) or ck) / "export"
+    if not out and section.get("out") and Path(section["out"]) != target:
+        from rich.markup import escape
+
+        o.warn(escape(f"the checkpoint's recipe sets export.out={section['out']}, which export follows only from "
+                      f"--out; writing to {target}"))
     verify = not skip_verify and section.get("verify", True)
     info = export(ck, target, dtype=dtype or section.get("dtype", "fp32"), verify=verify,
                   max_shard_size=max_shard_size or section.get("max_shard_size", "5GB"),

@@ -69,6 +69,7 @@ def paths(prefix: PathLike) -> tuple[Path, Path]:
 class WriteStats:
     documents: int
     tokens: int
+    max_id: int  # the largest id written (-1: none); meta.json keeps it, so a reader need not scan the .bin
 
 
 class IndexedDatasetWriter:
@@ -91,6 +92,8 @@ class IndexedDatasetWriter:
         self._sizes = array("i")  # int32 per document; compact even for 100M+ documents
         assert self._sizes.itemsize == 4
         self._tokens = 0
+        self._open = 0  # ids written so far of a document written in parts (add_part)
+        self._max_seen = -1
         self._stats: WriteStats | None = None
         self._max_id = int(np.iinfo(self.dtype).max)
 
@@ -116,6 +119,7 @@ class IndexedDatasetWriter:
                 f"{self.bin_path}: token id {bad} does not fit dtype {self.dtype.name} "
                 f"(valid 0..{self._max_id})",
                 hint="write with dtype int32 (data.dtype: int32) or check the tokenizer's vocab_size")
+        self._max_seen = max(self._max_seen, hi)
 
     def add_document(self, ids: np.ndarray | list[int]) -> None:
         """Append one document (1-D ids, EOD already included by the caller)."""
@@ -129,8 +133,8 @@ class IndexedDatasetWriter:
 
         Checked before anything is written, so a rejected batch leaves the writer consistent.
         """
-        if self._stats is not None:
-            raise RuntimeError("writer already finalized")
+        if self._stats is not None or self._open:
+            raise RuntimeError("writer already finalized" if self._stats is not None else "a document is open")
         flat_ids, lengths = np.asarray(flat_ids), np.asarray(lengths)
         if flat_ids.ndim != 1 or lengths.ndim != 1:
             raise ValueError(f"flat_ids and lengths must be 1-D, got {flat_ids.shape} and {lengths.shape}")
@@ -144,11 +148,32 @@ class IndexedDatasetWriter:
         self._sizes.frombytes(lengths.astype("<i4").tobytes())
         self._tokens += flat_ids.size
 
+    def add_part(self, ids: np.ndarray, end: bool) -> None:
+        """Append ``ids`` (1-D) to a document written in parts, one too long to hold whole;
+        ``end``: this part ends it (its EOD included by the caller)."""
+        if self._stats is not None:
+            raise RuntimeError("writer already finalized")
+        ids = np.asarray(ids)
+        if ids.ndim != 1:
+            raise ValueError(f"a part is a 1-D array of ids, got shape {ids.shape}")
+        if self._open + ids.size > np.iinfo(np.int32).max:
+            raise UserError(f"{self.bin_path}: a document of more than {np.iinfo(np.int32).max:,} tokens "
+                            "(the .idx stores int32 sizes)")
+        self._check_ids(ids)
+        self._bin.write(np.ascontiguousarray(ids, dtype=self.dtype).data)
+        self._tokens += ids.size
+        self._open += ids.size
+        if end:
+            self._sizes.append(self._open)
+            self._open = 0
+
     def finalize(self) -> WriteStats:
         """Write the index and move both files to their final names. Idempotent."""
         if self._stats is not None:
             return self._stats
         try:
+            if self._open:
+                raise RuntimeError("finalize with a document still open (add_part without end)")
             self._bin.close()
             sizes = np.frombuffer(self._sizes, dtype="<i4")  # (n,)
             n = sizes.size
@@ -170,7 +195,7 @@ class IndexedDatasetWriter:
         except BaseException:
             self.abort()
             raise
-        self._stats = WriteStats(documents=n, tokens=self._tokens)
+        self._stats = WriteStats(documents=n, tokens=self._tokens, max_id=self._max_seen)
         return self._stats
 
     close = finalize

@@ -14,6 +14,14 @@ up to ``ENCODE_DEPTH`` chunks in flight, while this thread reads the next docume
 finished chunks into flat id arrays and writes them. The Python side (reading, flattening,
 writing) so overlaps the Rust side instead of adding to it, and the Rust pool always has other
 chunks to work on while one long document finishes. ``bench/tokenize.py`` measures it.
+
+Memory: a document longer than ``ENCODE_CHARS`` is cut into pieces of about ``PIECE_CHARS``
+where the tokenizer provably merges nothing across the cut (``ncpctl.data.pieces``: its ids
+are exactly those of encoding it whole), encoded a chunk of pieces at a time and written in
+parts, so a 30 MB single-line document no longer holds gigabytes of Rust encodings at once
+(and its pieces encode in parallel). BPE training reads the same pieces (the same pre-tokens,
+so the same counts and merges). A tokenizer whose pipeline is not known to allow this encodes
+such a document whole, as before, and says so.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import numpy as np
 from ncpctl import __version__
 from ncpctl.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from ncpctl.data.packages import cached_listings, is_packages_source
+from ncpctl.data.pieces import cut_refusal, pieces
 from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents, package_summary, \
     source_labels
 from ncpctl.errors import UserError
@@ -48,6 +57,17 @@ SPLITS = ("train", "val")
 # in flight keep both the Rust pool busy and memory bounded (~DEPTH chunks of Encodings).
 ENCODE_CHARS = 1 << 20
 ENCODE_DEPTH = 4
+PIECE_CHARS = 1 << 18  # pieces of a long document: four to an encode chunk, encoded in parallel
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """What one encode call gets: whole documents, or consecutive pieces of one long document."""
+
+    idx: np.ndarray  # (n,) global document indices (one index for pieces)
+    texts: list[str]
+    pieces: bool = False
+    end: bool = True  # pieces: this chunk holds the document's last piece
 
 
 def _sha256(path: Path) -> str:
@@ -219,6 +239,8 @@ def train_bpe(recipe: Recipe, stats: ReadStats, split: Split | None = None):  # 
         show_progress=False,
     )
 
+    cut = cut_refusal(tok) is None  # the pipeline set above: always, unless it changes
+
     def texts() -> Iterator[str]:
         budget = t.train_max_bytes
         for idx, batch in _documents(recipe, stats):
@@ -226,7 +248,10 @@ def train_bpe(recipe: Recipe, stats: ReadStats, split: Split | None = None):  # 
             for text, v in zip(batch, val):
                 if v:
                     continue
-                yield text
+                if cut and len(text) > ENCODE_CHARS:
+                    yield from pieces(text, PIECE_CHARS)  # the same pre-tokens: the same counts
+                else:
+                    yield text
                 budget -= len(text)
                 if budget <= 0:
                     return
@@ -243,34 +268,98 @@ def load_or_train_tokenizer(recipe: Recipe, stats: ReadStats, split: Split | Non
     return train_bpe(recipe, stats, split), True
 
 
-def _flatten(encodings: list[Any], eod: int) -> tuple[np.ndarray, np.ndarray]:
-    """Encodings of n docs -> (flat ids with EOD after every doc (sum(len)+n,), lengths (n,)).
+def _flatten(encodings: list[Any], eod: int, chunk: _Chunk) -> tuple[np.ndarray, np.ndarray]:
+    """Encodings of n docs -> (flat ids with EOD after every doc (sum(len)+n,), lengths (n,));
+    of a chunk of pieces -> (their ids in order, EOD after the document's last piece; (1,)).
 
     The flat array is uint32, the type tokenizers ids have, so no id can wrap around; the
     writer checks every id against the dataset dtype.
     """
     buf = array("I")  # appends in C: no per-token Python work beyond the .ids list itself
     assert buf.itemsize == 4
-    lens = np.empty(len(encodings), dtype=np.int64)
+    lens = np.empty(1 if chunk.pieces else len(encodings), dtype=np.int64)
     for i, e in enumerate(encodings):
         ids = e.ids
         buf.extend(ids)
-        buf.append(eod)
-        lens[i] = len(ids) + 1
+        if not chunk.pieces:
+            buf.append(eod)
+            lens[i] = len(ids) + 1
+    if chunk.pieces:
+        if chunk.end:
+            buf.append(eod)
+        lens[0] = len(buf)
     return np.frombuffer(buf, dtype=np.uint32), lens
 
 
-def _chunks(batches: Iterator[tuple[np.ndarray, list[str]]]) -> Iterator[tuple[np.ndarray, list[str]]]:
-    """Split document batches into encode chunks of about ENCODE_CHARS characters (whole documents)."""
+@dataclasses.dataclass
+class _Sink:
+    """Where encoded chunks go, in corpus order: the split writers and what meta.json counts."""
+
+    writers: dict[str, IndexedDatasetWriter]  # "train", "val"
+    split: Split
+    starts: list[int]  # each source's first global document index
+    per_source: dict[str, np.ndarray]  # per split: (n_sources,) documents
+    extremes: _Extremes
+    documents: int = 0
+    tokens: int = 0
+
+    def write(self, chunk: _Chunk, flat: np.ndarray, lens: np.ndarray) -> int:
+        """Write one chunk's ids; returns how many documents it completed."""
+        val = self.split.is_val(chunk.idx)
+        if chunk.pieces:  # one document, written in parts
+            self.writers["val" if val[0] else "train"].add_part(flat, end=chunk.end)
+        self.tokens += int(flat.shape[0])
+        if not chunk.end:
+            return 0
+        self.extremes.see(chunk.idx, val, self.split.seed)
+        src = np.searchsorted(self.starts, chunk.idx, side="right") - 1  # (n,) each document's source
+        for name, mask in (("train", ~val), ("val", val)):
+            if mask.any():
+                if not chunk.pieces:
+                    self.writers[name].add_documents(*_select(flat, lens, mask))
+                self.per_source[name] += np.bincount(src[mask], minlength=len(self.per_source[name]))
+        self.documents += len(chunk.idx)
+        return len(chunk.idx)
+
+
+def _chunks(batches: Iterator[tuple[np.ndarray, list[str]]], refusal: str | None,
+            log: Callable[[str], None]) -> Iterator[_Chunk]:
+    """Split document batches into encode chunks of about ENCODE_CHARS characters: whole
+    documents, or a document longer than that as chunks of its pieces (``refusal``: why the
+    tokenizer's documents cannot be cut, None when they can)."""
+    told = False
     for idx, texts in batches:
         start, chars = 0, 0
         for i, text in enumerate(texts):
+            if refusal is not None and len(text) > ENCODE_CHARS and not told:
+                log(f"document {int(idx[i])} has {len(text):,} characters; encoding such documents whole "
+                    f"(in memory) because {refusal}")
+                told = True
+            if refusal is None and len(text) > ENCODE_CHARS:
+                if start < i:
+                    yield _Chunk(idx[start:i], texts[start:i])
+                yield from _piece_chunks(idx[i:i + 1], text)
+                start, chars = i + 1, 0
+                continue
             chars += len(text)
             if chars >= ENCODE_CHARS:
-                yield idx[start:i + 1], texts[start:i + 1]
+                yield _Chunk(idx[start:i + 1], texts[start:i + 1])
                 start, chars = i + 1, 0
         if start < len(texts):
-            yield idx[start:], texts[start:]
+            yield _Chunk(idx[start:], texts[start:])
+
+
+def _piece_chunks(idx: np.ndarray, text: str) -> Iterator[_Chunk]:
+    """One long document as chunks of about ENCODE_CHARS characters of its pieces, in order."""
+    group: list[str] = []
+    chars = 0
+    for piece in pieces(text, PIECE_CHARS):
+        if group and chars + len(piece) > ENCODE_CHARS:
+            yield _Chunk(idx, group, pieces=True, end=False)
+            group, chars = [], 0
+        group.append(piece)
+        chars += len(piece)
+    yield _Chunk(idx, group, pieces=True, end=True)
 
 
 def _select(flat: np.ndarray, lens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -423,46 +512,35 @@ def _encode_corpus(recipe: Recipe, out: Path, split: Split, on_progress: Any, on
         on_total(total)
 
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: less Rust work
-    n_docs, n_tok = 0, 0
-    extremes = _Extremes()
     t1 = time.perf_counter()
     with IndexedDatasetWriter(out / "train", dtype) as w_train, IndexedDatasetWriter(out / "val", dtype) as w_val, \
             ThreadPoolExecutor(max_workers=ENCODE_DEPTH) as pool:
         # Up to DEPTH chunks encode in the Rust pool (GIL released) while this thread reads the
         # next chunk and flattens/writes the oldest finished one, in corpus order.
-        in_flight: deque[tuple[np.ndarray, Future[Any]]] = deque()
-        starts: list[int] = []  # each source's first global document index
-        per_source = {"train": np.zeros(len(d.sources), np.int64), "val": np.zeros(len(d.sources), np.int64)}
-        chunks = _chunks(_documents(recipe, stats, starts=starts))
+        in_flight: deque[tuple[_Chunk, Future[Any]]] = deque()
+        sink = _Sink({"train": w_train, "val": w_val}, split, [], {n: np.zeros(len(d.sources), np.int64)
+                                                                   for n in SPLITS}, _Extremes())
+        chunks = _chunks(_documents(recipe, stats, starts=sink.starts), cut_refusal(tok), log)
         while True:
             while len(in_flight) < ENCODE_DEPTH and (chunk := next(chunks, None)) is not None:
-                idx, texts = chunk
-                in_flight.append((idx, pool.submit(encode, texts, add_special_tokens=False)))
+                in_flight.append((chunk, pool.submit(encode, chunk.texts, add_special_tokens=False)))
             if not in_flight:
                 break
-            idx, pending = in_flight.popleft()
-            flat, lens = _flatten(pending.result(), eod)
-            val = split.is_val(idx)
-            extremes.see(idx, val, split.seed)
-            src = np.searchsorted(starts, idx, side="right") - 1  # (n,) each document's source
-            for name, writer, mask in (("train", w_train, ~val), ("val", w_val, val)):
-                if mask.any():
-                    writer.add_documents(*_select(flat, lens, mask))
-                    per_source[name] += np.bincount(src[mask], minlength=len(d.sources))
-            n_docs += len(idx)
-            n_tok += int(flat.shape[0])
+            chunk, pending = in_flight.popleft()
+            flat, lens = _flatten(pending.result(), eod, chunk)
+            done = sink.write(chunk, flat, lens)
             if on_progress is not None:
-                on_progress(len(idx), int(flat.shape[0]))
-        if n_docs == 0:
+                on_progress(done, int(flat.shape[0]))
+        if sink.documents == 0:
             raise UserError(_empty_message(recipe, stats))
         train_stats, val_stats = (dataclasses.asdict(w.finalize()) for w in (w_train, w_val))
         # documents are written in source order, so these counts map a split's documents to sources
-        train_stats["documents_per_source"] = per_source["train"].tolist()
-        val_stats["documents_per_source"] = per_source["val"].tolist()
+        train_stats["documents_per_source"] = sink.per_source["train"].tolist()
+        val_stats["documents_per_source"] = sink.per_source["val"].tolist()
     t_enc = time.perf_counter() - t1
-    return _Pass(trained=trained, vocab=vocab, eod=eod, dtype=np.dtype(dtype), documents=n_docs, tokens=n_tok,
-                 splits={"train": train_stats, "val": val_stats}, stats=stats,
-                 seconds={"tokenizer": round(t_tok, 3), "encode": round(t_enc, 3)}, extremes=extremes)
+    return _Pass(trained=trained, vocab=vocab, eod=eod, dtype=np.dtype(dtype), documents=sink.documents,
+                 tokens=sink.tokens, splits={"train": train_stats, "val": val_stats}, stats=stats,
+                 seconds={"tokenizer": round(t_tok, 3), "encode": round(t_enc, 3)}, extremes=sink.extremes)
 
 
 def _empty_message(recipe: Recipe, stats: ReadStats) -> str:

@@ -11,6 +11,11 @@ the next ``global_batch_size`` windows of that order (rolling into the next epoc
 needed); rank ``r`` of ``world_size`` gets the contiguous slice ``r*B : (r+1)*B`` with
 ``B = global_batch_size // world_size``, so the ranks together see exactly the batch a
 single process would. numpy only; the caller makes tensors.
+
+Every batch is checked as it is read: an id at or above ``vocab_size`` (or below 0) would index
+past the embedding (an IndexError on a CPU, silent garbage or a device assert on a GPU), so
+it is a ``UserError`` naming the file and the token. One max (and, for signed dtypes, one min)
+over the batch's ``B * (T+1)`` ids: nothing next to a step, and no scan of the corpus at start.
 """
 
 from __future__ import annotations
@@ -80,7 +85,8 @@ class WindowLoader:
 
     def __init__(self, dataset: IndexedDataset, seq_len: int, global_batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, labels: Any | None = None,
-                 sources: SourceMap | None = None):
+                 sources: SourceMap | None = None, vocab_size: int | None = None,
+                 vocab_from: str = ""):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world size {world_size}")
         if seq_len < 1 or global_batch_size < 1:
@@ -107,6 +113,8 @@ class WindowLoader:
         self._windows = as_strided(tokens, shape=(self.num_windows, seq_len + 1),
                                    strides=(seq_len * tokens.strides[0], tokens.strides[0]),
                                    writeable=False)
+        # ids must be below vocab_size; vocab_from names the recipe key it came from, for the message
+        self.vocab_size, self.vocab_from = vocab_size, vocab_from
         self.labels = labels  # ncpctl.data.labels.LabelSpans of the dataset, or None
         self.sources = sources  # which data.sources entry each token is from, or None
         self.last_ids: np.ndarray | None = None  # this rank's window ids of the last batch
@@ -143,7 +151,23 @@ class WindowLoader:
         ids = self.next_window_ids()
         mine = ids[self.rank * self.local_batch_size:(self.rank + 1) * self.local_batch_size]  # (B,)
         self.last_ids = mine
-        return self._windows[mine].astype(np.int64)  # (B, T+1)
+        batch = self._windows[mine]  # (B, T+1) in the file's dtype
+        if self.vocab_size is not None:
+            self._check_ids(batch, mine)
+        return batch.astype(np.int64)
+
+    def _check_ids(self, batch: np.ndarray, ids: np.ndarray) -> None:
+        """Every id of ``batch`` (window ids ``ids``) must be in [0, vocab_size)."""
+        top = int(batch.max())
+        low = int(batch.min()) if batch.dtype.kind == "i" else 0
+        if top < self.vocab_size and low >= 0:
+            return
+        bad = top if top >= self.vocab_size else low
+        row, col = np.argwhere(batch == bad)[0]
+        where = f" ({self.vocab_from})" if self.vocab_from else ""
+        raise UserError(f"{self.dataset.bin_path}: token id {bad} at token {int(ids[row]) * self.seq_len + int(col):,} "
+                        f"is outside the model's vocabulary of {self.vocab_size} ids{where}",
+                        hint="the data was tokenized with another tokenizer, or the .bin is damaged")
 
     def last_labels(self) -> np.ndarray | None:
         """Concept-label evidence of the last batch's inputs, (B, T, n) bool (None without labels):

@@ -18,22 +18,34 @@ Files: ``config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n.safeten
 ``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json``
 (``PreTrainedTokenizerFast``).
 
-The directory is written next to ``out`` and renamed into place only after it verified:
+The directory is written next to ``out`` and put into place only after it verified:
 it is reloaded with transformers and its logits on a probe batch are compared with the
 source model's (for ``bf16`` against the source with bf16-rounded weights, which isolates
 conversion errors from rounding; the difference to the fp32 source is reported too); the
 tokenizer must encode a probe text to the same ids. Above the tolerance nothing is kept.
+
+An export writes only what it owns. Every export carries ``MARKER`` (``.ncpctl-export.json``: the
+names of the files it wrote). An existing ``out`` is replaced only if it is an earlier export
+(its marker lists every entry in it: a file the user added there is not deleted) or filled in
+place if it is an empty directory (whose mode and owner stay); anything else, a Hugging Face
+model directory with its own ``config.json`` included, is refused. Exports written before the
+marker existed are refused too (with a hint): a native export holds exactly what a downloaded
+HF model holds, so nothing could tell them apart safely. The new directory gets the process's
+umask mode (an earlier export's mode when it replaces one), never mkdtemp's 0700.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
 import shutil
-import tempfile
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
+from ncpctl import __version__
 from ncpctl.errors import UserError
 
 REMOTE = Path(__file__).parent / "remote"
@@ -41,6 +53,7 @@ MODEL_PACKAGE = Path(__file__).parents[1] / "model"
 _RELATIVE = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.MULTILINE)
 PROBE_TEXT = "def f(x):\n    return x + 1  # probe: ünïcode, tabs\tand  spaces\n"
 TOLERANCE = 1e-4  # max |logit difference| allowed, relative to max(1, max |logit|)
+MARKER = ".ncpctl-export.json"  # in every export: {"written_by", "ncpctl_version", "checkpoint", "files"}
 
 
 def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", verify: bool = True,
@@ -51,24 +64,23 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
 
     if dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype: {dtype!r} is not one of fp32, bf16")
+    out = Path(out)
+    existing(out)  # refuse before the (slow) load
     loaded = load_model(checkpoint)
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint; an export needs one")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise UserError(f"{out}: a non-empty directory that is not an HF export; refusing to replace it",
-                        hint="pick an empty or new --out directory")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = _new_dir(out)
     try:
         info = _write(loaded, tmp, getattr(torch, "bfloat16" if dtype == "bf16" else "float32"), max_shard_size)
         info["dtype"] = dtype
         if verify:
             log("verifying: reloading the export with transformers and comparing logits")
             info["verify"] = _verify(loaded, tmp, dtype)
-        _replace_dir(tmp, out)
+        files = sorted(p.name for p in tmp.iterdir())
+        (tmp / MARKER).write_text(json.dumps({"written_by": "ncpctl export", "ncpctl_version": __version__,
+                                              "checkpoint": str(loaded.path), "files": files}, indent=2) + "\n")
+        _put_in_place(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -77,16 +89,70 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
     return info
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Put the finished export ``tmp`` at ``out``: its files synced first, a previous export
-    moved aside (not deleted) until the new one is in place."""
-    import os
+def existing(out: Path) -> str:
+    """What is at ``out``, and so how the export goes there: "new" (nothing: the finished
+    directory is renamed into place), "empty" (an empty directory: filled in place, its mode and
+    owner kept) or "ours" (an earlier export whose marker lists every entry: replaced whole).
+    Anything else raises: export never deletes what it did not write."""
+    hint = "choose a new or empty --out directory, or move that directory away yourself"
+    if not os.path.lexists(out):
+        return "new"
+    if out.is_symlink() or not out.is_dir():
+        raise UserError(f"{out}: exists and is not a directory that ncpctl export wrote; refusing to replace it",
+                        hint=hint)
+    entries = list(out.iterdir())
+    if not entries:
+        return "empty"
+    try:
+        files = json.loads((out / MARKER).read_text())["files"]
+        if not (isinstance(files, list) and all(isinstance(f, str) for f in files)):
+            raise TypeError(files)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{out}: not a directory that ncpctl export wrote (no valid {MARKER}); refusing to replace "
+                        "it", hint=hint + " (exports written before ncpctl marked them carry no marker)") from None
+    foreign = sorted(p.name for p in entries if p.name != MARKER and (p.name not in files or _is_real_dir(p)))
+    if foreign:
+        raise UserError(f"{out}: holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which the "
+                        "earlier export did not write; refusing to replace it",
+                        hint="move those out of the directory or choose another --out")
+    return "ours"
 
+
+def _is_real_dir(p: Path) -> bool:
+    return p.is_dir() and not p.is_symlink()
+
+
+def _new_dir(out: Path) -> Path:
+    """A fresh hidden directory next to ``out`` (``.NAME.tmp-PID-RANDOM``), created with the
+    umask's mode like any directory the user makes (mkdtemp's 0700 would carry over to ``out``)."""
+    while True:
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _put_in_place(tmp: Path, out: Path) -> None:
+    """Put the finished export ``tmp`` at ``out`` (checked again: the export took a while). Its
+    files are synced first; an earlier export is moved aside (not deleted) until the new one is in
+    place; an empty directory is filled in place: the marker first (so that a crash leaves a
+    directory the next export may replace) and ``config.json`` last (nothing loads until then)."""
     from ncpctl.fsutil import fsync_dir, fsync_tree
 
     fsync_tree(tmp)
-    old = out.with_name(f".{out.name}.old-{os.getpid()}") if out.exists() else None
+    how = existing(out)
+    if how == "empty":
+        names = sorted((p.name for p in tmp.iterdir()), key=lambda n: (n != MARKER, n == "config.json", n))
+        for name in names:
+            shutil.move(tmp / name, out / name)
+        fsync_dir(out)
+        tmp.rmdir()
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}") if how == "ours" else None
     if old is not None:
+        os.chmod(tmp, stat.S_IMODE(out.stat().st_mode))  # the earlier export's mode, if the user changed it
         os.replace(out, old)
     os.replace(tmp, out)
     fsync_dir(out.parent)

@@ -61,6 +61,48 @@ def yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
+# Values a recipe document may hold with every alias expanded. A real recipe has a few hundred;
+# YAML aliases let a few lines name a billion (the "billion laughs" bomb), which everything after
+# parsing (origin recording, validation, the resolved recipe, the checkpoint's JSON) would expand.
+MAX_YAML_VALUES = 100_000
+
+
+class _Unbounded(Exception):
+    pass
+
+
+def alias_problem(doc: Any, limit: int = MAX_YAML_VALUES) -> str | None:
+    """Why a parsed YAML document is refused, else None: more than ``limit`` values once its aliases
+    are expanded, or an alias inside the value it names (a recursive structure, infinite expanded).
+    Time and memory are linear in the document as parsed: a value shared through an alias is
+    sized once (memo by identity), never expanded."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(v: Any) -> int:
+        if not isinstance(v, (dict, list)):
+            return 1
+        if id(v) in sizes:
+            return sizes[id(v)]
+        if id(v) in open_:
+            raise _Unbounded("a YAML alias is used inside the value it names (a recursive structure)")
+        open_.add(id(v))
+        n = 1
+        for sub in (v.values() if isinstance(v, dict) else v):
+            n += size(sub)
+            if n > limit:
+                raise _Unbounded(f"YAML aliases expand it to more than {limit:,} values (an alias bomb?)")
+        open_.discard(id(v))
+        sizes[id(v)] = n
+        return n
+
+    try:
+        size(doc)
+    except _Unbounded as e:
+        return f"{e}; refusing to read it"
+    return None
+
+
 @dataclass
 class Recipe:
     """A validated recipe. Sections are the typed pydantic models; derived values below."""
@@ -134,10 +176,17 @@ def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any] | None:
         return None
     try:
         doc = yaml_load(text)
+        bad = alias_problem(doc)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         problems.append(f"{path}{where}: invalid YAML ({getattr(e, 'problem', None) or e})")
+        return None
+    except RecursionError:
+        problems.append(f"{path}: YAML nested too deeply")
+        return None
+    if bad is not None:
+        problems.append(f"{path}: {bad}")
         return None
     if doc is None:
         return {}
@@ -202,8 +251,13 @@ def parse_set(item: str) -> tuple[list[str], Any]:
         raise UserError(f"--set: {item}: expected KEY.PATH=VALUE, e.g. --set train.max_steps=10")
     try:
         value = yaml_load(raw) if raw.strip() else ""
+        bad = alias_problem(value)
     except yaml.YAMLError:
-        value = raw  # not valid YAML: take it as a plain string
+        value, bad = raw, None  # not valid YAML: take it as a plain string
+    except RecursionError:
+        bad = "YAML nested too deeply"
+    if bad is not None:
+        raise UserError(f"--set: {key}: {bad}")
     return key.split("."), value
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
@@ -20,7 +20,8 @@ from ncpctl.model.config import BottleneckConfig, ConceptConfig, ModelConfig
 
 class Section(BaseModel):
     # strict: YAML already typed the values; "3" for an int or `true` for an int is a mistake.
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False)
+    # No recipe float may be .inf or .nan (a learning rate of .inf trains to NaN silently).
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, allow_inf_nan=False)
 
 
 class RunSection(Section):
@@ -62,7 +63,7 @@ class DataSection(Section):
     val_fraction: float = Field(0.01, description="Fraction of documents held out for validation "
                                 "(deterministic per document from `split_seed`; with two or more documents "
                                 "each split keeps at least one).", ge=0.0, lt=1.0)
-    split_seed: int = Field(1234, ge=0, description="Seed of the train/validation split.")
+    split_seed: int = Field(1234, ge=0, lt=2**64, description="Seed of the train/validation split (a uint64).")
     dtype: Literal["auto", "uint16", "int32"] = Field(
         "auto", description="Token dtype of the .bin files; auto = uint16 when vocab < 65500 else int32.")
     batch_documents: int = Field(1024, gt=0, description="Documents per encode batch.")
@@ -133,8 +134,10 @@ class LoraSection(Section):
 
 
 class TrainSection(Section):
-    max_steps: int = Field(100, gt=0, description="Optimizer steps to run.")
-    seed: int = Field(1234, ge=0, description="Seed for init, data order and dropout.")
+    max_steps: int = Field(100, gt=0, le=2**53, description="Optimizer steps to run (at most 2**53: the schedule's "
+                           "step / max_steps is exact in float64 up to there).")
+    seed: int = Field(1234, ge=0, lt=2**32, description="Seed for init, data order and dropout (below 2**32, "
+                      "numpy's seed range).")
     seq_len: Optional[int] = Field(None, gt=0, description="Tokens per training window; default model.max_seq_len.")
     micro_batch_size: int = Field(1, gt=0, description="Sequences per rank per forward/backward.")
     global_batch_size: Optional[int] = Field(None, gt=0, description="Sequences per optimizer step over all ranks; "
@@ -165,7 +168,8 @@ class TrainSection(Section):
     min_lr: float = Field(6e-5, ge=0, description="Final learning rate of the cosine decay.")
     warmup_fraction: float = Field(0.01, ge=0, le=1, description="Linear warmup as a fraction of max_steps.")
     warmup_steps: Optional[int] = Field(None, ge=0, description="Linear warmup in steps (overrides warmup_fraction).")
-    betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2, description="AdamW betas (beta1, beta2).")
+    betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.95], min_length=2, max_length=2,
+                                                            description="AdamW betas (beta1, beta2), each in [0, 1).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of the matrices (AdamW's and, "
                                 "with train.optimizer: muon, Muon's); none on norms, biases, embeddings, mixers.")
@@ -229,7 +233,9 @@ class EvalSection(Section):
 
 class ExportSection(Section):
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="Weight dtype of the export.")
-    out: Optional[str] = Field(None, description="Output directory; default run.dir/export.")
+    out: Optional[str] = Field(None, description="Recorded only: `ncpctl export` writes to its `--out`, else "
+                               "run.dir/export; a checkpoint's recipe never chooses where an export writes (a "
+                               "shared checkpoint could name any directory).")
     verify: bool = Field(True, description="Reload the export and compare logits with the source.")
     max_shard_size: str = Field("5GB", description="Shard safetensors above this size.")
 

@@ -300,19 +300,44 @@ def _val_sources(recipe: Recipe, ds: IndexedDataset, info: Callable[[str], None]
     return None
 
 
+def _vocab_from(recipe: Recipe) -> tuple[str, str]:
+    """Which recipe key set the model's vocabulary size (for messages: name only keys that exist
+    and were used) and what to change: (origin, hint)."""
+    from ncpctl.interop.hf_import import is_hf_dir
+
+    t, tok, n = recipe.train, recipe.tokenizer, recipe.model_config.vocab_size
+    if recipe.model.vocab_size is not None:
+        return "model.vocab_size", "raise model.vocab_size to the data tokenizer's vocabulary size"
+    if t.init_from and (not recipe.model.model_fields_set or is_hf_dir(t.init_from)):
+        return (f"the model of train.init_from {t.init_from}",
+                "tokenize the data with that model's tokenizer (tokenizer.path)")
+    if tok.path:
+        return (f"tokenizer.path {tok.path}; model.vocab_size is unset",
+                "set tokenizer.path to the tokenizer the data was made with, or tokenize the data again")
+    return (f"tokenizer.vocab_size {n}; model.vocab_size is unset",
+            "set tokenizer.vocab_size to the data tokenizer's vocabulary size, or tokenize the data again")
+
+
 def _check_vocab(recipe: Recipe, ds: IndexedDataset, vocab: int) -> None:
-    """The data's token ids must fit the model's embedding (checked before training)."""
+    """The data's token ids must fit the model's embedding (checked before training from what
+    meta.json says; the loaders check every batch as it is read)."""
+    origin, hint = _vocab_from(recipe)
     meta_path = _meta_path(ds)
     if meta_path.is_file():
-        data_vocab = json.loads(meta_path.read_text())["tokenizer"]["vocab_size"]
+        meta = json.loads(meta_path.read_text())
+        data_vocab = meta["tokenizer"]["vocab_size"]
         if data_vocab > vocab:
-            raise UserError(f"{meta_path}: the tokenizer has {data_vocab} tokens but model.vocab_size is {vocab}",
-                            hint="raise model.vocab_size (or leave it unset: it defaults to the tokenizer's)")
+            raise UserError(f"{meta_path}: the data's tokenizer has {data_vocab} tokens but the model's vocabulary "
+                            f"has {vocab} ({origin})", hint=hint)
+        top = ((meta.get("splits") or {}).get(Path(ds.prefix).name) or {}).get("max_id")  # recorded by tokenize
+        if isinstance(top, int) and top >= vocab:
+            raise UserError(f"{meta_path}: {ds.bin_path.name} holds token id {top}, outside the model's vocabulary "
+                            f"of {vocab} ids ({origin})", hint=hint)
         return
     top = int(np.asarray(ds.tokens[:10_000_000]).max(initial=0))  # no meta.json (a foreign dataset): sample
     if top >= vocab:
-        raise UserError(f"{ds.bin_path}: token id {top} does not fit model.vocab_size {vocab}",
-                        hint="set model.vocab_size to the dataset tokenizer's vocabulary size")
+        raise UserError(f"{ds.bin_path}: token id {top} is outside the model's vocabulary of {vocab} ids ({origin})",
+                        hint=hint)
 
 
 # ----------------------------------------------------------------------------- a prepared run
@@ -530,10 +555,13 @@ def _open_data(recipe: Recipe, d: Dist) -> tuple[IndexedDataset, IndexedDataset,
     batch (clear errors first)."""
     t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
     train_ds, val_ds = _dataset(recipe, "train"), _dataset(recipe, "val")
-    _check_vocab(recipe, train_ds, recipe.model_config.vocab_size)
+    vocab = recipe.model_config.vocab_size
+    for ds in (train_ds, val_ds):
+        _check_vocab(recipe, ds, vocab)
     train_labels, names = _labels(recipe, train_ds)
     labels = _Labels(val=_labels(recipe, val_ds)[0], names=names)
-    loader = WindowLoader(train_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world, labels=train_labels)
+    loader = WindowLoader(train_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world, labels=train_labels,
+                          vocab_size=vocab, vocab_from=_vocab_from(recipe)[0])
     if loader.num_windows < G:
         raise UserError(f"{train_ds.bin_path}: {train_ds.num_tokens:,} tokens make {loader.num_windows} windows of "
                         f"seq_len+1 = {T + 1} tokens, fewer than one global batch of {G}",
@@ -812,7 +840,7 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
     S = cfg.n_segments if cfg.concept.enabled else 0
     engine.eval()
     val = WindowLoader(run.val_ds, T, G, seed=t.seed, rank=d.rank, world_size=d.world, labels=run.labels.val,
-                       sources=run.val_sources)
+                       sources=run.val_sources, vocab_size=cfg.vocab_size, vocab_from=_vocab_from(r)[0])
     batches = min(t.eval_batches, math.ceil(val.num_windows / G))
     acc = torch.zeros(pk.n_terms, device=d.device)
     counts = torch.zeros(S, cfg.concept.codes, device=d.device) if collect_codes and S else None

@@ -217,3 +217,26 @@ def test_add_documents_checks_its_arguments(tmp_path: Path) -> None:
             w.add_documents(np.array([1.0, 2.0]), np.array([2]))
         w.add_document([7, 0])  # the writer stays usable after a rejected batch
     assert IndexedDataset(tmp_path / "x").tokens.tolist() == [7, 0]
+
+
+def test_a_document_written_in_parts(tmp_path: Path) -> None:
+    """add_part: a document too long to hold whole; the same files as writing it at once."""
+    doc = np.arange(1, 40, dtype=np.int64)
+    with IndexedDatasetWriter(tmp_path / "whole", np.uint16) as w:
+        w.add_documents(np.arange(5), np.array([5]))
+        w.add_document(doc)
+    with IndexedDatasetWriter(tmp_path / "parts", np.uint16) as w:
+        w.add_documents(np.arange(5), np.array([5]))
+        w.add_part(doc[:10], end=False)
+        with pytest.raises(RuntimeError, match="a document is open"):
+            w.add_documents(np.arange(2), np.array([2]))
+        w.add_part(doc[10:], end=True)
+        stats = w.finalize()
+    assert (stats.documents, stats.tokens, stats.max_id) == (2, 44, 39)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"parts{ext}").read_bytes() == (tmp_path / f"whole{ext}").read_bytes()
+    w = IndexedDatasetWriter(tmp_path / "open", np.uint16)
+    w.add_part(doc, end=False)
+    with pytest.raises(RuntimeError, match="still open"):
+        w.finalize()
+    assert not (tmp_path / "open.bin").exists()

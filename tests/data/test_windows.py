@@ -158,3 +158,24 @@ def test_source_map_names_each_tokens_source(tmp_path: Path) -> None:
         assert (loader.last_sources() == want).all()
     with pytest.raises(ValueError, match="does not fit"):
         SourceMap(ds, [5, 0, 11, 6], ["a", "b", "c", "d"])
+
+
+def test_every_batch_is_checked_against_the_vocabulary(tmp_path: Path) -> None:
+    """Issue 21: ids at or above the vocabulary (or negative) are refused as batches are read,
+    naming the file, the id and its token offset (here each token's id is its offset)."""
+    ds = make_dataset(tmp_path, 10 * T + 1)  # ids 0..40, 10 windows
+    loader = WindowLoader(ds, seq_len=T, global_batch_size=1, seed=0, vocab_size=25, vocab_from="model.vocab_size")
+    seen = []
+    with pytest.raises(UserError) as e:
+        for _ in range(10):
+            seen.append(int(next(loader)[0, 0]) // T)
+    first_bad = next(int(i) for i in epoch_order(10, 0, 0) if i * T + T >= 25)
+    top = first_bad * T + T  # the window's largest id, at its own offset
+    assert e.value.problems == [f"{ds.bin_path}: token id {top} at token {top:,} is outside the model's vocabulary "
+                                "of 25 ids (model.vocab_size)"]
+    assert all(i * T + T < 25 for i in seen)  # the windows before it were fine and were read
+    with IndexedDatasetWriter(tmp_path / "neg", np.int32) as w:
+        w.add_documents(np.array([1, 2, 3, 7, 4, 5, 6, 0, 1]), np.array([9]))
+    np.memmap(tmp_path / "neg.bin", np.int32, "r+")[3] = -7  # a damaged int32 .bin (the writer refuses it)
+    with pytest.raises(UserError, match="token id -7 at token 3 is outside"):
+        next(WindowLoader(IndexedDataset(tmp_path / "neg"), seq_len=8, global_batch_size=1, seed=0, vocab_size=9))

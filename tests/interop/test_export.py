@@ -5,6 +5,9 @@ a wrong conversion is caught and nothing is kept."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -274,3 +277,83 @@ def test_dlcm_export_is_causal_and_decodes_without_ncpctl(tmp_path):
     """, tmp_path, timeout=180)
     diff, causal = (float(v) for v in stdout.split("DIFF")[-1].split("CAUSAL"))
     assert diff <= 1e-5 and causal <= 1e-10, stdout
+
+
+# ---- exports write only what they own (issue 21) ----
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox"  # a tiny ConceptLM checkpoint
+
+
+def _tree(d: Path) -> dict[str, object]:
+    """Everything under ``d`` that an overwrite could change: names, bytes, modes."""
+    return {str(p.relative_to(d)): (p.read_bytes() if p.is_file() else None, p.stat().st_mode)
+            for p in sorted(d.rglob("*"))} | {".": d.stat().st_mode}
+
+
+def _hf_model_dir(d: Path, mode: int = 0o751) -> Path:
+    """Someone else's Hugging Face model directory: a config.json, weights and a subfolder."""
+    (d / "sub").mkdir(parents=True)
+    (d / "config.json").write_text('{"model_type": "gpt_neox"}\n')
+    (d / "model.safetensors").write_bytes(b"weights")
+    (d / "sub" / "notes.txt").write_text("mine\n")
+    d.chmod(mode)
+    return d
+
+
+def test_export_refuses_a_directory_it_did_not_write(tmp_path):
+    victim = _hf_model_dir(tmp_path / "hf-model")
+    before = _tree(victim)
+    r = run_cli("export", str(FIXTURE), "--out", str(victim), "--skip-verify")
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and str(victim) in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and _tree(victim) == before
+    assert not list(tmp_path.glob(".hf-model.*"))
+
+
+def test_export_does_not_follow_export_out_from_the_checkpoint(tmp_path):
+    """A checkpoint's recorded recipe names a directory: export writes to RUN/export instead."""
+    victim = _hf_model_dir(tmp_path / "elsewhere")
+    before = _tree(victim)
+    ck = Path(shutil.copytree(FIXTURE, tmp_path / "run" / "checkpoints" / "step_0000020"))
+    meta = json.loads((ck / "ncpctl.json").read_text())
+    meta["recipe"]["export"]["out"] = str(victim)
+    (ck / "ncpctl.json").write_text(json.dumps(meta))
+    from typer.testing import CliRunner
+
+    from ncpctl.cli.app import app
+
+    r = CliRunner().invoke(app, ["export", str(ck), "--skip-verify", "--json"], env={"COLUMNS": "400"})  # in-process: no second import
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["out"] == str(tmp_path / "run" / "export") and str(victim) in r.stderr
+    assert _tree(victim) == before
+    assert (tmp_path / "run" / "export" / "config.json").is_file()
+
+
+def test_reexport_replaces_its_own_export_and_keeps_modes(tmp_path):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    out = tmp_path / "hf"
+    info = export(FIXTURE, out, verify=False)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not mkdtemp's 0700
+    assert hf_export.MARKER in info["files"] and json.loads((out / hf_export.MARKER).read_text())["files"] == \
+        sorted(set(info["files"]) - {hf_export.MARKER})
+    out.chmod(0o750)
+    (out / "config.json").write_text("{}")  # an earlier export's file is replaced
+    export(FIXTURE, out, verify=False)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750 and json.loads((out / "config.json").read_text())["ncp"]
+    (out / "README.md").write_text("my model card\n")  # a file the export did not write: kept, export refused
+    before = _tree(out)
+    with pytest.raises(UserError, match="README.md, which the earlier export did not write"):
+        export(FIXTURE, out, verify=False)
+    assert _tree(out) == before and not list(tmp_path.glob(".hf.*"))
+
+
+def test_export_fills_an_empty_directory_in_place(tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir(mode=0o705)
+    out.chmod(0o705)
+    inode = out.stat().st_ino
+    export(FIXTURE, out, verify=False)
+    assert out.stat().st_ino == inode and stat.S_IMODE(out.stat().st_mode) == 0o705
+    assert (out / "config.json").is_file() and (out / hf_export.MARKER).is_file()
+    assert not list(tmp_path.glob(".empty.*"))

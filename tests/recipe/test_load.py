@@ -247,3 +247,58 @@ def test_bad_table3_residual_keys_name_the_key(base: Path) -> None:
     assert errs == ["--set: model.attnres_block: must be a positive integer, got 0"]
     errs = errors_of(base, ["model.residual=block_attnres", "model.crc_connections=[concept-decoder]"])
     assert len(errs) == 1 and errs[0].startswith("--set: model.crc_connections: residual: block_attnres has its own")
+
+
+def test_non_finite_and_out_of_range_optimizer_values_are_refused(base: Path, tmp_path: Path) -> None:
+    """Issue 21: `.inf` hyperparameters, betas outside [0, 1) and an absurd max_steps were accepted."""
+    errs = errors_of(base, ["train.lr=.inf", "train.eps=.inf", "train.betas=[2,-1]", f"train.max_steps={10**23}",
+                            "train.weight_decay=.nan", "train.grad_clip=-.inf", "model.init_std=.nan",
+                            "train.seed=4294967296"])
+    assert "--set: train.lr: Input should be a finite number, got inf" in errs
+    assert "--set: train.eps: Input should be a finite number, got inf" in errs
+    assert "--set: train.betas[0]: Input should be less than 1, got 2" in errs
+    assert "--set: train.betas[1]: Input should be greater than or equal to 0, got -1" in errs
+    assert f"--set: train.max_steps: Input should be less than or equal to {2**53}, got {10**23}" in errs
+    assert "--set: train.weight_decay: Input should be a finite number, got nan" in errs
+    assert "--set: train.grad_clip: Input should be a finite number, got -inf" in errs
+    assert "--set: model.init_std: Input should be a finite number, got nan" in errs
+    assert any(e.startswith("--set: train.seed: Input should be less than 4294967296") for e in errs)
+    assert len(errs) == 9
+    c = child(tmp_path, "train: {max_steps: 1e23, lr: .inf}\n")  # the same from a file, named by the file
+    assert set(errors_of(c)) == {f"{c}: train.max_steps: Input should be a valid integer, got 1e+23",
+                                 f"{c}: train.lr: Input should be a finite number, got inf"}
+    assert load_recipe(base, ["train.betas=[0.0, 0.999]", "train.lr=0.01"]).train.betas == [0.0, 0.999]
+
+
+def _bomb(levels: int) -> str:
+    """Billion laughs: level i maps ten keys to level i-1, so `levels` lines name 10**(levels + 1) values."""
+    lines = ["deepspeed:", "  extra:", "    l0: &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    for i in range(1, levels + 1):
+        lines.append(f"    l{i}: &l{i} {{" + ", ".join(f"k{j}: *l{i - 1}" for j in range(10)) + "}")
+    return "\n".join(lines) + "\n"
+
+
+def test_yaml_alias_bomb_is_refused_fast(base: Path, tmp_path: Path) -> None:
+    import time
+
+    c = child(tmp_path, _bomb(8))  # 10**9 values once expanded
+    t0 = time.perf_counter()
+    errs = errors_of(c)
+    assert time.perf_counter() - t0 < 2.0
+    assert errs == [f"{c}: YAML aliases expand it to more than 100,000 values (an alias bomb?); refusing to read it"]
+    c.write_text("extends: base.yaml\ndeepspeed: {extra: &a {x: [1, *a]}}\n")  # an alias inside its own value
+    assert errors_of(c) == [f"{c}: a YAML alias is used inside the value it names (a recursive structure); "
+                            "refusing to read it"]
+    bomb = "[" + ", ".join(["&a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"] + [f"&a{i} [" + ", ".join(
+        ["*a" if i == 0 else f"*a{i - 1}"] * 10) + "]" for i in range(8)]) + "]"
+    with pytest.raises(UserError, match="--set: deepspeed.extra: YAML aliases expand it"):
+        load_recipe(base, [f"deepspeed.extra={{bomb: {bomb}}}"])
+
+
+def test_ordinary_yaml_aliases_still_work(base: Path, tmp_path: Path) -> None:
+    c = child(tmp_path, "train: {betas: &b [0.9, 0.99]}\n"
+                        "deepspeed: {extra: {a: &cfg {x: 1, y: [2, 3]}, b: *cfg, c: {<<: *cfg, y: [4]}, d: *b}}\n")
+    r = load_recipe(c)
+    assert r.train.betas == [0.9, 0.99]
+    assert r.deepspeed.extra == {"a": {"x": 1, "y": [2, 3]}, "b": {"x": 1, "y": [2, 3]}, "c": {"x": 1, "y": [4]},
+                                 "d": [0.9, 0.99]}
