@@ -86,11 +86,15 @@ def _stepper(args: argparse.Namespace, optimizer: str) -> tuple[Callable[[], flo
 
 
 def _ns_probe(opt) -> Callable[[], None]:
-    """Newton-Schulz alone on random matrices of the shapes of ``opt``'s Muon group."""
+    """Newton-Schulz alone on random matrices of the shapes of ``opt``'s Muon group, a fused
+    matrix as its logical matrices (q, k, v; gate, up), as the step orthogonalises them."""
     import torch
 
+    from ncpctl.train.muon import row_blocks
+
     (group,) = [g for g in opt.param_groups if g.get("muon")]
-    inputs = [torch.randn(p.shape) for p in group["params"]]
+    inputs = [torch.randn(b - a, p.shape[1]) for p, rows in zip(group["params"], opt._fused[group["name"]])
+              for a, b in row_blocks(p.shape, rows)]
 
     def run() -> None:
         for u in inputs:

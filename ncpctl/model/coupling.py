@@ -182,6 +182,7 @@ class CrossAttentionCoupling(Coupling):
         self.replicated = cfg.concept.cross_attention == "replicated"
         self.wq = nn.Linear(d, d, bias=False)
         self.wkv = nn.Linear(d, 2 * d, bias=False)
+        self.fused_rows = {"wkv": (d, d)}  # [k; v] (keys_values), each its own matrix to Muon
         self.wo = nn.Linear(d, d, bias=False)
         self.q_norm, self.k_norm = RMSNorm(self.hd, cfg.norm_eps), RMSNorm(self.hd, cfg.norm_eps)
         self.smooth = nn.Parameter(torch.zeros(d))  # concept smoothing, zero = none (init_weights keeps it)

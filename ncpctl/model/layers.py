@@ -307,6 +307,8 @@ class Attention(nn.Module):
         q_dim, kv_dim = self.n_heads * self.hd, self.n_kv * self.hd
         self.qkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=cfg.bias)
         self.proj = nn.Linear(q_dim, cfg.d_model, bias=cfg.bias)
+        # the logical matrices stacked in a fused Linear, as row counts: per-matrix Muon orthogonalises each alone
+        self.fused_rows = {"qkv": (q_dim, kv_dim, kv_dim)}
         if cfg.qk_norm == "layer":  # OLMo-2 style: over the whole projection
             self.q_norm, self.k_norm = RMSNorm(q_dim, cfg.norm_eps), RMSNorm(kv_dim, cfg.norm_eps)
         elif cfg.qk_norm == "head":  # Qwen3 style: per head
@@ -349,6 +351,7 @@ class MLP(nn.Module):
         self.approximate = "tanh" if cfg.backbone == "gpt2" else "none"
         self.fc = nn.Linear(cfg.d_model, (2 if self.gated else 1) * cfg.ffn_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+        self.fused_rows = {"fc": (cfg.ffn_dim, cfg.ffn_dim)} if self.gated else {}  # [gate; up]
 
     def forward(self, x):
         if self.gated:  # SwiGLU

@@ -6,7 +6,9 @@
   frozen parameters (the SimVQ codebook base, everything adapt-vq freezes) are left out
   entirely. With ``muon`` the hidden matrices (``muon_matrices``) form their own group.
 * ``muon_matrices(model)``: which parameters ``train.optimizer: muon`` orthogonalises (the rule
-  is in its docstring); ``ncpctl.train.muon.MuonAdamW`` is the optimizer.
+  is in its docstring); ``fused_rows(model)``: the logical matrices stacked in a fused one (q, k, v
+  in ``attn.qkv``; gate, up in a SwiGLU ``mlp.fc``), each orthogonalised on its own;
+  ``ncpctl.train.muon.MuonAdamW`` is the optimizer.
 * decoupled muP (``model.mup_base_width``, DLCM Sec. 6.1): the hidden matrices of the token and
   the concept module (``ncpctl.model.mup``) get groups of their own whose ``lr_mult`` and
   ``eps_mult`` (1/s of the module) ``apply_mup`` turns into the group's lr and AdamW epsilon,
@@ -94,6 +96,23 @@ def muon_matrices(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
         if any(name == k or name.startswith(k + ".") for k in MUON_EXCLUDED):
             continue
         out[f"{name}.weight"] = m.weight
+    return out
+
+
+def fused_rows(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """``weight name -> row counts`` of each Linear that stacks several logical matrices along its
+    output rows, as the modules declare them (``fused_rows = {child: rows}``: ``attn.qkv`` is
+    (H hd, Hkv hd, Hkv hd), a SwiGLU ``mlp.fc`` (ffn, ffn), DLCM's ``wkv`` (d, d)). Per-matrix Muon
+    orthogonalises each block alone; the fused weight itself (checkpoints, HF parity) is unchanged.
+    A Linear wrapped by LoRA has no ``.weight`` of its own (its adapters are not split)."""
+    params = dict(model.named_parameters())
+    out: dict[str, tuple[int, ...]] = {}
+    for name, m in model.named_modules():
+        for child, rows in getattr(m, "fused_rows", {}).items():
+            key = f"{name}.{child}.weight" if name else f"{child}.weight"
+            if key in params:
+                assert sum(rows) == params[key].shape[0], (key, rows, params[key].shape)
+                out[key] = tuple(rows)
     return out
 
 
@@ -212,7 +231,9 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, on_gpu: bool) -> Guar
         raise UserError(f"{recipe.path}: train.optimizer: muon: this model has no trainable hidden matrix to "
                         "orthogonalise (Muon takes the weights of nn.Linear layers other than "
                         f"{', '.join(MUON_EXCLUDED)})", hint="use train.optimizer: adamw")
-    return MuonAdamW(groups, momentum=t.muon_momentum, lr_scale=t.muon_lr_scale, **kw)
+    params = dict(model.named_parameters())
+    rows = {id(params[n]): r for n, r in fused_rows(model).items()}
+    return MuonAdamW(groups, rows=rows, momentum=t.muon_momentum, lr_scale=t.muon_lr_scale, **kw)
 
 
 def lr_schedule(recipe: Recipe) -> Callable[[int], float]:

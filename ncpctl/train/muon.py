@@ -9,6 +9,15 @@ The update of a Muon matrix W (d_out, d_in) with gradient G is torch.optim.Muon'
     W <- W (1 - lr wd) - lr s O                 s = 0.2 sqrt(max(d_in, d_out))   (match_rms_adamw)
                                                   or sqrt(max(d_in, d_out))      (sqrt_max_dim, Eq. 25)
 
+Per logical matrix, as per-matrix Muon: a fused Linear stacks several matrices along its rows
+(``attn.qkv`` = [q (H hd); k (Hkv hd); v (Hkv hd)], a SwiGLU ``mlp.fc`` = [gate; up], DLCM's
+``wkv`` = [k; v]; the modules declare them, ``ncpctl.train.config.fused_rows``). Each block of
+rows gets its own O and its own s from its own shape, e.g. k's (Hkv hd, d): exactly
+torch.optim.Muon applied to the split matrices. Orthogonalising the fused matrix instead would
+couple them (one block's update depends on the others' gradients: a block with a 10x smaller
+gradient gets a 7x smaller update than its neighbours) and scale by the fused shape. Momentum
+and weight decay are elementwise, so they are the same either way; the weights stay fused.
+
 One lr (the schedule's) serves Muon and AdamW; weight decay is decoupled and uses the
 unadjusted lr, as torch's Muon does. The other groups are torch AdamW, unchanged. Each group's
 lr is read per group (``g["lr"]``): under decoupled muP the groups ``muon_token`` /
@@ -27,7 +36,8 @@ group's flattened parameters), where Newton-Schulz on the flat vector would be m
 ``bind(wrapper)`` reads, once after ``deepspeed.initialize``, where each matrix lies in that
 flat buffer. A step then keeps the momentum partitioned (it is elementwise), all-gathers U
 over the data-parallel group in buckets of whole matrices (``gather_bucket`` elements),
-orthogonalises each matrix that overlaps the own partition and applies the overlapping slice.
+orthogonalises each logical matrix that overlaps the own partition and applies the overlapping
+slice (a block of rows of a row-major matrix is itself contiguous in the flat buffer).
 Optimizer state stays partitioned as ZeRO saves it, so checkpoints and exact resume work as
 for AdamW. ZeRO-3 (every parameter partitioned on its own) is refused when the recipe loads.
 """
@@ -37,7 +47,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
@@ -57,9 +67,17 @@ def muon_lr(lr: float, lr_scale: str, shape: torch.Size | tuple[int, ...]) -> fl
     return lr * (LR_SCALES[lr_scale] * math.sqrt(max(shape[0], shape[1])))
 
 
+def row_blocks(shape: torch.Size | tuple[int, ...], rows: tuple[int, ...] | None) -> list[tuple[int, int]]:
+    """Row ranges [a, b) of the logical matrices in a (d_out, d_in) matrix: one per entry of
+    ``rows`` (a fused matrix, ``fused_rows``), or the whole matrix."""
+    bounds = [0, *itertools.accumulate(rows)] if rows else [0, shape[0]]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 @dataclass
 class FlatLayout:
-    """Where a group's matrices lie in the flat buffer a DeepSpeed wrapper partitions."""
+    """Where a group's logical matrices lie in the flat buffer a DeepSpeed wrapper partitions
+    (a fused matrix is listed as its blocks of rows)."""
 
     shapes: list[torch.Size]
     offsets: list[int]  # element offset of each matrix in the whole (unpartitioned) flat buffer
@@ -107,11 +125,17 @@ class MuonAdamW(GuardedAdamW):
 
     gather_bucket = 1 << 26  # fp32 elements (256 MB) all-gathered at a time under ZeRO-1/2
 
-    def __init__(self, params: Iterable[dict[str, Any]], *, momentum: float = 0.95,
-                 lr_scale: str = "match_rms_adamw", nesterov: bool = True, **kw: Any):
-        groups = [dict(g) for g in params]
+    def __init__(self, params: Iterable[dict[str, Any]], *, rows: Mapping[int, tuple[int, ...]] | None = None,
+                 momentum: float = 0.95, lr_scale: str = "match_rms_adamw", nesterov: bool = True, **kw: Any):
+        """``rows``: ``id(parameter) -> row counts`` of each fused matrix (``fused_rows``); the
+        others are one matrix each."""
+        groups = [dict(g, params=list(g["params"])) for g in params]
+        fused: dict[str, list[tuple[int, ...] | None]] = {}  # by group name, one entry per parameter
         for g in groups:
             if g.get("muon"):
+                fused[g["name"]] = [(rows or {}).get(id(p)) for p in g["params"]]
+                bad = [(tuple(p.shape), r) for p, r in zip(g["params"], fused[g["name"]]) if r and sum(r) != p.shape[0]]
+                assert not bad, f"fused rows do not add up to the matrix: {bad}"
                 g.setdefault("momentum", momentum)
                 g.setdefault("nesterov", nesterov)
                 g.setdefault("lr_scale", lr_scale)
@@ -123,6 +147,7 @@ class MuonAdamW(GuardedAdamW):
                     raise ValueError(f"Muon takes 2-D matrices only; group {g.get('name')!r} has {bad}")
         super().__init__(groups, **kw)
         self._layouts: dict[str, FlatLayout] = {}  # by group name (names survive load_state_dict)
+        self._fused = fused  # by group name, aligned with the group's parameters as given (not saved: the model's)
 
     def bind(self, wrapper: Any) -> None:
         """After ``deepspeed.initialize``: record the flat layout of each Muon group from
@@ -144,14 +169,24 @@ class MuonAdamW(GuardedAdamW):
                 continue
             pg = wrapper.real_dp_process_group[i]
             world, rank = dist.get_world_size(group=pg), dist.get_rank(group=pg)
+            fused = self._fused[g["name"]]
             if isinstance(wrapper, DeepSpeedZeroOptimizer):  # ZeRO-1/2 (any precision)
-                shapes = [m.shape for m in wrapper.round_robin_bit16_meta[i]]
-                offsets = list(wrapper.round_robin_bit16_offsets[i])
+                whole = [m.shape for m in wrapper.round_robin_bit16_meta[i]]
+                starts = list(wrapper.round_robin_bit16_offsets[i])
+                # round_robin_gradients reorders the group's parameters: find each one's place as given
+                given = {id(p): k for k, p in enumerate(wrapper.bit16_groups[i])}
+                fused = [fused[given[id(p)]] for p in wrapper.round_robin_bit16_groups[i]]
                 partition = int(wrapper.partition_size[i])
             else:  # BF16_Optimizer: the group flattened in order, padded at the end only
-                shapes = [p.shape for p in wrapper.bf16_groups[i]]
-                offsets = [0, *itertools.accumulate(math.prod(s) for s in shapes)][:-1]
+                whole = [p.shape for p in wrapper.bf16_groups[i]]
+                starts = [0, *itertools.accumulate(math.prod(s) for s in whole)][:-1]
                 partition = wrapper.bf16_groups_flat[i].numel() // world
+            assert len(fused) == len(whole), (g["name"], len(fused), len(whole))
+            shapes, offsets = [], []  # each logical matrix: a block of rows, contiguous in the flat buffer
+            for shape, start, r in zip(whole, starts, fused):
+                for a, b in row_blocks(shape, r):
+                    shapes.append(torch.Size((b - a, *shape[1:])))
+                    offsets.append(start + a * math.prod(shape[1:]))
             (flat,) = g["params"]
             assert flat.numel() == partition and all(len(s) == 2 for s in shapes), (flat.shape, partition, shapes)
             assert offsets[-1] + math.prod(shapes[-1]) <= partition * world
@@ -172,7 +207,9 @@ class MuonAdamW(GuardedAdamW):
     def _muon_step(self, g: dict[str, Any]) -> None:
         layout = self._layouts.get(g["name"])
         lr, wd, mu = g["lr"], g["weight_decay"], g["momentum"]
-        for p in g["params"]:
+        fused = self._fused[g["name"]]
+        assert layout is not None or len(fused) == len(g["params"]), (g["name"], len(fused), len(g["params"]))
+        for p, rows in zip(g["params"], fused):
             if p.grad is None:
                 continue
             if layout is None and p.ndim != 2:  # a flat partition nobody described: never guess
@@ -188,7 +225,8 @@ class MuonAdamW(GuardedAdamW):
             update = p.grad.lerp(buf, mu) if g["nesterov"] else buf
             p.mul_(1 - lr * wd)
             if layout is None:
-                p.add_(self._orthogonalise(update, g), alpha=-muon_lr(lr, g["lr_scale"], p.shape))
+                for a, b in row_blocks(p.shape, rows):  # each logical matrix (b - a, d_in) on its own
+                    p[a:b].add_(self._orthogonalise(update[a:b], g), alpha=-muon_lr(lr, g["lr_scale"], p[a:b].shape))
             else:
                 self._apply_flat(p, update, layout, g)
 
@@ -198,7 +236,7 @@ class MuonAdamW(GuardedAdamW):
 
     def _apply_flat(self, part: torch.Tensor, update: torch.Tensor, layout: FlatLayout, g: dict[str, Any]) -> None:
         """part, update (P,): this rank's weights and U. Bucket by bucket, all-gather U, then
-        orthogonalise each matrix that overlaps [rank P, (rank+1) P) and apply its slice there."""
+        orthogonalise each logical matrix that overlaps [rank P, (rank+1) P) and apply its slice there."""
         own_lo, own_hi = layout.rank * layout.partition, (layout.rank + 1) * layout.partition
         for bucket in layout.buckets():
             lo = layout.offsets[bucket[0]]

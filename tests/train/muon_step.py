@@ -1,6 +1,7 @@
 """One DeepSpeed engine per ZeRO stage with ``train.optimizer: muon``, stepped next to the plain
-reference (``torch.optim.Muon`` on the hidden matrices + ``torch.optim.AdamW`` on the rest) on
-the same gradients; prints one JSON line per stage with the largest weight difference.
+reference (``torch.optim.Muon`` on the hidden matrices, a fused one split into its logical
+matrices, + ``torch.optim.AdamW`` on the rest) on the same gradients; prints one JSON line per
+stage with the largest weight difference.
 
 Run by ``test_muon.py`` in one process and under ``deepspeed --num_gpus 2`` (every rank gets the
 same batch, so the averaged gradient is the reference's bit for bit):
@@ -23,8 +24,57 @@ from ncpctl.recipe import load_recipe
 from tests.conftest import RECIPES
 
 
-def reference_optimizers(model: torch.nn.Module, recipe) -> list[torch.optim.Optimizer]:
-    """torch.optim.Muon + torch.optim.AdamW over the groups ``param_groups`` assigns."""
+def logical_rows(model: torch.nn.Module) -> dict[int, tuple[int, ...]]:
+    """``id(weight) -> row counts`` of each fused Linear, read from the modules' own sizes by the
+    layouts their docs give (not from ``fused_rows``): ``attn.qkv`` = [q (H hd); k (Hkv hd);
+    v (Hkv hd)], a SwiGLU ``mlp.fc`` = [gate; up], DLCM's cross-attention ``wkv`` = [k; v]."""
+    from ncpctl.model.coupling import CrossAttentionCoupling
+    from ncpctl.model.layers import MLP, Attention
+
+    out = {}
+    for m in model.modules():
+        if isinstance(m, Attention):
+            out[id(m.qkv.weight)] = (m.n_heads * m.hd, m.n_kv * m.hd, m.n_kv * m.hd)
+        elif isinstance(m, MLP) and m.gated:
+            out[id(m.fc.weight)] = (m.proj.in_features, m.proj.in_features)
+        elif isinstance(m, CrossAttentionCoupling):
+            out[id(m.wkv.weight)] = (m.wq.out_features, m.wq.out_features)
+    return out
+
+
+class SplitMuon:
+    """``torch.optim.Muon`` on the logical matrices of each fused weight as parameters of their
+    own (per-matrix Muon): a step copies the fused weight and gradient into the blocks, steps
+    torch's Muon on them (its momentum lives there) and copies the blocks back."""
+
+    def __init__(self, params: list[torch.nn.Parameter], rows: dict[int, tuple[int, ...]], **kw):
+        self.parts: list[tuple[torch.nn.Parameter, int, int, torch.nn.Parameter]] = []
+        for p in params:
+            bounds = [0]
+            for r in rows.get(id(p), (p.shape[0],)):
+                bounds.append(bounds[-1] + r)
+            self.parts += [(p, a, b, torch.nn.Parameter(p.detach()[a:b].clone()))
+                           for a, b in zip(bounds[:-1], bounds[1:])]
+        self.muon = torch.optim.Muon([q for *_, q in self.parts], **kw)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, a, b, q in self.parts:
+            q.copy_(p[a:b])
+            q.grad = p.grad[a:b].clone()
+        self.muon.step()
+        for p, a, b, q in self.parts:
+            p[a:b] = q
+
+    def zero_grad(self) -> None:
+        self.muon.zero_grad()
+        for p, *_ in self.parts:
+            p.grad = None
+
+
+def reference_optimizers(model: torch.nn.Module, recipe) -> list:
+    """torch.optim.Muon on the logical matrices (``SplitMuon``) + torch.optim.AdamW, over the
+    groups ``param_groups`` assigns."""
     from ncpctl.train.config import param_groups
 
     t = recipe.train
@@ -33,8 +83,8 @@ def reference_optimizers(model: torch.nn.Module, recipe) -> list[torch.optim.Opt
     lr, wd = t.lr, t.weight_decay
     if t.muon_lr_scale == "sqrt_max_dim":  # torch has 0.2 sqrt(max): 5x the lr, wd / 5 keeps lr * wd
         lr, wd = 5 * lr, wd / 5
-    muon = torch.optim.Muon(groups[0]["params"], lr=lr, weight_decay=wd, momentum=t.muon_momentum,
-                            nesterov=True, adjust_lr_fn="match_rms_adamw")
+    muon = SplitMuon(groups[0]["params"], logical_rows(model), lr=lr, weight_decay=wd, momentum=t.muon_momentum,
+                     nesterov=True, adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW([{k: v for k, v in g.items() if k != "muon"} for g in groups[1:]], lr=t.lr,
                               betas=(t.betas[0], t.betas[1]), eps=t.eps, weight_decay=t.weight_decay)
     return [muon, adamw]
@@ -87,6 +137,7 @@ def run_stage(stage: int, steps: int, sets: list[str], d) -> dict:
     return {"stage": stage, "world": d.world, "rank": d.rank, "max_diff": diffs, "losses": losses,
             "wrapper": type(engine.optimizer).__name__, "inner": type(inner).__name__,
             "split_matrices": split_matrices(inner), "buckets": gather_buckets(inner), "weights_moved": moved,
+            "logical_matrices": sum(len(lay.shapes) for lay in getattr(inner, "_layouts", {}).values()),
             "ds_tagged": sum(hasattr(p, "use_muon") for p in engine.module.parameters())}
 
 

@@ -1,7 +1,8 @@
 """``train.optimizer: muon`` (NCP-ArchPreview §3.6): which parameters Muon takes, its step against
 the plain reference (``torch.optim.Muon`` + ``torch.optim.AdamW``) without DeepSpeed and inside
 the DeepSpeed engine at ZeRO 0/1/2 (one process and two ranks), two ranks against one process
-over 10 steps, exact resume after kill -9, and the refusals (ZeRO-3, offload, nothing to
+over 10 steps (the step tests on a GQA SwiGLU model: q, k, v, gate and up orthogonalised each on its
+own), exact resume after kill -9, and the refusals (ZeRO-3, offload, nothing to
 orthogonalise, another optimizer's checkpoint)."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .muon_step import reference_optimizers
 MUON = ["--set", "train.optimizer=muon"]
 BLOCKS = ["encoder.0", "decoder.0", "decoder.1", "decoder.2", "concept.layers.0", "concept.layers.1"]
 DEBUG_MUON = [f"{b}.{m}.weight" for b in BLOCKS for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+GQA = ["model.backbone=llama", "model.n_kv_heads=2"]  # debug at d 64: q 4 heads x 16, k and v 2 x 16; SwiGLU
 
 
 def recipe(*sets: str, world_size: int = 1):
@@ -109,13 +111,29 @@ def test_table3_mixers_stay_on_adamw_without_decay(sets: list[str]) -> None:
     assert all(id(params[n]) in groups["no_decay"] for n in mixers)
 
 
+def test_fused_matrices_are_split_into_their_logical_matrices() -> None:
+    """Per-matrix Muon: the row blocks of each fused Linear, by name. GQA's qkv = [q (4 x 16);
+    k (2 x 16); v (2 x 16)], SwiGLU's fc = [gate (ffn); up (ffn)], DLCM's cross-attention wkv = [k; v]."""
+    from ncpctl.model.model import NCPModel
+    from ncpctl.train.config import fused_rows
+
+    r = recipe(*GQA)
+    ffn = r.model_config.ffn_dim
+    expect = {f"{b}.{m}.weight": rows for b in BLOCKS for m, rows in (("attn.qkv", (64, 32, 32)), ("mlp.fc", (ffn, ffn)))}
+    assert fused_rows(NCPModel(r.model_config)) == expect
+    assert set(fused_rows(NCPModel(recipe().model_config))) == {f"{b}.attn.qkv.weight" for b in BLOCKS}  # GELU: one fc
+    dlcm = NCPModel(load_recipe(RECIPES / "debug-dlcm.yaml", ["train.optimizer=muon"]).model_config)
+    assert fused_rows(dlcm)["concept.coupling.wkv.weight"] == (64, 64)
+
+
 @pytest.mark.parametrize("scale", ["match_rms_adamw", "sqrt_max_dim"])
 def test_step_is_torch_muon_plus_adamw(scale: str) -> None:
-    """Without DeepSpeed (stage 0 fp32, the guard on): 3 steps, bit for bit the reference."""
+    """Without DeepSpeed (stage 0 fp32, the guard on): 3 steps, bit for bit the reference, which is
+    torch.optim.Muon on q, k, v, gate and up as matrices of their own (each scaled by its shape)."""
     from ncpctl.model.model import NCPModel
 
     r = recipe("deepspeed.zero_stage=0", "train.grad_clip=0", "model.max_seq_len=64", "train.seq_len=32",
-               f"train.muon_lr_scale={scale}", "train.muon_momentum=0.9")
+               f"train.muon_lr_scale={scale}", "train.muon_momentum=0.9", *GQA)
     torch.manual_seed(0)
     model = NCPModel(r.model_config)
     ref, init = copy.deepcopy(model), copy.deepcopy(model)
@@ -150,7 +168,7 @@ def test_nonfinite_gradient_leaves_weights_and_momentum_untouched() -> None:
 def _engine_steps(world: int) -> list[dict]:
     # two ranks: all-gather buckets of 10,000 elements, so the 16,384-element MLP matrices go alone
     cmd = [sys.executable, "-m", "tests.train.muon_step", "--stages", "0", "1", "2", "--bucket",
-           "10000" if world > 1 else "0"]
+           "10000" if world > 1 else "0", *(a for s in GQA for a in ("--set", s))]
     if world > 1:
         import os
 
@@ -169,9 +187,11 @@ def _check_engine_steps(records: list[dict], world: int) -> None:
         assert r["weights_moved"] > 1e-3 and r["ds_tagged"] == 0  # DeepSpeed's own Muon is not engaged
         assert r["inner"] == "MuonAdamW"
         assert r["wrapper"] == ("MuonAdamW" if r["stage"] == 0 else "DeepSpeedZeroOptimizer")
+        # 5 blocks: qkv, proj, fc, proj = 20 matrices; q, k, v, proj, gate, up, proj = 35 logical ones
+        assert r["logical_matrices"] == (0 if r["stage"] == 0 else 35)
         if world > 1 and r["stage"] > 0:
             assert r["split_matrices"] >= 1  # a matrix straddles the two ranks' partitions
-            assert r["buckets"] > 10  # 20 matrices, gathered in many pieces
+            assert r["buckets"] > 10  # gathered in many pieces
 
 
 def test_engine_step_matches_the_reference_at_zero_0_1_2() -> None:
