@@ -119,8 +119,8 @@ def read_weights(directory: Path, meta: dict[str, Any] | None = None) -> dict[st
     from ncpctl.safe_load import load_safetensors
 
     state = load_safetensors(directory / WEIGHTS)  # a missing or damaged file: one line naming it
-    if (meta or read_meta(directory)).get("model_config", {}).get("tie_embeddings"):
-        state.setdefault("lm_head.weight", state["embed.weight"])
+    if (meta or read_meta(directory)).get("model_config", {}).get("tie_embeddings") and "embed.weight" in state:
+        state.setdefault("lm_head.weight", state["embed.weight"])  # (without it: load_model names what is missing)
     return state
 
 
