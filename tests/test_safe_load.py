@@ -164,6 +164,25 @@ def test_a_strategy_only_the_checkpoint_names_is_not_imported(tmp_path: Path, mo
     assert type(load_model(ck).model.concept.segmenter).__name__ == "Seg" and marker.exists()
 
 
+def test_midtrain_from_a_checkpoint_naming_a_strategy_reports_it(tmp_path: Path, monkeypatch) -> None:
+    """A recipe with only train.init_from takes the model from the checkpoint: its import path is
+    a recipe problem (one line, nothing imported) until the user names it."""
+    from ncpctl.model import config
+    from ncpctl.recipe import load_recipe
+
+    ck, plugins, marker = _checkpoint_naming(tmp_path, "ckpt_plugin_c:Seg")
+    monkeypatch.syspath_prepend(str(plugins))
+    monkeypatch.setattr(config, "_TRUSTED", set())
+    recipe = tmp_path / "mid.yaml"
+    recipe.write_text(f"run: {{dir: {tmp_path / 'run'}}}\ntrain: {{init_from: {ck}}}\n")
+    with pytest.raises(UserError) as e:
+        load_recipe(recipe)
+    assert "train.init_from" in one_line(e.value, ck) and "--strategy ckpt_plugin_c:Seg" in e.value.problems[0]
+    assert not marker.exists()
+    config.trust("ckpt_plugin_c:Seg")
+    assert load_recipe(recipe).model_config.concept.segmentation == "ckpt_plugin_c:Seg" and marker.exists()
+
+
 def test_generate_imports_a_checkpoint_strategy_only_with_the_flag(tmp_path: Path) -> None:
     """The real entry point: refused (one line, nothing imported), then run with --strategy."""
     ck, plugins, marker = _checkpoint_naming(tmp_path, "ckpt_plugin_b:Seg")
