@@ -23,7 +23,7 @@ from typing import Any
 
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write, atomic_write_with
-from ncpctl.model.config import ConfigError, ModelConfig
+from ncpctl.model.config import ConfigError, ModelConfig, from_checkpoint
 
 FORMAT = "ncpctl-checkpoint"
 VERSION = 1
@@ -116,14 +116,11 @@ def read_meta(directory: Path) -> dict[str, Any]:
 
 def read_weights(directory: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """The full fp32 state dict of checkpoint ``directory`` (tied lm_head restored)."""
-    from safetensors.torch import load_file
+    from ncpctl.safe_load import load_safetensors
 
-    weights = directory / WEIGHTS
-    if not weights.is_file():
-        raise UserError(f"{weights}: missing (the checkpoint is incomplete)")
-    state = load_file(str(weights))
-    if (meta or read_meta(directory)).get("model_config", {}).get("tie_embeddings"):
-        state.setdefault("lm_head.weight", state["embed.weight"])
+    state = load_safetensors(directory / WEIGHTS)  # a missing or damaged file: one line naming it
+    if (meta or read_meta(directory)).get("model_config", {}).get("tie_embeddings") and "embed.weight" in state:
+        state.setdefault("lm_head.weight", state["embed.weight"])  # (without it: load_model names what is missing)
     return state
 
 
@@ -136,13 +133,18 @@ def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> 
     directory = resolve(path)
     meta = read_meta(directory)
     try:
-        cfg = ModelConfig.from_dict(meta["model_config"])
+        with from_checkpoint(directory):  # imports no strategy the user did not name (issue 21)
+            cfg = ModelConfig.from_dict(meta["model_config"])
     except (ConfigError, TypeError, KeyError) as e:
         raise UserError(f"{directory / META}: invalid model_config ({e})") from None
     state = read_weights(directory, meta)
     with torch.device("meta"):
         model = NCPModel(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # a tensor of the wrong shape: a damaged file or another model's
+        raise UserError(f"{directory / WEIGHTS}: weights do not match the model config "
+                        f"({str(e).strip().splitlines()[-1].strip()})") from None
     if missing or unexpected:
         raise UserError(f"{directory / WEIGHTS}: weights do not match the model config "
                         f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")

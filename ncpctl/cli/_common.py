@@ -28,6 +28,13 @@ SetOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (human output to stderr).")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+StrategyOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--strategy", metavar="PACKAGE.MODULE:CLASS",
+                 help="Import this strategy (segmentation, coupling, residual) where a checkpoint names it "
+                      "(repeatable). A strategy named only by a checkpoint is never imported: opening a "
+                      "checkpoint runs no code from it.", show_default=False),
+]
 
 
 @dataclass
@@ -72,6 +79,7 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
         debug = kwargs.get("debug", False) or STATE.debug
         kwargs["json_out"], kwargs["debug"] = json_mode, debug
         try:
+            _trust_strategies(kwargs.get("strategies"))
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
@@ -89,6 +97,18 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
                   "rerun with --debug for the traceback, and please report it", EXIT_INTERNAL)
 
     return wrapper
+
+
+def _trust_strategies(targets: list[str] | None) -> None:
+    """``--strategy`` values: the import paths the user names, which a checkpoint may then use."""
+    if not targets:
+        return
+    from ncpctl.model.config import trust  # pure Python: no torch
+
+    bad = [t for t in targets if t.count(":") != 1 or not all(t.split(":"))]
+    if bad:
+        raise UserError(*(f"--strategy {t!r}: expected package.module:Class" for t in bad))
+    trust(*targets)
 
 
 def _fail(json_mode: bool, lines: list[str], hint: str | None, code: int) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, RecipeArg, SetOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, RecipeArg, SetOpt, StrategyOpt, command
 
 
 @command
-def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False,
+         strategies: StrategyOpt = None) -> None:
     """Adapt the codebook and concept heads to this recipe's data; all else stays frozen.
 
     Starts from `train.init_from` (NCP-ArchPreview §5.1). The codebook's trained part is its codes

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, command
 from ncpctl.errors import UserError
 
 
@@ -46,6 +46,7 @@ def main(
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
+    strategies: StrategyOpt = None,
 ) -> None:
     """Evaluate a checkpoint with lm-evaluation-harness; results JSON + markdown go to run.dir/eval/.
 

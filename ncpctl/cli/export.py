@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, command
 
 
 @command
@@ -24,6 +24,7 @@ def main(
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
+    strategies: StrategyOpt = None,
 ) -> None:
     """Export a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer).
 

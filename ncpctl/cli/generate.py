@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, command
 
 
 @command
@@ -39,6 +39,7 @@ def main(
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
+    strategies: StrategyOpt = None,
 ) -> None:
     """Generate text from a checkpoint: greedy, temperature, top-k, top-p, stop strings, seeds.
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, command
 
 
 @command
@@ -38,6 +38,7 @@ def main(
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
+    strategies: StrategyOpt = None,
 ) -> None:
     """Read a checkpoint's concepts: per block the codes each segment mixes (exact decomposition
     of the predicted concept), attribution of a continuation to codes by ablation, and code

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, RecipeArg, SetOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, RecipeArg, SetOpt, StrategyOpt, command
 
 
 @command
-def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False,
+         strategies: StrategyOpt = None) -> None:
     """Continue from `train.init_from` (an ncpctl checkpoint or HF directory) with this recipe's data and schedule.
 
     `train.load: weights` starts a fresh optimizer; `all` also loads the checkpoint's optimizer state.

@@ -30,21 +30,25 @@ def is_hf_dir(path: str | Path) -> bool:
 
 
 def read_hf_state_dict(directory: Path) -> dict[str, Any]:
-    import torch
-    from safetensors.torch import load_file
+    """The weights of a Hugging Face directory, loaded without running code (``ncpctl.safe_load``:
+    safetensors, or ``pytorch_model.bin`` with weights_only); a damaged file is one line naming it."""
+    from ncpctl.safe_load import load_pt, load_safetensors
 
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(str(single))
+        return load_safetensors(single)
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{index}: unreadable shard index ({type(e).__name__}: {e})") from None
         sd: dict[str, Any] = {}
         for f in files:
-            sd.update(load_file(str(directory / f)))
+            sd.update(load_safetensors(directory / f))
         return sd
     binf = directory / "pytorch_model.bin"
     if binf.is_file():
-        return torch.load(str(binf), map_location="cpu", weights_only=True)
+        return load_pt(binf)
     raise UserError(f"{directory}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
 
 

@@ -11,7 +11,10 @@ Named sizes are data (``SIZES``); ``build_config(size, **overrides)`` merges the
 Extension points (segmentation, coupling, residual) are named here so that a recipe can be
 validated without torch: ``STRATEGIES`` holds the names the model knows (built-ins, plus
 whatever ``ncpctl.model.registry`` registers at run time); a name of the form
-``package.module:Class`` is imported when the config is built. A segmentation also declares
+``package.module:Class`` is imported when the config is built, except inside
+``from_checkpoint(...)`` (a config read from a checkpoint): there only import paths the user
+named too (a recipe, ``--strategy``, code: ``trust``) are imported, so that opening a checkpoint
+never imports a module it names (issue 21). A segmentation also declares
 its ``SegmentationLaw`` (how many concepts a T-token sequence gives): accounting, cache sizes
 and the export probe ask it instead of assuming a fixed k.
 
@@ -22,6 +25,8 @@ other, with relative imports.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -140,9 +145,34 @@ def register(kind: str, name: str, cls: Any = None) -> Any:
     return add if cls is None else add(cls)
 
 
+# import paths (package.module:Class) the user named: a recipe, --strategy, a config built in code
+_TRUSTED: set[str] = set()
+UNTRUSTED = "is named only by the checkpoint"  # the refusal's words (the recipe loader looks for them)
+# the checkpoint whose config is being read (from_checkpoint), None elsewhere
+_CHECKPOINT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ncpctl_checkpoint", default=None)
+
+
+def trust(*targets: str) -> None:
+    """Let configs read from checkpoints import these strategies (``package.module:Class``), as
+    when the user names them (``--strategy``)."""
+    _TRUSTED.update(targets)
+
+
+@contextlib.contextmanager
+def from_checkpoint(where: Any) -> Any:
+    """Within: configs are read from checkpoint ``where``, whose strategy import paths are
+    imported only if the user named them too (``trust``); others are a ``ConfigError``."""
+    token = _CHECKPOINT.set(str(where))
+    try:
+        yield
+    finally:
+        _CHECKPOINT.reset(token)
+
+
 def strategy(kind: str, name: str) -> Any:
     """The class registered as ``name`` for extension point ``kind``, importing it if named by
-    an import path (``package.module:Class``). Raises ``ConfigError`` for an unknown name."""
+    an import path (``package.module:Class``). Raises ``ConfigError`` for an unknown name, and
+    for an import path that only a checkpoint names (``from_checkpoint``)."""
     import importlib
 
     target = STRATEGIES[kind].get(name, name if ":" in name else None)
@@ -151,6 +181,14 @@ def strategy(kind: str, name: str) -> Any:
         raise ConfigError([(kind, f"unknown {kind} {name!r}; known: {known} (or package.module:Class)")])
     if not isinstance(target, str):
         return target
+    if name not in STRATEGIES[kind]:  # an import path the user or a checkpoint gave
+        where = _CHECKPOINT.get()
+        if where is None:
+            _TRUSTED.add(name)
+        elif name not in _TRUSTED:
+            raise ConfigError([(kind, f"{name!r} {UNTRUSTED} {where}, and ncpctl does not "
+                                      f"import code a checkpoint names; if you trust it, name it yourself: "
+                                      f"--strategy {name} (or in a recipe)")])
     module, _, attr = target.partition(":")
     try:
         mod = importlib.import_module(module, package=__package__) if module.startswith(".") else \

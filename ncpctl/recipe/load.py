@@ -470,16 +470,23 @@ def _config_without(size: str, overrides: dict[str, Any], bad: list[str]) -> Mod
         return None
 
 
-def _init_from_model(train: Any) -> ModelConfig | None:
+def _init_from_model(train: Any, problems: list[Problem]) -> ModelConfig | None:
     """The model config stored in ``train.init_from`` when that is an ncpctl checkpoint (or a
-    run directory); None otherwise (a Hugging Face directory, or a problem reported elsewhere)."""
+    run directory); None otherwise (a Hugging Face directory, or a problem reported elsewhere).
+    A strategy only the checkpoint names is not imported but reported (issue 21)."""
     if train is None or not train.init_from:
         return None
     from ncpctl.checkpoint import read_meta, resolve
+    from ncpctl.model.config import UNTRUSTED, from_checkpoint
 
     try:
-        return ModelConfig.from_dict(read_meta(resolve(train.init_from))["model_config"])
-    except (UserError, ConfigError, KeyError, TypeError):
+        path = resolve(train.init_from)
+        with from_checkpoint(path):
+            return ModelConfig.from_dict(read_meta(path)["model_config"])
+    except ConfigError as e:
+        problems.extend(("train.init_from", m) for _, m in e.problems if UNTRUSTED in m)
+        return None
+    except (UserError, KeyError, TypeError):
         return None
 
 
@@ -581,7 +588,7 @@ def _check_combinations(
         if vocab is not None and data.dtype == "uint16" and vocab > UINT16_LIMIT:
             problems.append(("data.dtype", f"uint16 holds ids below {UINT16_LIMIT}, but the tokenizer has {vocab} tokens; use int32 or auto"))
 
-    base = _init_from_model(train) if model is not None and not model.model_fields_set else None
+    base = _init_from_model(train, problems) if model is not None and not model.model_fields_set else None
     if base is not None:
         # midtrain / adapt-vq with no `model:` section: the checkpoint describes the model
         # (style rule 7), so the recipe needs only train.init_from

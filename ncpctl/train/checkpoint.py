@@ -93,11 +93,12 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
     return out
 
 
-def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
-    from ncpctl.model.config import ConfigError, ModelConfig
+def _with_defaults(saved: dict[str, Any], where: Path) -> dict[str, Any]:
+    from ncpctl.model.config import ConfigError, ModelConfig, from_checkpoint
 
     try:
-        return ModelConfig.from_dict(saved).to_dict()
+        with from_checkpoint(where):  # imports no strategy only the checkpoint names
+            return ModelConfig.from_dict(saved).to_dict()
     except (ConfigError, TypeError):  # unknown or impossible keys: compare what was written
         return saved
 
@@ -130,7 +131,7 @@ def check_compatible(path: Path, meta: dict[str, Any], model_config: dict[str, A
     The saved config is read through ``ModelConfig`` first, so a key added to the config since
     the checkpoint was written compares as its default (what loading that checkpoint gives).
     ``new_stage``: ``path`` starts another stage (init_from), which may change ``STAGE_KEYS``."""
-    diffs = config_differences(_with_defaults(meta["model_config"]), model_config)
+    diffs = config_differences(_with_defaults(meta["model_config"], path), model_config)
     if new_stage:
         diffs = [d for d in diffs if d.split(":")[0].removeprefix("model.") not in STAGE_KEYS]
     problems = [f"{path}: {d}" for d in diffs]
@@ -148,13 +149,23 @@ def check_compatible(path: Path, meta: dict[str, Any], model_config: dict[str, A
 
 
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """Every RNG state as tensors and plain values, so that it loads with weights_only=True
+    (numpy's state is an array: its 624 words go as an int64 tensor)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(),
+            "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    npy = state["numpy"]
+    if isinstance(npy, dict):
+        npy = (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+               npy["cached_gaussian"])
+    np.random.set_state(npy)  # a tuple with a numpy array in files written before issue 21
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -235,6 +246,10 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
 
 
 def load_rng(path: Path, rank: int) -> None:
+    """Rank ``rank``'s RNG states from checkpoint ``path`` (weights_only: a file that would run
+    code is refused with one line); files from before issue 21 hold a numpy array, allowed here."""
+    from ncpctl.safe_load import NUMPY_ARRAYS, load_pt
+
     f = path / f"rng_rank{rank}.pt"
     if f.is_file():  # a different world size: the extra ranks keep their seeded state
-        set_rng_state(torch.load(f, weights_only=False))
+        set_rng_state(load_pt(f, allow=NUMPY_ARRAYS))

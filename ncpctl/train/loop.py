@@ -686,11 +686,14 @@ def _build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callabl
 def _restore(run: _Run, meta: dict[str, Any]) -> None:
     """Resume: engine, RNG and counters from the checkpoint. midtrain ``load: all``: the optimizer
     state of init_from, with this recipe's hyperparameters and a fresh schedule."""
+    from ncpctl.safe_load import deepspeed_loads_safely
+
     t, tot, engine = run.recipe.train, run.tot, run.engine
     if run.resume_from is not None:
         src = run.resume_from
-        engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
-                               load_lr_scheduler_states=True)
+        with deepspeed_loads_safely():  # DeepSpeed would unpickle with weights_only=False
+            engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
+                                   load_lr_scheduler_states=True)
         ckpt.load_rng(src, run.d.rank)
         tot.step, tot.tokens = meta["step"], meta["tokens_seen"]
         tot.nonfinite_total = meta.get("nonfinite_total", 0)
@@ -700,8 +703,9 @@ def _restore(run: _Run, meta: dict[str, Any]) -> None:
                  + ("; already at train.max_steps, nothing to do" if tot.step >= t.max_steps else ""))
     elif run.stage.init_from is not None and run.stage.load == "all":
         src = run.stage.init_from
-        engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
-                               load_lr_scheduler_states=False)
+        with deepspeed_loads_safely():
+            engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
+                                   load_lr_scheduler_states=False)
         _reset_hyperparameters(engine, run.recipe)
 
 
