@@ -867,7 +867,7 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
     terms = pk.split_terms(d.sum(acc), mean_over=d.world * batches * r.grad_accum_steps)
     run.tot.val = pk.scalars(terms)
     if detection:
-        run.tot.val["concept_auc"] = _detection_auc(detection, d)
+        run.tot.val.update(_detection_auc(detection, d))
     if by_source is not None:
         concepts, tokens = d.sum(by_source.to(d.device)).tolist()
         run.tot.val.update({f"tokens_per_concept/{name}": n / c for name, c, n in
@@ -904,15 +904,25 @@ def _chunk_detection(cfg: Any, o: Any, labels: torch.Tensor) -> tuple[torch.Tens
     return scores.reshape(-1, scores.shape[-1]), chunk_labels(labels.float(), chunk).reshape(-1, scores.shape[-1])
 
 
-def _detection_auc(parts: list[tuple[torch.Tensor, torch.Tensor]], d: Dist) -> float:
-    """Rank AUC over every (chunk, concept) pair of this rank's validation share, averaged over
-    ranks (AUC does not decompose over shards; one rank is exact). NaN when one class is absent."""
-    from ncpctl.model.bottleneck import detection_auc
+def _detection_auc(parts: list[tuple[torch.Tensor, torch.Tensor]], d: Dist) -> dict[str, float]:
+    """The held-out detection keys (``ncpctl.model.bottleneck.concept_auc``: the macro AUC with its
+    interval, the pooled AUC beside its base rate) over every rank's chunks: AUC does not decompose
+    over shards, so the (chunks, n) scores and labels of all ranks are gathered (zero-padded blocks,
+    one sum) and every rank scores the whole split."""
+    from ncpctl.model.bottleneck import concept_auc
 
-    scores = torch.cat([s for s, _ in parts]).flatten()
-    labels = torch.cat([lab for _, lab in parts]).flatten()
-    auc = float(detection_auc(scores, labels))
-    return float(d.sum(torch.tensor([auc], dtype=torch.float64)).item()) / d.world if d.world > 1 else auc
+    scores, labels = torch.cat([s for s, _ in parts]), torch.cat([lab for _, lab in parts])
+    if d.world > 1:
+        rows = int(d.max(torch.tensor([scores.shape[0]], dtype=torch.float64)).item())
+        counts = torch.zeros(d.world, dtype=torch.float64)
+        counts[d.rank] = scores.shape[0]
+        counts = d.sum(counts).long().tolist()
+        block = torch.zeros(d.world, rows, 2, scores.shape[1], dtype=torch.float64)
+        block[d.rank, : scores.shape[0]] = torch.stack([scores.double(), labels.double()], 1)
+        block = d.sum(block.flatten()).view(d.world, rows, 2, -1)
+        both = torch.cat([block[r, :c] for r, c in enumerate(counts)])
+        scores, labels = both[:, 0], both[:, 1]
+    return concept_auc(scores, labels)
 
 
 def _save(run: _Run) -> None:

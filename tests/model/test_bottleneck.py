@@ -154,6 +154,76 @@ def test_detection_auc_is_mann_whitney():
     assert math.isnan(detection_auc(scores, torch.zeros(6)).item())
 
 
+def test_the_headline_auc_is_per_concept_and_base_rates_alone_score_half():
+    """Issue 20 item 8: a score that only knows each concept's base rate (constant per concept,
+    blind to the input) scores high pooled over (chunk, concept) pairs but exactly 0.5 per concept;
+    concepts without a positive or a negative chunk are skipped and counted; the macro AUC is the
+    mean of the per-concept AUCs with a bootstrap interval around it."""
+    from ncpctl.model.bottleneck import concept_auc
+
+    g = torch.Generator().manual_seed(0)
+    N, rates = 400, torch.tensor([0.6, 0.3, 0.1, 0.03, 0.0, 1.0])  # the last two: one class only
+    labels = torch.rand(N, 6, generator=g) < rates
+    labels[:, 4], labels[:, 5] = False, True
+    base = labels.float().mean(0, keepdim=True).expand(N, 6)  # each concept's rate in the split
+    r = concept_auc(base, labels)
+    assert r["concept_auc"] == 0.5 and r["concept_auc_low"] == r["concept_auc_high"] == 0.5
+    assert r["concept_auc_pooled"] > 0.75 and r["concept_auc_pooled"] == r["concept_auc_pooled_base_rate"]
+    assert (r["concept_auc_concepts"], r["concept_auc_skipped"]) == (4, 2)
+    # an input-dependent score: the macro AUC is the mean over the 4 scored concepts of their own AUCs
+    scores = labels.float() * 0.3 + torch.rand(N, 6, generator=g)
+    r = concept_auc(scores, labels, resamples=300)
+    per = [detection_auc(scores[:, c], labels[:, c]).item() for c in range(4)]
+    assert r["concept_auc"] == pytest.approx(sum(per) / 4, abs=1e-12)
+    assert r["concept_auc_low"] < r["concept_auc"] < r["concept_auc_high"] < 1.0
+    assert r == concept_auc(scores, labels, resamples=300)  # seeded: the same split, the same interval
+    assert r["concept_auc_pooled"] == pytest.approx(detection_auc(scores, labels).item(), abs=1e-12)
+    none = concept_auc(torch.rand(5, 2), torch.zeros(5, 2, dtype=torch.bool))
+    assert math.isnan(none["concept_auc"]) and none["concept_auc_skipped"] == 2
+
+
+def test_the_detection_auc_of_two_ranks_is_that_of_their_union():
+    """Validation at two ranks gathers both ranks' chunks (AUC does not decompose over shards): each
+    rank reports the AUC keys of the whole split, whatever its share of the chunks."""
+    import threading
+
+    from ncpctl.model.bottleneck import concept_auc
+    from ncpctl.train.loop import Dist, _detection_auc
+
+    slots, gate = [None, None], threading.Barrier(2)
+
+    class TwoRanks(Dist):
+        def _reduce(self, t, op):
+            slots[self.rank] = t.double().clone()
+            gate.wait()
+            out = op(slots[0], slots[1])
+            gate.wait()
+            return out
+
+        def sum(self, t):
+            return self._reduce(t, torch.add)
+
+        def max(self, t):
+            return self._reduce(t, torch.maximum)
+
+    g = torch.Generator().manual_seed(1)
+    labels = torch.rand(50, 4, generator=g) < 0.3
+    scores = labels.float() * 0.2 + torch.rand(50, 4, generator=g)
+    shards = [[(scores[:20], labels[:20].float())], [(scores[20:35], labels[20:35].float()),
+                                                     (scores[35:], labels[35:].float())]]
+    got = [None, None]
+
+    def rank(r):
+        got[r] = _detection_auc(shards[r], TwoRanks(r, 2, r, torch.device("cpu")))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert got[0] == got[1] == concept_auc(scores, labels)
+
+
 # ---- the decomposition is exact ---------------------------------------------------------------
 
 
