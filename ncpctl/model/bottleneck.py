@@ -29,10 +29,17 @@ Labels ``(B, T, n)``: L[b, t, c] = 1 iff token t carries evidence of concept c. 
   logits, before top-k) against the chunk label (OR of its tokens' labels), in log space:
   log(1 - k_chunk) = sum_t logsigmoid(-z_t); mean over rows, chunks and concepts.
 * causal labels: at token t, concept c is known-true iff a token s <= t of t's chunk carries c
-  (the cumulative OR within the chunk; the whole chunk's label would show t its future).
+  (the cumulative OR within the chunk). A loss target and the steering stage's slots, never an
+  input: which concepts a token carries is decided by the whole document (a comprehension is
+  labelled from its opening ``[``, ``file_io`` from the ``f`` of ``fh.read()``).
+* fed labels (``fed_labels``): what teacher forcing may feed token t of chunk j, the labels of the
+  chunk that closed before t: chunk j-1's label (the OR of its tokens), none in chunk 0. Labels at
+  or after chunk j's first token never reach t's input, so nothing a later token decided does.
 * teacher forcing (training only, labels given): with probability alpha per (row, chunk), that
-  chunk's k is replaced by its causal labels (all n concepts); alpha anneals linearly from
+  chunk's k is replaced by its fed labels (all n concepts); alpha anneals linearly from
   ``teacher_forcing_start`` to ``teacher_forcing_end`` over ``teacher_forcing_steps`` optimizer steps.
+  Document-level labels (a name on every token of a document) cannot be fed causally: training
+  refuses teacher forcing on a dataset that has them (``labels.document_level`` in its meta.json).
 * reconstruction: mean squared error of u_hat toward sg(h - k_true K), k_true the causal labels
   (without labels: toward sg(h - k_hat), what the known part leaves).
 * independence: ||Cov(k_hat, u_hat)||_F^2, the squared Frobenius norm of the batch cross-covariance
@@ -238,8 +245,9 @@ class ConceptBottleneck(nn.Module):
             causal = causal_labels(labels, b.chunk).to(h.dtype)
         z = self.known(h)  # (B, T, n)
         k = top_k(torch.sigmoid(z), b.top_k_known)
-        if self.training and causal is not None and self.alpha > 0:
-            k = torch.where(chunk_mask(h.shape[0], h.shape[1], b.chunk, self.alpha, h.device), causal, k)
+        if self.training and causal is not None and self.alpha > 0:  # never a label decided at or after t
+            fed = fed_labels(labels, b.chunk).to(h.dtype)
+            k = torch.where(chunk_mask(h.shape[0], h.shape[1], b.chunk, self.alpha, h.device), fed, k)
         k_hat = k @ self.K  # (B, T, d)
         hd = h.detach()
         u = top_k(torch.sigmoid(self.unknown(hd)), b.top_k_unknown)  # (B, T, m)
@@ -322,6 +330,16 @@ def causal_labels(labels: torch.Tensor, chunk: int) -> torch.Tensor:
     T = labels.shape[1]
     x = _chunked(labels.float(), chunk).cummax(dim=2).values
     return x.flatten(1, 2)[:, :T]
+
+
+def fed_labels(labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B, T, n) -> (B, T, n): what teacher forcing feeds token t of chunk j, the label of chunk j - 1
+    (the OR of its tokens; zeros in chunk 0), the chunk that closed before t. No label at or after
+    chunk j's first token reaches it (the module docstring)."""
+    B, T, n = labels.shape
+    y = chunk_labels(labels, chunk)  # (B, C, n)
+    prev = torch.cat([y.new_zeros(B, 1, n), y[:, :-1]], dim=1)
+    return prev.repeat_interleave(chunk, dim=1)[:, :T]
 
 
 def chunk_mask(B: int, T: int, chunk: int, alpha: float, device) -> torch.Tensor:

@@ -300,8 +300,9 @@ class BottleneckConfig:
         "known_unknown", "Independence penalty between kK and uU (pre-training); known_unknown_residual adds uU vs "
         "e (Steerling's mid-training variant).")
     teacher_forcing_start: float = _f(
-        1.0, "Teacher-forcing probability at step 0: a chunk's known concepts replaced by its causal labels "
-        "(Steerling: annealed from 1).")
+        1.0, "Teacher-forcing probability at step 0: a chunk's known concepts replaced by the labels of the chunk "
+        "before it, the last that closed (Steerling: annealed from 1; never the labels of t's own chunk or later; "
+        "refused on document-level labels).")
     teacher_forcing_end: float = _f(
         0.5, "Teacher-forcing probability after teacher_forcing_steps (Steerling: 0.5 pre-training, 0 mid-training).")
     teacher_forcing_steps: int = _f(

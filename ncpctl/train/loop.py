@@ -255,7 +255,8 @@ def _meta_path(ds: IndexedDataset) -> Path:
 def _labels(recipe: Recipe, ds: IndexedDataset) -> tuple[Any, list[str] | None]:
     """The concept labels of ``ds`` (``PREFIX.labels.npy``, ncpctl.data.labels) when the model has a
     concept bottleneck: (LabelSpans, the vocabulary from meta.json or None); (None, None) otherwise.
-    The bottleneck's ``concepts`` must equal the vocabulary's size."""
+    The bottleneck's ``concepts`` must equal the vocabulary's size, and teacher forcing is refused on
+    document-level labels (``_check_teacher_forcing``)."""
     b = recipe.model_config.bottleneck
     if not b.enabled:
         return None, None
@@ -265,14 +266,34 @@ def _labels(recipe: Recipe, ds: IndexedDataset) -> tuple[Any, list[str] | None]:
     meta_path = _meta_path(ds)
     names = None
     if meta_path.is_file():
-        names = (json.loads(meta_path.read_text()).get("labels") or {}).get("vocabulary")
+        meta = json.loads(meta_path.read_text()).get("labels") or {}
+        names = meta.get("vocabulary")
         if names is None:
             raise UserError(f"{meta_path}: the dataset has no concept labels, but model.bottleneck is on",
                             hint="set data.labels (python-ast or field) and run `ncpctl tokenize` again")
         if len(names) != b.concepts:
             raise UserError(f"model.bottleneck.concepts: {b.concepts}, but the dataset's label vocabulary has "
                             f"{len(names)} names ({meta_path})", hint=f"set model.bottleneck.concepts={len(names)}")
+        _check_teacher_forcing(recipe, meta, meta_path)
     return LabelSpans(prefix, ds.num_tokens, b.concepts), names
+
+
+def _check_teacher_forcing(recipe: Recipe, meta: dict[str, Any], meta_path: Path) -> None:
+    """Teacher forcing feeds a position the labels of the chunk before it (ncpctl.model.bottleneck.
+    fed_labels); a document-level label sits on every token of its document, so feeding it shows
+    each position its document's future: refused. A ``field`` dataset from before
+    ``labels.document_level`` was recorded may hold them: refused too, until it is tokenized again."""
+    b = recipe.model_config.bottleneck
+    if b.teacher_forcing_start == 0 and b.teacher_forcing_end == 0:
+        return
+    doc = meta.get("document_level")
+    if doc is None and meta.get("labeller") == "field":
+        doc = ["(unknown: this dataset predates labels.document_level)"]
+    if doc:
+        raise UserError(f"{meta_path}: teacher forcing with document-level labels ({', '.join(doc[:6])}"
+                        f"{', ...' if len(doc) > 6 else ''}) would show every position its document's future",
+                        hint="set model.bottleneck.teacher_forcing_start=0 and teacher_forcing_end=0 (they stay "
+                             "concept-loss targets), give the labels as spans, or run `ncpctl tokenize` again")
 
 
 def _val_sources(recipe: Recipe, ds: IndexedDataset, info: Callable[[str], None]) -> SourceMap | None:

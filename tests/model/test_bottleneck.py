@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ncpctl.model.bottleneck import (
-    causal_labels, chunk_bce, chunk_labels, chunk_probs, cross_covariance, detection_auc, top_k,
+    causal_labels, chunk_bce, chunk_labels, chunk_probs, cross_covariance, detection_auc, fed_labels, top_k,
 )
 from ncpctl.model.config import ConfigError, build_config
 from ncpctl.model.model import NCPModel
@@ -304,11 +304,50 @@ def test_teacher_forcing_schedule_and_use():
     x, L = tokens(cfg, 2, 16), span_labels(2, 16, N_CONCEPTS)
     with torch.no_grad():
         forced = model(x, concept_labels=L, return_bottleneck=True).bottleneck
-        assert torch.equal(forced.k, causal_labels(L, 4))  # every chunk forced to its causal labels
+        assert torch.equal(forced.k, fed_labels(L, 4))  # every chunk forced to the previous chunk's labels
         model.eval()  # never in evaluation / validation
         free = model(x, concept_labels=L, return_bottleneck=True).bottleneck
-        assert not torch.equal(free.k, causal_labels(L, 4))
+        assert not torch.equal(free.k, fed_labels(L, 4))
         assert torch.equal(free.k, model(x, return_bottleneck=True).bottleneck.k)
+
+
+def test_fed_labels_are_the_previous_chunks_label():
+    """Token t of chunk j is fed the OR of chunk j-1's token labels, nothing in chunk 0."""
+    L = span_labels(2, 14, N_CONCEPTS, seed=4, spans=5)
+    got = fed_labels(L, 4)
+    assert got.shape == (2, 14, N_CONCEPTS)
+    for t in range(14):
+        j = t // 4
+        want = L[:, 4 * (j - 1) : 4 * j].any(1).float() if j else torch.zeros(2, N_CONCEPTS)
+        assert torch.equal(got[:, t], want)
+
+
+def test_teacher_forcing_feeds_no_label_after_the_last_closed_chunk():
+    """Issue 20 item 9: with every chunk teacher-forced, changing the labels anywhere after the last
+    chunk that closed before t (t's own chunk included: its labels can be decided by later tokens)
+    moves no known activation, bottleneck output or logit at <= t; the closed chunk's labels are fed."""
+    cfg = bn_cfg(dropout=0.1)
+    model = build(cfg, scale=0.2).train()
+    model.bottleneck.alpha = 1.0
+    T = 13
+    x, L = tokens(cfg, 2, T), span_labels(2, T, N_CONCEPTS, spans=6)
+
+    def run(LL):
+        torch.manual_seed(7)  # the same dropout masks and teacher-forcing draws
+        with torch.no_grad():
+            o = model(x, concept_labels=LL, return_bottleneck=True)
+        return o.logits, o.bottleneck.k, o.bottleneck.h_bar
+
+    ref = run(L)
+    g = torch.Generator().manual_seed(3)
+    for t in range(T):
+        after = L.clone()
+        after[:, t // 4 * 4 :] = torch.rand(2, T - t // 4 * 4, N_CONCEPTS, generator=g) < 0.5
+        for a, b in zip(run(after), ref):
+            assert torch.equal(a[:, : t + 1], b[:, : t + 1]), t
+    closed = L.clone()
+    closed[:, :4] = ~closed[:, :4]
+    assert not torch.equal(run(closed)[1][:, 4:8], ref[1][:, 4:8])
 
 
 # ---- causality and cached decoding --------------------------------------------------------------

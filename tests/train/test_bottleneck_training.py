@@ -159,3 +159,27 @@ def test_zero3_trains_the_bottleneck_and_its_steering_stage_as_zero2(trained: Pa
     assert len(losses[2]) == 3
     for a, b in zip(losses[2], losses[3]):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_document_level_labels_are_recorded_and_never_teacher_forced(tmp_path: Path) -> None:
+    """Issue 20 item 9: a ``field`` dataset records which concepts came as document labels (on every
+    token of their document); teacher forcing with them is refused in one line before training."""
+    text = "import os\n\ndef f(x):\n    return os.path.join(x, 'a')\n\n" * 6
+    docs = [{"text": text, "concepts": ["python", {"concept": "imports", "start": 0, "end": 9}]} for _ in range(30)]
+    src = tmp_path / "d.jsonl"
+    src.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    tok = tmp_path / "tok.yaml"
+    tok.write_text(f"data:\n  sources: [{src}]\n  val_fraction: 0.2\n  labels: field\ntokenizer:\n  vocab_size: 300\n"
+                   f"run:\n  dir: {tmp_path / 'run'}\n")
+    proc = subprocess.run([*ncpctl_cmd(), "tokenize", str(tok)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = tmp_path / "run" / "data"
+    labels = json.loads((data / "meta.json").read_text())["labels"]
+    assert labels["vocabulary"] == ["python", "imports"] and labels["document_level"] == ["python"]
+    r = ncpctl("pretrain", str(RECIPES / "debug-bottleneck.yaml"),
+               *_sets(data, tmp_path / "r", "model.bottleneck.concepts=2", "model.bottleneck.rank=4",
+                        "tokenizer.vocab_size=300"))
+    assert r.returncode == 2
+    (err,) = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert "teacher forcing with document-level labels (python) would show every position its document's future" in err
+    assert not (tmp_path / "r" / "checkpoints").exists()
