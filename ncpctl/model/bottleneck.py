@@ -86,9 +86,11 @@ class Injection:
 class BottleneckOutput:
     """The parts of one forward's decomposition (B, T, ...) and its loss terms.
 
-    ``e`` is the residual term the LM head read (dropped out in training), so that
-    h_bar = k_hat + u_hat + e holds in every mode; ``k`` the known activations k_hat is made
-    of (after top-k and teacher forcing), ``k_logits`` f(h) (dense, before top-k)."""
+    ``h_bar`` is what the LM head read and ``e`` the residual term in it (dropped out in training),
+    so that h_bar = k_hat + u_hat + e + steer holds in every mode, ``steer`` (B, T, d) the readout
+    steering added after the bottleneck (``AddToReadout``; None without); ``k`` the known
+    activations k_hat is made of (after top-k and teacher forcing), ``k_logits`` f(h) (dense,
+    before top-k)."""
 
     h_bar: torch.Tensor
     k: torch.Tensor  # (B, T, n)
@@ -97,20 +99,22 @@ class BottleneckOutput:
     k_hat: torch.Tensor  # (B, T, d)
     u_hat: torch.Tensor  # (B, T, d)
     e: torch.Tensor  # (B, T, d)
+    steer: torch.Tensor | None = None  # (B, T, d): readout steering (NCPModel.forward sets it)
     losses: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
 
 
 @dataclass
 class Attribution:
-    """Exact logit attribution of tokens y (B, T): logit = known + unknown + residual, and
-    known = per_concept.sum(-1) with per_concept[..., c] = k_c (K_c . W_y)."""
+    """Exact logit attribution of tokens y (B, T), in fp32: logit = known + unknown + residual +
+    steering, and known = per_concept.sum(-1) with per_concept[..., c] = k_c (K_c . W_y)."""
 
     logit: torch.Tensor  # (B, T)
     known: torch.Tensor  # (B, T)  k_hat . W_y
     unknown: torch.Tensor  # (B, T)  u_hat . W_y
     residual: torch.Tensor  # (B, T)  e . W_y
     per_concept: torch.Tensor | None  # (B, T, n)
+    steering: torch.Tensor | None = None  # (B, T)  steer . W_y: readout steering (zeros without)
 
     @property
     def share(self) -> torch.Tensor:
@@ -283,15 +287,25 @@ class ConceptBottleneck(nn.Module):
     def attribute(self, parts: BottleneckOutput, lm_head_weight: torch.Tensor, token_ids: torch.Tensor,
                   per_concept: bool = True) -> Attribution:
         """Exact attribution of the logits of ``token_ids`` (B, T) (e.g. the argmax) to the parts
-        of one forward (``NCPModel.forward(..., return_bottleneck=True).bottleneck``);
-        ``lm_head_weight`` (V, d): ``model.lm_head.weight``. ``per_concept`` False skips the
-        (B, T, n) per-concept terms (None then)."""
-        w = lm_head_weight[token_ids]  # (B, T, d) W_y
+        of one forward (``NCPModel.forward(..., return_bottleneck=True).bottleneck``), readout
+        steering its own term; ``lm_head_weight`` (V, d): ``model.logit_weight``. ``per_concept``
+        False skips the (B, T, n) per-concept terms (None then).
+
+        Computed in fp32 whatever the forward's dtype (k_hat = k K again in fp32): the residual is
+        e = h_bar - k_hat - u_hat - steer of the h_bar the head read, so the terms sum to W_y . h_bar
+        in fp32 (1e-5 relative); a bf16 forward's own logit differs from that by its rounding to
+        bf16 (2^-8 relative)."""
+        w = lm_head_weight[token_ids].float()  # (B, T, d) W_y
         dot = lambda x: (x * w).sum(-1)  # noqa: E731
-        known, unknown, residual = dot(parts.k_hat), dot(parts.u_hat), dot(parts.e)
-        terms = parts.k * torch.einsum("btd,nd->btn", w, self.K) if per_concept else None
-        return Attribution(logit=known + unknown + residual, known=known, unknown=unknown, residual=residual,
-                           per_concept=terms)
+        steer = parts.steer.float() if parts.steer is not None else torch.zeros_like(w)
+        k, K, u_hat = parts.k.float(), self.K.float(), parts.u_hat.float()
+        # (B, T, d): with per-concept terms k K again in fp32, so that they sum to known in any dtype
+        k_hat = k @ K if per_concept else parts.k_hat.float()
+        e = parts.h_bar.float() - k_hat - u_hat - steer  # == parts.e in an fp32 evaluation
+        known, unknown, residual, steering = dot(k_hat), dot(u_hat), dot(e), dot(steer)
+        terms = k * torch.einsum("btd,nd->btn", w, K) if per_concept else None
+        return Attribution(logit=known + unknown + residual + steering, known=known, unknown=unknown,
+                           residual=residual, per_concept=terms, steering=steering)
 
     @torch.no_grad()
     def share(self, parts: BottleneckOutput, lm_head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -250,6 +250,38 @@ def test_eval_logits_are_the_base_models_and_attribution_is_exact(concept):
         assert ((att.share >= 0) & (att.share <= 1)).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attribution_is_exact_with_readout_steering(dtype):
+    """Issue 20 item 10: readout steering (gamma K_c/||K_c|| added to what the head reads) is its own
+    attributed term, so known + unknown + residual + steering is the logit: to 1e-4 in fp32 (it missed
+    by the steering term, ~2 logits here, before); in bf16 the terms (computed in fp32) sum to
+    W_y . h_bar in fp32, and the bf16 logit is that rounded (2^-8 relative)."""
+    from ncpctl.model.interventions import AddToReadout
+
+    cfg = bn_cfg(top_k_known=3)
+    model = build(cfg, scale=0.2).to(dtype)
+    x = tokens(cfg, 2, 11)
+    c = 2
+    v = 8.0 * model.bottleneck.concept_direction(c)
+    with torch.no_grad():
+        out = model(x, return_bottleneck=True, interventions=[AddToReadout(start=4, vector=v, rows=[1])])
+        y = out.logits.argmax(-1)
+        att = model.bottleneck.attribute(out.bottleneck, model.logit_weight, y)
+    logit = out.logits.float().gather(-1, y[..., None])[..., 0]
+    w = model.logit_weight.float()[y]
+    steer = torch.zeros(2, 11)
+    steer[1, 4:] = (w[1, 4:] * v.float()).sum(-1)
+    assert att.known.dtype == torch.float32 and torch.allclose(att.steering, steer, atol=1e-4)
+    assert att.steering[1, 4:].abs().max() > 0.5  # the term the old attribution left out
+    if dtype == torch.float32:
+        assert (att.logit - logit).abs().max() <= 1e-4
+    else:
+        fp32 = (w * out.bottleneck.h_bar.float()).sum(-1)
+        assert (att.logit - fp32).abs().max() <= 1e-4 * fp32.abs().max()
+        assert ((att.logit - logit).abs() <= 2 ** -8 * logit.abs() + 1e-3).all()
+    assert (att.per_concept.sum(-1) - att.known).abs().max() <= 1e-4
+
+
 def test_training_mode_drops_the_residual_only():
     cfg = bn_cfg(dropout=0.5, teacher_forcing_start=0.0)
     model = build(cfg).train()
