@@ -130,7 +130,7 @@ class ConceptBottleneck(nn.Module):
         super().__init__()
         b = self.bcfg = cfg.bottleneck
         d, n, m, r = cfg.d_model, b.concepts, cfg.bottleneck_unknown, cfg.bottleneck_rank
-        self.n, self.m, self.init_std = n, m, cfg.init_std
+        self.n, self.m, self.init_std, self.vocab_size = n, m, cfg.init_std, cfg.vocab_size
         self.known = nn.Linear(d, n)  # f
         self.K = nn.Parameter(torch.empty(n, d))
         # g: dense, or factorised through the rank r of U (unknown_head: low_rank)
@@ -199,8 +199,9 @@ class ConceptBottleneck(nn.Module):
         where = causal[torch.arange(B, device=labels.device), :, concept] & on[:, None]  # (B, T)
         e = self.K.detach()[concept]
         e = e / e.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # (B, d)
-        peak = (e @ logit_weight.detach().t()).amax(dim=-1).clamp_min(1e-6)  # (B,)
-        return Injection(concept=torch.where(on, concept, -1), where=where, vector=(b.steer_strength / peak)[:, None] * e)
+        peak = head_response(logit_weight, e, self.vocab_size)[1].clamp_min(1e-6)  # (B,), as generate's gamma
+        vector = ((b.steer_strength / peak)[:, None] * e.float()).to(e.dtype)
+        return Injection(concept=torch.where(on, concept, -1), where=where, vector=vector)
 
     def steering_losses(self, parts: BottleneckOutput, inj: Injection, h_bar: torch.Tensor, head) -> dict:
         """L_respond and L_express of one injected forward; ``head`` maps (K, d) states to (K, V)
@@ -320,6 +321,18 @@ class ConceptBottleneck(nn.Module):
             raise IndexError(f"known concept {index} is out of range (the bottleneck has {self.n})")
         v = self.K[index].detach()
         return v / v.norm().clamp_min(1e-12)
+
+
+def head_response(logit_weight: torch.Tensor, direction: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_lm . e/||e|| of direction(s) (..., d) over the real vocabulary (the first ``vocab_size`` rows
+    of the (V_padded, d) ``logit_weight``: padded rows are no token and never sampled), in fp32: (the
+    response (..., vocab_size), its peak (...,)). The one definition of a steering strength's units,
+    gamma = strength / peak, in the steering stage (``injection``) and in ``generate --steer``
+    (ncpctl.interpret.steer)."""
+    unit = direction.detach().float()
+    unit = unit / unit.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    resp = unit @ logit_weight.detach()[:vocab_size].float().t()
+    return resp, resp.amax(dim=-1)
 
 
 # ---- label arithmetic (chunks of ``chunk`` tokens from position 0) ----

@@ -330,7 +330,8 @@ class BottleneckConfig:
         "readout is the default because it is where steering worked at the debug size (bench/steering.py).")
     steer_strength: float = _f(
         2.0, "Steering stage: the injection's strength in nominal logit units, gamma = strength / peak(W_lm e_c) "
-        "(Steerling's tau / peak(e_c), whose value the paper does not give; generate --steer ...,strength=S logit).")
+        "over the real vocabulary, as generate --steer ...,strength=S logit defines it (Steerling's tau / peak(e_c), "
+        "whose value the paper does not give).")
     steer_fraction: float = _f(
         0.5, "Steering stage: the probability that a training row is injected (with one of the concepts its "
         "labels carry, drawn uniformly); the other rows train as plain language modelling.")

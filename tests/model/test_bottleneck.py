@@ -642,9 +642,33 @@ def test_the_injection_is_the_labelled_concepts_direction_at_its_causal_slots():
         K = model.bottleneck.K[c].detach()
         e = inj.vector[b] / inj.vector[b].norm()
         assert torch.allclose(e, K / K.norm(), atol=1e-6)
-        assert (model.logit_weight @ inj.vector[b]).max().item() == pytest.approx(3.0, rel=1e-5)
+        # the peak over the real vocabulary (issue 20 item 11: the padded rows are no token)
+        assert (model.logit_weight[: cfg.vocab_size] @ inj.vector[b]).max().item() == pytest.approx(3.0, rel=1e-5)
     model.eval()
     assert model.bottleneck.injection(labels, model.logit_weight) is None
+
+
+def test_the_steering_stage_and_generate_share_one_gamma():
+    """Issue 20 item 11: gamma = strength / peak over the real vocabulary, in the steering stage's
+    injection as in ``generate --steer`` (``resolve``), even when a padded row of the LM head (no
+    token) responds far more to the direction than any real one."""
+    from ncpctl.interpret.steer import SteerSpec, resolve
+
+    cfg = bn_cfg(**STEER)
+    assert cfg.padded_vocab_size > cfg.vocab_size
+    model = build(cfg).train()
+    c = 4
+    with torch.no_grad():
+        model.lm_head.weight[cfg.vocab_size] = 50.0 * model.bottleneck.concept_direction(c)  # a padded row
+    labels = torch.zeros(1, 8, N_CONCEPTS, dtype=torch.bool)
+    labels[0, 1, c] = True
+    inj = model.bottleneck.injection(labels, model.logit_weight)
+    assert inj.concept.tolist() == [c]
+    names = [f"c{i}" for i in range(N_CONCEPTS)]
+    r = resolve(model, SteerSpec(direction=f"concept:c{c}", strength=3.0, units="logit", at="readout"), names)
+    assert inj.vector[0].norm().item() == pytest.approx(r.gamma, rel=1e-5)
+    assert torch.allclose(inj.vector[0], r.vector.to(inj.vector), atol=1e-6)
+    assert r.peak < 5.0  # the real vocabulary's peak, not the padded row's 50
 
 
 @pytest.mark.parametrize("at", ["decoder_input", "decoder.1", "readout"])
