@@ -455,28 +455,32 @@ def detection_auc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _weighted_auc(s: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Rank AUC of scores s (N,) against labels y (N,) bool under R weightings w (R, N) of the
-    items (a bootstrap's counts; ones: ``detection_auc``), ties counted one half: (R,) float64,
-    NaN where a weighting leaves no positive or no negative."""
+    """Rank AUC of scores s (N,) against labels y (N,) bool under R weightings w (N, R) of the
+    items (a bootstrap's counts; ones: ``detection_auc``), ties counted one half: (R,) in w's
+    dtype, NaN where a weighting leaves no positive or no negative."""
     _, group = torch.unique(s.double(), return_inverse=True)  # ascending distinct scores
-    G, R = int(group.max()) + 1 if group.numel() else 0, w.shape[0]
-    w = w.double()
-    pos = torch.zeros(R, G, dtype=torch.float64).index_add_(1, group[y], w[:, y])  # (R, G)
-    neg = torch.zeros(R, G, dtype=torch.float64).index_add_(1, group[~y], w[:, ~y])
-    below = neg.cumsum(1) - neg  # the negatives' weight strictly below each score
-    P, N = pos.sum(1), neg.sum(1)
-    auc = (pos * (below + 0.5 * neg)).sum(1) / (P * N)
+    G, R = (int(group.max()) + 1 if group.numel() else 0), w.shape[1]
+    pos = w.new_zeros(G, R).index_add_(0, group[y], w[y])  # (G, R): each score's positive weight
+    neg = w.new_zeros(G, R).index_add_(0, group[~y], w[~y])
+    below = neg.cumsum(0) - neg  # the negatives' weight strictly below each score
+    P, N = pos.sum(0), neg.sum(0)
+    auc = (pos * (below + 0.5 * neg)).sum(0) / (P * N)
     return torch.where((P > 0) & (N > 0), auc, torch.full_like(auc, float("nan")))
 
 
-def concept_auc(scores: torch.Tensor, labels: torch.Tensor, *, resamples: int = 1000, seed: int = 0) -> dict:
+BOOTSTRAP_CELLS = 2e9  # the most (resample, chunk, concept) cells one interval may touch
+
+
+def concept_auc(scores: torch.Tensor, labels: torch.Tensor, *, resamples: int = 400, seed: int = 0) -> dict:
     """Held-out concept detection of chunk scores (N, n) against chunk labels (N, n), as the
     validation record's keys:
 
     * ``concept_auc``: the per-concept (macro) AUC, the mean over the concepts with both positive and
       negative chunks in the split (``concept_auc_concepts`` of them; ``concept_auc_skipped`` lack one
-      class), with a percentile bootstrap 95% interval over chunks (``resamples`` resamples, seeded,
-      so the same split gives the same interval): ``concept_auc_low``, ``concept_auc_high``;
+      class), with a percentile bootstrap 95% interval over chunks (``concept_auc_low``,
+      ``concept_auc_high``): ``resamples`` resamples of the chunks (fewer when resamples x N x
+      concepts would pass ``BOOTSTRAP_CELLS``; at least 50), seeded, so the same split gives the
+      same interval; a resample that loses a concept's positives or negatives skips it there;
     * ``concept_auc_pooled``: the AUC pooled over every (chunk, concept) pair (``detection_auc``), which
       rewards knowing which concepts are common at all, and ``concept_auc_pooled_base_rate``: the same
       pooled AUC of a constant per-concept score (each concept's positive rate in the split) that
@@ -485,21 +489,19 @@ def concept_auc(scores: torch.Tensor, labels: torch.Tensor, *, resamples: int = 
     NaN where nothing can be scored."""
     s, y = scores.detach().double().reshape(-1, scores.shape[-1]), labels.reshape(-1, labels.shape[-1]).bool()
     N, n = s.shape
-    both = y.any(0) & (~y).any(0)  # (n,) concepts with a positive and a negative chunk
-    cols = both.nonzero()[:, 0].tolist()
+    cols = (y.any(0) & (~y).any(0)).nonzero()[:, 0].tolist()  # concepts with a positive and a negative chunk
+    macro = float(torch.stack([detection_auc(s[:, c], y[:, c]) for c in cols]).mean()) if cols else float("nan")
+    R = max(50, min(resamples, int(BOOTSTRAP_CELLS // max(N * len(cols), 1))))
     g = torch.Generator().manual_seed(seed)
-    draws = torch.randint(0, max(N, 1), (resamples, N), generator=g)
-    weights = torch.cat([torch.ones(1, N, dtype=torch.float64),  # row 0: the split itself
-                         torch.zeros(resamples, N, dtype=torch.float64).scatter_add_(
-                             1, draws, torch.ones(resamples, N, dtype=torch.float64))])
-    per = torch.stack([_weighted_auc(s[:, c], y[:, c], weights) for c in cols], 1) if cols else \
-        torch.full((resamples + 1, 1), float("nan"), dtype=torch.float64)  # (1 + R, concepts)
-    macro = per.nanmean(1)  # a resample that loses one class of a concept skips it there
-    boot = macro[1:][~macro[1:].isnan()]
+    draws = torch.randint(0, max(N, 1), (R, N), generator=g)
+    counts = torch.zeros(R, N).scatter_add_(1, draws, torch.ones(R, N)).t().contiguous()  # (N, R) fp32
+    boot = torch.stack([_weighted_auc(s[:, c], y[:, c], counts) for c in cols], 1).nanmean(1) if cols else \
+        torch.full((R,), float("nan"), dtype=torch.float64)  # (R,) the macro AUC of each resample
+    boot = boot[~boot.isnan()].double()
     low, high = (boot.quantile(torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist() if boot.numel()
                  else (float("nan"), float("nan")))
     rate = y.double().mean(0, keepdim=True).expand(N, n)
-    return {"concept_auc": float(macro[0]), "concept_auc_low": low, "concept_auc_high": high,
+    return {"concept_auc": macro, "concept_auc_low": low, "concept_auc_high": high,
             "concept_auc_concepts": len(cols), "concept_auc_skipped": n - len(cols),
             "concept_auc_pooled": float(detection_auc(s, y)),
             "concept_auc_pooled_base_rate": float(detection_auc(rate, y))}
