@@ -29,9 +29,10 @@ Labels ``(B, T, n)``: L[b, t, c] = 1 iff token t carries evidence of concept c. 
   logits, before top-k) against the chunk label (OR of its tokens' labels), in log space:
   log(1 - k_chunk) = sum_t logsigmoid(-z_t); mean over rows, chunks and concepts.
 * causal labels: at token t, concept c is known-true iff a token s <= t of t's chunk carries c
-  (the cumulative OR within the chunk). A loss target and the steering stage's slots, never an
-  input: which concepts a token carries is decided by the whole document (a comprehension is
-  labelled from its opening ``[``, ``file_io`` from the ``f`` of ``fh.read()``).
+  (the cumulative OR within the chunk). The reconstruction target and the steering stage's
+  injection slots use them; teacher forcing does not feed them, since which concepts a token
+  carries is decided by the whole document (a comprehension is labelled from its opening ``[``,
+  ``file_io`` from the ``f`` of ``fh.read()``).
 * fed labels (``fed_labels``): what teacher forcing may feed token t of chunk j, the labels of the
   chunk that closed before t: chunk j-1's label (the OR of its tokens), none in chunk 0. Labels at
   or after chunk j's first token never reach t's input, so nothing a later token decided does.
