@@ -938,9 +938,10 @@ def _detection_auc(parts: list[tuple[torch.Tensor, torch.Tensor]], d: Dist) -> d
         counts = torch.zeros(d.world, dtype=torch.float64)
         counts[d.rank] = scores.shape[0]
         counts = d.sum(counts).long().tolist()
-        block = torch.zeros(d.world, rows, 2, scores.shape[1], dtype=torch.float64)
-        block[d.rank, : scores.shape[0]] = torch.stack([scores.double(), labels.double()], 1)
-        block = d.sum(block.flatten()).view(d.world, rows, 2, -1)
+        # fp32, as the scores are (a sum with zeros is exact); Dist.sum hands back float64
+        block = torch.zeros(d.world, rows, 2, scores.shape[1])
+        block[d.rank, : scores.shape[0]] = torch.stack([scores.float(), labels.float()], 1)
+        block = d.sum(block.flatten()).float().view(d.world, rows, 2, -1)
         both = torch.cat([block[r, :c] for r, c in enumerate(counts)])
         scores, labels = both[:, 0], both[:, 1]
     return concept_auc(scores, labels)
