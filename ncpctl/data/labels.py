@@ -12,9 +12,10 @@ Two labellers:
   are a name (a document label: the whole document) or ``{"concept": NAME, "start": a, "end": b}``
   (a span by character offsets into the record's text, end exclusive). Names get ids in the
   order first seen. A span outside its document is an error naming the record. The concepts given
-  as document labels are listed in ``labels.document_level``: they sit on every token of their
-  document, so they are targets only (training refuses to teacher-force with them: no position
-  could be fed them without seeing its document's future).
+  as document labels (a name, or a span over the whole text) are listed in
+  ``labels.document_level``: they sit on every token of their document, so they are targets
+  only (training refuses to teacher-force with them: no position could be fed them without
+  seeing its document's future).
 * ``python-ast``: the built-in labeller for Python sources (``builtin:python-stdlib`` and any
   ``.py`` text): ``ast`` nodes give human-readable concepts (``PYTHON_CONCEPTS``) with their
   source positions as spans: the header line of a compound statement (``class X(...):``,
@@ -277,7 +278,7 @@ def write_labels(recipe, out: Path, split, log) -> dict[str, Any]:
                 spans = spans or []
             else:
                 spans = field_spans(raw, text, f"document {int(i)} ({d.labels_field!r})")
-                document_level.update(x for x in raw or () if isinstance(x, str))
+                document_level.update(name for a, b, name in spans if (a, b) == (0, len(text)))  # every token
             for ta, tb, name in token_spans(enc.offsets, spans):
                 rows[s].append((offset[s] + ta, offset[s] + tb, vocab.setdefault(name, len(vocab))))
             labelled += bool(spans)

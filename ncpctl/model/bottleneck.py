@@ -324,7 +324,8 @@ class ConceptBottleneck(nn.Module):
         return v / v.norm().clamp_min(1e-12)
 
 
-def head_response(logit_weight: torch.Tensor, direction: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def head_response(logit_weight: torch.Tensor, direction: torch.Tensor,
+                  vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """W_lm . e/||e|| of direction(s) (..., d) over the real vocabulary (the first ``vocab_size`` rows
     of the (V_padded, d) ``logit_weight``: padded rows are no token and never sampled), in fp32: (the
     response (..., vocab_size), its peak (...,)). The one definition of a steering strength's units,

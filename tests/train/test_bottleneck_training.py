@@ -165,7 +165,8 @@ def test_document_level_labels_are_recorded_and_never_teacher_forced(tmp_path: P
     """Issue 20 item 9: a ``field`` dataset records which concepts came as document labels (on every
     token of their document); teacher forcing with them is refused in one line before training."""
     text = "import os\n\ndef f(x):\n    return os.path.join(x, 'a')\n\n" * 6
-    docs = [{"text": text, "concepts": ["python", {"concept": "imports", "start": 0, "end": 9}]} for _ in range(30)]
+    docs = [{"text": text, "concepts": ["python", {"concept": "imports", "start": 0, "end": 9}]} for _ in range(29)]
+    docs.append({"text": text, "concepts": [{"concept": "stdlib"}]})  # a span over the whole text: document-level
     src = tmp_path / "d.jsonl"
     src.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
     tok = tmp_path / "tok.yaml"
@@ -175,11 +176,13 @@ def test_document_level_labels_are_recorded_and_never_teacher_forced(tmp_path: P
     assert proc.returncode == 0, proc.stderr
     data = tmp_path / "run" / "data"
     labels = json.loads((data / "meta.json").read_text())["labels"]
-    assert labels["vocabulary"] == ["python", "imports"] and labels["document_level"] == ["python"]
+    assert labels["vocabulary"] == ["python", "imports", "stdlib"]
+    assert labels["document_level"] == ["python", "stdlib"]
     r = ncpctl("pretrain", str(RECIPES / "debug-bottleneck.yaml"),
-               *_sets(data, tmp_path / "r", "model.bottleneck.concepts=2", "model.bottleneck.rank=4",
+               *_sets(data, tmp_path / "r", "model.bottleneck.concepts=3", "model.bottleneck.rank=4",
                         "tokenizer.vocab_size=300"))
     assert r.returncode == 2
     (err,) = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
-    assert "teacher forcing with document-level labels (python) would show every position its document's future" in err
+    assert ("teacher forcing with document-level labels (python, stdlib) would show every position its "
+            "document's future") in err
     assert not (tmp_path / "r" / "checkpoints").exists()
