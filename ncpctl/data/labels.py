@@ -11,7 +11,11 @@ Two labellers:
 * ``field``: each JSON record's ``data.labels_field`` (default ``concepts``): a list whose items
   are a name (a document label: the whole document) or ``{"concept": NAME, "start": a, "end": b}``
   (a span by character offsets into the record's text, end exclusive). Names get ids in the
-  order first seen. A span outside its document is an error naming the record.
+  order first seen. A span outside its document is an error naming the record. The concepts given
+  as document labels (a name, or a span over the whole text) are listed in
+  ``labels.document_level``: they sit on every token of their document, so they are targets
+  only (training refuses to teacher-force with them: no position could be fed them without
+  seeing its document's future).
 * ``python-ast``: the built-in labeller for Python sources (``builtin:python-stdlib`` and any
   ``.py`` text): ``ast`` nodes give human-readable concepts (``PYTHON_CONCEPTS``) with their
   source positions as spans: the header line of a compound statement (``class X(...):``,
@@ -256,6 +260,7 @@ def write_labels(recipe, out: Path, split, log) -> dict[str, Any]:
     rows: dict[str, list[tuple[int, int, int]]] = {s: [] for s in sizes}
     vocab: dict[str, int] = {n: i for i, n in enumerate(PYTHON_CONCEPTS)} if d.labels == "python-ast" else {}
     unparsed = labelled = 0
+    document_level: set[str] = set()  # concepts given as a name: the whole document
     log(f"labelling concepts ({d.labels})")
     for idx, texts, raws in labelled_documents(recipe, ReadStats()):
         encs = tok.encode_batch(texts, add_special_tokens=False)
@@ -273,6 +278,7 @@ def write_labels(recipe, out: Path, split, log) -> dict[str, Any]:
                 spans = spans or []
             else:
                 spans = field_spans(raw, text, f"document {int(i)} ({d.labels_field!r})")
+                document_level.update(name for a, b, name in spans if (a, b) == (0, len(text)))  # every token
             for ta, tb, name in token_spans(enc.offsets, spans):
                 rows[s].append((offset[s] + ta, offset[s] + tb, vocab.setdefault(name, len(vocab))))
             labelled += bool(spans)
@@ -286,7 +292,8 @@ def write_labels(recipe, out: Path, split, log) -> dict[str, Any]:
     if not vocab:
         raise UserError(f"data.labels: {d.labels}: no document has a label")
     return {"labeller": d.labels, "field": d.labels_field if d.labels == "field" else None,
-            "vocabulary": list(vocab), "spans": counts, "documents_labelled": labelled, "unparsed": unparsed}
+            "vocabulary": list(vocab), "document_level": [n for n in vocab if n in document_level],
+            "spans": counts, "documents_labelled": labelled, "unparsed": unparsed}
 
 
 # ----------------------------------------------------------------------------- reading

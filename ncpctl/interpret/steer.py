@@ -215,10 +215,12 @@ def direction_vector(model, spec: SteerSpec, names: Sequence[str] | None = None)
 
 
 def _head_response(model, e):
-    """W_lm . e/||e|| over the real vocabulary (V,), and its peak (the largest entry)."""
-    unit = e / e.norm()
-    resp = model.logit_weight.detach().float()[: model.cfg.vocab_size] @ unit  # muP: / s_token, as the logits
-    return resp, float(resp.max())
+    """W_lm . e/||e|| over the real vocabulary (V,), and its peak (the largest entry): the steering
+    stage's definition (``ncpctl.model.bottleneck.head_response``; muP: W / s_token, as the logits)."""
+    from ncpctl.model.bottleneck import head_response
+
+    resp, peak = head_response(model.logit_weight, e, model.cfg.vocab_size)
+    return resp, float(peak)
 
 
 @dataclass

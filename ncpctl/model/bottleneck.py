@@ -29,10 +29,18 @@ Labels ``(B, T, n)``: L[b, t, c] = 1 iff token t carries evidence of concept c. 
   logits, before top-k) against the chunk label (OR of its tokens' labels), in log space:
   log(1 - k_chunk) = sum_t logsigmoid(-z_t); mean over rows, chunks and concepts.
 * causal labels: at token t, concept c is known-true iff a token s <= t of t's chunk carries c
-  (the cumulative OR within the chunk; the whole chunk's label would show t its future).
+  (the cumulative OR within the chunk). The reconstruction target and the steering stage's
+  injection slots use them; teacher forcing does not feed them, since which concepts a token
+  carries is decided by the whole document (a comprehension is labelled from its opening ``[``,
+  ``file_io`` from the ``f`` of ``fh.read()``).
+* fed labels (``fed_labels``): what teacher forcing may feed token t of chunk j, the labels of the
+  chunk that closed before t: chunk j-1's label (the OR of its tokens), none in chunk 0. Labels at
+  or after chunk j's first token never reach t's input, so nothing a later token decided does.
 * teacher forcing (training only, labels given): with probability alpha per (row, chunk), that
-  chunk's k is replaced by its causal labels (all n concepts); alpha anneals linearly from
+  chunk's k is replaced by its fed labels (all n concepts); alpha anneals linearly from
   ``teacher_forcing_start`` to ``teacher_forcing_end`` over ``teacher_forcing_steps`` optimizer steps.
+  Document-level labels (a name on every token of a document) cannot be fed causally: training
+  refuses teacher forcing on a dataset that has them (``labels.document_level`` in its meta.json).
 * reconstruction: mean squared error of u_hat toward sg(h - k_true K), k_true the causal labels
   (without labels: toward sg(h - k_hat), what the known part leaves).
 * independence: ||Cov(k_hat, u_hat)||_F^2, the squared Frobenius norm of the batch cross-covariance
@@ -79,9 +87,11 @@ class Injection:
 class BottleneckOutput:
     """The parts of one forward's decomposition (B, T, ...) and its loss terms.
 
-    ``e`` is the residual term the LM head read (dropped out in training), so that
-    h_bar = k_hat + u_hat + e holds in every mode; ``k`` the known activations k_hat is made
-    of (after top-k and teacher forcing), ``k_logits`` f(h) (dense, before top-k)."""
+    ``h_bar`` is what the LM head read and ``e`` the residual term in it (dropped out in training),
+    so that h_bar = k_hat + u_hat + e + steer holds in every mode, ``steer`` (B, T, d) the readout
+    steering added after the bottleneck (``AddToReadout``; None without); ``k`` the known
+    activations k_hat is made of (after top-k and teacher forcing), ``k_logits`` f(h) (dense,
+    before top-k)."""
 
     h_bar: torch.Tensor
     k: torch.Tensor  # (B, T, n)
@@ -90,20 +100,22 @@ class BottleneckOutput:
     k_hat: torch.Tensor  # (B, T, d)
     u_hat: torch.Tensor  # (B, T, d)
     e: torch.Tensor  # (B, T, d)
+    steer: torch.Tensor | None = None  # (B, T, d): readout steering (NCPModel.forward sets it)
     losses: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
 
 
 @dataclass
 class Attribution:
-    """Exact logit attribution of tokens y (B, T): logit = known + unknown + residual, and
-    known = per_concept.sum(-1) with per_concept[..., c] = k_c (K_c . W_y)."""
+    """Exact logit attribution of tokens y (B, T), in fp32: logit = known + unknown + residual +
+    steering, and known = per_concept.sum(-1) with per_concept[..., c] = k_c (K_c . W_y)."""
 
     logit: torch.Tensor  # (B, T)
     known: torch.Tensor  # (B, T)  k_hat . W_y
     unknown: torch.Tensor  # (B, T)  u_hat . W_y
     residual: torch.Tensor  # (B, T)  e . W_y
     per_concept: torch.Tensor | None  # (B, T, n)
+    steering: torch.Tensor | None = None  # (B, T)  steer . W_y: readout steering (zeros without)
 
     @property
     def share(self) -> torch.Tensor:
@@ -119,7 +131,7 @@ class ConceptBottleneck(nn.Module):
         super().__init__()
         b = self.bcfg = cfg.bottleneck
         d, n, m, r = cfg.d_model, b.concepts, cfg.bottleneck_unknown, cfg.bottleneck_rank
-        self.n, self.m, self.init_std = n, m, cfg.init_std
+        self.n, self.m, self.init_std, self.vocab_size = n, m, cfg.init_std, cfg.vocab_size
         self.known = nn.Linear(d, n)  # f
         self.K = nn.Parameter(torch.empty(n, d))
         # g: dense, or factorised through the rank r of U (unknown_head: low_rank)
@@ -188,8 +200,9 @@ class ConceptBottleneck(nn.Module):
         where = causal[torch.arange(B, device=labels.device), :, concept] & on[:, None]  # (B, T)
         e = self.K.detach()[concept]
         e = e / e.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # (B, d)
-        peak = (e @ logit_weight.detach().t()).amax(dim=-1).clamp_min(1e-6)  # (B,)
-        return Injection(concept=torch.where(on, concept, -1), where=where, vector=(b.steer_strength / peak)[:, None] * e)
+        peak = head_response(logit_weight, e, self.vocab_size)[1].clamp_min(1e-6)  # (B,), as generate's gamma
+        vector = ((b.steer_strength / peak)[:, None] * e.float()).to(e.dtype)
+        return Injection(concept=torch.where(on, concept, -1), where=where, vector=vector)
 
     def steering_losses(self, parts: BottleneckOutput, inj: Injection, h_bar: torch.Tensor, head) -> dict:
         """L_respond and L_express of one injected forward; ``head`` maps (K, d) states to (K, V)
@@ -238,8 +251,9 @@ class ConceptBottleneck(nn.Module):
             causal = causal_labels(labels, b.chunk).to(h.dtype)
         z = self.known(h)  # (B, T, n)
         k = top_k(torch.sigmoid(z), b.top_k_known)
-        if self.training and causal is not None and self.alpha > 0:
-            k = torch.where(chunk_mask(h.shape[0], h.shape[1], b.chunk, self.alpha, h.device), causal, k)
+        if self.training and causal is not None and self.alpha > 0:  # never a label decided at or after t
+            fed = fed_labels(labels, b.chunk).to(h.dtype)
+            k = torch.where(chunk_mask(h.shape[0], h.shape[1], b.chunk, self.alpha, h.device), fed, k)
         k_hat = k @ self.K  # (B, T, d)
         hd = h.detach()
         u = top_k(torch.sigmoid(self.unknown(hd)), b.top_k_unknown)  # (B, T, m)
@@ -275,15 +289,25 @@ class ConceptBottleneck(nn.Module):
     def attribute(self, parts: BottleneckOutput, lm_head_weight: torch.Tensor, token_ids: torch.Tensor,
                   per_concept: bool = True) -> Attribution:
         """Exact attribution of the logits of ``token_ids`` (B, T) (e.g. the argmax) to the parts
-        of one forward (``NCPModel.forward(..., return_bottleneck=True).bottleneck``);
-        ``lm_head_weight`` (V, d): ``model.lm_head.weight``. ``per_concept`` False skips the
-        (B, T, n) per-concept terms (None then)."""
-        w = lm_head_weight[token_ids]  # (B, T, d) W_y
+        of one forward (``NCPModel.forward(..., return_bottleneck=True).bottleneck``), readout
+        steering its own term; ``lm_head_weight`` (V, d): ``model.logit_weight``. ``per_concept``
+        False skips the (B, T, n) per-concept terms (None then).
+
+        Computed in fp32 whatever the forward's dtype (k_hat = k K again in fp32): the residual is
+        e = h_bar - k_hat - u_hat - steer of the h_bar the head read, so the terms sum to W_y . h_bar
+        in fp32 (1e-5 relative); a bf16 forward's own logit differs from that by its rounding to
+        bf16 (2^-8 relative)."""
+        w = lm_head_weight[token_ids].float()  # (B, T, d) W_y
         dot = lambda x: (x * w).sum(-1)  # noqa: E731
-        known, unknown, residual = dot(parts.k_hat), dot(parts.u_hat), dot(parts.e)
-        terms = parts.k * torch.einsum("btd,nd->btn", w, self.K) if per_concept else None
-        return Attribution(logit=known + unknown + residual, known=known, unknown=unknown, residual=residual,
-                           per_concept=terms)
+        steer = parts.steer.float() if parts.steer is not None else torch.zeros_like(w)
+        k, K, u_hat = parts.k.float(), self.K.float(), parts.u_hat.float()
+        # (B, T, d): with per-concept terms k K again in fp32, so that they sum to known in any dtype
+        k_hat = k @ K if per_concept else parts.k_hat.float()
+        e = parts.h_bar.float() - k_hat - u_hat - steer  # == parts.e in an fp32 evaluation
+        known, unknown, residual, steering = dot(k_hat), dot(u_hat), dot(e), dot(steer)
+        terms = k * torch.einsum("btd,nd->btn", w, K) if per_concept else None
+        return Attribution(logit=known + unknown + residual + steering, known=known, unknown=unknown,
+                           residual=residual, per_concept=terms, steering=steering)
 
     @torch.no_grad()
     def share(self, parts: BottleneckOutput, lm_head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -298,6 +322,19 @@ class ConceptBottleneck(nn.Module):
             raise IndexError(f"known concept {index} is out of range (the bottleneck has {self.n})")
         v = self.K[index].detach()
         return v / v.norm().clamp_min(1e-12)
+
+
+def head_response(logit_weight: torch.Tensor, direction: torch.Tensor,
+                  vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_lm . e/||e|| of direction(s) (..., d) over the real vocabulary (the first ``vocab_size`` rows
+    of the (V_padded, d) ``logit_weight``: padded rows are no token and never sampled), in fp32: (the
+    response (..., vocab_size), its peak (...,)). The one definition of a steering strength's units,
+    gamma = strength / peak, in the steering stage (``injection``) and in ``generate --steer``
+    (ncpctl.interpret.steer)."""
+    unit = direction.detach().float()
+    unit = unit / unit.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    resp = unit @ logit_weight.detach()[:vocab_size].float().t()
+    return resp, resp.amax(dim=-1)
 
 
 # ---- label arithmetic (chunks of ``chunk`` tokens from position 0) ----
@@ -322,6 +359,16 @@ def causal_labels(labels: torch.Tensor, chunk: int) -> torch.Tensor:
     T = labels.shape[1]
     x = _chunked(labels.float(), chunk).cummax(dim=2).values
     return x.flatten(1, 2)[:, :T]
+
+
+def fed_labels(labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B, T, n) -> (B, T, n): what teacher forcing feeds token t of chunk j, the label of chunk j - 1
+    (the OR of its tokens; zeros in chunk 0), the chunk that closed before t. No label at or after
+    chunk j's first token reaches it (the module docstring)."""
+    B, T, n = labels.shape
+    y = chunk_labels(labels, chunk)  # (B, C, n)
+    prev = torch.cat([y.new_zeros(B, 1, n), y[:, :-1]], dim=1)
+    return prev.repeat_interleave(chunk, dim=1)[:, :T]
 
 
 def chunk_mask(B: int, T: int, chunk: int, alpha: float, device) -> torch.Tensor:
@@ -407,3 +454,56 @@ def detection_auc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     mean_rank = ends - (counts.double() - 1) / 2  # 1-based mean rank of each distinct value
     rank_sum = mean_rank[inverse][y].sum()
     return (rank_sum - P * (P + 1) / 2) / (P * N)
+
+
+def _weighted_auc(s: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Rank AUC of scores s (N,) against labels y (N,) bool under R weightings w (N, R) of the
+    items (a bootstrap's counts; ones: ``detection_auc``), ties counted one half: (R,) in w's
+    dtype, NaN where a weighting leaves no positive or no negative."""
+    _, group = torch.unique(s.double(), return_inverse=True)  # ascending distinct scores
+    G, R = (int(group.max()) + 1 if group.numel() else 0), w.shape[1]
+    pos = w.new_zeros(G, R).index_add_(0, group[y], w[y])  # (G, R): each score's positive weight
+    neg = w.new_zeros(G, R).index_add_(0, group[~y], w[~y])
+    below = neg.cumsum(0) - neg  # the negatives' weight strictly below each score
+    P, N = pos.sum(0), neg.sum(0)
+    auc = (pos * (below + 0.5 * neg)).sum(0) / (P * N)
+    return torch.where((P > 0) & (N > 0), auc, torch.full_like(auc, float("nan")))
+
+
+BOOTSTRAP_CELLS = 2e9  # the most (resample, chunk, concept) cells one interval may touch
+
+
+def concept_auc(scores: torch.Tensor, labels: torch.Tensor, *, resamples: int = 400, seed: int = 0) -> dict:
+    """Held-out concept detection of chunk scores (N, n) against chunk labels (N, n), as the
+    validation record's keys:
+
+    * ``concept_auc``: the per-concept (macro) AUC, the mean over the concepts with both positive and
+      negative chunks in the split (``concept_auc_concepts`` of them; ``concept_auc_skipped`` lack one
+      class), with a percentile bootstrap 95% interval over chunks (``concept_auc_low``,
+      ``concept_auc_high``): ``resamples`` resamples of the chunks (fewer when resamples x N x
+      concepts would pass ``BOOTSTRAP_CELLS``; at least 50), seeded, so the same split gives the
+      same interval; a resample that loses a concept's positives or negatives skips it there;
+    * ``concept_auc_pooled``: the AUC pooled over every (chunk, concept) pair (``detection_auc``), which
+      rewards knowing which concepts are common at all, and ``concept_auc_pooled_base_rate``: the same
+      pooled AUC of a constant per-concept score (each concept's positive rate in the split) that
+      ignores the input, to read it against (0.885 on debug-bottleneck.yaml's validation chunks).
+
+    NaN where nothing can be scored."""
+    s, y = scores.detach().double().reshape(-1, scores.shape[-1]), labels.reshape(-1, labels.shape[-1]).bool()
+    N, n = s.shape
+    cols = (y.any(0) & (~y).any(0)).nonzero()[:, 0].tolist()  # concepts with a positive and a negative chunk
+    macro = float(torch.stack([detection_auc(s[:, c], y[:, c]) for c in cols]).mean()) if cols else float("nan")
+    R = max(50, min(resamples, int(BOOTSTRAP_CELLS // max(N * len(cols), 1))))
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.randint(0, max(N, 1), (R, N), generator=g)
+    counts = torch.zeros(R, N).scatter_add_(1, draws, torch.ones(R, N)).t().contiguous()  # (N, R) fp32
+    boot = torch.stack([_weighted_auc(s[:, c], y[:, c], counts) for c in cols], 1).nanmean(1) if cols else \
+        torch.full((R,), float("nan"), dtype=torch.float64)  # (R,) the macro AUC of each resample
+    boot = boot[~boot.isnan()].double()
+    low, high = (boot.quantile(torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist() if boot.numel()
+                 else (float("nan"), float("nan")))
+    rate = y.double().mean(0, keepdim=True).expand(N, n)
+    return {"concept_auc": macro, "concept_auc_low": low, "concept_auc_high": high,
+            "concept_auc_concepts": len(cols), "concept_auc_skipped": n - len(cols),
+            "concept_auc_pooled": float(detection_auc(s, y)),
+            "concept_auc_pooled_base_rate": float(detection_auc(rate, y))}

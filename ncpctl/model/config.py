@@ -338,8 +338,9 @@ class BottleneckConfig:
         "known_unknown", "Independence penalty between kK and uU (pre-training); known_unknown_residual adds uU vs "
         "e (Steerling's mid-training variant).")
     teacher_forcing_start: float = _f(
-        1.0, "Teacher-forcing probability at step 0: a chunk's known concepts replaced by its causal labels "
-        "(Steerling: annealed from 1).")
+        1.0, "Teacher-forcing probability at step 0: a chunk's known concepts replaced by the labels of the chunk "
+        "before it, the last that closed (Steerling: annealed from 1; never the labels of t's own chunk or later; "
+        "refused on document-level labels).")
     teacher_forcing_end: float = _f(
         0.5, "Teacher-forcing probability after teacher_forcing_steps (Steerling: 0.5 pre-training, 0 mid-training).")
     teacher_forcing_steps: int = _f(
@@ -367,7 +368,8 @@ class BottleneckConfig:
         "readout is the default because it is where steering worked at the debug size (bench/steering.py).")
     steer_strength: float = _f(
         2.0, "Steering stage: the injection's strength in nominal logit units, gamma = strength / peak(W_lm e_c) "
-        "(Steerling's tau / peak(e_c), whose value the paper does not give; generate --steer ...,strength=S logit).")
+        "over the real vocabulary, as generate --steer ...,strength=S logit defines it (Steerling's tau / peak(e_c), "
+        "whose value the paper does not give).")
     steer_fraction: float = _f(
         0.5, "Steering stage: the probability that a training row is injected (with one of the concepts its "
         "labels carry, drawn uniformly); the other rows train as plain language modelling.")

@@ -129,11 +129,19 @@ def decoder_input_addition(ivs: Sequence[Intervention], z: torch.Tensor, positio
     return z
 
 
-def readout_addition(ivs: Sequence[Intervention], h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def readout_vector(ivs: Sequence[Intervention], h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """The sum (B, T, d) of the readout additions to h (B, T, d); None without any."""
+    out = None
     for iv in ivs:
         if type(iv) is AddToReadout:
-            h = h + iv.addition(positions, h)
-    return h
+            add = iv.addition(positions, h)
+            out = add if out is None else out + add
+    return out
+
+
+def readout_addition(ivs: Sequence[Intervention], h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    add = readout_vector(ivs, h, positions)
+    return h if add is None else h + add
 
 
 def residual_additions(ivs: Sequence[Intervention], stack: str, n_layers: int, positions: torch.Tensor,

@@ -37,7 +37,7 @@ from .config import ModelConfig, steer_site
 from .decode import DecodeState, prefill, step
 from .head import LMHead
 from .interventions import (AddToDecoderInput, AddToReadout, AddToResidual, Intervention, check, decoder_input_addition,
-                            readout_addition, residual_additions)
+                            readout_addition, readout_vector, residual_additions)
 from .layers import Context, RMSNorm, Stack, make_norm
 from .outputs import LogKey, NCPOutput
 from .mtp import MTPHead
@@ -271,8 +271,10 @@ class NCPModel(nn.Module):
         out = NCPOutput(logits=None, concept=co if self.concept is not None else None, states=states,
                         hidden=hN if return_hidden else None, metrics=dict(co.metrics), stats=dict(co.stats))
         h_bar, parts = self.readout(hN, concept_labels, losses=targets is not None)
-        h_bar = readout_addition(ivs, h_bar, positions)  # (B, T, d): AddToReadout (steering at the head)
-        if parts is not None:
+        steer = readout_vector(ivs, h_bar, positions)  # (B, T, d) or None: AddToReadout (steering at the head)
+        h_bar = h_bar if steer is None else h_bar + steer
+        if parts is not None:  # steering is an attributed part of what the head reads: h_bar = kK + uU + e + steer
+            parts.h_bar, parts.steer = h_bar, steer
             out.metrics.update(parts.metrics)
             out.bottleneck = parts if return_bottleneck else None
         if targets is None:

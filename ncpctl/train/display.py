@@ -21,6 +21,16 @@ def loss_terms(rec: dict[str, Any]) -> list[str]:
     return [k for k, v in rec.items() if k.endswith("_loss") and isinstance(v, (int, float))]
 
 
+def detection_line(val: dict[str, Any]) -> str:
+    """The bottleneck's held-out detection in words: the macro AUC with its interval and the concepts
+    it covers, and the pooled AUC never without its input-free base rate
+    (``ncpctl.model.bottleneck.concept_auc``)."""
+    n = val["concept_auc_concepts"] + val["concept_auc_skipped"]
+    return (f"concept AUC {val['concept_auc']:.3f} [{val['concept_auc_low']:.3f}, {val['concept_auc_high']:.3f}] "
+            f"(macro over {val['concept_auc_concepts']}/{n} concepts; pooled {val['concept_auc_pooled']:.3f}, "
+            f"base rate {val['concept_auc_pooled_base_rate']:.3f})")
+
+
 class TrainDisplay:
     """``start(total, done)``, ``step(record)`` per logged step, ``validation(step, record)``,
     ``message(text)``, ``stop()``."""
@@ -71,6 +81,8 @@ class TrainDisplay:
             per = {k.split("/", 1)[1]: v for k, v in val.items() if k.startswith("tokens_per_concept/")}
             if len(per) > 1:
                 extra += " (" + ", ".join(f"{name} {v:.2f}" for name, v in per.items()) + ")"
+        if isinstance(val.get("concept_auc"), (int, float)):  # a bottleneck: held-out concept detection
+            extra += ", " + detection_line(val)
         self.message(f"step {step}: val loss {val['loss']:.4f}{first}{extra}")
 
     def message(self, text: str) -> None:

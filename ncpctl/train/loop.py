@@ -255,7 +255,8 @@ def _meta_path(ds: IndexedDataset) -> Path:
 def _labels(recipe: Recipe, ds: IndexedDataset) -> tuple[Any, list[str] | None]:
     """The concept labels of ``ds`` (``PREFIX.labels.npy``, ncpctl.data.labels) when the model has a
     concept bottleneck: (LabelSpans, the vocabulary from meta.json or None); (None, None) otherwise.
-    The bottleneck's ``concepts`` must equal the vocabulary's size."""
+    The bottleneck's ``concepts`` must equal the vocabulary's size, and teacher forcing is refused on
+    document-level labels (``_check_teacher_forcing``)."""
     b = recipe.model_config.bottleneck
     if not b.enabled:
         return None, None
@@ -265,14 +266,34 @@ def _labels(recipe: Recipe, ds: IndexedDataset) -> tuple[Any, list[str] | None]:
     meta_path = _meta_path(ds)
     names = None
     if meta_path.is_file():
-        names = (json.loads(meta_path.read_text()).get("labels") or {}).get("vocabulary")
+        meta = json.loads(meta_path.read_text()).get("labels") or {}
+        names = meta.get("vocabulary")
         if names is None:
             raise UserError(f"{meta_path}: the dataset has no concept labels, but model.bottleneck is on",
                             hint="set data.labels (python-ast or field) and run `ncpctl tokenize` again")
         if len(names) != b.concepts:
             raise UserError(f"model.bottleneck.concepts: {b.concepts}, but the dataset's label vocabulary has "
                             f"{len(names)} names ({meta_path})", hint=f"set model.bottleneck.concepts={len(names)}")
+        _check_teacher_forcing(recipe, meta, meta_path)
     return LabelSpans(prefix, ds.num_tokens, b.concepts), names
+
+
+def _check_teacher_forcing(recipe: Recipe, meta: dict[str, Any], meta_path: Path) -> None:
+    """Teacher forcing feeds a position the labels of the chunk before it (ncpctl.model.bottleneck.
+    fed_labels); a document-level label sits on every token of its document, so feeding it shows
+    each position its document's future: refused. A ``field`` dataset from before
+    ``labels.document_level`` was recorded may hold them: refused too, until it is tokenized again."""
+    b = recipe.model_config.bottleneck
+    if b.teacher_forcing_start == 0 and b.teacher_forcing_end == 0:
+        return
+    doc = meta.get("document_level")
+    if doc is None and meta.get("labeller") == "field":
+        doc = ["(unknown: this dataset predates labels.document_level)"]
+    if doc:
+        raise UserError(f"{meta_path}: teacher forcing with document-level labels ({', '.join(doc[:6])}"
+                        f"{', ...' if len(doc) > 6 else ''}) would show every position its document's future",
+                        hint="set model.bottleneck.teacher_forcing_start=0 and teacher_forcing_end=0 (they stay "
+                             "concept-loss targets), give the labels as spans, or run `ncpctl tokenize` again")
 
 
 def _val_sources(recipe: Recipe, ds: IndexedDataset, info: Callable[[str], None]) -> SourceMap | None:
@@ -871,7 +892,7 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
     terms = pk.split_terms(d.sum(acc), mean_over=d.world * batches * r.grad_accum_steps)
     run.tot.val = pk.scalars(terms)
     if detection:
-        run.tot.val["concept_auc"] = _detection_auc(detection, d)
+        run.tot.val.update(_detection_auc(detection, d))
     if by_source is not None:
         concepts, tokens = d.sum(by_source.to(d.device)).tolist()
         run.tot.val.update({f"tokens_per_concept/{name}": n / c for name, c, n in
@@ -908,15 +929,26 @@ def _chunk_detection(cfg: Any, o: Any, labels: torch.Tensor) -> tuple[torch.Tens
     return scores.reshape(-1, scores.shape[-1]), chunk_labels(labels.float(), chunk).reshape(-1, scores.shape[-1])
 
 
-def _detection_auc(parts: list[tuple[torch.Tensor, torch.Tensor]], d: Dist) -> float:
-    """Rank AUC over every (chunk, concept) pair of this rank's validation share, averaged over
-    ranks (AUC does not decompose over shards; one rank is exact). NaN when one class is absent."""
-    from ncpctl.model.bottleneck import detection_auc
+def _detection_auc(parts: list[tuple[torch.Tensor, torch.Tensor]], d: Dist) -> dict[str, float]:
+    """The held-out detection keys (``ncpctl.model.bottleneck.concept_auc``: the macro AUC with its
+    interval, the pooled AUC beside its base rate) over every rank's chunks: AUC does not decompose
+    over shards, so the (chunks, n) scores and labels of all ranks are gathered (zero-padded blocks,
+    one sum) and every rank scores the whole split."""
+    from ncpctl.model.bottleneck import concept_auc
 
-    scores = torch.cat([s for s, _ in parts]).flatten()
-    labels = torch.cat([lab for _, lab in parts]).flatten()
-    auc = float(detection_auc(scores, labels))
-    return float(d.sum(torch.tensor([auc], dtype=torch.float64)).item()) / d.world if d.world > 1 else auc
+    scores, labels = torch.cat([s for s, _ in parts]), torch.cat([lab for _, lab in parts])
+    if d.world > 1:
+        rows = int(d.max(torch.tensor([scores.shape[0]], dtype=torch.float64)).item())
+        counts = torch.zeros(d.world, dtype=torch.float64)
+        counts[d.rank] = scores.shape[0]
+        counts = d.sum(counts).long().tolist()
+        # fp32, as the scores are (a sum with zeros is exact); Dist.sum hands back float64
+        block = torch.zeros(d.world, rows, 2, scores.shape[1])
+        block[d.rank, : scores.shape[0]] = torch.stack([scores.float(), labels.float()], 1)
+        block = d.sum(block.flatten()).float().view(d.world, rows, 2, -1)
+        both = torch.cat([block[r, :c] for r, c in enumerate(counts)])
+        scores, labels = both[:, 0], both[:, 1]
+    return concept_auc(scores, labels)
 
 
 def _save(run: _Run) -> None:

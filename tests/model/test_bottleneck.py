@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ncpctl.model.bottleneck import (
-    causal_labels, chunk_bce, chunk_labels, chunk_probs, cross_covariance, detection_auc, top_k,
+    causal_labels, chunk_bce, chunk_labels, chunk_probs, cross_covariance, detection_auc, fed_labels, top_k,
 )
 from ncpctl.model.config import ConfigError, build_config
 from ncpctl.model.model import NCPModel
@@ -154,6 +154,76 @@ def test_detection_auc_is_mann_whitney():
     assert math.isnan(detection_auc(scores, torch.zeros(6)).item())
 
 
+def test_the_headline_auc_is_per_concept_and_base_rates_alone_score_half():
+    """Issue 20 item 8: a score that only knows each concept's base rate (constant per concept,
+    blind to the input) scores high pooled over (chunk, concept) pairs but exactly 0.5 per concept;
+    concepts without a positive or a negative chunk are skipped and counted; the macro AUC is the
+    mean of the per-concept AUCs with a bootstrap interval around it."""
+    from ncpctl.model.bottleneck import concept_auc
+
+    g = torch.Generator().manual_seed(0)
+    N, rates = 400, torch.tensor([0.6, 0.3, 0.1, 0.03, 0.0, 1.0])  # the last two: one class only
+    labels = torch.rand(N, 6, generator=g) < rates
+    labels[:, 4], labels[:, 5] = False, True
+    base = labels.float().mean(0, keepdim=True).expand(N, 6)  # each concept's rate in the split
+    r = concept_auc(base, labels)
+    assert r["concept_auc"] == 0.5 and r["concept_auc_low"] == r["concept_auc_high"] == 0.5
+    assert r["concept_auc_pooled"] > 0.75 and r["concept_auc_pooled"] == r["concept_auc_pooled_base_rate"]
+    assert (r["concept_auc_concepts"], r["concept_auc_skipped"]) == (4, 2)
+    # an input-dependent score: the macro AUC is the mean over the 4 scored concepts of their own AUCs
+    scores = labels.float() * 0.3 + torch.rand(N, 6, generator=g)
+    r = concept_auc(scores, labels, resamples=300)
+    per = [detection_auc(scores[:, c], labels[:, c]).item() for c in range(4)]
+    assert r["concept_auc"] == pytest.approx(sum(per) / 4, abs=1e-12)
+    assert r["concept_auc_low"] < r["concept_auc"] < r["concept_auc_high"] < 1.0
+    assert r == concept_auc(scores, labels, resamples=300)  # seeded: the same split, the same interval
+    assert r["concept_auc_pooled"] == pytest.approx(detection_auc(scores, labels).item(), abs=1e-12)
+    none = concept_auc(torch.rand(5, 2), torch.zeros(5, 2, dtype=torch.bool))
+    assert math.isnan(none["concept_auc"]) and none["concept_auc_skipped"] == 2
+
+
+def test_the_detection_auc_of_two_ranks_is_that_of_their_union():
+    """Validation at two ranks gathers both ranks' chunks (AUC does not decompose over shards): each
+    rank reports the AUC keys of the whole split, whatever its share of the chunks."""
+    import threading
+
+    from ncpctl.model.bottleneck import concept_auc
+    from ncpctl.train.loop import Dist, _detection_auc
+
+    slots, gate = [None, None], threading.Barrier(2)
+
+    class TwoRanks(Dist):
+        def _reduce(self, t, op):
+            slots[self.rank] = t.double().clone()
+            gate.wait()
+            out = op(slots[0], slots[1])
+            gate.wait()
+            return out
+
+        def sum(self, t):
+            return self._reduce(t, torch.add)
+
+        def max(self, t):
+            return self._reduce(t, torch.maximum)
+
+    g = torch.Generator().manual_seed(1)
+    labels = torch.rand(50, 4, generator=g) < 0.3
+    scores = labels.float() * 0.2 + torch.rand(50, 4, generator=g)
+    shards = [[(scores[:20], labels[:20].float())], [(scores[20:35], labels[20:35].float()),
+                                                     (scores[35:], labels[35:].float())]]
+    got = [None, None]
+
+    def rank(r):
+        got[r] = _detection_auc(shards[r], TwoRanks(r, 2, r, torch.device("cpu")))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert got[0] == got[1] == concept_auc(scores, labels)
+
+
 # ---- the decomposition is exact ---------------------------------------------------------------
 
 
@@ -178,6 +248,38 @@ def test_eval_logits_are_the_base_models_and_attribution_is_exact(concept):
         assert (att.logit - logit).abs().max() <= 1e-4
         assert (att.per_concept.sum(-1) - att.known).abs().max() <= 1e-4
         assert ((att.share >= 0) & (att.share <= 1)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attribution_is_exact_with_readout_steering(dtype):
+    """Issue 20 item 10: readout steering (gamma K_c/||K_c|| added to what the head reads) is its own
+    attributed term, so known + unknown + residual + steering is the logit: to 1e-4 in fp32 (it missed
+    by the steering term, ~2 logits here, before); in bf16 the terms (computed in fp32) sum to
+    W_y . h_bar in fp32, and the bf16 logit is that rounded (2^-8 relative)."""
+    from ncpctl.model.interventions import AddToReadout
+
+    cfg = bn_cfg(top_k_known=3)
+    model = build(cfg, scale=0.2).to(dtype)
+    x = tokens(cfg, 2, 11)
+    c = 2
+    v = 8.0 * model.bottleneck.concept_direction(c)
+    with torch.no_grad():
+        out = model(x, return_bottleneck=True, interventions=[AddToReadout(start=4, vector=v, rows=[1])])
+        y = out.logits.argmax(-1)
+        att = model.bottleneck.attribute(out.bottleneck, model.logit_weight, y)
+    logit = out.logits.float().gather(-1, y[..., None])[..., 0]
+    w = model.logit_weight.float()[y]
+    steer = torch.zeros(2, 11)
+    steer[1, 4:] = (w[1, 4:] * v.float()).sum(-1)
+    assert att.known.dtype == torch.float32 and torch.allclose(att.steering, steer, atol=1e-4)
+    assert att.steering[1, 4:].abs().max() > 0.5  # the term the old attribution left out
+    if dtype == torch.float32:
+        assert (att.logit - logit).abs().max() <= 1e-4
+    else:
+        fp32 = (w * out.bottleneck.h_bar.float()).sum(-1)
+        assert (att.logit - fp32).abs().max() <= 1e-4 * fp32.abs().max()
+        assert ((att.logit - logit).abs() <= 2 ** -8 * logit.abs() + 1e-3).all()
+    assert (att.per_concept.sum(-1) - att.known).abs().max() <= 1e-4
 
 
 def test_training_mode_drops_the_residual_only():
@@ -234,11 +336,50 @@ def test_teacher_forcing_schedule_and_use():
     x, L = tokens(cfg, 2, 16), span_labels(2, 16, N_CONCEPTS)
     with torch.no_grad():
         forced = model(x, concept_labels=L, return_bottleneck=True).bottleneck
-        assert torch.equal(forced.k, causal_labels(L, 4))  # every chunk forced to its causal labels
+        assert torch.equal(forced.k, fed_labels(L, 4))  # every chunk forced to the previous chunk's labels
         model.eval()  # never in evaluation / validation
         free = model(x, concept_labels=L, return_bottleneck=True).bottleneck
-        assert not torch.equal(free.k, causal_labels(L, 4))
+        assert not torch.equal(free.k, fed_labels(L, 4))
         assert torch.equal(free.k, model(x, return_bottleneck=True).bottleneck.k)
+
+
+def test_fed_labels_are_the_previous_chunks_label():
+    """Token t of chunk j is fed the OR of chunk j-1's token labels, nothing in chunk 0."""
+    L = span_labels(2, 14, N_CONCEPTS, seed=4, spans=5)
+    got = fed_labels(L, 4)
+    assert got.shape == (2, 14, N_CONCEPTS)
+    for t in range(14):
+        j = t // 4
+        want = L[:, 4 * (j - 1) : 4 * j].any(1).float() if j else torch.zeros(2, N_CONCEPTS)
+        assert torch.equal(got[:, t], want)
+
+
+def test_teacher_forcing_feeds_no_label_after_the_last_closed_chunk():
+    """Issue 20 item 9: with every chunk teacher-forced, changing the labels anywhere after the last
+    chunk that closed before t (t's own chunk included: its labels can be decided by later tokens)
+    moves no known activation, bottleneck output or logit at <= t; the closed chunk's labels are fed."""
+    cfg = bn_cfg(dropout=0.1)
+    model = build(cfg, scale=0.2).train()
+    model.bottleneck.alpha = 1.0
+    T = 13
+    x, L = tokens(cfg, 2, T), span_labels(2, T, N_CONCEPTS, spans=6)
+
+    def run(LL):
+        torch.manual_seed(7)  # the same dropout masks and teacher-forcing draws
+        with torch.no_grad():
+            o = model(x, concept_labels=LL, return_bottleneck=True)
+        return o.logits, o.bottleneck.k, o.bottleneck.h_bar
+
+    ref = run(L)
+    g = torch.Generator().manual_seed(3)
+    for t in range(T):
+        after = L.clone()
+        after[:, t // 4 * 4 :] = torch.rand(2, T - t // 4 * 4, N_CONCEPTS, generator=g) < 0.5
+        for a, b in zip(run(after), ref):
+            assert torch.equal(a[:, : t + 1], b[:, : t + 1]), t
+    closed = L.clone()
+    closed[:, :4] = ~closed[:, :4]
+    assert not torch.equal(run(closed)[1][:, 4:8], ref[1][:, 4:8])
 
 
 # ---- causality and cached decoding --------------------------------------------------------------
@@ -501,9 +642,33 @@ def test_the_injection_is_the_labelled_concepts_direction_at_its_causal_slots():
         K = model.bottleneck.K[c].detach()
         e = inj.vector[b] / inj.vector[b].norm()
         assert torch.allclose(e, K / K.norm(), atol=1e-6)
-        assert (model.logit_weight @ inj.vector[b]).max().item() == pytest.approx(3.0, rel=1e-5)
+        # the peak over the real vocabulary (issue 20 item 11: the padded rows are no token)
+        assert (model.logit_weight[: cfg.vocab_size] @ inj.vector[b]).max().item() == pytest.approx(3.0, rel=1e-5)
     model.eval()
     assert model.bottleneck.injection(labels, model.logit_weight) is None
+
+
+def test_the_steering_stage_and_generate_share_one_gamma():
+    """Issue 20 item 11: gamma = strength / peak over the real vocabulary, in the steering stage's
+    injection as in ``generate --steer`` (``resolve``), even when a padded row of the LM head (no
+    token) responds far more to the direction than any real one."""
+    from ncpctl.interpret.steer import SteerSpec, resolve
+
+    cfg = bn_cfg(**STEER)
+    assert cfg.padded_vocab_size > cfg.vocab_size
+    model = build(cfg).train()
+    c = 4
+    with torch.no_grad():
+        model.lm_head.weight[cfg.vocab_size] = 50.0 * model.bottleneck.concept_direction(c)  # a padded row
+    labels = torch.zeros(1, 8, N_CONCEPTS, dtype=torch.bool)
+    labels[0, 1, c] = True
+    inj = model.bottleneck.injection(labels, model.logit_weight)
+    assert inj.concept.tolist() == [c]
+    names = [f"c{i}" for i in range(N_CONCEPTS)]
+    r = resolve(model, SteerSpec(direction=f"concept:c{c}", strength=3.0, units="logit", at="readout"), names)
+    assert inj.vector[0].norm().item() == pytest.approx(r.gamma, rel=1e-5)
+    assert torch.allclose(inj.vector[0], r.vector.to(inj.vector), atol=1e-6)
+    assert r.peak < 5.0  # the real vocabulary's peak, not the padded row's 50
 
 
 @pytest.mark.parametrize("at", ["decoder_input", "decoder.1", "readout"])

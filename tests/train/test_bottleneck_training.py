@@ -52,8 +52,11 @@ def test_the_loop_feeds_labels_and_reports_detection(trained: Path, labelled: Pa
     first, last = train[0]["concept_loss"], train[-1]["concept_loss"]
     assert last < 0.8 * first  # the known head learns the labels it is fed
     (val,) = metrics(trained, "val")
-    # held-out chunks of the validation split: the known head detects the labelled concepts
-    assert val["concept_auc"] > 0.7, val
+    # held-out chunks of the validation split: the per-concept (macro) AUC with its interval, over the
+    # concepts the split can score, and the pooled AUC beside the input-free base rate's (issue 20 item 8)
+    assert val["concept_auc_low"] <= val["concept_auc"] <= val["concept_auc_high"], val
+    assert val["concept_auc_concepts"] + val["concept_auc_skipped"] == 16 and val["concept_auc_concepts"] >= 4
+    assert 0.5 < val["concept_auc_pooled_base_rate"] < 1 and 0 < val["concept_auc_pooled"] <= 1
     ck = trained / "checkpoints" / "step_0000040"
     names = json.loads((ck / "ncpctl.json").read_text())["concept_names"]
     assert names == json.loads((labelled / "meta.json").read_text())["labels"]["vocabulary"]
@@ -156,3 +159,30 @@ def test_zero3_trains_the_bottleneck_and_its_steering_stage_as_zero2(trained: Pa
     assert len(losses[2]) == 3
     for a, b in zip(losses[2], losses[3]):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_document_level_labels_are_recorded_and_never_teacher_forced(tmp_path: Path) -> None:
+    """Issue 20 item 9: a ``field`` dataset records which concepts came as document labels (on every
+    token of their document); teacher forcing with them is refused in one line before training."""
+    text = "import os\n\ndef f(x):\n    return os.path.join(x, 'a')\n\n" * 6
+    docs = [{"text": text, "concepts": ["python", {"concept": "imports", "start": 0, "end": 9}]} for _ in range(29)]
+    docs.append({"text": text, "concepts": [{"concept": "stdlib"}]})  # a span over the whole text: document-level
+    src = tmp_path / "d.jsonl"
+    src.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    tok = tmp_path / "tok.yaml"
+    tok.write_text(f"data:\n  sources: [{src}]\n  val_fraction: 0.2\n  labels: field\ntokenizer:\n  vocab_size: 300\n"
+                   f"run:\n  dir: {tmp_path / 'run'}\n")
+    proc = subprocess.run([*ncpctl_cmd(), "tokenize", str(tok)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = tmp_path / "run" / "data"
+    labels = json.loads((data / "meta.json").read_text())["labels"]
+    assert labels["vocabulary"] == ["python", "imports", "stdlib"]
+    assert labels["document_level"] == ["python", "stdlib"]
+    r = ncpctl("pretrain", str(RECIPES / "debug-bottleneck.yaml"),
+               *_sets(data, tmp_path / "r", "model.bottleneck.concepts=3", "model.bottleneck.rank=4",
+                        "tokenizer.vocab_size=300"))
+    assert r.returncode == 2
+    (err,) = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert ("teacher forcing with document-level labels (python, stdlib) would show every position its "
+            "document's future") in err
+    assert not (tmp_path / "r" / "checkpoints").exists()

@@ -42,3 +42,14 @@ def test_validation_shows_the_realised_compression_and_its_sources() -> None:
     _, out = _shown(REC, {"loss": 5.5, "ntp_loss": 5.25, "balance_loss": 0.01, "tokens_per_concept": 3.9,
                           "tokens_per_concept/python_stdlib": 3.71})
     assert "step 3: val loss 5.5000 (ntp 5.2500), 3.90 tokens per concept\n" in out
+
+
+def test_validation_shows_the_macro_auc_and_the_pooled_one_beside_its_base_rate() -> None:
+    """Issue 20 item 8: the headline is the per-concept AUC with its interval and coverage; the pooled
+    AUC never appears without the base rate's."""
+    val = {"loss": 5.5, "ntp_loss": 5.25, "concept_loss": 0.1, "concept_auc": 0.725, "concept_auc_low": 0.69,
+           "concept_auc_high": 0.829, "concept_auc_concepts": 13, "concept_auc_skipped": 3,
+           "concept_auc_pooled": 0.925, "concept_auc_pooled_base_rate": 0.885}
+    _, out = _shown(REC, val)
+    assert ("step 3: val loss 5.5000 (ntp 5.2500), concept AUC 0.725 [0.690, 0.829] (macro over 13/16 concepts; "
+            "pooled 0.925, base rate 0.885)") in out
