@@ -32,6 +32,18 @@ WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 CHECKPOINTS = "checkpoints"  # run.dir/checkpoints/step_NNNNNNN/
 
+# Whether reading a checkpoint checks its files against its manifest (``--no-verify`` turns it off
+# for the command: the CLI sets it once, before any checkpoint is read).
+_VERIFY = [True]
+
+
+def set_verify(on: bool) -> None:
+    _VERIFY[0] = bool(on)
+
+
+def verifying() -> bool:
+    return _VERIFY[0]
+
 
 @dataclass
 class LoadedModel:

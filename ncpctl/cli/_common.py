@@ -28,6 +28,10 @@ SetOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (human output to stderr).")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+BreakLockOpt = Annotated[bool, typer.Option(
+    "--break-lock", help="Take the run directory's lock (run.dir/ncpctl.lock) even if another host holds it.")]
+NoVerifyOpt = Annotated[bool, typer.Option(
+    "--no-verify", help="Do not check the checkpoint's files against its manifest (sizes and xxh3-128 checksums).")]
 
 
 @dataclass

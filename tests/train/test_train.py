@@ -295,3 +295,19 @@ def test_resume_never_moves_old_checkpoints_aside(reference: Path, make_recipe, 
     assert (old / "latest").read_text().strip() == "step_0000012" and (old / "step_0000012" / "ncpctl.json").is_file()
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000002"
     assert [x["step"] for x in metrics(run)] == [1, 2]
+
+
+def test_a_second_pretrain_on_a_busy_run_dir_is_refused(make_recipe, tmp_path: Path) -> None:
+    """Issue 21: two runs on one run.dir both wrote its checkpoints and renamed its metrics."""
+    recipe = make_recipe("busy")
+    first = start("pretrain", str(recipe), "--set", "train.max_steps=400", env={"NCPCTL_FAULT": "sleep@0.05"})
+    try:
+        wait_for_step(tmp_path / "busy", 1, first)
+        second = ncpctl("pretrain", str(recipe), "--set", "train.seed=2")
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert second.returncode == 2 and len(errors) == 1, second.stderr
+        assert f"busy/ncpctl.lock: the run directory is in use by pid {first.pid} on host" in errors[0]
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.kill()
+        first.wait()
