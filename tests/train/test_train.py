@@ -68,11 +68,15 @@ def test_resume_after_kill9_is_bit_identical(reference: Path, make_recipe, tmp_p
     run_dir = tmp_path / "killed"
     proc = start("pretrain", str(recipe), env={"NCPCTL_FAULT": "sleep@0.15"})
     wait_for_step(run_dir, 7, proc)
+    assert json.loads((run_dir / "ncpctl.lock").read_text())["pid"] == proc.pid  # the run holds its lock
+    killed = proc.pid
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert (run_dir / "checkpoints" / "latest").is_file()
     proc = ncpctl("pretrain", str(recipe), "--json")
     r = result(proc)
+    assert f"took over the stale lock of pid {killed} on host" in " ".join(proc.stderr.split())
+    assert not (run_dir / "ncpctl.lock").exists()  # released on exit
     assert r["resumed_from"] and r["step"] == 12 and r["steps_run"] > 0
     assert proc.stdout.count("\n") == 1  # DeepSpeed's checkpoint-loading logs stay off stdout
     assert losses(run_dir) == losses(reference)  # exact, step by step
@@ -297,17 +301,18 @@ def test_resume_never_moves_old_checkpoints_aside(reference: Path, make_recipe, 
     assert [x["step"] for x in metrics(run)] == [1, 2]
 
 
+
 def test_a_second_pretrain_on_a_busy_run_dir_is_refused(make_recipe, tmp_path: Path) -> None:
-    """Issue 21: two runs on one run.dir both wrote its checkpoints and renamed its metrics."""
+    """Issue 21: two runs on one run.dir both wrote its checkpoints and renamed its metrics. The
+    first run is stood in for by its lock (that pretrain holds it: test_resume_after_kill9_is_bit_identical)."""
+    import os
+
+    from ncpctl.runlock import RunLock
+
     recipe = make_recipe("busy")
-    first = start("pretrain", str(recipe), "--set", "train.max_steps=400", env={"NCPCTL_FAULT": "sleep@0.05"})
-    try:
-        wait_for_step(tmp_path / "busy", 1, first)
+    with RunLock(tmp_path / "busy", "pretrain", warn=print):
         second = ncpctl("pretrain", str(recipe), "--set", "train.seed=2")
-        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
-        assert second.returncode == 2 and len(errors) == 1, second.stderr
-        assert f"busy/ncpctl.lock: the run directory is in use by pid {first.pid} on host" in errors[0]
-        assert first.poll() is None  # the first run goes on
-    finally:
-        first.kill()
-        first.wait()
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert second.returncode == 2 and len(errors) == 1, second.stderr
+    assert f"busy/ncpctl.lock: the run directory is in use by pid {os.getpid()} on host" in errors[0]
+    assert not (tmp_path / "busy" / "checkpoints").exists() and not (tmp_path / "busy" / "metrics.jsonl").exists()
