@@ -18,7 +18,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from ncpctl.errors import EXIT_INTERNAL, EXIT_USER, UserError
+from ncpctl.errors import EXIT_INTERNAL, EXIT_USER, UserError, disk_error
 
 RecipeArg = Annotated[str, typer.Argument(help="Recipe YAML file (see recipes/).", show_default=False)]
 SetOpt = Annotated[
@@ -85,14 +85,26 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
             _fail(json_mode, e.problems, e.hint, EXIT_USER)
         except KeyboardInterrupt:
             _fail(json_mode, ["interrupted"], None, 130)
-        except Exception as e:  # internal bug: say so loudly, traceback with --debug
+        except OSError as e:  # a full, read-only or forbidden disk is the user's to fix, not a bug
+            err = disk_error(e, doing="accessing")
+            if err is None:
+                raise _internal(e, json_mode, debug)
             if debug:
-                raise
-            first = (str(e).strip().splitlines() or [""])[0]
-            _fail(json_mode, [f"internal error: {type(e).__name__}: {first}"],
-                  "rerun with --debug for the traceback, and please report it", EXIT_INTERNAL)
+                traceback.print_exc()
+            _fail(json_mode, err.problems, err.hint, EXIT_USER)
+        except Exception as e:  # internal bug: say so loudly, traceback with --debug
+            raise _internal(e, json_mode, debug)
 
     return wrapper
+
+
+def _internal(e: Exception, json_mode: bool, debug: bool) -> Exception:
+    if debug:
+        return e
+    first = (str(e).strip().splitlines() or [""])[0]
+    _fail(json_mode, [f"internal error: {type(e).__name__}: {first}"],
+          "rerun with --debug for the traceback, and please report it", EXIT_INTERNAL)
+    return e  # not reached: _fail raises typer.Exit
 
 
 def _fail(json_mode: bool, lines: list[str], hint: str | None, code: int) -> None:

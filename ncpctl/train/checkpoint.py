@@ -40,7 +40,7 @@ import torch
 from ncpctl import manifest
 from ncpctl.checkpoint import CHECKPOINTS, META, find_in, is_complete, read_meta, read_weights  # noqa: F401  (one reader for every command)
 from ncpctl.errors import UserError
-from ncpctl.fsutil import atomic_write, fsync_tree
+from ncpctl.fsutil import atomic_write, disk_errors, fsync_tree
 
 LATEST = "latest"
 META_VERSION = 1
@@ -195,31 +195,33 @@ def save(engine: Any, root: Path, step: int, meta: dict[str, Any], recipe: Any, 
 
     tag = tag_for(step)
     path = root / tag
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if path.exists():  # a partial save from a killed run (latest never named it)
-            shutil.rmtree(path)
-    barrier()
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
-    torch.save(rng_state(), path / f"rng_rank{rank}.pt")
-    weights = consolidated_weights(engine, meta["zero_stage"], recipe.model_config.tie_embeddings)
-    if fault is not None:
-        fault("save", step)
-    fsync_tree(path)  # this rank's DeepSpeed files and RNG state are on the device, not only in the page cache
-    barrier()  # every rank's files are on disk
-    share = _hash_share(path, rank, meta.get("world_size", 1))
-    barrier()  # every rank's share of the manifest is written
-    if rank == 0:
-        recipe.write_resolved(path)
-        tok = _tokenizer_file(recipe)
-        # weights, then ncpctl.json (atomically), then the manifest: a directory with both is complete
-        save_model_files(path, weights, step=step, tokens_seen=meta["tokens_seen"], recipe=recipe.to_dict(),
-                         tokenizer_path=tok if tok.is_file() else None,
-                         extra={"saved_at": time.time(), "training_version": META_VERSION, **meta,
-                                "manifest": manifest.ALGORITHM})
-        _write_manifest(path, share, meta.get("world_size", 1))
-        atomic_write(root / LATEST, tag + "\n")
-        _prune(root, keep_last, keep=tag)
+    with disk_errors(path):  # a full or read-only disk: one line naming the file, latest untouched
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if path.exists():  # a partial save from a killed run (latest never named it)
+                shutil.rmtree(path)
+        barrier()
+        engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+        with disk_errors(path / f"rng_rank{rank}.pt"):
+            torch.save(rng_state(), path / f"rng_rank{rank}.pt")
+        weights = consolidated_weights(engine, meta["zero_stage"], recipe.model_config.tie_embeddings)
+        if fault is not None:
+            fault("save", step)
+        fsync_tree(path)  # this rank's DeepSpeed files and RNG state are on the device, not only in the page cache
+        barrier()  # every rank's files are on disk
+        share = _hash_share(path, rank, meta.get("world_size", 1))
+        barrier()  # every rank's share of the manifest is written
+        if rank == 0:
+            recipe.write_resolved(path)
+            tok = _tokenizer_file(recipe)
+            # weights, then ncpctl.json (atomically), then the manifest: a directory with both is complete
+            save_model_files(path, weights, step=step, tokens_seen=meta["tokens_seen"], recipe=recipe.to_dict(),
+                             tokenizer_path=tok if tok.is_file() else None,
+                             extra={"saved_at": time.time(), "training_version": META_VERSION, **meta,
+                                    "manifest": manifest.ALGORITHM})
+            _write_manifest(path, share, meta.get("world_size", 1))
+            atomic_write(root / LATEST, tag + "\n")
+            _prune(root, keep_last, keep=tag)
     barrier()
     return path
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ncpctl.fsutil import atomic_write, atomic_write_with
+from ncpctl.fsutil import atomic_write, atomic_write_with, disk_errors
 
 METRICS = "metrics.jsonl"
 
@@ -73,12 +73,13 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None, warn: Any):
         self.path = run_dir / METRICS
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and self.path.exists():
-            self._truncate_after(resume_step, warn)
-        elif resume_step is None and self.path.exists():
-            os.replace(self.path, self.path.with_suffix(".jsonl.prev"))  # a fresh run: keep one old log
-        self.file = open(self.path, "a")
+        with disk_errors(self.path):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None and self.path.exists():
+                self._truncate_after(resume_step, warn)
+            elif resume_step is None and self.path.exists():
+                os.replace(self.path, self.path.with_suffix(".jsonl.prev"))  # a fresh run: keep one old log
+            self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:
             try:
@@ -95,8 +96,9 @@ class MetricsLog:
         atomic_write(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with disk_errors(self.path):
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
         if self.tb is not None:
             split = record.get("split", "train")
             for key, value in record.items():
@@ -104,7 +106,10 @@ class MetricsLog:
                     self.tb.add_scalar(f"{split}/{key}", value, record["step"])
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:  # a full disk: write() already said so, and a buffered line is lost either way
+            pass
         if self.tb is not None:
             self.tb.close()
 

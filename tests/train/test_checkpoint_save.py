@@ -175,3 +175,22 @@ def test_pruning_never_counts_or_deletes_a_damaged_checkpoint(tmp_path: Path) ->
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000003", "step_0000006", "step_0000009"]
     _saved(tmp_path, (12,), keep_last=2)
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000006", "step_0000009", "step_0000012"]
+
+
+class _FullDiskEngine(_Engine):
+    def save_checkpoint(self, root: str, tag: str, save_latest: bool) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 4025536 vs 4025428")
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_latest_stays(tmp_path: Path, monkeypatch) -> None:
+    """Issue 21: a full disk during a checkpoint save was `internal error: unexpected pos` (exit 1)."""
+    from ncpctl.errors import UserError
+
+    root = _saved(tmp_path, (3,))
+    real = os.statvfs(root)
+    monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((*real[:4], 0, *real[5:])))  # f_bavail 0
+    recipe = load_recipe(tmp_path / "r.yaml")
+    with pytest.raises(UserError, match=rf"^no space left on device writing {root}/step_0000006 \(.*unexpected pos"):
+        ckpt.save(_FullDiskEngine(), root, 6, {"zero_stage": 0, "tokens_seen": 48}, recipe, rank=0, keep_last=3,
+                  barrier=lambda: None)
+    assert (root / "latest").read_text() == "step_0000003\n"
