@@ -150,19 +150,24 @@ def test_an_explicit_damaged_checkpoint_is_refused_unless_no_verify(tmp_path: Pa
 
 
 def test_a_pinned_checkpoint_survives_pruning(tmp_path: Path) -> None:
-    """Issue 21: `eval RUN` while training pruned checkpoints failed with `no such checkpoint`."""
-    from ncpctl.checkpoint import resolve, unpin
+    """Issue 21: `eval RUN` while training pruned checkpoints failed with `no such checkpoint`. A
+    reader in another process (what eval / export / generate do on opening a run directory) pins
+    the newest checkpoint; the training run's pruning leaves it until the reader is gone."""
+    import subprocess
+    import sys
 
     root = _saved(tmp_path, (3,), keep_last=1)
-    held = resolve(root.parent)  # what eval / export / generate do: the checkpoint is pinned
-    assert held == root / "step_0000003"
+    reader = subprocess.Popen([sys.executable, "-c", "import sys; from ncpctl.checkpoint import resolve; "
+                               "print(resolve(sys.argv[1]), flush=True); sys.stdin.read()", str(root.parent)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        assert reader.stdout.readline().strip() == str(root / "step_0000003")  # pinned
         _saved(tmp_path, (6, 9), keep_last=1)
         assert sorted(p.name for p in root.glob("step_*")) == ["step_0000003", "step_0000009"]
-        assert (held / "model.safetensors").is_file()
+        assert (root / "step_0000003" / "model.safetensors").is_file()
     finally:
-        unpin(held)
-    _saved(tmp_path, (12,), keep_last=1)  # released: the next save prunes it
+        reader.communicate("", timeout=60)  # the reader ends: its pin goes with it
+    _saved(tmp_path, (12,), keep_last=1)  # the next save prunes it
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000012"]
 
 
