@@ -90,7 +90,8 @@ def debug_save_share(directory: Path, saves: int) -> dict[str, float]:
         sizes.append(sum((path / n).stat().st_size for n in names))
     return {"save_s": statistics.median(whole), "hash_s": statistics.median(hashing),
             "share": statistics.median(h / w for h, w in zip(hashing, whole)),
-            "checkpoint_mb": statistics.median(sizes) / 1e6, "parameters": sum(p.numel() for p in engine.module.parameters())}
+            "checkpoint_mb": statistics.median(sizes) / 1e6,
+            "parameters": sum(p.numel() for p in engine.module.parameters())}
 
 
 def big_checkpoint(mb_s: float, ranks: int = 8) -> dict[str, float]:

@@ -245,5 +245,6 @@ def test_a_full_disk_while_tokenizing_names_the_file_and_leaves_nothing_behind(t
     with pytest.raises(UserError) as e:
         tokenize(load_recipe(recipe))
     (line,) = e.value.problems
-    assert line.startswith(f"no space left on device writing {tmp_path / 'run'}/.data.tmp-") and line.endswith(".bin.tmp")
+    assert line.startswith(f"no space left on device writing {tmp_path / 'run'}/.data.tmp-")
+    assert line.endswith(".bin.tmp")
     assert not (tmp_path / "run" / "data").exists() and not list((tmp_path / "run").glob(".data.*"))

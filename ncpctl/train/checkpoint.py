@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from ncpctl import manifest
-from ncpctl.checkpoint import CHECKPOINTS, META, find_in, is_complete, read_meta, read_weights  # noqa: F401  (one reader for every command)
+# one reader for every command
+from ncpctl.checkpoint import CHECKPOINTS, META, find_in, is_complete, read_meta, read_weights  # noqa: F401
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write, disk_errors, fsync_tree
 
@@ -255,7 +256,8 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
     so the newest checkpoint that verifies is never pruned for a damaged newer one."""
     dirs = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
     complete = [p for p in dirs if is_complete(p)]
-    whole = [p for p in complete if not (p / manifest.MANIFEST).exists() or manifest.verify(p, sizes_only=True) is None]
+    whole = [p for p in complete
+             if not (p / manifest.MANIFEST).exists() or manifest.verify(p, sizes_only=True) is None]
     kept = set(p.name for p in whole[-keep_last:]) | {keep} | {p.name for p in complete if p not in whole}
     for p in dirs:
         if p.name not in kept:

@@ -134,7 +134,8 @@ def records(path: Path, warn: Any = None) -> list[dict[str, Any]]:
                 raise UserError(f"{path}:{i + 1}: not a metrics record ({e})",
                                 hint="the log was edited or damaged; fix or remove that line") from None
             if warn is not None:
-                warn(f"{path}: cut its torn last line {i + 1} ({len(line)} characters; a crash in the middle of writing it)")
+                warn(f"{path}: cut its torn last line {i + 1} ({len(line)} characters; "
+                     "a crash in the middle of writing it)")
             break
         out.append(rec)
     return out

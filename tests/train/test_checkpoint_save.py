@@ -115,7 +115,8 @@ def test_a_damaged_checkpoints_dir_falls_back_to_the_newest_verified_checkpoint(
     warnings: list[str] = []
     if damage == "garbage_latest":
         (root / "latest").write_text("garbage")
-        want, said = "step_0000009", "latest is damaged ('garbage' is not a checkpoint tag); using the newest complete verified checkpoint, step_0000009"
+        want, said = "step_0000009", ("latest is damaged ('garbage' is not a checkpoint tag); "
+                                      "using the newest complete verified checkpoint, step_0000009")
     elif damage == "missing_latest":
         (root / "latest").unlink()
         want, said = "step_0000009", "latest is missing; using the newest complete verified checkpoint, step_0000009"
