@@ -14,15 +14,19 @@ resolves to the newest complete checkpoint through ``checkpoints/latest``).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write, atomic_write_with
+from ncpctl.manifest import MANIFEST
 from ncpctl.model.config import ConfigError, ModelConfig, from_checkpoint
 
 FORMAT = "ncpctl-checkpoint"
@@ -31,6 +35,18 @@ META = "ncpctl.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 CHECKPOINTS = "checkpoints"  # run.dir/checkpoints/step_NNNNNNN/
+
+# Whether reading a checkpoint checks its files against its manifest (``--no-verify`` turns it off
+# for the command: the CLI sets it once, before any checkpoint is read).
+_VERIFY = [True]
+
+
+def set_verify(on: bool) -> None:
+    _VERIFY[0] = bool(on)
+
+
+def verifying() -> bool:
+    return _VERIFY[0]
 
 
 @dataclass
@@ -72,21 +88,145 @@ def save_model_files(directory: Path, model: Any, *, step: int, tokens_seen: int
     atomic_write(directory / META, json.dumps(meta, indent=2, default=str) + "\n")
 
 
-def resolve(path: str | os.PathLike[str]) -> Path:
-    """A checkpoint directory from a checkpoint dir, a ``checkpoints/`` dir or a run dir."""
+def _warn(msg: str) -> None:
+    sys.stderr.write(f"warning: {msg}\n")
+
+
+def is_complete(directory: Path) -> bool:
+    """``ncpctl.json`` is there and, when it says a manifest follows it, ``manifest.json`` too (a save
+    killed between the two is unfinished). Checkpoints from before manifests need only ncpctl.json."""
+    if not (directory / META).is_file():
+        return False
+    if (directory / MANIFEST).is_file():
+        return True
+    try:
+        return "manifest" not in json.loads((directory / META).read_text())
+    except (OSError, ValueError):
+        return False
+
+
+_PINS: dict[Path, int] = {}
+_VERIFIED: set[Path] = set()
+
+
+def pin(directory: Path) -> bool:
+    """Hold a shared flock on ``directory`` for the rest of this process, so that ``keep_last``
+    pruning (which needs an exclusive one) leaves it alone; True if it is still complete once pinned
+    (pruning may have removed it between finding and pinning it)."""
+    directory = Path(directory)
+    if directory not in _PINS:
+        try:
+            fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except FileNotFoundError:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a pruner holds it (then it is gone)
+        _PINS[directory] = fd
+    return is_complete(directory)
+
+
+def unpin(directory: Path) -> None:
+    fd = _PINS.pop(Path(directory), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def problem(directory: Path) -> str | None:
+    """Why ``directory`` fails verification (its manifest), or None; checkpoints from before
+    manifests, and every checkpoint under ``--no-verify``, pass unchecked."""
+    if not verifying() or directory in _VERIFIED or not (directory / MANIFEST).exists() and is_complete(directory):
+        return None
+    from ncpctl import manifest
+
+    found = manifest.verify(directory)
+    if found is None:
+        _VERIFIED.add(directory)
+    return found
+
+
+def _aside(directory: Path) -> Path:
+    """Move a damaged checkpoint out of the way (never delete it): ``corrupt-step_N[.k]``."""
+    target, k = directory.with_name(f"corrupt-{directory.name}"), 1
+    while target.exists():
+        target, k = directory.with_name(f"corrupt-{directory.name}.{k}"), k + 1
+    os.replace(directory, target)
+    return target
+
+
+def newest_good(base: Path, *, warn: Any = _warn, move_aside: bool = False, pin_it: bool = True,
+                tried: tuple[Path, ...] = ()) -> Path | None:
+    """The newest complete checkpoint under ``base`` (a ``checkpoints`` directory) that verifies.
+    Each one that fails is reported in one line and skipped (``move_aside``: moved to
+    ``corrupt-step_N``, what the run that owns the directory does)."""
+    for cand in sorted(base.glob("step_*"), reverse=True):
+        if cand in tried or not cand.is_dir() or not is_complete(cand):
+            continue
+        if pin_it and not pin(cand):
+            continue  # pruned under us
+        found = problem(cand)
+        if found is None:
+            return cand
+        unpin(cand)
+        where = f"; moved it to {_aside(cand).name}" if move_aside else ""
+        warn(f"{cand}: {found}; skipped this checkpoint{where}")
+    return None
+
+
+def find_in(base: Path, *, warn: Any = _warn, move_aside: bool = False, pin_it: bool = True) -> Path | None:
+    """The checkpoint a ``checkpoints`` directory stands for: the one ``latest`` names, if it is
+    complete and verifies; else (a damaged or missing ``latest``, a damaged checkpoint) the newest
+    good one, saying so. None when there is none."""
+    latest = base / "latest"
+    for _ in range(5):  # again only when pruning removed the named checkpoint under us
+        try:
+            tag = latest.read_text(errors="replace").strip()
+        except FileNotFoundError:
+            tag = None
+        named = base / tag if tag and re.fullmatch(r"step_\d+", tag) else None
+        if named is not None and is_complete(named):
+            if pin_it and not pin(named):
+                continue
+            found = problem(named)
+            if found is None:
+                return named
+            unpin(named)
+            where = f"; moved it to {_aside(named).name}" if move_aside else ""
+            warn(f"{named}: {found}; skipped this checkpoint{where}")
+            why = f"names {tag}, which failed verification"
+        elif tag is None:
+            why = "is missing"
+        elif named is None:
+            why = f"is damaged ({tag[:40]!r} is not a checkpoint tag)"
+        else:
+            why = f"names {tag}, which is not a complete checkpoint"
+        good = newest_good(base, warn=warn, move_aside=move_aside, pin_it=pin_it, tried=(named,) if named else ())
+        if good is not None:
+            warn(f"{latest} {why}; using the newest complete verified checkpoint, {good.name}")
+        elif tag is not None or any(base.glob("step_*")):
+            warn(f"{latest} {why}, and no complete verified checkpoint is left in {base}")
+        return good
+    return None
+
+
+def resolve(path: str | os.PathLike[str], *, warn: Any = _warn, pin_it: bool = True) -> Path:
+    """A checkpoint directory from a checkpoint dir, a ``checkpoints/`` dir or a run dir (then the
+    one ``latest`` names, or the newest good one: ``find_in``). The checkpoint is verified against
+    its manifest (unless ``--no-verify``) and pinned against pruning for the rest of the process."""
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p}: no such checkpoint or run directory")
     if (p / META).is_file():
+        if pin_it:
+            pin(p)
+        found = problem(p)
+        if found is not None:
+            raise UserError(f"{p}: {found}", hint="use another checkpoint (or --no-verify to load it anyway)")
         return p
     for base in (p, p / CHECKPOINTS):
-        latest = base / "latest"
-        if latest.is_file():
-            tag = latest.read_text().strip()
-            cand = base / tag
-            if (cand / META).is_file():
-                return cand
-            raise UserError(f"{latest}: points at {tag}, which is not a complete checkpoint")
+        if (base / "latest").is_file() or any(base.glob("step_*")):
+            good = find_in(base, warn=warn, pin_it=pin_it)
+            if good is None:
+                raise UserError(f"{base}: no complete verified checkpoint")
+            return good
     raise UserError(f"{p}: not an ncpctl checkpoint (no {META}, no checkpoints/latest)",
                     hint="pass a checkpoint directory such as runs/debug/checkpoints/step_0000300 or a run directory")
 

@@ -6,6 +6,9 @@ code 2 and no traceback unless ``--debug``; anything else is an internal failure
 
 from __future__ import annotations
 
+import errno
+import os
+
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USER = 2
@@ -23,3 +26,19 @@ class UserError(Exception):
         self.problems = [p for p in problems]
         self.hint = hint
         super().__init__("\n".join(self.problems))
+
+
+# What a full, read-only or forbidden disk means, as the one line the user sees (exit 2).
+DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "read-only file system", errno.EACCES: "permission denied"}
+
+
+def disk_error(e: OSError, path: str | os.PathLike[str] | None = None, doing: str = "writing") -> UserError | None:
+    """The UserError for an OSError of a full, read-only or forbidden file system, naming the file
+    (the error's own, else ``path``); None for any other error (a bug, or not the disk's fault)."""
+    meaning = DISK_ERRNOS.get(e.errno or -1)
+    if meaning is None:
+        return None
+    where = e.filename if e.filename is not None else path
+    return UserError(f"{meaning} {doing} {os.fspath(where) if where is not None else '(unknown file)'}",
+                     hint="free space (or fix the permissions) there, or point run.dir somewhere else")

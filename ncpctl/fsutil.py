@@ -12,6 +12,10 @@ is removed and the old file is left untouched.
   the torch profiler's trace export).
 * ``commit(tmp, path)``: the last three steps, for writers that stream into their own
   temporary file (the indexed-dataset builder).
+* ``disk_errors(path)``: a full (ENOSPC, EDQUOT), read-only (EROFS) or forbidden (EACCES) file
+  system inside it becomes a one-line ``UserError`` naming the file (``ncpctl.errors.disk_error``):
+  the error's own file, else ``path``. Also a write error torch's own file writer reports without
+  an errno ("unexpected pos ..."), when the file system of ``path`` is full or read-only.
 * ``fsync_tree(root)``: fsync every file and directory under ``root``, before a whole
   temporary directory is renamed into place (``ncpctl tokenize``'s data directory; the
   Hugging Face export directory); then ``fsync_dir`` the parent after the rename.
@@ -21,10 +25,13 @@ Stdlib only, so anything may import it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+from ncpctl.errors import DISK_ERRNOS, UserError, disk_error
 
 PathLike = str | os.PathLike[str]
 
@@ -68,8 +75,9 @@ def atomic_write_with(path: PathLike, write: Callable[[Path], object]) -> Path:
     path = Path(path)
     tmp = _tmp_name(path)
     try:
-        write(tmp)
-        commit(tmp, path)
+        with disk_errors(path):
+            write(tmp)
+            commit(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -96,3 +104,41 @@ def fsync_tree(root: PathLike) -> None:
             if not os.path.islink(p):
                 fsync_file(p)
         fsync_dir(dirpath)
+
+
+def _full_or_read_only(path: PathLike) -> str | None:
+    """What ``statvfs`` says is wrong with the file system holding ``path`` (or its nearest
+    existing parent): read-only, or (almost) no space left; None if neither."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return DISK_ERRNOS[errno.EROFS]
+    if st.f_bavail * st.f_frsize < (1 << 20):
+        return DISK_ERRNOS[errno.ENOSPC]
+    return None
+
+
+@contextlib.contextmanager
+def disk_errors(path: PathLike, doing: str = "writing") -> Iterator[None]:
+    """Turn a full, read-only or forbidden file system under ``path`` into one line (exit 2)."""
+    try:
+        yield
+    except OSError as e:
+        err = disk_error(e, path, doing)
+        if err is None:
+            raise
+        raise err from None
+    except RuntimeError as e:  # torch's C++ file writer: "unexpected pos 4025536 vs 4025428", no errno
+        meaning = _full_or_read_only(path)
+        if meaning is None:
+            raise
+        code = next(k for k, v in DISK_ERRNOS.items() if v == meaning)
+        err = disk_error(OSError(code, meaning), path, doing)
+        assert err is not None
+        detail = (str(e).strip().splitlines() or [""])[0][-100:]
+        raise UserError(f"{err.problems[0]} ({detail})", hint=err.hint) from None

@@ -142,3 +142,109 @@ def test_directory_fsync_is_skipped_where_the_filesystem_cannot(tmp_path: Path, 
     monkeypatch.setattr(os, "fsync", refuse)
     fsutil.atomic_write(tmp_path / "f", "ok")  # no error: the file itself was synced
     assert (tmp_path / "f").read_text() == "ok"
+
+
+# ----------------------------------------------------------------------------- a full or read-only disk
+# Mocked: the tests run as root, where chmod does not make a directory read-only.
+
+import errno  # noqa: E402
+
+from ncpctl.errors import UserError  # noqa: E402
+
+
+class _FullFile:
+    """A file whose writes fail the way a full disk's do (OSError ENOSPC, no file name)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.parametrize("code, meaning", [(errno.ENOSPC, "no space left on device"),
+                                           (errno.EROFS, "read-only file system"),
+                                           (errno.EACCES, "permission denied")])
+def test_disk_errors_name_the_file_and_what_is_wrong(code: int, meaning: str, tmp_path: Path) -> None:
+    with pytest.raises(UserError) as e, fsutil.disk_errors(tmp_path / "run"):
+        raise OSError(code, os.strerror(code))  # a write(): no file name of its own
+    assert e.value.problems == [f"{meaning} writing {tmp_path / 'run'}"]
+    with pytest.raises(UserError) as e, fsutil.disk_errors(tmp_path / "run"):
+        raise OSError(code, os.strerror(code), str(tmp_path / "run" / "x.bin"))  # an open(): its own file
+    assert e.value.problems == [f"{meaning} writing {tmp_path / 'run' / 'x.bin'}"]
+    with pytest.raises(OSError), fsutil.disk_errors(tmp_path):  # anything else stays a bug
+        raise OSError(errno.EBADF, "bad file descriptor")
+
+
+def test_torch_s_write_error_without_errno_is_diagnosed_from_the_file_system(tmp_path: Path, monkeypatch) -> None:
+    """Issue 21: a full disk said `unexpected pos 4025536 vs 4025428` (torch's writer), exit 1."""
+    with pytest.raises(RuntimeError), fsutil.disk_errors(tmp_path):  # space left: not the disk's fault
+        raise RuntimeError("unexpected pos 4025536 vs 4025428")
+    real = os.statvfs(tmp_path)
+    full = os.statvfs_result((*real[:4], 0, *real[5:]))  # f_bavail = 0
+    monkeypatch.setattr(os, "statvfs", lambda p: full)
+    with pytest.raises(UserError, match=rf"^no space left on device writing {tmp_path}/rng.pt \(unexpected pos"):
+        with fsutil.disk_errors(tmp_path / "rng.pt"):
+            raise RuntimeError("unexpected pos 4025536 vs 4025428")
+    ro = os.statvfs_result((*real[:8], real[8] | os.ST_RDONLY, *real[9:]))
+    monkeypatch.setattr(os, "statvfs", lambda p: ro)
+    with pytest.raises(UserError, match="^read-only file system writing"), fsutil.disk_errors(tmp_path / "rng.pt"):
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
+
+
+def test_atomic_write_names_its_file_on_a_full_disk_and_keeps_the_old_one(tmp_path: Path, monkeypatch) -> None:
+    import builtins
+
+    target = tmp_path / "latest"
+    target.write_text("step_0000003\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, mode="r", *a, **k: _FullFile(real_open(f, mode, *a, **k))
+                        if "w" in mode else real_open(f, mode, *a, **k))
+    with pytest.raises(UserError, match=f"^no space left on device writing {target}$"):
+        fsutil.atomic_write(target, "step_0000006\n")
+    monkeypatch.undo()
+    assert target.read_text() == "step_0000003\n" and sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_a_full_disk_while_logging_metrics_names_metrics_jsonl(tmp_path: Path) -> None:
+    from ncpctl.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, False, None, print)
+    log.file = _FullFile(log.file)
+    with pytest.raises(UserError, match=f"^no space left on device writing {tmp_path / 'metrics.jsonl'}$"):
+        log.write({"split": "train", "step": 1})
+    log.close()
+
+
+def test_a_full_disk_while_tokenizing_names_the_file_and_leaves_nothing_behind(tmp_path: Path, monkeypatch) -> None:
+    """Issue 21: a full disk was `internal error` (exit 1) with no word of ENOSPC."""
+    import builtins
+
+    from ncpctl.data.tokenize import tokenize
+    from ncpctl.recipe import load_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"data:\n  sources: [builtin:python-stdlib]\n  max_documents: 20\n"
+                      f"tokenizer:\n  vocab_size: 300\nrun:\n  dir: {tmp_path / 'run'}\n")
+    real_open = builtins.open
+
+    def full_for_bin(f, mode="r", *a, **k):
+        handle = real_open(f, mode, *a, **k)
+        return _FullFile(handle) if "w" in mode and str(f).endswith(".bin.tmp") else handle
+
+    monkeypatch.setattr(builtins, "open", full_for_bin)
+    with pytest.raises(UserError) as e:
+        tokenize(load_recipe(recipe))
+    (line,) = e.value.problems
+    assert line.startswith(f"no space left on device writing {tmp_path / 'run'}/.data.tmp-")
+    assert line.endswith(".bin.tmp")
+    assert not (tmp_path / "run" / "data").exists() and not list((tmp_path / "run").glob(".data.*"))

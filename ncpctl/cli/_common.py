@@ -18,7 +18,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from ncpctl.errors import EXIT_INTERNAL, EXIT_USER, UserError
+from ncpctl.errors import EXIT_INTERNAL, EXIT_USER, UserError, disk_error
 
 RecipeArg = Annotated[str, typer.Argument(help="Recipe YAML file (see recipes/).", show_default=False)]
 SetOpt = Annotated[
@@ -35,6 +35,10 @@ StrategyOpt = Annotated[
                       "(repeatable). A strategy named only by a checkpoint is never imported: opening a "
                       "checkpoint runs no code from it.", show_default=False),
 ]
+BreakLockOpt = Annotated[bool, typer.Option(
+    "--break-lock", help="Take the run directory's lock (run.dir/ncpctl.lock) even if another host holds it.")]
+NoVerifyOpt = Annotated[bool, typer.Option(
+    "--no-verify", help="Do not check the checkpoint's files against its manifest (sizes and xxh3-128 checksums).")]
 
 
 @dataclass
@@ -89,12 +93,15 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
             _fail(json_mode, e.problems, e.hint, EXIT_USER)
         except KeyboardInterrupt:
             _fail(json_mode, ["interrupted"], None, 130)
-        except Exception as e:  # internal bug: say so loudly, traceback with --debug
+        except OSError as e:  # a full, read-only or forbidden disk is the user's to fix, not a bug
+            err = disk_error(e, doing="accessing")
+            if err is None:
+                raise _internal(e, json_mode, debug)
             if debug:
-                raise
-            first = (str(e).strip().splitlines() or [""])[0]
-            _fail(json_mode, [f"internal error: {type(e).__name__}: {first}"],
-                  "rerun with --debug for the traceback, and please report it", EXIT_INTERNAL)
+                traceback.print_exc()
+            _fail(json_mode, err.problems, err.hint, EXIT_USER)
+        except Exception as e:  # internal bug: say so loudly, traceback with --debug
+            raise _internal(e, json_mode, debug)
 
     return wrapper
 
@@ -109,6 +116,15 @@ def _trust_strategies(targets: list[str] | None) -> None:
     if bad:
         raise UserError(*(f"--strategy {t!r}: expected package.module:Class" for t in bad))
     trust(*targets)
+
+
+def _internal(e: Exception, json_mode: bool, debug: bool) -> Exception:
+    if debug:
+        return e
+    first = (str(e).strip().splitlines() or [""])[0]
+    _fail(json_mode, [f"internal error: {type(e).__name__}: {first}"],
+          "rerun with --debug for the traceback, and please report it", EXIT_INTERNAL)
+    return e  # not reached: _fail raises typer.Exit
 
 
 def _fail(json_mode: bool, lines: list[str], hint: str | None, code: int) -> None:

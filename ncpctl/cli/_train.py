@@ -29,19 +29,29 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def run_stage(stage_name: str, recipe_path: str, sets: list[str], json_out: bool) -> None:
+def run_stage(stage_name: str, recipe_path: str, sets: list[str], json_out: bool, *, break_lock: bool = False,
+              verify: bool = True) -> None:
     from ncpctl.recipe import load_recipe
+    from ncpctl.runlock import RunLock
 
     out = Output(json_out)
     r = load_recipe(recipe_path, sets)
-    with stdout_to_stderr():
+    # one writer per run.dir: rank 0 holds its lock (the launcher's other ranks run under it)
+    lock = RunLock(r.run_dir, stage_name, warn=out.warn, break_lock=break_lock) if _rank() == 0 else None
+    with lock or contextlib.nullcontext(), stdout_to_stderr():
+        from ncpctl.checkpoint import set_verify
         from ncpctl.train.loop import make_stage, train
 
+        set_verify(verify)
         stage = make_stage(r, stage_name)
         summary = train(r, stage, out)
-    if os.environ.get("RANK", "0") != "0":  # under a launcher only rank 0 reports
+    if _rank() != 0:  # under a launcher only rank 0 reports
         return
     out.result({"command": stage_name, **summary}, lambda con: _human(con, summary))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def _human(con: Any, s: dict[str, Any]) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, RecipeArg, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import BreakLockOpt, DebugOpt, JsonOpt, NoVerifyOpt, RecipeArg, SetOpt, StrategyOpt, command
 
 
 @command
 def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False,
-         strategies: StrategyOpt = None) -> None:
+         strategies: StrategyOpt = None, break_lock: BreakLockOpt = False,
+         no_verify: NoVerifyOpt = False) -> None:
     """Adapt the codebook and concept heads to this recipe's data; all else stays frozen.
 
     Starts from `train.init_from` (NCP-ArchPreview §5.1). The codebook's trained part is its codes
@@ -15,4 +16,4 @@ def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debu
     """
     from ncpctl.cli._train import run_stage
 
-    run_stage("adapt-vq", recipe, set_ or [], json_out)
+    run_stage("adapt-vq", recipe, set_ or [], json_out, break_lock=break_lock, verify=not no_verify)

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command
 from ncpctl.errors import UserError
 
 
@@ -47,6 +47,7 @@ def main(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     strategies: StrategyOpt = None,
+    no_verify: NoVerifyOpt = False,
 ) -> None:
     """Evaluate a checkpoint with lm-evaluation-harness; results JSON + markdown go to run.dir/eval/.
 
@@ -61,6 +62,9 @@ def main(
 
     With --compare: one table of several runs, from the results they already have.
     """
+    from ncpctl.checkpoint import set_verify
+
+    set_verify(not no_verify)
     out_ = Output(json_out)
     names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None
     log = lambda m: out_.info(f"[dim]{m}[/]")  # noqa: E731

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command
 
 
 @command
@@ -25,6 +25,7 @@ def main(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     strategies: StrategyOpt = None,
+    no_verify: NoVerifyOpt = False,
 ) -> None:
     """Export a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer).
 
@@ -35,10 +36,11 @@ def main(
     """
     from pathlib import Path
 
-    from ncpctl.checkpoint import read_meta, resolve, run_dir_of
+    from ncpctl.checkpoint import read_meta, resolve, run_dir_of, set_verify
     from ncpctl.errors import UserError
     from ncpctl.interop.hf_export import export
 
+    set_verify(not no_verify)
     o = Output(json_out)
     if set_:
         raise UserError("--set does not apply to export (a checkpoint carries its recipe)",

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command
 
 
 @command
@@ -40,6 +40,7 @@ def main(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     strategies: StrategyOpt = None,
+    no_verify: NoVerifyOpt = False,
 ) -> None:
     """Generate text from a checkpoint: greedy, temperature, top-k, top-p, stop strings, seeds.
 
@@ -47,7 +48,10 @@ def main(
     """
     import sys
 
+    from ncpctl.checkpoint import set_verify
     from ncpctl.errors import UserError
+
+    set_verify(not no_verify)
 
     o = Output(json_out)
     if set_:

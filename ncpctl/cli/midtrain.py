@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, RecipeArg, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import BreakLockOpt, DebugOpt, JsonOpt, NoVerifyOpt, RecipeArg, SetOpt, StrategyOpt, command
 
 
 @command
 def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False,
-         strategies: StrategyOpt = None) -> None:
+         strategies: StrategyOpt = None, break_lock: BreakLockOpt = False,
+         no_verify: NoVerifyOpt = False) -> None:
     """Continue from `train.init_from` (an ncpctl checkpoint or HF directory) with this recipe's data and schedule.
 
     `train.load: weights` starts a fresh optimizer; `all` also loads the checkpoint's optimizer state.
     """
     from ncpctl.cli._train import run_stage
 
-    run_stage("midtrain", recipe, set_ or [], json_out)
+    run_stage("midtrain", recipe, set_ or [], json_out, break_lock=break_lock, verify=not no_verify)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, RecipeArg, SetOpt, command
+from ncpctl.cli._common import BreakLockOpt, DebugOpt, JsonOpt, NoVerifyOpt, RecipeArg, SetOpt, command
 
 
 @command
-def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debug: DebugOpt = False,
+         break_lock: BreakLockOpt = False, no_verify: NoVerifyOpt = False) -> None:
     """Pretrain a model from a recipe on DeepSpeed ZeRO (checkpoints in run.dir/checkpoints).
 
     Several GPUs or nodes: the same command under the launcher, `deepspeed --num_gpus 8 $(which ncpctl) pretrain RECIPE`.
@@ -15,4 +16,4 @@ def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debu
     """
     from ncpctl.cli._train import run_stage
 
-    run_stage("pretrain", recipe, set_ or [], json_out)
+    run_stage("pretrain", recipe, set_ or [], json_out, break_lock=break_lock, verify=not no_verify)

@@ -32,7 +32,7 @@ from typing import Union
 import numpy as np
 
 from ncpctl.errors import UserError
-from ncpctl.fsutil import commit
+from ncpctl.fsutil import commit, disk_errors
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -87,8 +87,9 @@ class IndexedDatasetWriter:
         self.bin_path, self.idx_path = paths(prefix)
         self._bin_tmp = Path(str(self.bin_path) + ".tmp")
         self._idx_tmp = Path(str(self.idx_path) + ".tmp")
-        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-        self._bin = open(self._bin_tmp, "wb")
+        with disk_errors(self._bin_tmp):
+            self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+            self._bin = open(self._bin_tmp, "wb")
         self._sizes = array("i")  # int32 per document; compact even for 100M+ documents
         assert self._sizes.itemsize == 4
         self._tokens = 0
@@ -144,7 +145,8 @@ class IndexedDatasetWriter:
             raise ValueError(f"lengths sum to {int(lengths.sum())} but flat_ids has {flat_ids.size} ids")
         self._check_ids(flat_ids)
         # One contiguous little-endian buffer per call; no per-document Python work.
-        self._bin.write(np.ascontiguousarray(flat_ids, dtype=self.dtype).data)
+        with disk_errors(self._bin_tmp):
+            self._bin.write(np.ascontiguousarray(flat_ids, dtype=self.dtype).data)
         self._sizes.frombytes(lengths.astype("<i4").tobytes())
         self._tokens += flat_ids.size
 
@@ -160,7 +162,8 @@ class IndexedDatasetWriter:
             raise UserError(f"{self.bin_path}: a document of more than {np.iinfo(np.int32).max:,} tokens "
                             "(the .idx stores int32 sizes)")
         self._check_ids(ids)
-        self._bin.write(np.ascontiguousarray(ids, dtype=self.dtype).data)
+        with disk_errors(self._bin_tmp):
+            self._bin.write(np.ascontiguousarray(ids, dtype=self.dtype).data)
         self._tokens += ids.size
         self._open += ids.size
         if end:
@@ -174,7 +177,8 @@ class IndexedDatasetWriter:
         try:
             if self._open:
                 raise RuntimeError("finalize with a document still open (add_part without end)")
-            self._bin.close()
+            with disk_errors(self._bin_tmp):  # the buffered rest goes to disk here
+                self._bin.close()
             sizes = np.frombuffer(self._sizes, dtype="<i4")  # (n,)
             n = sizes.size
             # pointers[i] = byte offset of sequence i = itemsize * (tokens before i); int64 math.
@@ -203,7 +207,10 @@ class IndexedDatasetWriter:
     def abort(self) -> None:
         """Drop everything written so far; final names are left untouched."""
         if not self._bin.closed:
-            self._bin.close()
+            try:
+                self._bin.close()
+            except OSError:  # a full disk cannot take the buffered rest: it is dropped anyway
+                pass
         for p in (self._bin_tmp, self._idx_tmp):
             p.unlink(missing_ok=True)
 

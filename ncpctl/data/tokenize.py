@@ -47,7 +47,7 @@ from ncpctl.data.pieces import cut_refusal, pieces
 from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents, package_summary, \
     source_labels
 from ncpctl.errors import UserError
-from ncpctl.fsutil import atomic_write, fsync_dir, fsync_tree
+from ncpctl.fsutil import atomic_write, disk_errors, fsync_dir, fsync_tree
 from ncpctl.recipe.load import Recipe
 
 FORMAT_VERSION = 1
@@ -390,18 +390,19 @@ def _tokenize(recipe: Recipe, force: bool, on_progress: Any, on_total: Any, log:
     if not force and (meta := _up_to_date(data_dir, fp)) is not None:
         return {**meta, "up_to_date": True}
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(run_dir)
     tmp = run_dir / f".data.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        meta = _tokenize_into(recipe, tmp, fp, on_progress, on_total, log)
-        recipe.write_resolved(tmp)
-        _swap_in(tmp, data_dir)
-    finally:
+    with disk_errors(tmp):  # a full or read-only disk: one line naming the file (else this directory)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(run_dir)
         shutil.rmtree(tmp, ignore_errors=True)
-    recipe.write_resolved(run_dir)
+        tmp.mkdir()
+        try:
+            meta = _tokenize_into(recipe, tmp, fp, on_progress, on_total, log)
+            recipe.write_resolved(tmp)
+            _swap_in(tmp, data_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        recipe.write_resolved(run_dir)
     return {**meta, "up_to_date": False}
 
 

@@ -25,6 +25,9 @@ is removed by the next save or the ``keep_last`` clean-up.
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 import random
 import shutil
 import time
@@ -34,9 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ncpctl.checkpoint import CHECKPOINTS, META, read_meta, read_weights  # noqa: F401  (one reader for every command)
+from ncpctl import manifest
+# one reader for every command
+from ncpctl.checkpoint import CHECKPOINTS, META, find_in, is_complete, read_meta, read_weights  # noqa: F401
 from ncpctl.errors import UserError
-from ncpctl.fsutil import atomic_write, fsync_tree
+from ncpctl.fsutil import atomic_write, disk_errors, fsync_tree
 
 LATEST = "latest"
 META_VERSION = 1
@@ -53,27 +58,22 @@ def checkpoints_dir(run_dir: Path) -> Path:
 # ----------------------------------------------------------------------------- finding
 
 
-def is_complete(path: Path) -> bool:
-    return (path / META).is_file()
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint ``root/latest`` names, if it names a complete one."""
-    pointer = root / LATEST
-    if not pointer.is_file():
+def latest_checkpoint(root: Path, warn: Any) -> Path | None:
+    """The checkpoint to resume this run from: the one ``root/latest`` names if it is complete and
+    verifies, else the newest one that does (saying so; ``ncpctl.checkpoint.find_in``). The run owns
+    ``root`` (it holds the run lock), so a checkpoint that fails is moved to ``corrupt-step_N``."""
+    if not root.is_dir():
         return None
-    tag = pointer.read_text().strip()
-    path = root / tag
-    return path if tag and is_complete(path) else None
+    return find_in(root, warn=warn, move_aside=True, pin_it=False)
 
 
-def resolve(spec: str, what: str) -> Path:
+def resolve(spec: str, what: str, *, pin_it: bool = True) -> Path:
     """A user-given checkpoint (a ``step_*`` directory, a ``checkpoints`` directory or a run
     directory, then its ``latest``), via ``ncpctl.checkpoint.resolve``; errors name ``what``."""
     from ncpctl.checkpoint import resolve as resolve_checkpoint
 
     try:
-        return resolve_checkpoint(spec)
+        return resolve_checkpoint(spec, pin_it=pin_it)
     except UserError as e:
         raise UserError(*(f"{what}: {p}" for p in e.problems), hint=e.hint) from None
 
@@ -207,39 +207,89 @@ def save(engine: Any, root: Path, step: int, meta: dict[str, Any], recipe: Any, 
 
     tag = tag_for(step)
     path = root / tag
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if path.exists():  # a partial save from a killed run (latest never named it)
-            shutil.rmtree(path)
-    barrier()
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
-    torch.save(rng_state(), path / f"rng_rank{rank}.pt")
-    weights = consolidated_weights(engine, meta["zero_stage"], recipe.model_config.tie_embeddings)
-    if fault is not None:
-        fault("save", step)
-    fsync_tree(path)  # this rank's DeepSpeed files and RNG state are on the device, not only in the page cache
-    barrier()  # every rank's files are on disk
-    if rank == 0:
-        recipe.write_resolved(path)
-        tok = _tokenizer_file(recipe)
-        # weights first, ncpctl.json last (atomically): a directory with ncpctl.json is complete
-        save_model_files(path, weights, step=step, tokens_seen=meta["tokens_seen"], recipe=recipe.to_dict(),
-                         tokenizer_path=tok if tok.is_file() else None,
-                         extra={"saved_at": time.time(), "training_version": META_VERSION, **meta})
-        atomic_write(root / LATEST, tag + "\n")
-        _prune(root, keep_last, keep=tag)
+    with disk_errors(path):  # a full or read-only disk: one line naming the file, latest untouched
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if path.exists():  # a partial save from a killed run (latest never named it)
+                shutil.rmtree(path)
+        barrier()
+        engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+        with disk_errors(path / f"rng_rank{rank}.pt"):
+            torch.save(rng_state(), path / f"rng_rank{rank}.pt")
+        weights = consolidated_weights(engine, meta["zero_stage"], recipe.model_config.tie_embeddings)
+        if fault is not None:
+            fault("save", step)
+        fsync_tree(path)  # this rank's DeepSpeed files and RNG state are on the device, not only in the page cache
+        barrier()  # every rank's files are on disk
+        share = _hash_share(path, rank, meta.get("world_size", 1))
+        barrier()  # every rank's share of the manifest is written
+        if rank == 0:
+            recipe.write_resolved(path)
+            tok = _tokenizer_file(recipe)
+            # weights, then ncpctl.json (atomically), then the manifest: a directory with both is complete
+            save_model_files(path, weights, step=step, tokens_seen=meta["tokens_seen"], recipe=recipe.to_dict(),
+                             tokenizer_path=tok if tok.is_file() else None,
+                             extra={"saved_at": time.time(), "training_version": META_VERSION, **meta,
+                                    "manifest": manifest.ALGORITHM})
+            _write_manifest(path, share, meta.get("world_size", 1))
+            atomic_write(root / LATEST, tag + "\n")
+            _prune(root, keep_last, keep=tag)
     barrier()
     return path
 
 
+def _hash_share(path: Path, rank: int, world: int) -> dict[str, dict[str, Any]]:
+    """This rank's share of the engine's files (every ``world``-th, by name) hashed in parallel with
+    the others; ranks but 0 leave theirs in ``.manifest.rank{r}.json`` (hidden: not a file of the
+    checkpoint) for rank 0 to merge."""
+    share = manifest.describe(path, manifest.files_of(path)[rank::world])
+    if rank != 0:
+        atomic_write(path / f".manifest.rank{rank}.json", json.dumps(share))
+    return share
+
+
+def _write_manifest(path: Path, share: dict[str, dict[str, Any]], world: int) -> None:
+    """Rank 0: the ranks' shares plus the files written since (the inference view, ncpctl.json)."""
+    entries = dict(share)
+    for r in range(1, world):
+        part = path / f".manifest.rank{r}.json"
+        entries.update(json.loads(part.read_text()))
+        part.unlink()
+    entries.update(manifest.describe(path, [n for n in manifest.files_of(path) if n not in entries]))
+    manifest.write(path, entries)
+
+
 def _prune(root: Path, keep_last: int, keep: str) -> None:
-    """Keep the newest ``keep_last`` complete checkpoints (always ``keep``); drop partial ones."""
+    """Keep the newest ``keep_last`` whole checkpoints (complete, and every file of the manifest there
+    at its size; always ``keep``); drop partial ones. A checkpoint pinned by a reader (``eval``,
+    ``export``, ``generate``: ``ncpctl.checkpoint.pin``) stays until the next save after it is
+    released; a complete one that lost a file is left for resume to move aside, never deleted here,
+    so the newest checkpoint that verifies is never pruned for a damaged newer one."""
     dirs = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
     complete = [p for p in dirs if is_complete(p)]
-    kept = set(p.name for p in complete[-keep_last:]) | {keep}
+    whole = [p for p in complete
+             if not (p / manifest.MANIFEST).exists() or manifest.verify(p, sizes_only=True) is None]
+    kept = set(p.name for p in whole[-keep_last:]) | {keep} | {p.name for p in complete if p not in whole}
     for p in dirs:
         if p.name not in kept:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove_unpinned(p)
+
+
+def _remove_unpinned(path: Path) -> None:
+    """Remove checkpoint ``path`` unless a reader pinned it (its shared flock blocks ours)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- loading

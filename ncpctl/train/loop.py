@@ -537,7 +537,7 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     info, warn = (out.info, out.warn) if d.rank == 0 else (_quiet, _quiet)
     faults.announce(warn)
     train_ds, val_ds, loader, labels = _open_data(recipe, d)
-    resume_from, meta = _weights_source(recipe, stage, d, loader)
+    resume_from, meta = _weights_source(recipe, stage, d, loader, warn)
     _move_foreign_checkpoints(recipe, resume_from, d, warn)
 
     model = _build_model(recipe, stage, fresh=resume_from is None, info=info)
@@ -591,16 +591,17 @@ def _open_data(recipe: Recipe, d: Dist) -> tuple[IndexedDataset, IndexedDataset,
     return train_ds, val_ds, loader, labels
 
 
-def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: WindowLoader) -> tuple[Path | None, dict[str, Any]]:
+def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: WindowLoader,
+                    warn: Callable[[str], None]) -> tuple[Path | None, dict[str, Any]]:
     """Where the weights come from: resume (same run) wins over init_from (another run). Checks
     that the checkpoint fits (before any heavy work) and positions the loader when resuming.
     Returns the checkpoint to resume from (or None) and its metadata."""
     t, cfg = recipe.train, recipe.model_config
     resume_from: Path | None = None
     if t.resume == "auto":
-        resume_from = ckpt.latest_checkpoint(ckpt.checkpoints_dir(recipe.run_dir))
+        resume_from = _resume_checkpoint(recipe, d, warn)
     elif t.resume != "never":
-        resume_from = ckpt.resolve(t.resume, "train.resume")
+        resume_from = ckpt.resolve(t.resume, "train.resume", pin_it=False)
     if resume_from is not None:
         meta = ckpt.read_meta(resume_from)
         ckpt.check_compatible(resume_from, meta, cfg.to_dict(), world_size=d.world,
@@ -619,6 +620,18 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: WindowLoader)
         if stage.load == "all":
             _check_optimizer(recipe, stage.init_from, init_meta)
     return None, {}
+
+
+def _resume_checkpoint(recipe: Recipe, d: Dist, warn: Callable[[str], None]) -> Path | None:
+    """``train.resume: auto``: rank 0 picks (and verifies) the checkpoint, moving damaged ones aside;
+    the other ranks learn its choice by an all-reduce."""
+    root = ckpt.checkpoints_dir(recipe.run_dir)
+    if d.world == 1:
+        return ckpt.latest_checkpoint(root, warn)
+    chosen = ckpt.latest_checkpoint(root, warn) if d.rank == 0 else None
+    pick = torch.tensor([int(chosen.name.removeprefix("step_")) if chosen else -1], dtype=torch.float64)
+    step = int(d.sum(pick if d.rank == 0 else torch.zeros_like(pick)).item())
+    return root / ckpt.tag_for(step) if step >= 0 else None
 
 
 def _check_optimizer(recipe: Recipe, src: Path, meta: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ncpctl.fsutil import atomic_write, atomic_write_with
+from ncpctl.fsutil import atomic_write, atomic_write_with, disk_errors
 
 METRICS = "metrics.jsonl"
 
@@ -73,12 +73,13 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None, warn: Any):
         self.path = run_dir / METRICS
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and self.path.exists():
-            self._truncate_after(resume_step)
-        elif resume_step is None and self.path.exists():
-            os.replace(self.path, self.path.with_suffix(".jsonl.prev"))  # a fresh run: keep one old log
-        self.file = open(self.path, "a")
+        with disk_errors(self.path):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None and self.path.exists():
+                self._truncate_after(resume_step, warn)
+            elif resume_step is None and self.path.exists():
+                os.replace(self.path, self.path.with_suffix(".jsonl.prev"))  # a fresh run: keep one old log
+            self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:
             try:
@@ -88,15 +89,16 @@ class MetricsLog:
             except ImportError:
                 warn("train.tensorboard is set but tensorboard is not installed (pip install tensorboard); skipping it")
 
-    def _truncate_after(self, step: int) -> None:
-        """Resumed from ``step``: drop the records a killed run wrote after it (atomically)."""
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+    def _truncate_after(self, step: int, warn: Any) -> None:
+        """Resumed from ``step``: drop the records a killed run wrote after it (atomically), and a
+        torn last line (a crash in the middle of writing it) with a warning."""
+        keep = [json.dumps(r) for r in records(self.path, warn) if r.get("step", 0) <= step]
         atomic_write(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with disk_errors(self.path):
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
         if self.tb is not None:
             split = record.get("split", "train")
             for key, value in record.items():
@@ -104,16 +106,46 @@ class MetricsLog:
                     self.tb.add_scalar(f"{split}/{key}", value, record["step"])
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:  # a full disk: write() already said so, and a buffered line is lost either way
+            pass
         if self.tb is not None:
             self.tb.close()
+
+
+def records(path: Path, warn: Any = None) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl. A torn last line (what a crash in the middle of a write
+    leaves) is dropped, with a warning naming the file when ``warn`` is given; a bad line before
+    the last is an error naming the file and line."""
+    from ncpctl.errors import UserError
+
+    lines = path.read_text(errors="replace").splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            if any(rest.strip() for rest in lines[i + 1:]):
+                raise UserError(f"{path}:{i + 1}: not a metrics record ({e})",
+                                hint="the log was edited or damaged; fix or remove that line") from None
+            if warn is not None:
+                warn(f"{path}: cut its torn last line {i + 1} ({len(line)} characters; "
+                     "a crash in the middle of writing it)")
+            break
+        out.append(rec)
+    return out
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / METRICS
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return records(path)
 
 
 def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any,

@@ -13,7 +13,7 @@ import torch
 
 from ncpctl.data.indexed import IndexedDatasetWriter
 
-from .conftest import copy_run, losses, metrics, ncpctl, result, start, wait_for_step, weights
+from .conftest import copy_run, losses, metrics, ncpctl, result, same_weights, start, wait_for_step, weights
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> Path:
@@ -68,11 +68,15 @@ def test_resume_after_kill9_is_bit_identical(reference: Path, make_recipe, tmp_p
     run_dir = tmp_path / "killed"
     proc = start("pretrain", str(recipe), env={"NCPCTL_FAULT": "sleep@0.15"})
     wait_for_step(run_dir, 7, proc)
+    assert json.loads((run_dir / "ncpctl.lock").read_text())["pid"] == proc.pid  # the run holds its lock
+    killed = proc.pid
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert (run_dir / "checkpoints" / "latest").is_file()
     proc = ncpctl("pretrain", str(recipe), "--json")
     r = result(proc)
+    assert f"took over the stale lock of pid {killed} on host" in " ".join(proc.stderr.split())
+    assert not (run_dir / "ncpctl.lock").exists()  # released on exit
     assert r["resumed_from"] and r["step"] == 12 and r["steps_run"] > 0
     assert proc.stdout.count("\n") == 1  # DeepSpeed's checkpoint-loading logs stay off stdout
     assert losses(run_dir) == losses(reference)  # exact, step by step
@@ -295,3 +299,47 @@ def test_resume_never_moves_old_checkpoints_aside(reference: Path, make_recipe, 
     assert (old / "latest").read_text().strip() == "step_0000012" and (old / "step_0000012" / "ncpctl.json").is_file()
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000002"
     assert [x["step"] for x in metrics(run)] == [1, 2]
+
+
+
+def test_a_second_pretrain_on_a_busy_run_dir_is_refused(make_recipe, tmp_path: Path) -> None:
+    """Issue 21: two runs on one run.dir both wrote its checkpoints and renamed its metrics. The
+    first run is stood in for by its lock (that pretrain holds it: test_resume_after_kill9_is_bit_identical)."""
+    import os
+
+    from ncpctl.runlock import RunLock
+
+    recipe = make_recipe("busy")
+    with RunLock(tmp_path / "busy", "pretrain", warn=print):
+        second = ncpctl("pretrain", str(recipe), "--set", "train.seed=2")
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert second.returncode == 2 and len(errors) == 1, second.stderr
+    assert f"busy/ncpctl.lock: the run directory is in use by pid {os.getpid()} on host" in errors[0]
+    assert not (tmp_path / "busy" / "checkpoints").exists() and not (tmp_path / "busy" / "metrics.jsonl").exists()
+
+
+def test_a_damaged_run_dir_resumes_exactly_from_the_newest_verified_checkpoint(reference: Path, make_recipe,
+                                                                                 tmp_path: Path) -> None:
+    """Issue 21: a garbage `latest` restarted from step 0 (the good checkpoints moved aside), a
+    bit-flipped checkpoint resumed silently, a torn metrics.jsonl line blocked every resume. Here
+    all three at once: step 12's engine state has a flipped bit, `latest` is garbage and the log
+    ends in half a record; the run resumes from step 9 and ends bit-identical to the reference."""
+    run = copy_run(reference, tmp_path / "damaged")
+    ck = run / "checkpoints"
+    states = ck / "step_0000012" / "mp_rank_00_model_states.pt"
+    data = bytearray(states.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    states.write_bytes(bytes(data))
+    (ck / "latest").write_text("\x00garbage")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"split": "train", "step": 13, "lo')
+    proc = ncpctl("pretrain", str(make_recipe("damaged")), "--json")
+    r = result(proc)
+    err = " ".join(proc.stderr.split())
+    assert r["resumed_from"] == str(ck / "step_0000009") and r["step"] == 12
+    assert "step_0000012: mp_rank_00_model_states.pt does not match its xxh3_128 checksum" in err
+    assert "moved it to corrupt-step_0000012" in err and "using the newest complete verified checkpoint, step_0000009" in err
+    assert f"{run / 'metrics.jsonl'}: cut its torn last line" in err
+    assert (ck / "corrupt-step_0000012" / "ncpctl.json").is_file() and not list(run.glob("checkpoints.prev-*"))
+    assert losses(run) == losses(reference)  # exact, step by step
+    assert same_weights(run, reference, 12)

@@ -1,0 +1,141 @@
+"""One writer per run directory: ``RUN/ncpctl.lock`` (issue 21).
+
+The training commands (``pretrain``, ``midtrain``, ``adapt-vq``) hold the lock for the whole
+run; readers (``eval``, ``export``, ``generate``) never take it (they pin the checkpoint they
+read instead, ``ncpctl.checkpoint.resolve``). The lock is two things at once:
+
+* an exclusive ``flock`` on the lock file, which the kernel drops when the process dies (also
+  on ``kill -9``), so a second run on this host is refused while the first lives, and only then;
+* the owner's host and pid as the file's content, written after the flock is held, so a refusal
+  names the owner, and a lock left by a dead process of this host is recognised (by its pid) and
+  taken over with a warning. A lock whose content names another host is refused even when its
+  flock is free (``flock`` over network file systems is not to be trusted): the owner may live
+  there. ``--break-lock`` takes it anyway.
+
+The file is removed on release (while still flocked; a process that opened the old file then
+finds it unlinked and retries on the new one).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+from ncpctl.errors import UserError
+
+LOCK = "ncpctl.lock"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _owner(text: str) -> dict[str, Any] | None:
+    try:
+        owner = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return owner if isinstance(owner, dict) and isinstance(owner.get("pid"), int) else None
+
+
+def _describe(owner: dict[str, Any] | None) -> str:
+    if owner is None:
+        return "a process that left no owner"
+    return f"pid {owner['pid']} on host {owner.get('host', '?')}" + (
+        f" (`ncpctl {owner['command']}`)" if owner.get("command") else "")
+
+
+class RunLock:
+    """``with RunLock(run_dir, command, warn=..., break_lock=False):`` holds ``run_dir/ncpctl.lock``."""
+
+    def __init__(self, run_dir: Path, command: str, *, warn: Callable[[str], None],
+                 break_lock: bool = False) -> None:
+        self.path = Path(run_dir) / LOCK
+        self.command, self.warn, self.break_lock = command, warn, break_lock
+        self.fd: int | None = None
+
+    def __enter__(self) -> "RunLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(20):  # retried only when the file we flocked was unlinked under us
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                text = self.path.read_text(errors="replace") if self.path.exists() else ""
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                raise UserError(f"{self.path}: the run directory is in use by {_describe(_owner(text))}",
+                                hint="wait for that run to end, or give this run its own run.dir") from None
+            if os.fstat(fd).st_ino != getattr(self._stat(), "st_ino", None):
+                os.close(fd)  # released and removed by its owner between our open and flock
+                continue
+            self.fd = fd
+            self._check_previous_owner()
+            self._write_owner()
+            return
+        raise UserError(f"{self.path}: could not take the run lock (it keeps changing)")
+
+    def _stat(self) -> os.stat_result | None:
+        try:
+            return os.stat(self.path)
+        except FileNotFoundError:
+            return None
+
+    def _check_previous_owner(self) -> None:
+        """The flock is ours; what does the content say about who had it before?"""
+        assert self.fd is not None
+        text = os.pread(self.fd, 1 << 16, 0).decode(errors="replace")
+        if not text.strip():
+            return  # a fresh file
+        owner, host = _owner(text), socket.gethostname()
+        if owner is not None and owner.get("host") != host:
+            if not self.break_lock:
+                self.release(remove=False)
+                raise UserError(f"{self.path}: the run directory is locked by {_describe(owner)}",
+                                hint="if that run is gone, rerun with --break-lock")
+            self.warn(f"{self.path}: broke the lock of {_describe(owner)} (--break-lock)")
+        elif owner is not None and owner["pid"] != os.getpid() and _pid_alive(owner["pid"]) and not self.break_lock:
+            # the flock was free, yet the owner lives: a file system without working flock
+            self.release(remove=False)
+            raise UserError(f"{self.path}: the run directory is in use by {_describe(owner)}",
+                            hint="wait for that run to end, or rerun with --break-lock if it is not an ncpctl run")
+        else:
+            self.warn(f"{self.path}: took over the stale lock of {_describe(owner)} (no longer running)")
+
+    def _write_owner(self) -> None:
+        assert self.fd is not None
+        data = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "command": self.command}) + "\n"
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data.encode(), 0)
+        os.fsync(self.fd)
+
+    def release(self, remove: bool = True) -> None:
+        if self.fd is None:
+            return
+        if remove:
+            try:
+                if getattr(self._stat(), "st_ino", None) == os.fstat(self.fd).st_ino:
+                    self.path.unlink()
+            except OSError:
+                pass  # a read-only or vanished run directory: the flock still goes with the close
+        os.close(self.fd)  # drops the flock
+        self.fd = None

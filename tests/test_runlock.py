@@ -1,0 +1,53 @@
+"""``ncpctl.runlock``: one writer per run directory (issue 21 item 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ncpctl.errors import UserError
+from ncpctl.runlock import LOCK, RunLock
+
+
+def _lock(run: Path, warnings: list[str], **kw) -> RunLock:
+    return RunLock(run, "pretrain", warn=warnings.append, **kw)
+
+
+def test_the_lock_names_its_owner_refuses_a_second_taker_and_is_released(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    with _lock(tmp_path / "run", warnings) as held:
+        owner = json.loads(held.path.read_text())
+        assert owner == {"host": socket.gethostname(), "pid": os.getpid(), "command": "pretrain"}
+        with pytest.raises(UserError, match=rf"in use by pid {os.getpid()} on host .*`ncpctl pretrain`"):
+            _lock(tmp_path / "run", warnings).acquire()  # a second open file: flock conflicts in one process too
+    assert not (tmp_path / "run" / LOCK).exists() and warnings == []
+    with _lock(tmp_path / "run", warnings):  # free again
+        pass
+
+
+def test_a_stale_lock_of_this_host_is_taken_over_with_a_warning(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead)}))
+    warnings: list[str] = []
+    with _lock(tmp_path, warnings) as held:
+        assert json.loads(held.path.read_text())["pid"] == os.getpid()
+    assert len(warnings) == 1 and f"stale lock of pid {dead}" in warnings[0]
+
+
+def test_a_lock_from_another_host_is_refused_unless_broken(tmp_path: Path) -> None:
+    (tmp_path / LOCK).write_text(json.dumps({"host": "gpu-node-17", "pid": 4242, "command": "midtrain"}))
+    warnings: list[str] = []
+    with pytest.raises(UserError, match="locked by pid 4242 on host gpu-node-17") as e:
+        _lock(tmp_path, warnings).acquire()
+    assert "--break-lock" in (e.value.hint or "")
+    assert json.loads((tmp_path / LOCK).read_text())["host"] == "gpu-node-17"  # untouched
+    with _lock(tmp_path, warnings, break_lock=True):
+        assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    assert len(warnings) == 1 and "broke the lock of pid 4242 on host gpu-node-17" in warnings[0]
