@@ -46,8 +46,10 @@ def test_a_malicious_checkpoint_file_is_refused_on_resume(name: str, zero1_run: 
     assert target.is_file()
     torch.save({"state": _Evil(marker)}, target)
     recipe = zero1_run.parent / "run.yaml"
+    # The manifest would already reject the changed file (and fall back to step 3); --no-verify
+    # skips it, so this tests the second line of defence: the load itself runs nothing.
     proc = ncpctl("pretrain", str(recipe), *ZERO1, "--set", f"run.dir={run}", "--set", "train.resume=auto",
-                  "--set", "train.max_steps=9")
+                  "--set", "train.max_steps=9", "--no-verify")
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert str(target) in errors[0] and "refused to load" in errors[0]
