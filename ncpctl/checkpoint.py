@@ -160,15 +160,24 @@ def newest_good(base: Path, *, warn: Any = _warn, move_aside: bool = False, pin_
     for cand in sorted(base.glob("step_*"), reverse=True):
         if cand in tried or not cand.is_dir() or not is_complete(cand):
             continue
-        if pin_it and not pin(cand):
-            continue  # pruned under us
-        found = problem(cand)
-        if found is None:
-            return cand
-        unpin(cand)
-        where = f"; moved it to {_aside(cand).name}" if move_aside else ""
-        warn(f"{cand}: {found}; skipped this checkpoint{where}")
+        if _take(cand, warn=warn, move_aside=move_aside, pin_it=pin_it):
+            return cand  # None (pruned under us) and False (reported) both go on to the next
     return None
+
+
+def _take(cand: Path, *, warn: Any, move_aside: bool, pin_it: bool) -> bool | None:
+    """Pin (``pin_it``) and verify one complete checkpoint: True when it is good; None when pruning
+    removed it before the pin; False when it fails verification (unpinned, reported in one line and,
+    with ``move_aside``, moved to ``corrupt-step_N``)."""
+    if pin_it and not pin(cand):
+        return None
+    found = problem(cand)
+    if found is None:
+        return True
+    unpin(cand)
+    where = f"; moved it to {_aside(cand).name}" if move_aside else ""
+    warn(f"{cand}: {found}; skipped this checkpoint{where}")
+    return False
 
 
 def find_in(base: Path, *, warn: Any = _warn, move_aside: bool = False, pin_it: bool = True) -> Path | None:
@@ -183,14 +192,11 @@ def find_in(base: Path, *, warn: Any = _warn, move_aside: bool = False, pin_it: 
             tag = None
         named = base / tag if tag and re.fullmatch(r"step_\d+", tag) else None
         if named is not None and is_complete(named):
-            if pin_it and not pin(named):
+            taken = _take(named, warn=warn, move_aside=move_aside, pin_it=pin_it)
+            if taken is None:
                 continue
-            found = problem(named)
-            if found is None:
+            if taken:
                 return named
-            unpin(named)
-            where = f"; moved it to {_aside(named).name}" if move_aside else ""
-            warn(f"{named}: {found}; skipped this checkpoint{where}")
             why = f"names {tag}, which failed verification"
         elif tag is None:
             why = "is missing"
