@@ -82,7 +82,7 @@ def lora_rank(cfg) -> tuple[int, int]:
     from ncpctl.model.accounting import count_parameters
     from ncpctl.recipe.schema import LoraSection
     from ncpctl.train.lora import apply_lora
-    from ncpctl.train.loop import freeze_all_but_codebook
+    from ncpctl.train.stages import freeze_all_but_codebook
 
     vq = count_parameters(cfg, freeze_all_but_codebook).trainable
     per_rank = count_parameters(cfg, partial(apply_lora, spec=LoraSection(rank=1))).trainable
@@ -96,7 +96,7 @@ def setup(arm: str, cfg):
 
     from ncpctl.recipe.schema import LoraSection
     from ncpctl.train.lora import apply_lora
-    from ncpctl.train.loop import freeze_all_but_codebook
+    from ncpctl.train.stages import freeze_all_but_codebook
 
     if arm == "vq":
         return freeze_all_but_codebook
@@ -107,11 +107,11 @@ def setup(arm: str, cfg):
 
 def _arm(arm: str, cfg, seed: int = 0):
     """The arm's model, set up, and its ``step() -> seconds`` (one warm-up step already taken)."""
-    import time
-
     import torch
 
     from ncpctl.model.model import NCPModel
+    from ncpctl.profile.step import training_step
+    from ncpctl.profile.timing import timed
 
     torch.manual_seed(seed)
     model = NCPModel(cfg)
@@ -121,14 +121,10 @@ def _arm(arm: str, cfg, seed: int = 0):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
     x = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(1))
+    one = training_step(model, opt, [x], clip=1.0)
 
     def step() -> float:
-        t0 = time.perf_counter()
-        model(x[:, :-1], x[:, 1:]).loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
+        return timed(one)[0]
 
     step()  # warm-up: allocations, optimizer state
     return model, step

@@ -22,7 +22,6 @@ On a GPU (``--device cuda``) it is bf16 and synchronised around each timed call.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -46,6 +45,7 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Callable[[], Any]], dict
     import torch
 
     from ncpctl.model.model import NCPModel
+    from ncpctl.profile.step import random_windows, training_step
     from ncpctl.recipe import load_recipe
 
     r = load_recipe(Path(args.recipe), args.set)
@@ -54,21 +54,10 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Callable[[], Any]], dict
     torch.manual_seed(0)
     model = NCPModel(cfg).to(device=device, dtype=dtype).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # fused/foreach as torch picks: the step is not the point
-    g = torch.Generator().manual_seed(1)
     mb, T = args.micro_batch or r.train.micro_batch_size, r.seq_len
-    batches = [torch.randint(0, cfg.vocab_size, (mb, T + 1), generator=g).to(device) for _ in range(args.accum)]
+    batches = [b.to(device) for b in random_windows(cfg.vocab_size, mb, T, seed=1, count=args.accum)]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def step() -> float:
-        total = 0.0
-        for b in batches:
-            loss = model(b[:, :-1], b[:, 1:]).loss / args.accum
-            loss.backward()
-            total += float(loss.detach())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        return total
+    step = training_step(model, opt, batches, sync=sync)
 
     def call() -> Any:
         b = batches[0]
@@ -92,14 +81,9 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Callable[[], Any]], dict
     return {"step": step, "call": call, "forward": forward}, facts
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
-    gc.collect()
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from ncpctl.profile.timing import clocks
+
     fns, facts = _setup(args)
     for fn in fns.values():  # warm-up
         fn()
@@ -107,7 +91,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.rounds):
         order = list(fns.items())
         for name, fn in order if i % 2 == 0 else order[::-1]:
-            t[name].append(_timed(fn))
+            t[name].append(clocks(fn))
         _say(f"  round {i + 1}/{args.rounds}: step {t['step'][-1][0] * 1e3:.1f} ms, attention_stats "
              f"{t['call'][-1][0] * 1e3:.1f} ms, forward {t['forward'][-1][0] * 1e3:.1f} ms  (load {os.getloadavg()[0]:.1f})")
     med = {clock: {k: statistics.median(x[c] for x in v) for k, v in t.items()} for c, clock in enumerate(("wall", "cpu"))}

@@ -64,7 +64,7 @@ def debug_save_share(directory: Path, saves: int) -> dict[str, float]:
     from ncpctl.model.model import NCPModel
     from ncpctl.recipe import load_recipe
     from ncpctl.train import checkpoint as ckpt
-    from ncpctl.train.loop import _build_engine, init_distributed
+    from ncpctl.train.engine import build_engine, init_distributed
 
     recipe_path = directory / "r.yaml"
     recipe_path.write_text(f"run: {{dir: {directory / 'run'}}}\nmodel: {{size: debug}}\n"
@@ -72,7 +72,7 @@ def debug_save_share(directory: Path, saves: int) -> dict[str, float]:
                            "deepspeed: {zero_stage: 0}\n")
     recipe = load_recipe(recipe_path)
     d = init_distributed()
-    engine, _ = _build_engine(recipe, NCPModel(recipe.model_config), d, lambda m: None)
+    engine, _ = build_engine(recipe, NCPModel(recipe.model_config), d)
     for p in engine.module.parameters():  # Adam state exists after one step
         p.grad = torch.randn_like(p) * 1e-3
     engine.optimizer.step()

@@ -11,7 +11,7 @@ random tokens, then ``--steps`` greedy ``decode_step`` calls, seconds per step (
 ratio is the same per token) best-of-``--repeats``, the models interleaved. Random weights: the
 boundary predictor starts at the identity, and what rate random states give depends on the width
 (3.8 tokens per concept at d = 256, 256 at d = 1024), so the inference threshold is set to the
-(1 - 1/R) quantile of p on random tokens (``calibrate_threshold``), which realises R = 4 as a
+(1 - 1/R) quantile of p on random tokens (``ncpctl.profile.dlcm.calibrate_threshold``), which realises R = 4 as a
 trained model's balance loss does (the realised value is printed). The concept
 step runs on a step only for the rows that closed a segment (ncpctl.model.decode), so at batch
 1 it runs on about 1/R of the steps and at batch 8 on most steps, for a few rows: where
@@ -36,47 +36,7 @@ import os  # noqa: E402
 import time  # noqa: E402
 
 REPO = _HERE.parent
-
-
-def models(d: int):
-    import torch
-
-    from ncpctl.model.model import NCPModel
-    from ncpctl.recipe import load_recipe
-
-    sets = [f"model.d_model={d}", f"model.concept.d_concept={2 * d}", f"model.n_heads={max(1, d // 64)}",
-            f"model.n_kv_heads={max(1, d // 64)}", f"model.concept.concept_heads={max(1, 2 * d // 64)}",
-            f"model.ffn_dim={4 * d}", "model.max_seq_len=1024", "model.mup_base_width=null"]
-    r = load_recipe(REPO / "recipes" / "debug-dlcm.yaml", sets)
-    cfg = r.model_config
-    torch.manual_seed(0)
-    dlcm = calibrate_threshold(NCPModel(cfg).eval(), cfg.concept.target_ratio)
-    plain = {**cfg.to_dict(), "concept": {**cfg.to_dict()["concept"], "enabled": False}}
-    bases = {}
-    for name, n in (("matched", cfg.n_token_layers + cfg.concept.concept_layers), ("token", cfg.n_token_layers)):
-        torch.manual_seed(0)
-        bases[name] = NCPModel(type(cfg).from_dict({**plain, "n_layers": n})).eval()
-    return bases, dlcm, cfg
-
-
-def calibrate_threshold(model, R: float, B: int = 4, T: int = 256):
-    """Set the model's inference boundary threshold to the (1 - 1/R) quantile of the boundary
-    probabilities p it gives on random tokens, so about 1/R of the tokens start a segment (the
-    rate the balance loss trains a model to). Returns the model."""
-    import torch
-
-    seg = model.concept.segmenter
-    seen = {}
-    hook = seg.register_forward_pre_hook(lambda _m, args: seen.setdefault("h", args[0]))
-    x = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(11))
-    try:
-        with torch.no_grad():
-            model(x, compute_logits=False)
-            p = seg.probabilities(seen["h"])[:, 1:].float().flatten()  # p_0 = 1 is not a decision
-    finally:
-        hook.remove()
-    seg.threshold = float(torch.quantile(p, 1 - 1 / R))
-    return model
+RECIPE = REPO / "recipes" / "debug-dlcm.yaml"
 
 
 def per_step(model, B: int, prompt: int, steps: int) -> float:
@@ -158,17 +118,6 @@ def paper_shape_weight_ratio(batches: list[int]) -> dict[str, float]:
     return {str(B): (tok + (1 - (1 - 1 / R) ** B) * con) / base for B in batches}
 
 
-def tokens_per_concept(model, B: int, T: int) -> float:
-    import torch
-
-    dev = next(model.parameters()).device
-    x = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(7)).to(dev)
-    with torch.no_grad():
-        m = model(x, x).metrics
-    v = m.get("tokens_per_concept")
-    return float(v) if v is not None else float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--d-model", type=int, default=256)
@@ -181,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    from ncpctl.profile.dlcm import models, tokens_per_concept
+
     torch.set_num_threads(args.threads)
-    bases, dlcm, cfg = models(args.d_model)
+    bases, dlcm, cfg = models(RECIPE, args.d_model)
     out = {"d_model": args.d_model, "d_concept": cfg.concept.d_concept, "token_layers": cfg.n_token_layers,
            "boundary_threshold": dlcm.concept.segmenter.threshold,
            "concept_layers": cfg.concept.concept_layers, "target_ratio": cfg.concept.target_ratio,

@@ -16,8 +16,8 @@ and one line. ``--precision bf16|fp32`` overrides the precision (default: bf16 o
 
 Everything trains the way ``ncpctl pretrain`` trains on a GPU: a recipe (``recipes/debug.yaml``
 with ``--set``-style overrides for the size, shape, precision and ZeRO stage), then
-``ncpctl.train.config.deepspeed_config`` / ``make_optimizer`` / ``lr_schedule`` and
-``deepspeed.initialize`` on a world of one (``ncpctl.train.loop.init_distributed``). On a GPU
+``ncpctl.train.engine.build_engine`` (the loop's own: ``deepspeed_config`` / ``make_optimizer`` /
+``lr_schedule`` and ``deepspeed.initialize``) on a world of one (``ncpctl.train.engine.init_distributed``). On a GPU
 that is **DeepSpeed bf16** (``train.precision: bf16``; DeepSpeed casts the weights to bf16 and
 its ZeRO optimizer keeps the fp32 master weights and Adam state), not ``torch.autocast``.
 Random tokens, the same batch every step, one step = ``engine(x, y)`` + ``engine.backward`` +
@@ -32,7 +32,7 @@ How to read each section (JSON keys in brackets):
    rounds. ``median_s`` is the step time, ``tokens_per_s`` = B*T / median_s, ``mfu`` = exact
    training FLOPs per step with the causal attention count
    (``exact_flops(cfg, T, B).training_per_step(causal=True)``) / median_s / ``peak`` (the
-   device's dense bf16 peak from ``ncpctl.train.metrics.device_peak``; ``peak_source`` says
+   device's dense bf16 peak from ``ncpctl.profile.timing.device_peak``; ``peak_source`` says
    which). ``mfu_full_attention`` uses the full (non-causal) count, as metrics.jsonl does.
    A well-fed 160M model at T=2048 typically reaches tens of percent; single digits would
    mean something (kernel choice, syncs, the optimizer) is off.
@@ -101,7 +101,6 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -111,6 +110,8 @@ import traceback  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
+from ncpctl.profile.timing import paired_ratios  # noqa: E402  (no torch at import)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _T_PROCESS = time.perf_counter()  # process_s counts from here (before torch and DeepSpeed are imported)
 
@@ -118,28 +119,14 @@ REPO = _HERE.parent
 BASE_RECIPE = REPO / "recipes" / "debug.yaml"
 SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview")
 ARCHPREVIEW_RECIPE = REPO / "recipes" / "debug-archpreview.yaml"
+DLCM_RECIPE = REPO / "recipes" / "debug-dlcm.yaml"  # section 7's decode models (as bench/dlcm_decode.py)
+CONCEPT_PM_GOAL = 0.02  # section 5: |time ratio - FLOPs ratio|, the goal bench/train_step.py judges too
 # section 6's variants of recipes/debug-archpreview.yaml: the same model without the dynamic
 # residuals and MTP, with IRC + CRC, and with MTP too (all Muon, post-norm, ZeRO-2)
 ARCH_VARIANTS = {"plain": ["model.residual=plain", "model.crc_connections=[]", "model.mtp_depth=null"],
                  "irc_crc": ["model.mtp_depth=null"], "irc_crc_mtp": []}
 # variant -> (concept.enabled, extra_token_layers)
 VARIANTS = {"base": (False, 0), "concept": (True, 0), "pm": (False, 2)}
-
-
-def _bench_module(name: str) -> Any:
-    """A sibling bench script as a module."""
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", _HERE / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _train_step_helpers() -> Any:
-    """bench/train_step.py as a module (``_ratios``, ``_batch``, ``GOALS``): one definition of the
-    paired ratio and of the random batch for both benchmarks."""
-    return _bench_module("train_step")
 
 
 @dataclass(frozen=True)
@@ -175,6 +162,7 @@ class Env:
     bf16: bool
     peak: float  # FLOP/s for MFU
     peak_source: str
+    dist: Any = None  # ncpctl.train.engine.Dist: the world of one the engines are built on
 
     def sync(self) -> None:
         if self.on_gpu:
@@ -206,47 +194,30 @@ def make_recipe(size: str, T: int, B: int, variant: str, zero_stage: int, env: E
 
 
 def build_engine(recipe: Any, env: Env, seed: int = 0) -> Any:
-    """The DeepSpeed engine exactly as ``ncpctl.train.loop.train`` builds it."""
-    import deepspeed
+    """The DeepSpeed engine as ``ncpctl pretrain`` builds it (``ncpctl.train.engine.build_engine``)."""
     import torch
 
     from ncpctl.model.model import NCPModel
-    from ncpctl.train.config import deepspeed_config, lr_schedule, make_optimizer
+    from ncpctl.train.engine import build_engine as loop_engine
 
     torch.manual_seed(seed)
-    model = NCPModel(recipe.model_config)
-    optimizer = make_optimizer(model, recipe, env.on_gpu)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(recipe, env.on_gpu), dist_init_required=False)
-    if hasattr(optimizer, "bind"):  # train.optimizer: muon (as ncpctl.train.loop._build_engine)
-        optimizer.bind(engine.optimizer)
+    engine, _ = loop_engine(recipe, NCPModel(recipe.model_config), env.dist)
     engine.train()
     return engine
 
 
-def stepper(engine: Any, x: Any, y: Any, report: str | None = None) -> Callable[[], Any]:
-    """One training step; returns the total loss, or the loss term ``report`` (e.g. ntp_loss)."""
-    def step() -> Any:
-        out = engine(x, y)  # training forward: logits None (fused head), .loss set
-        engine.backward(out.loss)
-        engine.step()
-        return (out.loss if report is None else out.losses[report]).detach()
-
-    return step
-
-
 def timed(step: Callable[[], Any], env: Env) -> tuple[float, float]:
     """(seconds, loss) of one step, synchronized on both sides."""
-    env.sync()
-    t0 = time.perf_counter()
-    loss = step()
-    env.sync()
-    return time.perf_counter() - t0, float(loss)
+    from ncpctl.profile.timing import timed as timed_call
+
+    dt, loss = timed_call(step, env.device if env.on_gpu else None)
+    return dt, float(loss)
 
 
-def _batch(helpers: Any, cfg: Any, B: int, T: int, env: Env) -> tuple[Any, Any]:
-    x, y = helpers._batch(cfg, B, T)  # (B, T) tokens and next tokens (CPU); the last target is -100
+def _batch(cfg: Any, B: int, T: int, env: Env) -> tuple[Any, Any]:
+    from ncpctl.profile.step import next_token_batch
+
+    x, y = next_token_batch(cfg, B, T)  # (B, T) tokens and next tokens (CPU); the last target is -100
     return x.to(env.device), y.to(env.device)
 
 
@@ -275,18 +246,19 @@ def _mem(env: Env, what: str) -> int | None:
 # ----------------------------------------------------------------------------- 1 + 5: train step
 
 
-def train_section(sh: Shapes, env: Env, helpers: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def train_section(sh: Shapes, env: Env) -> tuple[dict[str, Any], dict[str, Any]]:
     """Base, ConceptLM and PM at one shape, timed in alternating order. Returns (result, steps)
     with the step functions kept for the profiler (section 2)."""
     from ncpctl.model.accounting import exact_flops
+    from ncpctl.profile.step import engine_step
 
     T, B = sh.seq_len, sh.batch
     engines, cfgs = {}, {}
     for name in VARIANTS:
         recipe = make_recipe(sh.train_size, T, B, name, 1, env, sh.warmup + sh.rounds + 2)
         engines[name], cfgs[name] = build_engine(recipe, env), recipe.model_config
-    x, y = _batch(helpers, cfgs["base"], B, T, env)
-    steps = {n: stepper(e, x, y) for n, e in engines.items()}
+    x, y = _batch(cfgs["base"], B, T, env)
+    steps = {n: engine_step(e, x, y) for n, e in engines.items()}
     first = {n: [timed(fn, env)[1] for _ in range(sh.warmup)][0] for n, fn in steps.items()}
     secs: dict[str, list[float]] = {n: [] for n in steps}
     losses: dict[str, list[float]] = {n: [] for n in steps}
@@ -318,13 +290,13 @@ def train_section(sh: Shapes, env: Env, helpers: Any) -> tuple[dict[str, Any], d
     return result, {"steps": steps, "engines": engines}
 
 
-def concept_vs_pm(train: dict[str, Any], helpers: Any) -> dict[str, Any]:
+def concept_vs_pm(train: dict[str, Any]) -> dict[str, Any]:
     """Section 5 from section 1's rounds: the same comparison as bench/train_step.py."""
     c, p = train["models"]["concept"], train["models"]["pm"]
-    ratio = helpers._ratios(c["seconds"], p["seconds"])
+    ratio = paired_ratios(c["seconds"], p["seconds"])
     time_ratio = ratio["paired_median"]
     flops_ratio = c["training_flops_causal"] / p["training_flops_causal"]
-    goal = helpers.GOALS["concept/pm - flops"]
+    goal = CONCEPT_PM_GOAL
     return {"size": train["size"], "seq_len": train["seq_len"], "batch": train["batch"],
             "time_ratio": time_ratio, "time_ratio_best_rounds": ratio["best"], "time_ratio_of_medians": ratio["median"],
             "flops_ratio": flops_ratio,
@@ -427,8 +399,10 @@ def sdpa_section(trained: dict[str, Any], env: Env) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- 3: ZeRO-1 / ZeRO-2
 
 
-def zero_section(sh: Shapes, env: Env, helpers: Any) -> dict[str, Any]:
+def zero_section(sh: Shapes, env: Env) -> dict[str, Any]:
     import torch
+
+    from ncpctl.profile.step import engine_step
 
     T, B = sh.seq_len, sh.batch
     out: dict[str, Any] = {"size": sh.zero_size, "seq_len": T, "batch": B, "variant": "concept", "steps": sh.zero_steps}
@@ -440,8 +414,8 @@ def zero_section(sh: Shapes, env: Env, helpers: Any) -> dict[str, Any]:
         recipe = make_recipe(sh.zero_size, T, B, "concept", stage, env, sh.zero_steps)
         engine = build_engine(recipe, env)
         built = _mem(env, "memory_allocated")
-        x, y = _batch(helpers, recipe.model_config, B, T, env)
-        step = stepper(engine, x, y)
+        x, y = _batch(recipe.model_config, B, T, env)
+        step = engine_step(engine, x, y)
         runs = [timed(step, env) for _ in range(sh.zero_steps)]
         losses = [loss for _, loss in runs]
         out[f"zero{stage}"] = {
@@ -534,6 +508,8 @@ def dlcm_section(sh: Shapes, env: Env) -> dict[str, Any]:
     import torch
 
     from ncpctl.model.config import ConceptConfig
+    from ncpctl.profile.dlcm import models as dlcm_models
+    from ncpctl.profile.dlcm import tokens_per_concept
     from ncpctl.profile.kernels import dlcm_rows, dlcm_speedup, faster_form
 
     dtype = torch.bfloat16 if env.bf16 else torch.float32
@@ -542,8 +518,7 @@ def dlcm_section(sh: Shapes, env: Env) -> dict[str, Any]:
                                    dtype, warmup=2, repeats=5))
     out: dict[str, Any] = {"attention": {"dtype": str(dtype).removeprefix("torch."), "grid": speed,
                                          **faster_form(speed, ConceptConfig().cross_attention)}}
-    dec = _bench_module("dlcm_decode")
-    bases, dlcm, cfg = dec.models(sh.dlcm_decode_d)
+    bases, dlcm, cfg = dlcm_models(DLCM_RECIPE, sh.dlcm_decode_d)
     models = {"dlcm": dlcm, **{f"base_{k}": m for k, m in bases.items()}}
     for m in models.values():
         m.to(env.device, dtype=dtype)
@@ -562,7 +537,7 @@ def dlcm_section(sh: Shapes, env: Env) -> dict[str, Any]:
                                "ratio_token": best["dlcm"] / best["base_token"]}
     out["decode"] = {"d_model": sh.dlcm_decode_d, "d_concept": cfg.concept.d_concept, "batches": batches,
                      "boundary_threshold": dlcm.concept.segmenter.threshold,  # calibrated for R = 4 (dlcm_decode)
-                     "tokens_per_concept": dec.tokens_per_concept(dlcm, 2, 256), "goal": "<= 1.2 (ratio_matched)"}
+                     "tokens_per_concept": tokens_per_concept(dlcm, 2, 256), "goal": "<= 1.2 (ratio_matched)"}
     del models, dlcm, bases
     _free(env)
     return out
@@ -584,19 +559,20 @@ def _arch_recipe(sh: Shapes, variant: str, env: Env) -> Any:
     return load_recipe(ARCHPREVIEW_RECIPE, sets, need_sources=False)
 
 
-def archpreview_section(sh: Shapes, env: Env, helpers: Any) -> dict[str, Any]:
+def archpreview_section(sh: Shapes, env: Env) -> dict[str, Any]:
     import torch
 
     from ncpctl.model.accounting import exact_flops
+    from ncpctl.profile.step import engine_step
 
     T, B = sh.seq_len, sh.batch
     engines, cfgs = {}, {}
     for name in ARCH_VARIANTS:
         recipe = _arch_recipe(sh, name, env)
         engines[name], cfgs[name] = build_engine(recipe, env), recipe.model_config
-    x, y = _batch(helpers, cfgs["plain"], B, T, env)
+    x, y = _batch(cfgs["plain"], B, T, env)
     # the NTP loss is judged: the NCP term (summed over d, Eq. 22) follows the concepts' scale as they move
-    steps = {n: stepper(e, x, y, "ntp_loss") for n, e in engines.items()}
+    steps = {n: engine_step(e, x, y, "ntp_loss") for n, e in engines.items()}
     first = {n: timed(fn, env)[1] for n, fn in steps.items()}
     secs: dict[str, list[float]] = {n: [] for n in steps}
     losses: dict[str, list[float]] = {n: [first[n]] for n in steps}
@@ -610,12 +586,12 @@ def archpreview_section(sh: Shapes, env: Env, helpers: Any) -> dict[str, Any]:
                   "optimizer": f"{type(getattr(engines[n].optimizer, 'optimizer', engines[n].optimizer)).__name__} in "
                                f"{type(engines[n].optimizer).__name__}"}
               for n in steps}
-    ratio = helpers._ratios(secs["irc_crc"], secs["plain"])
+    ratio = paired_ratios(secs["irc_crc"], secs["plain"])
     out: dict[str, Any] = {"shape": dict(zip(("d_model", "n_heads", "ffn_dim", "n_layers"), sh.archpreview)),
                            "seq_len": T, "batch": B, "zero_stage": 2, "models": models,
                            "irc_crc_over_plain": ratio["paired_median"],
                            "residual_flops_share": exact_flops(cfgs["irc_crc"], T, B).residual_share,
-                           "mtp_over_irc_crc": helpers._ratios(secs["irc_crc_mtp"], secs["irc_crc"])["paired_median"]}
+                           "mtp_over_irc_crc": paired_ratios(secs["irc_crc_mtp"], secs["irc_crc"])["paired_median"]}
     model = engines["irc_crc"].module.eval()
     V, tol_rel = cfgs["irc_crc"].vocab_size, (5e-2 if env.bf16 else 1e-4)
     with torch.no_grad():
@@ -744,18 +720,17 @@ def _write(res: dict[str, Any], path: str | None) -> None:
 
 
 def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
-    from ncpctl.train.loop import init_distributed
-    from ncpctl.train.metrics import device_peak
+    from ncpctl.profile.timing import device_peak
+    from ncpctl.train.engine import init_distributed
 
     t_start = time.perf_counter()
     d = init_distributed()  # a world of one on localhost, as `ncpctl pretrain` without a launcher
     on_gpu = d.device.type == "cuda"
     peak, source = device_peak(on_gpu)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and on_gpu)  # train.precision's rule
-    env = Env(d.device, on_gpu, bf16=bf16, peak=peak, peak_source=source)
+    env = Env(d.device, on_gpu, bf16=bf16, peak=peak, peak_source=source, dist=d)
     res: dict[str, Any] = {"ok": False, "dry": args.dry, "env": _env_info(env), "shapes": dict(vars(sh)),
                            "errors": {}, "section_s": {}, "wall_s": 0.0}
-    helpers = _train_step_helpers()
     held: dict[str, Any] = {}  # section 1's engines and step functions, for sections 2 and 5
 
     def section(name: str, fn: Callable[[], Any]) -> None:
@@ -772,7 +747,7 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
             _write(res, args.json)
 
     def train() -> dict[str, Any]:
-        result, trained = train_section(sh, env, helpers)
+        result, trained = train_section(sh, env)
         held.update(trained)
         return result
 
@@ -786,14 +761,14 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
 
     section("train_step", train)
     section("sdpa", needs_train(lambda: sdpa_section(held, env)))
-    section("concept_vs_pm", needs_train(lambda: concept_vs_pm(res["train_step"], helpers)))
+    section("concept_vs_pm", needs_train(lambda: concept_vs_pm(res["train_step"])))
     for engine in held.get("engines", {}).values():  # free section 1's engines before section 3 measures memory
         release(engine)
     held.clear()
     _free(env)
-    section("zero", lambda: zero_section(sh, env, helpers))
+    section("zero", lambda: zero_section(sh, env))
     section("decode", lambda: decode_section(sh, env))
-    section("archpreview", lambda: archpreview_section(sh, env, helpers))
+    section("archpreview", lambda: archpreview_section(sh, env))
     section("dlcm", lambda: dlcm_section(sh, env))
     res["process_s"] = round(time.perf_counter() - _T_PROCESS, 2)
     res["checks"] = checks(res)

@@ -29,7 +29,6 @@ The CPU is shared: the 1-minute load average is printed with every round; read t
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -62,27 +61,15 @@ def _stepper(args: argparse.Namespace, optimizer: str) -> tuple[Callable[[], flo
     import torch
 
     from ncpctl.model.model import NCPModel
+    from ncpctl.profile.step import random_windows, training_step
     from ncpctl.train.config import make_optimizer
 
     r = _recipe(args, optimizer)
     torch.manual_seed(0)
     model = NCPModel(r.model_config)
     opt = make_optimizer(model, r, on_gpu=False)
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, r.model_config.vocab_size, (args.micro_batch, args.seq_len + 1), generator=g)
-               for _ in range(args.accum)]
-
-    def step() -> float:
-        total = 0.0
-        for b in batches:
-            loss = model(b[:, :-1], b[:, 1:]).loss / args.accum
-            loss.backward()
-            total += float(loss.detach())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total
-
-    return step, opt, model
+    batches = random_windows(r.model_config.vocab_size, args.micro_batch, args.seq_len, seed=1, count=args.accum)
+    return training_step(model, opt, batches), opt, model
 
 
 def _ns_probe(opt) -> Callable[[], None]:
@@ -117,21 +104,16 @@ def _opt_step_only(opt, model) -> Callable[[], None]:
     return run
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process): on a shared machine the CPU time is the work
-    done, the wall time also holds the waits for cores other processes held."""
-    gc.collect()
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
 def _best(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, float]:
-    runs = [_timed(fn) for _ in range(repeats)]
+    from ncpctl.profile.timing import clocks
+
+    runs = [clocks(fn) for _ in range(repeats)]
     return min(w for w, _ in runs), min(c for _, c in runs)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from ncpctl.profile.timing import clocks
+
     step_a, opt_a, model_a = _stepper(args, "adamw")
     step_m, opt_m, model_m = _stepper(args, "muon")
     first = {"adamw": step_a(), "muon": step_m()}  # warm-up
@@ -143,7 +125,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cpu: dict[str, list[float]] = {k: [] for k in wall}
     for r in range(args.rounds):
         order = [("adamw", step_a), ("muon", step_m)]
-        timed = [(name, _timed(fn)) for name, fn in (order if r % 2 == 0 else order[::-1])]
+        timed = [(name, clocks(fn)) for name, fn in (order if r % 2 == 0 else order[::-1])]
         timed += [(name, _best(fn)) for name, fn in probes.items()]
         for name, (w, c) in timed:
             wall[name].append(w)

@@ -55,6 +55,8 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
+from ncpctl.profile.timing import gemm_peak, paired_ratios, timed  # noqa: E402  (no torch at import)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 GOALS = {"ours/hf": 0.90, "concept/pm - flops": 0.02, "flops/peak": 0.70}
@@ -74,29 +76,11 @@ def _ours(cfg, seed: int = 0):
     return NCPModel(cfg)
 
 
-def _stepper(model, forward: Callable[[], Any]) -> Callable[[], float]:
-    import torch
+def _step(model, forward: Callable[[], Any]) -> Callable[[], float]:
+    """One step of ``model`` (forward + backward + AdamW + zero_grad), the same optimizer for every model."""
+    from ncpctl.profile.step import adamw, training_step
 
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-
-    def step() -> float:
-        loss = forward()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return step
-
-
-def _batch(cfg, B: int, T: int, seed: int = 1):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g)
-    x, y = idx[:, :T], idx[:, 1:].clone()
-    y[:, -1] = -100  # HF shifts labels inside: it never scores the last position
-    return x, y
+    return training_step(model, adamw(p for p in model.parameters() if p.requires_grad), forward=forward)
 
 
 def interleave(steps: dict[str, Callable[[], float]], rounds: int) -> tuple[dict[str, list[float]], dict[str, float], list[float]]:
@@ -111,34 +95,18 @@ def interleave(steps: dict[str, Callable[[], float]], rounds: int) -> tuple[dict
         # (freed memory handed back to the OS, cold caches), so alternate who goes first
         for name, fn in (list(steps.items()) if r % 2 == 0 else list(steps.items())[::-1]):
             gc.collect()
-            t0 = time.perf_counter()
-            fn()
-            secs[name].append(time.perf_counter() - t0)
-        gemm.append(gemm_peak(repeats=3))
+            secs[name].append(timed(fn)[0])
+        gemm.append(cpu_gemm_peak(repeats=3))
         _say(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {s[-1]:.2f}s" for n, s in secs.items())
              + f", GEMM {gemm[-1] / 1e9:.0f} GFLOP/s  (load {os.getloadavg()[0]:.1f})")
     return secs, first, gemm
 
 
-def _ratios(a: list[float], b: list[float]) -> dict[str, float]:
-    """a/b by best round (the judged one), by medians, and the median of paired rounds."""
-    return {"best": min(a) / min(b), "median": statistics.median(a) / statistics.median(b),
-            "paired_median": statistics.median(x / y for x, y in zip(a, b))}
-
-
-def gemm_peak(n: int = 2048, repeats: int = 5) -> float:
+def cpu_gemm_peak(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the best of ``repeats`` n^3 fp32 GEMMs on this process's threads."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
-    return 2.0 * n**3 / best
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return gemm_peak("cpu", torch.float32, n=n, repeats=repeats)["flop_per_s"]
 
 
 # torch.profiler op names -> the kernel class they belong to (self time; everything else: "other")
@@ -174,6 +142,7 @@ def ours_vs_hf(size: str, B: int, T: int, rounds: int, profile_all: bool = False
 
     from ncpctl.model.accounting import exact_flops
     from ncpctl.model.config import build_config
+    from ncpctl.profile.step import next_token_batch
     from ncpctl.model.hf import hf_config, to_hf_state_dict
 
     cfg = build_config(size, max_seq_len=T)
@@ -181,10 +150,10 @@ def ours_vs_hf(size: str, B: int, T: int, rounds: int, profile_all: bool = False
     hf = GPTNeoXForCausalLM(hf_config(cfg))
     hf.load_state_dict(to_hf_state_dict(ours))
     hf.train()
-    x, y = _batch(cfg, B, T)
+    x, y = next_token_batch(cfg, B, T)
     steps = {
-        "ours": _stepper(ours, lambda: ours(x, y).loss),
-        "hf": _stepper(hf, lambda: hf(input_ids=x, labels=x).loss),
+        "ours": _step(ours, lambda: ours(x, y).loss),
+        "hf": _step(hf, lambda: hf(input_ids=x, labels=x).loss),
     }
     secs, first, gemm = interleave(steps, rounds)
     if abs(first["ours"] - first["hf"]) > 1e-4:
@@ -201,7 +170,7 @@ def ours_vs_hf(size: str, B: int, T: int, rounds: int, profile_all: bool = False
         "size": size, "batch": B, "seq_len": T, "training_flops": flops,
         "first_loss": first, "seconds": secs, "best_s": best,
         "median_s": {n: statistics.median(s) for n, s in secs.items()},
-        "ratio": _ratios(secs["ours"], secs["hf"]),
+        "ratio": paired_ratios(secs["ours"], secs["hf"]),
         "kernel_seconds": kernels, "shared_kernel_floor": floor,
         "gemm_flop_per_s_rounds": gemm, "gemm_peak_flop_per_s": peak,
         "achieved_flop_per_s": {n: flops / b for n, b in best.items()},
@@ -213,17 +182,18 @@ def ours_vs_hf(size: str, B: int, T: int, rounds: int, profile_all: bool = False
 def concept_vs_pm(size: str, B: int, T: int, rounds: int, profile_all: bool = False) -> dict[str, Any]:
     from ncpctl.model.accounting import exact_flops
     from ncpctl.model.config import build_config
+    from ncpctl.profile.step import next_token_batch
 
     cl = build_config(size, max_seq_len=T, concept=dict(enabled=True, k=4, encoder_layers=1, concept_layers=2))
     pm = build_config(size, max_seq_len=T, extra_token_layers=2)
     models = {"concept": _ours(cl), "pm": _ours(pm)}
-    x, y = _batch(cl, B, T)
-    steps = {n: _stepper(m, (lambda m=m: m(x, y).loss)) for n, m in models.items()}
+    x, y = next_token_batch(cl, B, T)
+    steps = {n: _step(m, (lambda m=m: m(x, y).loss)) for n, m in models.items()}
     secs, _, _ = interleave(steps, rounds)
     kernels = {n: breakdown(fn) for n, fn in steps.items()} if profile_all else {}  # no ratio needs them
     f_cl = exact_flops(cl, T, B).training_per_step(causal=True)
     f_pm = exact_flops(pm, T, B).training_per_step(causal=True)
-    ratio = _ratios(secs["concept"], secs["pm"])
+    ratio = paired_ratios(secs["concept"], secs["pm"])
     time_ratio, flops_ratio = ratio["paired_median"], f_cl / f_pm
     return {
         "size": size, "batch": B, "seq_len": T, "seconds": secs,
@@ -241,16 +211,17 @@ def residuals_overhead(size: str, B: int, T: int, rounds: int) -> dict[str, Any]
     ratio (goal <= 1.05) next to the exact FLOPs share of the two mixers."""
     from ncpctl.model.accounting import exact_flops
     from ncpctl.model.config import build_config
+    from ncpctl.profile.step import next_token_batch
 
     concept = dict(enabled=True, k=4, encoder_layers=1, concept_layers=2, code_weights="softmax")
     plain = build_config(size, backbone="llama", max_seq_len=T, concept=concept)
     dyn = build_config(size, backbone="llama", max_seq_len=T, concept=concept, residual="irc",
                        crc_connections=["encoder-concept", "encoder-decoder", "concept-decoder"])
     models = {"irc+crc": _ours(dyn), "plain": _ours(plain)}
-    x, y = _batch(plain, B, T)
-    steps = {n: _stepper(m, (lambda m=m: m(x, y).loss)) for n, m in models.items()}
+    x, y = next_token_batch(plain, B, T)
+    steps = {n: _step(m, (lambda m=m: m(x, y).loss)) for n, m in models.items()}
     secs, _, _ = interleave(steps, rounds)
-    ratio = _ratios(secs["irc+crc"], secs["plain"])
+    ratio = paired_ratios(secs["irc+crc"], secs["plain"])
     return {"size": size, "batch": B, "seq_len": T, "seconds": secs, "ratio": ratio,
             "median_s": {n: statistics.median(v) for n, v in secs.items()},
             "flops_share": exact_flops(dyn, T, B).residual_share,

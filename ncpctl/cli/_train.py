@@ -40,7 +40,8 @@ def run_stage(stage_name: str, recipe_path: str, sets: list[str], json_out: bool
     lock = RunLock(r.run_dir, stage_name, warn=out.warn, break_lock=break_lock) if _rank() == 0 else None
     with lock or contextlib.nullcontext(), stdout_to_stderr():
         from ncpctl.checkpoint import set_verify
-        from ncpctl.train.loop import make_stage, train
+        from ncpctl.train.loop import train
+        from ncpctl.train.stages import make_stage
 
         set_verify(verify)
         stage = make_stage(r, stage_name)

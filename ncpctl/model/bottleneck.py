@@ -169,6 +169,12 @@ class ConceptBottleneck(nn.Module):
                 "independence_loss": b.independence_weight, "respond_loss": b.respond_weight,
                 "express_loss": b.express_weight}
 
+    def external_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """What the model's forward reads outside this module's own forward (ZeRO-3 must gather
+        them there too, ``ncpctl.train.engine``): the LM head's weight (the concept share, the
+        steering stage's gamma) and K (the steering stage's direction)."""
+        return [model.lm_head.weight, self.K]
+
     @property
     def steering(self) -> bool:
         """Whether training runs a steering stage (respond or express weight above 0)."""

@@ -4,15 +4,91 @@ Achieved FLOP/s = exact training FLOPs of the micro-batch (causal attention coun
 ``ncpctl.model.accounting``) / median step time. The denominator of the ratio: on a GPU
 the known dense bf16 peak of the device (MFU), on a CPU the measured rate of a square fp32
 GEMM on the same threads (what the cores can do on the model's dominant operation).
+
+The pieces every speed measurement shares live here once (``bench/`` uses them too): random token
+batches (``random_windows``, ``next_token_batch``), ``adamw``, one step without an engine
+(``training_step``) and one step of a DeepSpeed engine (``engine_step``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ncpctl.model.accounting import exact_flops
 from ncpctl.model.config import ModelConfig
 from ncpctl.profile.timing import gemm_peak, known_bf16_peak, measure
+
+
+def random_windows(vocab_size: int, batch: int, seq_len: int, seed: int = 1, count: int = 1) -> list[Any]:
+    """``count`` batches of random token windows (batch, seq_len + 1), CPU, from one generator."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (batch, seq_len + 1), generator=g) for _ in range(count)]
+
+
+def next_token_batch(cfg: ModelConfig, batch: int, seq_len: int, seed: int = 1):
+    """(x, y) (B, T): random tokens and their next tokens, CPU, the last target -100 (what a
+    Hugging Face model's internal shift never scores, so ours and theirs compute the same loss)."""
+    (idx,) = random_windows(cfg.vocab_size, batch, seq_len, seed)
+    x, y = idx[:, :seq_len], idx[:, 1:].clone()
+    y[:, -1] = -100
+    return x, y
+
+
+def adamw(params, lr: float = 1e-4, **kw: Any):
+    """torch AdamW, fused where the device and dtype have it (HF Trainer's default on torch >= 2.8)."""
+    import torch
+
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=lr, fused=True, **kw)
+    except (RuntimeError, TypeError):  # fused AdamW not available for this device/dtype
+        return torch.optim.AdamW(params, lr=lr, **kw)
+
+
+def training_step(model, opt, batches: list[Any] | None = None, *, forward: Callable[[], Any] | None = None,
+                  clip: float | None = None, sync: Callable[[], None] | None = None) -> Callable[[], float]:
+    """One optimizer step of ``model`` without an engine, as a function returning the loss: for each
+    micro-batch of ``batches`` (windows (micro, T+1)) the model's loss / len(batches) backward, or
+    ``forward()``'s loss backward once; [the gradient norm clipped to ``clip``]; ``opt.step``;
+    ``zero_grad``; [``sync``]."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> float:
+        total = 0.0
+        for b in batches or ():
+            loss = model(b[:, :-1], b[:, 1:]).loss / len(batches)
+            loss.backward()
+            total += float(loss.detach())
+        if forward is not None:
+            loss = forward()
+            loss.backward()
+            total += float(loss.detach())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sync is not None:
+            sync()
+        return total
+
+    return step
+
+
+def engine_step(engine, x, y, report: str | None = None) -> Callable[[], Any]:
+    """One training step of a DeepSpeed engine (``ncpctl.train.engine.build_engine``) on (x, y):
+    forward, ``engine.backward``, ``engine.step``; returns the total loss, or the loss term
+    ``report`` (e.g. ntp_loss), detached (no host sync)."""
+    def step() -> Any:
+        out = engine(x, y)  # training forward: logits None (fused head), .loss set
+        engine.backward(out.loss)
+        engine.step()
+        return (out.loss if report is None else out.losses[report]).detach()
+
+    return step
 
 
 def make_step(cfg: ModelConfig, batch: int, seq_len: int, device, dtype, seed: int = 0):
@@ -27,23 +103,16 @@ def make_step(cfg: ModelConfig, batch: int, seq_len: int, device, dtype, seed: i
     autocast = dtype == torch.bfloat16 and gpu
     if dtype != torch.float32 and not autocast:
         model = model.to(dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
-    try:
-        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    except (RuntimeError, TypeError):  # fused AdamW not available for this device/dtype
-        opt = torch.optim.AdamW(params, lr=1e-4)
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g).to(device)
+    opt = adamw(p for p in model.parameters() if p.requires_grad)
+    (idx,) = random_windows(cfg.vocab_size, batch, seq_len, seed)
+    idx = idx.to(device)
     x, y = idx[:, :-1], idx[:, 1:]
 
-    def step():
+    def forward():
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = model(x, y)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            return model(x, y).loss
 
-    return model, step
+    return model, training_step(model, opt, forward=forward)
 
 
 def step_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, warmup: int = 1, repeats: int = 3,

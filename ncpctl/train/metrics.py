@@ -1,5 +1,5 @@
 """Observability: ``run.dir/metrics.jsonl`` (always), TensorBoard (when asked and installed),
-the MFU peak, the unigram-entropy baseline, and the ``train.plots`` PNGs.
+the unigram-entropy baseline, and the ``train.plots`` PNGs.
 
 metrics.jsonl holds one JSON object per line. Training records (``"split": "train"``): the
 loop's step, lr, tokens, grad_norm, step_time, tokens_per_s, mfu, nonfinite (skipped steps so
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,36 +28,6 @@ import numpy as np
 from ncpctl.fsutil import atomic_write, atomic_write_with, disk_errors
 
 METRICS = "metrics.jsonl"
-
-# Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; first match wins.
-GPU_BF16_PEAK = (("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("A100", 312e12), ("L40S", 362e12),
-                 ("A10G", 70e12), ("L4", 121e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("V100", 125e12))
-
-
-def measure_matmul_peak(n: int = 1024, reps: int = 4) -> float:
-    """FLOP/s of an ``n x n`` fp32 matmul on this process's threads (the CPU "peak")."""
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
-
-
-def device_peak(on_gpu: bool) -> tuple[float, str]:
-    """Per-rank peak FLOP/s for MFU and where it came from."""
-    if on_gpu:
-        import torch
-
-        name = torch.cuda.get_device_name()
-        for key, peak in GPU_BF16_PEAK:
-            if key in name:
-                return peak, f"{name} bf16 peak"
-        return measure_matmul_peak(4096), f"{name}: measured fp32 matmul (unknown device)"
-    return measure_matmul_peak(), "measured fp32 1024x1024 matmul"
-
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int, limit: int = 200_000_000) -> float:
     """Entropy in nats of the unigram token distribution (the loss a model knowing only
@@ -148,7 +117,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return records(path)
 
 
-def write_plots(run_dir: Path, code_counts: np.ndarray | None, warn: Any,
+def write_plots(run_dir: Path, code_counts: np.ndarray | None = None, warn: Any = None,
                 target_ratio: float | None = None) -> list[str]:
     """``loss_curves.png`` (train loss terms and validation losses against step),
     ``codebook_usage.png`` (one panel per codebook segment: how often each code is the nearest

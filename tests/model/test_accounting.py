@@ -318,7 +318,7 @@ def _stage_model(size: str, stage: str, **concept):
     import torch
 
     from ncpctl.model.model import NCPModel
-    from ncpctl.train.loop import freeze_all_but_codebook
+    from ncpctl.train.stages import freeze_all_but_codebook
 
     torch.manual_seed(0)
     model = NCPModel(build_config(size, concept=dict(enabled=True, **concept)))

@@ -188,7 +188,8 @@ def test_the_detection_auc_of_two_ranks_is_that_of_their_union():
     import threading
 
     from ncpctl.model.bottleneck import concept_auc
-    from ncpctl.train.loop import Dist, _detection_auc
+    from ncpctl.train.designs.bottleneck import detection_auc as _detection_auc
+    from ncpctl.train.engine import Dist
 
     slots, gate = [None, None], threading.Barrier(2)
 

@@ -186,7 +186,7 @@ def test_optimizer_groups_carry_the_multipliers(optimizer: str) -> None:
 
 def test_reset_hyperparameters_keeps_each_groups_multiplier() -> None:
     """midtrain ``load: all``: the loaded groups get this recipe's lr and epsilon, times their muP multiplier."""
-    from ncpctl.train.loop import _reset_hyperparameters
+    from ncpctl.train.engine import reset_hyperparameters as _reset_hyperparameters
 
     r = load_recipe(REPO / "recipes" / "debug-dlcm.yaml", ["model.mup_base_width=32"])
     model = NCPModel(r.model_config)
@@ -209,7 +209,7 @@ def test_three_base_rates_reach_their_groups(optimizer: str) -> None:
     """DLCM Sec. 6.1.1's three base rates: eta_E,D = train.mup_lr_token / s_token, eta_M =
     train.mup_lr_concept / s_concept, eta_base_others = train.lr for the rest, in the optimizer's
     groups, under the schedule and after midtrain's reset (s_token 2, s_concept 4 at base 32)."""
-    from ncpctl.train.loop import _reset_hyperparameters
+    from ncpctl.train.engine import reset_hyperparameters as _reset_hyperparameters
 
     lrs = dict(token=1e-3, concept=2e-3, others=5e-4)
     r = load_recipe(REPO / "recipes" / "debug-dlcm.yaml", [

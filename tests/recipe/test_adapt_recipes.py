@@ -15,7 +15,7 @@ import pytest
 
 from ncpctl.model.accounting import count_parameters
 from ncpctl.recipe import load_recipe
-from ncpctl.train.loop import make_stage
+from ncpctl.train.stages import make_stage
 from tests.train.conftest import ENV, tiny_data, weights  # noqa: F401 - the shared tokenized test corpus
 
 from ..conftest import RECIPES, ncpctl_cmd

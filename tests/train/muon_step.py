@@ -106,7 +106,7 @@ def gather_buckets(optimizer) -> int:
 
 def run_stage(stage: int, steps: int, sets: list[str], d) -> dict:
     from ncpctl.model.model import NCPModel
-    from ncpctl.train.loop import _build_engine
+    from ncpctl.train.engine import build_engine as _build_engine
 
     recipe = load_recipe(RECIPES / "debug.yaml", [
         "model.max_seq_len=64", "model.concept.concept_layers=1", "train.seq_len=32", "train.optimizer=muon", "train.grad_clip=0", "train.warmup_steps=0",
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         from ncpctl.train.muon import MuonAdamW
 
         MuonAdamW.gather_bucket = args.bucket
-    from ncpctl.train.loop import init_distributed
+    from ncpctl.train.engine import init_distributed
 
     d = init_distributed()
     for stage in args.stages:

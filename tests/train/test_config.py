@@ -9,7 +9,7 @@ import torch
 
 from ncpctl.recipe import load_recipe
 from ncpctl.train.config import deepspeed_config, lr_schedule, make_optimizer, param_groups
-from ncpctl.train.loop import freeze_all_but_codebook
+from ncpctl.train.stages import freeze_all_but_codebook
 
 from ..conftest import RECIPES
 

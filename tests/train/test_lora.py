@@ -16,7 +16,7 @@ from ncpctl.model.config import build_config  # noqa: E402
 from ncpctl.model.model import NCPModel  # noqa: E402
 from ncpctl.recipe.schema import LoraSection  # noqa: E402
 from ncpctl.train.lora import apply_lora, merge_adapters, scalings  # noqa: E402
-from ncpctl.train.loop import freeze_all_but_codebook  # noqa: E402
+from ncpctl.train.stages import freeze_all_but_codebook  # noqa: E402
 
 PAPER_VQ = 17_301_504  # Sec. 5.1: concept heads 16,777,216 + codebook 524,288
 LORA_PER_RANK = 2_631_680  # 40 blocks x (qkv 4096+12288, attn.proj 4096+4096, mlp.fc 4096+22016, mlp.proj 11008+4096)

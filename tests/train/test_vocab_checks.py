@@ -13,7 +13,7 @@ import pytest
 from ncpctl.data.indexed import IndexedDataset
 from ncpctl.errors import UserError
 from ncpctl.recipe import load_recipe
-from ncpctl.train.loop import _check_vocab
+from ncpctl.train.data import check_vocab as _check_vocab
 
 from .conftest import ncpctl
 

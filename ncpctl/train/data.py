@@ -1,0 +1,106 @@
+"""A training run's data: the train and validation splits, checked against the model and the
+batch before any heavy work (clear errors first), and their window loaders. What a design adds
+to a loader (concept labels, token sources) comes from its hooks (``ncpctl.train.hooks``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ncpctl.data.indexed import IndexedDataset, paths
+from ncpctl.data.windows import WindowLoader
+from ncpctl.errors import UserError
+from ncpctl.recipe.load import Recipe
+from ncpctl.train.hooks import Hooks, dataset_meta
+
+
+@dataclass
+class TrainData:
+    """The splits, the train loader and what the designs add to the validation loader."""
+
+    train_ds: IndexedDataset
+    val_ds: IndexedDataset
+    loader: WindowLoader
+    val_args: dict[str, Any] = field(default_factory=dict)
+
+    def val_loader(self, recipe: Recipe, rank: int, world: int) -> tuple[WindowLoader, int]:
+        """A fresh validation loader (the same fixed batches at every evaluation) and how many of
+        its batches an evaluation reads (``train.eval_batches``, at most one pass)."""
+        t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
+        val = WindowLoader(self.val_ds, T, G, seed=t.seed, rank=rank, world_size=world,
+                           vocab_size=recipe.model_config.vocab_size, vocab_from=vocab_from(recipe)[0], **self.val_args)
+        return val, min(t.eval_batches, math.ceil(val.num_windows / G))
+
+
+def open_data(recipe: Recipe, rank: int, world: int, hooks: Hooks, info: Callable[[str], None]) -> TrainData:
+    """Train and validation data (and what the designs read beside the tokens), checked against
+    the model and the batch (clear errors first)."""
+    t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
+    train_ds, val_ds = dataset(recipe, "train"), dataset(recipe, "val")
+    vocab = recipe.model_config.vocab_size
+    for ds in (train_ds, val_ds):
+        check_vocab(recipe, ds, vocab)
+    train_args = hooks.loader_args("train", train_ds, info)
+    val_args = hooks.loader_args("val", val_ds, info)
+    loader = WindowLoader(train_ds, T, G, seed=t.seed, rank=rank, world_size=world, vocab_size=vocab,
+                          vocab_from=vocab_from(recipe)[0], **train_args)
+    if loader.num_windows < G:
+        raise UserError(f"{train_ds.bin_path}: {train_ds.num_tokens:,} tokens make {loader.num_windows} windows of "
+                        f"seq_len+1 = {T + 1} tokens, fewer than one global batch of {G}",
+                        hint="use more data, or lower train.seq_len / train.global_batch_size")
+    WindowLoader(val_ds, T, G, seed=t.seed)  # raises if validation has not one window
+    return TrainData(train_ds, val_ds, loader, val_args)
+
+
+def dataset(recipe: Recipe, split: str) -> IndexedDataset:
+    given = recipe.data.train_prefix if split == "train" else recipe.data.val_prefix
+    prefix = given or str(recipe.data_dir / split)
+    missing = [str(p) for p in paths(prefix) if not p.is_file()]
+    if missing:
+        raise UserError(f"no {split} data: {' and '.join(missing)} not found",
+                        hint=f"run `ncpctl tokenize {recipe.path}` first, or set data.{split}_prefix")
+    return IndexedDataset(prefix)
+
+
+def vocab_from(recipe: Recipe) -> tuple[str, str]:
+    """Which recipe key set the model's vocabulary size (for messages: name only keys that exist
+    and were used) and what to change: (origin, hint)."""
+    from ncpctl.interop.hf_import import is_hf_dir
+
+    t, tok, n = recipe.train, recipe.tokenizer, recipe.model_config.vocab_size
+    if recipe.model.vocab_size is not None:
+        return "model.vocab_size", "raise model.vocab_size to the data tokenizer's vocabulary size"
+    if t.init_from and (not recipe.model.model_fields_set or is_hf_dir(t.init_from)):
+        return (f"the model of train.init_from {t.init_from}",
+                "tokenize the data with that model's tokenizer (tokenizer.path)")
+    if tok.path:
+        return (f"tokenizer.path {tok.path}; model.vocab_size is unset",
+                "set tokenizer.path to the tokenizer the data was made with, or tokenize the data again")
+    return (f"tokenizer.vocab_size {n}; model.vocab_size is unset",
+            "set tokenizer.vocab_size to the data tokenizer's vocabulary size, or tokenize the data again")
+
+
+def check_vocab(recipe: Recipe, ds: IndexedDataset, vocab: int) -> None:
+    """The data's token ids must fit the model's embedding (checked before training from what
+    meta.json says; the loaders check every batch as it is read)."""
+    origin, hint = vocab_from(recipe)
+    meta_path, meta = dataset_meta(ds)
+    if meta is not None:
+        data_vocab = meta["tokenizer"]["vocab_size"]
+        if data_vocab > vocab:
+            raise UserError(f"{meta_path}: the data's tokenizer has {data_vocab} tokens but the model's vocabulary "
+                            f"has {vocab} ({origin})", hint=hint)
+        top = ((meta.get("splits") or {}).get(Path(ds.prefix).name) or {}).get("max_id")  # recorded by tokenize
+        if isinstance(top, int) and top >= vocab:
+            raise UserError(f"{meta_path}: {ds.bin_path.name} holds token id {top}, outside the model's vocabulary "
+                            f"of {vocab} ids ({origin})", hint=hint)
+        return
+    top = int(np.asarray(ds.tokens[:10_000_000]).max(initial=0))  # no meta.json (a foreign dataset): sample
+    if top >= vocab:
+        raise UserError(f"{ds.bin_path}: token id {top} is outside the model's vocabulary of {vocab} ids ({origin})",
+                        hint=hint)

@@ -1,0 +1,144 @@
+"""The DeepSpeed engine, built once for everyone who trains: ``ncpctl.train.loop``, ``ncpctl
+profile`` and the ``bench/`` scripts (style rule 12: DeepSpeed is the engine).
+
+* ``init_distributed()``: torch.distributed through DeepSpeed, as a ``Dist`` (rank, world size,
+  local rank, device, and the two collectives the loop uses). Without a launcher: a world of one
+  on localhost; under ``deepspeed --num_gpus N`` / a hostfile, rank and world from the launcher.
+* ``build_engine(recipe, model, d)``: the model wrapped exactly as ``ncpctl pretrain`` trains it:
+  ``make_optimizer`` (AdamW, or Muon + AdamW bound to the ZeRO partitions), the warmup/cosine
+  ``LambdaLR``, the generated DeepSpeed config, and under ZeRO-3 the parameters a module reads
+  outside its own forward declared to DeepSpeed (``external_parameters``, below).
+* ``reset_hyperparameters(engine, recipe)``: midtrain with ``train.load: all`` keeps the loaded
+  optimizer *state* but takes this recipe's hyperparameters.
+
+ZeRO-3 gathers a parameter for its own module's forward only. A model component whose forward
+reads a parameter owned by another module (or whose parent reads one of its parameters) says so
+with a method ``external_parameters(model) -> list[nn.Parameter]``; ``build_engine`` registers
+each under ZeRO-3. The engine names no component: it asks every module.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ncpctl.recipe.load import Recipe
+from ncpctl.train.config import base_lrs, deepspeed_config, lr_schedule, make_optimizer, param_groups, use_bf16
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    def barrier(self) -> None:
+        import deepspeed.comm as dist
+
+        dist.barrier()
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) a small vector; returns it as float64 on the CPU (one host sync)."""
+        import deepspeed.comm as dist
+
+        if self.world > 1:
+            t = t.to(self.device)
+            dist.all_reduce(t)
+        return t.double().cpu()
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce (max) a small vector; returns it as float64 on the CPU (one host sync)."""
+        import deepspeed.comm as dist
+
+        if self.world > 1:
+            t = t.to(self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.double().cpu()
+
+
+def init_distributed() -> Dist:
+    """torch.distributed through DeepSpeed; without a launcher, a world of one on localhost."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        acc.set_device(local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:  # ranks sharing one CPU: split its cores
+        local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"])
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    deepspeed.init_distributed(dist_init_required=True, verbose=False)
+    import deepspeed.comm as dist
+
+    device = torch.device(acc.device_name(local_rank)) if acc.device_name() != "cpu" else torch.device("cpu")
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def external_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters some module reads outside its own forward: what every module that declares
+    ``external_parameters(model)`` returns, each once, in module order."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for m in model.modules():
+        declare = getattr(m, "external_parameters", None)
+        if callable(declare) and m is not model:
+            for p in declare(model):
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist,
+                 info: Callable[[str], None] | None = None) -> tuple[Any, bool]:
+    """The DeepSpeed engine of ``model`` as the training loop runs it: our AdamW (or Muon + AdamW)
+    + warmup/cosine LambdaLR, the generated config. Returns (engine, bf16)."""
+    import deepspeed
+
+    on_gpu = d.device.type != "cpu"
+    ds_config = deepspeed_config(recipe, on_gpu)
+    optimizer = make_optimizer(model, recipe, on_gpu)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config, dist_init_required=False)
+    if hasattr(optimizer, "bind"):  # Muon: where its matrices lie in the flat ZeRO partitions
+        optimizer.bind(engine.optimizer)
+    if recipe.deepspeed.zero_stage == 3:
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+        for p in external_parameters(model):
+            register_external_parameter(model, p)
+    bf16 = use_bf16(recipe, on_gpu)
+    if bf16 and info is not None:
+        info("precision: bf16")
+    return engine, bf16
+
+
+def reset_hyperparameters(engine: Any, recipe: Recipe) -> None:
+    """midtrain with ``load: all``: the optimizer *state* comes from the checkpoint, but lr,
+    betas, eps, weight decay (and Muon's momentum and scale) are this recipe's (the loaded param
+    groups carry the old ones). Each group keeps its decoupled-muP multiplier (``lr_mult``,
+    ``eps_mult``: 1/s of its module, by group name as ``param_groups`` builds them for this model)
+    on its module's base rate (``base_lrs``)."""
+    t, schedule, base = recipe.train, lr_schedule(recipe), base_lrs(recipe.train)
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the ZeRO wrapper's inner torch optimizer
+    mults = {g["name"]: g for g in param_groups(engine.module, t.weight_decay, muon=t.optimizer == "muon")}
+    for g in opt.param_groups:
+        mine = mults.get(g.get("name"), {})
+        lr = base.get(mine.get("mup"), t.lr) * mine.get("lr_mult", 1.0)
+        g.update(lr=lr * schedule(0), initial_lr=lr, betas=(t.betas[0], t.betas[1]),
+                 eps=t.eps * mine.get("eps_mult", 1.0), weight_decay=t.weight_decay if g.get("name", "decay").startswith(("decay", "muon")) else 0.0)
+        if "lr_mult" in mine:
+            g.update(lr_mult=mine["lr_mult"], eps_mult=mine["eps_mult"], mup=mine["mup"])
+        if g.get("muon"):
+            g.update(momentum=t.muon_momentum, lr_scale=t.muon_lr_scale)
+    engine.lr_scheduler.base_lrs = [g["initial_lr"] for g in opt.param_groups]  # our LambdaLR (kept by deepspeed)

@@ -1,0 +1,94 @@
+"""The three training stages, which differ in set-up only (style rule 8): ``make_stage(recipe, name)``.
+
+``pretrain`` trains a model from scratch; ``midtrain`` continues a checkpoint (or a Hugging Face
+directory: ConceptLM's continual pretraining), optionally with LoRA adapters (``train.lora``,
+``ncpctl.train.lora``); ``adapt-vq`` adapts a checkpoint's codebook and concept heads, everything
+else frozen (NCP-ArchPreview Sec. 5.1). ``ncpctl.train.loop.train`` runs any of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ncpctl.errors import UserError
+from ncpctl.recipe.load import Recipe
+from ncpctl.train import checkpoint as ckpt
+
+@dataclass
+class Stage:
+    """What differs between pretrain, midtrain and adapt-vq: set-up only."""
+
+    name: str  # "pretrain" | "midtrain" | "adapt-vq"
+    init_from: Path | None = None  # checkpoint (or HF directory) whose weights start the run
+    load: str = "weights"  # "weights" (fresh optimizer) | "all" (also the optimizer state)
+    # what the stage does to the model once its weights are in (also when resuming): adapt-vq
+    # freezes all but the codebook; LoRA freezes everything and adds adapters. None: all train.
+    freeze: Callable[[torch.nn.Module], None] | None = None
+    hf: bool = False  # init_from is a Hugging Face directory (midtrain: ConceptLM continual pretraining)
+
+
+def freeze_all_but_codebook(model: torch.nn.Module) -> None:
+    """NCP-ArchPreview §5.1: only the codebook and the concept heads train. With ``codebook:
+    learned`` the codebook is ``base`` itself (the paper's setting: at 8.9B, 16,777,216 head
+    weights + 524,288 codes = 17,301,504 trained); with ``simvq`` the trained part of the
+    codebook is its transform (the frozen Gaussian base stays frozen). The concept norm before
+    the heads, like every other weight, stays frozen."""
+    concept = model.concept
+    for p in model.parameters():
+        p.requires_grad_(False)
+    cb = concept.codebook
+    trainable = [concept.heads, cb.transform] if cb.transform is not None else [concept.heads]
+    for module in trainable:
+        for p in module.parameters():
+            p.requires_grad_(True)
+    if cb.transform is None:
+        cb.base.requires_grad_(True)
+
+
+def _lora_setup(recipe: Recipe, name: str) -> Callable[[torch.nn.Module], None] | None:
+    """``train.lora``'s set-up (midtrain only), checked before any heavy work."""
+    spec = recipe.train.lora
+    if spec is None:
+        return None
+    if name != "midtrain":
+        does = "trains the codebook and concept heads" if name == "adapt-vq" else "trains a model from scratch"
+        raise UserError(f"{recipe.path}: train.lora: LoRA adapts a checkpoint with `ncpctl midtrain`; "
+                        f"`ncpctl {name}` {does}", hint=f"run `ncpctl midtrain {recipe.path}`, or remove train.lora")
+    if recipe.train.load == "all":
+        raise UserError(f"{recipe.path}: train.load: all restores the optimizer state of init_from's weights; a LoRA "
+                        "run trains new adapters", hint="use train.load: weights")
+    from functools import partial
+
+    from ncpctl.train.lora import apply_lora, lora_config
+
+    lora_config(spec)  # peft present, the section well-formed
+    return partial(apply_lora, spec=spec)
+
+
+def make_stage(recipe: Recipe, name: str) -> Stage:
+    t = recipe.train
+    lora = _lora_setup(recipe, name)
+    if name == "pretrain":
+        return Stage(name)
+    if not t.init_from:
+        raise UserError(f"{recipe.path}: train.init_from: `ncpctl {name}` starts from a checkpoint; none given",
+                        hint="--set train.init_from=runs/<run>/checkpoints/step_... (or a run directory)")
+    from ncpctl.interop.hf_import import is_hf_dir
+
+    if name == "midtrain" and is_hf_dir(t.init_from):
+        if t.load == "all":
+            raise UserError(f"{recipe.path}: train.load: all needs an ncpctl checkpoint; {t.init_from} is a "
+                            "Hugging Face directory (weights only)", hint="use train.load: weights")
+        return Stage(name, Path(t.init_from), "weights", freeze=lora, hf=True)
+    init = ckpt.resolve(t.init_from, "train.init_from")
+    if name == "midtrain":
+        return Stage(name, init, t.load, freeze=lora)
+    cfg = recipe.model_config
+    if cfg is None or not cfg.concept.enabled:
+        raise UserError(f"{recipe.path}: model.concept.enabled: adapt-vq adapts the codebook; this model has no "
+                        "concept path")
+    return Stage(name, init, "weights", freeze_all_but_codebook)
