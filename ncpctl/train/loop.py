@@ -1,10 +1,8 @@
 """The training loop shared by ``pretrain``, ``midtrain`` and ``adapt-vq`` (style rule 8).
 
-The stages differ only in set-up (``ncpctl.train.stages.make_stage``): where the weights come
-from (``train.init_from``), what is frozen (adapt-vq: all but the codebook and the concept heads;
-midtrain with ``train.lora``: every weight, with LoRA adapters added, ``ncpctl.train.lora``),
-and the data (each recipe's own). ``train(recipe, stage, out)`` then reads
-top to bottom, one named piece per stage of a run:
+The stages differ only in set-up (``ncpctl.train.stages``): where the weights come from
+(``train.init_from``), what is frozen, and the data (each recipe's own). ``train(recipe, stage,
+out)`` then reads top to bottom, one named piece per stage of a run:
 
     _prepare: distributed set-up -> data -> resume / init checks (before any heavy work)
               -> model -> DeepSpeed engine -> [restore checkpoint] -> observability
@@ -30,14 +28,12 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from ncpctl.errors import UserError
@@ -49,7 +45,7 @@ from ncpctl.train.engine import Dist, build_engine, init_distributed, reset_hype
 from ncpctl.train.hooks import Hooks
 from ncpctl.train.metrics import MetricsLog, unigram_entropy, write_plots
 from ncpctl.train.packing import LOSS, StepPacking
-from ncpctl.train.stages import Stage
+from ncpctl.train.stages import Stage, build_model
 
 
 FAULT_ENV = "NCPCTL_FAULT"  # test hook, see Faults
@@ -261,7 +257,7 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     resume_from, meta = _weights_source(recipe, stage, d, data.loader, warn)
     _move_foreign_checkpoints(recipe, resume_from, d, warn)
 
-    model = _build_model(recipe, stage, fresh=resume_from is None, info=info)
+    model = build_model(recipe, stage, fresh=resume_from is None, info=info)
     hooks.prepare(model, train_ds=data.train_ds, loader=data.loader, info=info)
     packing = StepPacking.for_model(model, FLAGS, reserved=RECORD_FIELDS)
     n_params = sum(p.numel() for p in model.parameters())
@@ -339,37 +335,6 @@ def _move_foreign_checkpoints(recipe: Recipe, resume_from: Path | None, d: Dist,
         d.barrier()
 
 
-def _build_model(recipe: Recipe, stage: Stage, *, fresh: bool, info: Callable[[str], None]) -> torch.nn.Module:
-    """The model, seeded alike on every rank, with the stage's set-up: its first weights (a
-    checkpoint or a Hugging Face directory; none when resuming), then what it freezes."""
-    from ncpctl.model.model import NCPModel
-
-    t, cfg = recipe.train, recipe.model_config
-    random.seed(t.seed)
-    np.random.seed(t.seed)
-    torch.manual_seed(t.seed)  # the fresh parts (e.g. a new concept path) start the same on every rank
-    if stage.hf and fresh:
-        model = _hf_model(stage.init_from, cfg, t.zero_concept_output)
-        info(f"initialised from the Hugging Face model {stage.init_from}")
-    else:
-        model = NCPModel(cfg)
-        if stage.init_from is not None and fresh:
-            model.load_state_dict(ckpt.read_weights(stage.init_from))
-            info(f"initialised from {stage.init_from} "
-                 f"({'weights only' if stage.load == 'weights' else 'weights + optimizer'})")
-    if stage.freeze is not None:
-        stage.freeze(model)
-    return model
-
-
-def _hf_model(directory: Path, cfg: Any, zero_concept_output: bool) -> torch.nn.Module:
-    """The Hugging Face weights in ``cfg``, which the recipe loader resolved from the HF config
-    plus the recipe's keys (``load_hf_pretrained`` runs its weight checks)."""
-    from ncpctl.interop.hf_import import load_hf_pretrained
-
-    return load_hf_pretrained(directory, cfg=cfg, zero_concept_output=zero_concept_output)
-
-
 def _restore(run: _Run, meta: dict[str, Any]) -> None:
     """Resume: engine, RNG and counters from the checkpoint. midtrain ``load: all``: the optimizer
     state of init_from, with this recipe's hyperparameters and a fresh schedule."""
@@ -439,7 +404,7 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     t0 = time.perf_counter()
     lr = float(engine.get_lr()[0])
     nan = run.faults.nan(run.tot.step + 1)
-    engine.module.on_step_begin(run.tot.step)  # schedules inside the model (the MTP weight)
+    engine.module.on_step_begin(run.tot.step)  # schedules inside the model
     batch = torch.from_numpy(next(run.data.loader))  # (micro * accum, T+1) this rank's share
     attention = _attention_stats(run, batch[: r.train.micro_batch_size]) \
         if _attention_due(r.train.attention_stats_every, run.tot.step + 1) else None

@@ -3,15 +3,18 @@
 ``pretrain`` trains a model from scratch; ``midtrain`` continues a checkpoint (or a Hugging Face
 directory: ConceptLM's continual pretraining), optionally with LoRA adapters (``train.lora``,
 ``ncpctl.train.lora``); ``adapt-vq`` adapts a checkpoint's codebook and concept heads, everything
-else frozen (NCP-ArchPreview Sec. 5.1). ``ncpctl.train.loop.train`` runs any of them.
+else frozen (NCP-ArchPreview Sec. 5.1). ``build_model`` gives a run its model with the stage's
+set-up; ``ncpctl.train.loop.train`` runs any of them.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ncpctl.errors import UserError
@@ -92,3 +95,34 @@ def make_stage(recipe: Recipe, name: str) -> Stage:
         raise UserError(f"{recipe.path}: model.concept.enabled: adapt-vq adapts the codebook; this model has no "
                         "concept path")
     return Stage(name, init, "weights", freeze_all_but_codebook)
+
+
+def build_model(recipe: Recipe, stage: Stage, *, fresh: bool, info: Callable[[str], None]) -> torch.nn.Module:
+    """The model, seeded alike on every rank, with the stage's set-up: its first weights (a
+    checkpoint or a Hugging Face directory; none when resuming), then what it freezes."""
+    from ncpctl.model.model import NCPModel
+
+    t, cfg = recipe.train, recipe.model_config
+    random.seed(t.seed)
+    np.random.seed(t.seed)
+    torch.manual_seed(t.seed)  # the fresh parts (e.g. a new concept path) start the same on every rank
+    if stage.hf and fresh:
+        model = _hf_model(stage.init_from, cfg, t.zero_concept_output)
+        info(f"initialised from the Hugging Face model {stage.init_from}")
+    else:
+        model = NCPModel(cfg)
+        if stage.init_from is not None and fresh:
+            model.load_state_dict(ckpt.read_weights(stage.init_from))
+            info(f"initialised from {stage.init_from} "
+                 f"({'weights only' if stage.load == 'weights' else 'weights + optimizer'})")
+    if stage.freeze is not None:
+        stage.freeze(model)
+    return model
+
+
+def _hf_model(directory: Path, cfg: Any, zero_concept_output: bool) -> torch.nn.Module:
+    """The Hugging Face weights in ``cfg``, which the recipe loader resolved from the HF config
+    plus the recipe's keys (``load_hf_pretrained`` runs its weight checks)."""
+    from ncpctl.interop.hf_import import load_hf_pretrained
+
+    return load_hf_pretrained(directory, cfg=cfg, zero_concept_output=zero_concept_output)
