@@ -10,6 +10,10 @@ Sections (each a function returning a JSON-ready dict; ``run.profile`` runs the 
   (CPU) or the known bf16 peak (GPU).
 * ``trace``: a ``torch.profiler`` Chrome trace of a few steps and its top operators.
 
+Shared with the training loop and ``bench/``: ``timing`` (timing, paired ratios, the GEMM peak and
+the one table of GPU peaks), ``step`` (random batches, one training step with or without a
+DeepSpeed engine) and ``dlcm`` (the DLCM decode benchmark's models).
+
 Model code stays free of timing and I/O (style rule 3): everything here wraps it from outside.
 """
 
