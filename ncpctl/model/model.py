@@ -380,13 +380,13 @@ class NCPModel(nn.Module):
             if m.stat_keys():
                 m.on_step_end({k: stats[k] for k in m.stat_keys()})
 
-    # ---- incremental decoding (spec section 5; see decode.py) ----
+    # ---- causal decoding (spec section 5; see decode.py) ----
 
     def prefill(self, tokens: torch.Tensor, lengths, max_len: int | None = None, *,
                 interventions: Sequence[Intervention] | None = None) -> tuple[torch.Tensor, DecodeState]:
         """Left-padded prompts (B, Tp) with real ``lengths`` -> (logits (B, Tp, V), state).
         ``max_len``: slots to allocate (None: caches grow as needed)."""
-        if not self.objective.incremental:
+        if not self.objective.causal:
             raise ValueError(f"objective {self.cfg.objective!r} does not decode on KV caches (its attention pattern "
                              "lets a position see later ones); generate through objective.decoding")
         ivs = self.check_interventions(interventions)

@@ -18,8 +18,9 @@ An ``Objective`` says, for one model:
 place that knows the shift (targets[:, p] = window[:, p + 1]), with causal attention and decoding
 on KV caches (``NCPModel.prefill`` / ``decode_step``). Another objective is registered with
 ``ncpctl.model.register("objective", name, cls)`` or named as ``package.module:Class`` (see
-docs/architecture.md, "An objective"). ``incremental`` says whether cached decoding is exact for
-its pattern (each position's states depend on earlier positions only).
+docs/architecture.md, "An objective"). ``causal`` says whether each position's output depends
+on earlier positions only (its pattern is causal): then cached decoding is exact and scoring may
+right-pad a batch.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Objective:
     """Base of the training objectives; ``cfg`` is the model's ``ModelConfig``."""
 
     loss_key = "ntp_loss"
-    incremental = True  # cached decoding (prefill + decode_step) equals the full forward
+    causal = True  # each position sees earlier ones only: cached decoding exact, right padding harmless
 
     def __init__(self, cfg: Any):
         self.cfg = cfg

@@ -796,7 +796,7 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     stats = torch.zeros(len(pk.stats), device=d.device)
     label_mbs = _micro_labels(run.loader.last_labels(), len(ids), r.train.micro_batch_size)
     for mb, mb_ids, lab in zip(batch.split(r.train.micro_batch_size), ids, label_mbs):
-        x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)  # (micro, T) inputs, next tokens
+        x, y = (t.to(d.device) for t in engine.module.objective.batch(mb))  # (micro, T) inputs, targets
         kw: dict[str, Any] = {"sample_ids": mb_ids.to(d.device)} if keyed else {}
         if lab is not None:
             kw["concept_labels"] = lab.to(d.device)
@@ -828,7 +828,7 @@ def _attention_stats(run: _Run, mb: torch.Tensor) -> dict[str, float]:
     (micro, T+1), before the step's update: the weights the step's loss is computed with. Max
     over ranks in one collective; ``seconds``: what it took (kept out of the step's time)."""
     t0 = time.perf_counter()
-    x, y = mb[:, :-1].to(run.d.device), mb[:, 1:].to(run.d.device)  # (micro, T)
+    x, y = (t.to(run.d.device) for t in run.engine.module.objective.batch(mb))  # (micro, T) inputs, targets
     stats = run.engine.module.attention_stats(x, y)
     values = run.d.max(torch.stack(list(stats.values())).float()) if stats else torch.zeros(0)
     return {**dict(zip(stats, values.tolist())), "seconds": time.perf_counter() - t0}
@@ -891,7 +891,7 @@ def _evaluate(run: _Run, collect_codes: bool = False) -> None:
             label_mbs = _micro_labels(val.last_labels(), n_micro, t.micro_batch_size)
             src_mbs = _micro_labels(val.last_sources(), n_micro, t.micro_batch_size)
             for mb, lab, src in zip(windows.split(t.micro_batch_size), label_mbs, src_mbs):  # (micro, T+1)
-                x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)
+                x, y = (t.to(d.device) for t in engine.module.objective.batch(mb))
                 if lab is None:
                     o = engine(x, y)
                 else:
