@@ -186,10 +186,10 @@ class NCPLM(TemplateLM):
         scored: dict[tuple[int, tuple[int, ...]], int] = {}  # (forward, continuation) -> score index
         per_input: list[list[int]] = []  # forward index -> its score indices
         conts: list[tuple[int, ...]] = []
-        firsts: list[int] = []  # score index -> the position scoring its first token
+        where: list[tuple[int, ...]] = []  # score index -> the positions scoring its tokens
         which = []
         for _, ctx, cont in requests:
-            inp, cont, first = score(ctx, cont, L)
+            inp, cont, at = score(ctx, cont, L)
             f = inputs.setdefault(inp, len(inputs))
             if f == len(per_input):
                 per_input.append([])
@@ -197,7 +197,7 @@ class NCPLM(TemplateLM):
             if key not in scored:
                 scored[key] = len(conts)
                 conts.append(cont)
-                firsts.append(first)
+                where.append(at)
                 per_input[f].append(scored[key])
             which.append(scored[key])
         input_ids = list(inputs)  # in forward-index order
@@ -219,7 +219,7 @@ class NCPLM(TemplateLM):
                 for j in per_input[f]:
                     n = len(conts[j])
                     rows += [r] * n
-                    cols += range(firsts[j], firsts[j] + n)
+                    cols += where[j]
                     targets += conts[j]
                     spans.append((j, n))
             # final-norm hidden states (B, T, d): the LM head runs only on the scored rows

@@ -9,8 +9,8 @@ An ``Objective`` says, for one model:
 * ``loss(model, h, targets)``: the main loss from what the LM head reads h (B, T, d), named
   ``loss_key`` in ``NCPOutput.losses`` and in the logs (``log_keys``);
 * ``score(context, continuation, max_len)``: how lm-eval's log-likelihood of a continuation is
-  read from one forward: the input ids, and the positions whose logits score each continuation
-  token;
+  read from one forward: the input ids, the continuation tokens scored, and the position whose
+  logits score each of them;
 * ``decoding(model, tokens, lengths, max_len, interventions)``: how it generates: a ``Decoding``
   whose ``logits`` (B, V) pick each row's next token and whose ``step(tokens)`` feeds them.
 
@@ -81,9 +81,9 @@ class Objective:
         return [LogKey(self.loss_key)]
 
     def score(self, context: Sequence[int], continuation: Sequence[int],
-              max_len: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        """(input ids, the continuation tokens scored, the position whose logits score the first
-        of them; the i-th scored token is read at that position + i)."""
+              max_len: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(input ids (at most ``max_len``), the continuation tokens scored (a continuation longer
+        than the window: its last ones), the position whose logits score each of them)."""
         raise NotImplementedError
 
     def decoding(self, model, tokens: torch.Tensor, lengths, max_len: int | None,
@@ -104,7 +104,7 @@ class NextToken(Objective):
         seq = (list(context) + list(continuation))[-(max_len + 1):]
         inp = tuple(seq[:-1])
         cont = tuple(continuation)[len(continuation) - min(len(continuation), len(inp)):]
-        return inp, cont, len(inp) - len(cont)
+        return inp, cont, tuple(range(len(inp) - len(cont), len(inp)))
 
     def decoding(self, model, tokens, lengths, max_len, interventions=None) -> Decoding:
         return CachedDecoding(model, tokens, lengths, max_len, interventions)
