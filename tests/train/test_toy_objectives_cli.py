@@ -4,7 +4,8 @@ in the recipe by import path, as a user's would be) trains, evaluates and genera
 real ``ncpctl`` entry point: ``pretrain`` logs its own loss key in training and validation,
 ``eval`` scores lm-eval tasks through its ``score`` (log-likelihood) and ``decoding``
 (generate_until), and ``generate`` produces the tokens its decoding rule picks (checked against
-full forwards of the saved checkpoint here). The checkpoint names the objective, so opening it
+full forwards of the saved checkpoint here); ``export`` refuses it (a Hugging Face causal LM
+predicts the next token). The checkpoint names the objective, so opening it
 imports the toy only when the user names it too (``--strategy``). The two-ahead toy's
 generation and scoring are checked in-process (tests/model/test_objectives.py,
 tests/evaluate/test_lm_objective.py): a second CLI run would cost ~30 s more."""
@@ -68,3 +69,6 @@ def test_toy_objective_trains_evaluates_and_generates_through_the_cli(make_recip
     if gen["finish_reason"] == "eod":
         want = want[:-1]
     assert gen["tokens"] >= 1 and gen["text"] == loaded.tokenizer.decode(want, skip_special_tokens=False)
+
+    exp = ncpctl("export", ck, "--out", str(tmp_path / "hf"), "--strategy", path, env=ENV)
+    assert exp.returncode == 2 and "model.objective" in exp.stderr and not (tmp_path / "hf" / "config.json").exists()
