@@ -248,7 +248,8 @@ class NCPModel(nn.Module):
                 concept_labels: torch.Tensor | None = None, return_bottleneck: bool = False,
                 sample_ids: torch.Tensor | None = None) -> NCPOutput:
         """idx (B, T) token ids; targets (B, T) aligned with idx as the objective builds them
-        (``objective.batch``; next-token: targets[:, p] = x[p+1]), -100 = ignore. Returns logits (B, T, V) and, with targets, the losses;
+        (``objective.batch``; next-token: targets[:, p] = x[p+1]), -100 = ignore. Returns logits
+        (B, T, V) and, with targets, the losses (the objective's first, ``objective.loss_key``);
         ``return_hidden``: the final-norm states; ``return_states``: every stack's per-depth states.
         ``concept_labels`` (B, T, n) bool/float: token t carries evidence of labelled concept c
         (the bottleneck's concept loss and teacher forcing); ``return_bottleneck``: its parts

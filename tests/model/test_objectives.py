@@ -83,7 +83,8 @@ def test_two_ahead_trains_on_the_token_two_ahead():
     w = tokens(TWO, 2, 17)
     x, y = model.objective.batch(w)
     out = model(x, y)
-    assert list(out.losses)[0] == "two_ahead_loss" and [k.name for k in model.log_keys()][:2] == ["loss", "two_ahead_loss"]
+    keys = [k.name for k in model.log_keys()]
+    assert list(out.losses)[0] == "two_ahead_loss" and keys[:2] == ["loss", "two_ahead_loss"]
     with torch.no_grad():
         logits = model(x).logits[:, :-1]  # the padded vocabulary, as the fused head
     ref = F.cross_entropy(logits.flatten(0, 1), w[:, 2:].flatten())
