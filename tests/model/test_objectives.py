@@ -17,9 +17,11 @@ from ncpctl.model.patterns import kernel_masks
 from ncpctl.inference import SamplingParams, generate
 
 from . import toy_objectives as toys
+from . import toys as _segmentations  # noqa: F401  (registers the toy segmentation "alt23")
 from ._helpers import build, check_cached_decode, check_causal, ragged_batch, tiny, tokens
 
 TWO = tiny("llama", objective="two_ahead", sliding_window=3, full_attn_every=2)
+TWO_CONCEPT = tiny("neox", objective="two_ahead", concept=dict(segmentation="alt23"))  # with a toy segmentation
 MASKED = tiny("neox", objective="tests.model.toy_objectives:MaskedBlocks")  # by import path
 
 
@@ -67,12 +69,13 @@ def test_default_path_is_sdpa_is_causal_and_the_masked_toy_gets_its_block_mask(m
 
 # ---- two tokens ahead: causal, decodes on KV caches ----
 
-def test_two_ahead_is_causal_and_decodes_exactly_on_caches():
-    model = build(TWO, scale=0.2).double()
+@pytest.mark.parametrize("cfg", [TWO, TWO_CONCEPT], ids=["sliding-llama", "alternating-concepts-neox"])
+def test_two_ahead_is_causal_and_decodes_exactly_on_caches(cfg):
+    model = build(cfg, scale=0.2).double()
     with torch.no_grad():
         check_causal(model, T=13, seed=7)
     lengths, n_new = [5, 2, 7, 4], 6
-    seqs, prompt = ragged_batch(TWO, lengths, n_new)
+    seqs, prompt = ragged_batch(cfg, lengths, n_new)
     with torch.no_grad():
         full = [model(seqs[b : b + 1, : n + n_new]).logits[0] for b, n in enumerate(lengths)]
     check_cached_decode(model, seqs, prompt, lengths, full, 1e-9)
