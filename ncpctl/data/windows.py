@@ -3,8 +3,11 @@
 Like Megatron's GPTDataset, documents (each already ending in EOD) are one flat token
 stream, cut into windows of ``seq_len + 1`` tokens that overlap by one token::
 
-    window i = tokens[i*T : i*T + T + 1]      inputs = w[:, :-1], targets = w[:, 1:]
+    window i = tokens[i*T : i*T + T + 1]
     num_windows = (num_tokens - 1) // T
+
+The model's objective turns a window into its inputs and targets (``Objective.batch``;
+next-token prediction: inputs = w[:, :-1], targets = w[:, 1:]).
 
 Each epoch visits every window once in an order fixed by ``(seed, epoch)``. A step takes
 the next ``global_batch_size`` windows of that order (rolling into the next epoch when

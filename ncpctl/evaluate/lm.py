@@ -3,11 +3,14 @@
 Scoring (``loglikelihood``, ``loglikelihood_rolling``) runs full forwards on right-padded
 batches sorted by length: right padding never reaches a real position (every stack is
 causal and a concept block containing padding only feeds positions at or after its own
-last slot, which is padding), so a ConceptLM sees exactly what a lone full forward sees.
+last slot, which is padding), so a ConceptLM sees exactly what a lone full forward sees; a
+model whose objective is not causal (``Objective.causal``) is scored one request at a time.
+Which input a request is scored on, and at which positions, is the objective's
+(``Objective.score``).
 Only the positions being scored go through the LM head (the rest of a sequence needs
 just its hidden states); requests with the same input (e.g. one-token answers to one
 question) share a forward, each scored on its own continuation. Generation
-(``generate_until``) runs on the incremental decoder (``ncpctl.inference``).
+(``generate_until``) is the objective's (``ncpctl.inference``; next-token: the incremental decoder).
 
 Scores are normalised over the tokenizer's vocabulary (``cfg.vocab_size``), not the padded
 rows of the embedding, which no text can produce.
@@ -171,20 +174,22 @@ class NCPLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **_) -> list[tuple[float, bool]]:
         """requests: (key, context ids, continuation ids) -> (sum log p(cont), greedy?).
 
-        The model input is context + continuation minus its last token, left-truncated to
-        ``max_length`` like HFLM. Requests with the same input share one forward but are each
-        scored on their own continuation: one-token answers to the same question have equal
-        inputs and differ only in the target. Identical requests are scored once."""
+        The model's objective says which input a request is scored on and which positions'
+        logits score its continuation (``Objective.score``; next-token: context + continuation
+        minus its last token, left-truncated to ``max_length`` like HFLM). Requests with the
+        same input share one forward but are each scored on their own continuation: one-token
+        answers to the same question have equal inputs and differ only in the target.
+        Identical requests are scored once."""
         L, V = self.max_length, self.cfg.vocab_size
+        score = self.model.objective.score
         inputs: dict[tuple[int, ...], int] = {}  # input ids -> forward index
         scored: dict[tuple[int, tuple[int, ...]], int] = {}  # (forward, continuation) -> score index
         per_input: list[list[int]] = []  # forward index -> its score indices
         conts: list[tuple[int, ...]] = []
+        where: list[tuple[int, ...]] = []  # score index -> the positions scoring its tokens
         which = []
         for _, ctx, cont in requests:
-            seq = (list(ctx) + list(cont))[-(L + 1):]
-            inp = tuple(seq[:-1])
-            cont = tuple(cont)[len(cont) - min(len(cont), len(inp)):]  # longer than the window: its last tokens
+            inp, cont, at = score(ctx, cont, L)
             f = inputs.setdefault(inp, len(inputs))
             if f == len(per_input):
                 per_input.append([])
@@ -192,13 +197,14 @@ class NCPLM(TemplateLM):
             if key not in scored:
                 scored[key] = len(conts)
                 conts.append(cont)
+                where.append(at)
                 per_input[f].append(scored[key])
             which.append(scored[key])
         input_ids = list(inputs)  # in forward-index order
         order = sorted(range(len(input_ids)), key=lambda i: -len(input_ids[i]))
         results: list[tuple[float, bool] | None] = [None] * len(conts)
         dev = self._device
-        bs = self._batch_size
+        bs = self._batch_size if self.model.objective.causal else 1  # right padding would be seen
         head = self.model.head
         for s in range(0, len(order), bs):
             idx = order[s : s + bs]
@@ -213,7 +219,7 @@ class NCPLM(TemplateLM):
                 for j in per_input[f]:
                     n = len(conts[j])
                     rows += [r] * n
-                    cols += range(len(inp) - n, len(inp))
+                    cols += where[j]
                     targets += conts[j]
                     spans.append((j, n))
             # final-norm hidden states (B, T, d): the LM head runs only on the scored rows

@@ -1,8 +1,9 @@
-"""Batched generation on the incremental decoder (spec section 5).
+"""Batched generation (spec section 5), as the model's objective decodes (``Objective.decoding``).
 
-Prompts are left-padded into one batch, run once through ``model.prefill`` and then one
-token per step through ``model.decode_step`` (KV caches, per-row concept-block phase), so
-a ConceptLM sees exactly the tokens a full forward would. Each row samples with its own
+Prompts are left-padded into one batch; the objective's ``Decoding`` gives each row's logits of
+its next token and is fed the picked tokens. Next-token prediction runs the prompts once through
+``model.prefill`` and then one token per step through ``model.decode_step`` (KV caches, per-row
+concept-block phase), so a ConceptLM sees exactly the tokens a full forward would. Each row samples with its own
 ``torch.Generator`` seeded ``seed + row``: a prompt's output does not depend on which other
 prompts share its batch, and the same seed gives the same text.
 
@@ -122,8 +123,8 @@ def generate(
     gens: list[torch.Generator | None] = [None] * B
     if params.seed is not None:
         gens = [torch.Generator(device=dev).manual_seed(params.seed + b) for b in range(B)]
-    logits, state = model.prefill(x, lengths, max_len=Tp + n_new, interventions=interventions)
-    last = logits[:, -1]  # (B, V): the last slot is every row's last real token
+    dec = model.objective.decoding(model, x, lengths, Tp + n_new, interventions)
+    last = dec.logits  # (B, V): each row's next token
     out: list[list[int]] = [[] for _ in range(B)]
     texts = [""] * B
     shown = [0] * B
@@ -158,7 +159,8 @@ def generate(
                     shown[b] = safe
         if all(done) or step == n_new - 1:
             break
-        last = model.decode_step(state, nxt)
+        dec.step(nxt)
+        last = dec.logits
     result = []
     for b in range(B):
         if on_text is not None and len(texts[b]) > shown[b]:

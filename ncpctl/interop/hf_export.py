@@ -173,6 +173,11 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     cfg, model = loaded.config, loaded.model
+    from ncpctl.model import NextToken
+
+    if not isinstance(model.objective, NextToken):  # every exported architecture is a next-token causal LM
+        raise UserError(f"model.objective: {cfg.objective!r} is not next-token prediction, which an exported "
+                        "Hugging Face causal LM is", hint="export supports next_token models")
     eod_token, eod = _eod(loaded)
     dtype_name = str(torch_dtype).removeprefix("torch.")
     # the concept path or Steerling's bottleneck: no HF architecture holds them, so the export carries

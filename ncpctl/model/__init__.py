@@ -4,9 +4,11 @@
 friends load on first access.
 
 Extension points (docs/architecture.md): a segmentation (subclass ``Segmenter``), a coupling
-(``Coupling``) or a depth mixer (``Residual``) is registered by name with
+(``Coupling``), a depth mixer (``Residual``) or a training objective (``Objective``, declaring
+its attention ``Pattern``: ``Causal``, ``BlockCausal``, ...) is registered by name with
 ``register(kind, name, cls)`` and chosen with the recipe keys ``model.concept.segmentation``,
-``model.concept.coupling`` and ``model.residual`` (or named there as ``package.module:Class``);
+``model.concept.coupling``, ``model.residual`` and ``model.objective`` (or named there as
+``package.module:Class``);
 ``interventions`` (``CodeEdit``, ``AddToDecoderInput``, ``AddToResidual``) edit a forward and
 incremental decoding alike.
 """
@@ -38,6 +40,13 @@ _LAZY = {
     "CodeEdit": "ncpctl.model.interventions",
     "AddToDecoderInput": "ncpctl.model.interventions",
     "AddToResidual": "ncpctl.model.interventions",
+    "Objective": "ncpctl.model.objective",
+    "NextToken": "ncpctl.model.objective",
+    "Decoding": "ncpctl.model.objective",
+    "CachedDecoding": "ncpctl.model.objective",
+    "Pattern": "ncpctl.model.patterns",
+    "Causal": "ncpctl.model.patterns",
+    "BlockCausal": "ncpctl.model.patterns",
 }
 
 __all__ = ["SIZES", "BottleneckConfig", "ConceptConfig", "ConfigError", "ModelConfig", "SegmentationLaw", "build_config", "register",

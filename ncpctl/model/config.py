@@ -106,6 +106,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "segmentation": {"fixed": ".segment:FixedBlocks", "dynamic": ".dynamic:DynamicSegmenter"},
     "coupling": {"add": ".coupling:AddCoupling", "cross_attention": ".coupling:CrossAttentionCoupling"},
     "residual": {"plain": ".layers:PlainResidual", "irc": ".residual:IRC", "block_attnres": ".residual:BlockAttnRes"},
+    "objective": {"next_token": ".objective:NextToken"},
 }
 LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS, "dynamic": DYNAMIC}
 
@@ -127,7 +128,7 @@ def _check_rope_scaling(rs: Any) -> list[tuple[str, str]]:
 
 def register(kind: str, name: str, cls: Any = None) -> Any:
     """Make ``cls`` the strategy ``name`` of extension point ``kind`` (``segmentation``,
-    ``coupling`` or ``residual``); then ``model.concept.segmentation: name`` (etc.) selects it.
+    ``coupling``, ``residual`` or ``objective``); then ``model.concept.segmentation: name`` (etc.) selects it.
     A segmentation class must declare its ``law`` (a ``SegmentationLaw``). Usable as a class
     decorator: ``@register("segmentation", "mine")``. Returns ``cls``."""
     if kind not in STRATEGIES:
@@ -512,6 +513,10 @@ class ModelConfig:
         "arXiv 2603.15031; NCP-ArchPreview Table 3's external baseline): each layer's input is a softmax over "
         "the stored states of completed blocks of attnres_block layers and the current partial block, with a "
         "learned pseudo-query per layer; or a registered depth mixer / package.module:Class.")
+    objective: str = _f(
+        "next_token", "What the model is trained to predict (inputs and targets from a data window, the "
+        "attention pattern, the loss, scoring and generation): next_token = next-token prediction; or a "
+        "registered objective / package.module:Class (docs/architecture.md).")
     irc_hidden: int = _f(32, "IRC: hidden width of each layer's weight MLP (the paper does not state it).")
     irc_normalize: Literal["none", "softmax"] = _f(
         "none", "IRC weights: none = unnormalised (the paper); softmax = Table 3's per-stage-softmax variant.")
@@ -629,7 +634,7 @@ class ModelConfig:
                     problems.append(("concept.cross_attention", _NO_AUTO))
                 elif getattr(c, name) not in allowed:
                     problems.append((f"concept.{name}", f"must be one of {', '.join(allowed)}, got {getattr(c, name)!r}"))
-        chosen = [("residual", "residual", self.residual)]
+        chosen = [("residual", "residual", self.residual), ("objective", "objective", self.objective)]
         if c.enabled:
             chosen += [("concept.segmentation", "segmentation", c.segmentation),
                        ("concept.coupling", "coupling", c.coupling)]

@@ -29,6 +29,7 @@ import torch
 
 from .interventions import decoder_input_addition, edit_code_weights, readout_addition, residual_additions
 from .layers import Context, KVCache, attn_mask, rope
+from .patterns import step_masks
 
 
 @dataclass
@@ -110,7 +111,9 @@ def prefill(model, tokens: torch.Tensor, lengths, max_len: int | None, ivs: list
     positions = (slots[None] - st.pad_t[:, None]).clamp_min(0)  # (B, Tp)
     x = model.embed_tokens(tokens, positions)  # (B, Tp, d)
     cos, sin = rope(positions, cfg, x.dtype)
-    masks = {w: attn_mask(slots[None], slots[None], w, valid) for w in set(cfg.token_windows)}
+    # each layer's declared pattern over the rows' own positions (padding: negative, never visible)
+    slot_pos = slots[None] - st.pad_t[:, None]  # (B, Tp)
+    masks = step_masks(model.token_patterns, slot_pos, slot_pos, valid)
     enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=0, length=Tp), positions, x, st)
     h, depths = _encode(model, x, enc)
     z, concept_depths = _concept_prefill(model, st, h, lengths, ivs, depths) if cm is not None else (h, None)
@@ -199,7 +202,7 @@ def step(model, st: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
     cos, sin = rope(pos, model.cfg, x.dtype)
     keys = torch.arange(s + 1, device=dev)
     valid = keys[None] >= st.pad_t[:, None]  # (B, s+1)
-    masks = {w: attn_mask(keys[s:][None], keys[None], w, valid) for w in set(model.cfg.token_windows)}
+    masks = step_masks(model.token_patterns, pos, keys[None] - st.pad_t[:, None], valid)
     ivs = st.interventions
     enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=s, length=s + 1), pos, x, st)
     h, depths = _encode(model, x, enc)

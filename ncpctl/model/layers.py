@@ -32,6 +32,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .config import ModelConfig, strategy
+from .patterns import Pattern, as_pattern, attn_mask, kernel_masks  # noqa: F401  (attn_mask: re-exported)
 
 
 class RMSNorm(nn.Module):
@@ -138,41 +139,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return _Rope.apply(x, cos, sin)
 
 
-# ---- attention masks and KV cache ------------------------------------------------------
-
-
-def attn_mask(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, k_valid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Boolean SDPA mask (B|1, 1, Tq, Tk), True = attend.
-
-    Key j is visible from query i iff 0 <= pos_i - pos_j < window (HF's sliding-window rule:
-    the window counts the query itself) and the key is valid (not padding). A query always
-    sees itself, so a padding query never has an empty row (SDPA would return NaN).
-    """
-    diff = q_pos[..., :, None] - k_pos[..., None, :]  # (B|1, Tq, Tk)
-    m = diff >= 0
-    if window is not None:
-        m = m & (diff < window)
-    if k_valid is not None:
-        m = m & (k_valid[:, None, :] | (diff == 0))
-    return m[:, None]
+# ---- attention masks (patterns.py) and KV cache ----------------------------------------
 
 
 def causal_masks(windows: set, T: int, device: torch.device) -> dict:
-    """Masks for a plain (unpadded, uncached) sequence of length T, one per window.
-
-    ``None`` means SDPA ``is_causal=True`` (flash kernels on GPU); an explicit mask is built
-    only for a window shorter than the sequence.
-    """
-    out: dict = {}
-    for w in windows:
-        if w is None or T <= w:
-            out[w] = None
-        else:
-            pos = torch.arange(T, device=device)[None]
-            out[w] = attn_mask(pos, pos, w)
-    return out
+    """Masks for a plain (unpadded, uncached) sequence of length T, one per window (a causal
+    pattern's key): ``None`` means SDPA ``is_causal=True``; an explicit mask is built only for a
+    window shorter than the sequence (``kernel_masks`` of patterns.py, for any declared pattern)."""
+    return kernel_masks(windows, T, device)
 
 
 class KVCache:
@@ -256,8 +230,9 @@ class RowsCache:
 class Context:
     """Everything a stack needs besides its input x (B, T, d).
 
-    ``cos``/``sin`` (B|1, 1, T, rotary_dim) from ``rope``; ``masks`` maps each layer window to
-    its SDPA mask (B|1, 1, T, Tk) or None (``is_causal``); ``caches`` one ``KVCache`` per layer
+    ``cos``/``sin`` (B|1, 1, T, rotary_dim) from ``rope``; ``masks`` maps each layer's attention
+    pattern (its ``Pattern.key``: a causal pattern's window) to its SDPA mask (B|1, 1, T, Tk) or None
+    (``is_causal``); ``caches`` one ``KVCache`` per layer
     (incremental decoding) with the write index ``at`` and read length ``length``; ``memory``
     (B, M, d_mem) and ``memory_mask`` (B|1, 1, T, M) for blocks that cross-attend (a coupling
     that attends to concepts sets them); ``adds`` maps a layer index to a tensor added to the
@@ -281,10 +256,12 @@ class Context:
     sources: list | None = None
 
     @classmethod
-    def causal(cls, cfg: ModelConfig, positions: torch.Tensor, windows, dtype: torch.dtype) -> "Context":
-        """A plain (unpadded, uncached) sequence with integer RoPE ``positions`` (B|1, T)."""
+    def causal(cls, cfg: ModelConfig, positions: torch.Tensor, patterns, dtype: torch.dtype) -> "Context":
+        """A plain (unpadded, uncached) sequence with integer RoPE ``positions`` (B|1, T), for layers
+        of the given attention ``patterns`` (``Pattern``s, or bare windows: causal ones), each mapped
+        to its fastest kernel (``kernel_masks``)."""
         cos, sin = rope(positions, cfg, dtype)
-        return cls(cos, sin, causal_masks(set(windows), positions.shape[-1], positions.device))
+        return cls(cos, sin, kernel_masks(set(patterns), positions.shape[-1], positions.device))
 
     def with_(self, **changes: Any) -> "Context":
         return replace(self, **changes)
@@ -298,10 +275,14 @@ class Attention(nn.Module):
     # what SDPA gets; None (the class default) in every other forward, which then does nothing extra
     probe: Any = None
 
-    def __init__(self, cfg: ModelConfig, window: int | None):
+    def __init__(self, cfg: ModelConfig, window: int | None | Pattern):
+        """``window``: the layer's declared attention pattern (patterns.py), or a bare sliding
+        window (None: full), i.e. ``Causal(window)``. The context hands the layer the mask the
+        pattern maps to (``Context.masks[pattern.key]``): None = SDPA ``is_causal``."""
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.window = window
+        self.pattern = as_pattern(window)
+        self.window, self.mask_key = self.pattern.window, self.pattern.key
         self.qk_norm = cfg.qk_norm
         self.rotary = cfg.rotary_dim > 0  # gpt2: learned absolute positions, nothing to rotate
         q_dim, kv_dim = self.n_heads * self.hd, self.n_kv * self.hd
@@ -394,7 +375,7 @@ class Block(nn.Module):
         return norm(f(x, *args)) if self.post else f(norm(x), *args)
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
-        a = self._sub(self.attn_norm, self.attn, x, ctx.cos, ctx.sin, ctx.masks[self.attn.window], cache)
+        a = self._sub(self.attn_norm, self.attn, x, ctx.cos, ctx.sin, ctx.masks[self.attn.mask_key], cache)
         if self.cross is not None:
             return self._with_cross(x, a, ctx)
         if self.parallel:
@@ -483,6 +464,11 @@ class Stack(nn.Module):
     @property
     def windows(self) -> set:
         return {blk.attn.window for blk in self}
+
+    @property
+    def patterns(self) -> set:
+        """The layers' declared attention patterns (patterns.py)."""
+        return {blk.attn.pattern for blk in self}
 
     @property
     def n_depths(self) -> int:

@@ -33,7 +33,7 @@ from torch import nn
 from .concept import ConceptModule, ConceptOutput, coupling_layer_factory
 from .coupling import Coupling
 from .bottleneck import BottleneckOutput, ConceptBottleneck
-from .config import ModelConfig, steer_site
+from .config import ModelConfig, steer_site, strategy
 from .decode import DecodeState, prefill, step
 from .head import LMHead
 from .interventions import (AddToDecoderInput, AddToReadout, AddToResidual, Intervention, check, decoder_input_addition,
@@ -42,6 +42,7 @@ from .layers import Context, RMSNorm, Stack, make_norm
 from .outputs import LogKey, NCPOutput
 from .mtp import MTPHead
 from .mup import hidden_linears
+from .objective import Objective
 from .residual import BlockSources, CrossModules
 from .stability import CHUNK_ELEMENTS, attention_stats
 from .dynamic import DynamicSegmenter  # noqa: F401  (a built-in strategy: exported with the model package)
@@ -52,13 +53,18 @@ class NCPModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         d, E = cfg.d_model, cfg.encoder_layers
+        # what the model is trained to predict (objective.py; not a module: no weights, no state)
+        self.objective = _objective(cfg)
+        # each token layer's declared attention pattern (patterns.py), from its sliding window
+        patterns = [self.objective.pattern(w) for w in cfg.token_windows]
+        self.token_patterns = tuple(dict.fromkeys(patterns))  # distinct, in layer order
         self.embed = nn.Embedding(cfg.padded_vocab_size, d)
         # gpt2: learned absolute positions added to the token embeddings (no RoPE)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, d) if cfg.learned_positions else None
-        self.encoder = Stack(cfg, cfg.token_windows[:E])
+        self.encoder = Stack(cfg, patterns[:E])
         # a coupling may give each decoder block a sub-layer (cross-attention to the concepts)
         cross = coupling_layer_factory(cfg) if cfg.concept.enabled else None
-        self.decoder = Stack(cfg, cfg.token_windows[E:], cross=cross)
+        self.decoder = Stack(cfg, patterns[E:], cross=cross)
         self.concept = ConceptModule(cfg) if cfg.concept.enabled else None
         # NCP-ArchPreview's cross-module residuals (residual.py), when any connection is on, or
         # Block AttnRes's cross-module block states (parameter-free): both are ``attach``ed to stacks
@@ -221,7 +227,7 @@ class NCPModel(nn.Module):
     def token_context(self, T: int, device, dtype) -> tuple[Context, torch.Tensor]:
         """Context of an unpadded, uncached T-token batch and its positions (1, T)."""
         positions = torch.arange(T, device=device)[None]
-        return Context.causal(self.cfg, positions, self.cfg.token_windows, dtype), positions
+        return Context.causal(self.cfg, positions, self.token_patterns, dtype), positions
 
     def _stack_contexts(self, ctx: Context, ivs, positions: torch.Tensor, like: torch.Tensor):
         """(encoder context, decoder context): ``ctx`` plus each stack's residual additions."""
@@ -241,8 +247,9 @@ class NCPModel(nn.Module):
                 return_states: bool = False, compute_logits: bool = True,
                 concept_labels: torch.Tensor | None = None, return_bottleneck: bool = False,
                 sample_ids: torch.Tensor | None = None) -> NCPOutput:
-        """idx (B, T) token ids; targets (B, T) next-token ids aligned with idx (targets[:, p]
-        = x[p+1]), -100 = ignore. Returns logits (B, T, V) and, with targets, the losses;
+        """idx (B, T) token ids; targets (B, T) aligned with idx as the objective builds them
+        (``objective.batch``; next-token: targets[:, p] = x[p+1]), -100 = ignore. Returns logits
+        (B, T, V) and, with targets, the losses (the objective's first, ``objective.loss_key``);
         ``return_hidden``: the final-norm states; ``return_states``: every stack's per-depth states.
         ``concept_labels`` (B, T, n) bool/float: token t carries evidence of labelled concept c
         (the bottleneck's concept loss and teacher forcing); ``return_bottleneck``: its parts
@@ -280,11 +287,12 @@ class NCPModel(nn.Module):
         if targets is None:
             out.logits = self.head(h_bar) if compute_logits else None  # (B, T, V)
             return out
-        out.logits, ntp = self.head(h_bar, targets)  # == F.cross_entropy(lm_head(h_bar).float(), targets)
-        out.losses = {"ntp_loss": ntp, **co.losses, **(parts.losses if parts is not None else {})}
+        # the objective's loss (next-token: the fused head's == F.cross_entropy(lm_head(h_bar).float(), targets))
+        out.logits, main = self.objective.loss(self, h_bar, targets)
+        out.losses = {self.objective.loss_key: main, **co.losses, **(parts.losses if parts is not None else {})}
         if inj is not None:
             out.losses.update(self.bottleneck.steering_losses(parts, inj, h_bar, self.head))
-        out.loss = ntp
+        out.loss = main
         weights = {**(self.concept.loss_weights() if self.concept is not None else {}),
                    **(self.bottleneck.loss_weights() if self.bottleneck is not None else {})}
         for name, weight in weights.items():
@@ -337,7 +345,7 @@ class NCPModel(nn.Module):
     # ---- what the training loop logs (declared once, the same on every rank) ----
 
     def log_keys(self) -> list[LogKey]:
-        keys = [LogKey("loss"), LogKey("ntp_loss")]
+        keys = [LogKey("loss"), *self.objective.log_keys()]
         keys += self.concept.log_keys() if self.concept is not None else []
         keys += self.bottleneck.log_keys() if self.bottleneck is not None else []
         return keys + (self.mtp.log_keys() if self.mtp is not None else [])
@@ -373,12 +381,15 @@ class NCPModel(nn.Module):
             if m.stat_keys():
                 m.on_step_end({k: stats[k] for k in m.stat_keys()})
 
-    # ---- incremental decoding (spec section 5; see decode.py) ----
+    # ---- causal decoding (spec section 5; see decode.py) ----
 
     def prefill(self, tokens: torch.Tensor, lengths, max_len: int | None = None, *,
                 interventions: Sequence[Intervention] | None = None) -> tuple[torch.Tensor, DecodeState]:
         """Left-padded prompts (B, Tp) with real ``lengths`` -> (logits (B, Tp, V), state).
         ``max_len``: slots to allocate (None: caches grow as needed)."""
+        if not self.objective.causal:
+            raise ValueError(f"objective {self.cfg.objective!r} does not decode on KV caches (its attention pattern "
+                             "lets a position see later ones); generate through objective.decoding")
         ivs = self.check_interventions(interventions)
         if any(iv.where is not None for iv in ivs):
             raise ValueError("an intervention with `where` (slots of a full forward) cannot apply to decoding")
@@ -387,3 +398,10 @@ class NCPModel(nn.Module):
     def decode_step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """One new token per row (B,) -> next-token logits (B, V); advances ``state``."""
         return step(self, state, tokens)
+
+
+def _objective(cfg: ModelConfig) -> Objective:
+    cls = strategy("objective", cfg.objective)
+    if not (isinstance(cls, type) and issubclass(cls, Objective)):
+        raise TypeError(f"objective {cfg.objective!r}: {cls!r} is not an Objective subclass")
+    return cls(cfg)

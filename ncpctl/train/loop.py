@@ -414,7 +414,7 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     stats = torch.zeros(len(pk.stats), device=d.device)
     extra = run.hooks.inputs(run.data.loader, len(ids), r.train.micro_batch_size, d.device)  # the designs' inputs
     for mb, mb_ids, kw in zip(batch.split(r.train.micro_batch_size), ids, extra):
-        x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)  # (micro, T) inputs, next tokens
+        x, y = (t.to(d.device) for t in engine.module.objective.batch(mb))  # (micro, T) inputs, targets
         if keyed:
             kw["sample_ids"] = mb_ids.to(d.device)
         o = engine(x, y, **kw)
@@ -445,7 +445,7 @@ def _attention_stats(run: _Run, mb: torch.Tensor) -> dict[str, float]:
     (micro, T+1), before the step's update: the weights the step's loss is computed with. Max
     over ranks in one collective; ``seconds``: what it took (kept out of the step's time)."""
     t0 = time.perf_counter()
-    x, y = mb[:, :-1].to(run.d.device), mb[:, 1:].to(run.d.device)  # (micro, T)
+    x, y = (t.to(run.d.device) for t in run.engine.module.objective.batch(mb))  # (micro, T) inputs, targets
     stats = run.engine.module.attention_stats(x, y)
     values = run.d.max(torch.stack(list(stats.values())).float()) if stats else torch.zeros(0)
     return {**dict(zip(stats, values.tolist())), "seconds": time.perf_counter() - t0}
@@ -501,7 +501,7 @@ def _evaluate(run: _Run, final: bool = False) -> None:
             windows = torch.from_numpy(next(val))
             extra = hooks.inputs(val, math.ceil(windows.shape[0] / micro), micro, d.device, evaluating=True)
             for i, (mb, kw) in enumerate(zip(windows.split(micro), extra)):  # (micro, T+1)
-                x, y = mb[:, :-1].to(d.device), mb[:, 1:].to(d.device)
+                x, y = (t.to(d.device) for t in engine.module.objective.batch(mb))
                 o = engine(x, y, **kw)
                 hooks.eval_micro(i, o)
                 acc += pk.terms(o)

@@ -1,0 +1,135 @@
+"""Declared attention patterns: which keys each query may see, as small records.
+
+An objective (objective.py) declares the pattern of every token layer (``Objective.pattern``);
+the attention layer receives that record and the context builders map it to the fastest
+kernel for the call (``kernel_masks``), so no design names a kernel:
+
+* ``Causal(window)``: key j is visible from query i iff 0 <= pos_i - pos_j < window (None: every
+  earlier key), HF's sliding-window rule (the window counts the query itself). On an unpadded,
+  uncached sequence no longer than the window this is exactly SDPA's ``is_causal`` (flash kernels
+  on a GPU, no mask built): the mask entry is ``None``. Otherwise a boolean mask.
+* ``BlockCausal(block, window)``: positions are grouped in blocks of ``block`` (block b holds
+  positions b*block .. b*block + block - 1); a query sees every key of its own block and of earlier
+  blocks (bidirectional inside a block, causal across blocks), within ``window`` if set. Always a
+  boolean mask.
+
+A pattern maps to a mask (B|1, 1, Tq, Tk), True = attend, for any query and key positions:
+``mask(q_pos, k_pos, k_valid)``; a query always sees itself, so a padding query never has an
+empty row (SDPA would return NaN). ``key`` names the pattern in ``Context.masks``: a causal
+pattern is named by its window (as the window-keyed masks always were), any other by itself.
+New patterns subclass ``Pattern`` (a frozen dataclass: hashable, compared by value).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def attn_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, k_valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Boolean SDPA mask (B|1, 1, Tq, Tk) of ``Causal(window)``, True = attend.
+
+    Key j is visible from query i iff 0 <= pos_i - pos_j < window (HF's sliding-window rule:
+    the window counts the query itself) and the key is valid (not padding). A query always
+    sees itself, so a padding query never has an empty row (SDPA would return NaN).
+    """
+    diff = q_pos[..., :, None] - k_pos[..., None, :]  # (B|1, Tq, Tk)
+    m = diff >= 0
+    if window is not None:
+        m = m & (diff < window)
+    if k_valid is not None:
+        m = m & (k_valid[:, None, :] | (diff == 0))
+    return m[:, None]
+
+
+class Pattern:
+    """An attention pattern: ``visible(q_pos, k_pos)`` (..., Tq, Tk) bool over integer positions;
+    ``is_causal(T)``: whether, on an unpadded T-token sequence at positions 0..T-1, it is exactly
+    SDPA's ``is_causal`` (then no mask is built)."""
+
+    window: int | None = None
+
+    @property
+    def key(self) -> Any:
+        return self
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def is_causal(self, T: int) -> bool:
+        return False
+
+    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """(B|1, 1, Tq, Tk) for positions q_pos (B|1, Tq), k_pos (B|1, Tk); ``k_valid`` (B, Tk)."""
+        m = self.visible(q_pos, k_pos)
+        if self.window is not None:
+            diff = q_pos[..., :, None] - k_pos[..., None, :]
+            m = m & (diff < self.window) & (diff > -self.window)
+        self_ = q_pos[..., :, None] == k_pos[..., None, :]
+        if k_valid is not None:
+            m = m & k_valid[:, None, :]
+        return (m | self_)[:, None]
+
+
+@dataclass(frozen=True)
+class Causal(Pattern):
+    window: int | None = None
+
+    @property
+    def key(self) -> Any:
+        return self.window
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        return attn_mask(q_pos, k_pos, self.window)[:, 0]
+
+    def is_causal(self, T: int) -> bool:
+        return self.window is None or T <= self.window
+
+    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None = None) -> torch.Tensor:
+        return attn_mask(q_pos, k_pos, self.window, k_valid)
+
+
+@dataclass(frozen=True)
+class BlockCausal(Pattern):
+    block: int = 1
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block < 1:
+            raise ValueError(f"BlockCausal: block must be >= 1, got {self.block}")
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        return torch.div(k_pos, self.block, rounding_mode="floor")[..., None, :] <= \
+            torch.div(q_pos, self.block, rounding_mode="floor")[..., :, None]
+
+    def is_causal(self, T: int) -> bool:
+        return self.block == 1 and self.window is None
+
+
+def as_pattern(p: Any) -> Pattern:
+    """A pattern as given, or ``Causal(window)`` for a bare window (int or None)."""
+    return p if isinstance(p, Pattern) else Causal(p)
+
+
+def kernel_masks(patterns, T: int, device: torch.device) -> dict:
+    """Masks for a plain (unpadded, uncached) sequence of length T, one per pattern, keyed by
+    ``Pattern.key``: ``None`` means SDPA ``is_causal=True`` (flash kernels on a GPU); an explicit
+    boolean mask (1, 1, T, T) only where the pattern is not causal on T tokens."""
+    out: dict = {}
+    pos = None
+    for p in map(as_pattern, patterns):
+        if p.is_causal(T):
+            out[p.key] = None
+        else:
+            pos = torch.arange(T, device=device)[None] if pos is None else pos
+            out[p.key] = p.mask(pos, pos)
+    return out
+
+
+def step_masks(patterns, q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None = None) -> dict:
+    """Explicit masks of padded or cached calls (prefill, decoding steps), keyed by ``Pattern.key``."""
+    return {p.key: p.mask(q_pos, k_pos, k_valid) for p in map(as_pattern, patterns)}
