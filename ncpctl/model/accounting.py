@@ -747,7 +747,7 @@ def count_parameters(cfg: ModelConfig, setup: Any = None) -> ParamCounts:
     """Build ``NCPModel(cfg)`` on the meta device (no memory, no init cost) and count.
 
     ``setup(model)``: a stage's set-up applied first (adapt-vq's freeze, LoRA's adapters:
-    ``ncpctl.train.loop.Stage.freeze``), so that ``trainable`` is what that stage trains."""
+    ``ncpctl.train.stages.Stage.freeze``), so that ``trainable`` is what that stage trains."""
     import torch  # lazy: the CLI imports this module to describe configs without torch
 
     from ncpctl.model.model import NCPModel
