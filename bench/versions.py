@@ -120,7 +120,8 @@ def main() -> None:
         med = statistics.median(x["ratio"] for x in pairs)
         out["models"][model] = {"pairs": pairs, "median_ratio": med, "first_loss": losses, "goal": 1.02,
                                 "met": med <= 1.02}
-        print(f"{model}: median after/before over {len(pairs)} pairs = {med:.3f} (goal <= 1.02)", flush=True)
+        print(f"{model}: median after/before over {len(pairs)} pairs = {med:.3f} (goal <= 1.02)",
+              file=sys.stderr if a.json else sys.stdout, flush=True)
     if a.json:
         print(json.dumps(out, indent=1))
 
