@@ -57,10 +57,11 @@ def main(
     for note in notes:
         out.warn(note)
 
-    c = r.model_config.concept
-    if realised_ratio is not None and not (c.enabled and c.segmentation == "dynamic"):
+    law = r.model_config.law
+    if realised_ratio is not None and not (law is not None and law.variable_length):
         raise UserError("--realised-ratio: the recipe's model has no dynamic segmentation",
-                        hint="it applies to model.concept.segmentation: dynamic (DLCM); fixed blocks have k")
+                        hint="it applies to a segmentation whose segment lengths depend on the data, such as "
+                             "model.concept.segmentation: dynamic (DLCM); fixed blocks have k")
     if realised_ratio is not None and not realised_ratio > 1:
         raise UserError(f"--realised-ratio: must be > 1 (tokens per concept), got {realised_ratio:g}")
 

@@ -187,8 +187,8 @@ def concept_report(target: Any, specs: list[Any], *, base: Any = None, seq_len: 
     from ncpctl.evaluate.heldout import check_labels, documents
 
     lm = load_model(target)
-    c = lm.config.concept
-    if not (c.enabled and c.segmentation == "dynamic"):
+    c, law = lm.config.concept, lm.config.law
+    if not (law is not None and law.variable_length):  # learned boundaries: DLCM's dynamic segmentation
         raise UserError(f"{target}: --concepts needs a model with model.concept.segmentation: dynamic (DLCM)")
     if lm.tokenizer is None:
         raise UserError(f"{lm.path}: the checkpoint has no tokenizer.json")

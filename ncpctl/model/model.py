@@ -43,7 +43,7 @@ from .outputs import LogKey, NCPOutput
 from .mtp import MTPHead
 from .mup import hidden_linears
 from .objective import Objective
-from .residual import BlockSources, CrossModules
+from .residual import CrossModules
 from .stability import CHUNK_ELEMENTS, attention_stats
 from .dynamic import DynamicSegmenter  # noqa: F401  (a built-in strategy: exported with the model package)
 
@@ -66,11 +66,13 @@ class NCPModel(nn.Module):
         cross = coupling_layer_factory(cfg) if cfg.concept.enabled else None
         self.decoder = Stack(cfg, patterns[E:], cross=cross)
         self.concept = ConceptModule(cfg) if cfg.concept.enabled else None
-        # NCP-ArchPreview's cross-module residuals (residual.py), when any connection is on, or
-        # Block AttnRes's cross-module block states (parameter-free): both are ``attach``ed to stacks
+        # NCP-ArchPreview's cross-module residuals (residual.py), when any connection is on, or the
+        # depth mixer's own (``cross_modules``: Block AttnRes's parameter-free block states): both
+        # are ``attach``ed to stacks
+        mixer = strategy("residual", cfg.residual)
         self.crc = CrossModules(cfg) if cfg.crc_connections else None
-        if cfg.residual == "block_attnres" and cfg.attnres_cross and cfg.concept.enabled:
-            self.crc = BlockSources()
+        if self.crc is None and hasattr(mixer, "cross_modules"):
+            self.crc = mixer.cross_modules(cfg)
         self.final_norm = make_norm(cfg, d)
         self.lm_head = LMHead(d, cfg.padded_vocab_size)
         if cfg.tie_embeddings:

@@ -218,6 +218,12 @@ class BlockAttnRes(Residual):
     owns_init = True
     reads_sources = True  # Stack passes Context.sources (cross-module block states) to begin
 
+    @classmethod
+    def cross_modules(cls, cfg: ModelConfig) -> "BlockSources | None":
+        """The model's cross-module connections this mixer brings (``NCPModel.crc``): the block
+        states across modules with ``attnres_cross`` and the concept path."""
+        return BlockSources() if cfg.attnres_cross and cfg.concept.enabled else None
+
     def __init__(self, cfg: ModelConfig, n_layers: int):
         super().__init__(cfg, n_layers)
         self.block, self.eps = cfg.attnres_block, cfg.norm_eps

@@ -89,7 +89,8 @@ def accounting_section(cfg: ModelConfig, seq_len: int, micro_batch: int = 1, glo
     """Paper and exact FLOPs, parameters, savings of ``recipe`` vs ``base`` and ``pm``.
     ``realised_ratio``: the recipe's dynamic segmentation costed at this measured tokens per
     concept instead of its target R (``ncpctl.model.accounting.at_realised_ratio``)."""
-    target = cfg.concept.target_ratio if cfg.concept.enabled and cfg.concept.segmentation == "dynamic" else None
+    law = cfg.law  # a data-dependent segmentation is costed at its target tokens per concept (DLCM's R)
+    target = law.tokens_per_concept(cfg.concept) if law is not None and law.variable_length else None
     cfg = at_realised_ratio(cfg, realised_ratio)
     global_batch = global_batch or micro_batch
     variants = {name: describe_variant(c, seq_len, micro_batch, global_batch, params)

@@ -3,6 +3,7 @@ documented once. Regenerate with ``python -m ncpctl.recipe.reference``; a test c
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import typing
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ncpctl.recipe.schema import SECTIONS
+from ncpctl.recipe.schema import SECTIONS, design_options
 
 
 def _type_name(tp: Any) -> str:
@@ -40,6 +41,21 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     return rows
 
 
+def _option_rows() -> list[str]:
+    """``model.options.NAME.KEY`` rows of the registered designs that declare keys."""
+    rows = []
+    for name, kind, options in design_options():
+        hints = typing.get_type_hints(options)
+        for f in dataclasses.fields(options):
+            if not f.init:
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            desc = (f"{kind} {name}: " + f.metadata.get("doc", "")).replace("|", "\\|")
+            rows.append(f"| `model.options.{name}.{f.name}` | {_type_name(hints[f.name]).replace('|', '/')} | "
+                        f"`{default!r}` | {desc} |")
+    return rows
+
+
 def render() -> str:
     out = ["# Recipe reference", "",
            "Generated from `ncpctl/recipe/schema.py` and `ncpctl/model/config.py` by "
@@ -48,6 +64,8 @@ def render() -> str:
     for section, model in SECTIONS.items():
         out += [f"## `{section}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         out += _rows(model, f"{section}.")
+        if section == "model":
+            out += _option_rows()
         if section == "data":
             from ncpctl.recipe.schema import SourceSpec
 

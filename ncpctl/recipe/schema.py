@@ -98,10 +98,12 @@ class TokenizerSection(Section):
 
 
 def _model_section(dc: type, name: str, nested: dict[str, type] | None = None) -> type[BaseModel]:
-    """A pydantic section whose keys are ``dc``'s init fields, all optional overrides."""
+    """A pydantic section whose keys are ``dc``'s init fields, all optional overrides: its own
+    first, then those of the design sections it composes (ncpctl.model.config_*), in their order."""
     hints = typing.get_type_hints(dc)
+    own = vars(dc).get("__annotations__", {})
     fields: dict[str, Any] = {}
-    for f in dataclasses.fields(dc):
+    for f in sorted(dataclasses.fields(dc), key=lambda f: f.name not in own):
         if not f.init:
             continue
         tp = nested.get(f.name) if nested and f.name in nested else hints[f.name]
@@ -111,8 +113,19 @@ def _model_section(dc: type, name: str, nested: dict[str, type] | None = None) -
 
 ConceptSection = _model_section(ConceptConfig, "ConceptSection")
 BottleneckSection = _model_section(BottleneckConfig, "BottleneckSection")
+# model.options.NAME.KEY: the keys registered designs declare (ModelConfig checks them against
+# the design's options dataclass; the reference lists them: ``design_options``)
 _ModelOverrides = _model_section(ModelConfig, "_ModelOverrides",
-                                 nested={"concept": ConceptSection, "bottleneck": BottleneckSection})
+                                 nested={"concept": ConceptSection, "bottleneck": BottleneckSection,
+                                         "options": dict[str, dict[str, Any]]})
+
+
+def design_options() -> list[tuple[str, str, type]]:
+    """(name, extension point, options dataclass) of every registered design that declares recipe
+    keys (``options``, ncpctl.model.register), in registration order."""
+    from ncpctl.model.config import OPTIONS
+
+    return [(name, kind, options) for name, (kind, options) in OPTIONS.items()]
 
 
 class ModelSection(_ModelOverrides):  # type: ignore[valid-type,misc]

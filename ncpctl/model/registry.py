@@ -1,0 +1,203 @@
+"""The registry of the extension points (torch-free): the strategies the model knows by name
+(built-ins, plus whatever ``register`` adds at run time), the segmentations' laws and the recipe
+keys registered designs declare (``options``).
+
+A name of the form ``package.module:Class`` is imported when the config is built, except inside
+``from_checkpoint(...)`` (a config read from a checkpoint): there only import paths the user
+named too (a recipe, ``--strategy``, code: ``trust``) are imported, so that opening a checkpoint
+never imports a module it names (issue 21). A segmentation also declares its ``SegmentationLaw``
+(how many concepts a T-token sequence gives): accounting, cache sizes and the export probe ask it
+instead of assuming a fixed k. A design that declares ``options`` (a dataclass of ``option``
+fields, config_base.py) gets the recipe keys ``model.options.NAME.KEY``.
+
+Stdlib only, like every config module: copied verbatim into exported Hugging Face directories.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any
+
+from .config_base import ConfigError, SegmentationLaw
+from .config_dynamic import DYNAMIC
+
+# Fixed blocks of k tokens (ConceptLM): a trailing partial block is not pooled.
+FIXED_BLOCKS = SegmentationLaw(concepts=lambda c, T: T // c.k, tokens_per_concept=lambda c: float(c.k),
+                               length_key="k", pools_any_width=True)
+
+# Names of the extension points' strategies: name -> a class, a "module:attr" import path
+# (relative paths are resolved in this package) or, for segmentations, also its law.
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "segmentation": {"fixed": ".segment:FixedBlocks", "dynamic": ".dynamic:DynamicSegmenter"},
+    "coupling": {"add": ".coupling:AddCoupling", "cross_attention": ".coupling:CrossAttentionCoupling"},
+    "residual": {"plain": ".layers:PlainResidual", "irc": ".residual:IRC", "block_attnres": ".residual:BlockAttnRes"},
+    "objective": {"next_token": ".objective:NextToken"},
+}
+LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS, "dynamic": DYNAMIC}
+
+
+def register(kind: str, name: str, cls: Any = None) -> Any:
+    """Make ``cls`` the strategy ``name`` of extension point ``kind`` (``segmentation``,
+    ``coupling``, ``residual`` or ``objective``); then ``model.concept.segmentation: name`` (etc.) selects it.
+    A segmentation class must declare its ``law`` (a ``SegmentationLaw``). Usable as a class
+    decorator: ``@register("segmentation", "mine")``. Returns ``cls``."""
+    if kind not in STRATEGIES:
+        raise ValueError(f"unknown extension point {kind!r}; known: {', '.join(STRATEGIES)}")
+
+    def add(c: Any) -> Any:
+        if kind == "segmentation":
+            law = getattr(c, "law", None)
+            if not isinstance(law, SegmentationLaw):
+                raise TypeError(f"{c!r}: a segmentation declares its SegmentationLaw as the class attribute `law`")
+            LAWS[name] = law
+        options = getattr(c, "options", None)
+        if options is not None:
+            _declare_options(kind, name, options)
+        STRATEGIES[kind][name] = c
+        return c
+
+    return add if cls is None else add(cls)
+
+
+def unregister(kind: str, name: str) -> None:
+    """Forget the strategy ``name`` of ``kind`` (its law and options too); built-ins stay."""
+    if isinstance(STRATEGIES[kind].get(name), str):
+        raise ValueError(f"{kind} {name!r} is built in")
+    STRATEGIES[kind].pop(name, None)
+    if OPTIONS.get(name, (kind,))[0] == kind:
+        OPTIONS.pop(name, None)
+    if kind == "segmentation":
+        LAWS.pop(name, None)
+
+
+# name -> (kind, options dataclass) of the registered designs that declare recipe keys (``options``)
+OPTIONS: dict[str, tuple[str, type]] = {}
+
+
+def _declare_options(kind: str, name: str, options: Any) -> None:
+    if not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        raise TypeError(f"{name!r}: `options` must be a dataclass (its fields are the recipe keys "
+                        f"model.options.{name}.KEY), got {options!r}")
+    if OPTIONS.get(name, (kind,))[0] != kind:
+        raise TypeError(f"{name!r}: a {OPTIONS[name][0]} of that name already declares options "
+                        f"(model.options.{name}); register this {kind} under another name")
+    OPTIONS[name] = (kind, options)
+
+
+# import paths (package.module:Class) the user named: a recipe, --strategy, a config built in code
+_TRUSTED: set[str] = set()
+UNTRUSTED = "is named only by the checkpoint"  # the refusal's words (the recipe loader looks for them)
+# the checkpoint whose config is being read (from_checkpoint), None elsewhere
+_CHECKPOINT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ncpctl_checkpoint", default=None)
+
+
+def trust(*targets: str) -> None:
+    """Let configs read from checkpoints import these strategies (``package.module:Class``), as
+    when the user names them (``--strategy``)."""
+    _TRUSTED.update(targets)
+
+
+@contextlib.contextmanager
+def from_checkpoint(where: Any) -> Any:
+    """Within: configs are read from checkpoint ``where``, whose strategy import paths are
+    imported only if the user named them too (``trust``); others are a ``ConfigError``."""
+    token = _CHECKPOINT.set(str(where))
+    try:
+        yield
+    finally:
+        _CHECKPOINT.reset(token)
+
+
+def strategy(kind: str, name: str) -> Any:
+    """The class registered as ``name`` for extension point ``kind``, importing it if named by
+    an import path (``package.module:Class``). Raises ``ConfigError`` for an unknown name, and
+    for an import path that only a checkpoint names (``from_checkpoint``)."""
+    import importlib
+
+    target = STRATEGIES[kind].get(name, name if ":" in name else None)
+    if target is None:
+        known = ", ".join(sorted(STRATEGIES[kind]))
+        raise ConfigError([(kind, f"unknown {kind} {name!r}; known: {known} (or package.module:Class)")])
+    if not isinstance(target, str):
+        return target
+    if name not in STRATEGIES[kind]:  # an import path the user or a checkpoint gave
+        where = _CHECKPOINT.get()
+        if where is None:
+            _TRUSTED.add(name)
+        elif name not in _TRUSTED:
+            raise ConfigError([(kind, f"{name!r} {UNTRUSTED} {where}, and ncpctl does not "
+                                      f"import code a checkpoint names; if you trust it, name it yourself: "
+                                      f"--strategy {name} (or in a recipe)")])
+    module, _, attr = target.partition(":")
+    try:
+        mod = importlib.import_module(module, package=__package__) if module.startswith(".") else \
+            importlib.import_module(module)
+        return getattr(mod, attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError([(kind, f"cannot import {target!r} ({e})")]) from None
+
+
+def segmentation_law(name: str) -> SegmentationLaw:
+    """The law of segmentation ``name`` (a class named by import path declares it as ``law``)."""
+    if name not in LAWS:
+        law = getattr(strategy("segmentation", name), "law", None)
+        if not isinstance(law, SegmentationLaw):
+            raise ConfigError([("segmentation", f"{name!r} declares no SegmentationLaw (a class attribute `law`)")])
+        LAWS[name] = law
+    return LAWS[name]
+
+
+def _options_of(kind: str, name: str) -> type | None:
+    """The options dataclass the chosen strategy declares (built-ins keep their keys in sections)."""
+    target = STRATEGIES[kind].get(name)
+    if target is None:  # an import path, imported by now
+        target = strategy(kind, name)
+    options = None if isinstance(target, str) else getattr(target, "options", None)
+    return options if isinstance(options, type) and dataclasses.is_dataclass(options) else None
+
+
+def _option_problems(name: str, options: type, values: Any) -> list[tuple[str, str]]:
+    """Unknown keys and values of another type than the key's default (a plugin's ``check`` does the rest)."""
+    if not isinstance(values, dict):
+        return [(f"options.{name}", f"must be a mapping of {name}'s keys, got {values!r}")]
+    fields = {f.name: f for f in dataclasses.fields(options) if f.init}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        return [(f"options.{name}", f"unknown key(s) {', '.join(map(str, unknown))}; {name} declares "
+                                    f"{', '.join(fields) or 'none'}")]
+    out = []
+    for key, v in values.items():
+        default = fields[key].default
+        want = type(default) if isinstance(default, (bool, int, float, str)) else None
+        ok = want is None or (isinstance(v, want) and (want is bool or not isinstance(v, bool))) or \
+            (want is float and isinstance(v, int) and not isinstance(v, bool))
+        if not ok:
+            out.append((f"options.{name}.{key}", f"must be {want.__name__}, got {v!r}"))
+    return out
+
+
+def _check_options(cfg: "ModelConfig") -> list[tuple[str, str]]:
+    """Build ``cfg.options``' entries into their dataclasses (the chosen designs' defaults filled
+    in) and collect their problems; ``check(cfg)`` of an options class adds its own."""
+    if not isinstance(cfg.options, dict):
+        return [("options", f"must be a mapping of design name to its keys, got {cfg.options!r}")]
+    chosen = {name: _options_of(kind, name) for kind, (_, name) in cfg.designs().items()}
+    known = {**{name: o for name, (_, o) in OPTIONS.items()}, **{n: o for n, o in chosen.items() if o is not None}}
+    cfg.options, problems = dict(cfg.options), []
+    for name, values in cfg.options.items():
+        options = known.get(name)
+        if options is None:
+            problems.append((f"options.{name}", f"no registered design {name!r} declares options (known: "
+                                                f"{', '.join(sorted(known)) or 'none'})"))
+        elif not isinstance(values, options):
+            bad = _option_problems(name, options, values)
+            problems += bad
+            if not bad:
+                cfg.options[name] = options(**values)
+    for name, options in chosen.items():
+        if options is not None and not any(k.startswith(f"options.{name}") for k, _ in problems):
+            o = cfg.options.setdefault(name, options())
+            problems += [(f"options.{name}.{k}", m) for k, m in (o.check(cfg) if hasattr(o, "check") else [])]
+    return problems
