@@ -8,7 +8,9 @@ Extension points (docs/architecture.md): a segmentation (subclass ``Segmenter``)
 its attention ``Pattern``: ``Causal``, ``BlockCausal``, ...) is registered by name with
 ``register(kind, name, cls)`` and chosen with the recipe keys ``model.concept.segmentation``,
 ``model.concept.coupling``, ``model.residual`` and ``model.objective`` (or named there as
-``package.module:Class``);
+``package.module:Class``); a registered design declares its own recipe keys as a dataclass of
+``option`` fields named by its class attribute ``options`` (recipe ``model.options.NAME.KEY``,
+read back with ``cfg.design_options(kind)``);
 ``interventions`` (``CodeEdit``, ``AddToDecoderInput``, ``AddToResidual``) edit a forward and
 incremental decoding alike.
 """
@@ -18,7 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from ncpctl.model.config import (
-    SIZES, BottleneckConfig, ConceptConfig, ConfigError, ModelConfig, SegmentationLaw, build_config, register,
+    SIZES, BottleneckConfig, ConceptConfig, ConfigError, ModelConfig, SegmentationLaw, build_config, option, register,
+    unregister,
 )
 from ncpctl.model.outputs import LogKey, NCPOutput
 
@@ -50,6 +53,7 @@ _LAZY = {
 }
 
 __all__ = ["SIZES", "BottleneckConfig", "ConceptConfig", "ConfigError", "ModelConfig", "SegmentationLaw", "build_config", "register",
+           "option", "unregister",
            "LogKey", "NCPOutput", *_LAZY]
 
 
