@@ -82,8 +82,21 @@ def render() -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
+def main(argv: list[str]) -> Path:
+    """``[--import MODULE ...] [OUT]``: import the modules (plugins that register designs with
+    their own keys) and write the reference to OUT (default docs/recipes.md)."""
+    import importlib
+
+    args = list(argv)
+    while "--import" in args:
+        i = args.index("--import")
+        importlib.import_module(args[i + 1])
+        del args[i:i + 2]
+    target = Path(args[0]) if args else Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(render())
-    print(target)
+    return target
+
+
+if __name__ == "__main__":
+    print(main(sys.argv[1:]))

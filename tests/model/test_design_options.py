@@ -58,10 +58,11 @@ def test_bad_registered_keys_are_one_line_problems(scaled, options, key, text) -
     assert text in e.value.problems[0][1] and "\n" not in e.value.problems[0][1]
 
 
-def test_the_reference_lists_a_registered_designs_keys(scaled) -> None:
-    from ncpctl.recipe.reference import render
+def test_the_reference_lists_a_registered_designs_keys(scaled, tmp_path) -> None:
+    from ncpctl.recipe.reference import main, render
 
-    row = next(line for line in render().splitlines() if line.startswith(f"| `model.options.{scaled}.scale` |"))
+    out = main(["--import", "tests.model.toy_options", str(tmp_path / "recipes.md")])  # what a plugin author runs
+    row = next(line for line in out.read_text().splitlines() if line.startswith(f"| `model.options.{scaled}.scale` |"))
     assert "| float | `1.0` |" in row and "residual scaled_toy: The update's weight" in row
     unregister("residual", scaled)
     assert f"model.options.{scaled}." not in render()
