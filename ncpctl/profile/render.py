@@ -142,10 +142,11 @@ def plot_kernels(k: dict[str, Any], out_dir: Path) -> list[Path]:
     series: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in k["dlcm"]["rows"]:
         series.setdefault((r["name"], r["shape"]["d"]), []).append((r["shape"]["T"], r["median_s"]))
+    styles = {n: ("-", "--", ":", "-.")[i % 4] for i, n in enumerate(sorted({n for n, _ in series}))}  # one per form
     for (name, d), pts in sorted(series.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o",
-                linestyle="-" if name == "replicated" else "--", label=f"{name}, d={d}")
+                linestyle=styles[name], label=f"{name}, d={d}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length T")
