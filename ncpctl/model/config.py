@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from .config_base import ConfigError, SegmentationLaw, Section, is_positive_int, option, section_problems, section_settle
+from .config_base import ConfigError, SegmentationLaw, is_positive_int, option, section_problems, section_settle  # noqa: F401
 from .config_bottleneck import BOTTLENECK_INDEPENDENCE, BottleneckConfig, BottleneckSection, steer_site  # noqa: F401
 from .config_coupling import CrossAttentionSection
 from .config_dynamic import BALANCES, BOUNDARY_MODES, DYNAMIC, DynamicSection  # noqa: F401

@@ -41,8 +41,10 @@ LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS, "dynamic": DYNAMIC}
 def register(kind: str, name: str, cls: Any = None) -> Any:
     """Make ``cls`` the strategy ``name`` of extension point ``kind`` (``segmentation``,
     ``coupling``, ``residual`` or ``objective``); then ``model.concept.segmentation: name`` (etc.) selects it.
-    A segmentation class must declare its ``law`` (a ``SegmentationLaw``). Usable as a class
-    decorator: ``@register("segmentation", "mine")``. Returns ``cls``."""
+    A segmentation class must declare its ``law`` (a ``SegmentationLaw``). A class may declare
+    its own recipe keys: ``options``, a dataclass of ``option`` fields (``model.options.NAME.KEY``,
+    read back with ``cfg.design_options(kind)``). Usable as a class decorator:
+    ``@register("segmentation", "mine")``. Returns ``cls``."""
     if kind not in STRATEGIES:
         raise ValueError(f"unknown extension point {kind!r}; known: {', '.join(STRATEGIES)}")
 
