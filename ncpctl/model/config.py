@@ -31,8 +31,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-Backbone = Literal["neox", "llama", "gpt2"]
-BACKBONES = ("neox", "llama", "gpt2")
 ROPE_TYPES = ("llama3",)  # rope_scaling types rope() implements (HF's names)
 
 
@@ -107,6 +105,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "coupling": {"add": ".coupling:AddCoupling", "cross_attention": ".coupling:CrossAttentionCoupling"},
     "residual": {"plain": ".layers:PlainResidual", "irc": ".residual:IRC", "block_attnres": ".residual:BlockAttnRes"},
     "objective": {"next_token": ".objective:NextToken"},
+    # backbone families (family.py): one module each
+    "backbone": {"neox": ".family_neox:NeoX", "llama": ".family_llama:Llama", "gpt2": ".family_gpt2:GPT2"},
 }
 LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS, "dynamic": DYNAMIC}
 
@@ -128,7 +128,8 @@ def _check_rope_scaling(rs: Any) -> list[tuple[str, str]]:
 
 def register(kind: str, name: str, cls: Any = None) -> Any:
     """Make ``cls`` the strategy ``name`` of extension point ``kind`` (``segmentation``,
-    ``coupling``, ``residual`` or ``objective``); then ``model.concept.segmentation: name`` (etc.) selects it.
+    ``coupling``, ``residual``, ``objective`` or ``backbone``: a ``Family``, family.py); then
+    ``model.concept.segmentation: name`` (etc.) selects it.
     A segmentation class must declare its ``law`` (a ``SegmentationLaw``). Usable as a class
     decorator: ``@register("segmentation", "mine")``. Returns ``cls``."""
     if kind not in STRATEGIES:
@@ -465,9 +466,10 @@ class ModelConfig:
     """One NCP model. With ``concept.enabled`` false it is exactly the HF backbone."""
 
     name: str = _f("custom", "Name recorded in checkpoints (default: the size).")
-    backbone: Backbone = _f("neox", "neox (Pythia: LayerNorm, parallel residual, partial rotary, GELU), "
-                                    "llama (RMSNorm, SwiGLU, RoPE, GQA) or gpt2 (LayerNorm, learned absolute "
-                                    "positions, tanh GELU, biases, HF's GPT2LMHeadModel).")
+    backbone: str = _f("neox", "The backbone family: neox (Pythia: LayerNorm, parallel residual, partial rotary, "
+                               "GELU), llama (RMSNorm, SwiGLU, RoPE, GQA) or gpt2 (LayerNorm, learned absolute "
+                               "positions, tanh GELU, biases, HF's GPT2LMHeadModel); or a registered family / "
+                               "package.module:Class (docs/architecture.md).")
     vocab_size: int = _f(50304, "Real vocabulary (default: the tokenizer's); the embedding holds padded_vocab_size.")
     pad_vocab_multiple: int = _f(128, "Pad the embedding/LM head rows to a multiple of this.")
     d_model: int = _f(768, "Hidden size d.")
@@ -590,11 +592,9 @@ class ModelConfig:
 
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "pad_vocab_multiple"):
             need_pos(name, getattr(self, name))
-        if self.backbone not in BACKBONES:
-            problems.append(("backbone", f"must be one of {', '.join(BACKBONES)}, got {self.backbone!r}"))
         if problems:  # the rest divides by these
             raise ConfigError(problems)
-        self._backbone_defaults()
+        problems += self._backbone_defaults()
         problems += self._check_shapes()
         self.padded_vocab_size = _round_up(self.vocab_size, self.pad_vocab_multiple)
         self.head_dim = self.d_model // self.n_heads
@@ -741,20 +741,18 @@ class ModelConfig:
             ffn_dim=ffn, n_layers=1, extra_token_layers=0, extra_token_layers_at=None, crc_connections=[],
             mtp_depth=None, mtp_weight_schedule=[], concept=ConceptConfig())
 
-    def _backbone_defaults(self) -> None:
-        """The backbone's values of the keys left null."""
-        llama = self.backbone == "llama"
+    def _backbone_defaults(self) -> list[tuple[str, str]]:
+        """The backbone family's values of the keys left null (family.py); its own checks."""
+        from .family import family
+
+        fam = family(self.backbone)  # a ConfigError names an unknown family
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.ffn_dim is None:
-            self.ffn_dim = _round_up(int(8 * self.d_model / 3), 256) if llama else 4 * self.d_model
-        if self.rotary_pct is None:
-            self.rotary_pct = {"neox": 0.25, "llama": 1.0, "gpt2": 0.0}[self.backbone]
-        if self.parallel_residual is None:
-            self.parallel_residual = self.backbone == "neox"
-        if self.bias is None:
-            self.bias = not llama
-        self.learned_positions = self.backbone == "gpt2"
+        for key, value in fam.defaults(self).items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        self.learned_positions = fam.learned_positions
+        return fam.check(self)
 
     def _check_shapes(self) -> list[tuple[str, str]]:
         problems = []

@@ -56,16 +56,16 @@ def hf_init_config(model: Any, directory: str, problems: list[Problem]) -> Model
         return None
     from transformers import AutoConfig  # only here: loading any other recipe stays light
 
-    from ncpctl.model.hf import HF_MODEL_TYPES, config_from_hf
+    from ncpctl.model.hf import config_from_hf, hf_model_types
 
     try:
         hf = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError) as e:
         problems.append(("train.init_from", f"{cfg_file}: unreadable Hugging Face config ({str(e).splitlines()[0]})"))
         return None
-    if hf.model_type not in HF_MODEL_TYPES:
+    if hf.model_type not in hf_model_types():
         problems.append(("train.init_from", f"{cfg_file}: model_type: unsupported Hugging Face model type "
-                         f"{hf.model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})"))
+                         f"{hf.model_type!r} (supported: {', '.join(hf_model_types())})"))
         return None
     explicit = model.model_dump(exclude={"size", "concept", "vocab_size"}, exclude_none=True)
     concept = dataclasses.asdict(preset.concept)
