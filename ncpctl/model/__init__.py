@@ -4,10 +4,11 @@
 friends load on first access.
 
 Extension points (docs/architecture.md): a segmentation (subclass ``Segmenter``), a coupling
-(``Coupling``), a depth mixer (``Residual``) or a training objective (``Objective``, declaring
-its attention ``Pattern``: ``Causal``, ``BlockCausal``, ...) is registered by name with
-``register(kind, name, cls)`` and chosen with the recipe keys ``model.concept.segmentation``,
-``model.concept.coupling``, ``model.residual`` and ``model.objective`` (or named there as
+(``Coupling``), a depth mixer (``Residual``), a training objective (``Objective``, declaring
+its attention ``Pattern``: ``Causal``, ``BlockCausal``, ...) or a backbone family (``Family``:
+defaults, norm and MLP, HF mapping) is registered by name with ``register(kind, name, cls)`` and
+chosen with the recipe keys ``model.concept.segmentation``, ``model.concept.coupling``,
+``model.residual``, ``model.objective`` and ``model.backbone`` (or named there as
 ``package.module:Class``);
 ``interventions`` (``CodeEdit``, ``AddToDecoderInput``, ``AddToResidual``) edit a forward and
 incremental decoding alike.
@@ -47,6 +48,7 @@ _LAZY = {
     "Pattern": "ncpctl.model.patterns",
     "Causal": "ncpctl.model.patterns",
     "BlockCausal": "ncpctl.model.patterns",
+    "Family": "ncpctl.model.family",
 }
 
 __all__ = ["SIZES", "BottleneckConfig", "ConceptConfig", "ConfigError", "ModelConfig", "SegmentationLaw", "build_config", "register",
