@@ -21,7 +21,7 @@ from ncpctl.model import Family, register
 class ScaleNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.g = nn.Parameter(torch.ones(()))
+        self.g = nn.Parameter(torch.ones(1))  # not 0-dim: DeepSpeed broadcasts parameters as bytes
         self.scale, self.eps = dim ** 0.5, eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
