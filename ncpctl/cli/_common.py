@@ -31,7 +31,7 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")
 StrategyOpt = Annotated[
     Optional[list[str]],
     typer.Option("--strategy", metavar="PACKAGE.MODULE:CLASS",
-                 help="Import this strategy (segmentation, coupling, residual) where a checkpoint names it "
+                 help="Import this strategy (segmentation, coupling, residual, objective, backbone) where a checkpoint names it "
                       "(repeatable). A strategy named only by a checkpoint is never imported: opening a "
                       "checkpoint runs no code from it.", show_default=False),
 ]
