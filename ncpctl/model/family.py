@@ -8,8 +8,9 @@ A family says, in one place:
 
 * ``defaults(cfg)``: its values of the keys a recipe leaves null (``ffn_dim``, ``rotary_pct``,
   ``parallel_residual``, ``bias``); ``learned_positions``: a (max_seq_len, d) position embedding
-  instead of RoPE; ``check(cfg)``: its own recipe checks. Standard library only, so that a
-  recipe is validated without torch.
+  instead of RoPE; ``mlp_matrices``: the d x ffn_dim matrices of its MLP (the cost model's
+  count); ``check(cfg)``: its own recipe checks. Standard library only, so that a recipe is
+  validated without torch.
 * ``norm(cfg, dim)`` and ``mlp(cfg)``: the modules the blocks are built with (called once at
   construction: the hot paths hold the chosen modules and never ask again). An MLP maps d -> d,
   names its output projection ``proj`` (the residual-output init scales it) and may declare
@@ -39,6 +40,9 @@ class Family:
     """A backbone family (see the module docstring). Subclass it and override what differs."""
 
     learned_positions = False
+    # d x ffn_dim matrices of its MLP (GELU: up, down = 2; SwiGLU: gate, up, down = 3), for the
+    # torch-free cost model (accounting.py)
+    mlp_matrices = 2
     hf_model_types: tuple[str, ...] = ()
     hf_read: dict[str, set[str]] = {}
     hf_architectures: dict[str, str] = {}

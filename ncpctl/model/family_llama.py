@@ -38,6 +38,7 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 class Llama(Family):
+    mlp_matrices = 3  # SwiGLU: gate, up, down
     hf_model_types = ("llama", "qwen3", "olmo2", "olmo3")
     hf_read = {
         "llama": _READ,

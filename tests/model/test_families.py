@@ -101,3 +101,14 @@ def test_old_configs_keep_their_backbone_values():
         assert (cfg.ffn_dim, cfg.rotary_dim, cfg.bias, cfg.parallel_residual) == want, name
         assert cfg.learned_positions == (name == "gpt2")
     assert torch.isfinite(build(tiny("relu2")).eval()(tokens(tiny("relu2"), 1, 7)).logits).all()
+
+
+@pytest.mark.parametrize("name", ["neox", "llama", "gpt2", "relu2"])
+def test_mlp_matrices_counts_the_mlp_weights(name):
+    """The torch-free count the cost model reads is the built MLP's (d x ffn_dim matrices)."""
+    from ncpctl.model.family import family
+
+    cfg = tiny(name)
+    mlp = build(cfg).decoder[0].mlp
+    weights = sum(p.numel() for n, p in mlp.named_parameters() if n.endswith("weight"))
+    assert weights == family(name).mlp_matrices * cfg.d_model * cfg.ffn_dim
