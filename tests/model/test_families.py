@@ -112,3 +112,11 @@ def test_mlp_matrices_counts_the_mlp_weights(name):
     mlp = build(cfg).decoder[0].mlp
     weights = sum(p.numel() for n, p in mlp.named_parameters() if n.endswith("weight"))
     assert weights == family(name).mlp_matrices * cfg.d_model * cfg.ffn_dim
+
+
+def test_the_built_in_families_travel_with_exported_code():
+    """Exported remote code imports the built-in families through relative imports (family.py's)."""
+    from ncpctl.interop import hf_export
+
+    files = {p.name for p in hf_export.remote_files()}
+    assert {"family.py", "family_neox.py", "family_llama.py", "family_gpt2.py"} <= files
