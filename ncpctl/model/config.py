@@ -743,9 +743,10 @@ class ModelConfig:
 
     def _backbone_defaults(self) -> list[tuple[str, str]]:
         """The backbone family's values of the keys left null (family.py); its own checks."""
-        from .family import family
+        import importlib
 
-        fam = family(self.backbone)  # a ConfigError names an unknown family
+        # family.py's lookup, imported the way strategies are (this module has no relative imports)
+        fam = importlib.import_module(".family", __package__).family(self.backbone)  # ConfigError if unknown
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         for key, value in fam.defaults(self).items():
