@@ -35,6 +35,7 @@ _LAZY = {
     "DynamicSegmenter": "ncpctl.model.dynamic",
     "Coupling": "ncpctl.model.coupling",
     "Residual": "ncpctl.model.layers",
+    "Block": "ncpctl.model.layers",
     "Context": "ncpctl.model.layers",
     "Stack": "ncpctl.model.layers",
     "Intervention": "ncpctl.model.interventions",

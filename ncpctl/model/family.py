@@ -11,8 +11,9 @@ A family says, in one place:
   instead of RoPE; ``mlp_matrices``: the d x ffn_dim matrices of its MLP (the cost model's
   count); ``check(cfg)``: its own recipe checks. Standard library only, so that a recipe is
   validated without torch.
-* ``norm(cfg, dim)`` and ``mlp(cfg)``: the modules the blocks are built with (called once at
-  construction: the hot paths hold the chosen modules and never ask again). An MLP maps d -> d,
+* ``norm(cfg, dim)`` and ``mlp(cfg)``: the modules the blocks are built with, and ``block(cfg,
+  window, cross)``: the block itself (``layers.Block``; another layout subclasses it). Called
+  once at construction: the hot paths hold the chosen modules and never ask again. An MLP maps d -> d,
   names its output projection ``proj`` (the residual-output init scales it) and may declare
   ``fused_rows`` (the matrices stacked in a fused Linear, for per-matrix Muon).
 * Hugging Face: ``hf_model_types`` (the HF ``model_type``s it imports, with the config fields each
@@ -68,6 +69,13 @@ class Family:
         from .layers import MLP
 
         return MLP(cfg)
+
+    def block(self, cfg: Any, window: Any, cross: Any = None) -> Any:
+        """One layer of a stack (``layers.Block``, which builds its norms and MLP with ``norm``
+        and ``mlp``); a family with another layout returns a ``Block`` subclass."""
+        from .layers import Block
+
+        return Block(cfg, window, cross)
 
     # ---- Hugging Face (configs, weights) ----
     def _no_hf(self, cfg: Any) -> ConfigError:

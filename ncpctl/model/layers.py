@@ -447,8 +447,9 @@ class Stack(nn.Module):
         """``cross(i)``: an optional factory of block i's cross sub-layer (a coupling's)."""
         super().__init__()
         self.n = len(windows)
+        fam = family(cfg.backbone)  # the family builds the blocks (Block unless it says otherwise)
         for i, w in enumerate(windows):
-            self.add_module(str(i), Block(cfg, w, cross(i) if cross is not None else None))
+            self.add_module(str(i), fam.block(cfg, w, cross(i) if cross is not None else None))
         cls = strategy("residual", residual or cfg.residual)
         if not (isinstance(cls, type) and issubclass(cls, Residual)):
             raise TypeError(f"residual {residual or cfg.residual!r}: {cls!r} is not a Residual subclass")

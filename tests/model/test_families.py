@@ -33,6 +33,8 @@ def test_the_toy_family_builds_every_norm_and_mlp_from_its_record(name):
     # per block 2 norms; the final and the concept stack's norm, the coupling's two (add: normed), MTP's two
     assert len(norms) == 2 * blocks + 1 + 1 + 2 + 2 and all(isinstance(m, toy.ScaleNorm) for m in norms)
     assert len(mlps) == blocks and all(isinstance(m, toy.ReLU2MLP) for m in mlps)
+    stacks = [model.encoder, model.decoder, model.concept.layers, model.mtp.depths[0].layer]
+    assert sum(len(s) for s in stacks) == blocks and all(isinstance(b, toy.GainBlock) for s in stacks for b in s)
     x = torch.randn(2, 5, 32)
     blk = model.decoder[0].mlp
     assert torch.allclose(blk(x), blk.proj(torch.relu(blk.fc(x)) ** 2))

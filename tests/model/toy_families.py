@@ -3,7 +3,8 @@
 
 ``relu2``: ScaleNorm (one learned gain g: g * sqrt(d) * x / ||x||, Nguyen & Salazar 2019) in place
 of LayerNorm/RMSNorm, a squared-ReLU MLP (So et al. 2021, Primer) at 3 d, rotary on half of each
-head, no biases, sequential blocks; its own check refuses a parallel residual. It has no Hugging
+head, no biases, sequential blocks whose update a learned gain scales (a ``Block`` subclass: a
+layout of its own); its own check refuses a parallel residual. It has no Hugging
 Face model (the ``Family`` defaults refuse the conversion by name).
 
 Importable by path (``tests.model.toy_families:ReLU2``) for recipes run by the real CLI.
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ncpctl.model import Family, register
+from ncpctl.model import Block, Family, register
 
 
 class ScaleNorm(nn.Module):
@@ -40,6 +41,17 @@ class ReLU2MLP(nn.Module):
         return self.proj(F.relu(self.fc(x)).square())
 
 
+class GainBlock(Block):
+    """The standard block with its update R scaled by a learned gain (1 at init)."""
+
+    def __init__(self, cfg, window=None, cross=None):
+        super().__init__(cfg, window, cross)
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, ctx, cache=None):
+        return self.gain * super().forward(x, ctx, cache)
+
+
 @register("backbone", "relu2")
 class ReLU2(Family):
     def defaults(self, cfg):
@@ -53,3 +65,6 @@ class ReLU2(Family):
 
     def mlp(self, cfg):
         return ReLU2MLP(cfg.d_model, cfg.ffn_dim, cfg.bias)
+
+    def block(self, cfg, window, cross=None):
+        return GainBlock(cfg, window, cross)
