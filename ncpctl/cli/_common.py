@@ -31,9 +31,9 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")
 StrategyOpt = Annotated[
     Optional[list[str]],
     typer.Option("--strategy", metavar="PACKAGE.MODULE:CLASS",
-                 help="Import this strategy (segmentation, coupling, residual) where a checkpoint names it "
-                      "(repeatable). A strategy named only by a checkpoint is never imported: opening a "
-                      "checkpoint runs no code from it.", show_default=False),
+                 help="Import this strategy (segmentation, coupling, residual, objective, backbone) where a "
+                      "checkpoint names it (repeatable). A strategy named only by a checkpoint is never imported: "
+                      "opening a checkpoint runs no code from it.", show_default=False),
 ]
 BreakLockOpt = Annotated[bool, typer.Option(
     "--break-lock", help="Take the run directory's lock (run.dir/ncpctl.lock) even if another host holds it.")]

@@ -203,14 +203,13 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
             state.pop("lm_head.weight", None)
     else:
         from ncpctl.model.config import ConfigError
-        from ncpctl.model.hf import hf_config, to_hf_state_dict
+        from ncpctl.model.hf import hf_architecture, hf_config, to_hf_state_dict
 
         try:
             hf = hf_config(cfg)
         except ConfigError as e:
             raise UserError(*(f"model.{k}: {m} (no HF model holds this)" for k, m in e.problems)) from None
-        arch = {"gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "gpt2": "GPT2LMHeadModel"}[hf.model_type]
+        arch = hf_architecture(cfg, hf)
         hf.architectures = [arch]
         hf.bos_token_id = hf.eos_token_id = eod
         hf.dtype = dtype_name
@@ -235,7 +234,8 @@ def _remote(cfg) -> bool:
 
 def remote_files() -> list[Path]:
     """The files of an exported NCP directory's code: the HF adapter and every module of the
-    model package it reaches through relative imports (``from .x import y``)."""
+    model package it reaches through relative imports (``from .x import y``; transformers copies
+    exactly these, so the built-in backbone families are imported by ``family.py``)."""
     todo, found = ["modeling_ncp"], {}
     while todo:
         name = todo.pop()
@@ -255,13 +255,13 @@ def _check_builtin(cfg) -> None:
     from ncpctl.model.config import STRATEGIES
 
     c = cfg.concept
-    for key, kind, name in (("model.residual", "residual", cfg.residual),
+    for key, kind, name in (("model.backbone", "backbone", cfg.backbone), ("model.residual", "residual", cfg.residual),
                             ("model.concept.segmentation", "segmentation", c.segmentation),
                             ("model.concept.coupling", "coupling", c.coupling)):
         target = STRATEGIES[kind].get(name)
         if not (isinstance(target, str) and target.startswith(".")):
             raise UserError(f"{key}: {name!r} is not built into ncpctl, so the exported code cannot include it",
-                            hint="export supports the built-in segmentation, coupling and residual")
+                            hint="export supports the built-in backbone, segmentation, coupling and residual")
 
 
 def _derived(cfg) -> dict[str, Any]:

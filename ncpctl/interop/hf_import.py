@@ -2,7 +2,8 @@
 ``train.init_from: <HF dir>``).
 
 Reads ``config.json`` (``GPTNeoXForCausalLM`` such as Pythia, ``LlamaForCausalLM``,
-``Qwen3ForCausalLM``) and the weights (``model.safetensors``, sharded safetensors with an
+``Qwen3ForCausalLM``, ``Olmo2/3ForCausalLM``, ``GPT2LMHeadModel``: any model type a registered
+backbone family imports, ``ncpctl.model.hf.hf_model_types()``) and the weights (``model.safetensors``, sharded safetensors with an
 index, or ``pytorch_model.bin``), builds the ``ModelConfig`` with ``config_from_hf`` plus
 the caller's overrides, and loads the backbone with ``ncpctl.model.hf``. With a concept
 path (``concept={"enabled": True, ...}``) the encoder is the base's first E layers and

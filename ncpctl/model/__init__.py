@@ -4,10 +4,11 @@
 friends load on first access.
 
 Extension points (docs/architecture.md): a segmentation (subclass ``Segmenter``), a coupling
-(``Coupling``), a depth mixer (``Residual``) or a training objective (``Objective``, declaring
-its attention ``Pattern``: ``Causal``, ``BlockCausal``, ...) is registered by name with
-``register(kind, name, cls)`` and chosen with the recipe keys ``model.concept.segmentation``,
-``model.concept.coupling``, ``model.residual`` and ``model.objective`` (or named there as
+(``Coupling``), a depth mixer (``Residual``), a training objective (``Objective``, declaring
+its attention ``Pattern``: ``Causal``, ``BlockCausal``, ...) or a backbone family (``Family``:
+defaults, norm and MLP, HF mapping) is registered by name with ``register(kind, name, cls)`` and
+chosen with the recipe keys ``model.concept.segmentation``, ``model.concept.coupling``,
+``model.residual``, ``model.objective`` and ``model.backbone`` (or named there as
 ``package.module:Class``); a registered design declares its own recipe keys as a dataclass of
 ``option`` fields named by its class attribute ``options`` (recipe ``model.options.NAME.KEY``,
 read back with ``cfg.design_options(kind)``);
@@ -37,6 +38,7 @@ _LAZY = {
     "DynamicSegmenter": "ncpctl.model.dynamic",
     "Coupling": "ncpctl.model.coupling",
     "Residual": "ncpctl.model.layers",
+    "Block": "ncpctl.model.layers",
     "Context": "ncpctl.model.layers",
     "Stack": "ncpctl.model.layers",
     "Intervention": "ncpctl.model.interventions",
@@ -50,6 +52,7 @@ _LAZY = {
     "Pattern": "ncpctl.model.patterns",
     "Causal": "ncpctl.model.patterns",
     "BlockCausal": "ncpctl.model.patterns",
+    "Family": "ncpctl.model.family",
 }
 
 __all__ = ["SIZES", "BottleneckConfig", "ConceptConfig", "ConfigError", "ModelConfig", "SegmentationLaw", "build_config", "register",

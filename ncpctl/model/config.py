@@ -39,8 +39,6 @@ from .registry import (  # noqa: F401  (the registry's names, as before it had i
     strategy, trust, unregister,
 )
 
-Backbone = Literal["neox", "llama", "gpt2"]
-BACKBONES = ("neox", "llama", "gpt2")
 ROPE_TYPES = ("llama3",)  # rope_scaling types rope() implements (HF's names)
 
 
@@ -126,9 +124,10 @@ class ModelConfig(BottleneckSection, MupSection, MtpSection, AttnResSection, Crc
     config_bottleneck.py); a registered design's are under ``options``."""
 
     name: str = _f("custom", "Name recorded in checkpoints (default: the size).")
-    backbone: Backbone = _f("neox", "neox (Pythia: LayerNorm, parallel residual, partial rotary, GELU), "
-                                    "llama (RMSNorm, SwiGLU, RoPE, GQA) or gpt2 (LayerNorm, learned absolute "
-                                    "positions, tanh GELU, biases, HF's GPT2LMHeadModel).")
+    backbone: str = _f("neox", "The backbone family: neox (Pythia: LayerNorm, parallel residual, partial rotary, "
+                               "GELU), llama (RMSNorm, SwiGLU, RoPE, GQA) or gpt2 (LayerNorm, learned absolute "
+                               "positions, tanh GELU, biases, HF's GPT2LMHeadModel); or a registered family / "
+                               "package.module:Class (docs/architecture.md).")
     vocab_size: int = _f(50304, "Real vocabulary (default: the tokenizer's); the embedding holds padded_vocab_size.")
     pad_vocab_multiple: int = _f(128, "Pad the embedding/LM head rows to a multiple of this.")
     d_model: int = _f(768, "Hidden size d.")
@@ -217,11 +216,9 @@ class ModelConfig(BottleneckSection, MupSection, MtpSection, AttnResSection, Crc
 
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "pad_vocab_multiple"):
             need_pos(name, getattr(self, name))
-        if self.backbone not in BACKBONES:
-            problems.append(("backbone", f"must be one of {', '.join(BACKBONES)}, got {self.backbone!r}"))
         if problems:  # the rest divides by these
             raise ConfigError(problems)
-        self._backbone_defaults()
+        problems += self._backbone_defaults()
         problems += self._check_shapes()
         self.padded_vocab_size = _round_up(self.vocab_size, self.pad_vocab_multiple)
         self.head_dim = self.d_model // self.n_heads
@@ -373,20 +370,19 @@ class ModelConfig(BottleneckSection, MupSection, MtpSection, AttnResSection, Crc
             ffn_dim=ffn, n_layers=1, extra_token_layers=0, extra_token_layers_at=None, crc_connections=[],
             mtp_depth=None, mtp_weight_schedule=[], concept=ConceptConfig())
 
-    def _backbone_defaults(self) -> None:
-        """The backbone's values of the keys left null."""
-        llama = self.backbone == "llama"
+    def _backbone_defaults(self) -> list[tuple[str, str]]:
+        """The backbone family's values of the keys left null (family.py); its own checks."""
+        import importlib
+
+        # family.py's lookup, imported the way strategies are (lazily: family.py imports this module)
+        fam = importlib.import_module(".family", __package__).family(self.backbone)  # ConfigError if unknown
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.ffn_dim is None:
-            self.ffn_dim = _round_up(int(8 * self.d_model / 3), 256) if llama else 4 * self.d_model
-        if self.rotary_pct is None:
-            self.rotary_pct = {"neox": 0.25, "llama": 1.0, "gpt2": 0.0}[self.backbone]
-        if self.parallel_residual is None:
-            self.parallel_residual = self.backbone == "neox"
-        if self.bias is None:
-            self.bias = not llama
-        self.learned_positions = self.backbone == "gpt2"
+        for key, value in fam.defaults(self).items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        self.learned_positions = fam.learned_positions
+        return fam.check(self)
 
     def _check_shapes(self) -> list[tuple[str, str]]:
         problems = []

@@ -1,16 +1,17 @@
 """The one transformer block type (spec section 4), shared by the token and concept stacks.
 
 ``neox`` (GPT-NeoX/Pythia), ``llama`` (Llama/OLMo/Qwen3-style) and ``gpt2`` are configurations
-of the same ``Block``: norm type and placement (pre, or OLMo-2/3's post), residual layout, MLP
-gating, rotary fraction, GQA, QK-norm and the per-layer sliding window all come from
-``ModelConfig``. With matching weights a stack of these blocks is numerically the HF reference
+of the same ``Block``: the backbone family (family.py) chooses the norm and the MLP when the
+block is built; norm placement (pre, or OLMo-2/3's post), residual layout, rotary fraction,
+GQA, QK-norm and the per-layer sliding window come from ``ModelConfig``. With matching
+weights a stack of these blocks is numerically the HF reference
 (tests/model/test_hf.py).
 
 Layout choices (the HF converters in ``hf.py`` translate):
 * ``attn.qkv`` is one fused Linear whose rows are ``[q (H*hd); k (Hkv*hd); v (Hkv*hd)]``
   (HF GPT-NeoX interleaves q/k/v per head; HF Llama has three Linears).
-* ``mlp.fc`` is ``Linear(d, ffn)`` (neox, GELU) or ``Linear(d, 2*ffn)`` = ``[gate; up]``
-  (llama, SwiGLU); ``mlp.proj`` maps back to d.
+* ``mlp.fc`` is ``Linear(d, ffn)`` (neox, gpt2: GELU) or ``Linear(d, 2*ffn)`` = ``[gate; up]``
+  (llama, SwiGLU); ``mlp.proj`` maps back to d (a family's own MLP names its output ``proj`` too).
 
 A ``Block`` returns its *update* R (what a plain residual network adds to its input); a
 ``Stack`` of blocks combines the updates through a depth mixer, its ``residual``
@@ -32,6 +33,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .config import ModelConfig, strategy
+from .family import family
 from .patterns import Pattern, as_pattern, attn_mask, kernel_masks  # noqa: F401  (attn_mask: re-exported)
 
 
@@ -51,7 +53,8 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
-    return RMSNorm(dim, cfg.norm_eps) if cfg.backbone == "llama" else nn.LayerNorm(dim, eps=cfg.norm_eps)
+    """The norm of ``cfg``'s backbone family (family.py), e.g. LayerNorm (neox, gpt2), RMSNorm (llama)."""
+    return family(cfg.backbone).norm(cfg, dim)
 
 
 # ---- rotary position embedding ---------------------------------------------------------
@@ -325,11 +328,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The built-in families' MLP: GELU (``approximate``: none = exact, HF "gelu" (neox); tanh = HF
+    "gelu_new" (gpt2)) or, ``gated``, SwiGLU with ``fc`` = [gate; up] (llama). The family chooses."""
+
+    def __init__(self, cfg: ModelConfig, gated: bool = False, approximate: str = "none"):
         super().__init__()
-        self.gated = cfg.backbone == "llama"
-        # neox: exact GELU (HF "gelu"); gpt2: the tanh approximation (HF "gelu_new")
-        self.approximate = "tanh" if cfg.backbone == "gpt2" else "none"
+        self.gated, self.approximate = gated, approximate
         self.fc = nn.Linear(cfg.d_model, (2 if self.gated else 1) * cfg.ffn_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
         self.fused_rows = {"fc": (cfg.ffn_dim, cfg.ffn_dim)} if self.gated else {}  # [gate; up]
@@ -368,7 +372,7 @@ class Block(nn.Module):
         else:
             self.cross = None
         self.mlp_norm = make_norm(cfg, cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = family(cfg.backbone).mlp(cfg)
 
     def _sub(self, norm: nn.Module, f: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:
         """One sub-layer's output: f(norm(x)) (pre-norm) or norm(f(x)) (post-norm)."""
@@ -443,8 +447,9 @@ class Stack(nn.Module):
         """``cross(i)``: an optional factory of block i's cross sub-layer (a coupling's)."""
         super().__init__()
         self.n = len(windows)
+        fam = family(cfg.backbone)  # the family builds the blocks (Block unless it says otherwise)
         for i, w in enumerate(windows):
-            self.add_module(str(i), Block(cfg, w, cross(i) if cross is not None else None))
+            self.add_module(str(i), fam.block(cfg, w, cross(i) if cross is not None else None))
         cls = strategy("residual", residual or cfg.residual)
         if not (isinstance(cls, type) and issubclass(cls, Residual)):
             raise TypeError(f"residual {residual or cfg.residual!r}: {cls!r} is not a Residual subclass")

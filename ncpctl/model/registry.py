@@ -34,13 +34,16 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "coupling": {"add": ".coupling:AddCoupling", "cross_attention": ".coupling:CrossAttentionCoupling"},
     "residual": {"plain": ".layers:PlainResidual", "irc": ".residual:IRC", "block_attnres": ".residual:BlockAttnRes"},
     "objective": {"next_token": ".objective:NextToken"},
+    # backbone families (family.py): one module each
+    "backbone": {"neox": ".family_neox:NeoX", "llama": ".family_llama:Llama", "gpt2": ".family_gpt2:GPT2"},
 }
 LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS, "dynamic": DYNAMIC}
 
 
 def register(kind: str, name: str, cls: Any = None) -> Any:
     """Make ``cls`` the strategy ``name`` of extension point ``kind`` (``segmentation``,
-    ``coupling``, ``residual`` or ``objective``); then ``model.concept.segmentation: name`` (etc.) selects it.
+    ``coupling``, ``residual``, ``objective`` or ``backbone``: a ``Family``, family.py); then
+    ``model.concept.segmentation: name`` (etc.) selects it.
     A segmentation class must declare its ``law`` (a ``SegmentationLaw``). A class may declare
     its own recipe keys: ``options``, a dataclass of ``option`` fields (``model.options.NAME.KEY``,
     read back with ``cfg.design_options(kind)``). Usable as a class decorator:

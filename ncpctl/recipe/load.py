@@ -10,11 +10,9 @@ set the key, so a mistake inherited through ``extends:`` points at the right fil
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
 import glob
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -24,6 +22,8 @@ from pydantic import BaseModel, ValidationError
 
 from ncpctl.errors import UserError
 from ncpctl.model.config import ConfigError, ModelConfig, build_config, deep_merge
+from ncpctl.recipe.init_from import hf_init_config, init_from_hf, init_from_model
+from ncpctl.recipe.yaml_io import MAX_YAML_VALUES, alias_problem, yaml_load  # noqa: F401  (re-exported)
 from ncpctl.recipe.schema import (
     SECTIONS,
     DataSection,
@@ -40,67 +40,6 @@ BUILTIN_STDLIB = "builtin:python-stdlib"
 UINT16_LIMIT = 65536  # ids 0..65535 fit in uint16
 
 Problem = tuple[str, str]  # (key path, message)
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``6e-4`` as a float (YAML 1.1 wants ``6.0e-4``; users write ``6e-4``)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-    |[-+]?\.(?:inf|Inf|INF)
-    |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."),
-)
-
-
-def yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-
-
-# Values a recipe document may hold with every alias expanded. A real recipe has a few hundred;
-# YAML aliases let a few lines name a billion (the "billion laughs" bomb), which everything after
-# parsing (origin recording, validation, the resolved recipe, the checkpoint's JSON) would expand.
-MAX_YAML_VALUES = 100_000
-
-
-class _Unbounded(Exception):
-    pass
-
-
-def alias_problem(doc: Any, limit: int = MAX_YAML_VALUES) -> str | None:
-    """Why a parsed YAML document is refused, else None: more than ``limit`` values once its aliases
-    are expanded, or an alias inside the value it names (a recursive structure, infinite expanded).
-    Time and memory are linear in the document as parsed: a value shared through an alias is
-    sized once (memo by identity), never expanded."""
-    sizes: dict[int, int] = {}
-    open_: set[int] = set()
-
-    def size(v: Any) -> int:
-        if not isinstance(v, (dict, list)):
-            return 1
-        if id(v) in sizes:
-            return sizes[id(v)]
-        if id(v) in open_:
-            raise _Unbounded("a YAML alias is used inside the value it names (a recursive structure)")
-        open_.add(id(v))
-        n = 1
-        for sub in (v.values() if isinstance(v, dict) else v):
-            n += size(sub)
-            if n > limit:
-                raise _Unbounded(f"YAML aliases expand it to more than {limit:,} values (an alias bomb?)")
-        open_.discard(id(v))
-        sizes[id(v)] = n
-        return n
-
-    try:
-        size(doc)
-    except _Unbounded as e:
-        return f"{e}; refusing to read it"
-    return None
 
 
 @dataclass
@@ -470,75 +409,6 @@ def _config_without(size: str, overrides: dict[str, Any], bad: list[str]) -> Mod
         return None
 
 
-def _init_from_model(train: Any, problems: list[Problem]) -> ModelConfig | None:
-    """The model config stored in ``train.init_from`` when that is an ncpctl checkpoint (or a
-    run directory); None otherwise (a Hugging Face directory, or a problem reported elsewhere).
-    A strategy only the checkpoint names is not imported but reported (issue 21)."""
-    if train is None or not train.init_from:
-        return None
-    from ncpctl.checkpoint import read_meta, resolve
-    from ncpctl.model.config import UNTRUSTED, from_checkpoint
-
-    try:
-        path = resolve(train.init_from)
-        with from_checkpoint(path):
-            return ModelConfig.from_dict(read_meta(path)["model_config"])
-    except ConfigError as e:
-        problems.extend(("train.init_from", m) for _, m in e.problems if UNTRUSTED in m)
-        return None
-    except (UserError, KeyError, TypeError):
-        return None
-
-
-# the HF model types ncpctl.model.hf.config_from_hf converts (checked first: it reads
-# attributes such as intermediate_size that other configs, GPT-2's, do not have)
-def _init_from_hf(train: Any) -> bool:
-    if train is None or not train.init_from:
-        return False
-    from ncpctl.interop.hf_import import is_hf_dir  # light: no torch, no transformers
-
-    return is_hf_dir(train.init_from)
-
-
-def _hf_init_config(model: Any, directory: str, problems: list[Problem]) -> ModelConfig | None:
-    """midtrain from a Hugging Face directory: the model is the HF ``config.json`` plus the
-    recipe's explicit ``model`` keys, and the concept path of the recipe (``model.size``'s
-    concept defaults + ``model.concept``); ``vocab_size`` is the HF model's. Problems are
-    reported like any recipe problem, at load time; None when the config is impossible."""
-    cfg_file = Path(directory) / "config.json"
-    try:
-        preset = build_config(model.size)  # the size's concept defaults
-    except ConfigError as e:
-        problems.extend((f"model.{k}", m) for k, m in e.problems)
-        return None
-    from transformers import AutoConfig  # only here: loading any other recipe stays light
-
-    from ncpctl.model.hf import HF_MODEL_TYPES, config_from_hf
-
-    try:
-        hf = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError) as e:
-        problems.append(("train.init_from", f"{cfg_file}: unreadable Hugging Face config ({str(e).splitlines()[0]})"))
-        return None
-    if hf.model_type not in HF_MODEL_TYPES:
-        problems.append(("train.init_from", f"{cfg_file}: model_type: unsupported Hugging Face model type "
-                         f"{hf.model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})"))
-        return None
-    explicit = model.model_dump(exclude={"size", "concept", "vocab_size"}, exclude_none=True)
-    concept = dataclasses.asdict(preset.concept)
-    concept.update(model.concept.model_dump(exclude_none=True) if model.concept is not None else {})
-    try:
-        return config_from_hf(hf, concept=concept, **explicit)
-    except ConfigError as e:
-        fields = {f.name for f in dataclasses.fields(ModelConfig) if f.init}
-        for k, m in e.problems:
-            if k.split(".")[0] in fields:  # a model key (the recipe's, or the HF value it did not override)
-                problems.append((f"model.{k}", f"{m} (with the Hugging Face model {directory})"))
-            else:  # a property of the HF config itself
-                problems.append(("train.init_from", f"{cfg_file}: {k}: {m}"))
-        return None
-
-
 def _check_mup_lrs(train: Any, cfg: ModelConfig | None) -> list[Problem]:
     """``train.mup_lr_token`` / ``mup_lr_concept`` are the base rates of decoupled muP's groups:
     without muP there are no such groups, and every matrix takes train.lr."""
@@ -588,13 +458,13 @@ def _check_combinations(
         if vocab is not None and data.dtype == "uint16" and vocab > UINT16_LIMIT:
             problems.append(("data.dtype", f"uint16 holds ids below {UINT16_LIMIT}, but the tokenizer has {vocab} tokens; use int32 or auto"))
 
-    base = _init_from_model(train, problems) if model is not None and not model.model_fields_set else None
+    base = init_from_model(train, problems) if model is not None and not model.model_fields_set else None
     if base is not None:
         # midtrain / adapt-vq with no `model:` section: the checkpoint describes the model
         # (style rule 7), so the recipe needs only train.init_from
         derived["model_config"] = cfg = base
-    elif model is not None and _init_from_hf(train):
-        cfg = _hf_init_config(model, train.init_from, problems)
+    elif model is not None and init_from_hf(train):
+        cfg = hf_init_config(model, train.init_from, problems)
         if cfg is not None:
             derived["model_config"] = cfg
     elif model is not None:

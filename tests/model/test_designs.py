@@ -1,5 +1,6 @@
 """The generic properties every design must have, run over the shipped designs and over toy
-designs added only through the public extension points (tests/model/toys.py): causality (no
+designs added only through the public extension points (tests/model/toys.py, and the toy
+backbone family of tests/model/toy_families.py): causality (no
 position sees a later token), cached decoding equal to the full forward for a ragged batch,
 a training step with finite losses, and a depth mixer that starts as the plain residual."""
 
@@ -10,6 +11,7 @@ import torch
 
 from ncpctl.model.model import NCPModel
 
+from . import toy_families  # noqa: F401  (registers the toy backbone family "relu2")
 from . import toys  # noqa: F401  (registers the toy designs)
 from ._helpers import build, check_causal, check_cached_decode, ragged_batch, tiny, tokens
 
@@ -94,6 +96,13 @@ DESIGNS = {
         coupling="cross_attend")),
     "toy-cross-attention-neox-post-parallel": tiny("neox", norm_placement="post", concept=dict(
         segmentation="alt23", coupling="cross_attend")),
+    # a toy backbone family (tests/model/toy_families.py: ScaleNorm, squared-ReLU MLP, half rotary),
+    # by name and by import path, as a base model and under the designs
+    "toy-family-relu2-base": tiny("relu2"),
+    "toy-family-relu2-conceptlm-irc": tiny("relu2", residual="irc", concept={}),
+    "toy-family-relu2-post-gqa-window-alternating-cross": tiny(
+        "tests.model.toy_families:ReLU2", norm_placement="post", n_kv_heads=2, sliding_window=3, full_attn_every=2,
+        concept=dict(segmentation="alt23", coupling="cross_attend")),
 }
 
 
