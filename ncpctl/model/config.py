@@ -40,6 +40,7 @@ from .registry import (  # noqa: F401  (the registry's names, as before it had i
 )
 
 ROPE_TYPES = ("llama3",)  # rope_scaling types rope() implements (HF's names)
+INIT_SCHEMES = ("hf", "gpt2", "gpt-neox")  # model.init values (weight-init schemes; gpt2 here is not the family)
 
 
 def _check_rope_scaling(rs: Any) -> list[tuple[str, str]]:
@@ -409,8 +410,8 @@ class ModelConfig(BottleneckSection, MupSection, MtpSection, AttnResSection, Crc
             problems.append(("qk_norm", f"must be none, layer or head, got {self.qk_norm!r}"))
         if self.norm_placement not in ("pre", "post"):
             problems.append(("norm_placement", f"must be pre or post, got {self.norm_placement!r}"))
-        if self.init not in ("hf", "gpt2", "gpt-neox"):
-            problems.append(("init", f"must be hf, gpt2 or gpt-neox, got {self.init!r}"))
+        if self.init not in INIT_SCHEMES:  # init schemes, not families (gpt2 names both)
+            problems.append(("init", f"must be {', '.join(INIT_SCHEMES[:-1])} or {INIT_SCHEMES[-1]}, got {self.init!r}"))
         return problems
 
     def _window(self, number: int) -> int | None:
