@@ -13,9 +13,9 @@ Spec: shared/docs/ncp-model.md section 6. Three views of one ``ModelConfig``:
 * ``exact_flops``: matmul FLOPs (2 per multiply-add) with the real shapes (GQA, FFN width
   and gating, sliding window, padded vocab, concept heads, codebook), by component. Training
   is 3x forward when every weight trains; a stage that freezes weights (adapt-vq, LoRA) passes
-  its trainable parameters and gets the backward it really does (``_Backward``).
+  its trainable parameters and gets the backward it really does (accounting_backward.py).
   Steerling's concept bottleneck (``bottleneck.*``) is counted too; its unknown head reads sg(h),
-  so the 3x convention overcounts it by g's (first) input gradient, which ``_Backward`` omits.
+  so the 3x convention overcounts it by g's (first) input gradient, which the backward walk omits.
 * ``count_parameters``: the real ``NCPModel`` built on the meta device, grouped by
   component. Only this one imports torch (lazily), so the CLI can describe configs cheaply.
 
@@ -28,7 +28,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ncpctl.model.accounting_params import PARAM_GROUPS, ParamCounts, count_parameters  # noqa: F401 (re-exported)
 from ncpctl.model.config import ModelConfig
+from ncpctl.model.family import family
+from ncpctl.model.registry import design_cost
 
 __all__ = [
     "PaperFlops",
@@ -178,7 +181,7 @@ def _stack_flops(cfg: ModelConfig, windows, n: int) -> dict[str, int]:
     d, hd = cfg.d_model, cfg.head_dim
     q_dim = cfg.n_heads * hd
     kv_dim = cfg.n_kv_heads * hd
-    gate_mats = 3 if cfg.backbone == "llama" else 2  # SwiGLU: gate, up, down; GELU: up, down
+    gate_mats = family(cfg.backbone).mlp_matrices  # SwiGLU: gate, up, down; GELU: up, down
     qkv = 2 * n * d * (q_dim + 2 * kv_dim)
     attn_out = 2 * n * q_dim * d
     mlp = 2 * n * d * cfg.ffn_dim * gate_mats
@@ -344,7 +347,7 @@ def at_realised_ratio(cfg: ModelConfig, ratio: float | None) -> ModelConfig:
     if ratio is None:
         return cfg
     c = cfg.concept
-    if not c.enabled or c.segmentation != "dynamic":
+    if not c.enabled or not cfg.law.variable_length:
         raise ValueError("a realised ratio applies to model.concept.segmentation: dynamic (fixed blocks: k)")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 1:
         raise ValueError(f"the realised tokens per concept must be a number > 1, got {ratio!r}")
@@ -416,7 +419,9 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
             causal[key] = causal_part
     backward = backward_causal = None
     if trainable is not None:
-        bw = _Backward(cfg, trainable)
+        from ncpctl.model.accounting_backward import Backward  # a partly frozen model
+
+        bw = Backward(cfg, trainable)
         bw.model(T, M, comps)
         if bw.adapters:
             comps["adapters"] = bw.adapters
@@ -439,17 +444,16 @@ STACKS = ("encoder", "concept", "decoder")
 def _crc_key(cfg: ModelConfig) -> str:
     return "residual.crc_input" if cfg.crc_mode == "input" else "residual.crc"
 def _dlcm_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
-    """DLCM's matmuls (ncpctl.model.dynamic, coupling.CrossAttentionCoupling) at M concepts: the
-    boundary predictor's W_q, W_k on every token; the cross-attention's W_Q, W_O on the tokens,
-    W_K, W_V on the concepts and the (T, M) scores and weighted sum (SDPA computes the masked
-    entries too). The cosine and the smoothing are elementwise (not counted)."""
-    c, d, out = cfg.concept, cfg.d_model, {}
+    """The segmentation's and the coupling's own matmuls at M concepts, as each design reports them
+    (``design_cost``; DLCM: the boundary predictor's W_q, W_k, the cross-attention's projections,
+    scores and weighted sum). Fixed blocks and the additive coupling have none."""
+    c, out = cfg.concept, {}
     if not c.enabled:
         return out
-    if c.segmentation == "dynamic" and c.boundary_mode == "predictor":
-        out["concept.boundary_predictor"] = 2 * (2 * T * d * d)
-    if c.coupling == "cross_attention":
-        out["concept.cross_attention"] = 2 * (2 * T * d * d) + 2 * M * d * 2 * d + 2 * (2 * T * M * d)
+    for kind, name in (("segmentation", c.segmentation), ("coupling", c.coupling)):
+        cost = design_cost(kind, name)
+        if cost is not None:
+            out.update(cost.flops(cfg, T, M))
     return out
 
 
@@ -457,13 +461,12 @@ def _dynamic_residual_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
     """IRC, CRC and Block AttnRes matmul FLOPs per sequence (ncpctl.model.residual): each weight
     MLP (d -> hidden -> candidates) or pseudo-query dot product, and the weighted sums of the
     candidate states (the LayerNorms / RMSNorms of the sources, the pooling of the encoder's depths
-    and other elementwise work are not counted). ``crc_mode: input`` is ``residual.crc_input``. A
-    registered depth mixer other than these is not counted."""
+    and other elementwise work are not counted). ``crc_mode: input`` is ``residual.crc_input``. The
+    depth mixer reports its own cost (``design_cost``: a registered one its ``cost`` attribute)."""
     out = {}
-    if cfg.residual == "irc":
-        out["residual.irc"] = sum(_irc_flops(cfg, stack, T, M) for stack in STACKS)
-    if cfg.residual == "block_attnres":
-        out["residual.attnres"] = sum(_attnres_flops(cfg, stack, T, M) for stack in STACKS)
+    mixer = design_cost("residual", cfg.residual)
+    if mixer is not None:
+        out[mixer.key] = sum(mixer.flops(cfg, stack, _shapes(cfg, T, M)) for stack in STACKS)
     if cfg.crc_connections:
         out[_crc_key(cfg)] = sum(_crc_flops(cfg, link, T, M) for link in cfg.crc_connections)
     return out
@@ -507,18 +510,16 @@ def _mtp_flops(cfg: ModelConfig, T: int) -> dict[str, tuple[int, int | None]]:
     return out
 
 
+def _shapes(cfg: ModelConfig, T: int, M: int) -> dict[str, tuple[int, int]]:
+    """(layers, positions) of each stack (encoder, concept, decoder)."""
+    return {stack: _stack_shape(cfg, stack, T, M) for stack in STACKS}
+
+
 def _stack_shape(cfg: ModelConfig, stack: str, T: int, M: int) -> tuple[int, int]:
     """(layers, positions) of the encoder, concept or decoder stack."""
     c = cfg.concept
     return {"encoder": (cfg.encoder_layers, T), "concept": (c.concept_layers if c.enabled else 0, M),
             "decoder": (cfg.decoder_layers, T)}[stack]
-
-
-def _irc_flops(cfg: ModelConfig, stack: str, T: int, M: int) -> int:
-    """One stack's IRC: per layer i, MLP(R) d -> h -> i+2 weights, then the i+2 states' weighted sum."""
-    d, h = cfg.d_model, cfg.irc_hidden
-    n, P = _stack_shape(cfg, stack, T, M)
-    return sum(2 * P * (d * h + h * (i + 2)) + 2 * P * (i + 2) * d for i in range(n))
 
 
 def _crc_flops(cfg: ModelConfig, link: str, T: int, M: int) -> int:
@@ -530,243 +531,6 @@ def _crc_flops(cfg: ModelConfig, link: str, T: int, M: int) -> int:
     n, P = _stack_shape(cfg, target, T, M)
     n = min(n, 1) if cfg.crc_mode == "input" else n
     return n * (2 * P * (d * h + h * K) + 2 * P * K * d + 2 * P * d)
-
-
-def _attnres_depths(cfg: ModelConfig, stack: str) -> int:
-    """States a Block AttnRes stack hands on: its input, its blocks (the last may be partial), its output."""
-    n = _stack_shape(cfg, stack, 1, 1)[0]
-    return 2 + -(-n // cfg.attnres_block)
-
-
-def _attnres_flops(cfg: ModelConfig, stack: str, T: int, M: int) -> int:
-    """One stack's Block AttnRes: per query i = 0..n (layer i's input, the output after layer n-1)
-    over V values (the cross-module sources, the input, the i // S completed blocks, the open
-    one), the logits w . RMSNorm(v) (2 V d) and the weighted sum (2 V d), V = 1 included."""
-    d, S = cfg.d_model, cfg.attnres_block
-    n, P = _stack_shape(cfg, stack, T, M)
-    src = 0
-    if cfg.attnres_cross and cfg.concept.enabled:
-        src = {"encoder": 0, "concept": _attnres_depths(cfg, "encoder"),
-               "decoder": _attnres_depths(cfg, "encoder") + _attnres_depths(cfg, "concept")}[stack]
-    V = [src + 1 + i // S + (i % S > 0) for i in range(n + 1)]
-    return sum(4 * P * v * d for v in V)
-
-
-class _Backward:
-    """The backward of a partly frozen model, walked in data-flow order (one sequence).
-
-    ``rg`` ("requires grad") says whether the activation flowing into an op depends on a
-    trained parameter. A weight matmul of forward cost F costs F for its input gradient when
-    its input is rg and F for its weight gradient when its weight trains; a weight-less op
-    (attention's QK^T and AV, pooling, the codebook mix) costs 2F when its input is rg, per
-    operand for the mix (code weights, codes). With every weight trained this is exactly
-    2x forward, the 3x convention. A trained norm or bias makes the activation after it rg.
-    """
-
-    def __init__(self, cfg: ModelConfig, trainable: Mapping[str, int]):
-        self.cfg = cfg
-        self.numel = {k.replace(".base_layer.", "."): int(v) for k, v in trainable.items()}
-        self.flops: dict[str, int] = {}
-        self.causal: dict[str, int] = {}
-        self.adapters = 0  # forward FLOPs of LoRA adapters, per sequence
-
-    def trains(self, prefix: str) -> bool:
-        return any(k.startswith(prefix) for k in self.numel)
-
-    def add(self, key: str, flops: int) -> None:
-        self.flops[key] = self.flops.get(key, 0) + flops
-
-    def linear(self, key: str, module: str, f: int, n: int, rg: bool) -> bool:
-        """Weight matmul ``module`` (forward f on n positions); returns whether its output is rg."""
-        self.add(key, f * (rg + (f"{module}.weight" in self.numel)))
-        a, b = (2 * n * sum(v for k, v in self.numel.items() if k.startswith(f"{module}.lora_{x}.")) for x in "AB")
-        if a or b:  # x -> A -> B: weight gradients of both, B's input gradient, A's when x is rg
-            self.adapters += a + b
-            self.add("adapters", a * (1 + rg) + 2 * b)
-        return rg or self.trains(f"{module}.")
-
-    def block(self, group: str, prefix: str, n: int, window: int | None, rg: bool, cfg: ModelConfig) -> bool:
-        """Block ``prefix`` (attention then MLP, ncpctl.model.layers.Block, shaped by ``cfg``) on n positions."""
-        d = cfg.d_model
-        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        x = rg or self.trains(f"{prefix}attn_norm.")
-        q = self.linear(f"{group}.qkv", f"{prefix}attn.qkv", 2 * n * d * (q_dim + 2 * kv_dim), n, x)
-        q = q or self.trains(f"{prefix}attn.q_norm.") or self.trains(f"{prefix}attn.k_norm.")
-        self.add(f"{group}.attention", 2 * 4 * q_dim * _keys_full(n, window) * q)
-        self.causal[f"{group}.attention"] = self.causal.get(f"{group}.attention", 0) + 2 * 4 * q_dim * _keys_causal(n, window) * q
-        a = self.linear(f"{group}.attn_out", f"{prefix}attn.proj", 2 * n * q_dim * d, n, q)
-        m = (rg if cfg.parallel_residual else rg or a) or self.trains(f"{prefix}mlp_norm.")
-        gate = 2 if cfg.backbone == "llama" else 1  # the fused fc holds gate and up for SwiGLU
-        h = self.linear(f"{group}.mlp", f"{prefix}mlp.fc", 2 * n * d * cfg.ffn_dim * gate, n, m)
-        self.linear(f"{group}.mlp", f"{prefix}mlp.proj", 2 * n * cfg.ffn_dim * d, n, h)
-        return rg or self.trains(prefix)  # any trained parameter of the block (cross sub-layer too)
-
-    def stack(self, group: str, prefix: str, windows, n: int, rg: bool, cfg: ModelConfig | None = None) -> bool:
-        for i, w in enumerate(windows):
-            rg = self.block(group, f"{prefix}.{i}.", n, w, rg, cfg or self.cfg) or self.trains(f"{prefix}.residual.")
-        return rg
-
-    def dynamic_residuals(self, T: int, M: int, rg: dict[str, bool]) -> None:
-        """IRC and CRC as a linear of their forward F: F for the input gradient when the stack's
-        output depends on something trained (``rg``: the stacks' outputs), F for the weight
-        gradients when the mixer trains. (A stack's lowest layers below its first trained
-        parameter get no input gradient; counting the whole stack is exact when every block or
-        no block of a stack trains, as in adapt-vq, LoRA and full fine-tuning.)"""
-        cfg = self.cfg
-        mixer = {"irc": ("residual.irc", _irc_flops), "block_attnres": ("residual.attnres", _attnres_flops)}
-        if cfg.residual in mixer:
-            key, flops = mixer[cfg.residual]
-            for stack, prefix in (("encoder", "encoder"), ("concept", "concept.layers"), ("decoder", "decoder")):
-                f = flops(cfg, stack, T, M)
-                self.add(key, f * (bool(rg[stack]) + self.trains(f"{prefix}.residual.")))
-        for link in cfg.crc_connections:
-            source, target = link.split("-")
-            f = _crc_flops(cfg, link, T, M)
-            trains = self.trains(f"crc.links.{link.replace('-', '_')}.")
-            self.add(_crc_key(cfg), f * (bool(rg[source] or rg[target]) + trains))
-
-    def bottleneck(self, h: bool, comps: dict[str, int]) -> bool:
-        """The concept bottleneck on final states that are rg (``h``); returns whether h_bar is.
-        f and k K are linears; g reads sg(h) (a weight gradient only), and (u A) B gets gradients
-        from the reconstruction and independence losses alone (the LM reads sg(u_hat))."""
-        if "bottleneck.known" not in comps:
-            return h
-        trains = lambda name: f"bottleneck.{name}" in self.numel  # noqa: E731
-        k = self.linear("bottleneck.known", "bottleneck.known", comps["bottleneck.known"], 0, h)
-        self.add("bottleneck.known_embed", comps["bottleneck.known_embed"] * (k + trains("K")))
-        if self.cfg.bottleneck.unknown_head == "dense":
-            u = self.linear("bottleneck.unknown", "bottleneck.unknown", comps["bottleneck.unknown"], 0, False)
-        else:  # d -> r (no input gradient: sg(h)) -> m
-            d, r = self.cfg.d_model, self.cfg.bottleneck_rank
-            down = comps["bottleneck.unknown"] * d // (d + self.cfg.bottleneck_unknown)
-            u = self.linear("bottleneck.unknown", "bottleneck.unknown.0", down, 0, False)
-            u = self.linear("bottleneck.unknown", "bottleneck.unknown.1", comps["bottleneck.unknown"] - down, 0, u)
-        self.add("bottleneck.unknown_A", comps["bottleneck.unknown_A"] * (u + trains("A")))
-        self.add("bottleneck.unknown_B", comps["bottleneck.unknown_B"] * ((u or trains("A")) + trains("B")))
-        return h or k or trains("K")
-
-    def model(self, T: int, M: int, comps: dict[str, int]) -> None:
-        cfg, c = self.cfg, self.cfg.concept
-        E = cfg.encoder_layers
-        h = self.stack("token_layers", "encoder", cfg.token_windows[:E], T, self.trains("embed.") or self.trains("pos_embed."))
-        z = h
-        if c.enabled:
-            self.add("concept.pooling", 2 * comps["concept.pooling"] * h)
-            c_in = self.linear("concept.up", "concept.up", comps["concept.up"], M, h) if "concept.up" in comps else h
-            u = self.stack("concept_layers", "concept.layers", cfg.concept_windows, M, c_in, cfg.concept_cfg) \
-                or self.trains("concept.norm.")
-            w = self.linear("concept.heads", "concept.heads", comps["concept.heads"], M, u)
-            codes = "concept.codebook.base" in self.numel
-            if c.codebook == "simvq":  # base -> Linear(ds, 2ds) -> ReLU -> Linear(2ds, ds), once per step
-                half = comps["concept.codebook_transform"] // 2
-                t0 = self.linear("concept.codebook_transform", "concept.codebook.transform.0", half, 0, codes)
-                codes = self.linear("concept.codebook_transform", "concept.codebook.transform.2", half, 0, t0)
-            self.add("concept.codebook_einsum", comps["concept.codebook_einsum"] * (w + codes))
-            pred = (w or codes) and not c.detach_added_concept
-            z = h or pred or self.trains("concept.coupling.")
-        dec = self.stack("token_layers", "decoder", cfg.token_windows[E:], T, z)
-        self.dynamic_residuals(T, M, {"encoder": h, "concept": c.enabled and u, "decoder": dec})
-        out = self.bottleneck(dec or self.trains("final_norm."), comps)
-        lm_w = "lm_head.weight" in self.numel or (cfg.tie_embeddings and "embed.weight" in self.numel)
-        self.add("lm_head", comps["lm_head"] * (out + lm_w))
-        # the MTP head reads the final states (rg = ``out``) through its own norms: proj and the
-        # layer's matmuls are linears, its attention weight-less (2x when its input is rg), the
-        # shared LM head a linear whose weight is the main head's
-        head = self.trains("mtp.")
-        inner = out or head
-        for key, (f, c) in _mtp_flops(cfg, T).items():
-            factor = {"mtp.proj": inner + head, "mtp.layers": inner + head, "mtp.attention": 2 * inner,
-                      "mtp.lm_head": inner + lm_w}[key]
-            self.add(key, f * factor)
-            if c is not None:
-                self.causal[key] = self.causal.get(key, 0) + c * factor
-
-
-# --------------------------------------------------------------------------------------
-# Parameter counts (the real module, on the meta device)
-# --------------------------------------------------------------------------------------
-
-# Groups in reporting order; the first matching prefix wins (see _param_group).
-PARAM_GROUPS = (
-    "embeddings",
-    "lm_head",
-    "token_layers",
-    "concept_layers",
-    "concept_heads",
-    "codebook",
-    "codebook_transform",
-    "dynamic_residuals",
-    "bottleneck",
-    "norms_other",
-)
-
-_PREFIXES = (
-    ("embed.", "embeddings"),
-    ("pos_embed.", "embeddings"),  # gpt2: learned absolute positions
-    ("lm_head.", "lm_head"),
-    ("encoder.", "token_layers"),
-    ("decoder.", "token_layers"),
-    ("concept.layers.", "concept_layers"),
-    ("concept.up.", "concept_layers"),  # DLCM's W_up into a wider concept transformer
-    ("concept.heads.", "concept_heads"),
-    ("concept.codebook.transform.", "codebook_transform"),
-    ("concept.codebook.", "codebook"),  # frozen base codes (or a plain learned codebook)
-    ("crc.", "dynamic_residuals"),
-    ("bottleneck.", "bottleneck"),  # Steerling's concept bottleneck: f, K, g, A, B
-)
-
-
-def _param_group(name: str) -> str:
-    if ".residual." in name:  # a stack's depth mixer (IRC), wherever the stack is
-        return "dynamic_residuals"
-    for prefix, group in _PREFIXES:
-        if name.startswith(prefix):
-            return group
-    return "norms_other"  # final_norm, concept.norm / norm_h / norm_pred
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Exact parameter counts of ``NCPModel(cfg)`` by component (tied weights counted once).
-
-    ``unpadded_total``: the same without the padding rows of the embedding and LM head
-    (``padded_vocab_size - vocab_size`` rows each, once when tied): the count of the HF model
-    with the real vocabulary (GPT-2 124M: 124,439,808 at vocab 50257)."""
-
-    components: dict[str, int]
-    total: int
-    trainable: int
-    unpadded_total: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"components": dict(self.components), "total": self.total, "trainable": self.trainable,
-                "unpadded_total": self.unpadded_total}
-
-
-def count_parameters(cfg: ModelConfig, setup: Any = None) -> ParamCounts:
-    """Build ``NCPModel(cfg)`` on the meta device (no memory, no init cost) and count.
-
-    ``setup(model)``: a stage's set-up applied first (adapt-vq's freeze, LoRA's adapters:
-    ``ncpctl.train.stages.Stage.freeze``), so that ``trainable`` is what that stage trains."""
-    import torch  # lazy: the CLI imports this module to describe configs without torch
-
-    from ncpctl.model.model import NCPModel
-
-    with torch.device("meta"):
-        model = NCPModel(cfg)
-        if setup is not None:
-            setup(model)
-    comps = {g: 0 for g in PARAM_GROUPS}
-    total = trainable = 0
-    for name, p in model.named_parameters():  # shared (tied) parameters are yielded once
-        n = p.numel()
-        comps[_param_group(name)] += n
-        total += n
-        if p.requires_grad:
-            trainable += n
-    pad_rows = (cfg.padded_vocab_size - cfg.vocab_size) * (1 if cfg.tie_embeddings else 2)
-    return ParamCounts(components=comps, total=total, trainable=trainable,
-                       unpadded_total=total - pad_rows * cfg.d_model)
 
 
 # --------------------------------------------------------------------------------------

@@ -42,3 +42,14 @@ class CrossAttentionSection(Section):
         if not self.enabled or self.coupling != COUPLING:  # unused: one value, whatever a checkpoint recorded
             self.cross_attention = FORMS[0]
         return []
+
+
+class Cost:
+    """The cost model's view of ``coupling: cross_attention`` (accounting.py asks ``design_cost``):
+    W_Q, W_O on the T tokens, W_K, W_V on the M concepts, and the (T, M) scores and weighted sum
+    (SDPA computes the masked entries too)."""
+
+    @staticmethod
+    def flops(cfg: Any, T: int, M: int) -> dict[str, int]:
+        d = cfg.d_model
+        return {"concept.cross_attention": 2 * (2 * T * d * d) + 2 * M * d * 2 * d + 2 * (2 * T * M * d)}

@@ -71,3 +71,14 @@ def _check_dynamic(c: DynamicSection, cfg: object) -> list[tuple[str, str]]:
 # is 79.0 for 256 // 3.2).
 DYNAMIC = SegmentationLaw(concepts=lambda c, T: max(T - 1, 0), tokens_per_concept=lambda c: float(c.target_ratio),
                           check=_check_dynamic, expected_concepts=lambda c, T: int(T / c.target_ratio))
+
+
+class Cost:
+    """The cost model's view of ``segmentation: dynamic`` (accounting.py asks ``design_cost``):
+    the boundary predictor's W_q, W_k on every token (mode predictor; the boundary rule has no
+    parameters). The cosine and the smoothing are elementwise (not counted)."""
+
+    @staticmethod
+    def flops(cfg: object, T: int, M: int) -> dict[str, int]:
+        c, d = cfg.concept, cfg.d_model  # type: ignore[attr-defined]
+        return {"concept.boundary_predictor": 2 * (2 * T * d * d)} if c.boundary_mode == "predictor" else {}

@@ -87,3 +87,42 @@ class AttnResSection(Section):
                                               f"segmentation {self.concept.segmentation!r} cannot (its law: "
                                               f"pools_any_width); set attnres_cross: false"))
         return problems
+
+
+# The cost model's view of the built-in depth mixers (accounting.py asks ``design_cost``): ``key``
+# is the component they are reported as; ``flops(cfg, stack, shape)`` the forward matmul FLOPs of
+# one stack (encoder, concept or decoder) per sequence, ``shape[stack] = (layers, positions)``.
+class IrcCost:
+    """IRC, per layer i: MLP(R) d -> hidden -> i+2 weights, then the i+2 states' weighted sum."""
+
+    key = "residual.irc"
+
+    @staticmethod
+    def flops(cfg: Any, stack: str, shape: dict[str, tuple[int, int]]) -> int:
+        d, h = cfg.d_model, cfg.irc_hidden
+        n, P = shape[stack]
+        return sum(2 * P * (d * h + h * (i + 2)) + 2 * P * (i + 2) * d for i in range(n))
+
+
+class AttnResCost:
+    """Block AttnRes, per query i = 0..n (layer i's input, the output after layer n-1) over V values
+    (the cross-module sources, the input, the i // S completed blocks, the open one): the logits
+    w . RMSNorm(v) (2 V d) and the weighted sum (2 V d), V = 1 included."""
+
+    key = "residual.attnres"
+
+    @staticmethod
+    def depths(cfg: Any, layers: int) -> int:
+        """States a stack of ``layers`` hands on: its input, its blocks (the last may be partial), its output."""
+        return 2 + -(-layers // cfg.attnres_block)
+
+    @staticmethod
+    def flops(cfg: Any, stack: str, shape: dict[str, tuple[int, int]]) -> int:
+        d, S = cfg.d_model, cfg.attnres_block
+        n, P = shape[stack]
+        src = 0
+        if cfg.attnres_cross and cfg.concept.enabled:
+            before = {"encoder": (), "concept": ("encoder",), "decoder": ("encoder", "concept")}[stack]
+            src = sum(AttnResCost.depths(cfg, shape[s][0]) for s in before)
+        V = [src + 1 + i // S + (i % S > 0) for i in range(n + 1)]
+        return sum(4 * P * v * d for v in V)

@@ -38,6 +38,14 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "backbone": {"neox": ".family_neox:NeoX", "llama": ".family_llama:Llama", "gpt2": ".family_gpt2:GPT2"},
 }
 LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS, "dynamic": DYNAMIC}
+# The cost model of the built-in strategies with matmuls of their own (accounting.py): torch-free
+# classes in the design's config module. A registered class carries its own as the attribute ``cost``.
+COSTS: dict[tuple[str, str], str] = {
+    ("segmentation", "dynamic"): ".config_dynamic:Cost",
+    ("coupling", "cross_attention"): ".config_coupling:Cost",
+    ("residual", "irc"): ".config_residual:IrcCost",
+    ("residual", "block_attnres"): ".config_residual:AttnResCost",
+}
 
 
 def register(kind: str, name: str, cls: Any = None) -> Any:
@@ -206,3 +214,18 @@ def _check_options(cfg: "ModelConfig") -> list[tuple[str, str]]:
             o = cfg.options.setdefault(name, options())
             problems += [(f"options.{name}.{k}", m) for k, m in (o.check(cfg) if hasattr(o, "check") else [])]
     return problems
+
+
+def design_cost(kind: str, name: str) -> Any:
+    """The cost model of strategy ``name`` of ``kind`` (None: no matmuls of its own). Segmentations
+    and couplings: ``flops(cfg, T, M) -> {component: forward FLOPs}``; depth mixers: ``key`` and
+    ``flops(cfg, stack, shape) -> forward FLOPs`` of one stack (accounting.py)."""
+    import importlib
+
+    target = COSTS.get((kind, name))
+    if target is None:
+        if isinstance(STRATEGIES[kind].get(name), str):
+            return None  # a built-in without a cost model: nothing of its own to count
+        return getattr(strategy(kind, name), "cost", None)
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module, package=__package__), attr)

@@ -1,0 +1,144 @@
+"""The backward of a partly frozen model, for ``exact_flops(..., trainable=...)`` (accounting.py):
+which matmuls autograd really runs when a stage freezes weights (adapt-vq, LoRA) or a design
+detaches its input (the bottleneck's sg(h)). Each design's own matmuls are asked of the design
+(``design_cost``); the walk follows the model's data flow."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ncpctl.model.accounting import _crc_flops, _crc_key, _keys_causal, _keys_full, _mtp_flops, _shapes
+from ncpctl.model.config import ModelConfig
+from ncpctl.model.family import family
+from ncpctl.model.registry import design_cost
+
+__all__ = ["Backward"]
+
+
+class Backward:
+    """The backward of a partly frozen model, walked in data-flow order (one sequence).
+
+    ``rg`` ("requires grad") says whether the activation flowing into an op depends on a
+    trained parameter. A weight matmul of forward cost F costs F for its input gradient when
+    its input is rg and F for its weight gradient when its weight trains; a weight-less op
+    (attention's QK^T and AV, pooling, the codebook mix) costs 2F when its input is rg, per
+    operand for the mix (code weights, codes). With every weight trained this is exactly
+    2x forward, the 3x convention. A trained norm or bias makes the activation after it rg.
+    """
+
+    def __init__(self, cfg: ModelConfig, trainable: Mapping[str, int]):
+        self.cfg = cfg
+        self.numel = {k.replace(".base_layer.", "."): int(v) for k, v in trainable.items()}
+        self.flops: dict[str, int] = {}
+        self.causal: dict[str, int] = {}
+        self.adapters = 0  # forward FLOPs of LoRA adapters, per sequence
+
+    def trains(self, prefix: str) -> bool:
+        return any(k.startswith(prefix) for k in self.numel)
+
+    def add(self, key: str, flops: int) -> None:
+        self.flops[key] = self.flops.get(key, 0) + flops
+
+    def linear(self, key: str, module: str, f: int, n: int, rg: bool) -> bool:
+        """Weight matmul ``module`` (forward f on n positions); returns whether its output is rg."""
+        self.add(key, f * (rg + (f"{module}.weight" in self.numel)))
+        a, b = (2 * n * sum(v for k, v in self.numel.items() if k.startswith(f"{module}.lora_{x}.")) for x in "AB")
+        if a or b:  # x -> A -> B: weight gradients of both, B's input gradient, A's when x is rg
+            self.adapters += a + b
+            self.add("adapters", a * (1 + rg) + 2 * b)
+        return rg or self.trains(f"{module}.")
+
+    def block(self, group: str, prefix: str, n: int, window: int | None, rg: bool, cfg: ModelConfig) -> bool:
+        """Block ``prefix`` (attention then MLP, ncpctl.model.layers.Block, shaped by ``cfg``) on n positions."""
+        d = cfg.d_model
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        x = rg or self.trains(f"{prefix}attn_norm.")
+        q = self.linear(f"{group}.qkv", f"{prefix}attn.qkv", 2 * n * d * (q_dim + 2 * kv_dim), n, x)
+        q = q or self.trains(f"{prefix}attn.q_norm.") or self.trains(f"{prefix}attn.k_norm.")
+        self.add(f"{group}.attention", 2 * 4 * q_dim * _keys_full(n, window) * q)
+        self.causal[f"{group}.attention"] = self.causal.get(f"{group}.attention", 0) + 2 * 4 * q_dim * _keys_causal(n, window) * q
+        a = self.linear(f"{group}.attn_out", f"{prefix}attn.proj", 2 * n * q_dim * d, n, q)
+        m = (rg if cfg.parallel_residual else rg or a) or self.trains(f"{prefix}mlp_norm.")
+        gate = family(cfg.backbone).mlp_matrices - 1  # the fused fc holds gate and up for SwiGLU
+        h = self.linear(f"{group}.mlp", f"{prefix}mlp.fc", 2 * n * d * cfg.ffn_dim * gate, n, m)
+        self.linear(f"{group}.mlp", f"{prefix}mlp.proj", 2 * n * cfg.ffn_dim * d, n, h)
+        return rg or self.trains(prefix)  # any trained parameter of the block (cross sub-layer too)
+
+    def stack(self, group: str, prefix: str, windows, n: int, rg: bool, cfg: ModelConfig | None = None) -> bool:
+        for i, w in enumerate(windows):
+            rg = self.block(group, f"{prefix}.{i}.", n, w, rg, cfg or self.cfg) or self.trains(f"{prefix}.residual.")
+        return rg
+
+    def dynamic_residuals(self, T: int, M: int, rg: dict[str, bool]) -> None:
+        """IRC and CRC as a linear of their forward F: F for the input gradient when the stack's
+        output depends on something trained (``rg``: the stacks' outputs), F for the weight
+        gradients when the mixer trains. (A stack's lowest layers below its first trained
+        parameter get no input gradient; counting the whole stack is exact when every block or
+        no block of a stack trains, as in adapt-vq, LoRA and full fine-tuning.)"""
+        cfg = self.cfg
+        mixer = design_cost("residual", cfg.residual)
+        if mixer is not None:
+            for stack, prefix in (("encoder", "encoder"), ("concept", "concept.layers"), ("decoder", "decoder")):
+                f = mixer.flops(cfg, stack, _shapes(cfg, T, M))
+                self.add(mixer.key, f * (bool(rg[stack]) + self.trains(f"{prefix}.residual.")))
+        for link in cfg.crc_connections:
+            source, target = link.split("-")
+            f = _crc_flops(cfg, link, T, M)
+            trains = self.trains(f"crc.links.{link.replace('-', '_')}.")
+            self.add(_crc_key(cfg), f * (bool(rg[source] or rg[target]) + trains))
+
+    def bottleneck(self, h: bool, comps: dict[str, int]) -> bool:
+        """The concept bottleneck on final states that are rg (``h``); returns whether h_bar is.
+        f and k K are linears; g reads sg(h) (a weight gradient only), and (u A) B gets gradients
+        from the reconstruction and independence losses alone (the LM reads sg(u_hat))."""
+        if "bottleneck.known" not in comps:
+            return h
+        trains = lambda name: f"bottleneck.{name}" in self.numel  # noqa: E731
+        k = self.linear("bottleneck.known", "bottleneck.known", comps["bottleneck.known"], 0, h)
+        self.add("bottleneck.known_embed", comps["bottleneck.known_embed"] * (k + trains("K")))
+        if self.cfg.bottleneck.unknown_head == "dense":
+            u = self.linear("bottleneck.unknown", "bottleneck.unknown", comps["bottleneck.unknown"], 0, False)
+        else:  # d -> r (no input gradient: sg(h)) -> m
+            d, r = self.cfg.d_model, self.cfg.bottleneck_rank
+            down = comps["bottleneck.unknown"] * d // (d + self.cfg.bottleneck_unknown)
+            u = self.linear("bottleneck.unknown", "bottleneck.unknown.0", down, 0, False)
+            u = self.linear("bottleneck.unknown", "bottleneck.unknown.1", comps["bottleneck.unknown"] - down, 0, u)
+        self.add("bottleneck.unknown_A", comps["bottleneck.unknown_A"] * (u + trains("A")))
+        self.add("bottleneck.unknown_B", comps["bottleneck.unknown_B"] * ((u or trains("A")) + trains("B")))
+        return h or k or trains("K")
+
+    def model(self, T: int, M: int, comps: dict[str, int]) -> None:
+        cfg, c = self.cfg, self.cfg.concept
+        E = cfg.encoder_layers
+        h = self.stack("token_layers", "encoder", cfg.token_windows[:E], T, self.trains("embed.") or self.trains("pos_embed."))
+        z = h
+        if c.enabled:
+            self.add("concept.pooling", 2 * comps["concept.pooling"] * h)
+            c_in = self.linear("concept.up", "concept.up", comps["concept.up"], M, h) if "concept.up" in comps else h
+            u = self.stack("concept_layers", "concept.layers", cfg.concept_windows, M, c_in, cfg.concept_cfg) \
+                or self.trains("concept.norm.")
+            w = self.linear("concept.heads", "concept.heads", comps["concept.heads"], M, u)
+            codes = "concept.codebook.base" in self.numel
+            if c.codebook == "simvq":  # base -> Linear(ds, 2ds) -> ReLU -> Linear(2ds, ds), once per step
+                half = comps["concept.codebook_transform"] // 2
+                t0 = self.linear("concept.codebook_transform", "concept.codebook.transform.0", half, 0, codes)
+                codes = self.linear("concept.codebook_transform", "concept.codebook.transform.2", half, 0, t0)
+            self.add("concept.codebook_einsum", comps["concept.codebook_einsum"] * (w + codes))
+            pred = (w or codes) and not c.detach_added_concept
+            z = h or pred or self.trains("concept.coupling.")
+        dec = self.stack("token_layers", "decoder", cfg.token_windows[E:], T, z)
+        self.dynamic_residuals(T, M, {"encoder": h, "concept": c.enabled and u, "decoder": dec})
+        out = self.bottleneck(dec or self.trains("final_norm."), comps)
+        lm_w = "lm_head.weight" in self.numel or (cfg.tie_embeddings and "embed.weight" in self.numel)
+        self.add("lm_head", comps["lm_head"] * (out + lm_w))
+        # the MTP head reads the final states (rg = ``out``) through its own norms: proj and the
+        # layer's matmuls are linears, its attention weight-less (2x when its input is rg), the
+        # shared LM head a linear whose weight is the main head's
+        head = self.trains("mtp.")
+        inner = out or head
+        for key, (f, c) in _mtp_flops(cfg, T).items():
+            factor = {"mtp.proj": inner + head, "mtp.layers": inner + head, "mtp.attention": 2 * inner,
+                      "mtp.lm_head": inner + lm_w}[key]
+            self.add(key, f * factor)
+            if c is not None:
+                self.causal[key] = self.causal.get(key, 0) + c * factor
