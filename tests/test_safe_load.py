@@ -151,11 +151,11 @@ def _checkpoint_naming(tmp_path: Path, target: str) -> tuple[Path, Path, Path]:
 
 def test_a_strategy_only_the_checkpoint_names_is_not_imported(tmp_path: Path, monkeypatch) -> None:
     from ncpctl.checkpoint import load_model
-    from ncpctl.model import config
+    from ncpctl.model import config, registry
 
     ck, plugins, marker = _checkpoint_naming(tmp_path, "ckpt_plugin_a:Seg")
     monkeypatch.syspath_prepend(str(plugins))
-    monkeypatch.setattr(config, "_TRUSTED", set())
+    monkeypatch.setattr(registry, "_TRUSTED", set())  # the registry holds the trusted import paths
     with pytest.raises(UserError) as e:
         load_model(ck)
     assert "--strategy ckpt_plugin_a:Seg" in one_line(e.value, ck / "ncpctl.json")
@@ -167,12 +167,12 @@ def test_a_strategy_only_the_checkpoint_names_is_not_imported(tmp_path: Path, mo
 def test_midtrain_from_a_checkpoint_naming_a_strategy_reports_it(tmp_path: Path, monkeypatch) -> None:
     """A recipe with only train.init_from takes the model from the checkpoint: its import path is
     a recipe problem (one line, nothing imported) until the user names it."""
-    from ncpctl.model import config
+    from ncpctl.model import config, registry
     from ncpctl.recipe import load_recipe
 
     ck, plugins, marker = _checkpoint_naming(tmp_path, "ckpt_plugin_c:Seg")
     monkeypatch.syspath_prepend(str(plugins))
-    monkeypatch.setattr(config, "_TRUSTED", set())
+    monkeypatch.setattr(registry, "_TRUSTED", set())  # the registry holds the trusted import paths
     recipe = tmp_path / "mid.yaml"
     recipe.write_text(f"run: {{dir: {tmp_path / 'run'}}}\ntrain: {{init_from: {ck}}}\n")
     with pytest.raises(UserError) as e:
