@@ -466,7 +466,8 @@ def _dynamic_residual_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
     out = {}
     mixer = design_cost("residual", cfg.residual)
     if mixer is not None:
-        out[mixer.key] = sum(mixer.flops(cfg, stack, _shapes(cfg, T, M)) for stack in STACKS)
+        shapes = _shapes(cfg, T, M)
+        out[mixer.key] = sum(mixer.flops(cfg, stack, shapes) for stack in STACKS)
     if cfg.crc_connections:
         out[_crc_key(cfg)] = sum(_crc_flops(cfg, link, T, M) for link in cfg.crc_connections)
     return out

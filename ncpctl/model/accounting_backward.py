@@ -78,8 +78,9 @@ class Backward:
         cfg = self.cfg
         mixer = design_cost("residual", cfg.residual)
         if mixer is not None:
+            shapes = _shapes(cfg, T, M)
             for stack, prefix in (("encoder", "encoder"), ("concept", "concept.layers"), ("decoder", "decoder")):
-                f = mixer.flops(cfg, stack, _shapes(cfg, T, M))
+                f = mixer.flops(cfg, stack, shapes)
                 self.add(mixer.key, f * (bool(rg[stack]) + self.trains(f"{prefix}.residual.")))
         for link in cfg.crc_connections:
             source, target = link.split("-")

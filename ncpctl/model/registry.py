@@ -127,8 +127,6 @@ def strategy(kind: str, name: str) -> Any:
     """The class registered as ``name`` for extension point ``kind``, importing it if named by
     an import path (``package.module:Class``). Raises ``ConfigError`` for an unknown name, and
     for an import path that only a checkpoint names (``from_checkpoint``)."""
-    import importlib
-
     target = STRATEGIES[kind].get(name, name if ":" in name else None)
     if target is None:
         known = ", ".join(sorted(STRATEGIES[kind]))
@@ -143,13 +141,18 @@ def strategy(kind: str, name: str) -> Any:
             raise ConfigError([(kind, f"{name!r} {UNTRUSTED} {where}, and ncpctl does not "
                                       f"import code a checkpoint names; if you trust it, name it yourself: "
                                       f"--strategy {name} (or in a recipe)")])
-    module, _, attr = target.partition(":")
     try:
-        mod = importlib.import_module(module, package=__package__) if module.startswith(".") else \
-            importlib.import_module(module)
-        return getattr(mod, attr)
+        return _load(target)
     except (ImportError, AttributeError) as e:
         raise ConfigError([(kind, f"cannot import {target!r} ({e})")]) from None
+
+
+def _load(target: str) -> Any:
+    """The object ``module:attr`` names (a leading dot: a module of this package)."""
+    import importlib
+
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module, package=__package__ if module.startswith(".") else None), attr)
 
 
 def segmentation_law(name: str) -> SegmentationLaw:
@@ -220,12 +223,9 @@ def design_cost(kind: str, name: str) -> Any:
     """The cost model of strategy ``name`` of ``kind`` (None: no matmuls of its own). Segmentations
     and couplings: ``flops(cfg, T, M) -> {component: forward FLOPs}``; depth mixers: ``key`` and
     ``flops(cfg, stack, shape) -> forward FLOPs`` of one stack (accounting.py)."""
-    import importlib
-
     target = COSTS.get((kind, name))
     if target is None:
         if isinstance(STRATEGIES[kind].get(name), str):
             return None  # a built-in without a cost model: nothing of its own to count
         return getattr(strategy(kind, name), "cost", None)
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module, package=__package__), attr)
+    return _load(target)

@@ -57,7 +57,6 @@ sources a new token needs). Their parameters get no weight decay (``no_weight_de
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .config_residual import AttnResCost
 from .layers import Residual
 
 CONNECTIONS = ("encoder-concept", "encoder-decoder", "concept-decoder")
@@ -229,8 +229,7 @@ class BlockAttnRes(Residual):
         self.block, self.eps = cfg.attnres_block, cfg.norm_eps
         self.query = nn.Parameter(torch.empty(n_layers + 1, cfg.d_model))
         self.key_weight = nn.Parameter(torch.empty(n_layers + 1, cfg.d_model))
-        # the input, the blocks (the last may be partial), the output
-        self.n_depths = 2 + math.ceil(n_layers / self.block)
+        self.n_depths = AttnResCost.depths(cfg, n_layers)  # the input, the blocks, the output
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
