@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ncpctl.model.accounting_params import PARAM_GROUPS, ParamCounts, count_parameters  # noqa: F401 (re-exported)
+from ncpctl.model.accounting_parts import (_bottleneck_flops, _design_flops, _dynamic_residual_flops, _keys_causal,  # noqa: F401
+                                           _keys_full, _mtp_flops, _stack_flops)
 from ncpctl.model.config import ModelConfig
-from ncpctl.model.family import family
-from ncpctl.model.registry import design_cost
 
 __all__ = [
     "PaperFlops",
@@ -159,46 +159,6 @@ def tokens_per_concept(cfg: ModelConfig) -> float | int | None:
     return int(r) if r is not None and float(r).is_integer() else r
 
 
-def _keys_full(n: int, window: int | None) -> int:
-    """Query-key pairs SDPA computes for ``n`` queries: every query x min(n, window) keys."""
-    return n * (n if window is None else min(n, window))
-
-
-def _keys_causal(n: int, window: int | None) -> int:
-    """Query-key pairs actually attended under the causal (+ sliding window) mask.
-
-    Query i (0-based) sees min(i+1, window) keys: n(n+1)/2 without a window.
-    """
-    if window is None or window >= n:
-        return n * (n + 1) // 2
-    return window * (window + 1) // 2 + (n - window) * window
-
-
-def _stack_flops(cfg: ModelConfig, windows, n: int) -> dict[str, int]:
-    """Forward matmul FLOPs of a stack whose layers have attention ``windows`` (one per layer)
-    on ``n`` positions (one sequence)."""
-    n_layers = len(windows)
-    d, hd = cfg.d_model, cfg.head_dim
-    q_dim = cfg.n_heads * hd
-    kv_dim = cfg.n_kv_heads * hd
-    gate_mats = family(cfg.backbone).mlp_matrices  # SwiGLU: gate, up, down; GELU: up, down
-    qkv = 2 * n * d * (q_dim + 2 * kv_dim)
-    attn_out = 2 * n * q_dim * d
-    mlp = 2 * n * d * cfg.ffn_dim * gate_mats
-    full = causal = 0
-    for w in windows:
-        # scores Q K^T and values A V: 2 FLOPs x head_dim per pair per head, twice.
-        full += 2 * 2 * q_dim * _keys_full(n, w)
-        causal += 2 * 2 * q_dim * _keys_causal(n, w)
-    return {
-        "qkv": n_layers * qkv,
-        "attn_out": n_layers * attn_out,
-        "mlp": n_layers * mlp,
-        "attention": full,
-        "attention_causal": causal,
-    }
-
-
 @dataclass(frozen=True)
 class ExactFlops:
     """Exact matmul FLOPs (2 per multiply-add) of one training/inference step.
@@ -225,6 +185,13 @@ class ExactFlops:
     # every weight trains: backward = 2x forward (the TRAIN_MULTIPLIER convention)
     backward: dict[str, int] | None = None
     backward_causal: dict[str, int] = field(default_factory=dict)
+    # the part of each component that is not a GEMM (forward ``vector``, backward
+    # ``vector_backward`` when a stage freezes weights): elementwise and matrix-vector work (fixed
+    # blocks' pooling adds, the depth mixers' weighted sums, Block AttnRes's pseudo-query logits),
+    # which runs at memory bandwidth, not at a GEMM's peak, and which torch's FlopCounterMode does
+    # not count (``gemm_training_per_step``)
+    vector: dict[str, int] = field(default_factory=dict)
+    vector_backward: dict[str, int] = field(default_factory=dict)
 
     PER_STEP = ("concept.codebook_transform",)
 
@@ -250,6 +217,13 @@ class ExactFlops:
         if self.backward is None:
             return TRAIN_MULTIPLIER * self._forward_step(causal) + extra
         return self._forward_step(causal) + self.backward_per_step(causal) + extra
+
+    def gemm_training_per_step(self, causal: bool = False) -> int:
+        """``training_per_step`` without the ``vector`` work: the GEMMs (matmuls, batched matmuls,
+        attention) alone, what a GEMM counter such as torch's FlopCounterMode sees."""
+        fwd = self.batch_size * sum(self.vector.values())
+        bwd = (TRAIN_MULTIPLIER - 1) * fwd if self.backward is None else self.batch_size * sum(self.vector_backward.values())
+        return self.training_per_step(causal) - fwd - bwd
 
     # ---- totals (full-attention count; *_causal with the causal mask) ----
     @property
@@ -324,9 +298,11 @@ class ExactFlops:
             "components": dict(self.components),
             "attention_causal": dict(self.attention_causal),
             "training_only": dict(self.training_only),
+            "vector": dict(self.vector),
         }
         if self.backward is not None:
             out["backward"], out["backward_causal"] = dict(self.backward), dict(self.backward_causal)
+            out["vector_backward"] = dict(self.vector_backward)
         for name in (
             "forward_per_sequence", "forward_per_sequence_causal",
             "training_per_sequence", "training_per_sequence_causal",
@@ -355,7 +331,8 @@ def at_realised_ratio(cfg: ModelConfig, ratio: float | None) -> ModelConfig:
 
 
 def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 1,
-                trainable: Mapping[str, int] | None = None, realised_ratio: float | None = None) -> ExactFlops:
+                trainable: Mapping[str, int] | None = None, realised_ratio: float | None = None,
+                steered_positions: float | None = None) -> ExactFlops:
     """Exact matmul FLOPs of ``cfg`` at ``seq_len`` (default ``cfg.max_seq_len``).
 
     Elementwise work (norms, rotary, softmax, residual adds) is not counted; pooling is,
@@ -370,6 +347,11 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
 
     ``realised_ratio``: count a dynamic segmentation's concepts at this measured tokens per
     concept instead of the target R (``at_realised_ratio``).
+
+    ``steered_positions``: in a steering stage (Steerling's, the bottleneck's express loss), the
+    injected positions per sequence, which the data decide (a steered row is injected where its
+    causal labels carry the drawn concept); None counts every position of a steered row,
+    ``steer_fraction * T``, an upper bound.
     """
     cfg = at_realised_ratio(cfg, realised_ratio)
     T = int(seq_len if seq_len is not None else cfg.max_seq_len)
@@ -379,6 +361,7 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
     comps: dict[str, int] = {}
     causal: dict[str, int] = {}
     training_only: dict[str, int] = {}
+    vector: dict[str, int] = {}
 
     tok = _stack_flops(cfg, cfg.token_windows, T)
     for key in ("qkv", "attn_out", "mlp", "attention"):
@@ -391,7 +374,8 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
         # the segmentation's law (fixed blocks: T // k, a partial block not pooled; dynamic: T // R)
         M = cfg.expected_concepts(T)
         S, N, ds = cfg.n_segments, c.codes, cfg.segment_dim
-        comps["concept.pooling"] = round(M * cfg.tokens_per_concept) * d  # one add per pooled element
+        # one add per pooled element (a segmentation pooling otherwise reports its own: design_cost)
+        comps["concept.pooling"] = vector["concept.pooling"] = round(M * cfg.tokens_per_concept) * d
         dc = cfg.concept_cfg.d_model  # the concept transformer's width (d unless concept.d_concept)
         if dc != d:
             comps["concept.up"] = 2 * M * d * dc  # W_up: (B,M,d) -> (B,M,d_c)
@@ -407,11 +391,16 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
         # nearest code per segment of sg(c): (B,M,S,ds) x (S,N,ds) distances, forward only
         training_only["concept.vq_quantise"] = 2 * M * S * N * ds
 
-    comps.update(_dynamic_residual_flops(cfg, T, M))
-    bottleneck, bottleneck_training = _bottleneck_flops(cfg, T)
+    comps.update(_dynamic_residual_flops(cfg, T, M, vector))
+    bottleneck, bottleneck_training = _bottleneck_flops(cfg, T, steered_positions)
     comps.update(bottleneck)
     training_only.update(bottleneck_training)
-    comps.update(_dlcm_flops(cfg, T, M))
+    for key, (f, v) in _design_flops(cfg, T, M).items():
+        comps[key] = f
+        if v:
+            vector[key] = v
+        else:
+            vector.pop(key, None)
     comps["lm_head"] = 2 * T * d * cfg.padded_vocab_size
     for key, (full, causal_part) in _mtp_flops(cfg, T).items():
         comps[key] = full
@@ -422,7 +411,7 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
         from ncpctl.model.accounting_backward import Backward  # a partly frozen model
 
         bw = Backward(cfg, trainable)
-        bw.model(T, M, comps)
+        bw.model(T, M, comps, vector)
         if bw.adapters:
             comps["adapters"] = bw.adapters
         backward, backward_causal = bw.flops, bw.causal
@@ -435,103 +424,9 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
         training_only=training_only,
         backward=backward,
         backward_causal=backward_causal or {},
+        vector=vector,
+        vector_backward=bw.vector if trainable is not None else {},
     )
-
-
-STACKS = ("encoder", "concept", "decoder")
-
-
-def _crc_key(cfg: ModelConfig) -> str:
-    return "residual.crc_input" if cfg.crc_mode == "input" else "residual.crc"
-def _dlcm_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
-    """The segmentation's and the coupling's own matmuls at M concepts, as each design reports them
-    (``design_cost``; DLCM: the boundary predictor's W_q, W_k, the cross-attention's projections,
-    scores and weighted sum). Fixed blocks and the additive coupling have none."""
-    c, out = cfg.concept, {}
-    if not c.enabled:
-        return out
-    for kind, name in (("segmentation", c.segmentation), ("coupling", c.coupling)):
-        cost = design_cost(kind, name)
-        if cost is not None:
-            out.update(cost.flops(cfg, T, M))
-    return out
-
-
-def _dynamic_residual_flops(cfg: ModelConfig, T: int, M: int) -> dict[str, int]:
-    """IRC, CRC and Block AttnRes matmul FLOPs per sequence (ncpctl.model.residual): each weight
-    MLP (d -> hidden -> candidates) or pseudo-query dot product, and the weighted sums of the
-    candidate states (the LayerNorms / RMSNorms of the sources, the pooling of the encoder's depths
-    and other elementwise work are not counted). ``crc_mode: input`` is ``residual.crc_input``. The
-    depth mixer reports its own cost (``design_cost``: a registered one its ``cost`` attribute)."""
-    out = {}
-    mixer = design_cost("residual", cfg.residual)
-    if mixer is not None:
-        shapes = _shapes(cfg, T, M)
-        out[mixer.key] = sum(mixer.flops(cfg, stack, shapes) for stack in STACKS)
-    if cfg.crc_connections:
-        out[_crc_key(cfg)] = sum(_crc_flops(cfg, link, T, M) for link in cfg.crc_connections)
-    return out
-
-
-def _bottleneck_flops(cfg: ModelConfig, T: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Steerling's concept bottleneck (ncpctl.model.bottleneck) per sequence: (forward components,
-    training-only work). Forward: f (d -> n), k K (n -> d), g (d -> m), u A (m -> r), (u A) B (r -> d).
-    Training only, each counted with its own backward: the independence penalty's cross-covariance
-    (B*T, d)^T (B*T, d), forward and both operands' gradients (3x; twice with the residual term),
-    and the reconstruction target k_true K of the labels (forward only: labels and sg(K))."""
-    if not cfg.bottleneck.enabled:
-        return {}, {}
-    d, n, m, r = cfg.d_model, cfg.bottleneck.concepts, cfg.bottleneck_unknown, cfg.bottleneck_rank
-    comps = {"bottleneck.known": 2 * T * d * n, "bottleneck.known_embed": 2 * T * n * d,
-             "bottleneck.unknown": 2 * T * d * m if cfg.bottleneck.unknown_head == "dense" else 2 * T * r * (d + m),
-             "bottleneck.unknown_A": 2 * T * m * r,
-             "bottleneck.unknown_B": 2 * T * r * d}
-    pairs = 2 if cfg.bottleneck.independence == "known_unknown_residual" else 1
-    training = {"bottleneck.independence": 3 * pairs * 2 * T * d * d, "bottleneck.reconstruction_target": 2 * T * n * d}
-    return comps, training
-
-
-def _mtp_flops(cfg: ModelConfig, T: int) -> dict[str, tuple[int, int | None]]:
-    """The MTP head's forward (ncpctl.model.mtp; training only: decoding and the export drop it):
-    depth k on the T - k positions that have a target, proj (2d -> d), one full-attention layer and
-    the shared LM head. key -> (full count, causal count or None)."""
-    d, out = cfg.d_model, {}
-    for k in range(1, (cfg.mtp_depth or 0) + 1):
-        n = T - k
-        if n <= 0:
-            break
-        layer = _stack_flops(cfg, [None], n)
-        parts = {"mtp.proj": (2 * n * 2 * d * d, None),
-                 "mtp.layers": (layer["qkv"] + layer["attn_out"] + layer["mlp"], None),
-                 "mtp.attention": (layer["attention"], layer["attention_causal"]),
-                 "mtp.lm_head": (2 * n * d * cfg.padded_vocab_size, None)}
-        for key, (f, c) in parts.items():
-            f0, c0 = out.get(key, (0, None if c is None else 0))
-            out[key] = (f0 + f, None if c is None else c0 + c)
-    return out
-
-
-def _shapes(cfg: ModelConfig, T: int, M: int) -> dict[str, tuple[int, int]]:
-    """(layers, positions) of each stack (encoder, concept, decoder)."""
-    return {stack: _stack_shape(cfg, stack, T, M) for stack in STACKS}
-
-
-def _stack_shape(cfg: ModelConfig, stack: str, T: int, M: int) -> tuple[int, int]:
-    """(layers, positions) of the encoder, concept or decoder stack."""
-    c = cfg.concept
-    return {"encoder": (cfg.encoder_layers, T), "concept": (c.concept_layers if c.enabled else 0, M),
-            "decoder": (cfg.decoder_layers, T)}[stack]
-
-
-def _crc_flops(cfg: ModelConfig, link: str, T: int, M: int) -> int:
-    """One CRC connection: per target layer (once, on the target's input, with ``crc_mode:
-    input``), MLP(T) d -> h -> K, the K sources' sum and D * M."""
-    d, h = cfg.d_model, cfg.crc_hidden
-    source, target = link.split("-")
-    K = _stack_shape(cfg, source, T, M)[0] + 1
-    n, P = _stack_shape(cfg, target, T, M)
-    n = min(n, 1) if cfg.crc_mode == "input" else n
-    return n * (2 * P * (d * h + h * K) + 2 * P * K * d + 2 * P * d)
 
 
 # --------------------------------------------------------------------------------------

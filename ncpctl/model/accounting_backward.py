@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ncpctl.model.accounting import _crc_flops, _crc_key, _keys_causal, _keys_full, _mtp_flops, _shapes
+from ncpctl.model.accounting_parts import (_concept_costs, _crc_flops, _crc_key, _keys_causal, _keys_full, _mtp_flops,
+                                     _shapes)
 from ncpctl.model.config import ModelConfig
 from ncpctl.model.family import family
 from ncpctl.model.registry import design_cost
@@ -31,13 +32,17 @@ class Backward:
         self.numel = {k.replace(".base_layer.", "."): int(v) for k, v in trainable.items()}
         self.flops: dict[str, int] = {}
         self.causal: dict[str, int] = {}
+        self.vector: dict[str, int] = {}  # the non-GEMM part of ``flops`` (ExactFlops.vector_backward)
         self.adapters = 0  # forward FLOPs of LoRA adapters, per sequence
 
     def trains(self, prefix: str) -> bool:
         return any(k.startswith(prefix) for k in self.numel)
 
-    def add(self, key: str, flops: int) -> None:
+    def add(self, key: str, flops: int, vector: int = 0) -> None:
+        """Backward ``flops`` of component ``key``, ``vector`` of them not a GEMM."""
         self.flops[key] = self.flops.get(key, 0) + flops
+        if vector:
+            self.vector[key] = self.vector.get(key, 0) + vector
 
     def linear(self, key: str, module: str, f: int, n: int, rg: bool) -> bool:
         """Weight matmul ``module`` (forward f on n positions); returns whether its output is rg."""
@@ -81,12 +86,14 @@ class Backward:
             shapes = _shapes(cfg, T, M)
             for stack, prefix in (("encoder", "encoder"), ("concept", "concept.layers"), ("decoder", "decoder")):
                 f = mixer.flops(cfg, stack, shapes)
-                self.add(mixer.key, f * (bool(rg[stack]) + self.trains(f"{prefix}.residual.")))
+                v = mixer.vector(cfg, stack, shapes) if hasattr(mixer, "vector") else 0
+                factor = bool(rg[stack]) + self.trains(f"{prefix}.residual.")
+                self.add(mixer.key, f * factor, v * factor)
         for link in cfg.crc_connections:
             source, target = link.split("-")
-            f = _crc_flops(cfg, link, T, M)
-            trains = self.trains(f"crc.links.{link.replace('-', '_')}.")
-            self.add(_crc_key(cfg), f * (bool(rg[source] or rg[target]) + trains))
+            f, v = _crc_flops(cfg, link, T, M), _crc_flops(cfg, link, T, M, vector=True)
+            factor = bool(rg[source] or rg[target]) + self.trains(f"crc.links.{link.replace('-', '_')}.")
+            self.add(_crc_key(cfg), f * factor, v * factor)
 
     def bottleneck(self, h: bool, comps: dict[str, int]) -> bool:
         """The concept bottleneck on final states that are rg (``h``); returns whether h_bar is.
@@ -108,13 +115,33 @@ class Backward:
         self.add("bottleneck.unknown_B", comps["bottleneck.unknown_B"] * ((u or trains("A")) + trains("B")))
         return h or k or trains("K")
 
-    def model(self, T: int, M: int, comps: dict[str, int]) -> None:
+    def design(self, slot: str, cost, T: int, M: int, comps: dict[str, int], vector: dict[str, int], grads_in: bool) -> None:
+        """The backward of a concept-path strategy's own components (``cost``, at parameter prefix
+        ``slot``): its ``backward`` when it has one, else each component as a linear of its forward."""
+        fwd = {k: comps[k] for k in cost.flops(self.cfg, T, M)}
+        # a coupling's parameters: its own and its sub-layer in each decoder block (Block.cross)
+        slots = [slot] + ([f"decoder.{i}.cross." for i in range(self.cfg.decoder_layers)]
+                          if slot.endswith("coupling.") else [])
+        trains = lambda p: any(self.trains(s + p) for s in slots)  # noqa: E731
+        if hasattr(cost, "backward"):
+            out = cost.backward(self.cfg, T, M, fwd, grads_in, trains)
+        else:
+            out = {k: f * (grads_in + trains("")) for k, f in fwd.items()}
+        for k, f in out.items():
+            self.add(k, f, f * vector.get(k, 0) // comps[k] if comps[k] else 0)
+
+    def model(self, T: int, M: int, comps: dict[str, int], vector: dict[str, int]) -> None:
         cfg, c = self.cfg, self.cfg.concept
         E = cfg.encoder_layers
         h = self.stack("token_layers", "encoder", cfg.token_windows[:E], T, self.trains("embed.") or self.trains("pos_embed."))
         z = h
         if c.enabled:
-            self.add("concept.pooling", 2 * comps["concept.pooling"] * h)
+            costs = dict(_concept_costs(cfg))  # slot -> cost model
+            seg = next((cost for slot, cost in costs.items() if slot.endswith("segmenter.")), None)
+            if seg is None or "concept.pooling" not in seg.flops(cfg, T, M):  # fixed blocks: k adds per element
+                self.add("concept.pooling", 2 * comps["concept.pooling"] * h, 2 * vector.get("concept.pooling", 0) * h)
+            if seg is not None:
+                self.design("concept.segmenter.", seg, T, M, comps, vector, h)
             c_in = self.linear("concept.up", "concept.up", comps["concept.up"], M, h) if "concept.up" in comps else h
             u = self.stack("concept_layers", "concept.layers", cfg.concept_windows, M, c_in, cfg.concept_cfg) \
                 or self.trains("concept.norm.")
@@ -126,6 +153,9 @@ class Backward:
                 codes = self.linear("concept.codebook_transform", "concept.codebook.transform.2", half, 0, t0)
             self.add("concept.codebook_einsum", comps["concept.codebook_einsum"] * (w + codes))
             pred = (w or codes) and not c.detach_added_concept
+            coupling = costs.get("concept.coupling.")
+            if coupling is not None:
+                self.design("concept.coupling.", coupling, T, M, comps, vector, h or pred)
             z = h or pred or self.trains("concept.coupling.")
         dec = self.stack("token_layers", "decoder", cfg.token_windows[E:], T, z)
         self.dynamic_residuals(T, M, {"encoder": h, "concept": c.enabled and u, "decoder": dec})

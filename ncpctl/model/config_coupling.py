@@ -5,7 +5,7 @@ check. Stdlib only (config_base.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from .config_base import Section, option
 
@@ -44,12 +44,31 @@ class CrossAttentionSection(Section):
         return []
 
 
+# the extra query/key coordinates of the replicated form (coupling.py's _PAD): its keys and values
+# are head_dim + PAD wide
+PAD = 8
+
+
 class Cost:
     """The cost model's view of ``coupling: cross_attention`` (accounting.py asks ``design_cost``):
-    W_Q, W_O on the T tokens, W_K, W_V on the M concepts, and the (T, M) scores and weighted sum
-    (SDPA computes the masked entries too)."""
+    W_Q, W_O on the T tokens, W_K, W_V on the M concepts, and the scores and weighted sum (SDPA
+    computes the masked entries too): (T, M) per head for ``per_concept``; for ``replicated`` one
+    causal attention over the T token-aligned copies, each head hd + PAD wide."""
 
     @staticmethod
     def flops(cfg: Any, T: int, M: int) -> dict[str, int]:
         d = cfg.d_model
-        return {"concept.cross_attention": 2 * (2 * T * d * d) + 2 * M * d * 2 * d + 2 * (2 * T * M * d)}
+        if cfg.concept.cross_attention == "replicated":
+            attention = 2 * (2 * T * T * (d + PAD * cfg.n_heads))
+        else:
+            attention = 2 * (2 * T * M * d)
+        return {"concept.cross_attention": 2 * (2 * T * d * d) + 2 * M * d * 2 * d + attention}
+
+    @staticmethod
+    def backward(cfg: Any, T: int, M: int, fwd: dict[str, int], grads_in: bool,
+                 trains: Callable[[str], bool]) -> dict[str, int]:
+        """As a linear of its forward F: F for the input gradients when the tokens or the concepts
+        carry one (``grads_in``), F for the weight gradients when its projections train (exact when
+        both or neither hold, as in every shipped stage)."""
+        f = fwd["concept.cross_attention"]
+        return {"concept.cross_attention": f * (grads_in + trains(""))}

@@ -5,7 +5,7 @@ checks and the segmentation's law. Stdlib only (config_base.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 from .config_base import SegmentationLaw, Section, is_number, option
 
@@ -68,17 +68,36 @@ def _check_dynamic(c: DynamicSection, cfg: object) -> list[tuple[str, str]]:
 
 # Data-dependent boundaries (DLCM): at most T - 1 segments close within T tokens (the last one is
 # still open); the cost model counts int(T / R) concepts at the target ratio R (not T // R, which
-# is 79.0 for 256 // 3.2).
+# is 79.0 for 256 // 3.2); the 1e-9 keeps a realised ratio T / M at M concepts (32 / (32 / 13) is 12.99..).
 DYNAMIC = SegmentationLaw(concepts=lambda c, T: max(T - 1, 0), tokens_per_concept=lambda c: float(c.target_ratio),
-                          check=_check_dynamic, expected_concepts=lambda c, T: int(T / c.target_ratio))
+                          check=_check_dynamic, expected_concepts=lambda c, T: int(T / c.target_ratio + 1e-9))
 
 
 class Cost:
     """The cost model's view of ``segmentation: dynamic`` (accounting.py asks ``design_cost``):
     the boundary predictor's W_q, W_k on every token (mode predictor; the boundary rule has no
-    parameters). The cosine and the smoothing are elementwise (not counted)."""
+    parameters) and the pooling, one batched GEMM of the (M, T) segment indicator with h
+    (``segment_means``). The cosine and the smoothing are elementwise (not counted)."""
 
     @staticmethod
     def flops(cfg: object, T: int, M: int) -> dict[str, int]:
         c, d = cfg.concept, cfg.d_model  # type: ignore[attr-defined]
-        return {"concept.boundary_predictor": 2 * (2 * T * d * d)} if c.boundary_mode == "predictor" else {}
+        out = {"concept.pooling": 2 * M * T * d}  # (M, T) indicator x (T, d): the padded M of the batch
+        if c.boundary_mode == "predictor":
+            out["concept.boundary_predictor"] = 2 * (2 * T * d * d)
+        return out
+
+    @staticmethod
+    def backward(cfg: object, T: int, M: int, fwd: dict[str, int], grads_in: bool,
+                 trains: Callable[[str], bool]) -> dict[str, int]:
+        """Backward FLOPs when h carries a gradient (``grads_in``) and ``trains(prefix)`` says which
+        of the segmenter's parameters train: the pooling's input gradient only (the indicator is
+        a constant); W_q and W_k's weight gradients, and their input gradient only when the
+        boundary loss reaches the encoder (``boundary_grad_to_encoder``; by default they read sg(h))."""
+        c = cfg.concept  # type: ignore[attr-defined]
+        out = {"concept.pooling": fwd["concept.pooling"] * grads_in}
+        if "concept.boundary_predictor" in fwd:
+            half = fwd["concept.boundary_predictor"] // 2
+            into_h = grads_in and c.boundary_grad_to_encoder
+            out["concept.boundary_predictor"] = half * (2 * into_h + trains("q.") + trains("k."))
+        return out

@@ -91,7 +91,9 @@ class AttnResSection(Section):
 
 # The cost model's view of the built-in depth mixers (accounting.py asks ``design_cost``): ``key``
 # is the component they are reported as; ``flops(cfg, stack, shape)`` the forward matmul FLOPs of
-# one stack (encoder, concept or decoder) per sequence, ``shape[stack] = (layers, positions)``.
+# one stack (encoder, concept or decoder) per sequence, ``shape[stack] = (layers, positions)``;
+# ``vector`` (optional) the part of them that is not a GEMM (elementwise or matrix-vector work, which
+# runs at memory bandwidth and which torch's FlopCounterMode does not count).
 class IrcCost:
     """IRC, per layer i: MLP(R) d -> hidden -> i+2 weights, then the i+2 states' weighted sum."""
 
@@ -102,6 +104,12 @@ class IrcCost:
         d, h = cfg.d_model, cfg.irc_hidden
         n, P = shape[stack]
         return sum(2 * P * (d * h + h * (i + 2)) + 2 * P * (i + 2) * d for i in range(n))
+
+    @staticmethod
+    def vector(cfg: Any, stack: str, shape: dict[str, tuple[int, int]]) -> int:
+        """The part of ``flops`` that is not a GEMM: the weighted sums (elementwise multiply-adds)."""
+        n, P = shape[stack]
+        return sum(2 * P * (i + 2) * cfg.d_model for i in range(n))
 
 
 class AttnResCost:
@@ -126,3 +134,8 @@ class AttnResCost:
             src = sum(AttnResCost.depths(cfg, shape[s][0]) for s in before)
         V = [src + 1 + i // S + (i % S > 0) for i in range(n + 1)]
         return sum(4 * P * v * d for v in V)
+
+    @classmethod
+    def vector(cls, cfg: Any, stack: str, shape: dict[str, tuple[int, int]]) -> int:
+        """All of it: the logits are matrix-vector products (one pseudo-query), the sums elementwise."""
+        return cls.flops(cfg, stack, shape)

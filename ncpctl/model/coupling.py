@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .config_coupling import PAD
 from .layers import RMSNorm, make_norm
 
 
@@ -98,7 +99,7 @@ class AddCoupling(Coupling):
 # softmax while the mask stays SDPA's plain causal one. 2^14: exact in bf16 and fp16 (no inf, so a
 # row with no valid key is uniform over zero values, not a NaN).
 _FAR = float(2 ** 14)
-_PAD = 8  # the extra coordinate, padded so the head dim stays a multiple of 8 (flash kernels)
+_PAD = PAD  # the extra coordinate, padded so the head dim stays a multiple of 8 (flash kernels)
 
 
 def per_concept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:

@@ -463,3 +463,12 @@ def test_exact_flops_at_a_realised_ratio():
         exact_flops(cfg, 256, realised_ratio=1.0)
     with pytest.raises(ValueError, match="dynamic"):
         exact_flops(build_config("debug", concept=dict(enabled=True)), 256, realised_ratio=3.0)
+
+
+def test_a_realised_ratio_of_t_over_m_counts_m_concepts():
+    """A sequence that realised M concepts, passed as the ratio T / M, is counted at M: the float
+    T / (T / M) is 12.999.. for M = 13 at T = 32, which a plain floor made 12."""
+    cfg = build_config("debug", concept=dict(enabled=True, segmentation="dynamic"))
+    for T in (32, 100, 8192):
+        assert [exact_flops(cfg, T, realised_ratio=T / M).concept_positions for M in range(1, T // 2)] == \
+            list(range(1, T // 2))

@@ -35,8 +35,22 @@ def _alt_concepts(c, T: int) -> int:
     return 2 * (T // 5) + (1 if T % 5 >= 2 else 0)  # complete segments in T tokens
 
 
+class _SegmentMeansCost:
+    """What the model's cost count asks of a segmentation (``cost``): its pooling is one
+    ``segment_means`` GEMM, (M, T) indicator x (T, d), whose backward is h's gradient alone."""
+
+    @staticmethod
+    def flops(cfg, T: int, M: int) -> dict[str, int]:
+        return {"concept.pooling": 2 * M * T * cfg.d_model}
+
+    @staticmethod
+    def backward(cfg, T, M, fwd, grads_in, trains):
+        return {"concept.pooling": fwd["concept.pooling"] * grads_in}
+
+
 class Alternating23(Segmenter):
     law = SegmentationLaw(concepts=_alt_concepts, tokens_per_concept=lambda c: 2.5)
+    cost = _SegmentMeansCost
 
     @staticmethod
     def _layout(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +118,26 @@ class PerTokenNext(Segmenter):
         return Closing(closed, c, index, index, max(pos_host), None)  # None: the host is not told
 
 
+class _DenseMixCost:
+    """Per stack of n layers on P positions: layer i's Linear(d, i + 2) (a GEMM) and the weighted
+    sum of its i + 2 states (elementwise: ``vector``)."""
+
+    key = "residual.dense"
+
+    @staticmethod
+    def flops(cfg, stack, shape) -> int:
+        n, P = shape[stack]
+        return sum(2 * P * cfg.d_model * (i + 2) + 2 * P * (i + 2) * cfg.d_model for i in range(n))
+
+    @staticmethod
+    def vector(cfg, stack, shape) -> int:
+        n, P = shape[stack]
+        return sum(2 * P * (i + 2) * cfg.d_model for i in range(n))
+
+
 class DenseMix(Residual):
     owns_init = True
+    cost = _DenseMixCost
 
     def __init__(self, cfg, n_layers: int):
         super().__init__(cfg, n_layers)
@@ -151,7 +183,18 @@ class ConceptCrossAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, d))
 
 
+class _CrossAttendCost:
+    """Per decoder block: q and proj on the T tokens, kv on the M concepts, the (T, M) scores and
+    weighted sum (SDPA computes the masked entries too)."""
+
+    @staticmethod
+    def flops(cfg, T: int, M: int) -> dict[str, int]:
+        d = cfg.d_model
+        return {"concept.cross_attend": cfg.decoder_layers * (2 * 2 * T * d * d + 2 * M * d * 2 * d + 2 * 2 * T * M * d)}
+
+
 class CrossAttendCoupling(Coupling):
+    cost = _CrossAttendCost
     @classmethod
     def decoder_layer(cls, cfg, i):
         return ConceptCrossAttention(cfg)
