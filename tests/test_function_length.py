@@ -41,3 +41,11 @@ def test_no_function_is_longer_than_120_lines() -> None:
 def test_the_training_loop_reads_on_a_screen() -> None:
     (n,) = [n for rel, name, n in _functions() if rel == "ncpctl/train/loop.py" and name == "train"]
     assert n <= MAX_LOOP_LINES, f"ncpctl/train/loop.py::train is {n} lines (at most {MAX_LOOP_LINES})"
+
+
+def test_no_module_is_longer_than_600_lines() -> None:
+    """Issue 22: a module that outgrows 600 lines is split by what it is about."""
+    sizes = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert len(sizes) > 50
+    long = [f"{rel} ({n} lines)" for rel, n in sorted(sizes.items()) if n > 600]
+    assert not long, "modules over 600 lines: " + ", ".join(long)

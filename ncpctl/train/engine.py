@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from ncpctl.errors import UserError
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.config import base_lrs, deepspeed_config, lr_schedule, make_optimizer, param_groups, use_bf16
 
@@ -98,12 +99,23 @@ def external_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list(seen.values())
 
 
+def check_parameters(model: torch.nn.Module) -> None:
+    """Refuse what DeepSpeed cannot hold, before it fails inside: a 0-dim parameter (its engine
+    broadcasts each parameter viewed as bytes, which a tensor without dimensions cannot be)."""
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise UserError(f"model parameter {scalars[0]} has no dimensions (shape ()): DeepSpeed cannot broadcast it"
+                        + (f" (and {len(scalars) - 1} more)" if len(scalars) > 1 else ""),
+                        hint="declare it with shape (1,), e.g. nn.Parameter(torch.ones(1)): it broadcasts the same")
+
+
 def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist,
                  info: Callable[[str], None] | None = None) -> tuple[Any, bool]:
     """The DeepSpeed engine of ``model`` as the training loop runs it: our AdamW (or Muon + AdamW)
     + warmup/cosine LambdaLR, the generated config. Returns (engine, bf16)."""
     import deepspeed
 
+    check_parameters(model)
     on_gpu = d.device.type != "cpu"
     ds_config = deepspeed_config(recipe, on_gpu)
     optimizer = make_optimizer(model, recipe, on_gpu)
