@@ -21,7 +21,10 @@ PARAM_GROUPS = (
     "codebook",
     "codebook_transform",
     "dynamic_residuals",
+    "segmentation",
+    "coupling",
     "bottleneck",
+    "mtp",
     "norms_other",
 )
 
@@ -37,13 +40,18 @@ _PREFIXES = (
     ("concept.codebook.transform.", "codebook_transform"),
     ("concept.codebook.", "codebook"),  # frozen base codes (or a plain learned codebook)
     ("crc.", "dynamic_residuals"),
+    ("concept.segmenter.", "segmentation"),  # the segmentation's own (DLCM's boundary predictor)
+    ("concept.coupling.", "coupling"),  # the coupling's own (DLCM's cross-attention)
     ("bottleneck.", "bottleneck"),  # Steerling's concept bottleneck: f, K, g, A, B
+    ("mtp.", "mtp"),  # the multi-token prediction head (training only)
 )
 
 
 def _param_group(name: str) -> str:
     if ".residual." in name:  # a stack's depth mixer (IRC), wherever the stack is
         return "dynamic_residuals"
+    if name.startswith("decoder.") and ".cross" in name:  # a coupling's sub-layer in a decoder block (Block.cross)
+        return "coupling"
     for prefix, group in _PREFIXES:
         if name.startswith(prefix):
             return group

@@ -472,3 +472,31 @@ def test_a_realised_ratio_of_t_over_m_counts_m_concepts():
     for T in (32, 100, 8192):
         assert [exact_flops(cfg, T, realised_ratio=T / M).concept_positions for M in range(1, T // 2)] == \
             list(range(1, T // 2))
+
+
+def test_a_design_slots_parameters_are_their_own_group():
+    """The segmentation's, the coupling's (its module and its sub-layer in each decoder block) and
+    the MTP head's parameters are counted as theirs: DLCM's boundary predictor and cross-attention
+    were 'norms_other' (14.2M of dlcm-2.3b's), and so was the MTP head."""
+    import torch
+
+    from ncpctl.model.accounting_params import _param_group
+    from ncpctl.model.model import NCPModel
+
+    from . import toys  # noqa: F401  (registers the toy coupling with a decoder sub-layer)
+
+    d = 64
+    dlcm = build_config("debug", mtp_depth=1, concept=dict(enabled=True, segmentation="dynamic",
+                                                           coupling="cross_attention"))
+    toy = build_config("debug", concept=dict(enabled=True, coupling="cross_attend"))
+    for cfg in (dlcm, toy):
+        with torch.device("meta"):
+            model = NCPModel(cfg)
+        own = lambda keep: sum(p.numel() for n, p in model.named_parameters() if keep(n))  # noqa: E731
+        c = count_parameters(cfg).components
+        assert c["coupling"] == own(lambda n: n.startswith("concept.coupling.") or ".cross" in n) > 0
+        assert c["segmentation"] == own(lambda n: n.startswith("concept.segmenter."))
+        assert c["mtp"] == own(lambda n: n.startswith("mtp."))
+        other = [n for n, _ in model.named_parameters() if _param_group(n) == "norms_other"]
+        assert other and all("norm" in n for n in other), other  # nothing but norms is left over
+    assert count_parameters(dlcm).components["segmentation"] == 2 * d * d and count_parameters(dlcm).components["mtp"] > 0
