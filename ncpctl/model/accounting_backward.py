@@ -10,6 +10,8 @@ from typing import Mapping
 from ncpctl.model.accounting_parts import (_concept_costs, _crc_flops, _crc_key, _keys_causal, _keys_full, _mtp_flops,
                                      _shapes)
 from ncpctl.model.config import ModelConfig
+from ncpctl.model.config_bottleneck import BottleneckCost
+from ncpctl.model.config_mtp import MtpCost
 from ncpctl.model.family import family
 from ncpctl.model.registry import design_cost
 
@@ -95,26 +97,6 @@ class Backward:
             factor = bool(rg[source] or rg[target]) + self.trains(f"crc.links.{link.replace('-', '_')}.")
             self.add(_crc_key(cfg), f * factor, v * factor)
 
-    def bottleneck(self, h: bool, comps: dict[str, int]) -> bool:
-        """The concept bottleneck on final states that are rg (``h``); returns whether h_bar is.
-        f and k K are linears; g reads sg(h) (a weight gradient only), and (u A) B gets gradients
-        from the reconstruction and independence losses alone (the LM reads sg(u_hat))."""
-        if "bottleneck.known" not in comps:
-            return h
-        trains = lambda name: f"bottleneck.{name}" in self.numel  # noqa: E731
-        k = self.linear("bottleneck.known", "bottleneck.known", comps["bottleneck.known"], 0, h)
-        self.add("bottleneck.known_embed", comps["bottleneck.known_embed"] * (k + trains("K")))
-        if self.cfg.bottleneck.unknown_head == "dense":
-            u = self.linear("bottleneck.unknown", "bottleneck.unknown", comps["bottleneck.unknown"], 0, False)
-        else:  # d -> r (no input gradient: sg(h)) -> m
-            d, r = self.cfg.d_model, self.cfg.bottleneck_rank
-            down = comps["bottleneck.unknown"] * d // (d + self.cfg.bottleneck_unknown)
-            u = self.linear("bottleneck.unknown", "bottleneck.unknown.0", down, 0, False)
-            u = self.linear("bottleneck.unknown", "bottleneck.unknown.1", comps["bottleneck.unknown"] - down, 0, u)
-        self.add("bottleneck.unknown_A", comps["bottleneck.unknown_A"] * (u + trains("A")))
-        self.add("bottleneck.unknown_B", comps["bottleneck.unknown_B"] * ((u or trains("A")) + trains("B")))
-        return h or k or trains("K")
-
     def design(self, slot: str, cost, T: int, M: int, comps: dict[str, int], vector: dict[str, int], grads_in: bool) -> None:
         """The backward of a concept-path strategy's own components (``cost``, at parameter prefix
         ``slot``): its ``backward`` when it has one, else each component as a linear of its forward."""
@@ -159,17 +141,36 @@ class Backward:
             z = h or pred or self.trains("concept.coupling.")
         dec = self.stack("token_layers", "decoder", cfg.token_windows[E:], T, z)
         self.dynamic_residuals(T, M, {"encoder": h, "concept": c.enabled and u, "decoder": dec})
-        out = self.bottleneck(dec or self.trains("final_norm."), comps)
+        out = dec or self.trains("final_norm.")
+        if cfg.bottleneck.enabled:  # h -> h_bar, as the bottleneck walks itself
+            out = BottleneckCost.backward(cfg, comps, out, Scoped(self, "bottleneck."))
         lm_w = "lm_head.weight" in self.numel or (cfg.tie_embeddings and "embed.weight" in self.numel)
         self.add("lm_head", comps["lm_head"] * (out + lm_w))
-        # the MTP head reads the final states (rg = ``out``) through its own norms: proj and the
-        # layer's matmuls are linears, its attention weight-less (2x when its input is rg), the
-        # shared LM head a linear whose weight is the main head's
-        head = self.trains("mtp.")
-        inner = out or head
+        factors = MtpCost.backward_factors(out, self.trains("mtp."), lm_w)
         for key, (f, c) in _mtp_flops(cfg, T).items():
-            factor = {"mtp.proj": inner + head, "mtp.layers": inner + head, "mtp.attention": 2 * inner,
-                      "mtp.lm_head": inner + lm_w}[key]
+            factor = factors[key]
             self.add(key, f * factor)
             if c is not None:
                 self.causal[key] = self.causal.get(key, 0) + c * factor
+
+
+class Scoped:
+    """The walk as a design's own module sees it: parameter names relative to its ``prefix``."""
+
+    def __init__(self, walk: Backward, prefix: str):
+        self.walk, self.prefix = walk, prefix
+
+    def has(self, name: str) -> bool:
+        """Whether the parameter ``name`` (relative) trains."""
+        return self.prefix + name in self.walk.numel
+
+    def trains(self, name: str) -> bool:
+        """Whether any parameter under ``name`` (relative) trains."""
+        return self.walk.trains(self.prefix + name)
+
+    def linear(self, key: str, module: str, f: int, rg: bool) -> bool:
+        """Weight matmul ``module`` (relative) of forward f, reported as ``key``; whether its output carries a gradient."""
+        return self.walk.linear(key, self.prefix + module, f, 0, rg)
+
+    def add(self, key: str, flops: int) -> None:
+        self.walk.add(key, flops)

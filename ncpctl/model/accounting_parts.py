@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from ncpctl.model.config import ModelConfig
+from ncpctl.model.config_bottleneck import BottleneckCost
+from ncpctl.model.config_mtp import MtpCost
 from ncpctl.model.family import family
 from ncpctl.model.registry import design_cost
 
@@ -104,52 +106,14 @@ def _dynamic_residual_flops(cfg: ModelConfig, T: int, M: int, vector: dict[str, 
 
 
 def _bottleneck_flops(cfg: ModelConfig, T: int, steered: float | None = None) -> tuple[dict[str, int], dict[str, int]]:
-    """Steerling's concept bottleneck (ncpctl.model.bottleneck) per sequence: (forward components,
-    training-only work). Forward: f (d -> n), k K (n -> d), g (d -> m), u A (m -> r), (u A) B (r -> d).
-    Training only, each counted with its own backward: the independence penalty's cross-covariance
-    (B*T, d)^T (B*T, d), forward and both operands' gradients (3x; twice with the residual term),
-    and the reconstruction target k_true K of the labels (forward only: labels and sg(K)). A steering
-    stage (respond or express weight > 0) adds the head's response to each row's drawn direction
-    (W e over the real vocabulary, forward only: it sets gamma) and, with the express loss, per
-    injected position (``steered``, default ``steer_fraction * T``) the head on the injected
-    direction and on the state (forward) and the head weight's gradient from the direction (at the
-    readout; at a layer: the head on the state, forward and both gradients)."""
-    if not cfg.bottleneck.enabled:
-        return {}, {}
-    d, n, m, r = cfg.d_model, cfg.bottleneck.concepts, cfg.bottleneck_unknown, cfg.bottleneck_rank
-    comps = {"bottleneck.known": 2 * T * d * n, "bottleneck.known_embed": 2 * T * n * d,
-             "bottleneck.unknown": 2 * T * d * m if cfg.bottleneck.unknown_head == "dense" else 2 * T * r * (d + m),
-             "bottleneck.unknown_A": 2 * T * m * r,
-             "bottleneck.unknown_B": 2 * T * r * d}
-    pairs = 2 if cfg.bottleneck.independence == "known_unknown_residual" else 1
-    training = {"bottleneck.independence": 3 * pairs * 2 * T * d * d, "bottleneck.reconstruction_target": 2 * T * n * d}
-    b = cfg.bottleneck
-    if b.respond_weight > 0 or b.express_weight > 0:
-        training["bottleneck.steer_response"] = 2 * d * cfg.vocab_size
-        if b.express_weight > 0:
-            slots = b.steer_fraction * T if steered is None else steered
-            training["bottleneck.express"] = round(slots * 3 * 2 * d * cfg.padded_vocab_size)
-    return comps, training
+    """Steerling's concept bottleneck per sequence, as it reports itself (``BottleneckCost``):
+    (forward components, training-only work)."""
+    return BottleneckCost.flops(cfg, T, steered) if cfg.bottleneck.enabled else ({}, {})
 
 
 def _mtp_flops(cfg: ModelConfig, T: int) -> dict[str, tuple[int, int | None]]:
-    """The MTP head's forward (ncpctl.model.mtp; training only: decoding and the export drop it):
-    depth k on the T - k positions that have a target, proj (2d -> d), one full-attention layer and
-    the shared LM head. key -> (full count, causal count or None)."""
-    d, out = cfg.d_model, {}
-    for k in range(1, (cfg.mtp_depth or 0) + 1):
-        n = T - k
-        if n <= 0:
-            break
-        layer = _stack_flops(cfg, [None], n)
-        parts = {"mtp.proj": (2 * n * 2 * d * d, None),
-                 "mtp.layers": (layer["qkv"] + layer["attn_out"] + layer["mlp"], None),
-                 "mtp.attention": (layer["attention"], layer["attention_causal"]),
-                 "mtp.lm_head": (2 * n * d * cfg.padded_vocab_size, None)}
-        for key, (f, c) in parts.items():
-            f0, c0 = out.get(key, (0, None if c is None else 0))
-            out[key] = (f0 + f, None if c is None else c0 + c)
-    return out
+    """The MTP head's forward as it reports itself (``MtpCost``): key -> (full count, causal count or None)."""
+    return MtpCost.flops(cfg, T, lambda n: _stack_flops(cfg, [None], n))
 
 
 def _shapes(cfg: ModelConfig, T: int, M: int) -> dict[str, tuple[int, int]]:

@@ -178,3 +178,56 @@ class BottleneckSection(Section):
             return [("bottleneck.steer_at", f"the {stack} has layers 0..{n - 1}, got {layer}")]
         return []
 
+
+
+class BottleneckCost:
+    """The cost model's view of the bottleneck (accounting_parts.py, accounting_backward.py), per
+    sequence. Forward: f (d -> n), k K (n -> d), g (d -> m), u A (m -> r), (u A) B (r -> d).
+    Training only, each counted with its own backward: the independence penalty's cross-covariance
+    (B*T, d)^T (B*T, d), forward and both operands' gradients (3x; twice with the residual term),
+    and the reconstruction target k_true K of the labels (forward only: labels and sg(K)). A steering
+    stage (respond or express weight > 0) adds the head's response to each row's drawn direction
+    (W e over the real vocabulary, forward only: it sets gamma) and, with the express loss, per
+    injected position (``steered``, default ``steer_fraction * T``) the head on the injected
+    direction and on the state (forward) and the head weight's gradient from the direction (at the
+    readout; at a layer: the head on the state, forward and both gradients)."""
+
+    @staticmethod
+    def flops(cfg: Any, T: int, steered: float | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """(forward components, training-only work)."""
+        b = cfg.bottleneck
+        d, n, m, r = cfg.d_model, b.concepts, cfg.bottleneck_unknown, cfg.bottleneck_rank
+        comps = {"bottleneck.known": 2 * T * d * n, "bottleneck.known_embed": 2 * T * n * d,
+                 "bottleneck.unknown": 2 * T * d * m if b.unknown_head == "dense" else 2 * T * r * (d + m),
+                 "bottleneck.unknown_A": 2 * T * m * r,
+                 "bottleneck.unknown_B": 2 * T * r * d}
+        pairs = 2 if b.independence == "known_unknown_residual" else 1
+        training = {"bottleneck.independence": 3 * pairs * 2 * T * d * d,
+                    "bottleneck.reconstruction_target": 2 * T * n * d}
+        if b.respond_weight > 0 or b.express_weight > 0:
+            training["bottleneck.steer_response"] = 2 * d * cfg.vocab_size
+            if b.express_weight > 0:
+                slots = b.steer_fraction * T if steered is None else steered
+                training["bottleneck.express"] = round(slots * 3 * 2 * d * cfg.padded_vocab_size)
+        return comps, training
+
+    @staticmethod
+    def backward(cfg: Any, comps: dict[str, int], h: bool, walk: Any) -> bool:
+        """The backward on final states that carry a gradient (``h``), through ``walk``: the model's
+        backward walk scoped to the bottleneck's parameters (``linear(key, module, f, rg)`` a weight
+        matmul, returning whether its output carries a gradient; ``has(name)`` whether a parameter
+        trains; ``add(key, flops)``). f and k K are linears; g reads sg(h) (a weight gradient only),
+        and (u A) B gets gradients from the reconstruction and independence losses alone (the LM
+        reads sg(u_hat)). Returns whether h_bar carries a gradient."""
+        k = walk.linear("bottleneck.known", "known", comps["bottleneck.known"], h)
+        walk.add("bottleneck.known_embed", comps["bottleneck.known_embed"] * (k + walk.has("K")))
+        if cfg.bottleneck.unknown_head == "dense":
+            u = walk.linear("bottleneck.unknown", "unknown", comps["bottleneck.unknown"], False)
+        else:  # d -> r (no input gradient: sg(h)) -> m
+            d, r = cfg.d_model, cfg.bottleneck_rank
+            down = comps["bottleneck.unknown"] * d // (d + cfg.bottleneck_unknown)
+            u = walk.linear("bottleneck.unknown", "unknown.0", down, False)
+            u = walk.linear("bottleneck.unknown", "unknown.1", comps["bottleneck.unknown"] - down, u)
+        walk.add("bottleneck.unknown_A", comps["bottleneck.unknown_A"] * (u + walk.has("A")))
+        walk.add("bottleneck.unknown_B", comps["bottleneck.unknown_B"] * ((u or walk.has("A")) + walk.has("B")))
+        return h or k or walk.has("K")
