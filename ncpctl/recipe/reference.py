@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,21 @@ from ncpctl.recipe.schema import SECTIONS, design_options
 
 
 def _type_name(tp: Any) -> str:
-    text = str(tp).replace("typing.", "").replace("NoneType", "null").replace("Optional[", "")
-    for name in ("ncpctl.recipe.schema.", "ncpctl.model.config."):
-        text = text.replace(name, "")
-    text = text.replace("<class '", "").replace("'>", "")
-    return text.rstrip("]") if str(tp).startswith("typing.Optional[") else text
+    """A type as a reader writes it: ``Optional[X]`` -> X (the default column shows null), a
+    constrained ``Annotated[X, ...]`` -> X, ``Literal['a', 'b']``, ``list[float]``, a class by its name."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin in (typing.Union, types.UnionType):
+        parts = [a for a in args if a is not type(None)]
+        return _type_name(parts[0]) if len(parts) == 1 else " | ".join(_type_name(a) for a in parts)
+    if origin is typing.Literal:
+        return f"Literal[{', '.join(repr(a) for a in args)}]"
+    if origin is not None and args:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+    if tp is type(None):
+        return "null"
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
 
 
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
