@@ -96,7 +96,10 @@ def main(
         for b in blocks:
             a, e = b["span"]
             b["text"] = decode(ids[a:e])
-        entry.update(blocks=blocks, max_reconstruction_error=max(b["reconstruction_error"] for b in blocks))
+        # tokens after the last complete concept close none yet (a trailing partial block): said, not dropped
+        tail = len(ids) - (blocks[-1]["span"][1] if blocks else 0)
+        entry.update(blocks=blocks, max_reconstruction_error=max((b["reconstruction_error"] for b in blocks), default=0.0),
+                     unpooled_tail={"tokens": tail, "text": decode(ids[len(ids) - tail:]) if tail else ""})
         if target is not None:
             abl = C.default_ablations(blocks, len(ids), ablate_codes)
             base, rows = C.ablate(model, x, n_prompt, abl, view)
@@ -128,17 +131,22 @@ def _human(con, report: dict[str, Any]) -> None:
             _human_bottleneck(con, p)
         if "blocks" not in p:
             continue
-        t = Table(title=f"{p['prompt'][:60]!r}: each block's predicted concept as codes per segment"
+        text = f"{p['prompt'][:60]!r}" + (f" + target {p['target']['text'][:30]!r}" if "target" in p else "")
+        t = Table(title=f"{text}: each block's predicted concept as codes per segment"
                         + (" (pred before the coupling's norm)" if normed else ""), title_justify="left")
         t.add_column("block")
         t.add_column("text")
-        t.add_column("segments: top codes (weight), + remainder weight")
+        t.add_column("segments: top codes (weight), rest = the other codes' summed weight (signed)")
         for b in p["blocks"]:
             segs = "; ".join(
                 f"s{s['segment']}: " + ", ".join(f"{c['code']} ({c['weight']:.2f})" for c in s["top"])
-                + f" +{s['remainder']['weight']:.2f}" for s in b["segments"])
+                + f", rest {s['remainder']['weight']:+.2f}" for s in b["segments"])
             t.add_row(str(b["block"]), repr(b["text"])[:24], segs)
         con.print(t)
+        tail = p.get("unpooled_tail", {})
+        if tail.get("tokens"):
+            con.print(f"the last {tail['tokens']} token(s) {tail['text'][:30]!r} close no concept yet (a partial "
+                      "block): not shown")
         con.print(f"reconstruction of pred from the codes: max error {p['max_reconstruction_error']:.2e}")
         if "target" in p:
             tg = p["target"]

@@ -35,6 +35,7 @@ def test_cli_decomposition_reconstructs_pred(runs, lm):
     assert lm.config.concept.add == "raw" and p["max_reconstruction_error"] < 1e-5
     k, S, N = lm.config.concept.k, lm.config.n_segments, lm.config.concept.codes
     assert [b["span"] for b in p["blocks"]] == [[j * k, (j + 1) * k] for j in range(p["tokens"] // k)]
+    assert p["unpooled_tail"]["tokens"] == p["tokens"] % k  # the trailing partial block, reported
     # each block: S segments, 2 top codes in falling weight, the other N - 2 as the remainder
     view = C.concept_view(lm.model, _ids(lm))
     for b in p["blocks"]:
@@ -145,3 +146,24 @@ def test_bad_input(runs, args, message):
 def test_a_model_without_concepts_is_refused(runs):
     r = run_cli("inspect", str(runs["base"]), "-p", PROMPT)
     assert r.returncode == 2 and "neither a concept path (model.concept.enabled) nor a concept bottleneck" in r.stderr
+
+
+def test_the_human_report_signs_the_remainder_names_the_target_and_the_partial_block():
+    """Issue 28: a negative remainder printed as ``+-5.42``, the target's tokens sat under a heading
+    naming only the prompt, and a trailing partial block vanished without a word."""
+    from rich.console import Console
+
+    from ncpctl.cli.inspect_cmd import _human
+
+    seg = {"segment": 0, "top": [{"code": 3, "weight": 0.5}], "remainder": {"codes": 15, "weight": -5.42}}
+    report = {"add": "raw", "prompts": [{
+        "prompt": "def f(x):", "tokens": 6, "max_reconstruction_error": 0.0,
+        "blocks": [{"block": 0, "text": "def ", "segments": [seg]}],
+        "unpooled_tail": {"tokens": 2, "text": "x)"},
+        "target": {"text": " return", "logprob": -1.0, "ablations": []}}], "files": []}
+    con = Console(record=True, width=200)
+    _human(con, report)
+    out = con.export_text()
+    assert "rest -5.42" in out and "+-" not in out
+    assert "+ target ' return'" in out
+    assert "the last 2 token(s) 'x)' close no concept yet" in out
