@@ -209,6 +209,8 @@ def _apply_sets(tree: dict[str, Any], sets: Iterable[str], origin: dict[str, str
             continue
         node = tree
         for i, part in enumerate(parts[:-1]):
+            if part not in node:  # a section only this --set names: its problems are the --set's
+                origin.setdefault(".".join(parts[: i + 1]), "--set")
             nxt = node.setdefault(part, {})
             if not isinstance(nxt, dict):
                 problems.append(f"--set: {'.'.join(parts[: i + 1])}: is a value, not a section; cannot set {item}")

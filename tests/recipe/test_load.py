@@ -81,6 +81,12 @@ def test_unknown_keys_name_file_and_suggest(base: Path, tmp_path: Path) -> None:
     assert len(errs) == 3
 
 
+def test_an_unknown_section_named_only_by_set_is_blamed_on_the_set(base: Path) -> None:
+    """Issue 28: ``--set trian.max_steps=3`` was reported as the recipe file's ``trian: unknown section``."""
+    assert errors_of(base, ["trian.max_steps=3"]) == ["--set: trian: unknown section (did you mean 'train'?)"]
+    assert errors_of(base, ["model.concpet.k=3"]) == ["--set: model.concpet: unknown key (did you mean 'concept'?)"]
+
+
 def test_wrong_types(base: Path) -> None:
     errs = errors_of(base, ["train.max_steps=ten", "train.seed=true", "model.concept.enabled=3", "train.lr=fast"])
     assert "--set: train.max_steps: Input should be a valid integer, got 'ten'" in errs
