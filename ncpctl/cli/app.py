@@ -62,4 +62,46 @@ def main() -> None:
     # The deepspeed launcher runs `ncpctl --local_rank=N <command> ...`; the rank comes from
     # the environment it also sets (LOCAL_RANK), so the flag is dropped before typer sees it.
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank=")]
-    app(prog_name="ncpctl", args=args)
+    json_mode = "--json" in args
+    _refuse_dotted_options(args, json_mode)
+    if not json_mode:
+        app(prog_name="ncpctl", args=args)
+        return
+    # --json: a usage error (an unknown option, a missing argument) reaches stdout as JSON too
+    try:  # typer >= 0.2x vendors its own click
+        from typer._click import exceptions as cx
+    except ImportError:  # pragma: no cover (older typer: click itself)
+        from click import exceptions as cx
+
+    try:
+        rv = app(prog_name="ncpctl", args=args, standalone_mode=False)
+    except cx.ClickException as e:
+        _fail_usage([e.format_message() if e.__class__.__name__ != "NoArgsIsHelpError" else "no command given"],
+                    "see ncpctl -h", e.exit_code, True)
+    except cx.Abort:
+        _fail_usage(["aborted"], None, 1, True)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _refuse_dotted_options(args: list[str], json_mode: bool) -> None:
+    """``--train.max_steps 30`` (litgpt's habit) names a recipe key as an option: say how ncpctl sets it."""
+    for i, a in enumerate(args):
+        name = a.split("=", 1)[0]
+        if name.startswith("--") and "." in name and (i == 0 or args[i - 1] != "--set"):
+            key = name[2:]
+            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "VALUE")
+            _fail_usage([f"{name}: no such option; recipe keys are set with --set KEY.PATH=VALUE"],
+                        f"--set {key}={value}", 2, json_mode)
+
+
+def _fail_usage(lines: list[str], hint: str | None, code: int, json_mode: bool) -> None:
+    import json
+    import sys
+
+    for line in lines:
+        sys.stderr.write(f"error: {line}\n")
+    if hint:
+        sys.stderr.write(f"hint: {hint}\n")
+    if json_mode:
+        sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "errors": lines, "hint": hint}) + "\n")
+    sys.exit(code)

@@ -157,3 +157,29 @@ def test_internal_failure_is_exit_1_and_debug_reraises() -> None:
     assert r.exit_code == 1 and '"exit_code": 1' in r.output
     r = runner.invoke(app, ["user"])
     assert r.exit_code == 2 and "error: bad input\nerror: another problem\n" in r.output
+
+
+@pytest.mark.parametrize("argv,error,hint", [
+    # litgpt's habit: a recipe key as an option
+    (["pretrain", "r.yaml", "--train.max_steps", "30"], "--train.max_steps: no such option; recipe keys are set "
+     "with --set KEY.PATH=VALUE", "--set train.max_steps=30"),
+    (["pretrain", "r.yaml", "--model.concept.k=3", "--json"], "--model.concept.k: no such option; recipe keys are "
+     "set with --set KEY.PATH=VALUE", "--set model.concept.k=3"),
+    # any other usage error under --json: one JSON document on stdout too (it printed nothing there)
+    (["--json", "pretrain", "r.yaml", "--bogus"], "No such option: --bogus", "see ncpctl -h"),
+    (["--json"], "Missing command.", "see ncpctl -h"),
+])
+def test_usage_errors_in_the_documented_style(argv, error, hint, monkeypatch, capsys) -> None:
+    """Issue 28 item 7: one line and a hint on stderr, exit 2, and with --json the JSON error on stdout."""
+    from ncpctl.cli import app as app_module
+
+    monkeypatch.setattr(sys, "argv", ["ncpctl", *argv])
+    with pytest.raises(SystemExit) as e:
+        app_module.main()
+    out, err = capsys.readouterr()
+    assert e.value.code == 2
+    assert err.splitlines()[-2:] == [f"error: {error}", f"hint: {hint}"]
+    if "--json" in argv:
+        assert json.loads(out) == {"ok": False, "exit_code": 2, "errors": [error], "hint": hint}
+    else:
+        assert out == ""
