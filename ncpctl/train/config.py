@@ -236,6 +236,32 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, on_gpu: bool) -> Guar
     return MuonAdamW(groups, rows=rows, momentum=t.muon_momentum, lr_scale=t.muon_lr_scale, **kw)
 
 
+def schedule_change(old_train: dict[str, Any], recipe: Recipe, step: int) -> str | None:
+    """How resuming at ``step`` reshapes the learning-rate schedule the checkpoint trained with
+    (``old_train``: the ``train`` section of its recipe.resolved.yaml): one line naming the keys
+    that changed and the lr at ``step`` under the old and the new schedule; None when unchanged."""
+    from types import SimpleNamespace
+
+    t = recipe.train
+    try:
+        total = int(old_train["max_steps"])
+        warm = old_train.get("warmup_steps")
+        warm = int(warm) if warm is not None else int(round(float(old_train.get("warmup_fraction", 0.0)) * total))
+        before = {"max_steps": total, "warmup": warm, "lr": float(old_train["lr"]), "min_lr": float(old_train["min_lr"])}
+    except (KeyError, TypeError, ValueError):  # an older or hand-edited recipe: nothing to compare
+        return None
+    after = {"max_steps": t.max_steps, "warmup": recipe.warmup_steps, "lr": t.lr, "min_lr": t.min_lr}
+    changed = [k for k in before if before[k] != after[k]]
+    if not changed:
+        return None
+    old = SimpleNamespace(warmup_steps=before["warmup"], train=SimpleNamespace(
+        max_steps=before["max_steps"], lr=before["lr"], min_lr=before["min_lr"]))
+    lr_old, lr_new = (r.train.lr * lr_schedule(r)(step) for r in (old, recipe))  # type: ignore[arg-type]
+    diff = ", ".join(f"{k} {before[k]:g} -> {after[k]:g}" for k in changed)
+    return (f"the learning-rate schedule differs from the checkpoint's ({diff}): from step {step} the lr follows "
+            f"the new one ({lr_new:.3g} now; the old schedule would give {lr_old:.3g})")
+
+
 def lr_schedule(recipe: Recipe) -> Callable[[int], float]:
     """``step -> lr / train.lr`` for the step about to be taken (0-based).
 

@@ -35,11 +35,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import yaml
 
 from ncpctl.errors import UserError
 from ncpctl.profile.timing import device_peak
 from ncpctl.recipe.load import Recipe
 from ncpctl.train import checkpoint as ckpt
+from ncpctl.train.config import schedule_change
 from ncpctl.train.data import TrainData, open_data
 from ncpctl.train.engine import Dist, build_engine, init_distributed, reset_hyperparameters
 from ncpctl.train.hooks import Hooks
@@ -335,6 +337,15 @@ def _move_foreign_checkpoints(recipe: Recipe, resume_from: Path | None, d: Dist,
         d.barrier()
 
 
+def _recorded_train(src: Path) -> dict[str, Any]:
+    """The ``train`` section of the recipe a checkpoint was written by ({} if unreadable)."""
+    try:
+        tree = yaml.safe_load((src / "recipe.resolved.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return tree.get("train", {}) if isinstance(tree, dict) and isinstance(tree.get("train"), dict) else {}
+
+
 def _restore(run: _Run, meta: dict[str, Any]) -> None:
     """Resume: engine, RNG and counters from the checkpoint. midtrain ``load: all``: the optimizer
     state of init_from, with this recipe's hyperparameters and a fresh schedule."""
@@ -353,6 +364,9 @@ def _restore(run: _Run, meta: dict[str, Any]) -> None:
         tot.train_loss, tot.val = meta.get("train_loss"), meta.get("val") or {}
         run.info(f"resumed from {src} (step {tot.step}, {tot.tokens:,} tokens)"
                  + ("; already at train.max_steps, nothing to do" if tot.step >= t.max_steps else ""))
+        changed = schedule_change(_recorded_train(src), run.recipe, tot.step)
+        if changed and run.d.rank == 0:
+            run.warn(changed)
     elif run.stage.init_from is not None and run.stage.load == "all":
         src = run.stage.init_from
         with deepspeed_loads_safely():

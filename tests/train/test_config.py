@@ -158,3 +158,21 @@ def test_pythia_schedule() -> None:
     f = lr_schedule(r)
     assert f(0) == pytest.approx(1 / 1430) and f(1429) == pytest.approx(1.0)
     assert f(t.max_steps) == pytest.approx(0.1) and f(t.max_steps - 1) > 0.1
+
+
+def test_a_resume_under_another_schedule_is_described():
+    """Issue 28 item 4: resuming with another max_steps (or warmup, lr, min_lr) silently reshaped the
+    learning-rate schedule; ``schedule_change`` names what changed and the lr at the resumed step
+    under both schedules, and says nothing when the schedule is the same."""
+    from ncpctl.train.config import schedule_change
+
+    r = recipe("train.max_steps=500", "train.warmup_fraction=0.05", "train.lr=3e-3", "train.min_lr=3e-4")
+    same = {"max_steps": 500, "warmup_fraction": 0.05, "warmup_steps": None, "lr": 3e-3, "min_lr": 3e-4}
+    assert schedule_change(same, r, 100) is None
+    old = {**same, "max_steps": 300}  # the checkpoint's run ended its cosine at 300; warmup 15 steps
+    line = schedule_change(old, r, 300)
+    assert line.startswith("the learning-rate schedule differs from the checkpoint's (max_steps 300 -> 500, "
+                           "warmup 15 -> 25): from step 300")
+    new_lr = 3e-3 * lr_schedule(r)(300)
+    assert f"({new_lr:.3g} now; the old schedule would give {3e-4:.3g})" in line
+    assert schedule_change({"lr": "x"}, r, 3) is None  # an unreadable record: nothing to compare

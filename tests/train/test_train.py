@@ -231,8 +231,11 @@ def test_midtrain_with_lora_trains_adapters_and_saves_them_merged(reference: Pat
     meta = json.loads((Path(r["checkpoint"]) / "ncpctl.json").read_text())
     assert meta["lora"] == {"rank": 2, "alpha": 4, "dropout": 0.0, "merged": True,
                             "targets": ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"]}
-    r2 = result(ncpctl("midtrain", str(recipe), "--json", "--set", "train.max_steps=6", *sets))
+    p2 = ncpctl("midtrain", str(recipe), "--json", "--set", "train.max_steps=6", *sets)
+    r2 = result(p2)
     assert r2["resumed_from"] == r["checkpoint"] and r2["step"] == 6
+    # issue 28 item 4: a resume under another max_steps says the schedule changed
+    assert "the learning-rate schedule differs from the checkpoint's (max_steps 4 -> 6" in p2.stderr
     loaded = load_model(r2["checkpoint"])
     with torch.no_grad():
         assert torch.isfinite(loaded.model(torch.randint(0, 500, (1, 16))).logits).all()
