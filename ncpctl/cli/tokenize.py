@@ -78,4 +78,6 @@ def _human(con: Any, data_dir: Any, meta: dict[str, Any]) -> None:
     con.print(table)
     tok = meta["tokenizer"]
     con.print(f"tokenizer: vocab {tok['vocab_size']:,} ({'trained' if tok['trained'] else 'loaded'}), "
-              f"EOD id {tok['eod_id']}, dtype {meta['dtype']}, {meta['tokens_per_second']:,} tokens/s")
+              f"EOD id {tok['eod_id']}, dtype {meta['dtype']}, "
+              + (f"{meta['tokens_per_second']:,} tokens/s" if not meta["up_to_date"]
+                 else f"nothing encoded now (written at {meta['tokens_per_second']:,} tokens/s)"))

@@ -331,3 +331,18 @@ def test_documents_per_source_map_each_split_back_to_its_sources(tmp_path: Path,
         seen["corpus"] += counts[0]
         seen["other"] += counts[1] + counts[2]
     assert seen == {"corpus": 24, "other": 20}
+
+
+def test_an_up_to_date_run_does_not_report_a_rate_as_measured_now():
+    """Issue 28 item 8: a cached tokenize printed the old run's tokens/s as if it had just encoded."""
+    from rich.console import Console
+
+    from ncpctl.cli.tokenize import _human
+
+    meta = {"splits": {"train": {"documents": 3, "tokens": 99}}, "dtype": "uint16", "tokens_per_second": 1234,
+            "tokenizer": {"vocab_size": 512, "trained": True, "eod_id": 0}}
+    for up_to_date, want in ((False, "1,234 tokens/s"), (True, "nothing encoded now (written at 1,234 tokens/s)")):
+        con = Console(record=True, width=200)
+        _human(con, "data", {**meta, "up_to_date": up_to_date})
+        text = con.export_text()
+        assert want in text and (up_to_date or "nothing encoded" not in text)
