@@ -414,7 +414,8 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     stats = torch.zeros(len(pk.stats), device=d.device)
     extra = run.hooks.inputs(run.data.loader, len(ids), r.train.micro_batch_size, d.device)  # the designs' inputs
     for mb, mb_ids, kw in zip(batch.split(r.train.micro_batch_size), ids, extra):
-        x, y = (t.to(d.device) for t in engine.module.objective.batch(mb))  # (micro, T) inputs, targets
+        # (micro, T) inputs, targets; an objective's noise is keyed on the global sample indices
+        x, y = (t.to(d.device) for t in engine.module.objective.keyed_batch(mb, mb_ids))
         if keyed:
             kw["sample_ids"] = mb_ids.to(d.device)
         o = engine(x, y, **kw)
@@ -499,9 +500,10 @@ def _evaluate(run: _Run, final: bool = False) -> None:
     with torch.no_grad():
         for _ in range(batches):
             windows = torch.from_numpy(next(val))
+            ids = torch.from_numpy(val.sample_ids()).split(micro)  # the same at every evaluation
             extra = hooks.inputs(val, math.ceil(windows.shape[0] / micro), micro, d.device, evaluating=True)
-            for i, (mb, kw) in enumerate(zip(windows.split(micro), extra)):  # (micro, T+1)
-                x, y = (t.to(d.device) for t in engine.module.objective.batch(mb))
+            for i, (mb, mb_ids, kw) in enumerate(zip(windows.split(micro), ids, extra)):  # (micro, T+1)
+                x, y = (t.to(d.device) for t in engine.module.objective.keyed_batch(mb, mb_ids))
                 o = engine(x, y, **kw)
                 hooks.eval_micro(i, o)
                 acc += pk.terms(o)
