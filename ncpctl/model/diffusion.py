@@ -120,7 +120,7 @@ class CausalDiffusion(Objective):
 
     def refusal(self, what: str) -> str | None:
         return (f"objective {NAME}: {what} is not implemented yet for a Causal Diffusion LM (block-wise sampling, "
-                f"the ELBO estimator and the export are the next steps of issue 23)")
+                f"the ELBO estimator for eval and the export are the next steps of issue 23)")
 
     def score(self, context, continuation, max_len):
         raise ValueError(self.refusal("log-likelihood scoring"))
