@@ -30,7 +30,8 @@ class DiffusionConfig:
         "uniform", "How each block's mask rate t_b is drawn: uniform = t_b ~ U(min_t, 1) (MDLM; Steerling's "
         "mid-training); gaussian = Steerling's moving Gaussian masking curriculum (pre-training): t_b ~ N(mu, "
         "gaussian_std) clipped to [min_t, 1], mu moving linearly from gaussian_mean_start to gaussian_mean_end "
-        "over gaussian_steps optimizer steps (the paper gives no parameters; see those keys).")
+        "over gaussian_steps optimizer steps (the paper gives no parameters; see those keys). Validation draws "
+        "with the same schedule (gaussian: at the current step's mean).")
     gaussian_mean_start: float = option(
         0.3, "schedule: gaussian: the mean mask rate at step 0 (the paper gives none; 0.3 starts on mostly "
         "visible blocks).")
