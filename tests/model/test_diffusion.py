@@ -140,3 +140,14 @@ def test_block_size_must_divide_the_sequence_and_the_mask_id_must_be_known():
     assert "not implemented yet" in ob.refusal("generate")
     with pytest.raises(ValueError, match="generation is not implemented yet"):
         ob.decoding(None, None, None, None)
+
+
+def test_profile_kernels_accounting_takes_a_cdlm():
+    """The ConceptLM sibling is left out (no concept path on this objective); the concept kernels
+    are timed at the recipe's shape under the default objective."""
+    from ncpctl.profile.accounting import siblings
+    from ncpctl.profile.kernels import _with_concept
+
+    assert set(siblings(cdlm())) == {"recipe", "base", "pm"} and "conceptlm" in siblings(tiny("neox"))
+    with_concept = _with_concept(cdlm())
+    assert with_concept.concept.enabled and with_concept.objective == "next_token"
