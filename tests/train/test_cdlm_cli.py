@@ -2,8 +2,8 @@
 ``tokenize`` gave a [MASK] token, and the training loop hands the objective each row's global
 sample index: the logged validation loss equals the one recomputed here from the checkpoint with
 the masks keyed on the validation windows' sample indices (the second batch's are not its row
-indices, so a loop that keyed on rows would fail). ``generate`` (exit 2) and ``eval`` refuse the
-checkpoint for now."""
+indices, so a loop that keyed on rows would fail); two ranks train on one process's losses.
+``generate`` (exit 2) and ``eval`` refuse the checkpoint for now."""
 
 from __future__ import annotations
 
@@ -31,10 +31,18 @@ deepspeed: {{zero_stage: 0}}
 """
 
 
-def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(tmp_path: Path) -> None:
-    path = tmp_path / "cdlm.yaml"
-    path.write_text(RECIPE.format(run=tmp_path / "run"))
+@pytest.fixture(scope="module")
+def cdlm_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny corpus tokenized for a CDLM (its BPE has [MASK]): ``run/data`` under the returned root."""
+    root = tmp_path_factory.mktemp("cdlm")
+    path = root / "cdlm.yaml"
+    path.write_text(RECIPE.format(run=root / "run"))
     tokenize(load_recipe(path, need_sources=True))
+    return root
+
+
+def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path) -> None:
+    tmp_path, path = cdlm_data, cdlm_data / "cdlm.yaml"
     run = result(ncpctl("pretrain", str(path), "--json"))
     train, val = metrics(tmp_path / "run"), metrics(tmp_path / "run", "val")
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["diffusion_loss"]) for r in train)
@@ -63,3 +71,24 @@ def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(tmp_path: Path) -> 
         NCPLM(run["checkpoint"])
     gen = ncpctl("generate", run["checkpoint"], "-p", "def main(", "-n", "4")
     assert gen.returncode == 2 and "generate is not implemented yet" in gen.stderr and "Traceback" not in gen.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_draw_the_masks_of_one_process(cdlm_data: Path, tmp_path: Path) -> None:
+    """Two ranks under the launcher (micro-batches of 2) train on the losses of one process
+    (micro-batches of 4): every row keeps its masks, keyed on its global sample index, whatever
+    rank and micro-batch it lands in (rows keyed by their place in the micro-batch would differ).
+    The elbo weighting averages over every token, so the loss does not depend on the micro-batch."""
+    data = cdlm_data / "run" / "data"
+    sets = ["train.max_steps=3", "train.eval_every=0", "train.save_every=0", "model.diffusion.weighting=elbo",
+            f"data.train_prefix={data / 'train'}", f"data.val_prefix={data / 'val'}"]
+    runs = {}
+    for ranks, micro in ((0, 4), (2, 2)):
+        run = tmp_path / f"r{ranks}"
+        args = [a for x in (*sets, f"run.dir={run}", f"train.micro_batch_size={micro}") for a in ("--set", x)]
+        assert result(ncpctl("pretrain", str(cdlm_data / "cdlm.yaml"), "--json", *args, launcher_ranks=ranks,
+                             timeout=600))["world_size"] == max(ranks, 1)
+        runs[ranks] = [r["diffusion_loss"] for r in metrics(run)]
+    assert len(runs[0]) == 3 and runs[0][0] != runs[0][1]
+    for a, b in zip(runs[0], runs[2]):
+        assert abs(a - b) / abs(a) <= 1e-4, runs
