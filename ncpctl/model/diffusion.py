@@ -19,7 +19,9 @@ Diffusion, Fig. 15).
   head, as next-token prediction); elbo = each masked token's cross-entropy over its block's t_b,
   summed and divided by the number of tokens (MDLM's bound on the NLL per token). The elbo weighting
   needs t_b in the loss: its targets carry it (``target = token + padded_vocab * q_b``, q_b the
-  block's rate in 1/2^24 units, the same quantised rate that drew the masks), which ``loss`` decodes.
+  block's rate in 1/2^24 units, the same quantised rate that drew the masks), which ``loss`` decodes;
+  its logits are computed unfused (the fused head computes a plain mean). A micro-batch with no
+  masked token has loss 0 under either weighting.
 
 Block-wise sampling, the ELBO estimator for evaluation and the export are later steps: generation,
 scoring and export refuse (``refusal``).
@@ -109,8 +111,10 @@ class CausalDiffusion(Objective):
         return self.keyed_batch(window, torch.arange(window.shape[0], device=window.device))
 
     def loss(self, model, h: torch.Tensor, targets: torch.Tensor):
-        if self.d.weighting != "elbo":
-            return model.head(h, targets)  # the mean cross-entropy over the masked tokens
+        if self.d.weighting != "elbo":  # the mean cross-entropy over the masked tokens
+            logits, loss = model.head(h, targets)
+            # none masked (a short, lightly noised micro-batch): 0, not the empty mean's NaN (no host sync)
+            return logits, torch.where((targets != -100).any(), loss, torch.zeros_like(loss))
         hit = targets >= 0
         tok = torch.where(hit, targets % self.vocab, targets)
         t = torch.where(hit, targets // self.vocab, _UNITS).to(torch.float32) / _UNITS  # (B, T)

@@ -67,6 +67,16 @@ def test_the_loss_counts_the_masked_positions_only():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("weighting", ["masked_mean", "elbo"])
+def test_a_micro_batch_without_masked_tokens_has_loss_zero_not_nan(weighting):
+    model = build(cdlm(weighting=weighting)).train()
+    x = tokens(model.cfg, 2, 8)
+    out = model(x, torch.full_like(x, -100))
+    assert out.loss.item() == 0.0
+    out.loss.backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_elbo_weighting_is_each_masked_tokens_cross_entropy_over_its_blocks_rate():
     model = build(cdlm(weighting="elbo")).train()
     ob, w, ids = model.objective, tokens(model.cfg, 3, 17), torch.tensor([2, 5, 9])
