@@ -3,7 +3,7 @@
 sample index: the logged validation loss equals the one recomputed here from the checkpoint with
 the masks keyed on the validation windows' sample indices (the second batch's are not its row
 indices, so a loop that keyed on rows would fail); two ranks train on one process's losses.
-``generate`` (exit 2) and ``eval`` refuse the checkpoint for now."""
+``generate`` (exit 2), ``eval`` and ``export`` refuse the checkpoint for now."""
 
 from __future__ import annotations
 
@@ -69,6 +69,11 @@ def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path) ->
 
     with pytest.raises(UserError, match="eval is not implemented yet"):  # no log-likelihood yet (the ELBO: next step)
         NCPLM(run["checkpoint"])
+    from ncpctl.interop.hf_export import export
+
+    with pytest.raises(UserError, match="export is not implemented yet"):
+        export(run["checkpoint"], tmp_path / "hf", verify=False)
+    assert not (tmp_path / "hf").exists()
     gen = ncpctl("generate", run["checkpoint"], "-p", "def main(", "-n", "4")
     assert gen.returncode == 2 and "generate is not implemented yet" in gen.stderr and "Traceback" not in gen.stderr
 
