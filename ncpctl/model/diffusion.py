@@ -39,7 +39,6 @@ from .patterns import BlockCausal, Pattern
 
 _TOKEN_SALT = 0x85EBCA6B  # the per-token draws (mask or not)
 _BLOCK_SALT = 0xC2B2AE35  # the per-block draws (the mask rate)
-_GAUSS_SALT = 0x27D4EB2F  # a second per-block stream (unused by the uniform schedule)
 _UNITS = 1 << 24  # resolution of every draw and of the rates the elbo targets carry
 
 
