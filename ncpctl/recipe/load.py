@@ -405,7 +405,10 @@ def _special_token_ids(cfg: ModelConfig, size: str, overrides: dict[str, Any], t
     if file is not None and file.is_file():
         from tokenizers import Tokenizer
 
-        vocab = Tokenizer.from_file(str(file)).get_vocab()
+        try:
+            vocab = Tokenizer.from_file(str(file)).get_vocab()
+        except Exception:  # a broken tokenizer.path is reported already; a broken data one: tokenize again
+            vocab = None
     for i, (key, text) in enumerate(cfg.special_tokens().items()):
         *parents, leaf = key.split(".")
         node = overrides
@@ -415,7 +418,7 @@ def _special_token_ids(cfg: ModelConfig, size: str, overrides: dict[str, Any], t
             continue
         if vocab is not None and text in vocab:
             node[leaf] = vocab[text]
-        elif tok is not None and tok.path:
+        elif vocab is not None and tok is not None and tok.path:  # (a missing file is reported already)
             problems.append(("tokenizer.path", f"{tok.path} has no {text!r} token, which model.{key} needs "
                                                f"(model.objective: {cfg.objective}); use a tokenizer that has it"))
             node[leaf] = 1 + i  # a placeholder, so the other checks still run

@@ -67,6 +67,11 @@ def test_a_tokenizer_without_the_mask_token_is_refused(tmp_path: Path, text_corp
     with pytest.raises(UserError) as e:
         load_recipe(p, [f"tokenizer.path={without}"])
     assert "tokenizer.path" in str(e.value) and "has no '<|mask|>' token" in str(e.value)
+    (tmp_path / "broken.json").write_text("{not json")
+    for bad, why in (("broken.json", "not a valid tokenizer.json"), ("missing.json", "file not found")):
+        with pytest.raises(UserError) as e:  # reported once, as without the objective
+            load_recipe(p, [f"tokenizer.path={tmp_path / bad}"])
+        assert why in str(e.value) and "<|mask|>" not in str(e.value)
 
 
 def test_a_block_size_that_does_not_divide_seq_len_is_refused(tmp_path: Path, text_corpus: Path) -> None:
