@@ -86,6 +86,9 @@ def main(
         common[0].save(save_steer)
     per_prompt = [common + specs_from(st, f"{prompts_file} prompt {i + 1}") for i, st in enumerate(own)]
     loaded = load_model(checkpoint)
+    why = loaded.model.objective.refusal("generate")
+    if why:
+        raise UserError(f"{loaded.path}: {why}")
     steering = None
     if any(per_prompt):
         names = loaded.meta.get("concept_names")

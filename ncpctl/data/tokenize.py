@@ -46,8 +46,9 @@ from ncpctl.data.packages import cached_listings, is_packages_source
 from ncpctl.data.pieces import cut_refusal, pieces
 from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents, package_summary, \
     source_labels
+from ncpctl.data.swap import _pid_alive, _remove_stale_tmp, _swap_in  # noqa: F401  (moved out: module length)
 from ncpctl.errors import UserError
-from ncpctl.fsutil import atomic_write, disk_errors, fsync_dir, fsync_tree
+from ncpctl.fsutil import atomic_write, disk_errors
 from ncpctl.recipe.load import Recipe
 
 FORMAT_VERSION = 1
@@ -167,6 +168,8 @@ def settings_fingerprint(recipe: Recipe) -> str:
     }
     if d.labels != "none":  # only then, so that datasets without labels keep their fingerprint
         settings["labels"] = [d.labels, d.labels_field]
+    if specials(recipe):  # the model's designs' special tokens (after EOD), likewise only then
+        settings["special_tokens"] = specials(recipe)
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
@@ -221,6 +224,11 @@ def _documents(recipe: Recipe, stats: ReadStats, extra_field: str | None = None,
                 return
 
 
+def specials(recipe: Recipe) -> list[str]:
+    """The special tokens the model's designs need (``ModelConfig.special_tokens``), added after EOD."""
+    return list(recipe.model_config.special_tokens().values()) if recipe.model_config is not None else []
+
+
 def train_bpe(recipe: Recipe, stats: ReadStats, split: Split | None = None):  # -> tokenizers.Tokenizer
     """A byte-level BPE trained on (at most train_max_bytes of) the training split
     (``split``: default the recipe's per-document hash split)."""
@@ -234,7 +242,7 @@ def train_bpe(recipe: Recipe, stats: ReadStats, split: Split | None = None):  # 
     trainer = trainers.BpeTrainer(
         vocab_size=t.vocab_size,
         min_frequency=t.min_frequency,
-        special_tokens=[t.eod_token],  # id 0, as in Pythia's tokenizer
+        special_tokens=[t.eod_token, *specials(recipe)],  # EOD id 0, as in Pythia's; the model's (a [MASK]) next
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -413,6 +421,7 @@ class _Pass:
     trained: bool
     vocab: int
     eod: int
+    special: dict[str, int | None]  # the model's designs' special tokens -> id
     dtype: np.dtype
     documents: int
     tokens: int
@@ -466,6 +475,7 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
             "eod_id": res.eod,
             "eod_token": recipe.tokenizer.eod_token,
             "trained": res.trained,
+            **({"special_tokens": res.special} if res.special else {}),  # the model's designs' (a [MASK])
         },
         "dtype": np.dtype(res.dtype).name,
         "splits": res.splits,
@@ -539,7 +549,8 @@ def _encode_corpus(recipe: Recipe, out: Path, split: Split, on_progress: Any, on
         train_stats["documents_per_source"] = sink.per_source["train"].tolist()
         val_stats["documents_per_source"] = sink.per_source["val"].tolist()
     t_enc = time.perf_counter() - t1
-    return _Pass(trained=trained, vocab=vocab, eod=eod, dtype=np.dtype(dtype), documents=sink.documents,
+    return _Pass(trained=trained, vocab=vocab, eod=eod, special={x: tok.token_to_id(x) for x in specials(recipe)},
+                 dtype=np.dtype(dtype), documents=sink.documents,
                  tokens=sink.tokens, splits={"train": train_stats, "val": val_stats}, stats=stats,
                  seconds={"tokenizer": round(t_tok, 3), "encode": round(t_enc, 3)}, extremes=sink.extremes)
 
@@ -553,43 +564,3 @@ def _empty_message(recipe: Recipe, stats: ReadStats) -> str:
     paths = ", ".join(s.path for s in recipe.data.sources)
     return f"data.sources: the corpus is empty ({paths})" + (f": all documents skipped ({'; '.join(why)})" if why else "")
 
-
-def _swap_in(tmp: Path, data_dir: Path) -> None:
-    """Replace ``data_dir`` with the complete ``tmp`` using renames (never a half state that
-    looks complete: meta.json only exists in a whole directory). Every file of ``tmp`` is
-    fsynced before the rename and the parent directory after it, so a power cut cannot leave
-    a ``data/`` whose files are still only in the page cache."""
-    fsync_tree(tmp)
-    old = None
-    if data_dir.exists():
-        old = data_dir.with_name(f".data.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(data_dir, old)
-    os.replace(tmp, data_dir)
-    fsync_dir(data_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _remove_stale_tmp(run_dir: Path) -> None:
-    """Leftovers of killed runs (.data.tmp-PID / .data.old-PID whose PID is gone)."""
-    for p in run_dir.glob(".data.*-*"):
-        try:
-            pid = int(p.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _pid_alive(pid):
-            if p.name.startswith(".data.old-") and not (run_dir / "data").exists():
-                os.replace(p, run_dir / "data")  # killed between the two renames: restore
-            else:
-                shutil.rmtree(p, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -62,6 +62,9 @@ class NCPLM(TemplateLM):
             from ncpctl.checkpoint import load_model
 
             loaded = load_model(checkpoint)
+        why = loaded.model.objective.refusal("eval")
+        if why:
+            raise UserError(f"{loaded.path}: {why}")
         if loaded.tokenizer is None:
             raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint (needed for evaluation)")
         dev = torch.device(device or "cpu")

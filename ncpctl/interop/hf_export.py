@@ -67,6 +67,9 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
     out = Path(out)
     existing(out)  # refuse before the (slow) load
     loaded = load_model(checkpoint)
+    why = loaded.model.objective.refusal("export")
+    if why:
+        raise UserError(f"{loaded.path}: {why}")
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint; an export needs one")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,9 +27,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from .config_base import ConfigError, SegmentationLaw, is_positive_int, option, section_problems, section_settle  # noqa: F401
+from .config_base import (  # noqa: F401
+    ConfigError, SegmentationLaw, is_positive_int, option, section_problems, section_seq_len, section_settle, section_tokens,
+)
 from .config_bottleneck import BOTTLENECK_INDEPENDENCE, BottleneckConfig, BottleneckSection, steer_site  # noqa: F401
 from .config_coupling import CrossAttentionSection
+from .config_diffusion import DiffusionConfig, DiffusionSection  # noqa: F401
 from .config_dynamic import BALANCES, BOUNDARY_MODES, DYNAMIC, DynamicSection  # noqa: F401
 from .config_mtp import MtpSection
 from .config_mup import MupSection
@@ -119,7 +122,7 @@ class ConceptConfig(DynamicSection, CrossAttentionSection):
 
 
 @dataclass
-class ModelConfig(BottleneckSection, MupSection, MtpSection, AttnResSection, CrcSection, IrcSection):
+class ModelConfig(DiffusionSection, BottleneckSection, MupSection, MtpSection, AttnResSection, CrcSection, IrcSection):
     """One NCP model. With ``concept.enabled`` false it is exactly the HF backbone. A design's own
     keys are its section, a base class here (config_residual.py, config_mtp.py, config_mup.py,
     config_bottleneck.py); a registered design's are under ``options``."""
@@ -176,7 +179,9 @@ class ModelConfig(BottleneckSection, MupSection, MtpSection, AttnResSection, Crc
         "learned pseudo-query per layer; or a registered depth mixer / package.module:Class.")
     objective: str = _f(
         "next_token", "What the model is trained to predict (inputs and targets from a data window, the "
-        "attention pattern, the loss, scoring and generation): next_token = next-token prediction; or a "
+        "attention pattern, the loss, scoring and generation): next_token = next-token prediction; "
+        "causal_diffusion = Steerling's Causal Diffusion LM (block-causal attention, masked blocks, keys "
+        "model.diffusion.*; sampling, its ELBO evaluation and export are not implemented yet); or a "
         "registered objective / package.module:Class (docs/architecture.md).")
     concept: ConceptConfig = _f(ConceptConfig, "The concept path.")
     options: dict = _f(
@@ -442,6 +447,16 @@ class ModelConfig(BottleneckSection, MupSection, MtpSection, AttnResSection, Crc
         """Mean segment length of the segmentation (k for fixed blocks); None without the path."""
         c = self.concept
         return segmentation_law(c.segmentation).tokens_per_concept(c) if c.enabled else None
+
+    def special_tokens(self) -> dict[str, str]:
+        """The special tokens the chosen designs need in the tokenizer: the key path of the model
+        key that holds each one's id (e.g. ``diffusion.mask_id``) -> the token's text (sections'
+        ``section_tokens``): ``ncpctl tokenize`` adds them, the recipe loader reads their ids."""
+        return section_tokens(self, self)
+
+    def seq_len_problems(self, seq_len: int) -> list[tuple[str, str]]:
+        """Problems (recipe key, message) of windows of ``seq_len`` tokens for the chosen designs."""
+        return section_seq_len(self, self, seq_len)
 
     # ---- (de)serialisation: checkpoints carry this dict (style rule 7) ----
     def to_dict(self) -> dict[str, Any]:

@@ -83,6 +83,15 @@ class Section:
     def section_settle(self, cfg: Any) -> list[tuple[str, str]]:
         return []
 
+    def section_tokens(self, cfg: Any) -> dict[str, str]:
+        """Special tokens the design needs in the tokenizer: the key path of the id it is read
+        into (relative to the holder, e.g. ``diffusion.mask_id``) -> the token's text."""
+        return {}
+
+    def section_seq_len(self, cfg: Any, seq_len: int) -> list[tuple[str, str]]:
+        """Problems (recipe key, message) of running on windows of ``seq_len`` tokens."""
+        return []
+
 
 def _own(holder: Any, hook: str) -> list:
     return [vars(k)[hook] for k in reversed(type(holder).__mro__) if hook in vars(k) and k is not Section]
@@ -96,3 +105,13 @@ def section_problems(holder: Any, cfg: Any, law: SegmentationLaw | None) -> list
 def section_settle(holder: Any, cfg: Any) -> list[tuple[str, str]]:
     """Every section's ``section_settle`` of ``holder``."""
     return [p for settle in _own(holder, "section_settle") for p in settle(holder, cfg)]
+
+
+def section_tokens(holder: Any, cfg: Any) -> dict[str, str]:
+    """Every section's ``section_tokens`` of ``holder``, merged."""
+    return {k: v for hook in _own(holder, "section_tokens") for k, v in hook(holder, cfg).items()}
+
+
+def section_seq_len(holder: Any, cfg: Any, seq_len: int) -> list[tuple[str, str]]:
+    """Every section's ``section_seq_len`` of ``holder``."""
+    return [p for hook in _own(holder, "section_seq_len") for p in hook(holder, cfg, seq_len)]

@@ -367,6 +367,8 @@ class NCPModel(nn.Module):
         for m in self.modules():
             if m is not self and callable(getattr(m, "on_step_begin", None)):
                 m.on_step_begin(step)
+        if callable(getattr(self.objective, "on_step_begin", None)):  # not a module
+            self.objective.on_step_begin(step)
 
     def _stat_modules(self) -> list[nn.Module]:
         return [m for m in self.modules() if m is not self and callable(getattr(m, "stat_keys", None))]

@@ -3,7 +3,10 @@
 An ``Objective`` says, for one model:
 
 * ``batch(window)``: how a data window (B, T+1) of consecutive tokens becomes the model's
-  inputs (B, T) and targets (B, T) (-100 = no loss at that position);
+  inputs (B, T) and targets (B, T) (-100 = no loss at that position); ``keyed_batch(window,
+  sample_ids)``, what the training loop calls (training and validation), also gets each row's
+  global sample index (B,): an objective whose noise is keyed on it (the same draws for a sample
+  on any number of ranks and after a resume) overrides it; by default it is ``batch``;
 * ``pattern(window)``: the attention pattern (patterns.py) of a token layer whose config gives it
   sliding window ``window`` (None: full); the attention layer maps it to the fastest kernel;
 * ``loss(model, h, targets)``: the main loss from what the LM head reads h (B, T, d), named
@@ -12,7 +15,10 @@ An ``Objective`` says, for one model:
   read from one forward: the input ids, the continuation tokens scored, and the position whose
   logits score each of them;
 * ``decoding(model, tokens, lengths, max_len, interventions)``: how it generates: a ``Decoding``
-  whose ``logits`` (B, V) pick each row's next token and whose ``step(tokens)`` feeds them.
+  whose ``logits`` (B, V) pick each row's next token and whose ``step(tokens)`` feeds them;
+* ``refusal(what)``: why the objective cannot do ``what`` (``generate``, ``export``), or None:
+  the commands ask it before they start;
+* ``on_step_begin(step)`` (optional): the optimizer step, for schedules inside the objective.
 
 ``NextToken`` (the default, ``model.objective: next_token``) is next-token prediction, the only
 place that knows the shift (targets[:, p] = window[:, p + 1]), with causal attention and decoding
@@ -71,6 +77,14 @@ class Objective:
 
     def batch(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def keyed_batch(self, window: torch.Tensor, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch`` of windows whose rows are the global samples ``sample_ids`` (B,)."""
+        return self.batch(window)
+
+    def refusal(self, what: str) -> str | None:
+        """Why this objective cannot do ``what`` (a command: ``generate``, ``export``); None: it can."""
+        return None
 
     def loss(self, model, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(logits or None, mean loss) of targets (B, T) from what the head reads, h (B, T, d):

@@ -33,7 +33,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "segmentation": {"fixed": ".segment:FixedBlocks", "dynamic": ".dynamic:DynamicSegmenter"},
     "coupling": {"add": ".coupling:AddCoupling", "cross_attention": ".coupling:CrossAttentionCoupling"},
     "residual": {"plain": ".layers:PlainResidual", "irc": ".residual:IRC", "block_attnres": ".residual:BlockAttnRes"},
-    "objective": {"next_token": ".objective:NextToken"},
+    "objective": {"next_token": ".objective:NextToken", "causal_diffusion": ".diffusion:CausalDiffusion"},
     # backbone families (family.py): one module each
     "backbone": {"neox": ".family_neox:NeoX", "llama": ".family_llama:Llama", "gpt2": ".family_gpt2:GPT2"},
 }

@@ -22,7 +22,7 @@ from typing import Any
 
 from ncpctl.model.accounting import (at_realised_ratio, count_parameters, exact_flops, paper_flops, saving,
                                      tokens_per_concept)
-from ncpctl.model.config import ModelConfig
+from ncpctl.model.config import ConfigError, ModelConfig
 
 VARIANTS = ("recipe", "base", "pm")
 
@@ -38,7 +38,10 @@ def siblings(cfg: ModelConfig) -> dict[str, ModelConfig]:
     out = {"recipe": cfg, "base": ModelConfig.from_dict(base), "pm": ModelConfig.from_dict(pm)}
     out["base"].name, out["pm"].name = f"{cfg.name} base", f"{cfg.name} PM (+{C} token layers)"
     if not cfg.concept.enabled:
-        out["conceptlm"] = ModelConfig.from_dict({**base, "concept": {**d["concept"], "enabled": True}})
+        try:
+            out["conceptlm"] = ModelConfig.from_dict({**base, "concept": {**d["concept"], "enabled": True}})
+        except ConfigError:  # the recipe's designs exclude the concept path (e.g. an objective without a shift)
+            return out
         out["conceptlm"].name = f"{cfg.name} ConceptLM"
     return out
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ncpctl.model.config import ModelConfig
+from ncpctl.model.config import ConfigError, ModelConfig
 from ncpctl.profile.timing import measure
 
 GPU_GRID = {"seq_len": [2048, 4096, 8192, 16384], "hidden": [1024, 2048, 4096], "head_dim": 128}
@@ -138,10 +138,16 @@ def concept_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, r
 
 
 def _with_concept(cfg: ModelConfig) -> ModelConfig:
+    """The recipe's shape with the concept path on, for its kernels; under the default objective
+    when the recipe's excludes the concept path (one without the NCP shift)."""
     d = cfg.to_dict()
     d["concept"] = {**d["concept"], "enabled": True}
     d["extra_token_layers"] = 0
-    return ModelConfig.from_dict(d)
+    try:
+        return ModelConfig.from_dict(d)
+    except ConfigError:
+        d.pop("objective")
+        return ModelConfig.from_dict(d)
 
 
 def _segments(T: int, mean_len: int, gen) -> list[int]:

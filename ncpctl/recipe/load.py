@@ -395,6 +395,40 @@ def load_recipe(
     return Recipe(path=path, name=name, sets=sets, world_size=world_size, **sections, **derived)  # type: ignore[arg-type]
 
 
+def _special_token_ids(cfg: ModelConfig, size: str, overrides: dict[str, Any], tok: TokenizerSection | None,
+                       run_dir: Path | None, problems: list[Problem]) -> ModelConfig:
+    """The model config with the ids of the special tokens its designs need (``special_tokens``:
+    key path -> text, e.g. a [MASK]) read into their keys where the recipe leaves them unset: from
+    tokenizer.path's file (missing there: a problem), else from the tokenizer ``ncpctl tokenize``
+    wrote into the run's data directory, else where tokenize's BPE puts them (after EOD, in order;
+    pretrain checks the data's meta.json against them)."""
+    file = Path(tok.path) if tok is not None and tok.path else (run_dir / "data" / "tokenizer.json" if run_dir else None)
+    vocab = None
+    if file is not None and file.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            vocab = Tokenizer.from_file(str(file)).get_vocab()
+        except Exception:  # a broken tokenizer.path is reported already; a broken data one: tokenize again
+            vocab = None
+    for i, (key, text) in enumerate(cfg.special_tokens().items()):
+        *parents, leaf = key.split(".")
+        node = overrides
+        for part in parents:
+            node = node.setdefault(part, {})
+        if node.get(leaf) is not None:
+            continue
+        if vocab is not None and text in vocab:
+            node[leaf] = vocab[text]
+        elif vocab is not None and tok is not None and tok.path:  # (a missing file is reported already)
+            problems.append(("tokenizer.path", f"{tok.path} has no {text!r} token, which model.{key} needs "
+                                               f"(model.objective: {cfg.objective}); use a tokenizer that has it"))
+            node[leaf] = 1 + i  # a placeholder, so the other checks still run
+        else:
+            node[leaf] = 1 + i
+    return build_config(size, **overrides)
+
+
 def _config_without(size: str, overrides: dict[str, Any], bad: list[str]) -> ModelConfig | None:
     """The model config with the offending overrides dropped, so the other checks that need
     it (sequence length, concept block size) still run; None if it is still impossible."""
@@ -477,6 +511,9 @@ def _check_combinations(
             problems.append(("model.vocab_size", f"{overrides['vocab_size']} is smaller than the tokenizer's {vocab} tokens"))
         try:
             derived["model_config"] = cfg = build_config(model.size, **overrides)
+            if cfg.special_tokens():
+                derived["model_config"] = cfg = _special_token_ids(cfg, model.size, overrides, tok,
+                                                                   derived.get("run_dir"), problems)
         except ConfigError as e:
             problems.extend((f"model.{k}", m) for k, m in e.problems)
             cfg = _config_without(model.size, overrides, [k for k, _ in e.problems])
@@ -486,6 +523,7 @@ def _check_combinations(
         if seq is not None:
             derived["seq_len"] = seq
         if cfg is not None and seq is not None:
+            problems += cfg.seq_len_problems(seq)
             if seq > cfg.max_seq_len:
                 problems.append(("train.seq_len", f"{seq} exceeds model.max_seq_len={cfg.max_seq_len}"))
             if cfg.concept.enabled and cfg.num_concepts(seq) == 0:

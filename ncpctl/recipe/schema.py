@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from ncpctl.model.config import BottleneckConfig, ConceptConfig, ModelConfig
+from ncpctl.model.config import BottleneckConfig, ConceptConfig, DiffusionConfig, ModelConfig
 
 
 class Section(BaseModel):
@@ -113,10 +113,11 @@ def _model_section(dc: type, name: str, nested: dict[str, type] | None = None) -
 
 ConceptSection = _model_section(ConceptConfig, "ConceptSection")
 BottleneckSection = _model_section(BottleneckConfig, "BottleneckSection")
+DiffusionSection = _model_section(DiffusionConfig, "DiffusionSection")
 # model.options.NAME.KEY: the keys registered designs declare (ModelConfig checks them against
 # the design's options dataclass; the reference lists them: ``design_options``)
 _ModelOverrides = _model_section(ModelConfig, "_ModelOverrides",
-                                 nested={"concept": ConceptSection, "bottleneck": BottleneckSection,
+                                 nested={"concept": ConceptSection, "bottleneck": BottleneckSection, "diffusion": DiffusionSection,
                                          "options": dict[str, dict[str, Any]]})
 
 

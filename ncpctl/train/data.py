@@ -5,6 +5,7 @@ to a loader (concept labels, token sources) comes from its hooks (``ncpctl.train
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,19 @@ def vocab_from(recipe: Recipe) -> tuple[str, str]:
             "set tokenizer.vocab_size to the data tokenizer's vocabulary size, or tokenize the data again")
 
 
+def check_special_tokens(cfg: Any, meta: dict, meta_path: Any) -> None:
+    """The special tokens the model's designs need (a [MASK]) must be the data tokenizer's, at
+    the ids the model config holds (``tokenize`` records them in meta.json)."""
+    have = meta["tokenizer"].get("special_tokens") or {}
+    for key, text in cfg.special_tokens().items():
+        want = functools.reduce(getattr, key.split("."), cfg)
+        if have.get(text) != want:
+            got = f"has it at id {have[text]}" if have.get(text) is not None else f"has no {text!r} token"
+            raise UserError(f"{meta_path}: the data's tokenizer {got}, but model.{key} is {want} "
+                            f"(model.objective: {cfg.objective})",
+                            hint="tokenize again (ncpctl tokenize adds the token), or set that key")
+
+
 def check_vocab(recipe: Recipe, ds: IndexedDataset, vocab: int) -> None:
     """The data's token ids must fit the model's embedding (checked before training from what
     meta.json says; the loaders check every batch as it is read)."""
@@ -92,6 +106,7 @@ def check_vocab(recipe: Recipe, ds: IndexedDataset, vocab: int) -> None:
     meta_path, meta = dataset_meta(ds)
     if meta is not None:
         data_vocab = meta["tokenizer"]["vocab_size"]
+        check_special_tokens(recipe.model_config, meta, meta_path)
         if data_vocab > vocab:
             raise UserError(f"{meta_path}: the data's tokenizer has {data_vocab} tokens but the model's vocabulary "
                             f"has {vocab} ({origin})", hint=hint)

@@ -420,15 +420,16 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     nan = run.faults.nan(run.tot.step + 1)
     engine.module.on_step_begin(run.tot.step)  # schedules inside the model
     batch = torch.from_numpy(next(run.data.loader))  # (micro * accum, T+1) this rank's share
-    attention = _attention_stats(run, batch[: r.train.micro_batch_size]) \
-        if _attention_due(r.train.attention_stats_every, run.tot.step + 1) else None
     ids = torch.from_numpy(run.data.loader.sample_ids()).split(r.train.micro_batch_size)  # global sample indices
+    attention = _attention_stats(run, batch[: r.train.micro_batch_size], ids[0]) \
+        if _attention_due(r.train.attention_stats_every, run.tot.step + 1) else None
     keyed = getattr(engine.module, "uses_sample_ids", False)  # the key of a segmenter's sampled boundaries
     terms = torch.zeros(pk.n_terms, device=d.device)
     stats = torch.zeros(len(pk.stats), device=d.device)
     extra = run.hooks.inputs(run.data.loader, len(ids), r.train.micro_batch_size, d.device)  # the designs' inputs
     for mb, mb_ids, kw in zip(batch.split(r.train.micro_batch_size), ids, extra):
-        x, y = (t.to(d.device) for t in engine.module.objective.batch(mb))  # (micro, T) inputs, targets
+        # (micro, T) inputs, targets; an objective's noise is keyed on the global sample indices
+        x, y = (t.to(d.device) for t in engine.module.objective.keyed_batch(mb, mb_ids))
         if keyed:
             kw["sample_ids"] = mb_ids.to(d.device)
         o = engine(x, y, **kw)
@@ -454,12 +455,12 @@ def _attention_due(every: int, step: int) -> bool:
     return every > 0 and (step == 1 or step % every == 0)
 
 
-def _attention_stats(run: _Run, mb: torch.Tensor) -> dict[str, float]:
+def _attention_stats(run: _Run, mb: torch.Tensor, mb_ids: torch.Tensor) -> dict[str, float]:
     """The stability diagnostics (``NCPModel.attention_stats``) of this rank's micro-batch mb
     (micro, T+1), before the step's update: the weights the step's loss is computed with. Max
     over ranks in one collective; ``seconds``: what it took (kept out of the step's time)."""
     t0 = time.perf_counter()
-    x, y = (t.to(run.d.device) for t in run.engine.module.objective.batch(mb))  # (micro, T) inputs, targets
+    x, y = (t.to(run.d.device) for t in run.engine.module.objective.keyed_batch(mb, mb_ids))  # (micro, T)
     stats = run.engine.module.attention_stats(x, y)
     values = run.d.max(torch.stack(list(stats.values())).float()) if stats else torch.zeros(0)
     return {**dict(zip(stats, values.tolist())), "seconds": time.perf_counter() - t0}
@@ -513,9 +514,10 @@ def _evaluate(run: _Run, final: bool = False) -> None:
     with torch.no_grad():
         for _ in range(batches):
             windows = torch.from_numpy(next(val))
+            ids = torch.from_numpy(val.sample_ids()).split(micro)  # the same at every evaluation
             extra = hooks.inputs(val, math.ceil(windows.shape[0] / micro), micro, d.device, evaluating=True)
-            for i, (mb, kw) in enumerate(zip(windows.split(micro), extra)):  # (micro, T+1)
-                x, y = (t.to(d.device) for t in engine.module.objective.batch(mb))
+            for i, (mb, mb_ids, kw) in enumerate(zip(windows.split(micro), ids, extra)):  # (micro, T+1)
+                x, y = (t.to(d.device) for t in engine.module.objective.keyed_batch(mb, mb_ids))
                 o = engine(x, y, **kw)
                 hooks.eval_micro(i, o)
                 acc += pk.terms(o)

@@ -1,8 +1,8 @@
 """Issue 22: ``exact_flops`` equals torch's ``FlopCounterMode`` (forward + backward, every parameter
 trained) for every design of the generic design tests (tests/model/test_designs.py): the shipped
 designs in their tiny shapes and the toys added only through the public extension points, whose
-own work each toy reports through its ``cost`` attribute (tests/model/toys.py), and the toy
-objectives (tests/model/toy_objectives.py)."""
+own work each toy reports through its ``cost`` attribute (tests/model/toys.py), the toy
+objectives (tests/model/toy_objectives.py) and the Causal Diffusion LM (block-causal attention)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from ncpctl.model.accounting import exact_flops
 
 from ._helpers import build
 from .test_designs import DESIGNS
+from .test_diffusion import cdlm
 from .test_objectives import MASKED, TWO, TWO_CONCEPT
 
 T, B = 16, 1
 CASES = {**DESIGNS, "toy-objective-two-ahead": TWO, "toy-objective-two-ahead-alternating": TWO_CONCEPT,
-         "toy-objective-masked-blocks": MASKED}
+         "toy-objective-masked-blocks": MASKED, "causal-diffusion": cdlm()}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,0 +1,81 @@
+"""Issue 23 (the Causal Diffusion LM, first step): recipes/debug-cdlm.yaml loads; ``tokenize`` adds
+the [MASK] token after EOD and records its id in meta.json, which the recipe loader reads into
+``model.diffusion.mask_id``; the bad inputs (a tokenizer without [MASK], a block size that does not
+divide train.seq_len, data tokenized without it) are refused by key (the CLI prints them as one
+line, exit 2: a CDLM checkpoint given to generate is the CLI case, tests/train/test_cdlm_cli.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models
+
+from ncpctl.data.tokenize import tokenize
+from ncpctl.errors import UserError
+from ncpctl.recipe import load_recipe
+from ncpctl.train.data import check_special_tokens
+
+from ..conftest import RECIPES
+
+CDLM = "model: {size: debug, objective: causal_diffusion, diffusion: {block_size: 16}}\n"
+
+
+def _recipe(tmp_path: Path, text_corpus: Path, extra: str = "") -> Path:
+    p = tmp_path / "r.yaml"
+    p.write_text(f"run: {{dir: {tmp_path / 'run'}}}\ndata: {{sources: ['{text_corpus}/*.txt'], val_fraction: 0.2}}\n"
+                 f"tokenizer: {{vocab_size: 300}}\n{CDLM}train: {{seq_len: 64, micro_batch_size: 2}}\n{extra}")
+    return p
+
+
+def test_debug_cdlm_recipe(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no data tokenized yet: the BPE's order puts [MASK] after EOD
+    r = load_recipe(RECIPES / "debug-cdlm.yaml", need_sources=True)
+    cfg = r.model_config
+    assert cfg.objective == "causal_diffusion" and not cfg.concept.enabled
+    assert (cfg.diffusion.block_size, cfg.diffusion.mask_id, cfg.diffusion.schedule) == (16, 1, "uniform")
+    assert r.seq_len == 128 and r.run_dir == Path("runs/debug-cdlm")
+
+
+def test_tokenize_adds_the_mask_token_and_the_loader_reads_its_id(tmp_path: Path, text_corpus: Path) -> None:
+    meta = tokenize(load_recipe(_recipe(tmp_path, text_corpus), need_sources=True))
+    data = tmp_path / "run" / "data"
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    assert tok.token_to_id("<|mask|>") == 1 and meta["tokenizer"]["special_tokens"] == {"<|mask|>": 1}
+    assert json.loads((data / "meta.json").read_text())["tokenizer"]["special_tokens"] == {"<|mask|>": 1}
+    assert tok.encode("a <|mask|> b").ids.count(1) == 1  # one token, never split
+    r = load_recipe(_recipe(tmp_path, text_corpus))
+    assert r.model_config.diffusion.mask_id == 1
+    check_special_tokens(r.model_config, meta, data / "meta.json")  # the data and the model agree
+    plain = {"tokenizer": {k: v for k, v in meta["tokenizer"].items() if k != "special_tokens"}}
+    with pytest.raises(UserError, match="has no '<|mask|>' token, but model.diffusion.mask_id is 1"):
+        check_special_tokens(r.model_config, plain, data / "meta.json")  # data tokenized for another objective
+
+
+def _word_level(path: Path, mask: bool) -> Path:
+    vocab = {"<|endoftext|>": 0, **({"<|mask|>": 7} if mask else {}), **{f"t{i}": i + 10 for i in range(50)}}
+    Tokenizer(models.WordLevel(vocab, unk_token="t1")).save(str(path))
+    return path
+
+
+def test_a_tokenizer_without_the_mask_token_is_refused(tmp_path: Path, text_corpus: Path) -> None:
+    p = _recipe(tmp_path, text_corpus)
+    with_mask = _word_level(tmp_path / "with.json", True)
+    assert load_recipe(p, [f"tokenizer.path={with_mask}"]).model_config.diffusion.mask_id == 7
+    without = _word_level(tmp_path / "without.json", False)
+    with pytest.raises(UserError) as e:
+        load_recipe(p, [f"tokenizer.path={without}"])
+    assert "tokenizer.path" in str(e.value) and "has no '<|mask|>' token" in str(e.value)
+    (tmp_path / "broken.json").write_text("{not json")
+    for bad, why in (("broken.json", "not a valid tokenizer.json"), ("missing.json", "file not found")):
+        with pytest.raises(UserError) as e:  # reported once, as without the objective
+            load_recipe(p, [f"tokenizer.path={tmp_path / bad}"])
+        assert why in str(e.value) and "<|mask|>" not in str(e.value)
+
+
+def test_a_block_size_that_does_not_divide_seq_len_is_refused(tmp_path: Path, text_corpus: Path) -> None:
+    with pytest.raises(UserError) as e:
+        load_recipe(_recipe(tmp_path, text_corpus), ["train.seq_len=56"])
+    assert "train.seq_len" in str(e.value) and "multiple of model.diffusion.block_size=16" in str(e.value)
+
