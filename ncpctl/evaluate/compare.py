@@ -316,10 +316,20 @@ def cells(payload: dict[str, Any], row: dict[str, Any]) -> list[str]:
     return out
 
 
+def _shown(path: Any) -> str:
+    """A results file as a report names it: relative to the working directory when inside it (a
+    table pasted into a document must not carry the machine's absolute paths), else as given."""
+    import os
+
+    p = os.path.abspath(str(path))
+    rel = os.path.relpath(p)
+    return str(path) if rel.startswith("..") else rel
+
+
 def markdown(payload: dict[str, Any]) -> str:
     cols = columns(payload)
     lines = ["# Comparison", "", "| run | results | limit | evaluated now |", "|---|---|---|---|"]
-    lines += [f"| {r['label']} | {r['results_file']} | {r['limit']} | {'yes' if r['evaluated'] else 'no'} |"
+    lines += [f"| {r['label']} | {_shown(r['results_file'])} | {r['limit']} | {'yes' if r['evaluated'] else 'no'} |"
               for r in payload["runs"]]
     lines += ["", f"Δ = value - {payload['baseline']}'s value.", "",
               "| " + " | ".join(cols) + " |", "|" + "---|" * 2 + "---:|" * (len(cols) - 2)]

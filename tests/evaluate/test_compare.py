@@ -166,3 +166,30 @@ def test_the_table_says_how_each_average_is_made(finished, tmp_path):
     got = compare([str(finished["concept"]), str(old.parent)], out=str(tmp_path / "b"))
     assert f"concept: {rule}" in got["notes"]
     assert "old: mean_of_sets = (ncp_heldout_ppl [token_perplexity] + held [token_perplexity]) / 2" in got["notes"]
+
+
+def test_the_markdown_names_results_files_relative_to_the_working_directory(tmp_path, monkeypatch):
+    """Issue 28 item 8: docs/replication.md carried the absolute paths of the machine it ran on."""
+    from ncpctl.evaluate.compare import markdown
+
+    monkeypatch.chdir(tmp_path)
+    inside, outside = tmp_path / "runs" / "a" / "eval" / "results.json", "/elsewhere/results.json"
+    payload = {"runs": [{"label": "a", "results_file": str(inside), "limit": None, "evaluated": False},
+                        {"label": "b", "results_file": outside, "limit": None, "evaluated": False}],
+               "baseline": "a", "rows": [], "notes": []}
+    md = markdown(payload)
+    assert "| a | runs/a/eval/results.json |" in md and str(tmp_path) not in md
+    assert f"| b | {outside} |" in md
+
+
+def test_no_document_carries_a_machine_path():
+    """The repository's documents name paths relative to it (a results table once carried /work/...)."""
+    import re
+    import subprocess
+
+    from tests.conftest import REPO
+
+    files = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    assert len(files) > 5
+    bad = [f for f in files if re.search(r"(?<![\w.])/(work|root|home)/\w", (REPO / f).read_text(errors="replace"))]
+    assert not bad, bad
