@@ -193,8 +193,12 @@ def direction_vector(model, spec: SteerSpec, names: Sequence[str] | None = None)
             raise UserError(f"steer: direction {spec.direction!r}: the checkpoint records no concept names "
                             f"(train it on a dataset with data.labels)")
         if name not in names:
-            raise UserError(f"steer: direction {spec.direction!r}: unknown concept {name!r} (known: "
-                            f"{', '.join(list(names)[:12])}{', ...' if len(names) > 12 else ''})")
+            import difflib
+
+            near = difflib.get_close_matches(name, list(names), n=1)
+            raise UserError(f"steer: direction {spec.direction!r}: unknown concept {name!r}"
+                            + (f" (did you mean {near[0]!r}?)" if near else "")
+                            + f"; the {len(names)} known: {', '.join(names)}")
         return model.bottleneck.concept_direction(list(names).index(name)).detach().float()
     if model.concept is None:
         raise UserError("steer: this checkpoint has no concept path, so no codebook to steer with")

@@ -155,3 +155,16 @@ def test_readout_steering_moves_the_logits_by_exactly_the_strength(lm):
         b = lm.model(ids, interventions=[iv]).logits[0, :, : lm.config.vocab_size]
     assert float((b - a).max(-1).values.min()) == pytest.approx(5.0, abs=1e-4)
     assert float((b - a).max(-1).values.max()) == pytest.approx(5.0, abs=1e-4)
+
+
+def test_an_unknown_concept_name_gets_a_suggestion_and_the_whole_list():
+    """Issue 28 item 7: no did-you-mean for a steering concept, and the known names were cut at 12 with '...'."""
+    from types import SimpleNamespace
+
+    names = [f"concept_{i:02d}" for i in range(14)] + ["exception_handling", "file_io"]
+    model = SimpleNamespace(bottleneck=object(), concept=None)
+    with pytest.raises(UserError) as e:
+        direction_vector(model, SteerSpec("concept:exceptoin_handling", 2.0, "logit"), names)
+    (line,) = e.value.problems
+    assert "unknown concept 'exceptoin_handling' (did you mean 'exception_handling'?); the 16 known: " in line
+    assert line.endswith(", ".join(names)) and "..." not in line

@@ -72,7 +72,7 @@ def test_steering_by_concept_name(trained: Path) -> None:
     bad = ncpctl("generate", ck, "-p", "x", "-n", "2", "--steer", "concept=nope,strength=2logit")
     assert bad.returncode == 2
     (err,) = [x for x in bad.stderr.splitlines() if x.startswith("error: ")]
-    assert "unknown concept 'nope' (known: class_definition, function_definition" in err
+    assert "unknown concept 'nope'; the 16 known: class_definition, function_definition" in err
 
 
 @pytest.mark.parametrize("extra,message", [
