@@ -236,6 +236,7 @@ def analyse(points: list[Point], opts: FitOptions, rng: np.random.Generator | No
     rng = rng if rng is not None else np.random.default_rng(opts.seed)
     values(points, opts.metric)  # an unknown metric is refused before any fit
     fams = families(points)
+    pair = _pair(list(fams), opts)  # a misnamed family is refused before any fit
     fits = {name: fit_family(name, pts, opts, rng) for name, pts in fams.items()}
     report: dict[str, Any] = {"metric": opts.metric, "points": len(points), "families": {}}
     for name, ff in fits.items():
@@ -248,7 +249,6 @@ def analyse(points: list[Point], opts: FitOptions, rng: np.random.Generator | No
                 raise
             rep["extrapolation"] = {"skipped": e.problems[0]}
         report["families"][name] = rep
-    pair = _pair(list(fits), opts)
     if pair is not None:
         fam, base = pair
         report["multiplier"] = multiplier(fits[fam], fits[base], opts.at_loss, opts.at_budget)
