@@ -144,7 +144,10 @@ def _batched_refit(theta0: np.ndarray, logN: np.ndarray, logD: np.ndarray, logL:
         JtJ = np.einsum("kni,kn,knj->kij", J, om, J)
         g = np.einsum("kni,kn->ki", J, om * r)
         damp = JtJ + lam[:, None, None] * (eye * np.einsum("kii->ki", JtJ)[:, None, :] + 1e-12 * eye)
-        step = np.linalg.solve(damp, -g[..., None])[..., 0]
+        try:
+            step = np.linalg.solve(damp, -g[..., None])[..., 0]
+        except np.linalg.LinAlgError:  # a resample that pins no direction (e.g. one size only)
+            step = -np.einsum("kij,kj->ki", np.linalg.pinv(damp), g)
         trial = theta + step
         trial[:, 3:] = np.clip(trial[:, 3:], 0.0, 5.0)
         r2, J2, h2 = parts(trial)
