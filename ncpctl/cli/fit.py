@@ -41,6 +41,10 @@ def main(
         "runs/conceptlm/s1); default: one family.")] = False,
     out: Annotated[Optional[str], typer.Option(
         "--out", help="Directory of fit.json, fit.md and the plots (default: ./fit).", show_default=False)] = None,
+    dlcm: Annotated[bool, typer.Option(
+        "--dlcm", help="Also fit DLCM's Eq. 22, L(N, D, R, P) with the concept share P and the compression R "
+        "(columns R and P). Points with a stable_loss column (the loss before a WSD decay) also get the "
+        "decay-phase law Δ = k L_stable^a R^b N^c.")] = False,
     no_plots: Annotated[bool, typer.Option("--no-plots", help="Do not draw the plots.")] = False,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -66,7 +70,7 @@ def main(
             raise UserError(f"{name} must be positive, got {v:g}")
     points = read_points(inputs, family_from_parent)
     opts = FitOptions(metric=metric, resamples=resamples, seed=seed, baseline=baseline, family=family,
-                      at_loss=at_loss, at_budget=at_budget, holdout=tuple(holdout or ()))
+                      at_loss=at_loss, at_budget=at_budget, holdout=tuple(holdout or ()), dlcm=dlcm)
     out_.info(f"[dim]fitting {metric} of {len(points)} points ({resamples} bootstrap resamples)[/]")
     report = analyse(points, opts)
     write(report, points, Path(out) if out else Path("fit"), draw=not no_plots)
@@ -76,7 +80,7 @@ def main(
 def _human(con, report: dict) -> None:
     from rich.table import Table
 
-    from ncpctl.study.report import LAW_COLUMNS, extrapolation_line, multiplier_line, law_rows
+    from ncpctl.study.report import LAW_COLUMNS, dlcm_lines, extrapolation_line, law_rows, multiplier_line
 
     t = Table(title=f"{report['metric']}: L(N, D) = E + A/N^α + B/D^β (90% bootstrap intervals)", title_justify="left")
     for col in LAW_COLUMNS:
@@ -98,6 +102,8 @@ def _human(con, report: dict) -> None:
         if "N_opt_exponent" in iso:
             con.print(f"{name}: N_opt ∝ C^{iso['N_opt_exponent']:.3f}, D_opt ∝ C^{iso['D_opt_exponent']:.3f} (IsoFLOP)")
         con.print(extrapolation_line(name, fam["extrapolation"]))
+        for line in dlcm_lines(name, fam):
+            con.print(line)
     if "multiplier" in report:
         con.print(multiplier_line(report["multiplier"]))
     if report.get("plots_note"):

@@ -44,6 +44,7 @@ class FitOptions:
     at_loss: float | None = None
     at_budget: float | None = None
     holdout: tuple[str, ...] = ()  # point names held out by the extrapolation check (default: largest budget)
+    dlcm: bool = False  # also fit DLCM's Eq. 22 (columns R and P)
 
 
 def values(points: Sequence[Point], metric: str) -> np.ndarray:
@@ -236,7 +237,9 @@ def analyse(points: list[Point], opts: FitOptions, rng: np.random.Generator | No
     rng = rng if rng is not None else np.random.default_rng(opts.seed)
     values(points, opts.metric)  # an unknown metric is refused before any fit
     fams = families(points)
-    pair = _pair(list(fams), opts)  # a misnamed family is refused before any fit
+    pair = _pair(list(fams), opts)  # a misnamed family or a missing column is refused before any fit
+    if opts.dlcm:
+        _column(points, "R", "--dlcm"), _column(points, "P", "--dlcm")
     fits = {name: fit_family(name, pts, opts, rng) for name, pts in fams.items()}
     report: dict[str, Any] = {"metric": opts.metric, "points": len(points), "families": {}}
     for name, ff in fits.items():
@@ -248,11 +251,37 @@ def analyse(points: list[Point], opts: FitOptions, rng: np.random.Generator | No
             if opts.holdout:
                 raise
             rep["extrapolation"] = {"skipped": e.problems[0]}
+        rep.update(_dlcm_parts(ff.points, opts))
         report["families"][name] = rep
     if pair is not None:
         fam, base = pair
         report["multiplier"] = multiplier(fits[fam], fits[base], opts.at_loss, opts.at_budget)
     return report
+
+
+def _column(points: Sequence[Point], col: str, why: str) -> np.ndarray:
+    missing = [p.name for p in points if col not in p.metrics]
+    if missing:
+        raise UserError(f"{why} needs the column {col!r} for every point ({missing[0]} has none)")
+    return np.array([p.metrics[col] for p in points], float)
+
+
+def _dlcm_parts(points: Sequence[Point], opts: FitOptions) -> dict[str, Any]:
+    """With opts.dlcm, Eq. 22 (columns R and P); when the points carry ``stable_loss`` (the loss at
+    the end of the WSD stable phase; the metric is then the decayed loss), the decay-phase law."""
+    from ncpctl.study.dlcm import fit_dlcm, fit_decay
+
+    out: dict[str, Any] = {}
+    N, D = np.array([p.N for p in points]), np.array([p.D for p in points])
+    y = values(points, opts.metric)
+    if opts.dlcm:
+        R, P = _column(points, "R", "--dlcm"), _column(points, "P", "--dlcm")
+        law = fit_dlcm(N, D, R, P, y, starts=opts.starts, seed=opts.seed)
+        out["dlcm"] = {"law": law.to_dict(), "rmse": float(np.sqrt(np.mean((law.loss(N, D, R, P) - y) ** 2)))}
+    if any("stable_loss" in p.metrics for p in points):
+        R = np.array([p.metrics.get("R", 1.0) for p in points])
+        out["decay"] = fit_decay(_column(points, "stable_loss", "the decay-phase law"), y, R, N).to_dict()
+    return out
 
 
 def _pair(names: list[str], opts: FitOptions) -> tuple[str, str] | None:

@@ -59,6 +59,20 @@ def extrapolation_line(name: str, ex: dict[str, Any]) -> str:
     return line
 
 
+def dlcm_lines(name: str, fam: dict[str, Any]) -> list[str]:
+    """DLCM's Eq. 22 and the decay-phase law of a family, when fitted."""
+    out = []
+    if "dlcm" in fam:
+        law = fam["dlcm"]["law"]
+        out.append(f"{name}: Eq. 22 " + ", ".join(f"{k} {_g(v)}" for k, v in law.items())
+                   + f" (rmse {_g(fam['dlcm']['rmse'], 3)})")
+    if "decay" in fam:
+        d = fam["decay"]
+        out.append(f"{name}: decay phase Δ = {_g(d['k'])} L_stable^{d['a']:.3f} R^{d['b']:.3f} N^{d['c']:.3f} "
+                   f"(R² {d['r2']:.3f})")
+    return out
+
+
 def markdown(report: dict[str, Any]) -> str:
     out = [f"# Scaling fit of {report['metric']} ({report['points']} points)", "",
            "## Joint law L(N, D) = E + A/N^α + B/D^β (Huber in log space; 90% bootstrap intervals)", "",
@@ -79,6 +93,9 @@ def markdown(report: dict[str, Any]) -> str:
                        f"D_opt ∝ C^{iso['D_opt_exponent']:.3f} | | |")
     out += ["", "## Extrapolation check", ""]
     out += [f"- {extrapolation_line(n, f['extrapolation'])}" for n, f in report["families"].items()]
+    dl = [line for n, f in report["families"].items() for line in dlcm_lines(n, f)]
+    if dl:
+        out += ["", "## DLCM (Eq. 22, decay phase)", "", *(f"- {line}" for line in dl)]
     if report.get("plots_note"):
         out += ["", report["plots_note"]]
     out += [f"", *(f"![{p}]({p})" for p in report.get("plots", []))]
