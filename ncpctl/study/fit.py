@@ -179,6 +179,9 @@ def multiplier(fam: FamilyFit, base: FamilyFit, at_loss: float | None = None,
     out: dict[str, Any] = {"family": fam.name, "baseline": base.name, "loss": L,
                            "budget": None if at_loss is not None else C_ref, "value": value,
                            "C_family": fam.law.compute_for(L, fam.f), "C_baseline": base.law.compute_for(L, base.f)}
+    # the same read at each of the family's budgets: a constant multiplier, or one that grows with C
+    out["by_budget"] = [{"budget": c, "value": _ratio(fam.law, fam.f, base.law, base.f, None, c)[0]}
+                        for c, _ in budgets(fam.points)] if at_loss is None else []
     k = min(len(fam.boot), len(base.boot))
     if k:
         r = np.array([_ratio(a, fam.f, b, base.f, at_loss, C_ref)[0] for a, b in zip(fam.boot[:k], base.boot[:k])])

@@ -1,6 +1,7 @@
 """The files of ``ncpctl fit``: ``fit.json`` (the report), ``fit.md`` (its tables) and, when
 matplotlib is installed, ``fit_frontier.png`` (the metric against compute, every family's
-points and fitted frontier) and ``fit_isoflop.png`` (the IsoFLOP curves with their parabolas)."""
+points and fitted frontier), ``fit_residuals.png`` (measured minus the joint law, against C) and
+``fit_isoflop.png`` (the IsoFLOP curves with their parabolas)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,11 @@ def markdown(report: dict[str, Any]) -> str:
            "| " + " | ".join(LAW_COLUMNS) + " |", "|" + "---|" * len(LAW_COLUMNS)]
     out += ["| " + " | ".join(r) + " |" for r in law_rows(report)]
     if "multiplier" in report:
-        out += ["", "## Compute multiplier", "", multiplier_line(report["multiplier"])]
+        m = report["multiplier"]
+        out += ["", "## Compute multiplier", "", multiplier_line(m)]
+        if m.get("by_budget"):
+            out += ["", "| budget C | multiplier |", "|---|---|",
+                    *(f"| {_g(r['budget'], 3)} | {_g(r['value'])} |" for r in m["by_budget"])]
     out += ["", "## IsoFLOP parabolas", "", "| family | budget C | points | N_opt | D_opt | min | rmse |",
             "|---|---|---|---|---|---|---|"]
     for name, fam in report["families"].items():
@@ -127,6 +132,19 @@ def plots(report: dict[str, Any], points: list[Point], out_dir: Path) -> tuple[l
     fig.savefig(out_dir / "fit_frontier.png", dpi=120)
     plt.close(fig)
     names = ["fit_frontier.png"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for i, (name, fam) in enumerate(report["families"].items()):
+        pts = [p for p in points if p.family == name]
+        pred = Law(**fam["law"]).loss(np.array([p.N for p in pts]), np.array([p.D for p in pts]))
+        ax.scatter([p.C for p in pts], np.array([p.metrics[metric] for p in pts]) - pred, s=14, color=f"C{i}",
+                   label=name)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set(xscale="log", xlabel="training FLOPs C", ylabel=f"{metric} − law", title="residuals of the joint law")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "fit_residuals.png", dpi=120)
+    plt.close(fig)
+    names.append("fit_residuals.png")
     fams = [(n, f) for n, f in report["families"].items() if f["isoflop"]["budgets"]]
     if fams:
         fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 4), squeeze=False)

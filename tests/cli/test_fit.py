@@ -35,6 +35,8 @@ def test_fit_a_table_through_the_entry_point(tmp_path: Path) -> None:
     m = rep["multiplier"]
     assert m["family"] == "new" and m["baseline"] == "base" and abs(m["value"] / 1.5 - 1) < 0.1
     assert m["ci90"][0] < m["value"] < m["ci90"][1]
+    assert [r["budget"] for r in m["by_budget"]] == list(BUDGETS)
+    assert all(abs(r["value"] / 1.5 - 1) < 0.1 for r in m["by_budget"])  # the truth is 1.5 at every budget
     for fam in rep["families"].values():
         assert len(fam["isoflop"]["budgets"]) == 3 and "N_opt_exponent" in fam["isoflop"]
         assert fam["extrapolation"]["held_out"] and "log_linear" in fam["extrapolation"]
@@ -49,6 +51,7 @@ def test_fit_a_table_through_the_entry_point(tmp_path: Path) -> None:
     else:
         assert (tmp_path / "out" / "fit_frontier.png").stat().st_size > 0
         assert (tmp_path / "out" / "fit_isoflop.png").stat().st_size > 0
+        assert (tmp_path / "out" / "fit_residuals.png").stat().st_size > 0
 
 
 def _bad(tmp_path: Path, name: str) -> list[str]:
