@@ -5,8 +5,8 @@ resamples, 4 grid starts). Each replicate draws two families on a 5 x 5 grid of 
 D (1e9-1e11), C = 6 N D, with Gaussian noise of ``--noise`` nats on the loss: ``base`` from
 Hoffmann et al.'s law (ncpctl.study.synthetic.CHINCHILLA) and ``new`` needing 1/m of its
 compute for any loss (m = ``--multiplier``). It fits both (``--starts`` grid starts, ``--resamples``
-bootstrap refits each) and reports: the largest and mean errors of α, β and E of ``base``, the
-multiplier's relative error, the share of replicates whose 90% bootstrap interval covers m
+bootstrap refits each) and reports: the largest and mean errors of α, β and E of ``base`` and the
+share of replicates within 0.05 of each, the multiplier's relative error, the share of replicates whose 90% bootstrap interval covers m
 (goal: >= 85%), the median interval width (hi / lo) and the seconds per replicate.
 
     .venv/bin/python bench/fit_coverage.py                       # 200 replicates, 200 resamples
@@ -62,6 +62,7 @@ def main() -> None:
         "multiplier": a.multiplier,
         **{f"max_abs_error_{k}": float(np.abs(col[k]).max()) for k in ("alpha", "beta", "E")},
         **{f"mean_abs_error_{k}": float(np.abs(col[k]).mean()) for k in ("alpha", "beta", "E")},
+        **{f"share_{k}_within_0.05": float(np.mean(np.abs(col[k]) < 0.05)) for k in ("alpha", "beta", "E")},
         "max_rel_error_multiplier": float(np.abs(col["multiplier"]).max()),
         "share_multiplier_within_10pct": float(np.mean(np.abs(col["multiplier"]) < 0.10)),
         "coverage_90": cover, "coverage_goal_met": cover >= 0.85,
