@@ -169,7 +169,7 @@ def _check(N: np.ndarray, D: np.ndarray, L: np.ndarray) -> None:
         raise UserError("the law needs positive, finite N, D and loss for every point")
 
 
-def fit_law(N: np.ndarray, D: np.ndarray, L: np.ndarray, starts: int = 16, delta: float = HUBER_DELTA) -> Law:
+def fit_law(N: np.ndarray, D: np.ndarray, L: np.ndarray, starts: int = 8, delta: float = HUBER_DELTA) -> Law:
     """The Huber fit of L = E + A/N^α + B/D^β in log space: the grid scored at once, L-BFGS from
     its ``starts`` best points, the best optimum kept."""
     N, D, L = (np.asarray(x, float) for x in (N, D, L))
