@@ -80,6 +80,8 @@ def _bad(tmp_path: Path, name: str) -> list[str]:
         return [str(tmp_path / "nope.json")]
     elif name == "unknown_family":
         return [str(good), "--baseline", "old"]
+    elif name == "unreachable_loss":
+        return [str(good), "--at-loss", "1.0"]  # below both families' fitted E (1.69)
     return [str(p)]
 
 
@@ -94,6 +96,7 @@ def _bad(tmp_path: Path, name: str) -> list[str]:
     ("csv_without_header", "needs a header with the columns N, D and C"),
     ("missing_file", "no such file or run directory"),
     ("unknown_family", "no family named 'old'"),
+    ("unreachable_loss", "fitted law never reaches loss 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, name: str, message: str) -> None:
     r = CliRunner().invoke(app, ["fit", *_bad(tmp_path, name), "--resamples", "0", "--no-plots",
