@@ -10,7 +10,8 @@ Two inputs:
 * run directories of ``ncpctl pretrain``: N is the model's parameter count
   (``ncpctl.model.accounting.count_parameters``, tied weights once), D the tokens of the last
   training record of ``metrics.jsonl``, C the exact training FLOPs of those steps
-  (``exact_flops(...).training_per_step()`` times the steps), the metrics those of the last
+  (``exact_flops(...).training_per_step()`` times the steps; a dynamic segmentation's at the
+  mean tokens per concept its training records logged, not at the target R), the metrics those of the last
   validation record; the run's family is ``default``, or the directory's parent name with
   ``family_from_parent`` (``runs/base/s1``, ``runs/conceptlm/s1``: families base and conceptlm). The tokenizer is ``data/meta.json``'s tokenizer sha256, the
   validation set its source fingerprint and split (``data.val_prefix`` when set).
@@ -124,6 +125,17 @@ def _identity(run: Path, recipe: Any) -> dict[str, str]:
     return {"tokenizer": tok, "val_set": val}
 
 
+def _realised_ratio(cfg: Any, recs: list[dict[str, Any]]) -> float | None:
+    """A dynamic segmentation's (DLCM's) tokens per concept over its training records, their mean: its
+    FLOPs are those of the concepts it made, not of the target R (None: fixed blocks, or not logged)."""
+    if not (cfg.concept.enabled and cfg.law.variable_length):
+        return None
+    seen = [float(r["tokens_per_concept"]) for r in recs
+            if r.get("split") == "train" and isinstance(r.get("tokens_per_concept"), (int, float))]
+    ratio = sum(seen) / len(seen) if seen else None
+    return ratio if ratio is not None and ratio > 1 else None
+
+
 def read_run(run: Path, family_from_parent: bool = False) -> Point:
     """The point of one ``ncpctl pretrain`` run directory (see the module docstring)."""
     from ncpctl.model.accounting import count_parameters, exact_flops
@@ -140,7 +152,8 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
         raise UserError(f"{run}: {METRICS} has no {'training' if train is None else 'validation'} record",
                         hint="a fit reads the tokens of the last training step and the last validation losses")
     cfg = recipe.model_config
-    per_step = exact_flops(cfg, recipe.seq_len, recipe.global_batch_size).training_per_step()
+    per_step = exact_flops(cfg, recipe.seq_len, recipe.global_batch_size,
+                           realised_ratio=_realised_ratio(cfg, recs)).training_per_step()
     metrics = {k: float(v) for k, v in val.items() if k not in ("split", "step") and isinstance(v, (int, float))}
     family = run.resolve().parent.name if family_from_parent else "default"
     return Point(family=family, name=str(run), N=float(count_parameters(cfg).total), D=float(train["tokens"]),

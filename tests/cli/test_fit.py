@@ -107,11 +107,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, name: str, message: st
     assert not (tmp_path / "out").exists()  # nothing written for refused input
 
 
-def _run_dir(root: Path, name: str, steps: int, loss: float, tokenizer_sha: str) -> Path:
+def _run_dir(root: Path, name: str, steps: int, loss: float, tokenizer_sha: str, recipe_name: str = "debug.yaml",
+             **train_extra: float) -> Path:
     from ncpctl.recipe.load import load_recipe
 
     run = root / name
-    recipe = load_recipe(RECIPES / "debug.yaml")
+    recipe = load_recipe(RECIPES / recipe_name)
     recipe.write_resolved(run)
     (run / "data").mkdir()
     (run / "data" / "meta.json").write_text(json.dumps({"tokenizer": {"sha256": tokenizer_sha},
@@ -119,7 +120,7 @@ def _run_dir(root: Path, name: str, steps: int, loss: float, tokenizer_sha: str)
                                                         "split": {"val_fraction": 0.01, "split_seed": 1}}))
     tokens = steps * recipe.global_batch_size * recipe.seq_len
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
-        {"split": "train", "step": steps, "tokens": tokens, "loss": loss + 0.1},
+        {"split": "train", "step": steps, "tokens": tokens, "loss": loss + 0.1, **train_extra},
         {"split": "val", "step": steps, "loss": loss, "ncp_loss": 1.0})) + "\n")
     return run
 
@@ -143,3 +144,18 @@ def test_run_directories_give_exact_counts_and_refuse_mixed_tokenizers(tmp_path:
     c = _run_dir(tmp_path / "other", "s1", 10, 3.0, "sha-b")
     res = CliRunner().invoke(app, ["fit", str(a), str(b), str(c), "--json"])
     assert res.exit_code == 2 and "mix 2 tokenizers" in json.loads(res.stdout)["errors"][0], res.output
+
+
+def test_a_dlcm_run_is_costed_at_its_realised_tokens_per_concept(tmp_path: Path) -> None:
+    """A dynamic segmentation's FLOPs are those of the concepts it made (the training records'
+    tokens_per_concept), not of the target R."""
+    from ncpctl.model.accounting import exact_flops
+    from ncpctl.recipe.load import load_recipe
+    from ncpctl.study.points import read_run
+
+    run = _run_dir(tmp_path, "dlcm", 10, 3.0, "sha-a", "debug-dlcm.yaml", tokens_per_concept=3.0)
+    r = load_recipe(run / "recipe.resolved.yaml")
+    at = lambda ratio: exact_flops(r.model_config, r.seq_len, r.global_batch_size,  # noqa: E731
+                                   realised_ratio=ratio).training_per_step()
+    assert r.model_config.concept.target_ratio != 3.0 and at(3.0) != at(None)
+    assert read_run(run).C == 10 * at(3.0)
