@@ -55,8 +55,8 @@ def main(
     families at equal loss, and an extrapolation check (the largest budget held out, the law's
     prediction beside the naive log-linear one).
 
-    Writes fit.json, fit.md and (with matplotlib) fit_frontier.png and fit_isoflop.png to --out.
-    Runs of different tokenizers or validation sets are refused.
+    Writes fit.json, fit.md and (with matplotlib) fit_frontier.png, fit_residuals.png and
+    fit_isoflop.png to --out. Runs of different tokenizers or validation sets are refused.
     """
     from ncpctl.study.fit import FitOptions, analyse
     from ncpctl.study.points import read_points
