@@ -96,6 +96,7 @@ def markdown(report: dict[str, Any]) -> str:
         if "N_opt_exponent" in iso:
             out.append(f"| {name} | power laws | | N_opt ∝ C^{iso['N_opt_exponent']:.3f} | "
                        f"D_opt ∝ C^{iso['D_opt_exponent']:.3f} | | |")
+        out += [f"| {name} | {_g(r['budget'], 3)} | {r['points']} | skipped: {r['why']} | | | |" for r in iso["skipped"]]
     out += ["", "## Extrapolation check", ""]
     out += [f"- {extrapolation_line(n, f['extrapolation'])}" for n, f in report["families"].items()]
     dl = [line for n, f in report["families"].items() for line in dlcm_lines(n, f)]
