@@ -1,8 +1,8 @@
 """How well ``ncpctl fit`` recovers a known law, over many synthetic replicates (issue 24).
 
 A script, not a test (tests/study/test_fit.py runs a cheaper version: 50 replicates, 60
-resamples, 4 grid starts). Each replicate draws two families on a 5 x 5 grid of N (1e7-1e9) and
-D (1e9-1e11), C = 6 N D, with Gaussian noise of ``--noise`` nats on the loss: ``base`` from
+resamples, 4 grid starts). Each replicate draws two families on a 5 x 5 grid of N (``--sizes``,
+default 1e7-1e9) and D (``--tokens``, default 1e9-1e11), C = 6 N D, with Gaussian noise of ``--noise`` nats on the loss: ``base`` from
 Hoffmann et al.'s law (ncpctl.study.synthetic.CHINCHILLA) and ``new`` needing 1/m of its
 compute for any loss (m = ``--multiplier``). It fits both (``--starts`` grid starts, ``--resamples``
 bootstrap refits each) and reports: the largest and mean errors of α, β and E of ``base`` and the
@@ -11,6 +11,13 @@ share of replicates within 0.05 of each, the multiplier's relative error, the sh
 
     .venv/bin/python bench/fit_coverage.py                       # 200 replicates, 200 resamples
     .venv/bin/python bench/fit_coverage.py --replicates 50 --json
+    .venv/bin/python bench/fit_coverage.py --sizes 1e7,1e10 --tokens 1e9,1e12   # three decades each
+
+Measured (2 busy cores, 200 replicates, 200 resamples, 8 starts): on the default grid α and β within
+0.05 in every replicate (largest errors 0.023, 0.043), E in 84.5% (mean error 0.030, largest 0.17:
+E is the asymptote beyond the grid), the multiplier within 10% in every one (largest 7.9%), 90%
+interval coverage 93.5%, median interval hi/lo 1.11, 1.3 s per replicate. On three decades of N
+and D: see README (``ncpctl fit``).
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ from ncpctl.study.fit import FitOptions, fit_family, multiplier  # noqa: E402
 from ncpctl.study.synthetic import CHINCHILLA, faster, grid_points  # noqa: E402
 
 
-def replicate(seed: int, m: float, noise: float, resamples: int, starts: int) -> dict[str, float]:
+def replicate(seed: int, m: float, noise: float, resamples: int, starts: int,
+              sizes: tuple[float, float], tokens: tuple[float, float]) -> dict[str, float]:
     rng = np.random.default_rng(seed)
-    pts = {"base": grid_points(CHINCHILLA, "base", rng, noise),
-           "new": grid_points(faster(CHINCHILLA, m), "new", rng, noise)}
+    pts = {"base": grid_points(CHINCHILLA, "base", rng, noise, sizes, tokens),
+           "new": grid_points(faster(CHINCHILLA, m), "new", rng, noise, sizes, tokens)}
     opts = FitOptions(resamples=resamples, starts=starts)
     fits = {f: fit_family(f, p, opts, rng) for f, p in pts.items()}
     r = multiplier(fits["new"], fits["base"])
@@ -50,15 +58,20 @@ def main() -> None:
     ap.add_argument("--multiplier", type=float, default=1.5)
     ap.add_argument("--noise", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sizes", default="1e7,1e9", help="the grid's smallest and largest N")
+    ap.add_argument("--tokens", default="1e9,1e11", help="the grid's smallest and largest D")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    rows = [replicate(a.seed + i, a.multiplier, a.noise, a.resamples, a.starts) for i in range(a.replicates)]
+    sizes, tokens = (tuple(float(v) for v in x.split(",")) for x in (a.sizes, a.tokens))
+    rows = [replicate(a.seed + i, a.multiplier, a.noise, a.resamples, a.starts, sizes, tokens)  # type: ignore[arg-type]
+            for i in range(a.replicates)]
     seconds = time.perf_counter() - t0
     col = {k: np.array([r[k] for r in rows]) for k in rows[0]}
     cover = float(np.mean((col["lo"] <= a.multiplier) & (a.multiplier <= col["hi"])))
     out = {
         "replicates": a.replicates, "resamples": a.resamples, "starts": a.starts, "noise": a.noise,
+        "sizes": a.sizes, "tokens": a.tokens,
         "multiplier": a.multiplier,
         **{f"max_abs_error_{k}": float(np.abs(col[k]).max()) for k in ("alpha", "beta", "E")},
         **{f"mean_abs_error_{k}": float(np.abs(col[k]).mean()) for k in ("alpha", "beta", "E")},

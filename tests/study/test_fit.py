@@ -21,10 +21,16 @@ def _xy(points: list[Point]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.array([p.metrics["loss"] for p in points]))
 
 
+WIDE = {"sizes": (1e7, 1e10), "tokens": (1e9, 1e12)}  # three decades of N and of D
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_joint_fit_recovers_the_law(seed: int) -> None:
-    """5 x 5 grid of N and D, 0.01 nats of noise: α, β and E within 0.05."""
-    law = fit_law(*_xy(grid_points(CHINCHILLA, "base", np.random.default_rng(seed))))
+    """5 x 5 grid of N and D over three decades each, 0.01 nats of noise: α, β and E within 0.05.
+    E is the asymptote beyond the grid: over two decades (the default grid) it is within 0.05 in
+    74% of the coverage test's 50 draws and 84.5% of bench/fit_coverage.py's 200; over three, 98%
+    of 50 (α and β are within 0.05 in every draw of either)."""
+    law = fit_law(*_xy(grid_points(CHINCHILLA, "base", np.random.default_rng(seed), **WIDE)))
     assert abs(law.alpha - CHINCHILLA.alpha) < 0.05, law
     assert abs(law.beta - CHINCHILLA.beta) < 0.05, law
     assert abs(law.E - CHINCHILLA.E) < 0.05, law
@@ -63,9 +69,11 @@ def _families(rng: np.random.Generator) -> list[Point]:
     return grid_points(CHINCHILLA, "base", rng) + grid_points(faster(CHINCHILLA, M), "new", rng)
 
 
-def _multiplier(points: list[Point], rng: np.random.Generator, resamples: int, starts: int = 8) -> dict:
+def _multiplier(points: list[Point], rng: np.random.Generator, resamples: int, starts: int = 8,
+                fits: dict | None = None) -> dict:
     opts = FitOptions(resamples=resamples, starts=starts)
-    fits = {f: fit_family(f, [p for p in points if p.family == f], opts, rng) for f in ("base", "new")}
+    fits = fits if fits is not None else {}
+    fits.update({f: fit_family(f, [p for p in points if p.family == f], opts, rng) for f in ("base", "new")})
     return multiplier(fits["new"], fits["base"])
 
 
@@ -81,17 +89,24 @@ def test_multiplier_is_recovered_within_10_percent(seed: int) -> None:
 
 def test_bootstrap_interval_of_the_multiplier_covers_the_truth() -> None:
     """50 synthetic replicates (two families of 25 points each, 0.01 nats of noise): the 90%
-    bootstrap interval covers the true multiplier in at least 85% of them. 60 resamples and 4
-    grid starts per replicate keep it near 30 s; bench/fit_coverage.py runs it with more."""
-    covered, widths = 0, []
+    bootstrap interval covers the true multiplier in at least 85% of them; in every replicate the
+    multiplier is within 10% and α, β within 0.05 (E: see test_joint_fit_recovers_the_law).
+    60 resamples and 4 grid starts per replicate keep this near 30 s; the bench runs 200 and 8."""
+    covered, widths, law_errors = 0, [], []
     for seed in range(50):
         rng = np.random.default_rng(1000 + seed)
-        m = _multiplier(_families(rng), rng, resamples=60, starts=4)
+        fits: dict = {}
+        m = _multiplier(_families(rng), rng, resamples=60, starts=4, fits=fits)
         lo, hi = m["ci90"]
         covered += lo <= M <= hi
         widths.append(hi / lo)
+        assert abs(m["value"] / M - 1) < 0.10, (seed, m["value"])
+        law = fits["base"].law
+        law_errors.append((law.alpha - CHINCHILLA.alpha, law.beta - CHINCHILLA.beta, law.E - CHINCHILLA.E))
     assert covered >= 43, f"coverage {covered}/50"
     assert np.median(widths) < 1.5  # an interval, not the whole line
+    err = np.abs(np.array(law_errors))
+    assert err[:, :2].max() < 0.05, err[:, :2].max(axis=0)
 
 
 def test_isoflop_parabola_finds_a_known_optimum() -> None:
