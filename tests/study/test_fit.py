@@ -9,7 +9,7 @@ import pytest
 
 from ncpctl.errors import UserError
 from ncpctl.study.fit import FitOptions, analyse, extrapolation, fit_family, isoflop, multiplier
-from ncpctl.study.law import Law, _batched_refit, _lbfgs, _objective, fit_law
+from ncpctl.study.law import _batched_refit, _lbfgs, _objective, fit_law
 from ncpctl.study.points import Point
 from ncpctl.study.synthetic import CHINCHILLA, F_6ND, faster, grid_points, isoflop_points
 
