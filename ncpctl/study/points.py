@@ -20,6 +20,7 @@ Two inputs:
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ def read_table(path: Path) -> list[Point]:
     out = []
     for i, r in enumerate(rows):
         p = _point(r, f"{path}: point {i + 1}")
-        out.append(p if p.name else Point(**{**p.__dict__, "name": f"{path.stem}[{i + 1}]"}))
+        out.append(p if p.name else dataclasses.replace(p, name=f"{path.stem}[{i + 1}]"))
     return out
 
 
