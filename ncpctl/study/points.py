@@ -7,7 +7,7 @@ Two inputs:
   (training FLOPs), optional ``name``, ``budget`` (the IsoFLOP budget a point belongs to),
   ``tokenizer`` and ``val_set`` (identities; points that differ in either are refused), and
   any number of metric columns (``loss`` and others);
-* run directories of ``ncpctl pretrain``: N is the model's parameter count
+* run directories of ``ncpctl pretrain`` (or a directory holding them, e.g. a sweep's): N is the model's parameter count
   (``ncpctl.model.accounting.count_parameters``, tied weights once), D the tokens of the last
   training record of ``metrics.jsonl``, C the exact training FLOPs of those steps
   (``exact_flops(...).training_per_step()`` times the steps; a dynamic segmentation's at the
@@ -144,8 +144,6 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
     from ncpctl.train.metrics import METRICS, records
 
     resolved, log = run / "recipe.resolved.yaml", run / METRICS
-    if not resolved.is_file() or not log.is_file():
-        raise UserError(f"{run}: not a run directory (no recipe.resolved.yaml and metrics.jsonl)")
     recipe = load_recipe(resolved)
     recs = records(log)
     train, val = _last(recs, "train"), _last(recs, "val")
@@ -161,12 +159,34 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
                  C=float(per_step) * int(train["step"]), metrics=metrics, identity=_identity(run, recipe))
 
 
+def is_run(path: Path) -> bool:
+    return (path / "recipe.resolved.yaml").is_file() and (path / "metrics.jsonl").is_file()
+
+
+def run_dirs(root: Path, depth: int = 3) -> list[Path]:
+    """``root`` when it is a run directory, else the run directories below it (a sweep's), sorted;
+    a run directory's own subdirectories (checkpoints, data) are not searched."""
+    if is_run(root):
+        return [root]
+    if depth == 0:
+        return []
+    return [r for sub in sorted(p for p in root.iterdir() if p.is_dir()) for r in run_dirs(sub, depth - 1)]
+
+
 def read_points(inputs: Iterable[str], family_from_parent: bool = False) -> list[Point]:
-    """Points from tables and run directories, checked to share one tokenizer and one validation set."""
+    """Points from tables, run directories and directories of runs (a sweep's, searched three levels
+    deep), checked to share one tokenizer and one validation set."""
     out: list[Point] = []
     for raw in inputs:
         p = Path(raw)
-        out += [read_run(p, family_from_parent)] if p.is_dir() else read_table(p)
+        if not p.is_dir():
+            out += read_table(p)
+            continue
+        runs = run_dirs(p)
+        if not runs:
+            raise UserError(f"{p}: not a run directory, and none below it (a run has recipe.resolved.yaml and "
+                            "metrics.jsonl)")
+        out += [read_run(r, family_from_parent) for r in runs]
     check_identity(out)
     return out
 

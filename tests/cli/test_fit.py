@@ -141,9 +141,13 @@ def test_run_directories_give_exact_counts_and_refuse_mixed_tokenizers(tmp_path:
     assert p[0].N == count_parameters(r.model_config).total
     assert p[1].D == 20 * r.global_batch_size * r.seq_len and p[1].C == 20 * per_step
     assert p[0].metrics == {"loss": 3.0, "ncp_loss": 1.0}
+    assert [q.name for q in read_points([str(tmp_path)], family_from_parent=True)] == [str(a), str(b)]  # found below
     c = _run_dir(tmp_path / "other", "s1", 10, 3.0, "sha-b")
-    res = CliRunner().invoke(app, ["fit", str(a), str(b), str(c), "--json"])
+    res = CliRunner().invoke(app, ["fit", str(tmp_path), "--json"])
     assert res.exit_code == 2 and "mix 2 tokenizers" in json.loads(res.stdout)["errors"][0], res.output
+    (tmp_path / "empty").mkdir()
+    res = CliRunner().invoke(app, ["fit", str(tmp_path / "empty"), "--json"])
+    assert res.exit_code == 2 and "none below it" in json.loads(res.stdout)["errors"][0], res.output
 
 
 def test_a_dlcm_run_is_costed_at_its_realised_tokens_per_concept(tmp_path: Path) -> None:
