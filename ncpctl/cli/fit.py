@@ -19,7 +19,8 @@ def main(
         "tokenizer, val_set), `ncpctl pretrain` run directories, or directories holding runs (a sweep's).",
         show_default=False, metavar="TABLE|RUN_DIR")],
     metric: Annotated[str, typer.Option("--metric", "-m", help="The metric to fit (a table column, or a key of "
-                                        "the runs' validation records).")] = "loss",
+                                        "the runs' validation records); `1-NAME` fits the complement of a metric "
+                                        "that rises with scale (e.g. 1-concept_auc).")] = "loss",
     baseline: Annotated[Optional[str], typer.Option(
         "--baseline", help="The compute multiplier's baseline family (default: the first of two families).",
         show_default=False)] = None,

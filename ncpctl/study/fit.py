@@ -48,12 +48,16 @@ class FitOptions:
 
 
 def values(points: Sequence[Point], metric: str) -> np.ndarray:
-    missing = [p.name for p in points if metric not in p.metrics]
+    """The metric of every point; ``1-NAME`` is the complement of NAME (a metric that rises with
+    scale, an AUC or an alignment, fitted as one that falls, as the law's form needs)."""
+    name = metric[2:] if metric.startswith("1-") else metric
+    missing = [p.name for p in points if name not in p.metrics]
     if missing:
         known = sorted({k for p in points for k in p.metrics})
-        raise UserError(f"unknown metric {metric!r}: {len(missing)} point(s) lack it (first: {missing[0]})",
+        raise UserError(f"unknown metric {name!r}: {len(missing)} point(s) lack it (first: {missing[0]})",
                         hint=f"metrics of these points: {', '.join(known) or 'none'}")
-    return np.array([p.metrics[metric] for p in points], float)
+    v = np.array([p.metrics[name] for p in points], float)
+    return 1.0 - v if name != metric else v
 
 
 def families(points: Sequence[Point]) -> dict[str, list[Point]]:

@@ -29,6 +29,7 @@ import numpy as np
 N_PARAMS = 5
 HUBER_DELTA = 1e-3
 # the starting grid of (e, a, b, α, β), as in Hoffmann et al.'s approach 3 (a coarser α, β)
+GRID_SCALE = 3.0  # the geometric-mean loss the grid is searched at (fit_law)
 GRID = {"e": (-1.0, -0.5, 0.0, 0.5, 1.0), "a": (0.0, 5.0, 10.0, 15.0, 20.0, 25.0),
         "b": (0.0, 5.0, 10.0, 15.0, 20.0, 25.0), "alpha": (0.0, 0.25, 0.5, 1.0, 1.5, 2.0),
         "beta": (0.0, 0.25, 0.5, 1.0, 1.5, 2.0)}
@@ -176,13 +177,19 @@ def fit_law(N: np.ndarray, D: np.ndarray, L: np.ndarray, starts: int = 8, delta:
     its ``starts`` best points, the best optimum kept."""
     N, D, L = (np.asarray(x, float) for x in (N, D, L))
     _check(N, D, L)
-    logN, logD, logL = np.log(N), np.log(D), np.log(L)
+    # The grid is Hoffmann et al.'s, for losses of a few nats: a metric on another scale (1 − AUC) is
+    # searched at a geometric mean of GRID_SCALE, and E, A, B scaled back (the log-space Huber loss
+    # does not change under the scaling: ln E, ln A, ln B and ln L all shift by the same amount).
+    shift = float(np.mean(np.log(L))) - np.log(GRID_SCALE)
+    logN, logD, logL = np.log(N), np.log(D), np.log(L) - shift
     grid = np.array(list(itertools.product(*GRID.values())))  # (G, 5) in (e, a, b, α, β) order
     scores = _grid_scores(grid, logN, logD, logL, delta)
     best = grid[np.argsort(scores)[:starts]]
     opt = _lbfgs(best, logN, logD, logL, np.ones((len(best), len(L))), delta)
     vals = np.array([_objective(o[None], logN, logD, logL, np.ones((1, len(L))), delta)[0] for o in opt])
-    return Law.from_theta(opt[int(np.argmin(vals))])
+    theta = opt[int(np.argmin(vals))]
+    theta[:3] += shift  # ln E, ln A, ln B back at the metric's scale
+    return Law.from_theta(theta)
 
 
 def _grid_scores(grid: np.ndarray, logN: np.ndarray, logD: np.ndarray, logL: np.ndarray, delta: float) -> np.ndarray:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ncpctl.fsutil import atomic_write
+from ncpctl.study.fit import values
 from ncpctl.study.law import Law
 from ncpctl.study.points import Point
 
@@ -122,7 +123,7 @@ def plots(report: dict[str, Any], points: list[Point], out_dir: Path) -> tuple[l
     for i, (name, fam) in enumerate(report["families"].items()):
         pts = [p for p in points if p.family == name]
         colour = f"C{i}"
-        ax.scatter([p.C for p in pts], [p.metrics[metric] for p in pts], s=14, color=colour, alpha=0.6, label=name)
+        ax.scatter([p.C for p in pts], values(pts, metric), s=14, color=colour, alpha=0.6, label=name)
         law = Law(**fam["law"])
         cs = np.geomspace(min(p.C for p in pts) / 2, max(p.C for p in pts) * 4, 100)
         ax.plot(cs, law.frontier(cs, fam["flops_per_param_token"]), color=colour, lw=1.5,
@@ -137,7 +138,7 @@ def plots(report: dict[str, Any], points: list[Point], out_dir: Path) -> tuple[l
     for i, (name, fam) in enumerate(report["families"].items()):
         pts = [p for p in points if p.family == name]
         pred = Law(**fam["law"]).loss(np.array([p.N for p in pts]), np.array([p.D for p in pts]))
-        ax.scatter([p.C for p in pts], np.array([p.metrics[metric] for p in pts]) - pred, s=14, color=f"C{i}",
+        ax.scatter([p.C for p in pts], values(pts, metric) - pred, s=14, color=f"C{i}",
                    label=name)
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set(xscale="log", xlabel="training FLOPs C", ylabel=f"{metric} − law", title="residuals of the joint law")

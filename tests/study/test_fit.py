@@ -163,3 +163,15 @@ def test_analyse_reports_every_part_and_refuses_bad_requests() -> None:
         analyse(pts[:4], FitOptions(resamples=0))
     with pytest.raises(UserError, match="--holdout: no point named"):
         analyse(pts, FitOptions(holdout=("nope",), resamples=0))
+
+
+def test_a_rising_metric_is_fitted_as_its_complement() -> None:
+    """``1-NAME``: an AUC that rises with scale (here 1 − the law / 10) is fitted as 1 − AUC, whose
+    law is the original one divided by 10: the same exponents."""
+    pts = [Point(p.family, p.N, p.D, p.C, {"auc": 1 - p.metrics["loss"] / 10}, p.name)
+           for p in grid_points(CHINCHILLA, "base", np.random.default_rng(0), noise=0.0, **WIDE)]
+    fam = analyse(pts, FitOptions(metric="1-auc", resamples=0))["families"]["base"]["law"]
+    assert (fam["alpha"], fam["beta"], fam["E"]) == pytest.approx((CHINCHILLA.alpha, CHINCHILLA.beta,
+                                                                   CHINCHILLA.E / 10), rel=1e-3)
+    with pytest.raises(UserError, match="unknown metric 'loss'"):
+        analyse(pts, FitOptions(metric="1-loss", resamples=0))
