@@ -121,7 +121,13 @@ def isoflop(points: Sequence[Point], metric: str) -> dict[str, Any]:
 
 
 def _interval(xs: np.ndarray, level: float = 0.90) -> list[float]:
-    lo, hi = np.percentile(xs, [50 * (1 - level), 50 * (1 + level)])
+    """The percentile interval; with infinite values (resamples that never reach the loss) the
+    nearest order statistics, so an unbounded end is inf rather than nan."""
+    q = [50 * (1 - level), 50 * (1 + level)]
+    if np.all(np.isfinite(xs)):
+        lo, hi = np.percentile(xs, q)
+    else:
+        lo, hi = np.percentile(xs, q[0], method="lower"), np.percentile(xs, q[1], method="higher")
     return [float(lo), float(hi)]
 
 
@@ -195,13 +201,20 @@ def multiplier(fam: FamilyFit, base: FamilyFit, at_loss: float | None = None,
     return out
 
 
+def check_holdout(points: Sequence[Point], names: Sequence[str]) -> None:
+    unknown = sorted(set(names) - {p.name for p in points})
+    if unknown:
+        raise UserError(f"--holdout: no point named {unknown[0]!r}",
+                        hint="point names are run directories, or a table's name column")
+
+
 def _holdout(points: list[Point], names: Sequence[str]) -> tuple[list[Point], list[Point], float | None]:
+    """(fitted on, held out, the held-out budget): the named points of this family, else its largest budget."""
     if names:
-        unknown = sorted(set(names) - {p.name for p in points})
-        if unknown:
-            raise UserError(f"--holdout: no point named {unknown[0]!r}",
-                            hint="point names are run directories, or a table's name column")
-        return [p for p in points if p.name not in names], [p for p in points if p.name in names], None
+        held = [p for p in points if p.name in names]
+        if not held:
+            raise UserError("--holdout names no point of this family")
+        return [p for p in points if p.name not in names], held, None
     groups = budgets(points)
     if len(groups) < 2:
         raise UserError("the extrapolation check needs two or more budgets (one to hold out)")
@@ -244,7 +257,8 @@ def analyse(points: list[Point], opts: FitOptions, rng: np.random.Generator | No
     rng = rng if rng is not None else np.random.default_rng(opts.seed)
     values(points, opts.metric)  # an unknown metric is refused before any fit
     fams = families(points)
-    pair = _pair(list(fams), opts)  # a misnamed family or a missing column is refused before any fit
+    pair = _pair(list(fams), opts)  # a misnamed family or point, or a missing column, is refused before any fit
+    check_holdout(points, opts.holdout)
     if opts.dlcm:
         _column(points, "R", "--dlcm"), _column(points, "P", "--dlcm")
     fits = {name: fit_family(name, pts, opts, rng) for name, pts in fams.items()}
@@ -254,9 +268,7 @@ def analyse(points: list[Point], opts: FitOptions, rng: np.random.Generator | No
         rep["isoflop"] = isoflop(ff.points, opts.metric)
         try:
             rep["extrapolation"] = extrapolation(ff.points, opts)
-        except UserError as e:
-            if opts.holdout:
-                raise
+        except UserError as e:  # too few budgets or points for this family: the others still get theirs
             rep["extrapolation"] = {"skipped": e.problems[0]}
         rep.update(_dlcm_parts(ff.points, opts))
         report["families"][name] = rep

@@ -163,6 +163,17 @@ def test_analyse_reports_every_part_and_refuses_bad_requests() -> None:
         analyse(pts[:4], FitOptions(resamples=0))
     with pytest.raises(UserError, match="--holdout: no point named"):
         analyse(pts, FitOptions(holdout=("nope",), resamples=0))
+    # a named point of one family: that family holds it out, the other has nothing to hold out
+    one = analyse(pts, FitOptions(holdout=(pts[-1].name,), resamples=0))["families"]
+    assert [r["name"] for r in one["new"]["extrapolation"]["held_out"]] == [pts[-1].name]
+    assert "names no point of this family" in one["base"]["extrapolation"]["skipped"]
+
+
+def test_an_unbounded_resample_makes_an_infinite_end_not_nan() -> None:
+    from ncpctl.study.fit import _interval
+
+    assert _interval(np.array([1.0, 2.0, 3.0] * 10 + [np.inf] * 5)) == [1.0, np.inf]
+    assert _interval(np.linspace(0, 1, 101)) == pytest.approx([0.05, 0.95])
 
 
 def test_a_rising_metric_is_fitted_as_its_complement() -> None:
