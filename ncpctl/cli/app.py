@@ -11,7 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from ncpctl import __version__
-from ncpctl.cli import adapt_vq, eval as eval_cmd, export, generate, inspect_cmd, midtrain, pretrain, profile_kernels, tokenize
+from ncpctl.cli import adapt_vq, eval as eval_cmd, export, fit, generate, inspect_cmd, midtrain, pretrain, profile_kernels, \
+    tokenize
 from ncpctl.cli._common import STATE
 
 app = typer.Typer(
@@ -39,8 +40,8 @@ def _main(
 ) -> None:
     """Train and study Next Concept Prediction (NCP) language models.
 
-    Every subcommand reads a YAML recipe (see recipes/), accepts --set KEY.PATH=VALUE
-    overrides, --json and --debug, and exits 0 (success), 2 (user error) or 1 (internal).
+    Every subcommand but fit reads a YAML recipe (see recipes/) and accepts --set KEY.PATH=VALUE
+    overrides; all accept --json and --debug, and exit 0 (success), 2 (user error) or 1 (internal).
     """
     STATE.json, STATE.debug = json_out, debug
 
@@ -54,6 +55,7 @@ app.command("generate")(generate.main)
 app.command("export")(export.main)
 app.command("inspect")(inspect_cmd.main)
 app.command("profile-kernels")(profile_kernels.main)
+app.command("fit")(fit.main)
 
 
 def main() -> None:

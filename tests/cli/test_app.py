@@ -17,7 +17,8 @@ from ncpctl.errors import UserError
 
 from ..conftest import RECIPES, run_cli
 
-COMMANDS = ["tokenize", "pretrain", "midtrain", "adapt-vq", "eval", "generate", "export", "profile-kernels", "inspect"]
+COMMANDS = ["tokenize", "pretrain", "midtrain", "adapt-vq", "eval", "generate", "export", "profile-kernels", "inspect", "fit"]
+RECIPE_COMMANDS = [c for c in COMMANDS if c != "fit"]  # fit reads runs, not a recipe: no --set
 
 
 def test_help_lists_commands_and_imports_no_torch() -> None:
@@ -37,7 +38,7 @@ def test_help_lists_commands_and_imports_no_torch() -> None:
 def test_every_command_has_help_and_shared_options(name: str) -> None:
     r = run_cli(name, "--help")
     assert r.returncode == 0, r.stderr
-    for opt in ("--json", "--debug", "--set"):
+    for opt in ("--json", "--debug", *(("--set",) if name in RECIPE_COMMANDS else ())):
         assert opt in r.stdout
 
 

@@ -1,0 +1,113 @@
+"""`ncpctl fit`: scaling laws and compute multipliers from a table of runs or run directories
+(ncpctl.study)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ncpctl.cli._common import DebugOpt, JsonOpt, Output, command
+from ncpctl.errors import UserError
+
+
+@command
+def main(
+    inputs: Annotated[list[str], typer.Argument(
+        help="A JSON or CSV table of points (columns family, N, D, C, loss, ...; optional name, budget, "
+        "tokenizer, val_set), `ncpctl pretrain` run directories, or directories holding runs (a sweep's).",
+        show_default=False, metavar="TABLE|RUN_DIR")],
+    metric: Annotated[str, typer.Option("--metric", "-m", help="The metric to fit (a table column, or a key of "
+                                        "the runs' validation records); `1-NAME` fits the complement of a metric "
+                                        "that rises with scale (e.g. 1-concept_auc).")] = "loss",
+    baseline: Annotated[Optional[str], typer.Option(
+        "--baseline", help="The compute multiplier's baseline family (default: the first of two families).",
+        show_default=False)] = None,
+    family: Annotated[Optional[str], typer.Option(
+        "--family", help="The family whose multiplier against --baseline is reported (default: the other one).",
+        show_default=False)] = None,
+    at_loss: Annotated[Optional[float], typer.Option(
+        "--at-loss", help="Read the multiplier at this loss (default: --family's frontier at --at-budget).",
+        show_default=False)] = None,
+    at_budget: Annotated[Optional[float], typer.Option(
+        "--at-budget", help="Read the multiplier at --family's frontier loss at this many FLOPs (default: the "
+        "geometric middle of its runs' FLOPs).", show_default=False)] = None,
+    holdout: Annotated[Optional[list[str]], typer.Option(
+        "--holdout", metavar="NAME", help="Points the extrapolation check holds out (repeatable; default: the "
+        "largest budget of each family).", show_default=False)] = None,
+    resamples: Annotated[int, typer.Option("--resamples", min=0, help="Bootstrap resamples (0: no intervals).")] = 200,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the bootstrap.")] = 0,
+    family_from_parent: Annotated[bool, typer.Option(
+        "--family-from-parent", help="A run directory's family is its parent directory's name (runs/base/s1, "
+        "runs/conceptlm/s1); default: one family.")] = False,
+    out: Annotated[Optional[str], typer.Option(
+        "--out", help="Directory of fit.json, fit.md and the plots (default: ./fit).", show_default=False)] = None,
+    dlcm: Annotated[bool, typer.Option(
+        "--dlcm", help="Also fit DLCM's Eq. 22, L(N, D, R, P) with the concept share P and the compression R "
+        "(columns R and P). Points with a stable_loss column (the loss before a WSD decay) also get the "
+        "decay-phase law Δ = k L_stable^a R^b N^c.")] = False,
+    no_plots: Annotated[bool, typer.Option("--no-plots", help="Do not draw the plots.")] = False,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Fit scaling laws to trained runs: IsoFLOP parabolas (N_opt and D_opt per budget, their
+    power laws in C), the joint law L(N, D) = E + A/N^α + B/D^β per family (Huber loss in log
+    space, L-BFGS from a grid, bootstrap 90% intervals), the compute multiplier between two
+    families at equal loss, and an extrapolation check (the largest budget held out, the law's
+    prediction beside the naive log-linear one).
+
+    Writes fit.json, fit.md and (with matplotlib) fit_frontier.png, fit_residuals.png and
+    fit_isoflop.png to --out. Runs of different tokenizers or validation sets are refused.
+    """
+    from ncpctl.study.fit import FitOptions, analyse
+    from ncpctl.study.points import read_points
+    from ncpctl.study.report import write
+
+    out_ = Output(json_out)
+    if at_loss is not None and at_budget is not None:
+        raise UserError("--at-loss and --at-budget are alternatives: give one")
+    for name, v in (("--at-loss", at_loss), ("--at-budget", at_budget)):
+        if v is not None and not v > 0:
+            raise UserError(f"{name} must be positive, got {v:g}")
+    points = read_points(inputs, family_from_parent)
+    opts = FitOptions(metric=metric, resamples=resamples, seed=seed, baseline=baseline, family=family,
+                      at_loss=at_loss, at_budget=at_budget, holdout=tuple(holdout or ()), dlcm=dlcm)
+    out_.info(f"[dim]fitting {metric} of {len(points)} points ({resamples} bootstrap resamples)[/]")
+    report = analyse(points, opts)
+    write(report, points, Path(out) if out else Path("fit"), draw=not no_plots)
+    out_.result({"command": "fit", **report}, lambda con: _human(con, report))
+
+
+def _human(con, report: dict) -> None:
+    from rich.table import Table
+
+    from ncpctl.study.report import LAW_COLUMNS, dlcm_lines, extrapolation_line, law_rows, multiplier_line
+
+    t = Table(title=f"{report['metric']}: L(N, D) = E + A/N^α + B/D^β (90% bootstrap intervals)", title_justify="left")
+    for col in LAW_COLUMNS:
+        t.add_column(col, justify="left" if col == "family" else "right")
+    for row in law_rows(report):
+        t.add_row(*row)
+    con.print(t)
+    t = Table(title="IsoFLOP parabolas", title_justify="left")
+    for col in ("family", "budget C", "points", "N_opt", "D_opt", "min", "rmse"):
+        t.add_column(col, justify="left" if col == "family" else "right")
+    for name, fam in report["families"].items():
+        for r in fam["isoflop"]["budgets"]:
+            t.add_row(name, f"{r['budget']:.3g}", str(r["points"]), f"{r['N_opt']:.3g}" + ("" if r["inside"] else "*"),
+                      f"{r['D_opt']:.3g}", f"{r['min']:.4g}", f"{r['rmse']:.2g}")
+    if t.row_count:
+        con.print(t)
+    for name, fam in report["families"].items():
+        iso = fam["isoflop"]
+        if "N_opt_exponent" in iso:
+            con.print(f"{name}: N_opt ∝ C^{iso['N_opt_exponent']:.3f}, D_opt ∝ C^{iso['D_opt_exponent']:.3f} (IsoFLOP)")
+        con.print(extrapolation_line(name, fam["extrapolation"]))
+        for line in dlcm_lines(name, fam):
+            con.print(line)
+    if "multiplier" in report:
+        con.print(multiplier_line(report["multiplier"]))
+    if report.get("plots_note"):
+        con.print(f"[dim]{report['plots_note']}[/]")
+    con.print("[dim]" + "\n".join(report["files"].values()) + "[/]")

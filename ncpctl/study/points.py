@@ -1,0 +1,204 @@
+"""The points a scaling fit reads: one trained run each, as (family, N, D, C, metrics).
+
+Two inputs:
+
+* a table, JSON (a list of objects, or ``{"points": [...]}``) or CSV (a header row), with the
+  columns ``family`` (default ``default``), ``N`` (parameters), ``D`` (training tokens), ``C``
+  (training FLOPs), optional ``name``, ``budget`` (the IsoFLOP budget a point belongs to),
+  ``tokenizer`` and ``val_set`` (identities; points that differ in either are refused), and
+  any number of metric columns (``loss`` and others);
+* run directories of ``ncpctl pretrain`` (or a directory holding them, e.g. a sweep's): N is the model's parameter count
+  (``ncpctl.model.accounting.count_parameters``, tied weights once), D the tokens of the last
+  training record of ``metrics.jsonl``, C the exact training FLOPs of those steps
+  (``exact_flops(...).training_per_step()`` times the steps; a dynamic segmentation's at the
+  mean tokens per concept its training records logged, not at the target R), the metrics those of the last
+  validation record; the run's family is ``default``, or the directory's parent name with
+  ``family_from_parent`` (``runs/base/s1``, ``runs/conceptlm/s1``: families base and conceptlm). The tokenizer is ``data/meta.json``'s tokenizer sha256, the
+  validation set its source fingerprint and split (``data.val_prefix`` when set).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from ncpctl.errors import UserError
+
+REQUIRED = ("N", "D", "C")
+IDENTITY = ("tokenizer", "val_set")
+
+
+@dataclass(frozen=True)
+class Point:
+    family: str
+    N: float
+    D: float
+    C: float
+    metrics: dict[str, float]
+    name: str = ""
+    budget: float | None = None
+    identity: dict[str, str] = field(default_factory=dict)  # tokenizer, val_set
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "family": self.family, "N": self.N, "D": self.D, "C": self.C,
+                "budget": self.budget, **self.metrics, **self.identity}
+
+
+def _number(v: Any, where: str, col: str) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise UserError(f"{where}: column {col!r} is not a number: {v!r}") from None
+    if not math.isfinite(x):
+        raise UserError(f"{where}: column {col!r} is not finite: {v!r}")
+    return x
+
+
+def _point(row: dict[str, Any], where: str) -> Point:
+    missing = [c for c in REQUIRED if row.get(c) in (None, "")]
+    if missing:
+        raise UserError(f"{where}: missing column(s) {', '.join(missing)}",
+                        hint="a point needs N (parameters), D (training tokens) and C (training FLOPs)")
+    vals = {c: _number(row[c], where, c) for c in REQUIRED}
+    bad = [c for c, v in vals.items() if v <= 0]
+    if bad:
+        raise UserError(f"{where}: {', '.join(bad)} must be positive")
+    skip = {"family", "name", "budget", *REQUIRED, *IDENTITY}
+    metrics = {k: _number(v, where, k) for k, v in row.items() if k not in skip and v not in (None, "")}
+    budget = row.get("budget")
+    return Point(family=str(row.get("family") or "default"), name=str(row.get("name") or ""),
+                 N=vals["N"], D=vals["D"], C=vals["C"], metrics=metrics,
+                 budget=None if budget in (None, "") else _number(budget, where, "budget"),
+                 identity={k: str(row[k]) for k in IDENTITY if row.get(k) not in (None, "")})
+
+
+def read_table(path: Path) -> list[Point]:
+    """The points of a JSON or CSV table (by suffix: .json, else CSV)."""
+    if not path.is_file():
+        raise UserError(f"{path}: no such file or run directory")
+    text = path.read_text(errors="replace")
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise UserError(f"{path}: not JSON ({e})") from None
+        rows = data.get("points") if isinstance(data, dict) else data
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise UserError(f"{path}: expected a list of point objects (or {{\"points\": [...]}})")
+    else:
+        reader = csv.DictReader(text.splitlines())
+        if not reader.fieldnames or not set(REQUIRED) <= set(reader.fieldnames):
+            raise UserError(f"{path}: a CSV table needs a header with the columns N, D and C (and family, loss, ...)")
+        rows = list(reader)
+        if any(None in r for r in rows):
+            raise UserError(f"{path}: a row has more fields than the header")
+    if not rows:
+        raise UserError(f"{path}: the table has no points")
+    out = []
+    for i, r in enumerate(rows):
+        p = _point(r, f"{path}: point {i + 1}")
+        out.append(p if p.name else dataclasses.replace(p, name=f"{path.stem}[{i + 1}]"))
+    return out
+
+
+def _last(records: list[dict[str, Any]], split: str) -> dict[str, Any] | None:
+    return next((r for r in reversed(records) if r.get("split") == split), None)
+
+
+def _identity(run: Path, recipe: Any) -> dict[str, str]:
+    meta_path = run / "data" / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    tok = (meta.get("tokenizer") or {}).get("sha256") or json.dumps(recipe.tokenizer.model_dump(mode="json"),
+                                                                   sort_keys=True)
+    d = recipe.data
+    if d.val_prefix:
+        val = f"prefix:{d.val_prefix}"
+    else:
+        split = meta.get("split") or {"val_fraction": d.val_fraction, "split_seed": d.split_seed}
+        src = meta.get("source_fingerprint") or json.dumps([s.model_dump(mode="json") for s in d.sources])
+        val = json.dumps({"sources": src, "val_fraction": split.get("val_fraction"),
+                          "split_seed": split.get("split_seed")}, sort_keys=True)
+    return {"tokenizer": tok, "val_set": val}
+
+
+def _realised_ratio(cfg: Any, recs: list[dict[str, Any]]) -> float | None:
+    """A dynamic segmentation's (DLCM's) tokens per concept over its training records, their mean: its
+    FLOPs are those of the concepts it made, not of the target R (None: fixed blocks, or not logged)."""
+    if not (cfg.concept.enabled and cfg.law.variable_length):
+        return None
+    seen = [float(r["tokens_per_concept"]) for r in recs
+            if r.get("split") == "train" and isinstance(r.get("tokens_per_concept"), (int, float))]
+    ratio = sum(seen) / len(seen) if seen else None
+    return ratio if ratio is not None and ratio > 1 else None
+
+
+def read_run(run: Path, family_from_parent: bool = False) -> Point:
+    """The point of one ``ncpctl pretrain`` run directory (see the module docstring)."""
+    from ncpctl.model.accounting import count_parameters, exact_flops
+    from ncpctl.recipe.load import load_recipe
+    from ncpctl.train.metrics import METRICS, records
+
+    resolved, log = run / "recipe.resolved.yaml", run / METRICS
+    recipe = load_recipe(resolved)
+    recs = records(log)
+    train, val = _last(recs, "train"), _last(recs, "val")
+    if train is None or val is None:
+        raise UserError(f"{run}: {METRICS} has no {'training' if train is None else 'validation'} record",
+                        hint="a fit reads the tokens of the last training step and the last validation losses")
+    cfg = recipe.model_config
+    per_step = exact_flops(cfg, recipe.seq_len, recipe.global_batch_size,
+                           realised_ratio=_realised_ratio(cfg, recs)).training_per_step()
+    metrics = {k: float(v) for k, v in val.items() if k not in ("split", "step") and isinstance(v, (int, float))}
+    family = run.resolve().parent.name if family_from_parent else "default"
+    return Point(family=family, name=str(run), N=float(count_parameters(cfg).total), D=float(train["tokens"]),
+                 C=float(per_step) * int(train["step"]), metrics=metrics, identity=_identity(run, recipe))
+
+
+def is_run(path: Path) -> bool:
+    return (path / "recipe.resolved.yaml").is_file() and (path / "metrics.jsonl").is_file()
+
+
+def run_dirs(root: Path, depth: int = 3) -> list[Path]:
+    """``root`` when it is a run directory, else the run directories below it (a sweep's), sorted;
+    a run directory's own subdirectories (checkpoints, data) are not searched."""
+    if is_run(root):
+        return [root]
+    if depth == 0:
+        return []
+    return [r for sub in sorted(p for p in root.iterdir() if p.is_dir()) for r in run_dirs(sub, depth - 1)]
+
+
+def read_points(inputs: Iterable[str], family_from_parent: bool = False) -> list[Point]:
+    """Points from tables, run directories and directories of runs (a sweep's, searched three levels
+    deep), checked to share one tokenizer and one validation set."""
+    out: list[Point] = []
+    for raw in inputs:
+        p = Path(raw)
+        if not p.is_dir():
+            out += read_table(p)
+            continue
+        runs = run_dirs(p)
+        if not runs:
+            raise UserError(f"{p}: not a run directory, and none below it (a run has recipe.resolved.yaml and "
+                            "metrics.jsonl)")
+        out += [read_run(r, family_from_parent) for r in runs]
+    check_identity(out)
+    return out
+
+
+def check_identity(points: list[Point]) -> None:
+    """Refuse points from different tokenizers or validation sets: their losses are not comparable."""
+    for key, what in (("tokenizer", "tokenizers"), ("val_set", "validation sets")):
+        seen: dict[str, str] = {}
+        for p in points:
+            if key in p.identity:
+                seen.setdefault(p.identity[key], p.name)
+        if len(seen) > 1:
+            a, b = list(seen.values())[:2]
+            raise UserError(f"the points mix {len(seen)} {what} ({a} and {b} differ): their losses are not comparable",
+                            hint="fit runs of one tokenizer and one validation set together")

@@ -1,0 +1,180 @@
+"""The files of ``ncpctl fit``: ``fit.json`` (the report), ``fit.md`` (its tables) and, when
+matplotlib is installed, ``fit_frontier.png`` (the metric against compute, every family's
+points and fitted frontier), ``fit_residuals.png`` (measured minus the joint law, against C) and
+``fit_isoflop.png`` (the IsoFLOP curves with their parabolas)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ncpctl.fsutil import atomic_write
+from ncpctl.study.fit import values
+from ncpctl.study.law import Law
+from ncpctl.study.points import Point
+
+
+def _g(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float) and not np.isfinite(v):
+        return "inf" if v > 0 else "nan"
+    return f"{v:.{digits}g}" if isinstance(v, float) else str(v)
+
+
+def _ci(ci: list[float] | None) -> str:
+    return f"[{_g(ci[0])}, {_g(ci[1])}]" if ci else ""
+
+
+def law_rows(report: dict[str, Any]) -> list[list[str]]:
+    """One row per family: the law's parameters with their 90% intervals and the optimal-allocation exponents."""
+    rows = []
+    for name, fam in report["families"].items():
+        law, ci = fam["law"], fam.get("ci90", {})
+        rows.append([name, str(fam["points"]), *(f"{_g(law[k])} {_ci(ci.get(k))}".strip()
+                                                 for k in ("E", "A", "B", "alpha", "beta")),
+                     _g(fam["exponents"]["N_opt"], 3), _g(fam["exponents"]["D_opt"], 3)])
+    return rows
+
+
+LAW_COLUMNS = ["family", "points", "E", "A", "B", "α", "β", "N_opt ∝ C^a", "D_opt ∝ C^b"]
+
+
+def multiplier_line(m: dict[str, Any]) -> str:
+    at = f"loss {_g(m['loss'])}" + (f" (the {m['family']} frontier at C = {_g(m['budget'], 3)})" if m["budget"] else "")
+    return (f"compute multiplier of {m['family']} against {m['baseline']}: {_g(m['value'])} "
+            f"{('90% CI ' + _ci(m['ci90'])) if 'ci90' in m else ''} at {at}; "
+            f"{m['baseline']} needs {_g(m['C_baseline'], 3)} FLOPs, {m['family']} {_g(m['C_family'], 3)}")
+
+
+def extrapolation_line(name: str, ex: dict[str, Any]) -> str:
+    if "skipped" in ex:
+        return f"{name}: extrapolation check skipped ({ex['skipped']})"
+    b = ex["best"]
+    line = (f"{name}: held out {len(ex['held_out'])} point(s), fitted on {ex['fitted_on']}; best held-out "
+            f"{b['name']}: measured {_g(b['measured'])}, law {_g(b['predicted'])} (error {b['error']:+.3f})")
+    if "log_linear" in ex:
+        line += f", log-linear {_g(ex['log_linear']['predicted'])} (error {ex['log_linear']['error']:+.3f})"
+    return line
+
+
+def dlcm_lines(name: str, fam: dict[str, Any]) -> list[str]:
+    """DLCM's Eq. 22 and the decay-phase law of a family, when fitted."""
+    out = []
+    if "dlcm" in fam:
+        law = fam["dlcm"]["law"]
+        out.append(f"{name}: Eq. 22 " + ", ".join(f"{k} {_g(v)}" for k, v in law.items())
+                   + f" (rmse {_g(fam['dlcm']['rmse'], 3)})")
+    if "decay" in fam:
+        d = fam["decay"]
+        out.append(f"{name}: decay phase Δ = {_g(d['k'])} L_stable^{d['a']:.3f} R^{d['b']:.3f} N^{d['c']:.3f} "
+                   f"(R² {d['r2']:.3f})")
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    out = [f"# Scaling fit of {report['metric']} ({report['points']} points)", "",
+           "## Joint law L(N, D) = E + A/N^α + B/D^β (Huber in log space; 90% bootstrap intervals)", "",
+           "| " + " | ".join(LAW_COLUMNS) + " |", "|" + "---|" * len(LAW_COLUMNS)]
+    out += ["| " + " | ".join(r) + " |" for r in law_rows(report)]
+    if "multiplier" in report:
+        m = report["multiplier"]
+        out += ["", "## Compute multiplier", "", multiplier_line(m)]
+        if m.get("by_budget"):
+            out += ["", "| budget C | multiplier |", "|---|---|",
+                    *(f"| {_g(r['budget'], 3)} | {_g(r['value'])} |" for r in m["by_budget"])]
+    out += ["", "## IsoFLOP parabolas", "", "| family | budget C | points | N_opt | D_opt | min | rmse |",
+            "|---|---|---|---|---|---|---|"]
+    for name, fam in report["families"].items():
+        iso = fam["isoflop"]
+        for r in iso["budgets"]:
+            out.append(f"| {name} | {_g(r['budget'], 3)} | {r['points']} | {_g(r['N_opt'], 3)}"
+                       f"{'' if r['inside'] else ' (outside the sizes)'} | {_g(r['D_opt'], 3)} | {_g(r['min'])} | "
+                       f"{_g(r['rmse'], 2)} |")
+        if "N_opt_exponent" in iso:
+            out.append(f"| {name} | power laws | | N_opt ∝ C^{iso['N_opt_exponent']:.3f} | "
+                       f"D_opt ∝ C^{iso['D_opt_exponent']:.3f} | | |")
+        out += [f"| {name} | {_g(r['budget'], 3)} | {r['points']} | skipped: {r['why']} | | | |" for r in iso["skipped"]]
+    out += ["", "## Extrapolation check", ""]
+    out += [f"- {extrapolation_line(n, f['extrapolation'])}" for n, f in report["families"].items()]
+    dl = [line for n, f in report["families"].items() for line in dlcm_lines(n, f)]
+    if dl:
+        out += ["", "## DLCM (Eq. 22, decay phase)", "", *(f"- {line}" for line in dl)]
+    if report.get("plots_note"):
+        out += ["", report["plots_note"]]
+    out += [f"", *(f"![{p}]({p})" for p in report.get("plots", []))]
+    return "\n".join(out) + "\n"
+
+
+def plots(report: dict[str, Any], points: list[Point], out_dir: Path) -> tuple[list[str], str | None]:
+    """The PNGs (names), or none and a note when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "plots skipped: matplotlib is not installed (pip install matplotlib)"
+    metric = report["metric"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, fam) in enumerate(report["families"].items()):
+        pts = [p for p in points if p.family == name]
+        colour = f"C{i}"
+        ax.scatter([p.C for p in pts], values(pts, metric), s=14, color=colour, alpha=0.6, label=name)
+        law = Law(**fam["law"])
+        cs = np.geomspace(min(p.C for p in pts) / 2, max(p.C for p in pts) * 4, 100)
+        ax.plot(cs, law.frontier(cs, fam["flops_per_param_token"]), color=colour, lw=1.5,
+                label=f"{name} frontier (α={law.alpha:.2f}, β={law.beta:.2f})")
+    ax.set(xscale="log", xlabel="training FLOPs C", ylabel=metric, title=f"{metric} against compute")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "fit_frontier.png", dpi=120)
+    plt.close(fig)
+    names = ["fit_frontier.png"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for i, (name, fam) in enumerate(report["families"].items()):
+        pts = [p for p in points if p.family == name]
+        pred = Law(**fam["law"]).loss(np.array([p.N for p in pts]), np.array([p.D for p in pts]))
+        ax.scatter([p.C for p in pts], values(pts, metric) - pred, s=14, color=f"C{i}",
+                   label=name)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set(xscale="log", xlabel="training FLOPs C", ylabel=f"{metric} − law", title="residuals of the joint law")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "fit_residuals.png", dpi=120)
+    plt.close(fig)
+    names.append("fit_residuals.png")
+    fams = [(n, f) for n, f in report["families"].items() if f["isoflop"]["budgets"]]
+    if fams:
+        fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 4), squeeze=False)
+        for ax, (name, fam) in zip(axes[0], fams):
+            for j, r in enumerate(fam["isoflop"]["budgets"]):
+                x = np.log(r["sizes"])
+                xs = np.linspace(x.min(), x.max(), 50)
+                ax.scatter(r["sizes"], r["values"], s=12, color=f"C{j}")
+                ax.plot(np.exp(xs), np.polyval(r["coef"], xs), color=f"C{j}", lw=1, label=f"C={r['budget']:.2g}")
+                ax.scatter([r["N_opt"]], [r["min"]], marker="*", s=60, color=f"C{j}")
+            ax.set(xscale="log", xlabel="parameters N", ylabel=metric, title=f"{name}: IsoFLOP curves")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / "fit_isoflop.png", dpi=120)
+        plt.close(fig)
+        names.append("fit_isoflop.png")
+    return names, None
+
+
+def write(report: dict[str, Any], points: list[Point], out_dir: Path, draw: bool = True) -> dict[str, str]:
+    """fit.json, fit.md and the plots into out_dir; returns the paths written (``report['files']``)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names, note = plots(report, points, out_dir) if draw else ([], "plots skipped (--no-plots)")
+    report["plots"], report["plots_note"] = names, note
+    files = {"json": str(out_dir / "fit.json"), "markdown": str(out_dir / "fit.md"),
+             **{n.removesuffix(".png"): str(out_dir / n) for n in names}}
+    report["files"] = files
+    atomic_write(out_dir / "fit.json", json.dumps({**report, "input": [p.to_dict() for p in points]},
+                                                  indent=2, default=float) + "\n")
+    atomic_write(out_dir / "fit.md", markdown(report))
+    return files
