@@ -57,6 +57,8 @@ def _shrink(cfg: ModelConfig) -> dict:
     c.update(encoder_layers=min(c["encoder_layers"], 1), concept_layers=min(c["concept_layers"], 2),
              segments=4, codes=min(c["codes"], 16), concept_heads=None, ffn_dim=None,
              d_concept=128 if cfg.concept_cfg.d_model != cfg.d_model else None)
+    if isinstance(d.get("diffusion"), dict) and d["diffusion"].get("mask_id") is None:
+        d["diffusion"]["mask_id"] = 1  # what tokenize gives [MASK] (after EOD); the loader reads it from the data
     b = d["bottleneck"]
     if b["enabled"]:
         b.update(concepts=8, unknown=None, rank=None, chunk=8)
