@@ -30,6 +30,7 @@ fail before any model work, with one line per task or corpus naming it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -187,6 +188,33 @@ class _DropMetadataAdvice(logging.Filter):
         return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
 
 
+@contextlib.contextmanager
+def _quiet_git_hash():
+    """lm-eval records ``git describe`` of the working directory and lets git's stderr through:
+    outside a repository every eval printed ``fatal: not a git repository``. The same lookup with
+    git's stderr discarded (the results' ``git_hash`` is unchanged: None outside a repository)."""
+    import subprocess
+
+    from lm_eval import evaluator
+    from lm_eval.loggers import utils as log_utils
+
+    def git_hash():
+        try:
+            out = subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL)  # noqa: S607
+            return out.strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return log_utils.get_commit_from_path(os.getcwd())
+
+    before = getattr(evaluator, "get_git_commit_hash", None)
+    if before is not None:
+        evaluator.get_git_commit_hash = git_hash
+    try:
+        yield git_hash
+    finally:
+        if before is not None:
+            evaluator.get_git_commit_hash = before
+
+
 def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None) -> dict[str, Any]:
     """Run lm-eval on ``t``; write the JSON and markdown; return the summary."""
     from ncpctl.evaluate import heldout
@@ -213,9 +241,10 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     objs += heldout.tasks(corpora)
     names = [*t.tasks, *corpora]
     log(f"evaluating {t.checkpoint} on {', '.join(names)}" + (f" (limit {t.limit})" if t.limit else ""))
-    res = simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=t.limit, num_fewshot=t.num_fewshot,
-                          batch_size=t.batch_size, log_samples=False, bootstrap_iters=1000,
-                          metadata={"checkpoint": str(t.checkpoint)})
+    with _quiet_git_hash():
+        res = simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=t.limit, num_fewshot=t.num_fewshot,
+                              batch_size=t.batch_size, log_samples=False, bootstrap_iters=1000,
+                              metadata={"checkpoint": str(t.checkpoint)})
     res.pop("samples", None)
     ppl = perplexity_summary(res["results"], lm.token_stats, res.get("configs"))
     res["perplexity"] = ppl

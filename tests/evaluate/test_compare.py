@@ -193,3 +193,21 @@ def test_no_document_carries_a_machine_path():
     assert len(files) > 5
     bad = [f for f in files if re.search(r"(?<![\w.])/(work|root|home)/\w", (REPO / f).read_text(errors="replace"))]
     assert not bad, bad
+
+
+def test_the_git_hash_lookup_is_quiet_outside_a_repository(tmp_path, monkeypatch, capfd):
+    """Issue 28 item 8: every eval printed git's 'fatal: not a git repository' (lm-eval's
+    ``git describe`` of the working directory lets git's stderr through)."""
+    from lm_eval import evaluator
+
+    from ncpctl.evaluate.run import _quiet_git_hash
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above tmp_path either
+    original = evaluator.get_git_commit_hash
+    original()
+    assert "not a git repository" in capfd.readouterr().err  # lm-eval's own lookup: the noise
+    with _quiet_git_hash():
+        assert evaluator.get_git_commit_hash is not original and evaluator.get_git_commit_hash() is None
+    assert "not a git repository" not in capfd.readouterr().err
+    assert evaluator.get_git_commit_hash is original
