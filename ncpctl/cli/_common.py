@@ -128,10 +128,16 @@ def _internal(e: Exception, json_mode: bool, debug: bool) -> Exception:
 
 
 def _fail(json_mode: bool, lines: list[str], hint: str | None, code: int) -> None:
+    report_failure(json_mode, lines, hint, code)
+    raise typer.Exit(code)
+
+
+def report_failure(json_mode: bool, lines: list[str], hint: str | None, code: int) -> None:
+    """The documented error style: ``error:`` lines and a ``hint:`` on stderr, and with ``--json``
+    the JSON error document on stdout (the caller exits with ``code``)."""
     for line in lines:
         sys.stderr.write(f"error: {line}\n")
     if hint:
         sys.stderr.write(f"hint: {hint}\n")
     if json_mode:
         sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "errors": lines, "hint": hint}) + "\n")
-    raise typer.Exit(code)

@@ -13,7 +13,7 @@ import typer
 from ncpctl import __version__
 from ncpctl.cli import adapt_vq, eval as eval_cmd, export, fit, generate, inspect_cmd, midtrain, pretrain, profile_kernels, \
     tokenize
-from ncpctl.cli._common import STATE
+from ncpctl.cli._common import STATE, report_failure
 
 app = typer.Typer(
     name="ncpctl",
@@ -97,13 +97,7 @@ def _refuse_dotted_options(args: list[str], json_mode: bool) -> None:
 
 
 def _fail_usage(lines: list[str], hint: str | None, code: int, json_mode: bool) -> None:
-    import json
     import sys
 
-    for line in lines:
-        sys.stderr.write(f"error: {line}\n")
-    if hint:
-        sys.stderr.write(f"hint: {hint}\n")
-    if json_mode:
-        sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "errors": lines, "hint": hint}) + "\n")
+    report_failure(json_mode, lines, hint, code)
     sys.exit(code)

@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ncpctl.model.accounting_params import PARAM_GROUPS, ParamCounts, count_parameters  # noqa: F401 (re-exported)
-from ncpctl.model.accounting_parts import (_bottleneck_flops, _design_flops, _dynamic_residual_flops, _keys_causal,  # noqa: F401
-                                           _keys_full, _mtp_flops, _stack_flops)
+from ncpctl.model.accounting_parts import _bottleneck_flops, _design_flops, _dynamic_residual_flops, _mtp_flops, _stack_flops
 from ncpctl.model.config import ModelConfig
 
 __all__ = [

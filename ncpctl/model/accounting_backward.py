@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ncpctl.model.accounting_parts import (_concept_costs, _crc_flops, _crc_key, _keys_causal, _keys_full, _mtp_flops,
-                                     _shapes)
+from ncpctl.model.accounting_parts import (SLOTS, _concept_costs, _crc_flops, _crc_key, _keys_causal, _keys_full,
+                                           _mtp_flops, _shapes)
 from ncpctl.model.config import ModelConfig
 from ncpctl.model.config_bottleneck import BottleneckCost
 from ncpctl.model.config_mtp import MtpCost
@@ -103,7 +103,7 @@ class Backward:
         fwd = {k: comps[k] for k in cost.flops(self.cfg, T, M)}
         # a coupling's parameters: its own and its sub-layer in each decoder block (Block.cross)
         slots = [slot] + ([f"decoder.{i}.cross." for i in range(self.cfg.decoder_layers)]
-                          if slot.endswith("coupling.") else [])
+                          if slot == SLOTS["coupling"] else [])
         trains = lambda p: any(self.trains(s + p) for s in slots)  # noqa: E731
         if hasattr(cost, "backward"):
             out = cost.backward(self.cfg, T, M, fwd, grads_in, trains)
@@ -119,11 +119,11 @@ class Backward:
         z = h
         if c.enabled:
             costs = dict(_concept_costs(cfg))  # slot -> cost model
-            seg = next((cost for slot, cost in costs.items() if slot.endswith("segmenter.")), None)
+            seg = costs.get(SLOTS["segmentation"])
             if seg is None or "concept.pooling" not in seg.flops(cfg, T, M):  # fixed blocks: k adds per element
                 self.add("concept.pooling", 2 * comps["concept.pooling"] * h, 2 * vector.get("concept.pooling", 0) * h)
             if seg is not None:
-                self.design("concept.segmenter.", seg, T, M, comps, vector, h)
+                self.design(SLOTS["segmentation"], seg, T, M, comps, vector, h)
             c_in = self.linear("concept.up", "concept.up", comps["concept.up"], M, h) if "concept.up" in comps else h
             u = self.stack("concept_layers", "concept.layers", cfg.concept_windows, M, c_in, cfg.concept_cfg) \
                 or self.trains("concept.norm.")
@@ -135,10 +135,10 @@ class Backward:
                 codes = self.linear("concept.codebook_transform", "concept.codebook.transform.2", half, 0, t0)
             self.add("concept.codebook_einsum", comps["concept.codebook_einsum"] * (w + codes))
             pred = (w or codes) and not c.detach_added_concept
-            coupling = costs.get("concept.coupling.")
+            coupling = costs.get(SLOTS["coupling"])
             if coupling is not None:
-                self.design("concept.coupling.", coupling, T, M, comps, vector, h or pred)
-            z = h or pred or self.trains("concept.coupling.")
+                self.design(SLOTS["coupling"], coupling, T, M, comps, vector, h or pred)
+            z = h or pred or self.trains(SLOTS["coupling"])
         dec = self.stack("token_layers", "decoder", cfg.token_windows[E:], T, z)
         self.dynamic_residuals(T, M, {"encoder": h, "concept": c.enabled and u, "decoder": dec})
         out = dec or self.trains("final_norm.")
@@ -163,10 +163,6 @@ class Scoped:
     def has(self, name: str) -> bool:
         """Whether the parameter ``name`` (relative) trains."""
         return self.prefix + name in self.walk.numel
-
-    def trains(self, name: str) -> bool:
-        """Whether any parameter under ``name`` (relative) trains."""
-        return self.walk.trains(self.prefix + name)
 
     def linear(self, key: str, module: str, f: int, rg: bool) -> bool:
         """Weight matmul ``module`` (relative) of forward f, reported as ``key``; whether its output carries a gradient."""

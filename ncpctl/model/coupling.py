@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .config_coupling import PAD
+from .config_coupling import PAD as _PAD  # the extra q/k coordinates (a multiple of 8: flash kernels)
 from .layers import RMSNorm, make_norm
 
 
@@ -99,7 +99,6 @@ class AddCoupling(Coupling):
 # softmax while the mask stays SDPA's plain causal one. 2^14: exact in bf16 and fp16 (no inf, so a
 # row with no valid key is uniform over zero values, not a NaN).
 _FAR = float(2 ** 14)
-_PAD = PAD  # the extra coordinate, padded so the head dim stays a multiple of 8 (flash kernels)
 
 
 def per_concept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:

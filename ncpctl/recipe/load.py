@@ -300,6 +300,11 @@ def _origin_of(key: str, origin: dict[str, str], default: str) -> str:
     return default
 
 
+def warmup_steps(steps: int | None, fraction: float, max_steps: int) -> int:
+    """The warmup in steps: ``train.warmup_steps`` when set, else ``warmup_fraction`` of ``max_steps``."""
+    return steps if steps is not None else int(round(fraction * max_steps))
+
+
 def tokenizer_vocab_size(tok: TokenizerSection) -> int:
     """Vocab size the data will have: the file's when ``path`` is set, else the configured one."""
     if tok.path:
@@ -544,7 +549,7 @@ def _check_combinations(
         derived.update(grad_accum_steps=accum, global_batch_size=glob_bs)
         if train.min_lr > train.lr:
             problems.append(("train.min_lr", f"{train.min_lr} is above train.lr={train.lr}"))
-        warm = train.warmup_steps if train.warmup_steps is not None else int(round(train.warmup_fraction * train.max_steps))
+        warm = warmup_steps(train.warmup_steps, train.warmup_fraction, train.max_steps)
         if warm > train.max_steps:
             problems.append(("train.warmup_steps", f"{warm} exceeds train.max_steps={train.max_steps}"))
         derived["warmup_steps"] = warm

@@ -31,7 +31,7 @@ import torch
 
 from ncpctl.errors import UserError
 from ncpctl.model.config import deep_merge
-from ncpctl.recipe.load import Recipe
+from ncpctl.recipe.load import Recipe, warmup_steps
 
 
 def use_bf16(recipe: Recipe, on_gpu: bool) -> bool:
@@ -244,9 +244,8 @@ def schedule_change(old_train: dict[str, Any], recipe: Recipe, step: int) -> str
 
     t = recipe.train
     try:
-        total = int(old_train["max_steps"])
-        warm = old_train.get("warmup_steps")
-        warm = int(warm) if warm is not None else int(round(float(old_train.get("warmup_fraction", 0.0)) * total))
+        total, warm = int(old_train["max_steps"]), old_train.get("warmup_steps")
+        warm = warmup_steps(None if warm is None else int(warm), float(old_train.get("warmup_fraction", 0.0)), total)
         before = {"max_steps": total, "warmup": warm, "lr": float(old_train["lr"]), "min_lr": float(old_train["min_lr"])}
     except (KeyError, TypeError, ValueError):  # an older or hand-edited recipe: nothing to compare
         return None
