@@ -152,6 +152,10 @@ class ModelConfig(DiffusionSection, BottleneckSection, MupSection, MtpSection, A
     tie_embeddings: bool = _f(False, "Share the token embedding with the LM head.")
     qk_norm: Literal["none", "layer", "head"] = _f(
         "none", "RMSNorm on queries/keys: over the whole projection (layer, OLMo-2) or per head (head, Qwen3).")
+    clip_qkv: float | None = _f(
+        None, "Clamp the fused query/key/value projection to [-clip_qkv, clip_qkv] before QK-norm and RoPE "
+        "(OLMo-1's and Steerling-8B's stabiliser: 10); null = no clamp. No native HF export model has it "
+        "with the other keys: such a base model does not export natively.")
     norm_placement: Literal["pre", "post"] = _f(
         "pre", "Where each block's norms sit: pre = on the sub-layer inputs, x + f(norm(x)); post = on its outputs "
         "before the residual add, x + norm(f(x)) (OLMo-2's reordered norm, kept by OLMo-3, on which NCP-ArchPreview "
@@ -413,6 +417,9 @@ class ModelConfig(DiffusionSection, BottleneckSection, MupSection, MtpSection, A
             problems.append(("extra_token_layers_at", f"must be between 0 and n_layers={self.n_layers}, got {at!r}"))
         if self.qk_norm not in ("none", "layer", "head"):
             problems.append(("qk_norm", f"must be none, layer or head, got {self.qk_norm!r}"))
+        if self.clip_qkv is not None and (not isinstance(self.clip_qkv, (int, float)) or isinstance(self.clip_qkv, bool)
+                                          or not self.clip_qkv > 0):
+            problems.append(("clip_qkv", f"must be a number > 0 or null, got {self.clip_qkv!r}"))
         if self.norm_placement not in ("pre", "post"):
             problems.append(("norm_placement", f"must be pre or post, got {self.norm_placement!r}"))
         if self.init not in INIT_SCHEMES:  # init schemes, not families (gpt2 names both)

@@ -43,6 +43,9 @@ def hf_config(cfg: ModelConfig):
         problems.append(("concept.enabled", "HF models have no concept path; export a base model"))
     if cfg.residual != _PLAIN:
         problems.append(("residual", f"HF models have plain residuals, not {cfg.residual!r}"))
+    if cfg.clip_qkv is not None:
+        problems.append(("clip_qkv", "the HF models ncpctl exports to do not clamp q/k/v (OLMo-1, which does, is "
+                                     "not one of them); set it to null"))
     if cfg.mup_base_width is not None and cfg.tie_embeddings:
         problems.append(("mup_base_width", _MUP_TIED))
     return family(cfg.backbone).hf_config(cfg, problems)

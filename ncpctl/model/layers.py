@@ -286,7 +286,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.pattern = as_pattern(window)
         self.window, self.mask_key = self.pattern.window, self.pattern.key
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm, self.clip = cfg.qk_norm, cfg.clip_qkv
         self.rotary = cfg.rotary_dim > 0  # gpt2: learned absolute positions, nothing to rotate
         q_dim, kv_dim = self.n_heads * self.hd, self.n_kv * self.hd
         self.qkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=cfg.bias)
@@ -301,13 +301,16 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv, self.hd
+        qkv = self.qkv(x)  # (B, T, (H + 2 Hkv) hd)
+        if self.clip is not None:  # OLMo-1 / Steerling: clamp the projection before QK-norm and RoPE
+            qkv = qkv.clamp(-self.clip, self.clip)
         if self.rotary and self.qk_norm == "none":  # q and k are adjacent in qkv: rotate both in one pass
-            qk, v = self.qkv(x).split([(H + Hkv) * hd, Hkv * hd], dim=-1)
+            qk, v = qkv.split([(H + Hkv) * hd, Hkv * hd], dim=-1)
             qk = apply_rope(qk.view(B, T, H + Hkv, hd), cos.transpose(1, 2), sin.transpose(1, 2))
             q, k = qk.split([H, Hkv], dim=2)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H|Hkv, T, hd)
         else:
-            q, k, v = self.qkv(x).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+            q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
             if self.qk_norm == "layer":
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = q.view(B, T, H, hd), k.view(B, T, Hkv, hd)

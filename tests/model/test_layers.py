@@ -127,3 +127,30 @@ def test_a_rows_view_of_a_kv_cache_writes_and_reads_those_rows_only(at):
     assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)
     assert torch.equal(cache.k[1, :, :4], before_k[1])
     assert torch.equal(got_k, want_k[rows, :, :6]) and torch.equal(got_v, want_v[rows, :, :6])
+
+
+@pytest.mark.parametrize("qk_norm", ["none", "head"])
+def test_clip_qkv_clamps_the_fused_projection_before_qk_norm_and_rope(qk_norm):
+    """Steerling-8B / OLMo-1: qkv = clamp(W x, -c, c), then QK-norm and RoPE."""
+    clipped = tiny("llama", qk_norm=qk_norm, clip_qkv=0.3)
+    plain = tiny("llama", qk_norm=qk_norm)
+    torch.manual_seed(0)
+    a = Attention(clipped, None)
+    b = Attention(plain, None)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 7, clipped.d_model) * 4  # projections well beyond 0.3: the clamp bites
+    cos, sin = rope(torch.arange(7)[None], clipped, x.dtype)
+    assert a.qkv(x).abs().max() > 1.0
+    b.qkv.register_forward_hook(lambda m, i, out: out.clamp(-0.3, 0.3))
+    assert torch.equal(a(x, cos, sin), b(x, cos, sin))
+    b2 = Attention(plain, None)
+    b2.load_state_dict(a.state_dict())
+    assert not torch.allclose(a(x, cos, sin), b2(x, cos, sin), atol=1e-3)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "10", True])
+def test_clip_qkv_must_be_a_positive_number(bad):
+    from ncpctl.model import ConfigError
+
+    with pytest.raises(ConfigError, match="clip_qkv"):
+        tiny("llama", clip_qkv=bad)

@@ -79,3 +79,29 @@ def test_a_block_size_that_does_not_divide_seq_len_is_refused(tmp_path: Path, te
         load_recipe(_recipe(tmp_path, text_corpus), ["train.seq_len=56"])
     assert "train.seq_len" in str(e.value) and "multiple of model.diffusion.block_size=16" in str(e.value)
 
+
+
+def test_steerling_8b_recipe_has_the_public_configurations_shape(tmp_path: Path) -> None:
+    """recipes/steerling-8b.yaml against guidelabs/steerling configs/causal_diffusion.py (GQA 32/4,
+    RoPE base 5e5, post-norm RMSNorm eps 1e-5, per-head QK-norm, clip_qkv 10, context 4096, block
+    64, SwiGLU 4x, tied embeddings, no biases) and its tokenizer (<|mask|> = 100280): ~8.1B."""
+    from ncpctl.data.indexed import IndexedDatasetWriter
+    from ncpctl.model.accounting_params import count_parameters
+
+    for split in ("train", "val"):
+        with IndexedDatasetWriter(tmp_path / split, "int32") as w:
+            w.add_document([1, 2, 3, 0])
+    vocab = {f"t{i}": i for i in range(100280)} | {"<|mask|>": 100280}
+    Tokenizer(models.WordLevel(vocab, unk_token="t1")).save(str(tmp_path / "tok.json"))
+    r = load_recipe(RECIPES / "steerling-8b.yaml", [f"data.train_prefix={tmp_path / 'train'}",
+                                                     f"data.val_prefix={tmp_path / 'val'}",
+                                                     f"tokenizer.path={tmp_path / 'tok.json'}"])
+    c = r.model_config
+    shape = (c.backbone, c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.max_seq_len, c.rope_base,
+             c.norm_eps, c.norm_placement, c.qk_norm, c.clip_qkv, c.bias, c.tie_embeddings, c.rotary_pct)
+    assert shape == ("llama", 4096, 32, 32, 4, 16384, 4096, 5e5, 1e-5, "post", "head", 10.0, False, True, 1.0)
+    d = c.diffusion
+    assert (c.objective, d.block_size, d.mask_id, d.schedule, r.seq_len) == ("causal_diffusion", 64, 100280,
+                                                                             "gaussian", 4096)
+    assert (c.bottleneck.concepts, c.bottleneck.unknown, c.bottleneck.rank) == (33732, 101196, 256)
+    assert 8.0e9 < count_parameters(c).total < 8.2e9
