@@ -202,7 +202,7 @@ class TrainSection(Section):
     zero_concept_output: bool = Field(False, description="midtrain from a Hugging Face directory: start the codebook's "
                                       "output projection at zero, so step 0 computes exactly the base model's logits.")
     max_nonfinite: int = Field(5, gt=0, description="Abort after this many non-finite steps in a row.")
-    log_every: int = Field(1, gt=0, description="Write metrics every N steps.")
+    log_every: int = Field(1, gt=0, description="Write metrics every N steps; where stderr is not a terminal (nohup, Slurm, | tee) also print one plain progress line (step, ETA, loss terms).")
     attention_stats_every: int = Field(
         100, ge=0, description="Stability diagnostics (NCP-ArchPreview Sec. 4.6, Figs. 5-6) at step 1 and every N-th "
         "step (0 = off): per attention layer the max attention logit over the visible pairs and the max per-head "

@@ -1,5 +1,11 @@
 """The live training display on stderr (rank 0): a rich progress bar with ETA and the loss terms.
 
+On a terminal the bar leads with the step counter and the ETA (what a narrow terminal must not
+cut off), then the bar, the elapsed time and the loss terms. Where stderr is not a terminal
+(nohup, Slurm, ``| tee``) a live bar prints nothing until the end, so every logged step
+(``train.log_every``) prints one plain line instead: ``pretrain step 120/600 (20%) ETA 0:02:44
+elapsed 0:00:41 | loss ...``.
+
 Generic over the model's log keys: it shows ``loss`` and every other ``*_loss`` term of the
 record (``ntp_loss`` as ``ntp``, ...) in the record's order, plus the few keys with a display
 format of their own (``PERCENT``); other keys are in metrics.jsonl, not on the line.
@@ -7,6 +13,8 @@ format of their own (``PERCENT``); other keys are in metrics.jsonl, not on the l
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from typing import Any
 
 PERCENT = {"code_usage": "codes"}  # record key -> label, shown as a percentage when present
@@ -35,25 +43,44 @@ class TrainDisplay:
     """``start(total, done)``, ``step(record)`` per logged step, ``validation(step, record)``,
     ``message(text)``, ``stop()``."""
 
-    def __init__(self, console: Any, stage: str):
+    def __init__(self, console: Any, stage: str, plain: bool | None = None):
+        """``plain``: print one line per logged step instead of a live bar (default: when the
+        console is not a terminal)."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
             TimeRemainingColumn
         from rich.table import Column
 
-        self.console = console
+        self.console, self.stage = console, stage
+        self.plain = (not console.is_terminal) if plain is None else plain
         self.progress = Progress(
             TextColumn(f"[bold]{stage}[/]", table_column=Column(no_wrap=True, min_width=len(stage))),
-            BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
-            TimeRemainingColumn(),
+            # the counter and the ETA first: a narrow terminal cuts the end of the line
+            MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn(), BarColumn(bar_width=20),
+            TimeElapsedColumn(),
             # the loss terms take what is left of the line and are cut, not wrapped, when narrow
             TextColumn("{task.fields[terms]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
-            console=console, refresh_per_second=4, transient=False,
+            # expand: the fixed columns keep their width, the loss terms (ratio) get the rest
+            console=console, refresh_per_second=4, transient=False, expand=True,
         )
         self.task = None
+        self.total = self.first = 0
+        self.t0 = time.monotonic()
 
     def start(self, total: int, done: int) -> None:
         self.task = self.progress.add_task("train", total=total, completed=done, terms="")
-        self.progress.start()
+        self.total, self.first, self.t0 = total, done, time.monotonic()
+        if not self.plain:
+            self.progress.start()
+
+    def plain_line(self, step: int, terms: str) -> str:
+        """``STAGE step S/N (P%) ETA h:mm:ss elapsed h:mm:ss | terms``; the ETA extrapolates the
+        steps this process ran (a resumed run's earlier steps took no time here)."""
+        took = time.monotonic() - self.t0
+        ran = step - self.first
+        eta = timedelta(seconds=round(took / ran * (self.total - step))) if ran > 0 else "-:--:--"
+        pct = 100 * step // self.total if self.total else 100
+        return (f"{self.stage} step {step}/{self.total} ({pct}%) ETA {eta} "
+                f"elapsed {timedelta(seconds=round(took))} | {terms}")
 
     def step(self, rec: dict[str, Any]) -> None:
         terms = f"loss {rec['loss']:.4f}"
@@ -68,6 +95,8 @@ class TrainDisplay:
         if rec.get("nonfinite"):
             terms += f"  [yellow]skipped {rec['nonfinite']}[/]"
         self.progress.update(self.task, completed=rec["step"], terms=terms)
+        if self.plain:
+            self.console.print(self.plain_line(rec["step"], terms), highlight=False)
 
     def validation(self, step: int, val: dict[str, Any]) -> None:
         """One line per evaluation: the total, with several loss terms the first one (the token
@@ -89,4 +118,5 @@ class TrainDisplay:
         self.progress.console.print(text)
 
     def stop(self) -> None:
-        self.progress.stop()
+        if not self.plain:
+            self.progress.stop()

@@ -53,3 +53,29 @@ def test_validation_shows_the_macro_auc_and_the_pooled_one_beside_its_base_rate(
     _, out = _shown(REC, val)
     assert ("step 3: val loss 5.5000 (ntp 5.2500), concept AUC 0.725 [0.690, 0.829] (macro over 13/16 concepts; "
             "pooled 0.925, base rate 0.885)") in out
+
+
+def test_without_a_terminal_every_logged_step_prints_a_plain_line_counter_and_eta_first() -> None:
+    """Issue 28 item 2: under nohup, Slurm or ``| tee`` a live bar prints nothing between
+    evaluations; each logged step prints one plain line there, the step counter and ETA first."""
+    buf = io.StringIO()
+    display = TrainDisplay(Console(file=buf, width=300, force_terminal=False), "pretrain")
+    display.start(10, 0)
+    display.t0 -= 6.0  # 6 s for the first 3 steps: 2 s per step, 7 steps left
+    display.step(REC)
+    display.stop()
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 1 and "\x1b" not in lines[0]
+    assert lines[0].startswith("pretrain step 3/10 (30%) ETA 0:00:14 elapsed 0:00:06 | loss 5.5000  ntp 5.2500")
+
+
+def test_on_a_100_column_terminal_the_counter_and_eta_lead_the_bar() -> None:
+    buf = io.StringIO()
+    display = TrainDisplay(Console(file=buf, width=100, force_terminal=True), "pretrain")
+    assert not display.plain
+    display.task = display.progress.add_task("train", total=600, completed=0, terms="")
+    display.step({**REC, "step": 120})
+    out = io.StringIO()
+    Console(file=out, width=100, force_terminal=False).print(display.progress.get_renderable())
+    first = out.getvalue().splitlines()[0]
+    assert first.startswith("pretrain 120/600 ETA") and len(first) <= 100
