@@ -176,16 +176,12 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     cfg, model = loaded.config, loaded.model
-    from ncpctl.model import NextToken
-
-    if not isinstance(model.objective, NextToken):  # every exported architecture is a next-token causal LM
-        raise UserError(f"model.objective: {cfg.objective!r} is not next-token prediction, which an exported "
-                        "Hugging Face causal LM is", hint="export supports next_token models")
     eod_token, eod = _eod(loaded)
     dtype_name = str(torch_dtype).removeprefix("torch.")
-    # the concept path or Steerling's bottleneck: no HF architecture holds them, so the export carries
-    # ncpctl's own modeling code (remote code); the bottleneck's heads and embeddings travel with it
-    if _remote(cfg):
+    # the concept path, Steerling's bottleneck or another objective than next-token prediction: no HF
+    # architecture holds them, so the export carries ncpctl's own modeling code (remote code); the
+    # bottleneck's heads and embeddings travel with it
+    if _remote(model):
         arch = "NCPForCausalLM"
         config = {
             "architectures": [arch], "model_type": "ncp",
@@ -230,9 +226,12 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
             "parameters": sum(t.numel() for t in state.values())}
 
 
-def _remote(cfg) -> bool:
-    """Whether the export carries ncpctl's modeling code (no HF architecture holds the model)."""
-    return cfg.concept.enabled or cfg.bottleneck.enabled
+def _remote(model) -> bool:
+    """Whether the export carries ncpctl's modeling code (no HF architecture holds the model): the
+    concept path, the bottleneck, or an objective whose attention is not causal (a Causal Diffusion
+    LM's block-causal attention and block sampling are in no HF causal LM)."""
+    cfg = model.cfg
+    return cfg.concept.enabled or cfg.bottleneck.enabled or not model.objective.causal
 
 
 def remote_files() -> list[Path]:
@@ -259,12 +258,13 @@ def _check_builtin(cfg) -> None:
 
     c = cfg.concept
     for key, kind, name in (("model.backbone", "backbone", cfg.backbone), ("model.residual", "residual", cfg.residual),
+                            ("model.objective", "objective", cfg.objective),
                             ("model.concept.segmentation", "segmentation", c.segmentation),
                             ("model.concept.coupling", "coupling", c.coupling)):
         target = STRATEGIES[kind].get(name)
         if not (isinstance(target, str) and target.startswith(".")):
             raise UserError(f"{key}: {name!r} is not built into ncpctl, so the exported code cannot include it",
-                            hint="export supports the built-in backbone, segmentation, coupling and residual")
+                            hint="export supports the built-in backbone, objective, segmentation, coupling and residual")
 
 
 def _derived(cfg) -> dict[str, Any]:
@@ -318,7 +318,7 @@ def _verify(loaded, d: Path, dtype: str) -> dict[str, Any]:
             ref = rounded(x).logits.float()
         else:
             ref = ref_fp32
-        hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, trust_remote_code=_remote(cfg))
+        hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, trust_remote_code=_remote(src))
         hf.eval()
         got = hf(input_ids=x).logits.float()
     if got.shape != ref.shape:

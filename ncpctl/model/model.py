@@ -46,6 +46,7 @@ from .objective import Objective
 from .residual import CrossModules
 from .stability import CHUNK_ELEMENTS, attention_stats
 from .dynamic import DynamicSegmenter  # noqa: F401  (a built-in strategy: exported with the model package)
+from .diffusion import CausalDiffusion  # noqa: F401  (the built-in objective, exported likewise)
 
 
 class NCPModel(nn.Module):

@@ -357,3 +357,37 @@ def test_export_fills_an_empty_directory_in_place(tmp_path):
     assert out.stat().st_ino == inode and stat.S_IMODE(out.stat().st_mode) == 0o705
     assert (out / "config.json").is_file() and (out / hf_export.MARKER).is_file()
     assert not list(tmp_path.glob(".empty.*"))
+
+
+def test_cdlm_exports_through_remote_code_with_its_block_causal_forward(tmp_path):
+    """Issue 23 item 8: a Causal Diffusion LM exports with ncpctl's modeling code; the export's own
+    check passes, the reloaded model's logits are ncpctl's (a later block never reaches an earlier
+    one; a left-padded row computes what it would alone), ``labels`` score the masked positions
+    unshifted, and transformers' token-by-token generate and caches are refused in one line."""
+    tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
+    cfg = tiny("llama", vocab_size=320, objective="causal_diffusion", diffusion=dict(block_size=4, mask_id=1))
+    model = build(cfg, seed=5)
+    save_model_files(tmp_path / "ck", model, step=0, tokens_seen=0, recipe=None, tokenizer_path=tok)
+    info = export(tmp_path / "ck", tmp_path / "hf")
+    assert info["remote_code"] and info["architecture"] == "NCPForCausalLM" and info["verify"]["max_abs_diff"] <= 1e-5
+    assert (tmp_path / "hf" / "diffusion.py").is_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    w = torch.randint(2, 320, (2, 15), generator=torch.Generator().manual_seed(6))
+    x, y = model.objective.keyed_batch(w, torch.tensor([3, 9]))  # [MASK]s in the input, targets where masked
+    with torch.no_grad():
+        ref = model(x)
+        got = hf(input_ids=x, labels=y)
+        assert (got.logits - ref.logits).abs().max() <= 1e-5
+        assert abs(got.loss.item() - model(x, y).loss.item()) <= 1e-5
+        xp = torch.zeros(2, 14, dtype=torch.long)  # row 1 left-padded by 5: its blocks follow its own positions
+        xp[0], xp[1, 5:] = x[0, :14], x[1, :9]
+        am = (torch.arange(14) >= torch.tensor([[0], [5]])).long()
+        padded = hf(input_ids=xp, attention_mask=am).logits
+        assert (padded[1, 5:] - model(x[1:, :9]).logits[0]).abs().max() <= 1e-5
+        assert (padded[0] - model(x[:1, :14]).logits[0]).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="not autoregressive.*ncpctl generate"):
+        hf.generate(x[:, :4], max_new_tokens=2)
+    with pytest.raises(ValueError, match="no incremental decoding"):
+        hf(input_ids=x, use_cache=True)
+    with pytest.raises(ValueError, match="pad on the left: a right-padded slot would sit inside a real token"):
+        hf(input_ids=x, attention_mask=(torch.arange(15) < 12).long().expand(2, 15))

@@ -18,6 +18,13 @@ concept-layer and segmentation state per row). ``generate`` only carries that ob
 forward to the next (``_supports_default_dynamic_cache`` is False, as for recurrent models:
 the concept path's state is not per-layer keys/values that a transformers ``Cache`` could
 hold). Without a cache every forward recomputes the whole sequence.
+
+A Causal Diffusion LM (``objective: causal_diffusion``) exports through this adapter too: the
+forward is the model's, with its block-causal attention (a position sees its whole block), so
+its logits are ncpctl's; ``labels`` are aligned with ``input_ids`` (the original tokens at the
+[MASK] positions, -100 elsewhere: no shift). Its generation is block-wise sampling, which
+``ncpctl generate`` does: transformers' ``generate`` (one token at a time) and an incremental
+cache are refused, and so is right padding (a padded slot would sit inside a real token's block).
 """
 
 from __future__ import annotations
@@ -46,9 +53,10 @@ class NCPCache:
         self.state.reorder(beam_idx)
 
 
-def left_padding(attention_mask, allow_right: bool) -> list:
+def left_padding(attention_mask, allow_right: bool, why: str = "with a cache, pad on the left (new tokens follow "
+                 "the last slot)") -> list:
     """Leading padding slots per row (host ints) of a (B, T) 0/1 mask whose ones must be
-    contiguous; trailing zeros (right padding) only where ``allow_right``."""
+    contiguous; trailing zeros (right padding) only where ``allow_right`` (else ``why``)."""
     am = attention_mask.bool()
     T = am.shape[1]
     idx = torch.arange(T, device=am.device)
@@ -60,7 +68,7 @@ def left_padding(attention_mask, allow_right: bool) -> list:
             raise ValueError("attention_mask: every row needs real tokens, with padding only on the left "
                              "(or, without a cache, on the right), never inside")
         if l != T - 1 and not allow_right:
-            raise ValueError("attention_mask: with a cache, pad on the left (new tokens follow the last slot)")
+            raise ValueError(f"attention_mask: {why}")
     return [f for f, _, _ in rows]
 
 
@@ -106,6 +114,10 @@ class NCPForCausalLM(PreTrainedModel, GenerationMixin):
         token per row, the cache advances (``attention_mask`` is then not read: the padding is
         the prefill's). With ``use_cache`` (and no cache) the prompt is prefilled and the new
         NCPCache returned as ``cache``."""
+        causal = self.core.objective.causal
+        if use_cache and not causal:
+            raise ValueError(f"objective {self.core.cfg.objective}: no incremental decoding (use_cache); "
+                             "its block-wise sampling is `ncpctl generate`")
         if cache is not None:
             if input_ids.shape[1] != 1:
                 raise ValueError(f"with a cache, feed one new token per row, got {input_ids.shape[1]}")
@@ -114,13 +126,30 @@ class NCPForCausalLM(PreTrainedModel, GenerationMixin):
             B, T = input_ids.shape
             pad = [0] * B
             if attention_mask is not None and not bool(attention_mask.all()):
-                pad = left_padding(attention_mask, allow_right=not use_cache)
-            if use_cache or any(pad):
+                why = {} if causal else {"why": "pad on the left: a right-padded slot would sit inside a real "
+                                                "token's block"}
+                pad = left_padding(attention_mask, allow_right=causal and not use_cache, **why)
+            if any(pad) and not causal:  # row by row: each row's blocks follow its own positions (padding: 0)
+                logits = None
+                for b, p in enumerate(pad):
+                    row = self.core(input_ids[b : b + 1, p:]).logits  # (1, T - p, V)
+                    logits = row.new_zeros(B, T, row.shape[-1]) if logits is None else logits
+                    logits[b, p:] = row[0]
+            elif use_cache or any(pad):
                 logits, state = self.core.prefill(input_ids, [T - p for p in pad])
                 cache = NCPCache(state)
             else:
                 logits = self.core(input_ids).logits
         loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        if labels is not None:  # next-token: HF's internal shift; otherwise labels aligned with the inputs
+            s = 1 if causal else 0
+            loss = F.cross_entropy(logits[:, : logits.shape[1] - s].float().flatten(0, 1), labels[:, s:].flatten(),
+                                   ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+
+    def generate(self, *args, **kwargs):
+        if not self.core.objective.causal:  # transformers would sample it one token at a time
+            raise ValueError(f"objective {self.core.cfg.objective}: this model is not autoregressive; transformers' "
+                             "generate would sample it one token at a time. Its block-wise sampling is "
+                             "`ncpctl generate` on the ncpctl checkpoint")
+        return super().generate(*args, **kwargs)
