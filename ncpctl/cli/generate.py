@@ -97,16 +97,7 @@ def main(
         common[0].save(save_steer)
     per_prompt = [common + specs_from(st, f"{prompts_file} prompt {i + 1}") for i, st in enumerate(own)]
     loaded = load_model(checkpoint)
-    why = loaded.model.objective.refusal("generate")
-    if why:
-        raise UserError(f"{loaded.path}: {why}")
-    blocks = loaded.model.objective.block_sampling
-    if not blocks and (steps_per_block is not None or commit_per_step is not None):
-        raise UserError(f"--steps-per-block / --commit-per-step apply to a Causal Diffusion LM; {loaded.path} is "
-                        f"objective: {loaded.config.objective}")
-    if blocks and any(per_prompt):
-        raise UserError(f"{loaded.path}: steering is not implemented yet for a Causal Diffusion LM's block-wise "
-                        "sampling")
+    blocks = _sampling(loaded, params, any(per_prompt))
     steering = None
     if any(per_prompt):
         names = loaded.meta.get("concept_names")
@@ -134,8 +125,26 @@ def main(
 
     o.result({"command": "generate", "checkpoint": str(loaded.path), "seed": seed,
               "sampling": {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                           "greedy": params.is_greedy, "stop": params.stop,
-                           **({"steps_per_block": steps_per_block or loaded.model.objective.block,
-                               "commit_per_step": commit_per_step} if blocks else {})},
+                           "greedy": params.is_greedy, "stop": params.stop, **blocks},
               "steer": None if steering is None else [[r.describe() for r in row] for row in steering],
               "completions": results}, human)
+
+
+def _sampling(loaded, params, steered: bool) -> dict:
+    """Check that the checkpoint's objective can generate with ``params`` (and steering, if
+    ``steered``); the block-wise sampling settings for the output ({} for token-by-token)."""
+    from ncpctl.errors import UserError
+
+    ob = loaded.model.objective
+    why = ob.refusal("generate")
+    if why:
+        raise UserError(f"{loaded.path}: {why}")
+    if not ob.block_sampling:
+        if params.steps_per_block is not None or params.commit_per_step is not None:
+            raise UserError(f"--steps-per-block / --commit-per-step apply to a Causal Diffusion LM; {loaded.path} is "
+                            f"objective: {loaded.config.objective}")
+        return {}
+    if steered:
+        raise UserError(f"{loaded.path}: steering is not implemented yet for a Causal Diffusion LM's block-wise "
+                        "sampling")
+    return {"steps_per_block": params.steps_per_block or ob.block, "commit_per_step": params.commit_per_step}
