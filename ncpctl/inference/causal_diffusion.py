@@ -113,17 +113,16 @@ def _commit(blk: torch.Tensor, logits: torch.Tensor, counts: list[int], p: Sampl
         if mask_id < vocab:
             lg[:, mask_id] = float("-inf")
         if p.is_greedy:
-            probs = lg.softmax(-1)
-            tok = lg.argmax(-1)
+            conf, tok = lg.softmax(-1).max(-1)  # (n,) each
         else:
             probs = filter_logits(lg, p).softmax(-1)
             tok = torch.multinomial(probs, 1, generator=gens[b])[:, 0]
-        conf = probs.gather(1, tok[:, None])[:, 0]  # (n,)
+            conf = probs.gather(1, tok[:, None])[:, 0]
         pick = conf.topk(min(k, len(where))).indices
         blk[b, where[pick]] = tok[pick]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sample_blocks(model, prompts: Sequence[Sequence[int]], params: SamplingParams, *, vocab_size: int | None = None,
                   cache: bool = True, on_block: Callable[[list[list[int]]], list[bool]] | None = None,
                   on_forward: Callable[[], None] | None = None) -> list[list[int]]:
