@@ -101,14 +101,14 @@ class _Recompute:
         return model.head(model.readout(h)[0])
 
 
-def _commit(blk: torch.Tensor, logits: torch.Tensor, counts: list[int], p: SamplingParams,
+def _commit(blk: torch.Tensor, open_: torch.Tensor, logits: torch.Tensor, counts: list[int], p: SamplingParams,
             gens: list, mask_id: int, vocab: int) -> None:
-    """Sample every masked position of each row of the block blk (B, S) from logits (B, S, V) and
-    write the counts[b] most confident samples into blk."""
+    """Sample every open (still [MASK]) position ``open_`` (B, S) of each row of the block blk (B, S)
+    from logits (B, S, V) and write the counts[b] most confident samples into blk (closing them)."""
     for b, k in enumerate(counts):
         if k == 0:
             continue  # no draw: a row's random stream does not depend on the others
-        where = (blk[b] == mask_id).nonzero()[:, 0]  # (n,)
+        where = open_[b].nonzero()[:, 0]  # (n,)
         lg = logits[b, where, :vocab].float()  # (n, V')
         if mask_id < vocab:
             lg[:, mask_id] = float("-inf")
@@ -120,6 +120,7 @@ def _commit(blk: torch.Tensor, logits: torch.Tensor, counts: list[int], p: Sampl
             conf = probs.gather(1, tok[:, None])[:, 0]
         pick = conf.topk(min(k, len(where))).indices
         blk[b, where[pick]] = tok[pick]
+        open_[b, where[pick]] = False
 
 
 @torch.inference_mode()
@@ -144,6 +145,9 @@ def sample_blocks(model, prompts: Sequence[Sequence[int]], params: SamplingParam
     x = torch.full((B, (C + max(need)) * S), mask_id, dtype=torch.long, device=dev)
     for b, t in enumerate(prompts):
         x[b, pad[b] : pad[b] + lens[b]] = torch.tensor(list(t), dtype=torch.long)
+    # the positions to generate (a [MASK] the prompt itself holds stays as given)
+    holes = torch.arange(x.shape[1], device=dev)[None] >= torch.tensor(pad, device=dev)[:, None] + \
+        torch.tensor(lens, device=dev)[:, None]  # (B, T)
     gens: list = [None] * B
     if params.seed is not None:
         gens = [torch.Generator(device=dev).manual_seed(params.seed + b) for b in range(B)]
@@ -152,9 +156,9 @@ def sample_blocks(model, prompts: Sequence[Sequence[int]], params: SamplingParam
     finished = [False] * B
     for k in range(max(need)):
         lo = (C + k) * S
-        blk = x[:, lo : lo + S]  # a view: commits write into x
+        blk, open_ = x[:, lo : lo + S], holes[:, lo : lo + S]  # views: commits write into x and holes
         live = [not finished[b] and k < need[b] for b in range(B)]
-        plans = [schedule(int((blk[b] == mask_id).sum()), steps, params.commit_per_step) if live[b] else [0] * steps
+        plans = [schedule(int(open_[b].sum()), steps, params.commit_per_step) if live[b] else [0] * steps
                  for b in range(B)]
         for i in range(steps):
             counts = [plan[i] for plan in plans]
@@ -163,7 +167,7 @@ def sample_blocks(model, prompts: Sequence[Sequence[int]], params: SamplingParam
             logits = fwd(x, lo, S)
             if on_forward is not None:
                 on_forward()
-            _commit(blk, logits, counts, params, gens, mask_id, vocab)
+            _commit(blk, open_, logits, counts, params, gens, mask_id, vocab)
         new = [blk[b, max(0, pad[b] + lens[b] - lo):].tolist() if live[b] else [] for b in range(B)]
         for b in range(B):
             out[b] += new[b]

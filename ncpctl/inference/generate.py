@@ -7,6 +7,9 @@ concept-block phase), so a ConceptLM sees exactly the tokens a full forward woul
 ``torch.Generator`` seeded ``seed + row``: a prompt's output does not depend on which other
 prompts share its batch, and the same seed gives the same text.
 
+An objective with ``block_sampling`` (the Causal Diffusion LM) is sampled block by block instead
+(causal_diffusion.py), with the same arguments, seeds, stop strings and completions.
+
 Stop strings are checked on the decoded text of the new tokens; the text returned ends
 before the first stop string (lm-eval's ``until`` semantics). The end-of-document token
 always stops a row.
@@ -125,8 +128,6 @@ def generate(
                          f"causal_diffusion), not to objective {model.cfg.objective}")
     n_new = params.max_new_tokens
     prompts = [list(t) for t in prompts]
-    if any(len(t) == 0 for t in prompts):
-        raise ValueError("every prompt needs at least one token")
     if max_len is not None:
         prompts = fit_prompts(prompts, max_len, n_new)
     if n_new == 0:

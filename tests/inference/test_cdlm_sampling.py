@@ -82,17 +82,19 @@ def test_a_rows_output_does_not_depend_on_its_batch(model):
 
 def test_one_token_per_step_when_steps_equal_the_block_size(model):
     """Greedy with steps_per_block = block size: one forward per new token, each committing one
-    [MASK]: after the forward of step i the block has exactly i + 1 new tokens."""
+    [MASK]: after the forward of step i the block has exactly i + 1 new tokens. A [MASK] in the
+    prompt stays: it is not a position to fill."""
     ps = prompts(6)  # 2 prompt tokens in its last block: 2 + 4 + 4 new tokens over 3 blocks
+    ps[0][5] = MASK
     calls, commits = [], []
     import ncpctl.inference.causal_diffusion as cd
 
     real = cd._commit
 
-    def counting(blk, *a):
-        before = int((blk == MASK).sum())
-        real(blk, *a)
-        commits.append(before - int((blk == MASK).sum()))
+    def counting(blk, open_, *a):
+        before = int(open_.sum())
+        real(blk, open_, *a)
+        commits.append(before - int(open_.sum()))
 
     cd._commit = counting
     try:
