@@ -1,4 +1,5 @@
-"""`ncpctl generate`: sampling from a checkpoint on the incremental decoder."""
+"""`ncpctl generate`: sampling from a checkpoint on the incremental decoder (a Causal Diffusion LM: block by
+block on cached blocks)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ def main(
                                                       "in the output).", show_default=False)] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed: the same seed gives the same text "
                                                 "(prompt i uses seed+i).", show_default=False)] = None,
+    steps_per_block: Annotated[Optional[int], typer.Option("--steps-per-block", min=1, help="Causal Diffusion LM: "
+                                                           "denoising steps per block (default: the block size, one "
+                                                           "token a step).", show_default=False)] = None,
+    commit_per_step: Annotated[Optional[int], typer.Option("--commit-per-step", min=1, help="Causal Diffusion LM: "
+                                                           "commit the K most confident tokens a step (default: the "
+                                                           "block's [MASK]s spread evenly over its steps).",
+                                                           show_default=False)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompts decoded together.")] = 8,
     steer: Annotated[Optional[list[str]], typer.Option("--steer", help="Steer every prompt (repeatable): inline "
                                                        "key=value,... (code=S/N, mix=S:N=W+... or concept=NAME, strength=6logit "
@@ -44,7 +52,9 @@ def main(
 ) -> None:
     """Generate text from a checkpoint: greedy, temperature, top-k, top-p, stop strings, seeds.
 
-    A single prompt streams to the terminal; --prompts-file decodes prompts in batches.
+    A single prompt streams to the terminal; --prompts-file decodes prompts in batches. A Causal
+    Diffusion LM samples block by block (--steps-per-block, --commit-per-step) and streams each
+    committed block.
     """
     import sys
 
@@ -74,7 +84,8 @@ def main(
 
     try:
         params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                greedy=greedy, seed=seed, stop=list(stop or []))
+                                greedy=greedy, seed=seed, stop=list(stop or []), steps_per_block=steps_per_block,
+                                commit_per_step=commit_per_step)
     except ValueError as e:
         raise UserError(str(e)) from None
     from ncpctl.interpret.steer import SteerSpec, resolve, specs_from
@@ -86,9 +97,7 @@ def main(
         common[0].save(save_steer)
     per_prompt = [common + specs_from(st, f"{prompts_file} prompt {i + 1}") for i, st in enumerate(own)]
     loaded = load_model(checkpoint)
-    why = loaded.model.objective.refusal("generate")
-    if why:
-        raise UserError(f"{loaded.path}: {why}")
+    blocks = _sampling(loaded, params, any(per_prompt))
     steering = None
     if any(per_prompt):
         names = loaded.meta.get("concept_names")
@@ -116,6 +125,26 @@ def main(
 
     o.result({"command": "generate", "checkpoint": str(loaded.path), "seed": seed,
               "sampling": {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                           "greedy": params.is_greedy, "stop": params.stop},
+                           "greedy": params.is_greedy, "stop": params.stop, **blocks},
               "steer": None if steering is None else [[r.describe() for r in row] for row in steering],
               "completions": results}, human)
+
+
+def _sampling(loaded, params, steered: bool) -> dict:
+    """Check that the checkpoint's objective can generate with ``params`` (and steering, if
+    ``steered``); the block-wise sampling settings for the output ({} for token-by-token)."""
+    from ncpctl.errors import UserError
+
+    ob = loaded.model.objective
+    why = ob.refusal("generate")
+    if why:
+        raise UserError(f"{loaded.path}: {why}")
+    if not ob.block_sampling:
+        if params.steps_per_block is not None or params.commit_per_step is not None:
+            raise UserError(f"--steps-per-block / --commit-per-step apply to a Causal Diffusion LM; {loaded.path} is "
+                            f"objective: {loaded.config.objective}")
+        return {}
+    if steered:
+        raise UserError(f"{loaded.path}: steering is not implemented yet for a Causal Diffusion LM's block-wise "
+                        "sampling")
+    return {"steps_per_block": params.steps_per_block or ob.block, "commit_per_step": params.commit_per_step}

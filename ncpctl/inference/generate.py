@@ -7,6 +7,9 @@ concept-block phase), so a ConceptLM sees exactly the tokens a full forward woul
 ``torch.Generator`` seeded ``seed + row``: a prompt's output does not depend on which other
 prompts share its batch, and the same seed gives the same text.
 
+An objective with ``block_sampling`` (the Causal Diffusion LM) is sampled block by block instead
+(causal_diffusion.py), with the same arguments, seeds, stop strings and completions.
+
 Stop strings are checked on the decoded text of the new tokens; the text returned ends
 before the first stop string (lm-eval's ``until`` semantics). The end-of-document token
 always stops a row.
@@ -31,8 +34,15 @@ class SamplingParams:
     greedy: bool = False
     seed: int | None = None  # None: torch's global RNG
     stop: list[str] = field(default_factory=list)
+    # block-wise sampling (an objective with ``block_sampling``: causal_diffusion; causal_diffusion.py)
+    steps_per_block: int | None = None  # denoising steps per block (None: the block size, one token a step)
+    commit_per_step: int | None = None  # commit at most this many tokens a step (None: the linear schedule)
 
     def __post_init__(self) -> None:
+        for key in ("steps_per_block", "commit_per_step"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise ValueError(f"{key} must be >= 1, got {v}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -106,10 +116,18 @@ def generate(
     B = len(prompts)
     if B == 0:
         return []
-    n_new = params.max_new_tokens
-    prompts = [list(t) for t in prompts]
     if any(len(t) == 0 for t in prompts):
         raise ValueError("every prompt needs at least one token")
+    if getattr(model.objective, "block_sampling", False):  # a diffusion LM: block by block
+        from .causal_diffusion import generate_blocks
+
+        return generate_blocks(model, prompts, params, decode, eod_id=eod_id, vocab_size=vocab_size, max_len=max_len,
+                               on_text=on_text, interventions=interventions, logit_adjust=logit_adjust)
+    if params.steps_per_block is not None or params.commit_per_step is not None:
+        raise ValueError(f"steps_per_block / commit_per_step apply to block-wise sampling (objective: "
+                         f"causal_diffusion), not to objective {model.cfg.objective}")
+    n_new = params.max_new_tokens
+    prompts = [list(t) for t in prompts]
     if max_len is not None:
         prompts = fit_prompts(prompts, max_len, n_new)
     if n_new == 0:

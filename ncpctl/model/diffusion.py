@@ -23,8 +23,9 @@ Diffusion, Fig. 15).
   its logits are computed unfused (the fused head computes a plain mean). A micro-batch with no
   masked token has loss 0 under either weighting.
 
-Block-wise sampling, the ELBO estimator for evaluation and the export are later steps: generation,
-scoring and export refuse (``refusal``).
+Generation is block-wise (``block_sampling``: ``generate`` runs ncpctl/inference/causal_diffusion.py,
+block by block on KV caches), not token by token (``decoding`` refuses). The ELBO estimator for
+evaluation and the export are later steps: scoring and export refuse (``refusal``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def keyed_bits(sample_ids: torch.Tensor, n: int, salt: int) -> torch.Tensor:
 class CausalDiffusion(Objective):
     loss_key = "diffusion_loss"
     causal = False  # a position sees the rest of its block
+    block_sampling = True  # generate: block by block, most confident [MASK]s first (inference/causal_diffusion.py)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -122,13 +124,14 @@ class CausalDiffusion(Objective):
         return (logits if not torch.is_grad_enabled() else None), (ce / t.flatten()).sum() / targets.numel()
 
     def refusal(self, what: str) -> str | None:
-        if what == "export":  # remote code: the model's own forward (ncpctl/interop/remote/modeling_ncp.py)
+        if what in ("generate", "export"):  # block-wise sampling; remote code (modeling_ncp.py)
             return None
-        return (f"objective {NAME}: {what} is not implemented yet for a Causal Diffusion LM (block-wise sampling, "
-                f"the ELBO estimator for eval and the export are the next steps of issue 23)")
+        return (f"objective {NAME}: {what} is not implemented yet for a Causal Diffusion LM (the ELBO estimator for "
+                f"eval is the next step of issue 23)")
 
     def score(self, context, continuation, max_len):
         raise ValueError(self.refusal("log-likelihood scoring"))
 
     def decoding(self, model, tokens, lengths, max_len, interventions=None) -> Decoding:
-        raise ValueError(self.refusal("generation"))
+        raise ValueError(f"objective {NAME} does not decode token by token: generate samples it block by block "
+                         "(ncpctl.inference.generate, block_sampling)")

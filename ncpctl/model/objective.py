@@ -16,6 +16,8 @@ An ``Objective`` says, for one model:
   logits score each of them;
 * ``decoding(model, tokens, lengths, max_len, interventions)``: how it generates: a ``Decoding``
   whose ``logits`` (B, V) pick each row's next token and whose ``step(tokens)`` feeds them;
+* ``block_sampling``: True when ``generate`` samples it block by block (a diffusion LM:
+  ncpctl/inference/causal_diffusion.py) instead of token by token through ``decoding``;
 * ``refusal(what)``: why the objective cannot do ``what`` (``generate``, ``export``), or None:
   the commands ask it before they start;
 * ``on_step_begin(step)`` (optional): the optimizer step, for schedules inside the objective.
@@ -68,6 +70,7 @@ class Objective:
 
     loss_key = "ntp_loss"
     causal = True  # each position sees earlier ones only: cached decoding exact, right padding harmless
+    block_sampling = False  # generate samples block by block (inference/causal_diffusion.py), not via decoding
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
