@@ -23,8 +23,12 @@ Diffusion, Fig. 15).
   its logits are computed unfused (the fused head computes a plain mean). A micro-batch with no
   masked token has loss 0 under either weighting.
 
-Block-wise sampling, the ELBO estimator for evaluation and the export are later steps: generation,
-scoring and export refuse (``refusal``).
+Likelihood (diffusion_elbo.py): the held-out ELBO, each block scored on the clean earlier blocks,
+Monte Carlo over the masks with a reported standard error; it is the validation's ``diffusion_elbo``
+(``validation``; ``diffusion.eval_samples``) whatever weighting trains the model, and answers lm-eval
+(``bound``: ``loglikelihood_bounds``; a continuation noised, its context clean, LLaDA-style).
+
+Block-wise sampling and the export are later steps: generation and export refuse (``refusal``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def keyed_bits(sample_ids: torch.Tensor, n: int, salt: int) -> torch.Tensor:
 class CausalDiffusion(Objective):
     loss_key = "diffusion_loss"
     causal = False  # a position sees the rest of its block
+    bound = True  # log-likelihoods are ELBO estimates (diffusion_elbo.py)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -122,11 +127,42 @@ class CausalDiffusion(Objective):
         return (logits if not torch.is_grad_enabled() else None), (ce / t.flatten()).sum() / targets.numel()
 
     def refusal(self, what: str) -> str | None:
-        return (f"objective {NAME}: {what} is not implemented yet for a Causal Diffusion LM (block-wise sampling, "
-                f"the ELBO estimator for eval and the export are the next steps of issue 23)")
+        if what == "eval":  # log-likelihoods: the ELBO (loglikelihood_bounds)
+            return None
+        return (f"objective {NAME}: {what} is not implemented yet for a Causal Diffusion LM (block-wise sampling "
+                f"and the export are the next steps of issue 23)")
+
+    # ---- the ELBO (diffusion_elbo.py): validation and lm-eval ----
+
+    def validation(self, model, window, sample_ids):
+        """Each sample's summed ELBO estimates over the micro-batch's inputs (the window's first T
+        tokens), then the token count: (eval_samples + 1,) float64."""
+        if self.d.eval_samples < 1:
+            return {}
+        from .diffusion_elbo import estimates
+
+        x = window[:, :-1]
+        est = estimates(model, x, samples=self.d.eval_samples, seed=0, keys=sample_ids)  # (B, S)
+        return {"diffusion_elbo": torch.cat([est.sum(0), est.new_tensor([x.numel()])])}
+
+    def validation_record(self, sums):
+        if "diffusion_elbo" not in sums:
+            return {}
+        from .diffusion_elbo import summarise
+
+        v = sums["diffusion_elbo"]
+        b = summarise(v[None, :-1], int(v[-1]))
+        return {"diffusion_elbo": b.nll, "diffusion_elbo_stderr": b.stderr}
+
+    def loglikelihood_bounds(self, model, tokens, scored, *, samples, seed, greedy):
+        from .diffusion_elbo import estimates, one_shot_greedy
+
+        est = estimates(model, tokens, scored, samples=samples, seed=seed)
+        return est, (one_shot_greedy(model, tokens, scored) if greedy else None)
 
     def score(self, context, continuation, max_len):
-        raise ValueError(self.refusal("log-likelihood scoring"))
+        raise ValueError(f"objective {NAME}: log-likelihoods are ELBO estimates (loglikelihood_bounds), "
+                         "not read from one forward")
 
     def decoding(self, model, tokens, lengths, max_len, interventions=None) -> Decoding:
         raise ValueError(self.refusal("generation"))

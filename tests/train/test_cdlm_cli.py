@@ -3,7 +3,9 @@
 sample index: the logged validation loss equals the one recomputed here from the checkpoint with
 the masks keyed on the validation windows' sample indices (the second batch's are not its row
 indices, so a loop that keyed on rows would fail); two ranks train on one process's losses.
-``generate`` (exit 2), ``eval`` and ``export`` refuse the checkpoint for now."""
+The validation record carries the held-out ELBO (``diffusion_elbo`` and its standard error), the
+one recomputed here on the same keyed windows. ``generate`` (exit 2) and ``export`` refuse the
+checkpoint for now."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from ncpctl.data.indexed import IndexedDataset
 from ncpctl.data.tokenize import tokenize
 from ncpctl.data.windows import WindowLoader
+from ncpctl.model.diffusion_elbo import estimates, summarise
 from ncpctl.recipe import load_recipe
 
 from .conftest import metrics, ncpctl, result
@@ -53,7 +56,7 @@ def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path) ->
     model = load_model(run["checkpoint"]).model.eval()
     assert model.objective.mask_id == 1
     loader = WindowLoader(IndexedDataset(tmp_path / "run" / "data" / "val"), 32, 8, seed=load_recipe(path).train.seed)
-    keyed, by_row = [], []
+    keyed, by_row, elbo = [], [], []
     with torch.no_grad():
         for _ in range(2):  # eval_batches
             windows = torch.from_numpy(next(loader))
@@ -61,14 +64,15 @@ def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path) ->
             for mb, mb_ids in zip(windows.split(4), ids.split(4)):
                 keyed.append(model(*model.objective.keyed_batch(mb, mb_ids)).loss.item())
                 by_row.append(model(*model.objective.batch(mb)).loss.item())
+            elbo.append(estimates(model, windows[:, :-1], samples=2, keys=ids))  # diffusion.eval_samples: 2
     assert abs(sum(keyed) / len(keyed) - logged) < 1e-5
     assert abs(sum(by_row) / len(by_row) - logged) > 1e-4  # the row index is not the key
+    # the held-out ELBO (issue 23 item 4), beside the masked training loss, with its Monte Carlo error
+    bound = summarise(torch.cat(elbo), 2 * 8 * 32)
+    assert abs(val[-1]["diffusion_elbo"] - bound.nll) < 1e-5 and abs(val[-1]["diffusion_elbo_stderr"] - bound.stderr) < 1e-5
+    assert val[-1]["diffusion_elbo_stderr"] > 0 and val[-1]["diffusion_elbo"] != logged
 
     from ncpctl.errors import UserError
-    from ncpctl.evaluate.lm import NCPLM
-
-    with pytest.raises(UserError, match="eval is not implemented yet"):  # no log-likelihood yet (the ELBO: next step)
-        NCPLM(run["checkpoint"])
     from ncpctl.interop.hf_export import export
 
     with pytest.raises(UserError, match="export is not implemented yet"):
