@@ -9,6 +9,7 @@ checkpoint for now."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -44,9 +45,14 @@ def cdlm_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path) -> None:
-    tmp_path, path = cdlm_data, cdlm_data / "cdlm.yaml"
-    run = result(ncpctl("pretrain", str(path), "--json"))
+@pytest.fixture(scope="module")
+def cdlm_run(cdlm_data: Path) -> dict:
+    """The tiny CDLM pretrained (2 steps) through the real entry point: its --json summary."""
+    return result(ncpctl("pretrain", str(cdlm_data / "cdlm.yaml"), "--json"))
+
+
+def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path, cdlm_run: dict) -> None:
+    tmp_path, path, run = cdlm_data, cdlm_data / "cdlm.yaml", cdlm_run
     train, val = metrics(tmp_path / "run"), metrics(tmp_path / "run", "val")
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["diffusion_loss"]) for r in train)
     logged = val[-1]["diffusion_loss"]
@@ -81,6 +87,26 @@ def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path) ->
     gen = ncpctl("generate", run["checkpoint"], "-p", "def main(", "-n", "4")
     assert gen.returncode == 2 and "generate is not implemented yet" in gen.stderr
     assert len(gen.stderr.strip().splitlines()) == 1, gen.stderr  # one line
+
+
+def test_eval_scores_a_cdlm_with_its_elbo_and_says_bound(cdlm_data: Path, cdlm_run: dict) -> None:
+    """``ncpctl eval`` on a CDLM checkpoint: held-out perplexity from the ELBO (--diffusion-samples
+    Monte Carlo samples), the table, the results JSON and the markdown saying it is a bound."""
+    held = cdlm_data / "held.txt"
+    held.write_text("def area(r):\n    return 3.14159 * r * r\n\n\nfor r in range(3):\n    print(area(r))\n")
+    out = cdlm_data / "eval"
+    shown = ncpctl("eval", cdlm_run["checkpoint"], "--tasks", "", "--heldout", f"{{path: {held}, label: held}}",
+                   "--diffusion-samples", "3", "--out", str(out))
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "ELBO bound, 3 Monte Carlo samples" in shown.stdout and "token perplexity, bound" in shown.stdout
+    (js,) = out.glob("results_*.json")
+    got = json.loads(js.read_text())
+    assert got["likelihood"]["kind"] == "bound" and got["likelihood"]["samples"] == 3
+    assert got["request"]["diffusion_samples"] == 3
+    s = got["perplexity"]["per_set"]["held"]
+    assert s["bound"] and s["tokens"] > 0 and s["nll_stderr"] > 0 and "upper bound" in got["perplexity"]["rule"]
+    assert abs(s["token_perplexity"] - math.exp(s["nll_per_token"])) < 1e-6 * s["token_perplexity"]
+    assert "Log-likelihoods are bounds" in js.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow
