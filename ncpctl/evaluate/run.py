@@ -56,6 +56,8 @@ from ncpctl.fsutil import atomic_write
 PPL_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity")  # preference order
 # what each metric is a perplexity of (lm-eval's `perplexity` of loglikelihood tasks: per target
 # continuation, e.g. LAMBADA's last word)
+# lm-eval metrics that a bound on the log-likelihood makes upper bounds (marked in the table)
+BOUND_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
 PPL_UNITS = {"token_perplexity": "token perplexity", "perplexity": "target perplexity",
              "word_perplexity": "word perplexity", "byte_perplexity": "byte perplexity"}
 
@@ -402,7 +404,8 @@ def rich_table(summary: dict[str, Any]):
                 if k.endswith("_stderr"):
                     continue
                 se = m.get(k + "_stderr")
-                table.add_row(task, k, f"{v:.4f}", f"{se:.4f}" if isinstance(se, float) and not math.isnan(se) else "")
+                shown = f"{k} (upper bound)" if note and k.split("[")[0] in BOUND_METRICS else k
+                table.add_row(task, shown, f"{v:.4f}", f"{se:.4f}" if isinstance(se, float) and not math.isnan(se) else "")
     ppl = summary.get("perplexity") or {}
     if ppl:
         table.add_section()
