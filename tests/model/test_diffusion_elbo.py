@@ -103,3 +103,25 @@ def test_one_shot_greedy_reads_the_argmax_of_the_masked_block(model):
     other = want.clone()
     other[0, 5] = 2 + (pred[1] - 1) % (V - 2)  # not the argmax
     assert not bool(one_shot_greedy(model, other, scored)[0])
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_eval_samples_is_checked_by_key_and_zero_turns_validation_off(model, bad):
+    from ncpctl.model import ConfigError, ModelConfig
+
+    base = dict(backbone="neox", vocab_size=V, pad_vocab_multiple=8, d_model=32, n_layers=2, n_heads=4,
+                max_seq_len=64, objective="causal_diffusion")
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(**base, diffusion=dict(mask_id=MASK, eval_samples=bad))
+    assert [k for k, _ in e.value.problems] == ["diffusion.eval_samples"]
+    w = torch.randint(2, V, (2, L + 1), generator=torch.Generator().manual_seed(6))
+    ob = model.objective
+    sums = ob.validation(model, w, torch.tensor([4, 9]))  # eval_samples: 2 (the default)
+    assert sums["diffusion_elbo"].shape == (3,) and sums["diffusion_elbo"][-1] == 2 * L
+    rec = ob.validation_record(sums)
+    assert set(rec) == {"diffusion_elbo", "diffusion_elbo_stderr"} and rec["diffusion_elbo"] > 0
+    ob.d.eval_samples = 0
+    try:
+        assert ob.validation(model, w, torch.tensor([4, 9])) == {} and ob.validation_record({}) == {}
+    finally:
+        ob.d.eval_samples = 2
