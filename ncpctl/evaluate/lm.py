@@ -224,7 +224,7 @@ class NCPLM(TemplateLM):
                 est, hit = self.model.objective.loglikelihood_bounds(
                     self.model, x, scored, samples=self.diffusion_samples, seed=self.diffusion_seed, greedy=greedy)
                 S = est.shape[1]
-                var = float(est[0].var(unbiased=True)) / S if S > 1 else float("nan")
+                var = float(est[0].var()) / S if S > 1 else float("nan")
                 done[(inp, n)] = (-float(est[0].mean()), bool(hit[0]) if hit is not None else False, var)
             ll, g, var = done[(inp, n)]
             out.append((ll, g))

@@ -135,7 +135,7 @@ def summarise(est: torch.Tensor, tokens: int) -> Bound:
     """A ``Bound`` from per-row, per-sample estimates (B, S) of ``tokens`` scored tokens."""
     per = est.sum(0).double().cpu() / max(tokens, 1)  # (S,) the bound per token of each sample
     S = per.numel()
-    se = float(per.std(unbiased=True)) / math.sqrt(S) if S > 1 else math.nan
+    se = float(per.std()) / math.sqrt(S) if S > 1 else math.nan
     return Bound(float(per.mean()), se, int(tokens), S)
 
 
