@@ -53,3 +53,10 @@ def test_validation_shows_the_macro_auc_and_the_pooled_one_beside_its_base_rate(
     _, out = _shown(REC, val)
     assert ("step 3: val loss 5.5000 (ntp 5.2500), concept AUC 0.725 [0.690, 0.829] (macro over 13/16 concepts; "
             "pooled 0.925, base rate 0.885)") in out
+
+
+def test_validation_shows_a_monte_carlo_estimate_with_its_standard_error() -> None:
+    """A CDLM's held-out ELBO (issue 23 item 4): a key with its ``_stderr`` beside it."""
+    _, out = _shown(REC, {"loss": 6.3956, "diffusion_loss": 6.3956, "diffusion_elbo": 6.34972,
+                          "diffusion_elbo_stderr": 0.00521})
+    assert "step 3: val loss 6.3956, diffusion_elbo 6.3497 ± 0.0052\n" in out
