@@ -64,6 +64,9 @@ def _human(con: Any, s: dict[str, Any]) -> None:
         line = f"val loss {val:.4f}"
         if "ntp_loss" in s["val"]:
             line += f" (ntp {s['val']['ntp_loss']:.4f})"
+        from ncpctl.train.display import estimate_terms
+
+        line += "".join(", " + t for t in estimate_terms(s["val"]))  # e.g. the CDLM's held-out ELBO
         if s.get("unigram_entropy") is not None:
             line += f"; unigram entropy of the training data {s['unigram_entropy']:.4f} nats"
         con.print(line)

@@ -33,6 +33,9 @@ def main(
                                                       show_default=False)] = None,
     num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples.",
                                                        show_default=False)] = None,
+    diffusion_samples: Annotated[Optional[int], typer.Option(
+        "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
+        "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="Output directory (default run.dir/eval; with "
                                                "--compare the first run's eval/).", show_default=False)] = None,
     concepts: Annotated[bool, typer.Option(
@@ -87,7 +90,8 @@ def main(
         return
     from ncpctl.evaluate.run import evaluate, resolve_target, rich_table
 
-    t = resolve_target(targets[0], set_ or [], names, batch_size, limit, num_fewshot, out, heldout=heldout)
+    t = resolve_target(targets[0], set_ or [], names, batch_size, limit, num_fewshot, out, heldout=heldout,
+                       diffusion_samples=diffusion_samples)
     summary = evaluate(t, log=log)
     out_.result({"command": "eval", **summary}, lambda con: (
         con.print(rich_table(summary)),

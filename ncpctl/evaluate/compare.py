@@ -22,6 +22,13 @@ task has a blank and a note says so), each run's value and its delta to the firs
 run's average follows (which held-out sets, each in its unit). Written as
 ``compare_<labels>.json`` / ``.md`` / ``.png`` (bars per task, one bar per run, and the runs'
 validation loss curves from ``metrics.jsonl``) into ``out`` (default: the first run's ``eval/``).
+
+Exact log-likelihoods and bounds are not ranked silently: when the runs' results differ in
+``likelihood`` kind (an autoregressive model's exact cross-entropy, a Causal Diffusion LM's ELBO
+bound; ``ncpctl.evaluate.run``), the first note says which run reports which and that the deltas
+of the perplexity rows and of every likelihood-based metric compare a bound with an exact value,
+not one model with another; the validation curves say the same when one run's is its ELBO
+(``diffusion_elbo``) and another's a cross-entropy. The table itself is kept.
 """
 
 from __future__ import annotations
@@ -38,7 +45,10 @@ from ncpctl.fsutil import atomic_write, atomic_write_with
 
 PPL_ROWS = (("mean_of_sets", "mean of per-set perplexities (paper's average)"),
             ("token_weighted", "token-weighted perplexity (tokens pooled)"))
-VAL_KEYS = ("ntp_loss", "loss")  # the validation curve: next-token loss (comparable across designs), else the total
+# the validation curve: next-token loss (comparable across designs), a CDLM's held-out ELBO (its bound on the
+# NLL per token), else the total
+VAL_KEYS = ("ntp_loss", "diffusion_elbo", "loss")
+BOUND_KEYS = ("diffusion_elbo",)  # validation keys that are bounds, not cross-entropies
 
 
 @dataclass
@@ -253,15 +263,22 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
              "limit": _request(e.res).get("limit"),
              "perplexity_sets": sorted(e.ppl.get("averaged", e.ppl.get("per_set") or {}))}
             for e in entries]
+    curves = val_curves(entries)
+    notes = _notes(entries, runs, missing)
+    if len({c["key"] in BOUND_KEYS for c in curves.values()}) > 1:
+        notes.append("validation curves: " + ", ".join(
+            f"{lab} {c['key']} ({'a bound' if c['key'] in BOUND_KEYS else 'cross-entropy'})" for lab, c in curves.items())
+            + ": a bound is not comparable to a cross-entropy")
     payload = {"runs": runs, "baseline": entries[0].label, "rows": rows, "missing": missing,
-               "notes": _notes(entries, runs, missing), "val_loss": val_curves(entries)}
+               "notes": notes, "val_loss": curves, "likelihood": {e.label: _kind(e) for e in entries}}
     payload["files"] = write(payload, Path(out) if out else entries[0].eval_dir, log)
     return payload
 
 
 def _notes(entries: list[Entry], runs: list[dict[str, Any]], missing: dict[str, list[str]]) -> list[str]:
     """What a reader of the table must know: stale or fresh results, blanks, unequal set-ups."""
-    notes = [f"{e.label}: {n}" for e in entries for n in e.notes]
+    notes = _kind_notes(entries)
+    notes += [f"{e.label}: {n}" for e in entries for n in e.notes]
     notes += [f"{e.label}: evaluated now (it had no results)" for e in entries if e.evaluated]
     notes += [f"{lab}: no {', '.join(ts)} (blank in the table: the runs were evaluated on different tasks)"
               for lab, ts in missing.items()]
@@ -276,6 +293,23 @@ def _notes(entries: list[Entry], runs: list[dict[str, Any]], missing: dict[str, 
     else:
         notes += [f"{lab}: {rule}" for lab, rule in rules.items()]
     return notes
+
+
+def _kind(e: Entry) -> dict[str, Any]:
+    return e.res.get("likelihood") or {"kind": "exact"}  # results written before it recorded one: exact
+
+
+def _kind_notes(entries: list[Entry]) -> list[str]:
+    """The note that keeps a bound from being ranked against an exact log-likelihood."""
+    kinds = {e.label: _kind(e) for e in entries}
+    if len({k.get("kind") for k in kinds.values()}) < 2:
+        return []
+    said = "; ".join(f"{lab}: " + ("exact cross-entropy" if k.get("kind") != "bound" else
+                                   f"an ELBO bound ({k.get('samples')} Monte Carlo samples)")
+                     for lab, k in kinds.items())
+    return [f"NOT A RANKING: the log-likelihoods differ in kind ({said}); a bound over-states the NLL and the "
+            "perplexity, so the perplexity rows, the likelihood-based metrics and their deltas compare a bound "
+            "with an exact value, not the models"]
 
 
 def _rule(ppl: dict[str, Any]) -> str:

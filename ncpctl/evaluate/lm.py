@@ -16,6 +16,15 @@ Scores are normalised over the tokenizer's vocabulary (``cfg.vocab_size``), not 
 rows of the embedding, which no text can produce.
 
 Log-likelihoods are also accumulated per task (``token_stats``: NLL and scored tokens) so ``ncpctl eval`` can report token-weighted perplexities across perplexity sets.
+
+An objective whose log-likelihoods are bounds (``Objective.bound``: the Causal Diffusion LM) answers
+both request kinds with its Monte Carlo estimator instead (``Objective.loglikelihood_bounds``;
+diffusion_elbo.py), LLaDA-style: the input is context + continuation left-truncated to
+``max_length``, the continuation's tokens are noised and scored, the context stays clean; the
+log-likelihood is minus the mean of ``diffusion_samples`` estimates of the bound (a lower bound on
+the log-likelihood in expectation), keyed by ``diffusion_seed``, and ``token_stats`` also sums the
+estimates' Monte Carlo variance (``mc_var``). ``is_greedy`` is the one-shot check
+(``one_shot_greedy``: every continuation token the argmax with its block's continuation masked).
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from ncpctl.errors import UserError
+
+DIFFUSION_SAMPLES = 8  # Monte Carlo samples per request of a bound's estimate (ncpctl eval --diffusion-samples)
 
 
 def _batch_size(value: int | str) -> int:
@@ -47,12 +58,18 @@ def _batch_size(value: int | str) -> int:
 class NCPLM(TemplateLM):
     """``lm_eval`` model args: ``checkpoint=DIR`` (checkpoint or run dir), ``batch_size``,
     ``max_length`` (default the model's ``max_seq_len``), ``dtype`` (float32|bfloat16),
-    ``device`` (cpu|cuda...), ``data=DIR`` (offline tasks' data, else found from the checkpoint)."""
+    ``device`` (cpu|cuda...), ``data=DIR`` (offline tasks' data, else found from the checkpoint),
+    ``diffusion_samples`` / ``diffusion_seed``: the Monte Carlo samples and key of a bound's estimates
+    (an objective whose log-likelihoods are bounds: the CDLM's ELBO)."""
 
     def __init__(self, checkpoint: str | None = None, *, loaded=None, batch_size: int | str = 8,
                  max_length: int | None = None, dtype: str = "float32", device: str | None = None,
-                 max_gen_toks: int = 256, **_: Any):
+                 max_gen_toks: int = 256, diffusion_samples: int | str = DIFFUSION_SAMPLES,
+                 diffusion_seed: int | str = 0, **_: Any):
         super().__init__()
+        if not str(diffusion_samples).isdigit() or int(diffusion_samples) < 1:
+            raise UserError(f"diffusion_samples={diffusion_samples!r}: expected a positive integer")
+        self.diffusion_samples, self.diffusion_seed = int(diffusion_samples), int(diffusion_seed)
         if dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"dtype={dtype!r}: expected float32, bfloat16 or float16")
         self._batch_size = _batch_size(batch_size)
@@ -82,6 +99,15 @@ class NCPLM(TemplateLM):
         eot = eod_token(loaded)[1]
         self._eot = eot if eot is not None else 0
         self.token_stats: dict[str, dict[str, float]] = {}
+        self._mc_var: list[float] = []  # the Monte Carlo variance of each result of the last scoring call
+
+    @property
+    def likelihood(self) -> dict[str, Any]:
+        """What the log-likelihoods are: exact, or a bound's Monte Carlo estimates (with how many samples)."""
+        if not self.model.objective.bound:
+            return {"kind": "exact"}
+        return {"kind": "bound", "estimator": "ELBO (an upper bound on the NLL; Monte Carlo over the masks)",
+                "samples": self.diffusion_samples, "seed": self.diffusion_seed}
 
     # ---- what lm-eval asks of a model ----
 
@@ -142,15 +168,19 @@ class NCPLM(TemplateLM):
                 cont_enc = whole[len(ctx_enc):]
             new.append((req.args, ctx_enc, cont_enc))
         out = self._loglikelihood_tokens(new, disable_tqdm=disable_tqdm)
-        for req, (ll, _), (_, _, cont) in zip(requests, out, new):
-            self._account(req, ll, len(cont))
+        var = self._mc_var or [0.0] * len(out)
+        for req, (ll, _), (_, _, cont), v in zip(requests, out, new, var):
+            self._account(req, ll, len(cont), v)
         return out
 
-    def _account(self, req, ll: float, n_tokens: int) -> None:
-        """Per-task NLL and token counts (for token-weighted perplexities across sets)."""
+    def _account(self, req, ll: float, n_tokens: int, mc_var: float = 0.0) -> None:
+        """Per-task NLL and token counts (for token-weighted perplexities across sets); a bound's
+        estimates also their Monte Carlo variance."""
         st = self.token_stats.setdefault(getattr(req, "task_name", None) or "?", {"nll": 0.0, "tokens": 0})
         st["nll"] -= ll
         st["tokens"] += n_tokens
+        if self.model.objective.bound:
+            st["mc_var"] = st.get("mc_var", 0.0) + mc_var
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from lm_eval import utils
@@ -163,18 +193,47 @@ class NCPLM(TemplateLM):
                     max_seq_len=self.max_length, context_len=1)):
                 windows.append((None, ctx, cont))
                 owner.append(r)
-        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm, greedy=False)
+        var = self._mc_var or [0.0] * len(scores)
         totals = [0.0] * len(requests)
         counts = [0] * len(requests)
-        for r, (ll, _), (_, _, cont) in zip(owner, scores, windows):
+        variances = [0.0] * len(requests)
+        for r, (ll, _), (_, _, cont), v in zip(owner, scores, windows, var):
             totals[r] += ll
             counts[r] += len(cont)
-        for req, ll, n in zip(requests, totals, counts):
-            self._account(req, ll, n)
+            variances[r] += v
+        for req, ll, n, v in zip(requests, totals, counts, variances):
+            self._account(req, ll, n, v)
         return totals
 
     @torch.no_grad()
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **_) -> list[tuple[float, bool]]:
+    def _bound_tokens(self, requests, greedy: bool) -> list[tuple[float, bool]]:
+        """requests: (key, context ids, continuation ids) -> (-(mean estimate of the bound), greedy?),
+        one request at a time (its Monte Carlo samples are the rows of the estimator's forwards);
+        identical requests are scored once. Sets ``_mc_var``: each result's Monte Carlo variance."""
+        L, dev = self.max_length, self._device
+        done: dict[tuple[tuple[int, ...], int], tuple[float, bool, float]] = {}
+        out, self._mc_var = [], []
+        for _, ctx, cont in requests:
+            inp = tuple((list(ctx) + list(cont))[-L:])  # a continuation longer than the window: its last tokens
+            n = min(len(cont), len(inp))
+            if (inp, n) not in done:
+                x = torch.tensor([inp], device=dev)
+                scored = torch.zeros_like(x, dtype=torch.bool)
+                scored[:, len(inp) - n:] = True
+                est, hit = self.model.objective.loglikelihood_bounds(
+                    self.model, x, scored, samples=self.diffusion_samples, seed=self.diffusion_seed, greedy=greedy)
+                S = est.shape[1]
+                var = float(est[0].var()) / S if S > 1 else float("nan")
+                done[(inp, n)] = (-float(est[0].mean()), bool(hit[0]) if hit is not None else False, var)
+            ll, g, var = done[(inp, n)]
+            out.append((ll, g))
+            self._mc_var.append(var)
+        return out
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, greedy: bool = True,
+                              **_) -> list[tuple[float, bool]]:
         """requests: (key, context ids, continuation ids) -> (sum log p(cont), greedy?).
 
         The model's objective says which input a request is scored on and which positions'
@@ -182,7 +241,11 @@ class NCPLM(TemplateLM):
         minus its last token, left-truncated to ``max_length`` like HFLM). Requests with the
         same input share one forward but are each scored on their own continuation: one-token
         answers to the same question have equal inputs and differ only in the target.
-        Identical requests are scored once."""
+        Identical requests are scored once. An objective whose log-likelihoods are bounds:
+        ``_bound_tokens`` (``greedy``: also whether each continuation is the greedy pick)."""
+        if self.model.objective.bound:
+            return self._bound_tokens(requests, greedy)
+        self._mc_var = []
         L, V = self.max_length, self.cfg.vocab_size
         score = self.model.objective.score
         inputs: dict[tuple[int, ...], int] = {}  # input ids -> forward index

@@ -24,6 +24,13 @@ own, named by their labels (``ncpctl.evaluate.heldout``); they count as perplexi
 The JSON also records what was asked (``request``: tasks, held-out corpora, limit, few-shot,
 batch size, checkpoint), which ``ncpctl eval --compare`` reuses to evaluate a run the same way.
 
+A checkpoint whose log-likelihoods are bounds (a Causal Diffusion LM: its held-out ELBO,
+``ncpctl.model.diffusion_elbo``) is scored with ``diffusion_samples`` Monte Carlo samples per
+request (``--diffusion-samples``); the results record ``likelihood`` (``kind``: ``exact`` or
+``bound``, the estimator, samples and seed), each perplexity set is marked ``bound: true`` with
+``nll_per_token`` and its Monte Carlo ``nll_stderr``, and the table and markdown say "bound"
+(a perplexity from a bound is an upper bound on the perplexity).
+
 Hub tasks whose data cannot be loaded (no network, no cache) and held-out corpora with no text
 fail before any model work, with one line per task or corpus naming it.
 """
@@ -49,6 +56,8 @@ from ncpctl.fsutil import atomic_write
 PPL_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity")  # preference order
 # what each metric is a perplexity of (lm-eval's `perplexity` of loglikelihood tasks: per target
 # continuation, e.g. LAMBADA's last word)
+# lm-eval metrics that a bound on the log-likelihood makes upper bounds (marked in the table)
+BOUND_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
 PPL_UNITS = {"token_perplexity": "token perplexity", "perplexity": "target perplexity",
              "word_perplexity": "word perplexity", "byte_perplexity": "byte perplexity"}
 
@@ -62,11 +71,12 @@ class EvalTarget:
     limit: int | None
     num_fewshot: int | None
     heldout: list[Any] = field(default_factory=list)  # [HeldoutSource], scored as tasks named by their labels
+    diffusion_samples: int | None = None  # Monte Carlo samples of a bound's estimates (None: NCPLM's default)
 
 
 def resolve_target(target: str, sets: list[str], tasks: list[str] | None, batch_size: int | None,
                    limit: int | None, num_fewshot: int | None, out: str | None,
-                   heldout: list[Any] | None = None) -> EvalTarget:
+                   heldout: list[Any] | None = None, diffusion_samples: int | None = None) -> EvalTarget:
     """A recipe YAML (its run dir's newest checkpoint) or a checkpoint / run directory.
 
     Defaults come from the recipe's ``eval`` section: the YAML's, or the resolved recipe the
@@ -98,7 +108,7 @@ def resolve_target(target: str, sets: list[str], tasks: list[str] | None, batch_
                         "or set eval.tasks / eval.heldout in the recipe")
     return EvalTarget(ckpt, Path(out) if out else run_dir / "eval", tasks, batch_size or ev.batch_size,
                       limit if limit is not None else ev.limit,
-                      num_fewshot if num_fewshot is not None else ev.num_fewshot, specs)
+                      num_fewshot if num_fewshot is not None else ev.num_fewshot, specs, diffusion_samples)
 
 
 def _checkpoint_eval(ckpt: Path):  # -> EvalSection
@@ -236,7 +246,8 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
         task_log.addFilter(_DropMetadataAdvice())
     t0 = time.time()
     if lm is None:
-        lm = NCPLM(str(t.checkpoint), batch_size=t.batch_size)
+        lm = NCPLM(str(t.checkpoint), batch_size=t.batch_size,
+                   **({"diffusion_samples": t.diffusion_samples} if t.diffusion_samples else {}))
     tm, objs = load_tasks(t.tasks, {"checkpoint": str(t.checkpoint)})
     objs += heldout.tasks(corpora)
     names = [*t.tasks, *corpora]
@@ -248,21 +259,31 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     res.pop("samples", None)
     ppl = perplexity_summary(res["results"], lm.token_stats, res.get("configs"))
     res["perplexity"] = ppl
+    likelihood = getattr(lm, "likelihood", {"kind": "exact"})
+    res["likelihood"] = likelihood
     res["request"] = request = {
         "checkpoint": str(t.checkpoint), "tasks": t.tasks, "limit": t.limit, "batch_size": t.batch_size,
-        "num_fewshot": t.num_fewshot,
+        "num_fewshot": t.num_fewshot, "diffusion_samples": likelihood.get("samples"),
         "heldout": [dict(s.model_dump(exclude_defaults=True), label=lab) for s, lab in zip(t.heldout, corpora)]}
     tag = t.checkpoint.name
     t.out_dir.mkdir(parents=True, exist_ok=True)
     js, md = t.out_dir / f"results_{tag}.json", t.out_dir / f"results_{tag}.md"
     atomic_write(js, json.dumps(res, indent=2, default=handle_non_serializable) + "\n")
     table = make_table(res) + ("\n" + make_table(res, "groups") if res.get("groups") else "")
-    atomic_write(md, f"# {t.checkpoint}\n\n{table}\n{_ppl_markdown(ppl)}")
+    atomic_write(md, f"# {t.checkpoint}\n\n{_likelihood_line(likelihood)}{table}\n{_ppl_markdown(ppl)}")
     return {
-        **request,
+        **request, "likelihood": likelihood,
         "results": metrics(res["results"]), "groups": metrics(res.get("groups", {})), "perplexity": ppl,
         "files": {"json": str(js), "markdown": str(md)}, "seconds": round(time.time() - t0, 2),
     }
+
+
+def _likelihood_line(likelihood: dict[str, Any]) -> str:
+    """A results file's note on a bound (nothing for exact log-likelihoods)."""
+    if likelihood.get("kind") != "bound":
+        return ""
+    return (f"Log-likelihoods are bounds: {likelihood['estimator']}, {likelihood['samples']} samples per request; "
+            "perplexities from them are upper bounds.\n\n")
 
 
 def _tokenizer(checkpoint: Path):
@@ -322,6 +343,9 @@ def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict
                       "averaged": split is None or split.split("[")[0] != "train",
                       "token_perplexity": math.exp(st["nll"] / st["tokens"]), "tokens": int(st["tokens"]),
                       "nll": st["nll"]}
+        if "mc_var" in st:  # a bound's Monte Carlo estimates (NCPLM: the CDLM's ELBO)
+            sets[task].update(bound=True, nll_per_token=st["nll"] / st["tokens"],
+                              nll_stderr=math.sqrt(st["mc_var"]) / st["tokens"])
     if not sets:
         return {}
     avg = {k: s for k, s in sets.items() if s["averaged"]}
@@ -332,6 +356,8 @@ def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict
             "(the ConceptLM paper's Avg PPL)" if avg else "mean_of_sets: no held-out set")
     if excluded:
         rule += "; not averaged (scored on a training split): " + ", ".join(excluded)
+    if any(s.get("bound") for s in sets.values()):
+        rule += "; from ELBO bounds on the log-likelihood: every perplexity is an upper bound"
     return {"per_set": sets, "mean_of_sets": sum(s["value"] for s in avg.values()) / len(avg) if avg else None,
             "token_weighted": math.exp(nll / n) if avg else None, "averaged": list(avg), "excluded": excluded,
             "rule": rule}
@@ -341,13 +367,18 @@ def _num(v: float | None) -> str:
     return "" if v is None else f"{v:.4f}"
 
 
+def _unit(v: dict[str, Any]) -> str:
+    """A set's unit, marked when its perplexity comes from a bound (an upper bound on the perplexity)."""
+    return f"{v['unit']}, bound" if v.get("bound") else v["unit"]
+
+
 def _ppl_markdown(ppl: dict[str, Any]) -> str:
     if not ppl:
         return ""
     lines = ["", "## Perplexity across sets", "",
              "| set | unit (lm-eval metric) | split | value | averaged | scored tokens | token perplexity |",
              "|---|---|---|---:|---|---:|---:|"]
-    lines += [f"| {k} | {v['unit']} ({v['metric']}) | {v['split'] or ''} | {v['value']:.4f} | "
+    lines += [f"| {k} | {_unit(v)} ({v['metric']}) | {v['split'] or ''} | {v['value']:.4f} | "
               f"{'yes' if v['averaged'] else 'no: training split'} | {v['tokens']} | {v['token_perplexity']:.4f} |"
               for k, v in ppl["per_set"].items()]
     lines += ["", f"- mean of per-set perplexities (the `value` column of the averaged sets; the ConceptLM paper's "
@@ -362,7 +393,9 @@ def rich_table(summary: dict[str, Any]):
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=f"{summary['checkpoint']}", title_justify="left")
+    lik = summary.get("likelihood") or {}
+    note = f" (log-likelihoods: ELBO bound, {lik['samples']} Monte Carlo samples)" if lik.get("kind") == "bound" else ""
+    table = Table(title=f"{summary['checkpoint']}{note}", title_justify="left")
     for col, just in (("task", "left"), ("metric", "left"), ("value", "right"), ("± stderr", "right")):
         table.add_column(col, justify=just)
     for section in ("results", "groups"):
@@ -371,13 +404,17 @@ def rich_table(summary: dict[str, Any]):
                 if k.endswith("_stderr"):
                     continue
                 se = m.get(k + "_stderr")
-                table.add_row(task, k, f"{v:.4f}", f"{se:.4f}" if isinstance(se, float) and not math.isnan(se) else "")
+                shown = f"{k} (upper bound)" if note and k.split("[")[0] in BOUND_METRICS else k
+                table.add_row(task, shown, f"{v:.4f}", f"{se:.4f}" if isinstance(se, float) and not math.isnan(se) else "")
     ppl = summary.get("perplexity") or {}
     if ppl:
         table.add_section()
         for task, v in ppl["per_set"].items():  # each set's unit, and whether the average takes it
-            table.add_row(task, f"{v['unit']}" + ("" if v["averaged"] else " (training split: not averaged)"),
+            table.add_row(task, _unit(v) + ("" if v["averaged"] else " (training split: not averaged)"),
                           f"{v['value']:.4f}", "")
+            if v.get("bound"):  # the bound itself, nats per token, with its Monte Carlo error
+                table.add_row(task, "NLL bound per token (ELBO, nats)", f"{v['nll_per_token']:.4f}",
+                              f"{v['nll_stderr']:.4f}")
         table.add_row("perplexity sets", "mean of per-set ppl (paper's average)", _num(ppl["mean_of_sets"]), "")
         table.add_row("perplexity sets", "token-weighted ppl (tokens pooled)", _num(ppl["token_weighted"]), "")
         table.caption, table.caption_justify = Text(ppl["rule"]), "left"  # Text: its [unit]s are not markup

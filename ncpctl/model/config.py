@@ -185,7 +185,7 @@ class ModelConfig(DiffusionSection, BottleneckSection, MupSection, MtpSection, A
         "next_token", "What the model is trained to predict (inputs and targets from a data window, the "
         "attention pattern, the loss, scoring and generation): next_token = next-token prediction; "
         "causal_diffusion = Steerling's Causal Diffusion LM (block-causal attention, masked blocks, keys "
-        "model.diffusion.*; sampling, its ELBO evaluation and export are not implemented yet); or a "
+        "model.diffusion.*: block-wise sampling, its held-out ELBO, the export's remote code); or a "
         "registered objective / package.module:Class (docs/architecture.md).")
     concept: ConceptConfig = _f(ConceptConfig, "The concept path.")
     options: dict = _f(

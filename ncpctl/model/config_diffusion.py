@@ -47,6 +47,12 @@ class DiffusionConfig:
         "-log p(x_i | x_t) over M (Steerling's L = E_t[1/|M| sum_{i in M} -log p]); elbo = each masked token's "
         "cross-entropy weighted by 1/t_b of its block, summed and divided by the number of tokens (the MDLM "
         "bound on the NLL per token).")
+    eval_samples: int = option(
+        2, "Monte Carlo samples of the held-out ELBO at each validation (diffusion_elbo.py): the validation "
+        "record's diffusion_elbo (the bound on the NLL per token, each block scored on the clean earlier ones) and "
+        "diffusion_elbo_stderr (its Monte Carlo standard error over the samples; needs 2). Each sample costs about "
+        "(blocks + 1) / 2 forwards of a validation window; 0 = no ELBO at validation. ncpctl eval takes its own "
+        "count (--diffusion-samples).")
     mask_token: str = option(
         "<|mask|>", "The [MASK] token's text: ncpctl tokenize adds it as a special token after the EOD token "
         "(a trained BPE: id 1); a tokenizer.path without it is refused.")
@@ -73,6 +79,8 @@ def _check(d: DiffusionConfig, cfg: Any) -> list[tuple[str, str]]:
         out.append(("diffusion.gaussian_std", f"must be a number > 0, got {d.gaussian_std!r}"))
     if not isinstance(d.gaussian_steps, int) or isinstance(d.gaussian_steps, bool) or d.gaussian_steps < 0:
         out.append(("diffusion.gaussian_steps", f"must be an integer >= 0, got {d.gaussian_steps!r}"))
+    if not isinstance(d.eval_samples, int) or isinstance(d.eval_samples, bool) or d.eval_samples < 0:
+        out.append(("diffusion.eval_samples", f"must be an integer >= 0, got {d.eval_samples!r}"))
     if not isinstance(d.mask_token, str) or not d.mask_token:
         out.append(("diffusion.mask_token", f"must be a non-empty string, got {d.mask_token!r}"))
     m = d.mask_id

@@ -24,8 +24,15 @@ Diffusion, Fig. 15).
   masked token has loss 0 under either weighting.
 
 Generation is block-wise (``block_sampling``: ``generate`` runs ncpctl/inference/causal_diffusion.py,
-block by block on KV caches), not token by token (``decoding`` refuses). The ELBO estimator for
-evaluation and the export are later steps: scoring and export refuse (``refusal``).
+block by block on KV caches), not token by token (``decoding`` refuses).
+
+Likelihood (diffusion_elbo.py): the held-out ELBO, each block scored on the clean earlier blocks,
+Monte Carlo over the masks with a reported standard error; it is the validation's ``diffusion_elbo``
+(``validation``; ``diffusion.eval_samples``) whatever weighting trains the model, and answers lm-eval
+(``bound``: ``loglikelihood_bounds``; a continuation noised, its context clean, LLaDA-style).
+
+The export carries the model's own forward (remote code, ncpctl/interop/remote/modeling_ncp.py),
+which refuses transformers' token-by-token ``generate``.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class CausalDiffusion(Objective):
     loss_key = "diffusion_loss"
     causal = False  # a position sees the rest of its block
     block_sampling = True  # generate: block by block, most confident [MASK]s first (inference/causal_diffusion.py)
+    bound = True  # log-likelihoods are ELBO estimates (diffusion_elbo.py)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -123,14 +131,37 @@ class CausalDiffusion(Objective):
         ce = F.cross_entropy(logits.flatten(0, 1).float(), tok.flatten(), reduction="none")  # 0 where ignored
         return (logits if not torch.is_grad_enabled() else None), (ce / t.flatten()).sum() / targets.numel()
 
-    def refusal(self, what: str) -> str | None:
-        if what in ("generate", "export"):  # block-wise sampling; remote code (modeling_ncp.py)
-            return None
-        return (f"objective {NAME}: {what} is not implemented yet for a Causal Diffusion LM (the ELBO estimator for "
-                f"eval is the next step of issue 23)")
+    # ---- the ELBO (diffusion_elbo.py): validation and lm-eval ----
+
+    def validation(self, model, window, sample_ids):
+        """Each sample's summed ELBO estimates over the micro-batch's inputs (the window's first T
+        tokens), then the token count: (eval_samples + 1,) float64."""
+        if self.d.eval_samples < 1:
+            return {}
+        from .diffusion_elbo import estimates
+
+        x = window[:, :-1]
+        est = estimates(model, x, samples=self.d.eval_samples, seed=0, keys=sample_ids)  # (B, S)
+        return {"diffusion_elbo": torch.cat([est.sum(0), est.new_tensor([x.numel()])])}
+
+    def validation_record(self, sums):
+        if "diffusion_elbo" not in sums:
+            return {}
+        from .diffusion_elbo import summarise
+
+        v = sums["diffusion_elbo"]
+        b = summarise(v[None, :-1], int(v[-1]))
+        return {"diffusion_elbo": b.nll, "diffusion_elbo_stderr": b.stderr}
+
+    def loglikelihood_bounds(self, model, tokens, scored, *, samples, seed, greedy):
+        from .diffusion_elbo import estimates, one_shot_greedy
+
+        est = estimates(model, tokens, scored, samples=samples, seed=seed)
+        return est, (one_shot_greedy(model, tokens, scored) if greedy else None)
 
     def score(self, context, continuation, max_len):
-        raise ValueError(self.refusal("log-likelihood scoring"))
+        raise ValueError(f"objective {NAME}: log-likelihoods are ELBO estimates (loglikelihood_bounds), "
+                         "not read from one forward")
 
     def decoding(self, model, tokens, lengths, max_len, interventions=None) -> Decoding:
         raise ValueError(f"objective {NAME} does not decode token by token: generate samples it block by block "

@@ -20,6 +20,12 @@ An ``Objective`` says, for one model:
   ncpctl/inference/causal_diffusion.py) instead of token by token through ``decoding``;
 * ``refusal(what)``: why the objective cannot do ``what`` (``generate``, ``export``), or None:
   the commands ask it before they start;
+* ``validation(model, window, sample_ids)`` / ``validation_record(sums)``: held-out estimates
+  beyond the training loss (the CDLM's ELBO): the sums of one validation micro-batch, which the
+  loop adds up over micro-batches, batches and ranks, then the record keys made from the totals;
+  by default none (the validation loss is the training loss);
+* ``bound``: whether its log-likelihoods are estimates of a bound (an ELBO), not exact; then
+  ``loglikelihood_bounds`` answers lm-eval instead of ``score`` and the eval output says "bound";
 * ``on_step_begin(step)`` (optional): the optimizer step, for schedules inside the objective.
 
 ``NextToken`` (the default, ``model.objective: next_token``) is next-token prediction, the only
@@ -71,6 +77,7 @@ class Objective:
     loss_key = "ntp_loss"
     causal = True  # each position sees earlier ones only: cached decoding exact, right padding harmless
     block_sampling = False  # generate samples block by block (inference/causal_diffusion.py), not via decoding
+    bound = False  # log-likelihoods are exact (``score``), not Monte Carlo estimates of a bound
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -96,6 +103,23 @@ class Objective:
 
     def log_keys(self) -> list[LogKey]:
         return [LogKey(self.loss_key)]
+
+    def validation(self, model, window: torch.Tensor, sample_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Held-out estimates of one validation micro-batch ``window`` (B, T+1) on the model's device
+        whose rows are the global samples ``sample_ids`` (B,): name -> a tensor that the loop sums over
+        micro-batches, batches and ranks (every rank the same names and shapes). None by default."""
+        return {}
+
+    def validation_record(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The validation record's keys from the summed ``validation`` tensors."""
+        return {}
+
+    def loglikelihood_bounds(self, model, tokens: torch.Tensor, scored: torch.Tensor, *, samples: int, seed: int,
+                             greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An objective whose ``bound`` is set: (each row's estimates (B, samples) of its bound on
+        -log p of the ``scored`` (B, L) tokens of ``tokens`` (B, L), the row starting at position 0;
+        with ``greedy`` whether each row's scored tokens are what the model would pick (B,) bool)."""
+        raise NotImplementedError
 
     def score(self, context: Sequence[int], continuation: Sequence[int],
               max_len: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

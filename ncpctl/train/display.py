@@ -29,6 +29,13 @@ def loss_terms(rec: dict[str, Any]) -> list[str]:
     return [k for k, v in rec.items() if k.endswith("_loss") and isinstance(v, (int, float))]
 
 
+def estimate_terms(rec: dict[str, Any]) -> list[str]:
+    """The record's Monte Carlo estimates (a key with a ``{key}_stderr`` beside it, e.g. the CDLM's
+    held-out ELBO ``diffusion_elbo``) as ``key value ± stderr``."""
+    return [f"{k} {v:.4f} ± {rec[k + '_stderr']:.4f}" for k, v in rec.items()
+            if isinstance(v, (int, float)) and isinstance(rec.get(k + "_stderr"), (int, float))]
+
+
 def detection_line(val: dict[str, Any]) -> str:
     """The bottleneck's held-out detection in words: the macro AUC with its interval and the concepts
     it covers, and the pooled AUC never without its input-free base rate
@@ -112,6 +119,7 @@ class TrainDisplay:
                 extra += " (" + ", ".join(f"{name} {v:.2f}" for name, v in per.items()) + ")"
         if isinstance(val.get("concept_auc"), (int, float)):  # a bottleneck: held-out concept detection
             extra += ", " + detection_line(val)
+        extra += "".join(", " + s for s in estimate_terms(val))
         self.message(f"step {step}: val loss {val['loss']:.4f}{first}{extra}")
 
     def message(self, text: str) -> None:

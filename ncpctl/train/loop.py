@@ -509,7 +509,9 @@ def _evaluate(run: _Run, final: bool = False) -> None:
     micro = r.train.micro_batch_size
     engine.eval()
     val, batches = run.data.val_loader(r, d.rank, d.world)
+    objective = engine.module.objective
     acc = torch.zeros(pk.n_terms, device=d.device)
+    held: dict[str, torch.Tensor] = {}  # the objective's held-out sums (Objective.validation: the CDLM's ELBO)
     hooks.eval_begin(engine.module, final)
     with torch.no_grad():
         for _ in range(batches):
@@ -517,12 +519,15 @@ def _evaluate(run: _Run, final: bool = False) -> None:
             ids = torch.from_numpy(val.sample_ids()).split(micro)  # the same at every evaluation
             extra = hooks.inputs(val, math.ceil(windows.shape[0] / micro), micro, d.device, evaluating=True)
             for i, (mb, mb_ids, kw) in enumerate(zip(windows.split(micro), ids, extra)):  # (micro, T+1)
-                x, y = (t.to(d.device) for t in engine.module.objective.keyed_batch(mb, mb_ids))
+                x, y = (t.to(d.device) for t in objective.keyed_batch(mb, mb_ids))
                 o = engine(x, y, **kw)
                 hooks.eval_micro(i, o)
                 acc += pk.terms(o)
+                for k, v in objective.validation(engine.module, mb.to(d.device), mb_ids.to(d.device)).items():
+                    held[k] = held[k] + v if k in held else v
     terms = pk.split_terms(d.sum(acc), mean_over=d.world * batches * r.grad_accum_steps)
     run.tot.val = pk.scalars(terms)
+    run.tot.val.update(objective.validation_record({k: d.sum(v) for k, v in held.items()}))
     run.tot.val.update(hooks.eval_end(d))
     engine.train()
     if run.metrics is not None:

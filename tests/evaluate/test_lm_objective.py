@@ -40,3 +40,30 @@ def test_scores_follow_the_objective():
         got = lm._loglikelihood_tokens([(None, c, x) for c, x in requests])
         for (ctx, cont), (ll, _) in zip(requests, got):
             assert abs(ll - _by_rule(lm.model, ctx, cont, back)) < 1e-4, (objective, ctx, cont)
+
+
+def test_a_cdlm_answers_with_its_elbo_on_the_continuation_after_a_clean_context():
+    """Issue 23 item 4: a Causal Diffusion LM's log-likelihood of a continuation is minus the
+    mean of --diffusion-samples estimates of its ELBO, the continuation scored (noised) and the
+    context clean (LLaDA-style), the same estimate as ``diffusion_elbo.estimates`` with its noise
+    key; Monte Carlo variance accounted per task; is_greedy the one-shot argmax check."""
+    from ncpctl.model.diffusion_elbo import estimates, one_shot_greedy
+
+    cfg = tiny("llama", objective="causal_diffusion", diffusion=dict(block_size=4, mask_id=1))
+    lm = _lm(cfg)
+    lm.diffusion_samples, lm.diffusion_seed = 5, 7
+    requests = [([5, 9, 3, 7, 2], [11, 12, 40]), ([8], [9]), ([5, 9, 3, 7, 2], [11, 12, 40])]
+    got = lm._loglikelihood_tokens([(None, c, x) for c, x in requests])
+    assert got[0] == got[2] and lm.likelihood == {"kind": "bound", "estimator": lm.likelihood["estimator"],
+                                                  "samples": 5, "seed": 7}
+    for (ctx, cont), (ll, greedy), var in zip(requests, got, lm._mc_var):
+        x = torch.tensor([ctx + cont])
+        scored = torch.zeros_like(x, dtype=torch.bool)
+        scored[:, len(ctx):] = True
+        est = estimates(lm.model, x, scored, samples=5, seed=7)
+        assert abs(ll + float(est.mean())) < 1e-9 and ll < 0
+        assert abs(var - float(est.var()) / 5) < 1e-9
+        assert greedy == bool(one_shot_greedy(lm.model, x, scored)[0])
+    # a context edited inside the continuation's block changes the estimate (it is read, clean)
+    other = lm._loglikelihood_tokens([(None, [5, 9, 3, 7, 3], [11, 12, 40])])
+    assert other[0][0] != got[0][0]

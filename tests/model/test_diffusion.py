@@ -147,9 +147,8 @@ def test_block_size_must_divide_the_sequence_and_the_mask_id_must_be_known():
     with pytest.raises(ValueError, match="mask_id is not set"):
         build(tiny("neox", objective="causal_diffusion"))
     ob = build(cdlm()).objective
-    # generate samples block by block (issue 23 item 3); eval and export are later steps
-    assert ob.refusal("generate") is None and ob.block_sampling
-    assert "not implemented yet" in ob.refusal("eval") and "not implemented yet" in ob.refusal("export")
+    # generate samples block by block (item 3), eval reads its ELBO (item 4), export carries its forward (item 8)
+    assert all(ob.refusal(what) is None for what in ("generate", "eval", "export")) and ob.block_sampling and ob.bound
     with pytest.raises(ValueError, match="does not decode token by token"):
         ob.decoding(None, None, None, None)
 

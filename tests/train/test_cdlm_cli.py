@@ -3,10 +3,12 @@
 sample index: the logged validation loss equals the one recomputed here from the checkpoint with
 the masks keyed on the validation windows' sample indices (the second batch's are not its row
 indices, so a loop that keyed on rows would fail); two ranks train on one process's losses.
-``generate`` samples the checkpoint block by block; ``eval`` and ``export`` refuse it for now."""
+The validation record carries the held-out ELBO (``diffusion_elbo`` and its standard error), the
+one recomputed here on the same keyed windows; ``generate`` samples the checkpoint block by block."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import torch
 from ncpctl.data.indexed import IndexedDataset
 from ncpctl.data.tokenize import tokenize
 from ncpctl.data.windows import WindowLoader
+from ncpctl.model.diffusion_elbo import estimates, summarise
 from ncpctl.recipe import load_recipe
 
 from .conftest import metrics, ncpctl, result
@@ -41,9 +44,14 @@ def cdlm_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path) -> None:
-    tmp_path, path = cdlm_data, cdlm_data / "cdlm.yaml"
-    run = result(ncpctl("pretrain", str(path), "--json"))
+@pytest.fixture(scope="module")
+def cdlm_run(cdlm_data: Path) -> dict:
+    """The tiny CDLM pretrained (2 steps) through the real entry point: its --json summary."""
+    return result(ncpctl("pretrain", str(cdlm_data / "cdlm.yaml"), "--json"))
+
+
+def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path, cdlm_run: dict) -> None:
+    tmp_path, path, run = cdlm_data, cdlm_data / "cdlm.yaml", cdlm_run
     train, val = metrics(tmp_path / "run"), metrics(tmp_path / "run", "val")
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["diffusion_loss"]) for r in train)
     logged = val[-1]["diffusion_loss"]
@@ -53,7 +61,7 @@ def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path) ->
     model = load_model(run["checkpoint"]).model.eval()
     assert model.objective.mask_id == 1
     loader = WindowLoader(IndexedDataset(tmp_path / "run" / "data" / "val"), 32, 8, seed=load_recipe(path).train.seed)
-    keyed, by_row = [], []
+    keyed, by_row, elbo = [], [], []
     with torch.no_grad():
         for _ in range(2):  # eval_batches
             windows = torch.from_numpy(next(loader))
@@ -61,23 +69,38 @@ def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path) ->
             for mb, mb_ids in zip(windows.split(4), ids.split(4)):
                 keyed.append(model(*model.objective.keyed_batch(mb, mb_ids)).loss.item())
                 by_row.append(model(*model.objective.batch(mb)).loss.item())
+            elbo.append(estimates(model, windows[:, :-1], samples=2, keys=ids))  # diffusion.eval_samples: 2
     assert abs(sum(keyed) / len(keyed) - logged) < 1e-5
     assert abs(sum(by_row) / len(by_row) - logged) > 1e-4  # the row index is not the key
+    # the held-out ELBO (issue 23 item 4), beside the masked training loss, with its Monte Carlo error
+    bound = summarise(torch.cat(elbo), 2 * 8 * 32)
+    assert abs(val[-1]["diffusion_elbo"] - bound.nll) < 1e-5 and abs(val[-1]["diffusion_elbo_stderr"] - bound.stderr) < 1e-5
+    assert val[-1]["diffusion_elbo_stderr"] > 0 and val[-1]["diffusion_elbo"] != logged
 
-    from ncpctl.errors import UserError
-    from ncpctl.evaluate.lm import NCPLM
-
-    with pytest.raises(UserError, match="eval is not implemented yet"):  # no log-likelihood yet (the ELBO: next step)
-        NCPLM(run["checkpoint"])
-    from ncpctl.interop.hf_export import export
-
-    with pytest.raises(UserError, match="export is not implemented yet"):
-        export(run["checkpoint"], tmp_path / "hf", verify=False)
-    assert not (tmp_path / "hf").exists()
     # generate samples it block by block (issue 23 item 3), streaming the committed blocks
     gen = ncpctl("generate", run["checkpoint"], "-p", "def main(", "-n", "12", "--greedy")
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("def main(") and len(gen.stdout) > len("def main(\n")
+
+
+def test_eval_scores_a_cdlm_with_its_elbo_and_says_bound(cdlm_data: Path, cdlm_run: dict) -> None:
+    """``ncpctl eval`` on a CDLM checkpoint: held-out perplexity from the ELBO (--diffusion-samples
+    Monte Carlo samples), the table, the results JSON and the markdown saying it is a bound."""
+    held = cdlm_data / "held.txt"
+    held.write_text("def area(r):\n    return 3.14159 * r * r\n\n\nfor r in range(3):\n    print(area(r))\n")
+    out = cdlm_data / "eval"
+    shown = ncpctl("eval", cdlm_run["checkpoint"], "--tasks", "", "--heldout", f"{{path: {held}, label: held}}",
+                   "--diffusion-samples", "3", "--out", str(out))
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "ELBO bound, 3 Monte Carlo samples" in shown.stdout and "token perplexity, bound" in shown.stdout
+    (js,) = out.glob("results_*.json")
+    got = json.loads(js.read_text())
+    assert got["likelihood"]["kind"] == "bound" and got["likelihood"]["samples"] == 3
+    assert got["request"]["diffusion_samples"] == 3
+    s = got["perplexity"]["per_set"]["held"]
+    assert s["bound"] and s["tokens"] > 0 and s["nll_stderr"] > 0 and "upper bound" in got["perplexity"]["rule"]
+    assert abs(s["token_perplexity"] - math.exp(s["nll_per_token"])) < 1e-6 * s["token_perplexity"]
+    assert "Log-likelihoods are bounds" in js.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow

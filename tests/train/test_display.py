@@ -79,3 +79,10 @@ def test_on_a_100_column_terminal_the_counter_and_eta_lead_the_bar() -> None:
     Console(file=out, width=100, force_terminal=False).print(display.progress.get_renderable())
     first = out.getvalue().splitlines()[0]
     assert first.startswith("pretrain 120/600 ETA") and len(first) <= 100
+
+
+def test_validation_shows_a_monte_carlo_estimate_with_its_standard_error() -> None:
+    """A CDLM's held-out ELBO (issue 23 item 4): a key with its ``_stderr`` beside it."""
+    _, out = _shown(REC, {"loss": 6.3956, "diffusion_loss": 6.3956, "diffusion_elbo": 6.34972,
+                          "diffusion_elbo_stderr": 0.00521})
+    assert "step 3: val loss 6.3956, diffusion_elbo 6.3497 ± 0.0052\n" in out
