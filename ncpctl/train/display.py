@@ -103,7 +103,7 @@ class TrainDisplay:
             terms += f"  [yellow]skipped {rec['nonfinite']}[/]"
         self.progress.update(self.task, completed=rec["step"], terms=terms)
         if self.plain:
-            self.console.print(self.plain_line(rec["step"], terms), highlight=False)
+            self.console.print(self.plain_line(rec["step"], terms), highlight=False, soft_wrap=True)  # one line in a log
 
     def validation(self, step: int, val: dict[str, Any]) -> None:
         """One line per evaluation: the total, with several loss terms the first one (the token

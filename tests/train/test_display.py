@@ -59,7 +59,7 @@ def test_without_a_terminal_every_logged_step_prints_a_plain_line_counter_and_et
     """Issue 28 item 2: under nohup, Slurm or ``| tee`` a live bar prints nothing between
     evaluations; each logged step prints one plain line there, the step counter and ETA first."""
     buf = io.StringIO()
-    display = TrainDisplay(Console(file=buf, width=300, force_terminal=False), "pretrain")
+    display = TrainDisplay(Console(file=buf, width=80, force_terminal=False), "pretrain")  # a log file: never wrapped
     display.start(10, 0)
     display.t0 -= 6.0  # 6 s for the first 3 steps: 2 s per step, 7 steps left
     display.step(REC)
