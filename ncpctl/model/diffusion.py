@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .bottleneck_positions import block_labels
 from .config_diffusion import NAME
 from .dynamic import _M32, _mix32
 from .objective import Decoding, Objective
@@ -120,6 +121,17 @@ class CausalDiffusion(Objective):
         logits = model.head(h)
         ce = F.cross_entropy(logits.flatten(0, 1).float(), tok.flatten(), reduction="none")  # 0 where ignored
         return (logits if not torch.is_grad_enabled() else None), (ce / t.flatten()).sum() / targets.numel()
+
+    # ---- the concept bottleneck on a CDLM (bottleneck.py's docstring) ----
+
+    def concept_positions(self, idx, targets):
+        return idx == self.mask_id  # (B, T): the concept loss reads the masked tokens (Steerling)
+
+    def fed_labels(self, labels, chunk):
+        return block_labels(labels, self.block)  # the own block's label: the block is generated jointly
+
+    def target_tokens(self, targets):
+        return torch.where(targets >= 0, targets % self.vocab, targets)  # elbo targets carry t_b
 
     def refusal(self, what: str) -> str | None:
         return (f"objective {NAME}: {what} is not implemented yet for a Causal Diffusion LM (block-wise sampling, "
