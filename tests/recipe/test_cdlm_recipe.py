@@ -38,6 +38,21 @@ def test_debug_cdlm_recipe(tmp_path: Path, monkeypatch) -> None:
     assert r.seq_len == 128 and r.run_dir == Path("runs/debug-cdlm")
 
 
+def test_debug_cdlm_bottleneck_recipe(tmp_path: Path, monkeypatch) -> None:
+    """debug-cdlm with debug-bottleneck's bottleneck (python-ast labels), label chunk = diffusion block."""
+    from ncpctl.data.labels import PYTHON_CONCEPTS
+
+    monkeypatch.chdir(tmp_path)
+    r = load_recipe(RECIPES / "debug-cdlm-bottleneck.yaml", need_sources=True)
+    cdlm = load_recipe(RECIPES / "debug-cdlm.yaml", need_sources=True)
+    cfg, b = r.model_config, r.model_config.bottleneck
+    assert cfg.objective == "causal_diffusion" and cfg.diffusion == cdlm.model_config.diffusion
+    assert r.data.labels == "python-ast" and b.enabled and b.concepts == len(PYTHON_CONCEPTS)
+    assert (b.chunk, cfg.diffusion.block_size, b.teacher_forcing_start, b.teacher_forcing_end) == (16, 16, 1.0, 0.5)
+    assert (r.seq_len, r.train.max_steps) == (cdlm.seq_len, cdlm.train.max_steps)
+    assert r.run_dir == Path("runs/debug-cdlm-bottleneck")
+
+
 def test_tokenize_adds_the_mask_token_and_the_loader_reads_its_id(tmp_path: Path, text_corpus: Path) -> None:
     meta = tokenize(load_recipe(_recipe(tmp_path, text_corpus), need_sources=True))
     data = tmp_path / "run" / "data"
