@@ -99,7 +99,8 @@ def test_a_block_size_that_does_not_divide_seq_len_is_refused(tmp_path: Path, te
 def test_steerling_8b_recipe_has_the_public_configurations_shape(tmp_path: Path) -> None:
     """recipes/steerling-8b.yaml against guidelabs/steerling configs/causal_diffusion.py (GQA 32/4,
     RoPE base 5e5, post-norm RMSNorm eps 1e-5, per-head QK-norm, clip_qkv 10, context 4096, block
-    64, SwiGLU 4x, tied embeddings, no biases) and its tokenizer (<|mask|> = 100280): ~8.1B."""
+    64, SwiGLU 4x, tied embeddings, no biases) and its tokenizer (<|mask|> = 100280), with the concept
+    bottleneck on (issue 23 item 5): ~8.06B backbone + 0.33B concept module."""
     from ncpctl.data.indexed import IndexedDatasetWriter
     from ncpctl.model.accounting_params import count_parameters
 
@@ -119,4 +120,5 @@ def test_steerling_8b_recipe_has_the_public_configurations_shape(tmp_path: Path)
     assert (c.objective, d.block_size, d.mask_id, d.schedule, r.seq_len) == ("causal_diffusion", 64, 100280,
                                                                              "gaussian", 4096)
     assert (c.bottleneck.concepts, c.bottleneck.unknown, c.bottleneck.rank) == (33732, 101196, 256)
-    assert 8.0e9 < count_parameters(c).total < 8.2e9
+    assert c.bottleneck.enabled and c.bottleneck.chunk == d.block_size
+    assert 8.3e9 < count_parameters(c).total < 8.5e9
