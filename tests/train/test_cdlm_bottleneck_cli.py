@@ -58,6 +58,8 @@ def test_cdlm_bottleneck_pretrains_and_scores_the_masked_tokens(tmp_path: Path) 
             z = model(x, return_bottleneck=True).bottleneck.k_logits.float()
             masked.append(chunk_detection_at(z, labels, 8, x == model.objective.mask_id))
             every.append((chunk_probs(z, 8).flatten(0, 1), chunk_labels(labels, 8).flatten(0, 1)))
-    auc = lambda parts: concept_auc(torch.cat([s for s, _ in parts]), torch.cat([lab for _, lab in parts]))  # noqa: E731
+    def auc(parts: list) -> dict:
+        return concept_auc(torch.cat([s for s, _ in parts]), torch.cat([lab for _, lab in parts]))
+
     assert abs(auc(masked)["concept_auc"] - logged) < 1e-6
     assert abs(auc(every)["concept_auc"] - logged) > 1e-3  # not the AR reading over every token
