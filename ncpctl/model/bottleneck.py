@@ -47,6 +47,17 @@ Labels ``(B, T, n)``: L[b, t, c] = 1 iff token t carries evidence of concept c. 
   (d, d) over all B*T tokens (linear HSIC); ``known_unknown_residual`` adds ||Cov(u_hat, e)||_F^2 with
   e = sg(h) - k_hat - u_hat (mid-training).
 
+On the Causal Diffusion LM (``objective: causal_diffusion``; its hooks ``concept_positions`` and
+``fed_labels``, objective.py) chunks lie inside the diffusion blocks (``chunk`` divides ``block_size``;
+Steerling: both 64), and, as in Steerling, the concept readout is trained where the model predicts:
+* concept loss and ``detection_auc``: the OR over each chunk's MASKED tokens against the OR of those
+  tokens' labels; a chunk without a masked token contributes nothing (bottleneck_positions.py);
+* fed labels: token t of block j is fed its OWN block's label (the OR of block j's tokens), the one
+  exception to "fed labels never reveal the future": the block is the unit of generation, decided
+  jointly; the labels of later blocks never reach it;
+* the steering stage injects at masked positions only (Steerling's ``_position_injection``), those
+  whose chunk's label over its masked tokens carries the drawn concept.
+
 Metric ``concept_share``: for the scored token y of each position (the target in a training or
 validation forward), (|k_hat.W_y| + |u_hat.W_y|) / (|k_hat.W_y| + |u_hat.W_y| + |e.W_y|), the
 concepts' share of the logit magnitude (Steerling's 0.62 -> 0.85; the residual carries the rest),
@@ -101,6 +112,7 @@ class BottleneckOutput:
     u_hat: torch.Tensor  # (B, T, d)
     e: torch.Tensor  # (B, T, d)
     steer: torch.Tensor | None = None  # (B, T, d): readout steering (NCPModel.forward sets it)
+    positions: torch.Tensor | None = None  # (B, T) bool: where the concept readout is scored (None: everywhere)
     losses: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
 
@@ -187,17 +199,22 @@ class ConceptBottleneck(nn.Module):
 
     # ---- the steering stage (Steerling's mid-training) ----
 
-    def injection(self, labels: torch.Tensor, logit_weight: torch.Tensor) -> Injection | None:
+    def injection(self, labels: torch.Tensor, logit_weight: torch.Tensor,
+                  positions: torch.Tensor | None = None) -> Injection | None:
         """The steering stage's injection for a training batch with labels (B, T, n): with
         probability ``steer_fraction`` a row draws one concept c among those its causal labels
         carry and gets gamma * K_c / ||K_c|| at the slots where c is known-true causally (a token
         of its chunk at or before t carries c: the text there is about c), gamma = steer_strength
         / peak(W_lm e_c) (nominal logit units). The direction and gamma are constants (no
-        gradient into K or the head through the injection). None outside a steering stage."""
+        gradient into K or the head through the injection). None outside a steering stage.
+        ``positions`` (B, T) bool (the objective's ``concept_positions``; None: all): the slots are
+        those positions whose chunk's label over its positions carries c (``held_at``)."""
         if not (self.training and self.steering):
             return None
         b = self.bcfg
-        causal = causal_labels(labels, b.chunk) > 0  # (B, T, n)
+        from .bottleneck_positions import held_at  # (it builds on this module's chunk arithmetic)
+
+        causal = causal_labels(labels, b.chunk) > 0 if positions is None else held_at(labels, b.chunk, positions)
         present = causal.any(dim=1)  # (B, n)
         B = labels.shape[0]
         draw = torch.rand(B, self.n, device=labels.device).masked_fill(~present, -1.0)
@@ -238,15 +255,19 @@ class ConceptBottleneck(nn.Module):
 
     # ---- the decomposition ----
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, *, losses: bool = False) -> dict:
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, *, losses: bool = False,
+                positions: torch.Tensor | None = None, feed=None) -> dict:
         """Final-norm states h (B, T, d), labels (B, T, n) or None -> the parts as a dict of
         ``BottleneckOutput``'s fields (``parts``); ``losses``: the loss terms too (labels-free ones
         only without labels). A dict, not the dataclass: ZeRO-3 finds the tensors a module returns
-        (to gather K, A and B again for their backward) in tuples, lists and dicts only."""
-        out = self.parts(h, labels, losses=losses)
+        (to gather K, A and B again for their backward) in tuples, lists and dicts only. ``positions``
+        (B, T) bool: where the concept loss reads (None: all); ``feed(labels, chunk)``: teacher
+        forcing's labels (None: ``fed_labels``): the objective's hooks (module docstring)."""
+        out = self.parts(h, labels, losses=losses, positions=positions, feed=feed)
         return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
 
-    def parts(self, h: torch.Tensor, labels: torch.Tensor | None = None, *, losses: bool = False) -> BottleneckOutput:
+    def parts(self, h: torch.Tensor, labels: torch.Tensor | None = None, *, losses: bool = False,
+              positions: torch.Tensor | None = None, feed=None) -> BottleneckOutput:
         """``forward``'s computation, as a ``BottleneckOutput`` (call the module, not this, in a
         training forward: ZeRO-3's hooks are on the module call)."""
         b = self.bcfg
@@ -258,7 +279,7 @@ class ConceptBottleneck(nn.Module):
         z = self.known(h)  # (B, T, n)
         k = top_k(torch.sigmoid(z), b.top_k_known)
         if self.training and causal is not None and self.alpha > 0:  # never a label decided at or after t
-            fed = fed_labels(labels, b.chunk).to(h.dtype)
+            fed = (feed or fed_labels)(labels, b.chunk).to(h.dtype)
             k = torch.where(chunk_mask(h.shape[0], h.shape[1], b.chunk, self.alpha, h.device), fed, k)
         k_hat = k @ self.K  # (B, T, d)
         hd = h.detach()
@@ -270,7 +291,8 @@ class ConceptBottleneck(nn.Module):
             h_bar = h + (dropped - e)  # = k_hat + sg(u_hat) + dropped
         else:
             dropped, h_bar = e, h  # exactly h: the decomposition is exact by construction
-        out = BottleneckOutput(h_bar=h_bar, k=k, k_logits=z, u=u, k_hat=k_hat, u_hat=u_hat, e=dropped)
+        out = BottleneckOutput(h_bar=h_bar, k=k, k_logits=z, u=u, k_hat=k_hat, u_hat=u_hat, e=dropped,
+                               positions=positions)
         if self.training:
             out.metrics["teacher_forcing"] = h.new_tensor(self.alpha if causal is not None else 0.0)
         if losses:
@@ -278,9 +300,12 @@ class ConceptBottleneck(nn.Module):
         return out
 
     def _losses(self, out: BottleneckOutput, z, hd, labels, causal) -> None:
+        from .bottleneck_positions import chunk_bce_at
+
         b = self.bcfg
         if labels is not None:
-            out.losses["concept_loss"] = chunk_bce(z, labels, b.chunk)
+            out.losses["concept_loss"] = chunk_bce(z, labels, b.chunk) if out.positions is None else \
+                chunk_bce_at(z, labels, b.chunk, out.positions)
             target = hd - causal @ self.K.detach()  # h - k_true K
         else:
             target = hd - out.k_hat.detach()

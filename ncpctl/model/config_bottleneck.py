@@ -26,7 +26,8 @@ class BottleneckConfig:
         None, "r: rank of the unknown embedding U = A B (A: (m, r), B: (r, d)); null = Steerling's 256, capped to "
         "d_model and m (an explicit value above either is an error).")
     chunk: int = option(64, "Tokens per label chunk: the concept loss ORs a chunk's tokens, chunks start at position 0 "
-                        "(Steerling: 64, its diffusion block).")
+                        "(Steerling: 64, its diffusion block). objective: causal_diffusion: it must divide "
+                        "diffusion.block_size, and the concept loss ORs the chunk's masked tokens only.")
     dropout: float = option(0.1, "Dropout on the residual e in training only, so the concepts must carry the signal "
                              "(Steerling: 0.1 pre-training, 0.3 mid-training).")
     concept_weight: float = option(1.0, "Weight of the chunk-level concept BCE (the paper gives no value: 1).")
@@ -41,7 +42,8 @@ class BottleneckConfig:
     teacher_forcing_start: float = option(
         1.0, "Teacher-forcing probability at step 0: a chunk's known concepts replaced by the labels of the chunk "
         "before it, the last that closed (Steerling: annealed from 1; never the labels of t's own chunk or later; "
-        "refused on document-level labels).")
+        "refused on document-level labels). objective: causal_diffusion: the labels of t's own diffusion block "
+        "instead (the block is generated jointly: the one exception; later blocks' labels never reach t).")
     teacher_forcing_end: float = option(
         0.5, "Teacher-forcing probability after teacher_forcing_steps (Steerling: 0.5 pre-training, 0 mid-training).")
     teacher_forcing_steps: int = option(

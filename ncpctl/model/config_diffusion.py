@@ -89,9 +89,10 @@ def _check(d: DiffusionConfig, cfg: Any) -> list[tuple[str, str]]:
     if cfg.mtp_depth is not None:
         out.append(("mtp_depth", f"multi-token prediction reads later tokens through a shift, which objective: {NAME} "
                                  "does not have; set it to null"))
-    if cfg.bottleneck.enabled:
-        out.append(("bottleneck.enabled", f"the concept bottleneck on objective: {NAME} is not implemented yet "
-                                          "(a later step of issue 23)"))
+    c = cfg.bottleneck.chunk
+    if cfg.bottleneck.enabled and is_positive_int(c) and is_positive_int(d.block_size) and d.block_size % c:
+        out.append(("bottleneck.chunk", f"{c} must divide model.diffusion.block_size={d.block_size} (objective: "
+                                        f"{NAME} reads a chunk's concepts inside one block; Steerling: both 64)"))
     if cfg.concept.enabled:
         out.append(("concept.enabled", "the concept path predicts the next concept (the NCP shift), which "
                                        f"objective: {NAME} does not have (no shift); turn one off"))

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .bottleneck_positions import block_labels
 from .config_diffusion import NAME
 from .dynamic import _M32, _mix32
 from .objective import Decoding, Objective
@@ -158,6 +159,17 @@ class CausalDiffusion(Objective):
 
         est = estimates(model, tokens, scored, samples=samples, seed=seed)
         return est, (one_shot_greedy(model, tokens, scored) if greedy else None)
+
+    # ---- the concept bottleneck on a CDLM (bottleneck.py's docstring) ----
+
+    def concept_positions(self, idx, targets):
+        return idx == self.mask_id  # (B, T): the concept loss reads the masked tokens (Steerling)
+
+    def fed_labels(self, labels, chunk):
+        return block_labels(labels, self.block)  # the own block's label: the block is generated jointly
+
+    def target_tokens(self, targets):
+        return torch.where(targets >= 0, targets % self.vocab, targets)  # elbo targets carry t_b
 
     def score(self, context, continuation, max_len):
         raise ValueError(f"objective {NAME}: log-likelihoods are ELBO estimates (loglikelihood_bounds), "

@@ -194,15 +194,17 @@ class NCPModel(nn.Module):
             return self.final_norm(x), seen
         return self.final_norm(self.decoder(z, ctx))
 
-    def readout(self, h: torch.Tensor, concept_labels: torch.Tensor | None = None,
-                losses: bool = False) -> tuple[torch.Tensor, BottleneckOutput | None]:
+    def readout(self, h: torch.Tensor, concept_labels: torch.Tensor | None = None, losses: bool = False,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, BottleneckOutput | None]:
         """Final-norm states h (B, T, d) -> (what the LM head reads, the bottleneck's parts): h
-        itself without a bottleneck; with one, h_bar = k_hat + u_hat + e (== h outside training)."""
+        itself without a bottleneck; with one, h_bar = k_hat + u_hat + e (== h outside training).
+        ``positions`` (B, T) bool: where the concept loss reads (``objective.concept_positions``)."""
         if self.bottleneck is None:
             if concept_labels is not None:
                 raise ValueError("concept_labels given, but this model has no concept bottleneck (model.bottleneck)")
             return h, None
-        parts = BottleneckOutput(**self.bottleneck(h, concept_labels, losses=losses))
+        parts = BottleneckOutput(**self.bottleneck(h, concept_labels, losses=losses, positions=positions,
+                                                   feed=self.objective.fed_labels))
         return parts.h_bar, parts
 
     def head(self, h: torch.Tensor, targets: torch.Tensor | None = None, top1: bool = False):
@@ -260,7 +262,9 @@ class NCPModel(nn.Module):
         row's global sample index (the training loop's: the key of a segmenter's sampling noise,
         so every rank count draws the same boundaries)."""
         ivs = self.check_interventions(interventions)
-        inj = self.bottleneck.injection(concept_labels, self.logit_weight) \
+        # where the bottleneck's concept loss reads and a steering stage injects (None: everywhere)
+        keep = self.objective.concept_positions(idx, targets) if self.bottleneck is not None else None
+        inj = self.bottleneck.injection(concept_labels, self.logit_weight, keep) \
             if self.bottleneck is not None and concept_labels is not None and targets is not None else None
         if inj is not None:  # a steering stage (Steerling): the direction added at the labelled slots
             ivs = ivs + [self._injection_site(inj)]
@@ -280,7 +284,7 @@ class NCPModel(nn.Module):
             states = {"encoder": enc_states, "concept": co.states, "decoder": dec_states}
         out = NCPOutput(logits=None, concept=co if self.concept is not None else None, states=states,
                         hidden=hN if return_hidden else None, metrics=dict(co.metrics), stats=dict(co.stats))
-        h_bar, parts = self.readout(hN, concept_labels, losses=targets is not None)
+        h_bar, parts = self.readout(hN, concept_labels, losses=targets is not None, positions=keep)
         steer = readout_vector(ivs, h_bar, positions)  # (B, T, d) or None: AddToReadout (steering at the head)
         h_bar = h_bar if steer is None else h_bar + steer
         if parts is not None:  # steering is an attributed part of what the head reads: h_bar = kK + uU + e + steer
@@ -302,7 +306,8 @@ class NCPModel(nn.Module):
             if name in out.losses:  # the bottleneck's concept loss needs labels
                 out.loss = out.loss + weight * out.losses[name]
         if parts is not None:
-            out.metrics["concept_share"] = self.bottleneck.share(parts, self.logit_weight, targets)
+            out.metrics["concept_share"] = self.bottleneck.share(parts, self.logit_weight,
+                                                                 self.objective.target_tokens(targets))
         if self.mtp is not None and self.training:  # validation and evaluation: the main head only
             out.losses["mtp_loss"], mtp_metrics = self.mtp(hN, targets, self)
             out.metrics.update(mtp_metrics)

@@ -26,7 +26,11 @@ An ``Objective`` says, for one model:
   by default none (the validation loss is the training loss);
 * ``bound``: whether its log-likelihoods are estimates of a bound (an ELBO), not exact; then
   ``loglikelihood_bounds`` answers lm-eval instead of ``score`` and the eval output says "bound";
-* ``on_step_begin(step)`` (optional): the optimizer step, for schedules inside the objective.
+* ``on_step_begin(step)`` (optional): the optimizer step, for schedules inside the objective;
+* for the concept bottleneck (bottleneck.py): ``concept_positions(idx, targets)``, where its concept
+  loss, held-out detection and a steering stage's injection read (None: every position);
+  ``fed_labels(labels, chunk)``, what teacher forcing may feed each token; ``target_tokens(targets)``,
+  the token ids the targets score (the concept share's logits).
 
 ``NextToken`` (the default, ``model.objective: next_token``) is next-token prediction, the only
 place that knows the shift (targets[:, p] = window[:, p + 1]), with causal attention and decoding
@@ -120,6 +124,24 @@ class Objective:
         -log p of the ``scored`` (B, L) tokens of ``tokens`` (B, L), the row starting at position 0;
         with ``greedy`` whether each row's scored tokens are what the model would pick (B,) bool)."""
         raise NotImplementedError
+
+    # ---- the concept bottleneck's hooks (the defaults are next-token prediction's) ----
+
+    def concept_positions(self, idx: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, T) bool: the positions of inputs idx (B, T) where the bottleneck's concept loss and
+        detection read and a steering stage injects; None: all of them."""
+        return None
+
+    def fed_labels(self, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Token labels (B, T, n) -> what teacher forcing may feed each token (B, T, n): the label
+        of the chunk that closed before it (bottleneck.fed_labels)."""
+        from .bottleneck import fed_labels
+
+        return fed_labels(labels, chunk)
+
+    def target_tokens(self, targets: torch.Tensor) -> torch.Tensor:
+        """The token ids (B, T) that ``targets`` (as ``batch`` builds them) score, -100 = none."""
+        return targets
 
     def score(self, context: Sequence[int], continuation: Sequence[int],
               max_len: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

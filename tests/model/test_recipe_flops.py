@@ -62,6 +62,8 @@ def _shrink(cfg: ModelConfig) -> dict:
     b = d["bottleneck"]
     if b["enabled"]:
         b.update(concepts=8, unknown=None, rank=None, chunk=8)
+        # top-k kept on, below the shrunk widths (8 known, 24 unknown)
+        b.update({k: min(b[k], cap) for k, cap in (("top_k_known", 4), ("top_k_unknown", 12)) if b[k] is not None})
     return d
 
 

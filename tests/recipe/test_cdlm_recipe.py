@@ -38,6 +38,21 @@ def test_debug_cdlm_recipe(tmp_path: Path, monkeypatch) -> None:
     assert r.seq_len == 128 and r.run_dir == Path("runs/debug-cdlm")
 
 
+def test_debug_cdlm_bottleneck_recipe(tmp_path: Path, monkeypatch) -> None:
+    """debug-cdlm with debug-bottleneck's bottleneck (python-ast labels), label chunk = diffusion block."""
+    from ncpctl.data.labels import PYTHON_CONCEPTS
+
+    monkeypatch.chdir(tmp_path)
+    r = load_recipe(RECIPES / "debug-cdlm-bottleneck.yaml", need_sources=True)
+    cdlm = load_recipe(RECIPES / "debug-cdlm.yaml", need_sources=True)
+    cfg, b = r.model_config, r.model_config.bottleneck
+    assert cfg.objective == "causal_diffusion" and cfg.diffusion == cdlm.model_config.diffusion
+    assert r.data.labels == "python-ast" and b.enabled and b.concepts == len(PYTHON_CONCEPTS)
+    assert (b.chunk, cfg.diffusion.block_size, b.teacher_forcing_start, b.teacher_forcing_end) == (16, 16, 1.0, 0.5)
+    assert (r.seq_len, r.train.max_steps) == (cdlm.seq_len, cdlm.train.max_steps)
+    assert r.run_dir == Path("runs/debug-cdlm-bottleneck")
+
+
 def test_tokenize_adds_the_mask_token_and_the_loader_reads_its_id(tmp_path: Path, text_corpus: Path) -> None:
     meta = tokenize(load_recipe(_recipe(tmp_path, text_corpus), need_sources=True))
     data = tmp_path / "run" / "data"
@@ -84,7 +99,8 @@ def test_a_block_size_that_does_not_divide_seq_len_is_refused(tmp_path: Path, te
 def test_steerling_8b_recipe_has_the_public_configurations_shape(tmp_path: Path) -> None:
     """recipes/steerling-8b.yaml against guidelabs/steerling configs/causal_diffusion.py (GQA 32/4,
     RoPE base 5e5, post-norm RMSNorm eps 1e-5, per-head QK-norm, clip_qkv 10, context 4096, block
-    64, SwiGLU 4x, tied embeddings, no biases) and its tokenizer (<|mask|> = 100280): ~8.1B."""
+    64, SwiGLU 4x, tied embeddings, no biases) and its tokenizer (<|mask|> = 100280), with the concept
+    bottleneck on (issue 23 item 5): ~8.06B backbone + 0.33B concept module."""
     from ncpctl.data.indexed import IndexedDatasetWriter
     from ncpctl.model.accounting_params import count_parameters
 
@@ -104,4 +120,5 @@ def test_steerling_8b_recipe_has_the_public_configurations_shape(tmp_path: Path)
     assert (c.objective, d.block_size, d.mask_id, d.schedule, r.seq_len) == ("causal_diffusion", 64, 100280,
                                                                              "gaussian", 4096)
     assert (c.bottleneck.concepts, c.bottleneck.unknown, c.bottleneck.rank) == (33732, 101196, 256)
-    assert 8.0e9 < count_parameters(c).total < 8.2e9
+    assert c.bottleneck.enabled and c.bottleneck.chunk == d.block_size
+    assert 8.3e9 < count_parameters(c).total < 8.5e9

@@ -39,7 +39,8 @@ def pile_like(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 def test_every_recipe_file_is_covered() -> None:
     shipped = {p.stem for p in RECIPES.glob("*.yaml")}
-    assert shipped == {"debug", "debug-bottleneck", "debug-bottleneck-steer", "debug-dlcm", "debug-cdlm", "steerling-8b", "pythia-common", *PYTHIA, *PAPER_RECIPES,
+    assert shipped == {"debug", "debug-bottleneck", "debug-bottleneck-steer", "debug-dlcm", "debug-cdlm", "debug-cdlm-bottleneck",
+                       "steerling-8b", "pythia-common", *PYTHIA, *PAPER_RECIPES,
                        *ARCHPREVIEW_RECIPES, *DLCM_RECIPES}
 
 

@@ -125,10 +125,17 @@ def set_lift_tokens(model: torch.nn.Module, recipe: Recipe, ds: Any, loader: Any
 
 def chunk_detection(cfg: Any, o: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Held-out concept detection of one micro-batch: the known head's chunk probabilities (the OR
-    over a chunk's tokens) against the chunk labels, both (B * chunks, n), on the CPU."""
+    over a chunk's tokens) against the chunk labels, both (B * chunks, n), on the CPU. Where the
+    objective reads the concepts at some positions only (``BottleneckOutput.positions``: a Causal
+    Diffusion LM's masked tokens), the OR over those, of the chunks that hold one, as its concept loss."""
     from ncpctl.model.bottleneck import chunk_labels, chunk_probs
+    from ncpctl.model.bottleneck_positions import chunk_detection_at
 
     chunk = cfg.bottleneck.chunk
+    keep = o.bottleneck.positions
+    if keep is not None:
+        scores, labels = chunk_detection_at(o.bottleneck.k_logits.float(), labels.to(keep.device), chunk, keep)
+        return scores.cpu(), labels.cpu()
     scores = chunk_probs(o.bottleneck.k_logits.float(), chunk).cpu()
     return scores.reshape(-1, scores.shape[-1]), chunk_labels(labels.float(), chunk).reshape(-1, scores.shape[-1])
 
