@@ -122,3 +122,22 @@ def test_steerling_8b_recipe_has_the_public_configurations_shape(tmp_path: Path)
     assert (c.bottleneck.concepts, c.bottleneck.unknown, c.bottleneck.rank) == (33732, 101196, 256)
     assert c.bottleneck.enabled and c.bottleneck.chunk == d.block_size
     assert 8.3e9 < count_parameters(c).total < 8.5e9
+
+
+def test_the_four_families_differ_only_in_objective_and_concept_module(tmp_path: Path, monkeypatch) -> None:
+    """recipes/families/: AR and CDLM, each with and without the bottleneck (Steerling Sec. 8), on the
+    same data, shape and budget: the resolved recipes differ in model.objective and model.bottleneck
+    (and the [MASK] id a CDLM reads from its tokenizer) only."""
+    from .test_paper_recipes import _diff
+
+    monkeypatch.chdir(tmp_path)  # no data tokenized yet
+    fam = RECIPES / "families"
+    assert {p.stem for p in fam.glob("*.yaml")} == {"ar", "ar-concepts", "cdlm", "cdlm-concepts"}
+    got = {f: load_recipe(fam / f"{f}.yaml", need_sources=True) for f in ("ar", "ar-concepts", "cdlm", "cdlm-concepts")}
+    d = {f: r.to_dict() for f, r in got.items()}
+    assert _diff(d["ar"], d["cdlm"]) <= {"model.objective", "model.diffusion.mask_id"}
+    assert _diff(d["ar-concepts"], d["cdlm-concepts"]) <= {"model.objective", "model.diffusion.mask_id"}
+    assert {k.split(".")[1] for k in _diff(d["ar"], d["ar-concepts"])} == {"bottleneck"}
+    assert {k.split(".")[1] for k in _diff(d["cdlm"], d["cdlm-concepts"])} == {"bottleneck"}
+    assert [got[f].model_config.objective for f in got] == ["next_token"] * 2 + ["causal_diffusion"] * 2
+    assert len({r.run_dir for r in got.values()}) == 4 and all(r.data.labels == "python-ast" for r in got.values())
