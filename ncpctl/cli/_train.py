@@ -59,19 +59,31 @@ def _human(con: Any, s: dict[str, Any]) -> None:
     state = "interrupted (checkpoint saved)" if s["interrupted"] else "done"
     con.print(f"{s['stage']} {state}: step {s['step']}/{s['max_steps']}, {s['tokens']:,} tokens, "
               f"{s['trainable_parameters']:,} of {s['parameters']:,} parameters trained")
-    val = s["val"].get("loss")
-    if val is not None:
-        line = f"val loss {val:.4f}"
-        if "ntp_loss" in s["val"]:
-            line += f" (ntp {s['val']['ntp_loss']:.4f})"
-        from ncpctl.train.display import estimate_terms
+    val = s["val"]
+    if val.get("loss") is not None:
+        from ncpctl.train.display import estimate_terms, loss_terms
 
-        line += "".join(", " + t for t in estimate_terms(s["val"]))  # e.g. the CDLM's held-out ELBO
+        # the objective's term first (comparable across models), then the others, then the total
+        terms = [f"{k.removesuffix('_loss')} {val[k]:.4f}" for k in loss_terms(val)]
+        line = f"val at step {s['val_step']}: " if s.get("val_step") is not None else "val: "
+        line += ", ".join([*terms, f"total {val['loss']:.4f}"] if len(terms) > 1 else [f"loss {val['loss']:.4f}"])
+        line += "".join(", " + t for t in estimate_terms(val))  # e.g. the CDLM's held-out ELBO
+        if isinstance(val.get("concept_auc"), (int, float)):  # a bottleneck: held-out concept detection
+            from ncpctl.train.display import detection_line
+
+            line += ", " + detection_line(val)
         if s.get("unigram_entropy") is not None:
             line += f"; unigram entropy of the training data {s['unigram_entropy']:.4f} nats"
         con.print(line)
+    if s.get("train_loss") is not None and s.get("train_loss_step") is not None:
+        con.print(f"train loss at step {s['train_loss_step']}: {s['train_loss']:.4f}")
     if s.get("steps_per_s"):
-        con.print(f"{s['steps_per_s']:.2f} steps/s, {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}%"
+        mfu = ""
+        if s.get("mfu") is not None:
+            ranks = f"{s['world_size']} ranks, each " if s.get("world_size", 1) > 1 else ""
+            mfu = f", MFU {100 * s['mfu']:.1f}% (mean over {s['steps_run']} steps) of {s['peak_flop_per_s'] / 1e9:,.0f} " \
+                  f"GFLOP/s ({ranks}{s['peak_source']})"
+        con.print(f"{s['steps_per_s']:.2f} steps/s, {s['tokens_per_s']:,.0f} tokens/s{mfu}"
                   + (f", {s['nonfinite_steps']} non-finite steps skipped" if s["nonfinite_steps"] else ""))
     if s["checkpoint"]:
         con.print(f"checkpoint: {s['checkpoint']}")

@@ -110,10 +110,53 @@ def known_bf16_peak(name: str) -> float | None:
     return None
 
 
+def _cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _max_clock_hz(cpuinfo: str) -> float | None:
+    """The highest clock the system states: cpufreq's ``cpuinfo_max_freq``, the cores' ``cpu MHz``
+    and a ``@ X.XXGHz`` in the model name (a virtual machine often states only the nominal one)."""
+    import re
+
+    hz = [float(m) * 1e6 for m in re.findall(r"^cpu MHz\s*:\s*([\d.]+)", cpuinfo, re.MULTILINE)]
+    hz += [float(m) * 1e9 for m in re.findall(r"@\s*([\d.]+)\s*GHz", cpuinfo)]
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq") as f:
+            hz.append(float(f.read().strip()) * 1e3)  # kHz
+    except (OSError, ValueError):
+        pass
+    return max(hz) if hz else None
+
+
+def cpu_isa_peak(threads: int, cpuinfo: str | None = None) -> tuple[float, str] | None:
+    """An fp32 upper bound of ``threads`` cores from the instruction set and the clock: threads x
+    clock x FLOP/cycle (two FMA pipes: 64 with AVX-512, 32 with AVX2+FMA, 16 with SSE), or None
+    when /proc/cpuinfo says nothing."""
+    import re
+
+    info = _cpuinfo() if cpuinfo is None else cpuinfo
+    clock = _max_clock_hz(info)
+    m = re.search(r"^flags\s*:(.*)$", info, re.MULTILINE)
+    if clock is None or m is None:
+        return None
+    flags = set(m.group(1).split())
+    per_cycle = 64 if "avx512f" in flags else 32 if {"avx2", "fma"} <= flags else 16
+    return (threads * clock * per_cycle,
+            f"{threads} threads x {clock / 1e9:.2f} GHz x {per_cycle} fp32 FLOP/cycle")
+
+
 def device_peak(on_gpu: bool) -> tuple[float, str]:
     """This process's peak FLOP/s for MFU and where it came from: on a GPU its known dense bf16
-    peak (an unknown GPU: what an 8192^3 bf16 GEMM reaches), on the CPU the measured rate of a
-    1024^3 fp32 GEMM on this process's threads."""
+    peak (an unknown GPU: what an 8192^3 bf16 GEMM reaches); on the CPU the larger of the
+    instruction-set bound (``cpu_isa_peak``) and the measured rate of a 1024^3 fp32 GEMM on this
+    process's threads. A GEMM measured on a loaded machine alone understates the peak (an MFU
+    above 100% followed); the larger of the two is an upper bound unless the stated clock is below
+    the real one, and then the GEMM (on a quiet machine) is."""
     import torch
 
     if on_gpu:
@@ -123,7 +166,12 @@ def device_peak(on_gpu: bool) -> tuple[float, str]:
             return peak, f"{name} bf16 peak"
         g = gemm_peak("cuda", torch.bfloat16, n=8192, repeats=3)
         return g["flop_per_s"], f"{name}: measured bf16 8192^3 GEMM (not in the known-peak table)"
-    return gemm_peak("cpu", torch.float32, n=1024, repeats=4)["flop_per_s"], "measured fp32 1024x1024 matmul"
+    measured = gemm_peak("cpu", torch.float32, n=1024, repeats=4)["flop_per_s"]
+    isa = cpu_isa_peak(torch.get_num_threads())
+    gemm = f"measured fp32 1024^3 GEMM {measured / 1e9:.0f} GFLOP/s"
+    if isa is None or measured >= isa[0]:
+        return measured, gemm + ("" if isa is None else f" (above the instruction-set bound {isa[1]})")
+    return isa[0], f"instruction-set bound {isa[1]} (above the {gemm})"
 
 
 def timed(fn: Callable[[], Any], device: Any = None) -> tuple[float, Any]:

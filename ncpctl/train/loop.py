@@ -120,7 +120,9 @@ class _Totals:
     last_saved: int = -1
     last_good: Path | None = None
     train_loss: float | None = None
+    train_loss_step: int | None = None  # the step ``train_loss`` was measured at
     val: dict[str, float] = field(default_factory=dict)
+    val_step: int | None = None  # the step ``val`` was measured at (a summary after Ctrl-C says so)
 
 
 @dataclass
@@ -145,6 +147,7 @@ class _Run:
     # ---- observability (metrics and display on rank 0 only) ----
     flops_per_step: float = 0.0
     peak: float = 1.0  # FLOP/s of all ranks together
+    peak_source: str = ""  # where the peak comes from (rank 0's device_peak)
     entropy: float | None = None
     metrics: MetricsLog | None = None
     display: Any = None
@@ -362,6 +365,7 @@ def _restore(run: _Run, meta: dict[str, Any]) -> None:
         tot.nonfinite_total = meta.get("nonfinite_total", 0)
         tot.last_saved, tot.last_good = tot.step, src
         tot.train_loss, tot.val = meta.get("train_loss"), meta.get("val") or {}
+        tot.train_loss_step, tot.val_step = meta.get("train_loss_step"), meta.get("val_step")
         run.info(f"resumed from {src} (step {tot.step}, {tot.tokens:,} tokens)"
                  + ("; already at train.max_steps, nothing to do" if tot.step >= t.max_steps else ""))
         changed = schedule_change(_recorded_train(src), run.recipe, tot.step)
@@ -385,7 +389,8 @@ def _observe(run: _Run, out: Any) -> None:
         run.metrics = MetricsLog(r.run_dir, t.tensorboard, run.tot.step if run.resume_from else None, run.warn)
         r.write_resolved(r.run_dir)
     run.flops_per_step = flops_per_step(r, run.stage, run.engine.module)
-    run.peak = d.sum(torch.tensor([device_peak(on_gpu)[0]], dtype=torch.float64)).item()
+    peak, run.peak_source = device_peak(on_gpu)
+    run.peak = d.sum(torch.tensor([peak], dtype=torch.float64)).item()
     if lead:
         from ncpctl.train.display import TrainDisplay
 
@@ -471,7 +476,7 @@ def _count_nonfinite(run: _Run, step: _Step) -> None:
     tot, t = run.tot, run.recipe.train
     if not step.skipped:
         tot.nonfinite_run = 0
-        tot.train_loss = step.terms[LOSS].item()
+        tot.train_loss, tot.train_loss_step = step.terms[LOSS].item(), tot.step
         return
     tot.nonfinite_total += 1
     tot.nonfinite_run += 1
@@ -526,7 +531,7 @@ def _evaluate(run: _Run, final: bool = False) -> None:
                 for k, v in objective.validation(engine.module, mb.to(d.device), mb_ids.to(d.device)).items():
                     held[k] = held[k] + v if k in held else v
     terms = pk.split_terms(d.sum(acc), mean_over=d.world * batches * r.grad_accum_steps)
-    run.tot.val = pk.scalars(terms)
+    run.tot.val, run.tot.val_step = pk.scalars(terms), run.tot.step
     run.tot.val.update(objective.validation_record({k: d.sum(v) for k, v in held.items()}))
     run.tot.val.update(hooks.eval_end(d))
     engine.train()
@@ -545,6 +550,7 @@ def _save(run: _Run) -> None:
             "data": {"train": run.data.loader.state_dict(), "train_prefix": str(run.data.train_ds.bin_path)[:-4]},
             "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
             "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
+            "train_loss_step": tot.train_loss_step, "val_step": tot.val_step,
             "init_from": str(stage.init_from) if stage.init_from else None}
     if r.train.lora is not None and stage.name == "midtrain":
         from ncpctl.train.lora import describe
@@ -563,12 +569,15 @@ def _summary(run: _Run, *, interrupted: bool, plots: list[str]) -> dict[str, Any
     tokens_per_step = r.global_batch_size * r.seq_len
     return {
         "stage": stage.name, "run_dir": str(r.run_dir), "step": tot.step, "max_steps": r.train.max_steps,
-        "tokens": tot.tokens, "train_loss": tot.train_loss, "val": tot.val,
+        "tokens": tot.tokens, "train_loss": tot.train_loss, "train_loss_step": tot.train_loss_step,
+        "val": tot.val, "val_step": tot.val_step,
         "unigram_entropy": run.entropy, "parameters": run.n_params, "trainable_parameters": run.n_trainable,
         "steps_run": steps, "seconds": round(elapsed, 2),
         "steps_per_s": steps / compute_s if compute_s else None,
         "tokens_per_s": steps * tokens_per_step / compute_s if compute_s else None,
+        # the live MFU's definition (training FLOPs / step time / peak) over every step this process ran
         "mfu": run.flops_per_step * steps / compute_s / run.peak if compute_s else None,
+        "peak_flop_per_s": run.peak, "peak_source": run.peak_source,
         "nonfinite_steps": tot.nonfinite_total, "interrupted": interrupted,
         "checkpoint": str(tot.last_good) if tot.last_good else None,
         "resumed_from": str(run.resume_from) if run.resume_from else None,

@@ -86,3 +86,40 @@ def test_validation_shows_a_monte_carlo_estimate_with_its_standard_error() -> No
     _, out = _shown(REC, {"loss": 6.3956, "diffusion_loss": 6.3956, "diffusion_elbo": 6.34972,
                           "diffusion_elbo_stderr": 0.00521})
     assert "step 3: val loss 6.3956, diffusion_elbo 6.3497 ± 0.0052\n" in out
+
+
+def test_the_summary_labels_each_figure_with_its_step_leads_with_the_objectives_term_and_states_the_peak() -> None:
+    """Issue 28 item 1: after Ctrl-C the validation is older than the last step (say so); an
+    ArchPreview total summed over d must not lead (the NTP term first, the total last); the
+    bottleneck's detection is shown; MFU states the peak it divides by."""
+    from ncpctl.cli._train import _human
+
+    s = {"stage": "pretrain", "interrupted": True, "step": 69, "max_steps": 100, "tokens": 1000,
+         "trainable_parameters": 10, "parameters": 10, "unigram_entropy": 6.5, "train_loss": 6.1,
+         "train_loss_step": 69, "val_step": 50,
+         "val": {"loss": 154.25, "ntp_loss": 6.45, "ncp_loss": 147.0, "vq_loss": 0.8, "concept_auc": 0.725,
+                 "concept_auc_low": 0.69, "concept_auc_high": 0.829, "concept_auc_concepts": 13,
+                 "concept_auc_skipped": 3, "concept_auc_pooled": 0.925, "concept_auc_pooled_base_rate": 0.885},
+         "steps_per_s": 2.0, "tokens_per_s": 500.0, "mfu": 0.25, "steps_run": 19, "peak_flop_per_s": 156e9,
+         "peak_source": "instruction-set bound 2 threads x 2.45 GHz x 32 fp32 FLOP/cycle", "world_size": 1,
+         "nonfinite_steps": 0, "checkpoint": None}
+    buf = io.StringIO()
+    _human(Console(file=buf, width=400, force_terminal=False), s)
+    out = buf.getvalue()
+    assert "val at step 50: ntp 6.4500, ncp 147.0000, vq 0.8000, total 154.2500, concept AUC 0.725" in out
+    assert "train loss at step 69: 6.1000" in out
+    assert "MFU 25.0% (mean over 19 steps) of 156 GFLOP/s (instruction-set bound 2 threads x 2.45 GHz" in out
+
+
+def test_the_cpu_peak_is_the_instruction_set_bound_or_the_measured_gemm_whichever_is_larger(monkeypatch) -> None:
+    from ncpctl.profile import timing
+
+    info = "model name\t: AMD EPYC\ncpu MHz\t\t: 2445.406\nflags\t\t: fpu sse avx avx2 fma\n"
+    peak, how = timing.cpu_isa_peak(2, info)
+    assert peak == 2 * 2445.406e6 * 32 and how == "2 threads x 2.45 GHz x 32 fp32 FLOP/cycle"
+    assert timing.cpu_isa_peak(1, info.replace("avx2 fma", "avx2 fma avx512f"))[0] == 2445.406e6 * 64
+    monkeypatch.setattr(timing, "_cpuinfo", lambda: info)
+    monkeypatch.setattr(timing, "gemm_peak", lambda *a, **k: {"flop_per_s": 50e9})  # a loaded machine
+    assert timing.device_peak(False)[0] >= 2445.406e6 * 32  # never below the bound (1 thread or more)
+    monkeypatch.setattr(timing, "gemm_peak", lambda *a, **k: {"flop_per_s": 1e15})  # faster than stated
+    assert timing.device_peak(False)[0] == 1e15
