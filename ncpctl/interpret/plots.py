@@ -79,3 +79,32 @@ def usage_bars(dictionary: dict[str, Any], path: Path, log: Callable[[str], None
     out = _save(fig, path)
     plt.close(fig)
     return out
+
+
+def input_heatmap(rec: dict[str, Any], path: Path, log: Callable[[str], None]) -> str | None:
+    """``inspect --attribute-inputs``: the prompt's tokens across, one row per attribution
+    (occlusion Δ; IG), a diverging map centred on 0 (red: the input raises the output)."""
+    plt = _pyplot(log)
+    if plt is None:
+        return None
+    toks = rec["tokens"]
+    occ = [b["occlusion"] for b in rec["blocks"] for _ in range(b["span"][1] - b["span"][0])] \
+        if rec["unit"] == "block" else [t["occlusion"] for t in toks]
+    rows = {"occlusion Δ" + (" (block)" if rec["unit"] == "block" else ""): occ}
+    if toks and toks[0]["ig"] is not None:
+        rows["integrated gradients"] = [t["ig"] for t in toks]
+    data = np.array(list(rows.values()), dtype=float)  # (rows, T)
+    T = data.shape[1]
+    fig, axes = plt.subplots(len(rows), 1, figsize=(min(24.0, 1.5 + 0.32 * T), 1.1 + 1.0 * len(rows)), squeeze=False)
+    for ax, (name, values) in zip(axes[:, 0], rows.items()):
+        v = np.array(values, dtype=float)[None]
+        lim = float(np.abs(v).max()) or 1.0
+        im = ax.imshow(v, aspect="auto", cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
+        ax.set_yticks([0], [name], fontsize=7)
+        ax.set_xticks(range(T), [repr(t["text"])[1:-1][:10] for t in toks], rotation=90, fontsize=6)
+        fig.colorbar(im, ax=ax, fraction=0.02)
+    out_def = rec["output"]["definition"]
+    fig.suptitle(f"input attribution against {rec['baseline']['text']!r}: {out_def}", fontsize=8, y=1.02)
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
