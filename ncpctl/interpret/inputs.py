@@ -225,6 +225,8 @@ def attribute_prompt(model, prompt: list[int], *, baseline: int, target: list[in
         "sequence": {"tokens": len(ids_list), "prompt_tokens": P,
                      "text_after_prompt": decode(ids_list[P:])},
     }
+    if is_cdlm(model):
+        rec["diffusion_block"] = model.objective.block
     if unit == "block":
         rec["block_tokens"] = block_tokens
         rec["blocks"] = [{"span": [u[0], u[-1] + 1], "text": decode(ids_list[u[0] : u[-1] + 1]), "occlusion": d,

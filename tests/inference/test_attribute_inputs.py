@@ -162,6 +162,14 @@ def test_cli_attribute_inputs_concept_blocks_and_refusals(tmp_path):
                                  "--unit", "block", "--ig-steps", "0"])
     assert r.exit_code == 0, (r.output, r.exception)
     assert "strongest blocks" in r.stdout and "summed over the output block" in r.stdout, r.stdout
+    # an autoregressive checkpoint with a baseline of the user's choice: the output at the prompt's last token
+    r = CliRunner().invoke(app, ["inspect", ar, "--attribute-inputs", "-p", "x = 1", "--baseline", "<|endoftext|>",
+                                 "--ig-steps", "2", "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    (a,) = json.loads(r.stdout)["attributions"]
+    P = a["sequence"]["prompt_tokens"]
+    assert a["objective"] == "next_token" and a["baseline"] == {"id": 0, "text": "<|endoftext|>", "given": True}
+    assert a["output"]["positions"] == [P - 1] and a["sequence"]["tokens"] == P and len(a["tokens"]) == P
     for args, why in (
         ((ar, "--attribute-inputs", "-p", "x = 1"), "never trained with a [MASK] token"),
         ((ar, "--attribute-inputs", "-p", "x = 1", "--baseline", "<|nosuch|>"), "is not a token of this"),
