@@ -301,7 +301,8 @@ def _attribute_inputs(o: Output, checkpoint: str, prompts: list[str], target: st
     report: dict[str, Any] = {"command": "inspect", "checkpoint": str(loaded.path), "attributions": []}
     files: list[str] = []
     for i, text in enumerate(prompts):
-        rec = inputs.attribute_prompt(model, encode(text), baseline=base_id, target=encode(target) if target else None,
+        rec = inputs.attribute_prompt(model, encode(text), baseline=base_id,
+                                      target=None if target is None else encode(target),
                                       concept=c_index, unit=unit or "token", block_tokens=size,
                                       ig_steps=16 if ig_steps is None else ig_steps,
                                       max_len=loaded.config.max_seq_len, decode=decode)

@@ -184,10 +184,15 @@ def attribute_prompt(model, prompt: list[int], *, baseline: int, target: list[in
                      decode: Callable[[list[int]], str] = str) -> dict[str, Any]:
     """Occlusion (and IG unless ``ig_steps`` is 0) of one prompt's tokens for the output the
     module docstring defines; a JSON-ready record."""
-    while max_len is not None and prompt and len(sequence(model, prompt)[0]) > max_len:
-        prompt = prompt[len(sequence(model, prompt)[0]) - max_len:]  # keep the end: the context nearest the output
+    if max_len is not None:  # the longest end of the prompt whose sequence fits: the context nearest the output
+        keep = min(len(prompt), max_len)
+        while keep > 0 and len(sequence(model, prompt[len(prompt) - keep:])[0]) > max_len:
+            keep -= 1
+        prompt = prompt[len(prompt) - keep:]
     if not prompt:
         raise UserError("--attribute-inputs: the prompt is empty after tokenizing")
+    if target is not None and not target:
+        raise UserError("--target is empty after tokenizing: give text whose first token is the output")
     ids_list, out_pos = sequence(model, prompt)
     ids = torch.tensor(ids_list, dtype=torch.long)[None]
     P = len(prompt)

@@ -44,6 +44,9 @@ def test_the_cdlm_output_is_read_at_the_first_mask_after_the_prompt(model):
     ids, pos = I.sequence(model, prompt(8))
     assert ids[8:] == [MASK] * BLOCK and pos == (8, 9, 10, 11)  # a prompt ending on a boundary: a whole block
     assert I.units(10, "block", BLOCK) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    rec = I.attribute_prompt(model, prompt(70), baseline=MASK, ig_steps=0, max_len=64)  # max_seq_len 64
+    assert rec["sequence"] == {"tokens": 64, "prompt_tokens": 63, "text_after_prompt": str([MASK])}
+    assert [t["id"] for t in rec["tokens"]] == prompt(70)[7:]  # the prompt's end is kept
 
 
 def test_occlusion_equals_the_hand_computed_change(model):
@@ -176,6 +179,7 @@ def test_cli_attribute_inputs_concept_blocks_and_refusals(tmp_path):
         ((ar, "--attribute-inputs", "-p", "x", "--baseline", "<|endoftext|>", "--concept", "c"), "has none"),
         ((ck, "--attribute-inputs", "-p", "x = 1", "--concept", "nosuch"), "no such known concept"),
         ((ck, "-p", "x = 1", "--ig-steps", "4"), "apply with --attribute-inputs"),
+        ((ck, "--attribute-inputs", "-p", "x = 1", "--target", ""), "--target is empty"),
     ):
         r = CliRunner().invoke(app, ["inspect", *args, "--json"])
         assert r.exit_code == 2, (args, r.output, r.exception)
