@@ -1,5 +1,6 @@
 """`ncpctl inspect`: a checkpoint's concepts, read (decomposition), attributed (ablation) and
-summarised over a corpus (code dictionaries). Library code: ``ncpctl.interpret``."""
+summarised over a corpus (code dictionaries); ``--attribute-inputs``: one output attributed to the
+prompt's tokens against the [MASK] baseline. Library code: ``ncpctl.interpret`` (inputs.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ AttributeOpt = Annotated[bool, typer.Option(
     "position (autoregressive), or --concept's score.")]
 ConceptOpt = Annotated[Optional[str], typer.Option(
     "--concept", help="With --attribute-inputs: attribute this known concept's logit (a concept bottleneck "
-    "checkpoint; its name, or #N), summed over the output block's [MASK] positions.", show_default=False)]
+    "checkpoint; its name, or #N) f(h)_c, summed over the output block's [MASK] positions (CDLM) or at the prompt's "
+    "last position (autoregressive).", show_default=False)]
 UnitOpt = Annotated[Optional[str], typer.Option(
     "--unit", help="With --attribute-inputs: occlude each token (token, the default) or whole blocks (block).",
     show_default=False)]
