@@ -1,5 +1,6 @@
 """`ncpctl inspect`: a checkpoint's concepts, read (decomposition), attributed (ablation) and
-summarised over a corpus (code dictionaries). Library code: ``ncpctl.interpret``."""
+summarised over a corpus (code dictionaries); ``--attribute-inputs``: one output attributed to the
+prompt's tokens against the [MASK] baseline. Library code: ``ncpctl.interpret`` (inputs.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,33 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, command
+
+TopOpt = Annotated[Optional[int], typer.Option("--top", min=1, help="Codes shown per segment (the rest as a "
+                                               "remainder; default 3); --attribute-inputs: inputs shown (default 10).",
+                                               show_default=False)]
+# --attribute-inputs (issue 23 item 6; library: ncpctl.interpret.inputs)
+AttributeOpt = Annotated[bool, typer.Option(
+    "--attribute-inputs", help="Attribute one output to the prompt's tokens: occlusion by the [MASK] token (the "
+    "CDLM's in-distribution 'absent') and integrated gradients from the [MASK] embedding. The output: the target's "
+    "first token's logit (default: the argmax) at the first [MASK] after the prompt (CDLM) or at the prompt's last "
+    "position (autoregressive), or --concept's score.")]
+ConceptOpt = Annotated[Optional[str], typer.Option(
+    "--concept", help="With --attribute-inputs: attribute this known concept's logit (a concept bottleneck "
+    "checkpoint; its name, or #N) f(h)_c, summed over the output block's [MASK] positions (CDLM) or at the prompt's "
+    "last position (autoregressive).", show_default=False)]
+UnitOpt = Annotated[Optional[str], typer.Option(
+    "--unit", help="With --attribute-inputs: occlude each token (token, the default) or whole blocks (block).",
+    show_default=False)]
+BlockTokensOpt = Annotated[Optional[int], typer.Option(
+    "--block-tokens", min=1, help="With --unit block: tokens per block, aligned to positions (default: the CDLM's "
+    "diffusion block size, else 16).", show_default=False)]
+IgStepsOpt = Annotated[Optional[int], typer.Option(
+    "--ig-steps", min=0, help="With --attribute-inputs: integrated-gradients path points (default 16; 0: none).",
+    show_default=False)]
+BaselineOpt = Annotated[Optional[str], typer.Option(
+    "--baseline", help="With --attribute-inputs: the token that stands for 'absent' (its exact text in the "
+    "tokenizer). Default: the CDLM's [MASK]; an autoregressive checkpoint has none and needs this.",
+    show_default=False)]
 
 
 @command
@@ -21,7 +49,7 @@ def main(
     target: Annotated[Optional[str], typer.Option("--target", "-t", help="A continuation of the prompt: rank the "
                                                   "codes (and segments) by how much removing each changes its "
                                                   "log-probability.", show_default=False)] = None,
-    top: Annotated[int, typer.Option("--top", min=1, help="Codes shown per segment (the rest as a remainder).")] = 3,
+    top: TopOpt = None,
     ablate_codes: Annotated[int, typer.Option("--ablate-codes", min=0, help="With --target: the heaviest codes of "
                                               "each segment ablated one by one (each segment whole too).")] = 3,
     corpus: Annotated[Optional[list[str]], typer.Option("--corpus", help="Build code dictionaries over this "
@@ -33,8 +61,14 @@ def main(
                                                    show_default=False)] = None,
     lift_windows: Annotated[int, typer.Option("--lift-windows", min=0, help="Windows each code's vector is added "
                                               "to, for its lift tokens (0: none).")] = 2,
-    plot: Annotated[Optional[str], typer.Option("--plot", help="Write PNGs (code-weight heat maps, code usage) "
-                                                "into this directory.", show_default=False)] = None,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Write PNGs (code-weight heat maps, code usage; "
+                                                "input attributions) into this directory.", show_default=False)] = None,
+    attribute_inputs: AttributeOpt = False,
+    concept: ConceptOpt = None,
+    unit: UnitOpt = None,
+    block_tokens: BlockTokensOpt = None,
+    ig_steps: IgStepsOpt = None,
+    baseline: BaselineOpt = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -42,11 +76,16 @@ def main(
 ) -> None:
     """Read a checkpoint's concepts: per block the codes each segment mixes (exact decomposition
     of the predicted concept), attribution of a continuation to codes by ablation, and code
-    dictionaries (usage, strongest blocks, lift tokens) over a corpus."""
+    dictionaries (usage, strongest blocks, lift tokens) over a corpus; or (--attribute-inputs)
+    each prompt token's contribution to one output, against the [MASK] baseline."""
     from ncpctl.errors import UserError
 
     o = Output(json_out)
     prompts = _checked_prompts(checkpoint, prompt, prompts_file, corpus, target, set_)
+    attr = dict(concept=concept, unit=unit, block_tokens=block_tokens, ig_steps=ig_steps, baseline=baseline)
+    if attribute_inputs or any(v is not None for v in attr.values()):
+        return _attribute_inputs(o, checkpoint, prompts, target, corpus, top, plot, attribute_inputs, **attr)
+    top = 3 if top is None else top
 
     import torch
 
@@ -210,3 +249,100 @@ def _checked_prompts(checkpoint: str, prompt: list[str] | None, prompts_file: st
     if target is not None and len(prompts) != 1:
         raise UserError(f"--target needs exactly one prompt, got {len(prompts)}")
     return prompts
+
+
+def _attribute_inputs(o: Output, checkpoint: str, prompts: list[str], target: str | None,
+                      corpus: list[str] | None, top: int | None, plot: str | None, asked: bool, *,
+                      concept: str | None, unit: str | None, block_tokens: int | None, ig_steps: int | None,
+                      baseline: str | None) -> None:
+    """``--attribute-inputs``: checks, then per prompt ``inputs.attribute_prompt``; JSON, table, heat map."""
+    from ncpctl.errors import UserError
+
+    if not asked:
+        given = [f for f, v in (("--concept", concept), ("--unit", unit), ("--block-tokens", block_tokens),
+                                ("--ig-steps", ig_steps), ("--baseline", baseline)) if v is not None]
+        raise UserError(f"{', '.join(given)} apply with --attribute-inputs")
+    if corpus:
+        raise UserError("--corpus builds code dictionaries; --attribute-inputs reads prompts only")
+    if not prompts:
+        raise UserError("--attribute-inputs needs a prompt: pass --prompt TEXT")
+    if unit not in (None, "token", "block"):
+        raise UserError(f"--unit must be token or block, got {unit!r}")
+    if block_tokens is not None and unit != "block":
+        raise UserError("--block-tokens applies with --unit block")
+    if concept is not None and target is not None:
+        raise UserError("--concept and --target choose the output two ways: give one")
+
+    from ncpctl.checkpoint import load_model
+    from ncpctl.interpret import inputs, plots
+
+    loaded = load_model(checkpoint)
+    model, tok = loaded.model, loaded.tokenizer
+    if tok is None:
+        raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint")
+    if baseline is not None:
+        base_id = tok.token_to_id(baseline)
+        if base_id is None:
+            raise UserError(f"--baseline {baseline!r} is not a token of this checkpoint's tokenizer (give one "
+                            "token's exact text)")
+    else:
+        base_id = inputs.default_baseline(model)
+        if base_id is None:
+            raise UserError(f"--attribute-inputs: this checkpoint (model.objective: {loaded.config.objective}) was "
+                            "never trained with a [MASK] token, so it has no in-distribution 'absent' baseline; "
+                            "pass --baseline TOKEN to occlude with a token of your choice")
+    c_index = None
+    if concept is not None:
+        if getattr(model, "bottleneck", None) is None:
+            raise UserError("--concept reads the concept bottleneck's known concepts; this checkpoint has none "
+                            "(model.bottleneck)")
+        c_index = inputs.concept_index(loaded.meta.get("concept_names"), concept, model.bottleneck.n)
+    size = block_tokens or (model.objective.block if inputs.is_cdlm(model) else 16)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+    report: dict[str, Any] = {"command": "inspect", "checkpoint": str(loaded.path), "attributions": []}
+    files: list[str] = []
+    for i, text in enumerate(prompts):
+        rec = inputs.attribute_prompt(model, encode(text), baseline=base_id,
+                                      target=None if target is None else encode(target),
+                                      concept=c_index, unit=unit or "token", block_tokens=size,
+                                      ig_steps=16 if ig_steps is None else ig_steps,
+                                      max_len=loaded.config.max_seq_len, decode=decode)
+        rec["baseline"]["given"] = baseline is not None
+        if concept is not None:
+            rec["output"]["concept_name"] = concept
+        rec.update(prompt=text, target=target)
+        if plot:
+            out = plots.input_heatmap(rec, Path(plot) / f"inputs_prompt{i}.png", o.info)
+            files += [out] if out else []
+        report["attributions"].append(rec)
+    report["files"] = files
+    o.result(report, lambda con: _human_inputs(con, report, 10 if top is None else top))
+
+
+def _human_inputs(con, report: dict[str, Any], top: int) -> None:
+    from rich.table import Table
+
+    for r in report["attributions"]:
+        out, block = r["output"], r["unit"] == "block"
+        con.print(f"{r['prompt'][:60]!r}: output = {out['definition']}"
+                  + (f" {out['token_text']!r}" if out["token_text"] is not None else f" ({out.get('concept_name')})")
+                  + f" = {out['value']:.4f}; baseline {r['baseline']['text']!r}")
+        rows = r["blocks"] if block else r["tokens"]
+        t = Table(title=f"the {min(top, len(rows))} strongest {'blocks' if block else 'tokens'} by |occlusion "
+                        "delta| (output(input) - output(occluded))", title_justify="left")
+        for col in ("span" if block else "pos", "text", "occlusion", "IG"):
+            t.add_column(col)
+        for x in sorted(rows, key=lambda x: -abs(x["occlusion"]))[:top]:
+            t.add_row(str(x["span"] if block else x["position"]), repr(x["text"])[:30], f"{x['occlusion']:+.4f}",
+                      "" if x["ig"] is None else f"{x['ig']:+.4f}")
+        con.print(t)
+        if "ig" in r:
+            g = r["ig"]
+            gap = g["value"] - g["baseline_value"]
+            coarse = abs(g["completeness_error"]) > 0.05 * max(abs(gap), 1e-3)
+            con.print(f"IG ({g['steps']} steps): sum {g['sum']:+.4f} vs output(input) - output(all baseline) "
+                      f"{gap:+.4f} (completeness error {g['completeness_error']:+.1e}"
+                      + ("; the path is not resolved: raise --ig-steps)" if coarse else ")"))
+    for f in report["files"]:
+        con.print(f"wrote {f}")

@@ -79,3 +79,38 @@ def usage_bars(dictionary: dict[str, Any], path: Path, log: Callable[[str], None
     out = _save(fig, path)
     plt.close(fig)
     return out
+
+
+def input_heatmap(rec: dict[str, Any], path: Path, log: Callable[[str], None]) -> str | None:
+    """``inspect --attribute-inputs``: the prompt's tokens across, one row per attribution
+    (occlusion Δ; IG), a diverging map centred on 0 (red: the input raises the output)."""
+    plt = _pyplot(log)
+    if plt is None:
+        return None
+    toks = rec["tokens"]
+    occ = [b["occlusion"] for b in rec["blocks"] for _ in range(b["span"][1] - b["span"][0])] \
+        if rec["unit"] == "block" else [t["occlusion"] for t in toks]
+    rows = {"occlusion Δ" + (" (block)" if rec["unit"] == "block" else ""): occ}
+    if toks and toks[0]["ig"] is not None:
+        rows["integrated gradients"] = [t["ig"] for t in toks]
+    data = np.array(list(rows.values()), dtype=float)  # (rows, T)
+    T = data.shape[1]
+    fig, axes = plt.subplots(len(rows), 1, figsize=(min(24.0, 1.5 + 0.32 * T), 1.1 + 1.0 * len(rows)), squeeze=False)
+    block = rec.get("diffusion_block")
+    for r, (ax, (name, values)) in enumerate(zip(axes[:, 0], rows.items())):
+        v = np.array(values, dtype=float)[None]
+        lim = float(np.abs(v).max()) or 1.0
+        im = ax.imshow(v, aspect="auto", cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
+        ax.set_yticks([0], [name], fontsize=7)
+        last = r == len(rows) - 1  # token labels under the last row only
+        ax.set_xticks(range(T), [repr(t["text"])[1:-1][:10] for t in toks] if last else [""] * T,
+                      rotation=90, fontsize=6)
+        for edge in range(block or T, T, block or T):  # the CDLM's diffusion blocks
+            ax.axvline(edge - 0.5, color="k", lw=0.8, ls=":")
+        fig.colorbar(im, ax=ax, fraction=0.02)
+    what = rec["output"]
+    out_def = what["definition"] + (f" {what['token_text']!r}" if what.get("token_text") is not None else "")
+    fig.suptitle(f"input attribution against {rec['baseline']['text']!r}: {out_def}", fontsize=8, y=1.02)
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
