@@ -58,6 +58,7 @@ class Output:
 
         self.json = json_mode
         self.err = Console(stderr=True, highlight=False)
+        self.err.soft_wrap = not self.err.is_terminal  # a log file (nohup, Slurm, | tee): one line per message
         self.out = Console(highlight=False, soft_wrap=True)
 
     def info(self, msg: str) -> None:

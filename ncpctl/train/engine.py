@@ -22,9 +22,14 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    # no GPU here: tell DeepSpeed, which otherwise warns on every run that it could not detect one
+    os.environ["DS_ACCELERATOR"] = "cpu"
 
 from ncpctl.errors import UserError
 from ncpctl.recipe.load import Recipe
@@ -62,8 +67,33 @@ class Dist:
         return t.double().cpu()
 
 
-def init_distributed() -> Dist:
-    """torch.distributed through DeepSpeed; without a launcher, a world of one on localhost."""
+def _shm_op(device: str, world: int, info: Callable[[str], None]) -> None:
+    """DeepSpeed's CPU backend builds its shared-memory all-reduce op (a C++ extension, minutes to
+    compile on first use) in every process. One process communicates with no one: it is not
+    built. Several processes on a CPU use it: where it is not compiled yet, say so before the
+    silent minutes."""
+    import deepspeed.ops
+
+    if device != "cpu":
+        return
+    name = "deepspeed_shm_comm"
+    if world == 1:
+        deepspeed.ops.__compatible_ops__[name] = False  # build_shm_op() returns None: plain torch.distributed
+        return
+    try:  # torch's private helper: where the op would be cached (no note if it moved)
+        from torch.utils.cpp_extension import _get_build_directory
+
+        built = list(Path(_get_build_directory(name, verbose=False)).glob("*.so"))
+    except Exception:
+        return
+    if not built:
+        info(f"DeepSpeed compiles its shared-memory communication op for {world} CPU processes on first use "
+             "(a few minutes; cached under $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)")
+
+
+def init_distributed(info: Callable[[str], None] = lambda m: None) -> Dist:
+    """torch.distributed through DeepSpeed; without a launcher, a world of one on localhost.
+    ``info`` receives a note before a slow first-time build (``_shm_op``)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -80,6 +110,7 @@ def init_distributed() -> Dist:
     elif "OMP_NUM_THREADS" not in os.environ:  # ranks sharing one CPU: split its cores
         local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"])
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    _shm_op(acc.device_name(), int(os.environ["WORLD_SIZE"]), info)
     deepspeed.init_distributed(dist_init_required=True, verbose=False)
     import deepspeed.comm as dist
 

@@ -254,7 +254,7 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     -> DeepSpeed engine -> [restore a checkpoint] -> observability."""
     assert recipe.model_config is not None
     faults = Faults(os.environ.get(FAULT_ENV, ""))  # test hook; a malformed spec fails here
-    d = init_distributed()
+    d = init_distributed(out.info if os.environ.get("RANK", "0") == "0" else _quiet)  # rank 0 speaks
     info, warn = (out.info, out.warn) if d.rank == 0 else (_quiet, _quiet)
     faults.announce(warn)
     hooks = Hooks(recipe)

@@ -79,6 +79,8 @@ def test_resume_after_kill9_is_bit_identical(reference: Path, make_recipe, tmp_p
     assert not (run_dir / "ncpctl.lock").exists()  # released on exit
     assert r["resumed_from"] and r["step"] == 12 and r["steps_run"] > 0
     assert proc.stdout.count("\n") == 1  # DeepSpeed's checkpoint-loading logs stay off stdout
+    # issue 28 items 3 and 8: one process builds no shared-memory op, and DeepSpeed's "no GPU" warning is gone
+    assert "shm_comm" not in proc.stderr and "Setting accelerator to CPU" not in proc.stderr
     assert losses(run_dir) == losses(reference)  # exact, step by step
     assert metrics(run_dir, "val")[-1] == metrics(reference, "val")[-1]
     a, b = weights(reference / "checkpoints" / "step_0000012"), weights(run_dir / "checkpoints" / "step_0000012")
