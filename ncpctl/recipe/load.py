@@ -78,6 +78,9 @@ class Recipe:
             out[name] = section.model_dump(mode="json")
         out["run"]["dir"] = str(self.run_dir)
         out["run"]["name"] = self.name
+        if self.tokenizer.path and Path(self.tokenizer.path).is_file():
+            # a given tokenizer's size is the file's: the BPE size key (ignored then) must not say otherwise
+            out["tokenizer"]["vocab_size"] = tokenizer_vocab_size(self.tokenizer)
         if self.model_config is not None:  # pin the exact model, not just the size name
             out["model"] = {"size": self.model.size, **self.model_config.to_dict()}
         out["train"].update(

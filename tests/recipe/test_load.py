@@ -308,3 +308,12 @@ def test_ordinary_yaml_aliases_still_work(base: Path, tmp_path: Path) -> None:
     assert r.train.betas == [0.9, 0.99]
     assert r.deepspeed.extra == {"a": {"x": 1, "y": [2, 3]}, "b": {"x": 1, "y": [2, 3]}, "c": {"x": 1, "y": [4]},
                                  "d": [0.9, 0.99]}
+
+
+def test_the_resolved_recipe_gives_a_given_tokenizers_own_size(base: Path) -> None:
+    """Issue 28 item 8: with ``tokenizer.path`` the BPE size key is ignored; recipe.resolved.yaml
+    said 8192 (its default) for a 320-token tokenizer."""
+    tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
+    r = load_recipe(base, [f"tokenizer.path={tok}", "tokenizer.vocab_size=8192"])
+    assert r.model_config.vocab_size == 320 and r.to_dict()["tokenizer"]["vocab_size"] == 320
+    assert load_recipe(base).to_dict()["tokenizer"]["vocab_size"] == 512  # a BPE to train: the key as given
