@@ -111,7 +111,7 @@ def test_the_summary_labels_each_figure_with_its_step_leads_with_the_objectives_
     assert "MFU 25.0% (mean over 19 steps) of 156 GFLOP/s (instruction-set bound 2 threads x 2.45 GHz" in out
 
 
-def test_the_cpu_peak_is_the_instruction_set_bound_or_the_measured_gemm_whichever_is_larger(monkeypatch) -> None:
+def test_the_cpu_peak_is_the_instruction_set_bound_or_the_best_measured_gemm_whichever_is_larger(monkeypatch, tmp_path) -> None:
     from ncpctl.profile import timing
 
     info = "model name\t: AMD EPYC\ncpu MHz\t\t: 2445.406\nflags\t\t: fpu sse avx avx2 fma\n"
@@ -119,7 +119,11 @@ def test_the_cpu_peak_is_the_instruction_set_bound_or_the_measured_gemm_whicheve
     assert peak == 2 * 2445.406e6 * 32 and how == "2 threads x 2.45 GHz x 32 fp32 FLOP/cycle"
     assert timing.cpu_isa_peak(1, info.replace("avx2 fma", "avx2 fma avx512f"))[0] == 2445.406e6 * 64
     monkeypatch.setattr(timing, "_cpuinfo", lambda: info)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(timing, "gemm_peak", lambda *a, **k: {"flop_per_s": 50e9})  # a loaded machine
     assert timing.device_peak(False)[0] >= 2445.406e6 * 32  # never below the bound (1 thread or more)
     monkeypatch.setattr(timing, "gemm_peak", lambda *a, **k: {"flop_per_s": 1e15})  # faster than stated
     assert timing.device_peak(False)[0] == 1e15
+    monkeypatch.setattr(timing, "gemm_peak", lambda *a, **k: {"flop_per_s": 2e14})  # loaded again: the best stays
+    peak, how = timing.device_peak(False)
+    assert peak == 1e15 and "best fp32 1024^3 GEMM measured here 1000000 GFLOP/s" in how
