@@ -142,3 +142,14 @@ def report_failure(json_mode: bool, lines: list[str], hint: str | None, code: in
         sys.stderr.write(f"hint: {hint}\n")
     if json_mode:
         sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "errors": lines, "hint": hint}) + "\n")
+
+
+def print_wide(con: Any, renderable: Any) -> None:
+    """Print a table whole: piped or redirected (no terminal, 80 columns) a table would be squeezed
+    and its names cut; there it gets the width it needs."""
+    if not con.is_terminal:
+        from rich.measure import Measurement
+
+        con.print(renderable, width=max(con.width, Measurement.get(con, con.options, renderable).maximum))
+    else:
+        con.print(renderable)

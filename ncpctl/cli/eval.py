@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command, print_wide
 from ncpctl.errors import UserError
 
 
@@ -79,7 +79,7 @@ def main(
         payload = run_compare(targets, tasks=names, heldout=heldout, limit=limit, num_fewshot=num_fewshot,
                               batch_size=batch_size, out=out, log=log)
         out_.result({"command": "eval", "mode": "compare", **payload}, lambda con: (
-            con.print(compare_table(payload)),
+            print_wide(con, compare_table(payload)),
             con.print("[dim]" + "\n".join(f"{k}: {v}" for k, v in payload["files"].items() if v) + "[/]"),
         ))
         return
@@ -94,7 +94,7 @@ def main(
                        diffusion_samples=diffusion_samples)
     summary = evaluate(t, log=log)
     out_.result({"command": "eval", **summary}, lambda con: (
-        con.print(rich_table(summary)),
+        print_wide(con, rich_table(summary)),
         con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),
     ))
 

@@ -117,6 +117,65 @@ def locate(target: str) -> Entry:
     return e
 
 
+def _safetensors_numel(path: Path) -> int | None:
+    """Parameters stored in a safetensors file, from its header alone (no torch, nothing loaded)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):
+        return None
+    total = 0
+    for name, t in header.items():
+        if name != "__metadata__":
+            k = 1
+            for d in t["shape"]:
+                k *= d
+            total += k
+    return total
+
+
+def _scale(e: Entry) -> dict[str, Any]:
+    """The evaluated checkpoint's budget and size: tokens trained, parameters (its safetensors),
+    training FLOPs (the exact accounting per token at its training length x the tokens; a stage
+    that froze weights did less). Empty where the checkpoint is not at hand."""
+    from ncpctl.checkpoint import META
+
+    ck = e.checkpoint
+    if e.results_file is not None and e.run_dir is not None and (ck is None or e.results_file.stem != f"results_{ck.name}"):
+        ck = e.run_dir / "checkpoints" / e.results_file.stem.removeprefix("results_")
+    if ck is None or not (ck / META).is_file():
+        return {}
+    try:
+        meta = json.loads((ck / META).read_text())
+        tokens = int(meta["tokens_seen"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    out: dict[str, Any] = {"tokens": tokens, "parameters": _safetensors_numel(ck / "model.safetensors")}
+    try:
+        from ncpctl.model.accounting import exact_flops
+        from ncpctl.model.config import ModelConfig
+
+        T = int((meta.get("recipe") or {}).get("train", {}).get("seq_len"))
+        out["training_flops"] = exact_flops(ModelConfig.from_dict(meta["model_config"]), T).training_per_step() * tokens / T
+    except Exception:  # an old or foreign checkpoint: tokens and parameters only
+        out["training_flops"] = None
+    return out
+
+
+def _scale_note(runs: list[dict[str, Any]]) -> list[str]:
+    """One note when the runs differ in budget or size: each run's tokens, parameters and FLOPs."""
+    keys = ("tokens", "parameters", "training_flops")
+    if len({tuple(r.get(k) for k in keys) for r in runs}) < 2:
+        return []
+    def fmt(r: dict[str, Any]) -> str:
+        t, p, f = (r.get(k) for k in keys)
+        return (f"{r['label']}: {'?' if t is None else f'{t:,}'} tokens, {'?' if p is None else f'{p:,}'} parameters, "
+                f"{'?' if f is None else f'{f:.3g}'} training FLOPs")
+    return ["the runs differ in budget or size (compare at equal tokens or FLOPs before reading the deltas as "
+            "a design's effect): " + "; ".join(fmt(r) for r in runs)]
+
+
 def _read(f: Path) -> dict[str, Any]:
     try:
         d = json.loads(f.read_text())
@@ -261,7 +320,7 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
              "results_file": str(e.results_file), "evaluated": e.evaluated,
              "step": _step(e.results_file.stem) if e.results_file else None,
              "limit": _request(e.res).get("limit"),
-             "perplexity_sets": sorted(e.ppl.get("averaged", e.ppl.get("per_set") or {}))}
+             "perplexity_sets": sorted(e.ppl.get("averaged", e.ppl.get("per_set") or {})), **_scale(e)}
             for e in entries]
     curves = val_curves(entries)
     notes = _notes(entries, runs, missing)
@@ -277,7 +336,7 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
 
 def _notes(entries: list[Entry], runs: list[dict[str, Any]], missing: dict[str, list[str]]) -> list[str]:
     """What a reader of the table must know: stale or fresh results, blanks, unequal set-ups."""
-    notes = _kind_notes(entries)
+    notes = _kind_notes(entries) + _scale_note(runs)
     notes += [f"{e.label}: {n}" for e in entries for n in e.notes]
     notes += [f"{e.label}: evaluated now (it had no results)" for e in entries if e.evaluated]
     notes += [f"{lab}: no {', '.join(ts)} (blank in the table: the runs were evaluated on different tasks)"
@@ -337,16 +396,29 @@ def _fmt(v: float | None, signed: bool = False) -> str:
     return "" if v is None else (f"{v:+.4f}" if signed else f"{v:.4f}")
 
 
+def _has_stderr(payload: dict[str, Any], label: str) -> bool:
+    return any((row.get("stderr") or {}).get(label) is not None for row in payload["rows"])
+
+
 def columns(payload: dict[str, Any]) -> list[str]:
+    """task, metric, then per run its value, its ± stderr (where any row has one) and, after the
+    first, its Δ to the first."""
     labels = [r["label"] for r in payload["runs"]]
-    return ["task", "metric", labels[0], *(c for lab in labels[1:] for c in (lab, f"Δ {lab}"))]
+    out = ["task", "metric"]
+    for i, lab in enumerate(labels):
+        out += [lab, *(["±"] if _has_stderr(payload, lab) else []), *([f"Δ {lab}"] if i else [])]
+    return out
 
 
 def cells(payload: dict[str, Any], row: dict[str, Any]) -> list[str]:
     labels = [r["label"] for r in payload["runs"]]
-    out = [row["task"], row["metric"], _fmt(row["values"][labels[0]])]
-    for lab in labels[1:]:
-        out += [_fmt(row["values"][lab]), _fmt(row["delta"][lab], signed=True)]
+    out = [row["task"], row["metric"]]
+    for i, lab in enumerate(labels):
+        out.append(_fmt(row["values"][lab]))
+        if _has_stderr(payload, lab):
+            out.append(_fmt((row.get("stderr") or {}).get(lab)))
+        if i:
+            out.append(_fmt(row["delta"][lab], signed=True))
     return out
 
 
@@ -362,8 +434,11 @@ def _shown(path: Any) -> str:
 
 def markdown(payload: dict[str, Any]) -> str:
     cols = columns(payload)
-    lines = ["# Comparison", "", "| run | results | limit | evaluated now |", "|---|---|---|---|"]
-    lines += [f"| {r['label']} | {_shown(r['results_file'])} | {r['limit']} | {'yes' if r['evaluated'] else 'no'} |"
+    lines = ["# Comparison", "", "| run | results | limit | evaluated now | tokens | parameters | training FLOPs |",
+             "|---|---|---|---|---:|---:|---:|"]
+    g = lambda r, k, f: "" if r.get(k) is None else format(r[k], f)  # noqa: E731
+    lines += [f"| {r['label']} | {_shown(r['results_file'])} | {r['limit']} | {'yes' if r['evaluated'] else 'no'} | "
+              f"{g(r, 'tokens', ',')} | {g(r, 'parameters', ',')} | {g(r, 'training_flops', '.3g')} |"
               for r in payload["runs"]]
     lines += ["", f"Δ = value - {payload['baseline']}'s value.", "",
               "| " + " | ".join(cols) + " |", "|" + "---|" * 2 + "---:|" * (len(cols) - 2)]

@@ -90,9 +90,12 @@ def test_compare_finished_runs_without_reevaluating(finished, tmp_path):
     # every number of the markdown table is in --json (same rows, same values at 4 decimals)
     table = _table_rows(Path(files["markdown"]).read_text())
     assert [(c[0], c[1]) for c in table] == [(x["task"], x["metric"]) for x in got["rows"]]
-    for cells, x in zip(table, got["rows"]):
-        assert cells[2:] == [f"{x['values']['concept']:.4f}", f"{x['values']['base']:.4f}",
-                             f"{x['delta']['base']:+.4f}"]
+    f = lambda v, sign="": "" if v is None else format(v, sign + ".4f")  # noqa: E731
+    for cells, x in zip(table, got["rows"]):  # value, ± stderr (issue 28 item 5), then Δ
+        err = x.get("stderr") or {}
+        assert cells[2:] == [f(x["values"]["concept"]), f(err.get("concept")), f(x["values"]["base"]),
+                             f(err.get("base")), f(x["delta"]["base"], "+")]
+    assert any(c[3] for c in table)  # the stderr column is filled where lm-eval gives one
     assert got["val_loss"]["base"] == {"key": "ntp_loss", "steps": [100, 200], "values": [5.0, 4.0]}
 
 
@@ -124,7 +127,7 @@ def test_union_of_task_sets_and_the_newest_results_file(finished, tmp_path):
     assert got["missing"] == {"partial": ["ncp_cloze"]}
     assert any("partial: no ncp_cloze" in n for n in got["notes"])
     md = Path(got["files"]["markdown"]).read_text()
-    assert any(c[:2] == ["ncp_cloze", "acc"] and c[3:] == ["", ""] for c in _table_rows(md))
+    assert any(c[:2] == ["ncp_cloze", "acc"] and c[4:] == ["", "", ""] for c in _table_rows(md))  # value, ±, Δ blank
 
 
 def test_a_run_without_results_is_evaluated_like_the_others(finished, tmp_path):
@@ -211,3 +214,26 @@ def test_the_git_hash_lookup_is_quiet_outside_a_repository(tmp_path, monkeypatch
         assert evaluator.get_git_commit_hash is not original and evaluator.get_git_commit_hash() is None
     assert "not a git repository" not in capfd.readouterr().err
     assert evaluator.get_git_commit_hash is original
+
+
+def test_compare_states_each_runs_budget_and_size_and_prints_whole_when_piped(finished, tmp_path):
+    """Issue 28 item 5: runs of different budgets are compared with a note giving each run's tokens,
+    parameters and training FLOPs (from its checkpoint, no model loaded); piped, the terminal table
+    keeps its stderr column and its task names whole."""
+    import json as _json
+
+    from ncpctl.checkpoint import META
+
+    a, b = finished["concept"], finished["base"]
+    got = compare([str(a), str(b)], out=str(tmp_path / "o"))
+    runs = {r["label"]: r for r in got["runs"]}
+    for lab, run in (("concept", a), ("base", b)):
+        ck = next((run / "checkpoints").glob("step_*"))
+        meta = _json.loads((ck / META).read_text())
+        assert runs[lab]["tokens"] == meta["tokens_seen"] > 0 and runs[lab]["training_flops"] > 0
+    assert runs["concept"]["parameters"] > runs["base"]["parameters"] > 0  # the concept path's layers
+    note = next(n for n in got["notes"] if n.startswith("the runs differ in budget or size"))
+    assert f"{runs['base']['parameters']:,} parameters" in note
+    r = run_cli("eval", "--compare", str(a), str(b), "--out", str(tmp_path / "p"))  # stdout is a pipe here
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ncp_heldout_ppl" in r.stdout and "ncp_last_ident" in r.stdout and "±" in r.stdout
