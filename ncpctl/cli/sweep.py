@@ -87,14 +87,14 @@ def _table(sweep: Any, dry: bool = False) -> Any:
     from rich.table import Table
 
     t = Table(title=f"sweep {sweep.name}: {len(sweep.points)} points (base {sweep.base})", title_justify="left")
-    t.add_column("point", no_wrap=True)
+    t.add_column("point", overflow="fold")
     varying = [k for k in sweep.keys if len({json.dumps(p.params.get(k), default=str) for p in sweep.points}) > 1]
     shown = varying if len(varying) <= 3 else []  # more: the point's name says them
     for k in shown:
         t.add_column(k.rsplit(".", 1)[-1], justify="right")
     if dry:
         for col in ("steps", "FLOPs/step", "FLOPs", "tokens"):
-            t.add_column(col, justify="right")
+            t.add_column(col, justify="right", no_wrap=True)
     else:
         for col in ("status", "step", "val loss", "note"):
             t.add_column(col, justify="left" if col in ("status", "note") else "right")

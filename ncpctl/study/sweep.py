@@ -25,7 +25,8 @@ Every key is a recipe key path; a point sets its keys over the base. At least on
 OUT/runs/NAME``, so ``ncpctl pretrain OUT/points/NAME.yaml`` reruns it by hand; ``OUT/manifest.json``
 lists the points, their keys, recipes, run directories, FLOPs, tokens and status. A point's name is
 its values (``d_model=768,target_ratio=2``, the last part of each key; a zip row's or a point's
-``name`` stands for its keys), so names are stable when points are added.
+``name`` stands for its keys; an axis of one value is left out), so names are stable when points are
+added.
 
 Running goes through submitit, one code path for both executors: ``local`` (its LocalExecutor, at most
 ``parallel`` points at a time on this machine) and ``slurm`` (its AutoExecutor, one job array, at most
@@ -146,7 +147,8 @@ def _rows(path: Path, doc: dict[str, Any]) -> list[tuple[list[str], dict[str, An
                         + "); zipped keys vary together, one value each per point")
         all_keys += [k for k in zipped if k != "name"]
     for key, values in axes.items():
-        factors.append([([f"{_label(key, all_keys)}={_fmt(v)}"], {key: v}) for v in values])
+        # a key with one value is the same for every point: it does not name them
+        factors.append([([f"{_label(key, all_keys)}={_fmt(v)}"] if len(values) > 1 else [], {key: v}) for v in values])
     if zipped is not None:
         names = zipped.get("name")
         keys = [k for k in zipped if k != "name"]
