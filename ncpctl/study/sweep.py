@@ -158,8 +158,9 @@ def _rows(path: Path, doc: dict[str, Any]) -> list[tuple[list[str], dict[str, An
     rows = []
     if factors:
         for combo in itertools.product(*factors):
-            parts = [p for c in combo for p in c[0]]
-            rows.append((parts, {k: v for c in combo for k, v in c[1].items()}))
+            params = {k: v for c in combo for k, v in c[1].items()}
+            parts = [p for c in combo for p in c[0]] or [f"{_label(k, params)}={_fmt(v)}" for k, v in params.items()]
+            rows.append((parts, params))
     explicit = doc.get("points")
     if explicit is not None:
         if not isinstance(explicit, list) or not explicit or not all(isinstance(p, dict) and p for p in explicit):
