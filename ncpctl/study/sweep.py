@@ -271,7 +271,9 @@ def resolve(sweep: Sweep, *, strict: bool, log: Callable[[str], None] = lambda m
                 r, found = load_for_profile(str(sweep.base), sets)
                 notes.update(found)
         except UserError as e:
-            raise UserError(*(f"{sweep.path}: point {p.name}: {line}" for line in e.problems), hint=e.hint) from None
+            # a key the point sets reads as the sweep's (load_recipe names it --set)
+            raise UserError(*(f"{sweep.path}: point {p.name}: {line.removeprefix('--set: ')}" for line in e.problems),
+                            hint=e.hint) from None
         p.max_steps = int(r.train.max_steps)
         p.flops_per_step = float(exact_flops(r.model_config, r.seq_len, r.global_batch_size).training_per_step())
         p.tokens_per_step = int(r.seq_len) * int(r.global_batch_size)
