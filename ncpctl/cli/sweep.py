@@ -51,6 +51,9 @@ def main(
         o.result({"command": "sweep", "dry": True, **sweep.manifest(), "totals": _totals(sweep)},
                  lambda con: con.print(_table(sweep, dry=True)))
         return
+    from ncpctl.study.sweep import make_executor
+
+    make_executor(executor, sweep, parallel)  # a missing Slurm or a bad slurm: parameter, before anything is written
     write_plan(sweep)
     o.info(f"[dim]{len(sweep.points)} points in {sweep.out} ({executor} executor, {parallel} at a time)[/]")
     _run_live(o, sweep, executor, parallel)

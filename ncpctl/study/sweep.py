@@ -42,6 +42,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -418,19 +419,23 @@ def make_executor(kind: str, sweep: Sweep, parallel: int) -> Any:
         ex = submitit.LocalExecutor(folder=folder)
         ex.update_parameters(timeout_min=sweep.timeout_min)
         return ex
+    missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]
+    if missing:
+        raise UserError(f"--executor slurm: {' and '.join(missing)} not found on PATH (not a Slurm cluster)",
+                        hint="run the sweep on the cluster's login node, or use --executor local")
     ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
     params = dict(sweep.slurm)
     generic = {"timeout_min", "nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem_gb", "name",
                "stderr_to_stdout"}
     kw = {k if k in generic else f"slurm_{k}": v for k, v in params.items()}
-    kw.setdefault("timeout_min", sweep.timeout_min)
+    kw.setdefault("timeout_min", max(1, round(sweep.timeout_min)))
     kw.setdefault("tasks_per_node", 1)  # the launcher (ranks > 1) starts the ranks itself
     kw.setdefault("gpus_per_node", sweep.ranks)
     kw.setdefault("name", f"ncpctl-sweep-{sweep.name}")
     kw["slurm_array_parallelism"] = parallel
     try:
         ex.update_parameters(**kw)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, NameError, AssertionError) as e:  # submitit asserts the parameters' types
         raise UserError(f"{sweep.path}: slurm: {str(e).splitlines()[0]}") from None
     return ex
 

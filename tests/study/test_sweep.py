@@ -81,3 +81,31 @@ def test_bad_sweep_is_one_line_and_exit_2(tmp_path: Path, sweep: str, args: list
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(errors) == 1 and message in errors[0], errors
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_slurm_section_becomes_submitit_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`slurm:` keys are submitit's Slurm parameters (a job array of at most --parallel tasks); a
+    key Slurm does not know is refused in one line. (No cluster here: sbatch and srun are stubs.)"""
+    from ncpctl.errors import UserError
+    from ncpctl.study.sweep import make_executor, read_sweep
+
+    for tool in ("sbatch", "srun"):
+        (tmp_path / tool).write_text("#!/bin/sh\n")
+        (tmp_path / tool).chmod(0o755)
+    (tmp_path / "base.yaml").write_text(BASE)
+    (tmp_path / "s.yaml").write_text("base: base.yaml\nranks: 2\naxes: {train.lr: [0.1, 0.2]}\n"
+                                     "slurm: {partition: gpu, time: 60, nodes: 1}\n")
+    sweep, _ = read_sweep(tmp_path / "s.yaml", out=str(tmp_path / "out"))
+    monkeypatch.setenv("PATH", "/bin:/usr/bin")
+    with pytest.raises(UserError, match="sbatch and srun not found on PATH"):
+        make_executor("slurm", sweep, 4)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/bin:/usr/bin")
+    params = make_executor("slurm", sweep, 4)._executor.parameters
+    assert {k: params[k] for k in ("partition", "time", "nodes", "gpus_per_node", "ntasks_per_node",
+                                   "array_parallelism")} == {"partition": "gpu", "time": 60, "nodes": 1,
+                                                             "gpus_per_node": 2, "ntasks_per_node": 1,
+                                                             "array_parallelism": 4}
+    sweep.slurm["partitoin"] = "gpu"
+    with pytest.raises(UserError, match="slurm: Unknown argument 'partitoin'") as e:
+        make_executor("slurm", sweep, 4)
+    assert len(e.value.problems) == 1
