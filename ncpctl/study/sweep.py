@@ -244,14 +244,14 @@ def _check_keys(sweep: Sweep) -> None:
         try:
             load_for_profile(str(sweep.base), _sets({key: value}))
         except UserError as e:
-            mine = [line for line in e.problems if f"--set: {key}" in line]
-            if mine:
-                msg = mine[0].split(f"--set: {key}", 1)[1].lstrip(": ") or "refused"
-                raise UserError(f"{sweep.path}: axis {key}: {msg}",
-                                hint=f"a sweep key is a key path of the recipe {sweep.base}") from None
+            for line in e.problems:  # load_recipe names the key (or the part of it that fails) after --set:
+                where, _, msg = line.removeprefix("--set: ").partition(": ")
+                if line.startswith("--set: ") and (key == where or key.startswith(where + ".")):
+                    raise UserError(f"{sweep.path}: axis {key}: " + (msg if where == key else f"{where}: {msg}"),
+                                    hint=f"a sweep key is a key path of the recipe {sweep.base}") from None
 
 
-def resolve(sweep: Sweep, *, strict: bool, log: Callable[[str], None] = lambda m: None) -> None:
+def resolve(sweep: Sweep, *, strict: bool) -> None:
     """Load every point's recipe (``strict``: as pretrain will, data files included; else as
     profile-kernels does, placeholder data paths tolerated) and fill its steps, FLOPs and tokens."""
     from ncpctl.model.accounting import exact_flops
@@ -268,8 +268,7 @@ def resolve(sweep: Sweep, *, strict: bool, log: Callable[[str], None] = lambda m
             if strict:
                 r = load_recipe(sweep.base, sets, world_size=sweep.ranks)
             else:
-                os.environ.setdefault("WORLD_SIZE", str(sweep.ranks))
-                r, found = load_for_profile(str(sweep.base), sets)
+                r, found = load_for_profile(str(sweep.base), sets, world_size=sweep.ranks)
                 notes.update(found)
         except UserError as e:
             # a key the point sets reads as the sweep's (load_recipe names it --set)
@@ -383,8 +382,9 @@ def point_command(recipe: Path, ranks: int) -> list[str]:
         launcher = Path(sys.executable).parent / "deepspeed"
         if not script.exists():
             raise UserError("ranks > 1 needs the installed ncpctl script next to the interpreter (the launcher runs it)")
-        return [str(launcher if launcher.exists() else "deepspeed"), "--num_gpus", str(ranks), str(script),
-                "pretrain", str(recipe), "--json"]
+        # --master_port 0: run_point picks a free port, so points sharing a machine do not collide
+        return [str(launcher if launcher.exists() else "deepspeed"), "--num_gpus", str(ranks), "--master_port", "0",
+                str(script), "pretrain", str(recipe), "--json"]
     return [*ncpctl, "pretrain", str(recipe), "--json"]
 
 
@@ -392,7 +392,13 @@ def run_point(command: list[str], cwd: str, log: str) -> dict[str, Any]:
     """The job submitit runs: the point's pretrain as a subprocess; its exit code and summary.
     An interrupt (submitit's cancel, Ctrl-C) goes on to pretrain, which saves and exits."""
     import signal
+    import socket
 
+    if "--master_port" in command and command[command.index("--master_port") + 1] == "0":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            command = [*command]
+            command[command.index("--master_port") + 1] = str(sock.getsockname()[1])
     with open(log, "a") as err:
         proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True)
         try:
@@ -498,7 +504,7 @@ def _finish(p: SweepPoint, job: Any) -> None:
     elif rc != 0:
         errs = "; ".join(summary.get("errors") or []) if isinstance(summary, dict) else ""
         p.status, p.note = "failed", f"pretrain exited {rc}" + (f": {errs}" if errs else "") + \
-            f" (log: {Path('logs') / (p.name + '.log')})"
+            f" (log: {p.run_dir.parent.parent / 'logs' / (p.name + '.log')})"
     elif summary.get("resumed_from"):
         p.note = f"resumed from {Path(summary['resumed_from']).name}"
 

@@ -109,3 +109,15 @@ def test_slurm_section_becomes_submitit_parameters(tmp_path: Path, monkeypatch: 
     with pytest.raises(UserError, match="slurm: Unknown argument 'partitoin'") as e:
         make_executor("slurm", sweep, 4)
     assert len(e.value.problems) == 1
+
+
+def test_a_point_is_its_pretrain_and_ranks_use_the_launcher(tmp_path: Path) -> None:
+    """A point's job runs `ncpctl pretrain POINT.yaml`; with `ranks: N` under `deepspeed --num_gpus N`
+    on a port of its own (two points on one machine must not share the rendezvous)."""
+    from ncpctl.study.sweep import point_command
+
+    recipe = tmp_path / "points" / "a.yaml"
+    assert point_command(recipe, 1)[-3:] == ["pretrain", str(recipe), "--json"]
+    cmd = point_command(recipe, 2)
+    assert Path(cmd[0]).name == "deepspeed" and cmd[1:5] == ["--num_gpus", "2", "--master_port", "0"]
+    assert Path(cmd[5]).name == "ncpctl" and cmd[6:] == ["pretrain", str(recipe), "--json"]
