@@ -48,7 +48,7 @@ def main(
     for note in sweep.notes:
         o.warn(note)
     if dry:
-        o.result({"command": "sweep", "dry": True, **sweep.manifest(), "totals": _totals(sweep)},
+        o.result({"command": "sweep", "dry": True, **sweep.manifest(), "totals": _totals(sweep), "notes": sweep.notes},
                  lambda con: con.print(_table(sweep, dry=True)))
         return
     from ncpctl.study.sweep import make_executor

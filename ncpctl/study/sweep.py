@@ -451,6 +451,9 @@ def run(sweep: Sweep, executor: str, parallel: int, show: Callable[[Sweep], None
     """Run every point that is not done or locked, at most ``parallel`` at a time, through submitit."""
     ex = make_executor(executor, sweep, parallel)
     refresh(sweep)
+    for p in sweep.points:
+        if p.status == "done":
+            p.note = "finished before this run: skipped"
     todo = [p for p in sweep.points if p.status in ("pending", "failed")]
     for p in todo:
         p.status, p.note = "pending", ""
