@@ -38,7 +38,7 @@ def main(
     resumes killed ones from their checkpoints and never starts a point whose run directory is
     locked by a live process.
     """
-    from ncpctl.study.sweep import EXECUTORS, read_sweep, resolve, run, write_plan
+    from ncpctl.study.sweep import EXECUTORS, make_executor, read_sweep, resolve, write_plan
 
     o = Output(json_out)
     if executor not in EXECUTORS:
@@ -51,8 +51,6 @@ def main(
         o.result({"command": "sweep", "dry": True, **sweep.manifest(), "totals": _totals(sweep), "notes": sweep.notes},
                  lambda con: con.print(_table(sweep, dry=True)))
         return
-    from ncpctl.study.sweep import make_executor
-
     make_executor(executor, sweep, parallel)  # a missing Slurm or a bad slurm: parameter, before anything is written
     write_plan(sweep)
     o.info(f"[dim]{len(sweep.points)} points in {sweep.out} ({executor} executor, {parallel} at a time)[/]")

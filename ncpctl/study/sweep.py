@@ -56,7 +56,6 @@ from ncpctl.errors import UserError
 
 TOP_KEYS = ("name", "base", "out", "ranks", "axes", "zip", "points", "slurm", "timeout_min")
 EXECUTORS = ("local", "slurm")
-STATUSES = ("pending", "running", "done", "failed", "locked")
 MANIFEST = "manifest.json"
 
 
