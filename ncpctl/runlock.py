@@ -139,3 +139,22 @@ class RunLock:
                 pass  # a read-only or vanished run directory: the flock still goes with the close
         os.close(self.fd)  # drops the flock
         self.fd = None
+
+
+def holder(run_dir: Path) -> str | None:
+    """Who holds ``run_dir``'s lock, as a refusal would name them, or None when a run could take it.
+
+    Read from the lock file's content only (never by taking the flock, which would make a run
+    starting at that moment refuse): a live pid of this host, or any owner on another host
+    (which ``RunLock`` refuses without ``--break-lock``). A dead pid of this host is a stale lock.
+    """
+    path = Path(run_dir) / LOCK
+    try:
+        owner = _owner(path.read_text(errors="replace"))
+    except OSError:
+        return None
+    if owner is None:
+        return None
+    if owner.get("host") != socket.gethostname() or _pid_alive(owner["pid"]):
+        return _describe(owner)
+    return None

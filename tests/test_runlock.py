@@ -51,3 +51,20 @@ def test_a_lock_from_another_host_is_refused_unless_broken(tmp_path: Path) -> No
     with _lock(tmp_path, warnings, break_lock=True):
         assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
     assert len(warnings) == 1 and "broke the lock of pid 4242 on host gpu-node-17" in warnings[0]
+
+
+def test_holder_names_a_live_or_remote_owner_and_not_a_stale_one(tmp_path: Path) -> None:
+    """``holder`` (what ``ncpctl sweep`` asks before it starts a point) reads the lock without taking it."""
+    from ncpctl.runlock import holder
+
+    run = tmp_path / "run"
+    assert holder(run) is None  # no run directory, no lock
+    with _lock(run, []):
+        assert holder(run) == f"pid {os.getpid()} on host {socket.gethostname()} (`ncpctl pretrain`)"
+    assert holder(run) is None  # released
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (run / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead)}))
+    assert holder(run) is None  # a dead pid of this host: stale, a run would take it over
+    (run / LOCK).write_text(json.dumps({"host": "elsewhere", "pid": int(dead)}))
+    assert holder(run) == f"pid {dead} on host elsewhere"

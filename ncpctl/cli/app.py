@@ -12,7 +12,7 @@ import typer
 
 from ncpctl import __version__
 from ncpctl.cli import adapt_vq, eval as eval_cmd, export, fit, generate, inspect_cmd, midtrain, pretrain, profile_kernels, \
-    tokenize
+    sweep, tokenize
 from ncpctl.cli._common import STATE, report_failure
 
 app = typer.Typer(
@@ -56,6 +56,7 @@ app.command("export")(export.main)
 app.command("inspect")(inspect_cmd.main)
 app.command("profile-kernels")(profile_kernels.main)
 app.command("fit")(fit.main)
+app.command("sweep")(sweep.main)
 
 
 def main() -> None:

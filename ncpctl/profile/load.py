@@ -27,23 +27,23 @@ def _missing_file_keys(err: UserError) -> set[str] | None:
     return keys
 
 
-def load_for_profile(path: str, sets: Iterable[str] = ()):  # -> (Recipe, notes)
+def load_for_profile(path: str, sets: Iterable[str] = (), world_size: int | None = None):  # -> (Recipe, notes)
     from ncpctl.model.config import build_config
     from ncpctl.recipe import load_recipe
 
     sets = list(sets)
     try:
-        return load_recipe(path, sets), []
+        return load_recipe(path, sets, world_size=world_size), []
     except UserError as e:
         keys = _missing_file_keys(e)
         if not keys:
             raise
     extra = [f"{k}=null" for k in _FILE_KEYS]
-    r = load_recipe(path, extra + sets)  # shapes only; user --set values still win
+    r = load_recipe(path, extra + sets, world_size=world_size)  # shapes only; user --set values still win
     notes = [f"{', '.join(sorted(keys))}: file not found; profiling the model shapes only"]
     user_vocab = any(s.split("=", 1)[0].strip() in ("model.vocab_size", "tokenizer.vocab_size") for s in sets)
     if "tokenizer.path" in keys and r.model.vocab_size is None and not user_vocab:
         vocab = build_config(r.model.size).vocab_size
-        r = load_recipe(path, extra + [f"tokenizer.vocab_size={vocab}"] + sets)
+        r = load_recipe(path, extra + [f"tokenizer.vocab_size={vocab}"] + sets, world_size=world_size)
         notes.append(f"vocab_size {vocab} from model.size={r.model.size} (the tokenizer file is missing)")
     return r, notes

@@ -17,8 +17,9 @@ from ncpctl.errors import UserError
 
 from ..conftest import RECIPES, run_cli
 
-COMMANDS = ["tokenize", "pretrain", "midtrain", "adapt-vq", "eval", "generate", "export", "profile-kernels", "inspect", "fit"]
-RECIPE_COMMANDS = [c for c in COMMANDS if c != "fit"]  # fit reads runs, not a recipe: no --set
+COMMANDS = ["tokenize", "pretrain", "midtrain", "adapt-vq", "eval", "generate", "export", "profile-kernels", "inspect", "fit",
+            "sweep"]
+RECIPE_COMMANDS = [c for c in COMMANDS if c not in ("fit", "sweep")]  # they read runs / sweep files: no --set
 
 
 def test_help_lists_commands_and_imports_no_torch() -> None:

@@ -1,0 +1,114 @@
+"""`ncpctl sweep SWEEP.yaml`: a scaling study's points as child recipes, run through submitit
+(ncpctl.study.sweep, where the sweep file format is documented)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ncpctl.cli._common import DebugOpt, JsonOpt, Output, command
+from ncpctl.errors import UserError
+
+
+@command
+def main(
+    sweep_file: Annotated[str, typer.Argument(help="Sweep YAML file (see recipes/sweeps/).", show_default=False,
+                                              metavar="SWEEP")],
+    dry: Annotated[bool, typer.Option("--dry", help="List the points with their exact training FLOPs and tokens; "
+                                      "write and train nothing.")] = False,
+    executor: Annotated[str, typer.Option("--executor", help="local (this machine) or slurm (job arrays); both "
+                                          "through submitit.")] = "local",
+    parallel: Annotated[int, typer.Option("--parallel", min=1, help="Points run at a time (local: processes here; "
+                                          "slurm: the array's parallelism).")] = 1,
+    out: Annotated[Optional[str], typer.Option("--out", help="Directory of the points, runs and manifest.json "
+                                               "(default: the sweep's out, or runs/sweeps/NAME).",
+                                               show_default=False)] = None,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run a sweep: one child recipe per point (OUT/points/NAME.yaml, which `extends:` the base
+    recipe and sets the point's keys and run.dir OUT/runs/NAME), a manifest (OUT/manifest.json),
+    and each point's `ncpctl pretrain` through submitit, with a progress table.
+
+    A sweep file names a `base` recipe and `axes` (a grid), `zip` (lists varied together) and/or
+    `points` (explicit), each a recipe key path with its values. Rerunning skips finished points,
+    resumes killed ones from their checkpoints and never starts a point whose run directory is
+    locked by a live process.
+    """
+    from ncpctl.study.sweep import EXECUTORS, make_executor, read_sweep, resolve, write_plan
+
+    o = Output(json_out)
+    if executor not in EXECUTORS:
+        raise UserError(f"--executor {executor}: unknown executor; choose from {', '.join(EXECUTORS)}")
+    sweep, _ = read_sweep(sweep_file, out=out)
+    resolve(sweep, strict=not dry)
+    for note in sweep.notes:
+        o.warn(note)
+    if dry:
+        o.result({"command": "sweep", "dry": True, **sweep.manifest(), "totals": _totals(sweep), "notes": sweep.notes},
+                 lambda con: con.print(_table(sweep, dry=True)))
+        return
+    make_executor(executor, sweep, parallel)  # a missing Slurm or a bad slurm: parameter, before anything is written
+    write_plan(sweep)
+    o.info(f"[dim]{len(sweep.points)} points in {sweep.out} ({executor} executor, {parallel} at a time)[/]")
+    _run_live(o, sweep, executor, parallel)
+    unfinished = [p for p in sweep.points if p.status != "done"]
+    data = {"command": "sweep", **sweep.manifest(), "totals": _totals(sweep)}
+    if unfinished:
+        from ncpctl.cli._common import report_failure
+
+        lines = [f"{len(unfinished)} of {len(sweep.points)} points did not finish: "
+                 + "; ".join(f"{p.name} ({p.status}{': ' + p.note if p.note else ''})" for p in unfinished)]
+        report_failure(False, lines, "fix what the notes say and rerun the sweep: finished points are skipped, "
+                       "killed ones resume", 1)
+        if json_out:
+            sys.stdout.write(json.dumps({"ok": False, "exit_code": 1, "errors": lines, **data}, default=str) + "\n")
+        raise typer.Exit(1)
+    o.result(data, lambda con: con.print(f"{len(sweep.points)} points done: {sweep.out}/manifest.json"))
+
+
+def _run_live(o: Output, sweep: Any, executor: str, parallel: int) -> None:
+    from rich.live import Live
+
+    from ncpctl.study.sweep import run
+
+    with Live(_table(sweep), console=o.err, refresh_per_second=2, transient=False) as live:
+        run(sweep, executor, parallel, show=lambda s: live.update(_table(s)))
+
+
+def _totals(sweep: Any) -> dict[str, Any]:
+    return {"points": len(sweep.points), "flops": sum(p.flops_per_step * p.max_steps for p in sweep.points),
+            "tokens": sum(p.tokens_per_step * p.max_steps for p in sweep.points)}
+
+
+def _table(sweep: Any, dry: bool = False) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"sweep {sweep.name}: {len(sweep.points)} points (base {sweep.base})", title_justify="left")
+    t.add_column("point", overflow="fold")
+    varying = [k for k in sweep.keys if len({json.dumps(p.params.get(k), default=str) for p in sweep.points}) > 1]
+    shown = varying if len(varying) <= 3 else []  # more: the point's name says them
+    for k in shown:
+        t.add_column(k.rsplit(".", 1)[-1], justify="right")
+    if dry:
+        for col in ("steps", "FLOPs/step", "FLOPs", "tokens"):
+            t.add_column(col, justify="right", no_wrap=True)
+    else:
+        for col in ("status", "step", "val loss", "note"):
+            t.add_column(col, justify="left" if col in ("status", "note") else "right")
+    for p in sweep.points:
+        vals = [str(p.params.get(k, "")) for k in shown]
+        if dry:
+            t.add_row(p.name, *vals, f"{p.max_steps:,}", f"{p.flops_per_step:.4g}", f"{p.flops_per_step * p.max_steps:.4g}",
+                      f"{p.tokens_per_step * p.max_steps:.4g}")
+        else:
+            style = {"done": "green", "failed": "red", "locked": "yellow", "running": "cyan"}.get(p.status, "")
+            t.add_row(p.name, *vals, f"[{style}]{p.status}[/]" if style else p.status, f"{p.step}/{p.max_steps}",
+                      "" if p.val_loss is None else f"{p.val_loss:.4f}", p.note)
+    if dry:
+        tot = _totals(sweep)
+        t.add_row("total", *[""] * len(shown), "", "", f"{tot['flops']:.4g}", f"{tot['tokens']:.4g}")
+    return t

@@ -1,0 +1,123 @@
+"""`ncpctl sweep`: the shipped sweep files dry-run with every point's exact FLOPs and tokens (their
+data paths are placeholders), the points are those of the shipped per-point recipes, and bad sweep
+files get one line and exit 2 before anything is written. (Running and resuming:
+tests/train/test_sweep_run.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ncpctl.model.accounting import exact_flops
+from ncpctl.profile.load import load_for_profile
+
+from ..conftest import RECIPES, run_cli
+
+
+def _dry(path: Path) -> dict:
+    r = run_cli("sweep", str(path), "--dry", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def _flops(recipe: Path) -> tuple[float, int]:
+    r, _ = load_for_profile(str(recipe))
+    return exact_flops(r.model_config, r.seq_len, r.global_batch_size).training_per_step(), r.train.max_steps
+
+
+def test_dlcm_grid_dry_run_lists_the_shipped_grid(tmp_path: Path) -> None:
+    res = _dry(RECIPES / "sweeps" / "dlcm-grid.yaml")
+    points = {p["name"]: p for p in res["points"]}
+    assert len(points) == 27 and res["dry"] and not (tmp_path / "runs").exists()
+    for name, p in points.items():  # 274m-p30,target_ratio=2 <-> recipes/dlcm/scaling-274m-p30-r2.yaml
+        shape, ratio = name.split(",target_ratio=")
+        flops, steps = _flops(RECIPES / "dlcm" / f"scaling-{shape}-r{ratio}.yaml")
+        assert (p["flops_per_step"], p["max_steps"]) == (flops, steps) and flops > 0
+        assert p["flops"] == flops * steps and p["tokens"] == steps * 512 * 8192
+    assert res["totals"]["tokens"] == 27 * 47684 * 512 * 8192
+
+
+def test_archpreview_ladder_dry_run_spends_each_budget() -> None:
+    res = _dry(RECIPES / "sweeps" / "archpreview-ladder.yaml")
+    points = {p["name"]: p for p in res["points"]}
+    assert len(points) == 15 and {n.split("-")[0] for n in points} == {"1e19", "3e19", "5e19", "8e19", "1e20"}
+    for name, p in points.items():
+        assert p["flops"] > 0 and p["tokens"] == p["max_steps"] * 128 * 8192
+        r, _ = load_for_profile(str(RECIPES / "sweeps" / "archpreview-ladder.yaml").replace(
+            "sweeps/archpreview-ladder.yaml", "ncp-archpreview-8.9b.yaml"),
+            [f"{k}={json.dumps(v)}" for k, v in p["params"].items()])
+        e = exact_flops(r.model_config, r.seq_len)  # the report's C = F_tok x D (causal, no LM head)
+        f_tok = e.training_per_token_causal - 3 * e.components["lm_head"] / r.seq_len
+        assert p["tokens"] * f_tok == pytest.approx(float(name.split("-")[0]), rel=2e-4)
+    # each budget's best point (Table 12) is the shipped table12 recipe
+    for best in ("1e19-e4c4d4", "3e19-e8c4d8", "5e19-e8c8d8", "8e19-e8c4d8", "1e20-e8c8d8"):
+        flops, steps = _flops(RECIPES / "archpreview" / f"table12-{best.split('-')[0]}.yaml")
+        assert (points[best]["flops_per_step"], points[best]["max_steps"]) == (flops, steps)
+
+
+BASE = "model: {size: debug}\ntokenizer: {vocab_size: 512}\ndata: {sources: [builtin:python-stdlib]}\n"
+
+
+@pytest.mark.parametrize("sweep,args,message", [
+    ("base: base.yaml\naxes: {model.d_modle: [64, 128]}\n", [],
+     "sweep.yaml: axis model.d_modle: unknown key (did you mean 'd_model'?)"),
+    ("base: missing.yaml\naxes: {train.lr: [0.1]}\n", [], "sweep.yaml: base: missing.yaml: recipe not found"),
+    ("base: base.yaml\naxes: {}\n", [], "sweep.yaml: axes: must be a non-empty mapping"),
+    ("base: base.yaml\n", [], "sweep.yaml: no points: give axes, zip or points"),
+    ("base: base.yaml\nzip: {train.lr: [0.1, 0.2], train.max_steps: [10]}\n", [],
+     "sweep.yaml: zip: the lists differ in length (train.lr 2, train.max_steps 1)"),
+    ("base: base.yaml\naxes: {train.lr: [0.1]}\n", ["--executor", "kubernetes"],
+     "--executor kubernetes: unknown executor; choose from local, slurm"),
+    ("base: base.yaml\naxes: {train.max_steps: [10, 0]}\n", [],
+     "sweep.yaml: point max_steps=0: train.max_steps: Input should be greater than 0, got 0"),
+])
+def test_bad_sweep_is_one_line_and_exit_2(tmp_path: Path, sweep: str, args: list[str], message: str) -> None:
+    (tmp_path / "base.yaml").write_text(BASE + f"run: {{dir: {tmp_path / 'run'}}}\n")
+    (tmp_path / "sweep.yaml").write_text(sweep + f"out: {tmp_path / 'out'}\n")
+    r = run_cli("sweep", "sweep.yaml", *args, cwd=tmp_path)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(errors) == 1 and message in errors[0], errors
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_slurm_section_becomes_submitit_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`slurm:` keys are submitit's Slurm parameters (a job array of at most --parallel tasks); a
+    key Slurm does not know is refused in one line. (No cluster here: sbatch and srun are stubs.)"""
+    from ncpctl.errors import UserError
+    from ncpctl.study.sweep import make_executor, read_sweep
+
+    for tool in ("sbatch", "srun"):
+        (tmp_path / tool).write_text("#!/bin/sh\n")
+        (tmp_path / tool).chmod(0o755)
+    (tmp_path / "base.yaml").write_text(BASE)
+    (tmp_path / "s.yaml").write_text("base: base.yaml\nranks: 2\naxes: {train.lr: [0.1, 0.2]}\n"
+                                     "slurm: {partition: gpu, time: 60, nodes: 1}\n")
+    sweep, _ = read_sweep(tmp_path / "s.yaml", out=str(tmp_path / "out"))
+    monkeypatch.setenv("PATH", "/bin:/usr/bin")
+    with pytest.raises(UserError, match="sbatch and srun not found on PATH"):
+        make_executor("slurm", sweep, 4)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/bin:/usr/bin")
+    params = make_executor("slurm", sweep, 4)._executor.parameters
+    assert {k: params[k] for k in ("partition", "time", "nodes", "gpus_per_node", "ntasks_per_node",
+                                   "array_parallelism")} == {"partition": "gpu", "time": 60, "nodes": 1,
+                                                             "gpus_per_node": 2, "ntasks_per_node": 1,
+                                                             "array_parallelism": 4}
+    sweep.slurm["partitoin"] = "gpu"
+    with pytest.raises(UserError, match="slurm: Unknown argument 'partitoin'") as e:
+        make_executor("slurm", sweep, 4)
+    assert len(e.value.problems) == 1
+
+
+def test_a_point_is_its_pretrain_and_ranks_use_the_launcher(tmp_path: Path) -> None:
+    """A point's job runs `ncpctl pretrain POINT.yaml`; with `ranks: N` under `deepspeed --num_gpus N`
+    on a port of its own (two points on one machine must not share the rendezvous)."""
+    from ncpctl.study.sweep import point_command
+
+    recipe = tmp_path / "points" / "a.yaml"
+    assert point_command(recipe, 1)[-3:] == ["pretrain", str(recipe), "--json"]
+    cmd = point_command(recipe, 2)
+    assert Path(cmd[0]).name == "deepspeed" and cmd[1:5] == ["--num_gpus", "2", "--master_port", "0"]
+    assert Path(cmd[5]).name == "ncpctl" and cmd[6:] == ["pretrain", str(recipe), "--json"]
