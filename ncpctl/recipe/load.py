@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import difflib
 import glob
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,36 @@ UINT16_LIMIT = 65536  # ids 0..65535 fit in uint16
 
 Problem = tuple[str, str]  # (key path, message)
 
+DEFAULT_MAX_STEPS = 100  # train.max_steps when no key gives the run's length
+BUDGET_KEYS = {"max_steps": "steps", "max_tokens": "tokens", "max_flops": "flops"}  # key -> budget kind
+
+
+@dataclass
+class Budget:
+    """What fixes a run's length: ``kind`` steps | tokens | flops, its ``value`` (train.max_steps /
+    max_tokens / max_flops) and the cost of one optimizer step in that unit (``per_step``: 1, tokens,
+    training FLOPs), from which ``max_steps = floor(value / per_step)``."""
+
+    kind: str = "steps"
+    value: float = DEFAULT_MAX_STEPS
+    per_step: int = 1
+
+    @property
+    def key(self) -> str:
+        return next(k for k, kind in BUDGET_KEYS.items() if kind == self.kind)
+
+    @property
+    def max_steps(self) -> int:
+        from fractions import Fraction
+
+        return math.floor(Fraction(self.value) / self.per_step)  # exact for a float budget of any size
+
+    def record(self, steps: int, tokens: int, flops_per_step: int) -> dict[str, Any]:
+        """The ``budget`` entry of a checkpoint's metadata and the ``--json`` summary after ``steps``
+        steps: the budget, the resolved max_steps, and what was spent (FLOPs = steps x the accounting)."""
+        return {"kind": self.kind, "value": self.value, "max_steps": self.max_steps,
+                "flops": steps * flops_per_step, "tokens": tokens}
+
 
 @dataclass
 class Recipe:
@@ -65,6 +96,17 @@ class Recipe:
     grad_accum_steps: int = 1
     global_batch_size: int = 1
     warmup_steps: int = 0
+    budget: Budget = field(default_factory=Budget)
+
+    def set_step_cost(self, per_step: int) -> None:
+        """Re-resolve a FLOPs budget at another cost of one step (a stage that freezes weights
+        trains at less than the full accounting the loader planned with): train.max_steps and the
+        warmup follow. Before the engine (and its schedule) is built."""
+        if self.budget.kind != "flops":
+            return
+        self.budget.per_step = per_step
+        self.train.max_steps = self.budget.max_steps
+        self.warmup_steps = warmup_steps(self.train.warmup_steps, self.train.warmup_fraction, self.train.max_steps)
 
     @property
     def data_dir(self) -> Path:
@@ -80,6 +122,8 @@ class Recipe:
         out["run"]["name"] = self.name
         if self.model_config is not None:  # pin the exact model, not just the size name
             out["model"] = {"size": self.model.size, **self.model_config.to_dict()}
+        if self.budget.kind != "steps":  # the budget stays the recipe's key; loading resolves it again
+            out["train"]["max_steps"] = None
         out["train"].update(
             seq_len=self.seq_len, grad_accum_steps=self.grad_accum_steps,
             global_batch_size=self.global_batch_size, warmup_steps=self.warmup_steps,
@@ -460,6 +504,41 @@ def _check_mup_lrs(train: Any, cfg: ModelConfig | None) -> list[Problem]:
             if getattr(train, k) is not None]
 
 
+def _resolve_budget(train: Any, cfg: ModelConfig | None, seq: int | None, batch: int,
+                    derived: dict[str, Any]) -> list[Problem]:
+    """train.max_steps from whichever of max_steps / max_tokens / max_flops is set (at most one):
+    floor(budget / the cost of one optimizer step), tokens = global batch x seq_len, FLOPs = the exact
+    training accounting with every weight trained (``Recipe.set_step_cost`` re-resolves for a stage that
+    freezes some). Sets ``train.max_steps`` and ``derived["budget"]``."""
+    given = [k for k in BUDGET_KEYS if getattr(train, k) is not None]
+    if len(given) > 1:
+        train.max_steps = train.max_steps or DEFAULT_MAX_STEPS  # the other checks still run
+        return [(f"train.{given[-1]}", f"set together with {' and '.join('train.' + k for k in given[:-1])}: "
+                 "exactly one of train.max_steps, max_tokens, max_flops gives the run's length "
+                 "(set the others to null)")]
+    key = given[0] if given else "max_steps"
+    value = getattr(train, key) if given else DEFAULT_MAX_STEPS
+    if key == "max_steps":
+        per, unit = 1, ""
+    elif seq is None or (key == "max_flops" and cfg is None):
+        return []  # the model or the sequence length is wrong already (reported)
+    elif key == "max_tokens":
+        per, unit = batch * seq, f" tokens = global_batch_size {batch} x seq_len {seq}"
+    else:
+        from ncpctl.model.accounting import exact_flops
+
+        per = exact_flops(cfg, seq, batch).training_per_step()
+        unit = f" training FLOPs at global_batch_size {batch} x seq_len {seq}"
+    budget = derived["budget"] = Budget(BUDGET_KEYS[key], value, per)
+    steps = budget.max_steps
+    train.max_steps = max(1, min(steps, 2**53))  # so that the other checks still run
+    if steps < 1:
+        return [(f"train.{key}", f"{value:g} is smaller than one optimizer step ({per:,}{unit})")]
+    if steps > 2**53:
+        return [(f"train.{key}", f"{value:g} is {steps:,} optimizer steps, more than 2**53")]
+    return []
+
+
 def _check_combinations(
     s: dict[str, Any], world_size: int, need_sources: bool, name: str, derived: dict[str, Any]
 ) -> list[Problem]:
@@ -547,10 +626,12 @@ def _check_combinations(
                              f"{glob_bs} != micro_batch_size x grad_accum_steps x world size = "
                              f"{micro} x {accum} x {world_size} = {micro * accum * world_size}"))
         derived.update(grad_accum_steps=accum, global_batch_size=glob_bs)
+        budget_problems = _resolve_budget(train, cfg, seq, glob_bs, derived)
+        problems += budget_problems
         if train.min_lr > train.lr:
             problems.append(("train.min_lr", f"{train.min_lr} is above train.lr={train.lr}"))
         warm = warmup_steps(train.warmup_steps, train.warmup_fraction, train.max_steps)
-        if warm > train.max_steps:
+        if warm > train.max_steps and not budget_problems:  # (a budget below one step: reported already)
             problems.append(("train.warmup_steps", f"{warm} exceeds train.max_steps={train.max_steps}"))
         derived["warmup_steps"] = warm
         problems += _check_mup_lrs(train, cfg)

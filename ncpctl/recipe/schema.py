@@ -148,8 +148,21 @@ class LoraSection(Section):
 
 
 class TrainSection(Section):
-    max_steps: int = Field(100, gt=0, le=2**53, description="Optimizer steps to run (at most 2**53: the schedule's "
-                           "step / max_steps is exact in float64 up to there).")
+    max_steps: Optional[int] = Field(
+        None, gt=0, le=2**53, description="Optimizer steps to run (at most 2**53: the schedule's step / max_steps is "
+        "exact in float64 up to there); null = 100, unless train.max_tokens or train.max_flops gives the length. "
+        "Exactly one of the three may be set: a recipe that extends one with max_steps sets `max_steps: null` "
+        "beside its budget.")
+    max_tokens: Optional[int] = Field(
+        None, gt=0, description="A token budget instead of max_steps: max_steps = floor(max_tokens / (global_batch_size "
+        "x seq_len)), so the run stops within one optimizer step of it (a budget below one step is an error). The "
+        "resolved steps and the budget are in every checkpoint's ncpctl.json and the `--json` summary (`budget`).")
+    max_flops: Optional[float] = Field(
+        None, gt=0, description="A compute budget instead of max_steps: max_steps = floor(max_flops / F), F the exact "
+        "training FLOPs of one optimizer step (`ncpctl.model.accounting.exact_flops`: matmuls with the real shapes, "
+        "forward and backward, the MFU numerator; `ncpctl fit` counts a run's compute the same way). A stage that freezes weights (adapt-vq, LoRA) "
+        "counts the backward it really does; a learned segmentation (DLCM) is planned at its target R, and the summary "
+        "adds the FLOPs at the tokens per concept it realised (`budget.flops_realised`).")
     seed: int = Field(1234, ge=0, lt=2**32, description="Seed for init, data order and dropout (below 2**32, "
                       "numpy's seed range).")
     seq_len: Optional[int] = Field(None, gt=0, description="Tokens per training window; default model.max_seq_len.")
