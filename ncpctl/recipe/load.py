@@ -96,6 +96,7 @@ class Recipe:
     grad_accum_steps: int = 1
     global_batch_size: int = 1
     warmup_steps: int = 0
+    decay_steps: int = 0  # train.schedule: wsd: the decay phase's steps (0 with cosine)
     budget: Budget = field(default_factory=Budget)
 
     def set_step_cost(self, per_step: int) -> None:
@@ -128,6 +129,8 @@ class Recipe:
             seq_len=self.seq_len, grad_accum_steps=self.grad_accum_steps,
             global_batch_size=self.global_batch_size, warmup_steps=self.warmup_steps,
         )
+        if self.train.schedule == "wsd":
+            out["train"]["decay_steps"] = self.decay_steps
         return out
 
     def write_resolved(self, directory: Path) -> Path:
@@ -539,6 +542,67 @@ def _resolve_budget(train: Any, cfg: ModelConfig | None, seq: int | None, batch:
     return []
 
 
+def _resolve_wsd(train: Any, warm: int, derived: dict[str, Any]) -> list[Problem]:
+    """``train.schedule: wsd``: the decay's length (``derived["decay_steps"]``), and for a decay branch
+    (``train.decay_from``) max_steps = the checkpoint's step + train.decay_steps."""
+    wsd_keys = [k for k in ("decay_steps", "decay_from") if getattr(train, k) is not None]
+    if train.schedule != "wsd":
+        return [(f"train.{k}", f"applies to train.schedule: wsd (this recipe's schedule is {train.schedule})")
+                for k in wsd_keys]
+    problems: list[Problem] = []
+    if train.decay_from is not None:
+        problems += [(f"train.{k}", "a decay branch (train.decay_from) runs from its checkpoint's step for "
+                      "train.decay_steps; drop this budget") for k in ("max_tokens", "max_flops") if getattr(train, k)]
+        if train.decay_steps is None:
+            problems.append(("train.decay_steps", "train.decay_from runs only the decay phase: give its length in steps"))
+        if train.resume != "auto":
+            problems.append(("train.resume", f"{train.resume}: a decay branch starts from train.decay_from (and "
+                             "continues its own checkpoints); use resume: auto"))
+        step, problem = _stable_checkpoint(train.decay_from)
+        if problem is not None:
+            problems.append(("train.decay_from", problem))
+        if problems:
+            return problems
+        train.max_steps = step + train.decay_steps
+        derived["budget"] = Budget("steps", train.max_steps, 1)
+        warm = derived["warmup_steps"] = warmup_steps(train.warmup_steps, train.warmup_fraction, train.max_steps)
+    decay = train.decay_steps if train.decay_steps is not None else max(1, round(train.decay_fraction * train.max_steps))
+    derived["decay_steps"] = decay
+    if warm + decay > train.max_steps:
+        what = "the branch's warmup" if train.decay_from else "warmup"
+        problems.append(("train.decay_steps", f"{what} {warm} + decay {decay} steps exceed train.max_steps="
+                         f"{train.max_steps}: no room for the stable phase"))
+    return problems
+
+
+def _stable_checkpoint(spec: str) -> tuple[int, str | None]:
+    """The step of ``train.decay_from``'s checkpoint, or why it cannot start a decay branch: it must be
+    a WSD run's, after its warmup and at or before the step its decay starts."""
+    from ncpctl.checkpoint import read_meta, resolve
+
+    try:
+        path = resolve(spec, pin_it=False)
+        meta = read_meta(path)
+        tree = yaml.safe_load((path / "recipe.resolved.yaml").read_text())
+        rec = tree["train"]
+        step = int(meta["step"])
+        total = rec.get("max_steps") or (meta.get("budget") or {}).get("max_steps")
+        schedule = rec.get("schedule", "cosine")
+        if schedule != "wsd":
+            return 0, f"{path}: a train.schedule: {schedule} run's checkpoint; a decay branch starts from the stable phase of a wsd run"
+        stable_end, warm = int(total) - int(rec["decay_steps"]), int(rec["warmup_steps"])
+    except UserError as e:
+        return 0, e.problems[0]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
+        return 0, f"{spec}: cannot read the checkpoint's step and schedule ({type(e).__name__}: {e})"
+    if step > stable_end:
+        return 0, (f"{path}: step {step} is past its run's stable phase (the decay starts at step {stable_end}); "
+                   "branch from a checkpoint at or before it")
+    if step < warm:
+        return 0, f"{path}: step {step} is inside its run's warmup ({warm} steps); branch from the stable phase"
+    return step, None
+
+
 def _check_combinations(
     s: dict[str, Any], world_size: int, need_sources: bool, name: str, derived: dict[str, Any]
 ) -> list[Problem]:
@@ -634,6 +698,8 @@ def _check_combinations(
         if warm > train.max_steps and not budget_problems:  # (a budget below one step: reported already)
             problems.append(("train.warmup_steps", f"{warm} exceeds train.max_steps={train.max_steps}"))
         derived["warmup_steps"] = warm
+        if not budget_problems:
+            problems += _resolve_wsd(train, warm, derived)
         problems += _check_mup_lrs(train, cfg)
         if train.resume not in ("auto", "never") and not Path(train.resume).exists():
             problems.append(("train.resume", f"checkpoint not found: {train.resume} (or use auto / never)"))

@@ -292,6 +292,8 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: Any,
     resume_from: Path | None = None
     if t.resume == "auto":
         resume_from = _resume_checkpoint(recipe, d, warn)
+        if resume_from is None and t.decay_from:  # a decay branch's start (its own checkpoints come first)
+            resume_from = _decay_start(recipe)
     elif t.resume != "never":
         resume_from = ckpt.resolve(t.resume, "train.resume", pin_it=False)
     if resume_from is not None:
@@ -312,6 +314,15 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: Any,
         if stage.load == "all":
             _check_optimizer(recipe, stage.init_from, init_meta)
     return None, {}
+
+
+def _decay_start(recipe: Recipe) -> Path:
+    """``train.decay_from``'s checkpoint (the loader checked its step and schedule), from another run."""
+    src = ckpt.resolve(recipe.train.decay_from, "train.decay_from", pin_it=False)
+    if src.resolve().parent == ckpt.checkpoints_dir(recipe.run_dir).resolve():
+        raise UserError(f"train.decay_from: {src} is a checkpoint of this run.dir ({recipe.run_dir}); a decay branch "
+                        "writes a run directory of its own", hint="set run.dir (or run.name) for the branch")
+    return src
 
 
 def _resume_checkpoint(recipe: Recipe, d: Dist, warn: Callable[[str], None]) -> Path | None:
@@ -378,7 +389,10 @@ def _restore(run: _Run, meta: dict[str, Any]) -> None:
         if recorded.get("max_steps") is None and isinstance(meta.get("budget"), dict):  # a budget's run
             recorded["max_steps"] = meta["budget"].get("max_steps")
         changed = schedule_change(recorded, run.recipe, tot.step)
-        if changed and run.d.rank == 0:
+        if t.decay_from and src.parent != run.root:  # a decay branch: the schedule changes by design
+            run.info(f"decay branch from {src}: {run.recipe.decay_steps} decay steps ({t.decay_shape}) from step "
+                     f"{tot.step} to {t.max_steps}")
+        elif changed and run.d.rank == 0:
             run.warn(changed)
     elif run.stage.init_from is not None and run.stage.load == "all":
         src = run.stage.init_from
