@@ -542,7 +542,7 @@ def _resolve_budget(train: Any, cfg: ModelConfig | None, seq: int | None, batch:
     return []
 
 
-def _resolve_wsd(train: Any, warm: int, derived: dict[str, Any]) -> list[Problem]:
+def _resolve_wsd(train: Any, warm: int, derived: dict[str, Any], run_dir: Path | None) -> list[Problem]:
     """``train.schedule: wsd``: the decay's length (``derived["decay_steps"]``), and for a decay branch
     (``train.decay_from``) max_steps = the checkpoint's step + train.decay_steps."""
     wsd_keys = [k for k in ("decay_steps", "decay_from") if getattr(train, k) is not None]
@@ -558,7 +558,7 @@ def _resolve_wsd(train: Any, warm: int, derived: dict[str, Any]) -> list[Problem
         if train.resume != "auto":
             problems.append(("train.resume", f"{train.resume}: a decay branch starts from train.decay_from (and "
                              "continues its own checkpoints); use resume: auto"))
-        step, problem = _stable_checkpoint(train.decay_from)
+        step, problem = _stable_checkpoint(train.decay_from, run_dir)
         if problem is not None:
             problems.append(("train.decay_from", problem))
         if problems:
@@ -575,13 +575,16 @@ def _resolve_wsd(train: Any, warm: int, derived: dict[str, Any]) -> list[Problem
     return problems
 
 
-def _stable_checkpoint(spec: str) -> tuple[int, str | None]:
+def _stable_checkpoint(spec: str, run_dir: Path | None) -> tuple[int, str | None]:
     """The step of ``train.decay_from``'s checkpoint, or why it cannot start a decay branch: it must be
-    a WSD run's, after its warmup and at or before the step its decay starts."""
+    a WSD run's (another run directory's), after its warmup and at or before the step its decay starts."""
     from ncpctl.checkpoint import read_meta, resolve
 
     try:
         path = resolve(spec, pin_it=False)
+        if run_dir is not None and path.resolve().parent.parent == run_dir.resolve():
+            return 0, (f"{path} is a checkpoint of this recipe's run.dir; a decay branch writes a run directory "
+                       "of its own (set run.dir or run.name)")
         meta = read_meta(path)
         tree = yaml.safe_load((path / "recipe.resolved.yaml").read_text())
         rec = tree["train"]
@@ -699,7 +702,7 @@ def _check_combinations(
             problems.append(("train.warmup_steps", f"{warm} exceeds train.max_steps={train.max_steps}"))
         derived["warmup_steps"] = warm
         if not budget_problems:
-            problems += _resolve_wsd(train, warm, derived)
+            problems += _resolve_wsd(train, warm, derived, derived.get("run_dir"))
         problems += _check_mup_lrs(train, cfg)
         if train.resume not in ("auto", "never") and not Path(train.resume).exists():
             problems.append(("train.resume", f"checkpoint not found: {train.resume} (or use auto / never)"))

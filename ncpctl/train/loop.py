@@ -293,7 +293,7 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: Any,
     if t.resume == "auto":
         resume_from = _resume_checkpoint(recipe, d, warn)
         if resume_from is None and t.decay_from:  # a decay branch's start (its own checkpoints come first)
-            resume_from = _decay_start(recipe)
+            resume_from = ckpt.resolve(t.decay_from, "train.decay_from", pin_it=False)
     elif t.resume != "never":
         resume_from = ckpt.resolve(t.resume, "train.resume", pin_it=False)
     if resume_from is not None:
@@ -314,15 +314,6 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: Any,
         if stage.load == "all":
             _check_optimizer(recipe, stage.init_from, init_meta)
     return None, {}
-
-
-def _decay_start(recipe: Recipe) -> Path:
-    """``train.decay_from``'s checkpoint (the loader checked its step and schedule), from another run."""
-    src = ckpt.resolve(recipe.train.decay_from, "train.decay_from", pin_it=False)
-    if src.resolve().parent == ckpt.checkpoints_dir(recipe.run_dir).resolve():
-        raise UserError(f"train.decay_from: {src} is a checkpoint of this run.dir ({recipe.run_dir}); a decay branch "
-                        "writes a run directory of its own", hint="set run.dir (or run.name) for the branch")
-    return src
 
 
 def _resume_checkpoint(recipe: Recipe, d: Dist, warn: Callable[[str], None]) -> Path | None:

@@ -48,6 +48,17 @@ def test_max_flops_resolves_from_the_exact_accounting(tmp_path) -> None:
     assert (again.budget.kind, again.train.max_steps) == ("flops", 3)
 
 
+def test_a_stage_that_freezes_weights_resolves_at_its_own_step_cost() -> None:
+    """adapt-vq / LoRA train at less than the full accounting the loader planned with: the loop
+    re-resolves max_steps (and the warmup) from the stage's cost before the schedule is built."""
+    per = step_flops(debug())
+    r = debug(*BUDGET, f"train.max_flops={10 * per}", "train.warmup_fraction=0.1")
+    assert (r.train.max_steps, r.warmup_steps) == (10, 1)
+    r.set_step_cost(per // 3)
+    assert (r.train.max_steps, r.warmup_steps, r.budget.per_step) == (30, 3, per // 3)
+    assert r.budget.record(30, 0, per // 3)["flops"] == 30 * (per // 3) <= 10 * per
+
+
 def test_two_length_keys_are_refused_by_name() -> None:
     with pytest.raises(UserError) as e:
         debug("train.max_tokens=100000")  # debug.yaml sets max_steps

@@ -75,3 +75,12 @@ def test_a_decay_branch_equals_the_straight_run(make_recipe) -> None:
         load_recipe(branch, ["train.schedule=wsd", f"train.decay_from={late}", "train.decay_steps=3"])
     assert e.value.problems == [f"--set: train.decay_from: {late}: step 6 is past its run's stable phase (the decay "
                                 "starts at step 5); branch from a checkpoint at or before it"]
+    with pytest.raises(UserError) as e:  # a branch writes a run directory of its own
+        load_recipe(stable, ["train.schedule=wsd", f"train.decay_from={start}", "train.decay_steps=3"])
+    assert e.value.problems == [f"--set: train.decay_from: {start} is a checkpoint of this recipe's run.dir; a decay "
+                                "branch writes a run directory of its own (set run.dir or run.name)"]
+    other = ncpctl("pretrain", str(make_recipe("other")), *sets(f"train.decay_from={start}", "train.decay_steps=3",
+                                                                 "model.rope_base=500.0"))
+    assert other.returncode == 2
+    assert [x for x in other.stderr.splitlines() if x.startswith("error")] == [
+        f"error: {start}: model.rope_base: 10000.0 in the checkpoint, 500.0 now"]
