@@ -580,6 +580,11 @@ def _stable_checkpoint(spec: str, run_dir: Path | None) -> tuple[int, str | None
     a WSD run's (another run directory's), after its warmup and at or before the step its decay starts."""
     from ncpctl.checkpoint import read_meta, resolve
 
+    if not Path(spec).exists() and run_dir is not None and (run_dir / "checkpoints").is_dir():
+        try:  # the stable run's checkpoint was pruned since: the branch's own checkpoints recorded its step
+            return int(read_meta(resolve(run_dir, pin_it=False))["decay_from"]["step"]), None
+        except (UserError, KeyError, TypeError, ValueError):
+            pass
     try:
         path = resolve(spec, pin_it=False)
         if run_dir is not None and path.resolve().parent.parent == run_dir.resolve():

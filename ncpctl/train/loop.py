@@ -565,6 +565,9 @@ def _save(run: _Run) -> None:
             "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
             "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
             "budget": r.budget.record(tot.step, tot.tokens, run.flops_per_step),
+            # a decay branch's start, so that its recipe still loads once the stable checkpoint is pruned
+            "decay_from": {"path": r.train.decay_from, "step": r.train.max_steps - r.decay_steps}
+            if r.train.decay_from else None,
             "train_loss_step": tot.train_loss_step, "val_step": tot.val_step,
             "init_from": str(stage.init_from) if stage.init_from else None}
     if r.train.lora is not None and stage.name == "midtrain":

@@ -84,3 +84,11 @@ def test_a_decay_branch_equals_the_straight_run(make_recipe) -> None:
     assert other.returncode == 2
     assert [x for x in other.stderr.splitlines() if x.startswith("error")] == [
         f"error: {start}: model.rope_base: 10000.0 in the checkpoint, 500.0 now"]
+
+    # the branch's recipe.resolved.yaml (what `ncpctl fit` and a resume load) still loads once the
+    # stable run's checkpoint is gone: the branch's own checkpoints recorded where it started
+    import shutil
+
+    shutil.rmtree(start)
+    again = load_recipe(branch.parent / "branch" / "recipe.resolved.yaml")
+    assert (again.train.max_steps, again.decay_steps, again.warmup_steps) == (8, 3, 2)
