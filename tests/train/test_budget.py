@@ -98,3 +98,22 @@ def test_max_flops_run_stops_within_one_step_and_reports_the_accounting(make_rec
     assert (b["kind"], b["value"], b["tokens"]) == ("flops", budget, 4 * 8 * 32)
     meta = json.loads((path.parent / "flops" / "checkpoints" / "step_0000004" / "ncpctl.json").read_text())
     assert meta["budget"] == b
+
+
+def test_dlcm_reports_the_flops_of_its_realised_concepts(make_recipe) -> None:
+    """A learned segmentation is planned at its target R; the summary adds the FLOPs at the mean tokens
+    per concept of its training records (what ``ncpctl fit`` counts), beside the planned ones."""
+    from .conftest import metrics
+
+    path = make_recipe("dlcm")
+    sets = [*BUDGET, "model.concept.segmentation=dynamic", "model.concept.coupling=cross_attention",
+            "train.eval_every=0", "train.save_every=0"]
+    r = load_recipe(path, sets)
+    per = step_flops(r)
+    s = result(ncpctl("pretrain", str(path), *(f"--set={x}" for x in [*sets, f"train.max_flops={3 * per}"]), "--json"))
+    b = s["budget"]
+    assert (b["max_steps"], b["flops"]) == (3, 3 * per)  # planned at the target R
+    seen = [m["tokens_per_concept"] for m in metrics(path.parent / "dlcm")]
+    assert b["tokens_per_concept"] == sum(seen) / 3 != r.model_config.concept.target_ratio
+    at = exact_flops(r.model_config, r.seq_len, r.global_batch_size, realised_ratio=b["tokens_per_concept"])
+    assert b["flops_realised"] == 3 * at.training_per_step() != b["flops"]

@@ -92,3 +92,17 @@ def test_a_decay_branch_equals_the_straight_run(make_recipe) -> None:
     shutil.rmtree(start)
     again = load_recipe(branch.parent / "branch" / "recipe.resolved.yaml")
     assert (again.train.max_steps, again.decay_steps, again.warmup_steps) == (8, 3, 2)
+
+
+def test_resuming_under_another_schedule_names_it() -> None:
+    """``schedule_change`` (a resume that reshapes the lr) also compares the schedule and the WSD decay."""
+    from ncpctl.train.config import schedule_change
+
+    r = load_recipe(RECIPES / "debug.yaml", WSD)
+    cosine = {"max_steps": 100, "warmup_steps": 10, "lr": 1.0, "min_lr": 0.1}
+    line = schedule_change(cosine, r, 50)
+    assert line is not None and line.startswith("the learning-rate schedule differs from the checkpoint's (schedule "
+                                                "cosine -> wsd, decay - -> 20, decay_shape - -> sqrt): from step 50")
+    same = {**cosine, "schedule": "wsd", "decay_steps": 20, "decay_shape": "sqrt"}
+    assert schedule_change(same, r, 50) is None
+    assert "(decay 30 -> 20)" in schedule_change({**same, "decay_steps": 30}, r, 50)
