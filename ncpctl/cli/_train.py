@@ -59,6 +59,11 @@ def _human(con: Any, s: dict[str, Any]) -> None:
     state = "interrupted (checkpoint saved)" if s["interrupted"] else "done"
     con.print(f"{s['stage']} {state}: step {s['step']}/{s['max_steps']}, {s['tokens']:,} tokens, "
               f"{s['trainable_parameters']:,} of {s['parameters']:,} parameters trained")
+    b = s.get("budget") or {}
+    if b.get("kind") in ("tokens", "flops"):
+        con.print(f"budget: max_{b['kind']} {b['value']:g}: {b['flops']:.4g} training FLOPs spent"
+                  + (f" ({b['flops_realised']:.4g} at the realised {b['tokens_per_concept']:.3g} tokens per concept)"
+                     if "flops_realised" in b else ""))
     val = s["val"]
     if val.get("loss") is not None:
         from ncpctl.train.display import estimate_terms, loss_terms

@@ -148,8 +148,21 @@ class LoraSection(Section):
 
 
 class TrainSection(Section):
-    max_steps: int = Field(100, gt=0, le=2**53, description="Optimizer steps to run (at most 2**53: the schedule's "
-                           "step / max_steps is exact in float64 up to there).")
+    max_steps: Optional[int] = Field(
+        None, gt=0, le=2**53, description="Optimizer steps to run (at most 2**53: the schedule's step / max_steps is "
+        "exact in float64 up to there); null = 100, unless train.max_tokens or train.max_flops gives the length. "
+        "Exactly one of the three may be set: a recipe that extends one with max_steps sets `max_steps: null` "
+        "beside its budget.")
+    max_tokens: Optional[int] = Field(
+        None, gt=0, description="A token budget instead of max_steps: max_steps = floor(max_tokens / (global_batch_size "
+        "x seq_len)), so the run stops within one optimizer step of it (a budget below one step is an error). The "
+        "resolved steps and the budget are in every checkpoint's ncpctl.json and the `--json` summary (`budget`).")
+    max_flops: Optional[float] = Field(
+        None, gt=0, description="A compute budget instead of max_steps: max_steps = floor(max_flops / F), F the exact "
+        "training FLOPs of one optimizer step (`ncpctl.model.accounting.exact_flops`: matmuls with the real shapes, "
+        "forward and backward, the MFU numerator; `ncpctl fit` counts a run's compute the same way). A stage that freezes weights (adapt-vq, LoRA) "
+        "counts the backward it really does; a learned segmentation (DLCM) is planned at its target R, and the summary "
+        "adds the FLOPs at the tokens per concept it realised (`budget.flops_realised`).")
     seed: int = Field(1234, ge=0, lt=2**32, description="Seed for init, data order and dropout (below 2**32, "
                       "numpy's seed range).")
     seq_len: Optional[int] = Field(None, gt=0, description="Tokens per training window; default model.max_seq_len.")
@@ -179,7 +192,26 @@ class TrainSection(Section):
     mup_lr_concept: Optional[float] = Field(
         None, gt=0, description="Decoupled muP: eta_base_concept, the base lr of the concept module's hidden "
         "matrices (concept layers and heads), which train at mup_lr_concept / s_concept; null = train.lr.")
-    min_lr: float = Field(6e-5, ge=0, description="Final learning rate of the cosine decay.")
+    min_lr: float = Field(6e-5, ge=0, description="Final learning rate of the decay (cosine's, or WSD's).")
+    schedule: Literal["cosine", "wsd"] = Field(
+        "cosine", description="Learning-rate schedule after the linear warmup: `cosine` = cosine from lr to min_lr "
+        "over the remaining steps; `wsd` = warmup-stable-decay (MiniCPM; DLCM Sec. 6.2.3): lr held constant, then "
+        "the last train.decay_steps steps decay to min_lr with train.decay_shape. A stable-phase checkpoint of a "
+        "WSD run can start decay branches (train.decay_from).")
+    decay_steps: Optional[int] = Field(None, ge=1, description="WSD: steps of the decay phase (overrides "
+                                       "decay_fraction); with train.decay_from, the length of the branch.")
+    decay_fraction: float = Field(0.1, gt=0, le=1, description="WSD: the decay phase as a fraction of max_steps "
+                                  "(rounded to whole steps).")
+    decay_shape: Literal["linear", "cosine", "sqrt"] = Field(
+        "sqrt", description="WSD: the decay's shape, lr(p) = min_lr + (lr - min_lr) f(p) at p = the fraction of the "
+        "decay done: `linear` f = 1 - p; `cosine` f = (1 + cos(pi p)) / 2; `sqrt` f = 1 - sqrt(p) (the \"1-sqrt\" "
+        "cooldown of Haegele et al. 2024).")
+    decay_from: Optional[str] = Field(
+        None, description="WSD decay branch (`ncpctl pretrain`, or the stage that wrote the checkpoint): a stable-phase "
+        "checkpoint (or run directory) of a WSD run. This run, in its own run.dir, takes its weights, optimizer "
+        "state, data position and step s and runs only the decay: max_steps = s + train.decay_steps (a max_steps in "
+        "the recipe is replaced). Equals the WSD run whose decay starts at s, bit for bit at one thread, so one "
+        "stable run yields many budgets. `train.resume: auto` continues the branch's own checkpoints first.")
     warmup_fraction: float = Field(0.01, ge=0, le=1, description="Linear warmup as a fraction of max_steps.")
     warmup_steps: Optional[int] = Field(None, ge=0, description="Linear warmup in steps (overrides warmup_fraction).")
     betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.95], min_length=2, max_length=2,

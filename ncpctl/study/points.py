@@ -126,7 +126,7 @@ def _identity(run: Path, recipe: Any) -> dict[str, str]:
     return {"tokenizer": tok, "val_set": val}
 
 
-def _realised_ratio(cfg: Any, recs: list[dict[str, Any]]) -> float | None:
+def realised_ratio(cfg: Any, recs: list[dict[str, Any]]) -> float | None:
     """A dynamic segmentation's (DLCM's) tokens per concept over its training records, their mean: its
     FLOPs are those of the concepts it made, not of the target R (None: fixed blocks, or not logged)."""
     if not (cfg.concept.enabled and cfg.law.variable_length):
@@ -152,7 +152,7 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
                         hint="a fit reads the tokens of the last training step and the last validation losses")
     cfg = recipe.model_config
     per_step = exact_flops(cfg, recipe.seq_len, recipe.global_batch_size,
-                           realised_ratio=_realised_ratio(cfg, recs)).training_per_step()
+                           realised_ratio=realised_ratio(cfg, recs)).training_per_step()
     metrics = {k: float(v) for k, v in val.items() if k not in ("split", "step") and isinstance(v, (int, float))}
     family = run.resolve().parent.name if family_from_parent else "default"
     return Point(family=family, name=str(run), N=float(count_parameters(cfg).total), D=float(train["tokens"]),

@@ -19,7 +19,8 @@
   an overflow); the plain stage-0 fp32 path does not, so there this optimizer clips, measures
   the norm and skips, and DeepSpeed's own clipping is switched off (same ``train.grad_clip``).
 * ``lr_schedule(recipe)``: linear warmup to ``train.lr`` then cosine decay to ``train.min_lr``
-  at ``train.max_steps``, as the multiplier a ``torch.optim.lr_scheduler.LambdaLR`` expects.
+  at ``train.max_steps`` (or WSD: stable at ``train.lr``, then the last ``decay_steps`` decay to
+  ``min_lr``), as the multiplier a ``torch.optim.lr_scheduler.LambdaLR`` expects.
 """
 
 from __future__ import annotations
@@ -246,17 +247,28 @@ def schedule_change(old_train: dict[str, Any], recipe: Recipe, step: int) -> str
     try:
         total, warm = int(old_train["max_steps"]), old_train.get("warmup_steps")
         warm = warmup_steps(None if warm is None else int(warm), float(old_train.get("warmup_fraction", 0.0)), total)
-        before = {"max_steps": total, "warmup": warm, "lr": float(old_train["lr"]), "min_lr": float(old_train["min_lr"])}
+        before = {"max_steps": total, "warmup": warm, "lr": float(old_train["lr"]), "min_lr": float(old_train["min_lr"]),
+                  "schedule": old_train.get("schedule", "cosine")}
+        if before["schedule"] == "wsd":
+            before.update(decay=int(old_train["decay_steps"]), decay_shape=old_train.get("decay_shape", "sqrt"))
     except (KeyError, TypeError, ValueError):  # an older or hand-edited recipe: nothing to compare
         return None
-    after = {"max_steps": t.max_steps, "warmup": recipe.warmup_steps, "lr": t.lr, "min_lr": t.min_lr}
-    changed = [k for k in before if before[k] != after[k]]
+    after = {"max_steps": t.max_steps, "warmup": recipe.warmup_steps, "lr": t.lr, "min_lr": t.min_lr,
+             "schedule": t.schedule}
+    if t.schedule == "wsd":
+        after.update(decay=recipe.decay_steps, decay_shape=t.decay_shape)
+    changed = [k for k in {**before, **after} if before.get(k) != after.get(k)]
     if not changed:
         return None
-    old = SimpleNamespace(warmup_steps=before["warmup"], train=SimpleNamespace(
-        max_steps=before["max_steps"], lr=before["lr"], min_lr=before["min_lr"]))
+    old = SimpleNamespace(warmup_steps=before["warmup"], decay_steps=before.get("decay", 0), train=SimpleNamespace(
+        max_steps=before["max_steps"], lr=before["lr"], min_lr=before["min_lr"], schedule=before["schedule"],
+        decay_shape=before.get("decay_shape")))
     lr_old, lr_new = (r.train.lr * lr_schedule(r)(step) for r in (old, recipe))  # type: ignore[arg-type]
-    diff = ", ".join(f"{k} {before[k]:g} -> {after[k]:g}" for k in changed)
+
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
+    diff = ", ".join(f"{k} {fmt(before.get(k))} -> {fmt(after.get(k))}" for k in changed)
     return (f"the learning-rate schedule differs from the checkpoint's ({diff}): from step {step} the lr follows "
             f"the new one ({lr_new:.3g} now; the old schedule would give {lr_old:.3g})")
 
@@ -265,12 +277,29 @@ def lr_schedule(recipe: Recipe) -> Callable[[int], float]:
     """``step -> lr / train.lr`` for the step about to be taken (0-based).
 
     Warmup: (step+1)/warmup for step < warmup (the first step already has a non-zero lr).
-    Then cosine from 1 to min_lr/lr over the remaining steps, reaching min_lr at max_steps.
+    ``cosine``: then cosine from 1 to min_lr/lr over the remaining steps, reaching min_lr at max_steps.
+    ``wsd``: then 1 up to step S = max_steps - decay_steps (the stable phase, S included), then
+    min_lr/lr + (1 - min_lr/lr) f(p) at p = (step - S) / decay_steps, reaching min_lr at max_steps,
+    with f(p) = 1 - p (linear), (1 + cos(pi p)) / 2 (cosine) or 1 - sqrt(p) (sqrt): ``DECAY_SHAPES``.
+    The lr of a step depends only on S, decay_steps and the shape, not on when S was decided, so
+    a decay branch from step S equals the straight run.
     A plain function (not a callable object) so LambdaLR's state_dict does not pickle it:
     midtrain's new schedule is never replaced by the checkpoint's.
     """
     warm, total = recipe.warmup_steps, recipe.train.max_steps
     floor = recipe.train.min_lr / recipe.train.lr
+    if getattr(recipe.train, "schedule", "cosine") == "wsd":
+        decay, shape = recipe.decay_steps, DECAY_SHAPES[recipe.train.decay_shape]
+        stable_end = total - decay
+
+        def wsd(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            if step <= stable_end:
+                return 1.0
+            return floor + (1.0 - floor) * shape(min(1.0, (step - stable_end) / decay))
+
+        return wsd
 
     def multiplier(step: int) -> float:
         if step < warm:
@@ -279,3 +308,11 @@ def lr_schedule(recipe: Recipe) -> Callable[[int], float]:
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return multiplier
+
+
+# train.decay_shape: p (the fraction of the decay done, 0..1) -> the share of lr - min_lr left
+DECAY_SHAPES: dict[str, Callable[[float], float]] = {
+    "linear": lambda p: 1.0 - p,
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+    "sqrt": lambda p: 1.0 - math.sqrt(p),
+}

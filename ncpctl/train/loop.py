@@ -145,7 +145,7 @@ class _Run:
     bf16: bool
     tot: _Totals = field(default_factory=_Totals)
     # ---- observability (metrics and display on rank 0 only) ----
-    flops_per_step: float = 0.0
+    flops_per_step: int = 0  # training FLOPs of one optimizer step (the accounting; the budget's unit)
     peak: float = 1.0  # FLOP/s of all ranks together
     peak_source: str = ""  # where the peak comes from (rank 0's device_peak)
     entropy: float | None = None
@@ -263,6 +263,12 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     _move_foreign_checkpoints(recipe, resume_from, d, warn)
 
     model = build_model(recipe, stage, fresh=resume_from is None, info=info)
+    if stage.freeze is not None:  # a FLOPs budget at the backward this stage really does (before the schedule)
+        recipe.set_step_cost(flops_per_step(recipe, stage, model))
+    if recipe.budget.kind != "steps":
+        b = recipe.budget
+        info(f"budget: train.{b.key}={b.value:g} = {recipe.train.max_steps:,} optimizer steps of {b.per_step:,} "
+             f"{'tokens' if b.kind == 'tokens' else 'training FLOPs'}")
     hooks.prepare(model, train_ds=data.train_ds, loader=data.loader, info=info)
     packing = StepPacking.for_model(model, FLAGS, reserved=RECORD_FIELDS)
     n_params = sum(p.numel() for p in model.parameters())
@@ -286,6 +292,8 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: Any,
     resume_from: Path | None = None
     if t.resume == "auto":
         resume_from = _resume_checkpoint(recipe, d, warn)
+        if resume_from is None and t.decay_from:  # a decay branch's start (its own checkpoints come first)
+            resume_from = ckpt.resolve(t.decay_from, "train.decay_from", pin_it=False)
     elif t.resume != "never":
         resume_from = ckpt.resolve(t.resume, "train.resume", pin_it=False)
     if resume_from is not None:
@@ -368,8 +376,14 @@ def _restore(run: _Run, meta: dict[str, Any]) -> None:
         tot.train_loss_step, tot.val_step = meta.get("train_loss_step"), meta.get("val_step")
         run.info(f"resumed from {src} (step {tot.step}, {tot.tokens:,} tokens)"
                  + ("; already at train.max_steps, nothing to do" if tot.step >= t.max_steps else ""))
-        changed = schedule_change(_recorded_train(src), run.recipe, tot.step)
-        if changed and run.d.rank == 0:
+        recorded = _recorded_train(src)
+        if recorded.get("max_steps") is None and isinstance(meta.get("budget"), dict):  # a budget's run
+            recorded["max_steps"] = meta["budget"].get("max_steps")
+        changed = schedule_change(recorded, run.recipe, tot.step)
+        if t.decay_from and src.parent != run.root:  # a decay branch: the schedule changes by design
+            run.info(f"decay branch from {src}: {run.recipe.decay_steps} decay steps ({t.decay_shape}) from step "
+                     f"{tot.step} to {t.max_steps}")
+        elif changed and run.d.rank == 0:
             run.warn(changed)
     elif run.stage.init_from is not None and run.stage.load == "all":
         src = run.stage.init_from
@@ -401,7 +415,7 @@ def _observe(run: _Run, out: Any) -> None:
                  f"unigram entropy {run.entropy:.3f} nats")
 
 
-def flops_per_step(recipe: Recipe, stage: Stage, model: torch.nn.Module) -> float:
+def flops_per_step(recipe: Recipe, stage: Stage, model: torch.nn.Module, realised_ratio: float | None = None) -> int:
     """Training FLOPs of one optimizer step, the MFU numerator (``ncpctl.model.accounting``): 3x
     forward when every weight trains; for a stage that freezes weights (adapt-vq, LoRA) the
     backward autograd really computes, from the parameters that require grad."""
@@ -410,7 +424,7 @@ def flops_per_step(recipe: Recipe, stage: Stage, model: torch.nn.Module) -> floa
     trainable = None if stage.freeze is None else {  # ZeRO-3 partitions: ds_numel is the full size
         n: getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters() if p.requires_grad}
     return exact_flops(recipe.model_config, recipe.seq_len, recipe.global_batch_size,
-                       trainable=trainable).training_per_step()
+                       trainable=trainable, realised_ratio=realised_ratio).training_per_step()
 
 
 # ----------------------------------------------------------------------------- one step
@@ -550,6 +564,10 @@ def _save(run: _Run) -> None:
             "data": {"train": run.data.loader.state_dict(), "train_prefix": str(run.data.train_ds.bin_path)[:-4]},
             "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
             "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
+            "budget": r.budget.record(tot.step, tot.tokens, run.flops_per_step),
+            # a decay branch's start, so that its recipe still loads once the stable checkpoint is pruned
+            "decay_from": {"path": r.train.decay_from, "step": r.train.max_steps - r.decay_steps}
+            if r.train.decay_from else None,
             "train_loss_step": tot.train_loss_step, "val_step": tot.val_step,
             "init_from": str(stage.init_from) if stage.init_from else None}
     if r.train.lora is not None and stage.name == "midtrain":
@@ -583,7 +601,26 @@ def _summary(run: _Run, *, interrupted: bool, plots: list[str]) -> dict[str, Any
         "resumed_from": str(run.resume_from) if run.resume_from else None,
         "init_from": str(stage.init_from) if stage.init_from else None,
         "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage, "bf16": run.bf16,
+        "budget": _budget(run),
         "plots": plots,
     }
+
+
+def _budget(run: _Run) -> dict[str, Any]:
+    """The summary's ``budget``: the checkpoint's record, and for a learned segmentation (DLCM) the
+    FLOPs at the tokens per concept its training records realised (their mean, as ``ncpctl fit``
+    counts them) beside the FLOPs planned at the target R."""
+    r, tot = run.recipe, run.tot
+    out = r.budget.record(tot.step, tot.tokens, run.flops_per_step)
+    cfg = r.model_config
+    if run.d.rank == 0 and cfg.concept.enabled and cfg.law.variable_length:
+        from ncpctl.study.points import realised_ratio
+        from ncpctl.train.metrics import METRICS, records
+
+        ratio = realised_ratio(cfg, records(r.run_dir / METRICS)) if (r.run_dir / METRICS).is_file() else None
+        if ratio is not None:
+            out["tokens_per_concept"] = ratio
+            out["flops_realised"] = tot.step * flops_per_step(r, run.stage, run.engine.module, realised_ratio=ratio)
+    return out
 
 
