@@ -32,7 +32,8 @@ import torch
 
 from ncpctl.errors import UserError
 from ncpctl.model.config import deep_merge
-from ncpctl.recipe.load import Recipe, warmup_steps
+from ncpctl.recipe.length import warmup_steps
+from ncpctl.recipe.load import Recipe
 
 
 def use_bf16(recipe: Recipe, on_gpu: bool) -> bool:

@@ -9,7 +9,7 @@ out)`` then reads top to bottom, one named piece per stage of a run:
     loop:     _optimizer_step (micro-batches fwd/bwd/step, ONE all-reduce of the named step
               vector, see ``ncpctl.train.packing``) -> _count_nonfinite -> the model's
               ``on_step_end`` hook -> _log_step -> _evaluate -> _save
-    finish:   final _evaluate and _save, plots, _summary
+    finish:   final _evaluate and _save, plots, the summary (summary.py)
 
 The loop names no design and no loss term or metric of the model except ``loss`` (the
 non-finite check and ``train_loss``): what it logs comes from ``model.log_keys()`` and
@@ -48,6 +48,7 @@ from ncpctl.train.hooks import Hooks
 from ncpctl.train.metrics import MetricsLog, unigram_entropy, write_plots
 from ncpctl.train.packing import LOSS, StepPacking
 from ncpctl.train.stages import Stage, build_model
+from ncpctl.train.summary import summary
 
 
 FAULT_ENV = "NCPCTL_FAULT"  # test hook, see Faults
@@ -243,7 +244,7 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
             if run.metrics is not None:
                 run.metrics.close()
     plots = write_plots(recipe.run_dir, warn=run.warn, **run.hooks.plots()) if run.d.rank == 0 and t.plots else []
-    return _summary(run, interrupted=bool(stop.signum), plots=plots)
+    return summary(run, interrupted=bool(stop.signum), plots=plots)
 
 
 # ----------------------------------------------------------------------------- preparing a run
@@ -579,48 +580,5 @@ def _save(run: _Run) -> None:
     tot.last_saved = tot.step
     run.info(f"[dim]saved {tot.last_good}[/]")
 
-
-def _summary(run: _Run, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:
-    r, tot, stage = run.recipe, run.tot, run.stage
-    elapsed = time.perf_counter() - run.started
-    steps, compute_s = tot.step - run.first_step, run.compute_s
-    tokens_per_step = r.global_batch_size * r.seq_len
-    return {
-        "stage": stage.name, "run_dir": str(r.run_dir), "step": tot.step, "max_steps": r.train.max_steps,
-        "tokens": tot.tokens, "train_loss": tot.train_loss, "train_loss_step": tot.train_loss_step,
-        "val": tot.val, "val_step": tot.val_step,
-        "unigram_entropy": run.entropy, "parameters": run.n_params, "trainable_parameters": run.n_trainable,
-        "steps_run": steps, "seconds": round(elapsed, 2),
-        "steps_per_s": steps / compute_s if compute_s else None,
-        "tokens_per_s": steps * tokens_per_step / compute_s if compute_s else None,
-        # the live MFU's definition (training FLOPs / step time / peak) over every step this process ran
-        "mfu": run.flops_per_step * steps / compute_s / run.peak if compute_s else None,
-        "peak_flop_per_s": run.peak, "peak_source": run.peak_source,
-        "nonfinite_steps": tot.nonfinite_total, "interrupted": interrupted,
-        "checkpoint": str(tot.last_good) if tot.last_good else None,
-        "resumed_from": str(run.resume_from) if run.resume_from else None,
-        "init_from": str(stage.init_from) if stage.init_from else None,
-        "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage, "bf16": run.bf16,
-        "budget": _budget(run),
-        "plots": plots,
-    }
-
-
-def _budget(run: _Run) -> dict[str, Any]:
-    """The summary's ``budget``: the checkpoint's record, and for a learned segmentation (DLCM) the
-    FLOPs at the tokens per concept its training records realised (their mean, as ``ncpctl fit``
-    counts them) beside the FLOPs planned at the target R."""
-    r, tot = run.recipe, run.tot
-    out = r.budget.record(tot.step, tot.tokens, run.flops_per_step)
-    cfg = r.model_config
-    if run.d.rank == 0 and cfg.concept.enabled and cfg.law.variable_length:
-        from ncpctl.study.points import realised_ratio
-        from ncpctl.train.metrics import METRICS, records
-
-        ratio = realised_ratio(cfg, records(r.run_dir / METRICS)) if (r.run_dir / METRICS).is_file() else None
-        if ratio is not None:
-            out["tokens_per_concept"] = ratio
-            out["flops_realised"] = tot.step * flops_per_step(r, run.stage, run.engine.module, realised_ratio=ratio)
-    return out
 
 
