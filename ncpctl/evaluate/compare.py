@@ -139,11 +139,11 @@ def _scale(e: Entry) -> dict[str, Any]:
     """The evaluated checkpoint's budget and size: tokens trained, parameters (its safetensors),
     training FLOPs (the exact accounting per token at its training length x the tokens; a stage
     that froze weights did less). Empty where the checkpoint is not at hand."""
-    from ncpctl.checkpoint import META
+    from ncpctl.checkpoint import CHECKPOINTS, META
 
     ck = e.checkpoint
     if e.results_file is not None and e.run_dir is not None and (ck is None or e.results_file.stem != f"results_{ck.name}"):
-        ck = e.run_dir / "checkpoints" / e.results_file.stem.removeprefix("results_")
+        ck = e.run_dir / CHECKPOINTS / e.results_file.stem.removeprefix("results_")
     if ck is None or not (ck / META).is_file():
         return {}
     try:

@@ -146,16 +146,16 @@ def _resolve_wsd(train: Any, warm: int, derived: dict[str, Any], run_dir: Path |
 def _stable_checkpoint(spec: str, run_dir: Path | None) -> tuple[int, str | None]:
     """The step of ``train.decay_from``'s checkpoint, or why it cannot start a decay branch: it must be
     a WSD run's (another run directory's), after its warmup and at or before the step its decay starts."""
-    from ncpctl.checkpoint import read_meta, resolve
+    from ncpctl.checkpoint import CHECKPOINTS, read_meta, resolve, run_dir_of
 
-    if not Path(spec).exists() and run_dir is not None and (run_dir / "checkpoints").is_dir():
+    if not Path(spec).exists() and run_dir is not None and (run_dir / CHECKPOINTS).is_dir():
         try:  # the stable run's checkpoint was pruned since: the branch's own checkpoints recorded its step
             return int(read_meta(resolve(run_dir, pin_it=False))["decay_from"]["step"]), None
         except (UserError, KeyError, TypeError, ValueError):
             pass
     try:
         path = resolve(spec, pin_it=False)
-        if run_dir is not None and path.resolve().parent.parent == run_dir.resolve():
+        if run_dir is not None and run_dir_of(path.resolve()) == run_dir.resolve():
             return 0, (f"{path} is a checkpoint of this recipe's run.dir; a decay branch writes a run directory "
                        "of its own (set run.dir or run.name)")
         meta = read_meta(path)

@@ -316,10 +316,10 @@ def write_manifest(sweep: Sweep) -> None:
 
 def finished_step(run_dir: Path) -> int:
     """The step of the run's newest complete checkpoint (0: none)."""
-    from ncpctl.checkpoint import is_complete
+    from ncpctl.checkpoint import CHECKPOINTS, is_complete
 
     best = 0
-    for cand in (run_dir / "checkpoints").glob("step_*"):
+    for cand in (run_dir / CHECKPOINTS).glob("step_*"):
         m = re.fullmatch(r"step_(\d+)", cand.name)
         if m and int(m.group(1)) > best and cand.is_dir() and is_complete(cand):
             best = int(m.group(1))
@@ -506,7 +506,7 @@ def _finish(p: SweepPoint, job: Any) -> None:
     elif rc != 0:
         errs = "; ".join(summary.get("errors") or []) if isinstance(summary, dict) else ""
         p.status, p.note = "failed", f"pretrain exited {rc}" + (f": {errs}" if errs else "") + \
-            f" (log: {p.run_dir.parent.parent / 'logs' / (p.name + '.log')})"
+            f" (log: {p.run_dir.parents[1] / 'logs' / (p.name + '.log')})"
     elif summary.get("resumed_from"):
         p.note = f"resumed from {Path(summary['resumed_from']).name}"
 
