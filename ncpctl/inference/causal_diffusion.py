@@ -39,7 +39,7 @@ from ncpctl.model.decode import _caches, _encode
 from ncpctl.model.layers import Context, rope
 from ncpctl.model.patterns import step_masks
 
-from .generate import Completion, SamplingParams, _cut, filter_logits, fit_prompts
+from .generate import Completion, SamplingParams, _cut, filter_logits, fit_prompts, releasable
 
 
 def schedule(masked: int, steps: int, per_step: int | None) -> list[int]:
@@ -215,9 +215,7 @@ def generate_blocks(model, prompts: Sequence[Sequence[int]], params: SamplingPar
             take(b, new[b])
             cut = texts[b]
             if on_text is not None:  # hold back what a stop string or an unfinished UTF-8 sequence may change
-                safe = len(cut) if done[b] else len(cut) - max([len(s) - 1 for s in params.stop] + [0])
-                while safe > shown[b] and cut[safe - 1] == "\ufffd":
-                    safe -= 1
+                safe = releasable(cut, done[b] is not None, params.stop, shown[b])
                 if safe > shown[b]:
                     on_text(b, cut[shown[b]:safe])
                     shown[b] = safe

@@ -88,6 +88,15 @@ def _pick(logits: torch.Tensor, p: SamplingParams, gens: list[torch.Generator | 
     return torch.cat([torch.multinomial(probs[b : b + 1], 1, generator=g)[0] for b, g in enumerate(gens)])
 
 
+def releasable(text: str, final: bool, stop: Sequence[str], shown: int) -> int:
+    """How much of a row's ``text`` may be streamed: all of it once ``final``, else all but what a
+    stop string or an unfinished UTF-8 sequence may still change (never less than ``shown``)."""
+    safe = len(text) if final else len(text) - max([len(s) - 1 for s in stop] + [0])
+    while safe > shown and text[safe - 1] == "\ufffd":
+        safe -= 1
+    return max(safe, shown)
+
+
 def _cut(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     hits = [text.find(s) for s in stop if s and s in text]
     return (text[: min(hits)], True) if hits else (text, False)
@@ -168,10 +177,7 @@ def generate(
                 done[b] = "stop"
             texts[b] = cut
             if on_text is not None:
-                # hold back text that a stop string or an unfinished UTF-8 sequence may still change
-                safe = len(cut) if done[b] else len(cut) - max([len(s) - 1 for s in params.stop] + [0])
-                while safe > shown[b] and cut[safe - 1] == "\ufffd":
-                    safe -= 1
+                safe = releasable(cut, bool(done[b]), params.stop, shown[b])
                 if safe > shown[b]:
                     on_text(b, cut[shown[b]:safe])
                     shown[b] = safe
