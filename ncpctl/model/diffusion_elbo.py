@@ -139,12 +139,6 @@ def summarise(est: torch.Tensor, tokens: int) -> Bound:
     return Bound(float(per.mean()), se, int(tokens), S)
 
 
-def heldout_bound(model, windows: torch.Tensor, *, samples: int, seed: int = 0,
-                  keys: torch.Tensor | None = None) -> Bound:
-    """The bound per token over every token of ``windows`` (B, L) (each a sequence from position 0)."""
-    return summarise(estimates(model, windows, samples=samples, seed=seed, keys=keys), windows.numel())
-
-
 @torch.no_grad()
 def one_shot_greedy(model, tokens: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """(B,) bool: whether every scored token is the argmax at its position when all the scored
