@@ -137,8 +137,9 @@ def _safetensors_numel(path: Path) -> int | None:
 
 def _scale(e: Entry) -> dict[str, Any]:
     """The evaluated checkpoint's budget and size: tokens trained, parameters (its safetensors),
-    training FLOPs (the exact accounting per token at its training length x the tokens; a stage
-    that froze weights did less). Empty where the checkpoint is not at hand."""
+    training FLOPs (what its metadata records the loop spent; for an older checkpoint, the exact
+    accounting per token at its training length x the tokens, as if every weight trained). Empty
+    where the checkpoint is not at hand."""
     from ncpctl.checkpoint import CHECKPOINTS, META
 
     ck = e.checkpoint
@@ -152,12 +153,17 @@ def _scale(e: Entry) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     out: dict[str, Any] = {"tokens": tokens, "parameters": _safetensors_numel(ck / "model.safetensors")}
-    try:
+    spent = (meta.get("budget") or {}).get("flops")
+    if isinstance(spent, (int, float)):  # the loop's own record (steps x its accounting, frozen stages as run)
+        out["training_flops"] = spent
+        return out
+    try:  # a checkpoint written before the loop recorded it
         from ncpctl.model.accounting import exact_flops
         from ncpctl.model.config import ModelConfig
 
         T = int((meta.get("recipe") or {}).get("train", {}).get("seq_len"))
-        out["training_flops"] = exact_flops(ModelConfig.from_dict(meta["model_config"]), T).training_per_step() * tokens / T
+        per_step = exact_flops(ModelConfig.from_dict(meta["model_config"]), T).training_per_step()
+        out["training_flops"] = per_step * tokens / T
     except Exception:  # an old or foreign checkpoint: tokens and parameters only
         out["training_flops"] = None
     return out

@@ -237,3 +237,21 @@ def test_compare_states_each_runs_budget_and_size_and_prints_whole_when_piped(fi
     r = run_cli("eval", "--compare", str(a), str(b), "--out", str(tmp_path / "p"))  # stdout is a pipe here
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ncp_heldout_ppl" in r.stdout and "ncp_last_ident" in r.stdout and "±" in r.stdout
+
+
+def test_compare_reads_the_flops_a_checkpoint_records_it_spent(finished, tmp_path):
+    """A checkpoint whose metadata records the loop's FLOPs (``budget.flops``: steps x its accounting,
+    a frozen stage's backward as run) is reported with that number, not a recomputation."""
+    import json as _json
+    import shutil as _shutil
+
+    from ncpctl.checkpoint import META
+
+    run = _shutil.copytree(finished["base"], tmp_path / "recorded", symlinks=True)
+    ck = next((run / "checkpoints").glob("step_*"))
+    meta = _json.loads((ck / META).read_text())
+    meta["budget"] = {"kind": "steps", "value": 200, "max_steps": 200, "flops": 1234567.0, "tokens": meta["tokens_seen"]}
+    (ck / META).write_text(_json.dumps(meta))
+    got = compare([str(finished["base"]), str(run)], out=str(tmp_path / "o"))
+    runs = {r["label"]: r for r in got["runs"]}
+    assert runs["recorded"]["training_flops"] == 1234567.0 and runs["base"]["training_flops"] != 1234567.0
