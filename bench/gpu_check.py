@@ -84,6 +84,16 @@ How to read each section (JSON keys in brackets):
    layer-matched and token-layer bases, per-token decode time best of 3, batch 1 and 8 (goal:
    DLCM <= 1.2x the matched base). Speed only: not in ``checks``.
 
+8. CDLM [cdlm]: Steerling's Causal Diffusion LM (``model.objective: causal_diffusion``, block
+   ``cdlm_block`` = 64, full RoPE) against the AR base at section 1's size, T and batch, ZeRO-1,
+   timed alternately: ``cdlm_over_ar`` (bench/cdlm.py's goal <= 1.15: one noisy copy, not two),
+   losses finite and falling, and the SDPA backend the boolean block-causal mask dispatches to
+   (``cdlm_backend``; flash takes no mask). ``flex``: block-causal attention forward + backward at
+   T 2048 / 8192 (B 8, 12 heads of 64) as SDPA with that mask, as FlexAttention with a BlockMask
+   (compiled) and as SDPA ``is_causal`` (the floor): ``max_abs_diff`` flex vs mask (``ok`` within
+   2e-2 of the output scale in bf16) and ``flex_over_sdpa_mask``, i.e. whether building the
+   FlexAttention path (issue 23's open item) pays.
+
 ``--dry`` runs the same code on the CPU with tiny shapes (``debug`` size, T=64, fp32, one
 warm-up step, two rounds, a few decode tokens; ZeRO on DeepSpeed's CPU accelerator) so the
 test suite catches breakage; its numbers mean nothing and the backend reads "n/a on CPU".
@@ -117,7 +127,7 @@ _T_PROCESS = time.perf_counter()  # process_s counts from here (before torch and
 
 REPO = _HERE.parent
 BASE_RECIPE = REPO / "recipes" / "debug.yaml"
-SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview")
+SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview", "dlcm", "cdlm")
 ARCHPREVIEW_RECIPE = REPO / "recipes" / "debug-archpreview.yaml"
 DLCM_RECIPE = REPO / "recipes" / "debug-dlcm.yaml"  # section 7's decode models (as bench/dlcm_decode.py)
 CONCEPT_PM_GOAL = 0.02  # section 5: |time ratio - FLOPs ratio|, the goal bench/train_step.py judges too
@@ -148,10 +158,14 @@ class Shapes:
     archpreview_steps: int = 3
     dlcm_grid: tuple[tuple[int, ...], tuple[int, ...], int] = ((128, 256), (64,), 16)  # section 7: T, d, head dim
     dlcm_decode_d: int = 64  # section 7: the decode benchmark's token width (concepts twice as wide)
+    cdlm_block: int = 16  # section 8: the CDLM's block (Steerling: 64)
+    cdlm_rounds: int = 2  # section 8: timed rounds per model / attention form
+    cdlm_heads: int = 2  # section 8: heads of the FlexAttention vs SDPA comparison (head dim 64)
+    cdlm_flex_T: tuple[int, ...] = (64,)  # section 8: sequence lengths of that comparison
 
 
 GPU_SHAPES = Shapes("pythia-160m", 2048, 8, 3, 12, "pythia-70m", 6, "pythia-160m", 128, 256, (1, 8),
-                    (1024, 16, 2816, 12), 8, ((2048, 8192), (1024, 2048), 128), 1024)
+                    (1024, 16, 2816, 12), 8, ((2048, 8192), (1024, 2048), 128), 1024, 64, 6, 12, (2048, 8192))
 DRY_SHAPES = Shapes("debug", 64, 2, 1, 2, "debug", 3, "debug", 16, 8, (1, 4), (64, 4, 176, 4), 3)
 
 
@@ -178,8 +192,9 @@ def _say(msg: str) -> None:
 # ----------------------------------------------------------------------------- engines
 
 
-def make_recipe(size: str, T: int, B: int, variant: str, zero_stage: int, env: Env, steps: int) -> Any:
-    """``recipes/debug.yaml`` with ``--set`` overrides: the recipe ``ncpctl pretrain`` would load."""
+def make_recipe(size: str, T: int, B: int, variant: str, zero_stage: int, env: Env, steps: int,
+                sets_after: tuple[str, ...] = ()) -> Any:
+    """``recipes/debug.yaml`` with ``--set`` overrides (``sets_after`` last): the recipe ``ncpctl pretrain`` would load."""
     from ncpctl.model.config import SIZES
     from ncpctl.recipe import load_recipe
 
@@ -189,7 +204,7 @@ def make_recipe(size: str, T: int, B: int, variant: str, zero_stage: int, env: E
             f"train.seq_len={T}", f"train.micro_batch_size={B}", f"train.global_batch_size={B}",
             f"train.precision={'bf16' if env.bf16 else 'fp32'}", f"deepspeed.zero_stage={zero_stage}",
             f"train.max_steps={steps}", "train.warmup_steps=0",
-            "train.lr=6e-4", "train.min_lr=6e-5"]  # Pythia-160m's (recipes/pythia-common.yaml)
+            "train.lr=6e-4", "train.min_lr=6e-5", *sets_after]  # Pythia-160m's (recipes/pythia-common.yaml)
     return load_recipe(BASE_RECIPE, sets)
 
 
@@ -608,6 +623,115 @@ def archpreview_section(sh: Shapes, env: Env) -> dict[str, Any]:
     return out
 
 
+# ----------------------------------------------------------------------------- 8: CDLM
+
+
+def flex_vs_sdpa(T: int, block: int, sh: Shapes, env: Env) -> dict[str, Any]:
+    """BlockCausal(block) attention, forward + backward, three ways on one (B, H, T, hd) input:
+    SDPA with the boolean mask the model builds today (``patterns.kernel_masks``), FlexAttention
+    with a BlockMask (compiled on a GPU; eager on the CPU), and SDPA ``is_causal`` (flash on a
+    GPU) as the floor a fused block-causal kernel could reach. ``max_abs_diff``: flex vs the
+    masked SDPA's output. On the CPU (``--dry``) forward only: FlexAttention has no CPU backward."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from ncpctl.model.patterns import BlockCausal, kernel_masks
+
+    dtype = torch.bfloat16 if env.bf16 else torch.float32
+    B, H, hd = sh.batch, sh.cdlm_heads, 64
+    g = torch.Generator(device=env.device).manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, hd, device=env.device, dtype=dtype, generator=g).requires_grad_(env.on_gpu)
+               for _ in range(3))
+    grad = torch.randn(B, H, T, hd, device=env.device, dtype=dtype, generator=g)
+    (mask,) = kernel_masks([BlockCausal(block)], T, env.device).values()  # (1, 1, T, T) bool
+
+    def visible(b, h, qi, ki):
+        return qi // block >= ki // block
+
+    bm = create_block_mask(visible, None, None, T, T, device=str(env.device))
+    flex = torch.compile(flex_attention, dynamic=False) if env.on_gpu else flex_attention
+    forms = {"sdpa_mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+             "flex": lambda: flex(q, k, v, block_mask=bm),
+             "sdpa_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+    with torch.no_grad():
+        ref, fx = forms["sdpa_mask"]().float(), forms["flex"]().float()
+    out: dict[str, Any] = {"T": T, "block": block, "batch": B, "heads": H, "head_dim": hd, "dtype": str(dtype),
+                           "timed": "forward + backward" if env.on_gpu else "forward",
+                           "max_abs_diff": float((ref - fx).abs().max()), "scale": float(ref.abs().max())}
+
+    def step(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            o = fn()
+            if env.on_gpu:
+                o.backward(grad)
+                q.grad = k.grad = v.grad = None
+            return o.detach().float().sum()
+
+        return run
+
+    steps = {n: step(fn) for n, fn in forms.items()}
+    for fn in steps.values():  # warm-up (flex compiles here on a GPU)
+        fn()
+    secs: dict[str, list[float]] = {n: [] for n in steps}
+    for r in range(sh.cdlm_rounds):
+        for n in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            secs[n].append(timed(steps[n], env)[0])
+    med = {n: statistics.median(s) for n, s in secs.items()}
+    out["median_ms"] = {n: 1e3 * m for n, m in med.items()}
+    out["flex_over_sdpa_mask"] = paired_ratios(secs["flex"], secs["sdpa_mask"])["paired_median"]
+    out["flex_over_causal"] = paired_ratios(secs["flex"], secs["sdpa_causal"])["paired_median"]
+    out["ok"] = out["max_abs_diff"] <= (2e-2 if env.bf16 else 1e-4) * max(1.0, out["scale"])
+    return out
+
+
+def cdlm_section(sh: Shapes, env: Env) -> dict[str, Any]:
+    """Steerling's Causal Diffusion LM (issue 23) on the device: its DeepSpeed training step
+    against the AR base of section 1's shape (one noisy copy: goal <= 1.15, bench/cdlm.py's),
+    the SDPA backend its boolean block-causal mask dispatches to, and FlexAttention with a
+    BlockMask against that masked SDPA (whether the fused path is worth building)."""
+    import torch
+
+    from ncpctl.profile.step import engine_step, random_windows
+
+    T, B = sh.seq_len, sh.batch
+    cd = ("model.objective=causal_diffusion", f"model.diffusion.block_size={sh.cdlm_block}", "model.rotary_pct=1.0")
+    engines = {n: build_engine(make_recipe(sh.train_size, T, B, "base", 1, env, sh.cdlm_rounds + 4, extra), env)
+               for n, extra in (("ar", ()), ("cdlm", cd))}
+    cfg = engines["ar"].module.cfg
+    (w,) = random_windows(cfg.vocab_size - 2, B, T)
+    w = w + 2  # no EOD or [MASK] among the data tokens
+    xn, yn = engines["cdlm"].module.objective.keyed_batch(w, torch.arange(B))
+    data = {"ar": (w[:, :-1], w[:, 1:]), "cdlm": (xn, yn)}
+    steps = {n: engine_step(e, *(t.to(env.device) for t in data[n])) for n, e in engines.items()}
+    first = {n: timed(fn, env)[1] for n, fn in steps.items()}
+    secs: dict[str, list[float]] = {n: [] for n in steps}
+    losses: dict[str, list[float]] = {n: [] for n in steps}
+    for r in range(sh.cdlm_rounds):
+        for n in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            dt, loss = timed(steps[n], env)
+            secs[n].append(dt)
+            losses[n].append(loss)
+    backend = profile_attention(steps["cdlm"], env)
+    out: dict[str, Any] = {
+        "size": sh.train_size, "seq_len": T, "batch": B, "block": sh.cdlm_block, "rounds": sh.cdlm_rounds,
+        "median_ms": {n: 1e3 * statistics.median(s) for n, s in secs.items()},
+        "cdlm_over_ar": paired_ratios(secs["cdlm"], secs["ar"])["paired_median"], "goal": 1.15,
+        "losses": {n: [first[n], *losses[n]] for n in steps},
+        "cdlm_backend": backend.get("backend"), "cdlm_backend_from_ops": backend["backend_from_ops"],
+        "cdlm_attention_kernels": backend["attention_kernels"][:6],
+    }
+    out["finite"] = all(math.isfinite(v) for ls in out["losses"].values() for v in ls)
+    out["decreased"] = all(ls[-1] < ls[0] for ls in out["losses"].values())
+    for e in engines.values():
+        release(e)
+    engines.clear()
+    _free(env)
+    out["flex"] = [flex_vs_sdpa(t, sh.cdlm_block, sh, env) for t in sh.cdlm_flex_T]
+    out["ok"] = out["finite"] and out["decreased"] and all(f["ok"] for f in out["flex"])
+    return out
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -670,6 +794,16 @@ def summary(res: dict[str, Any]) -> str:
                          f"/token-layer base {r['ratio_token']:.3f} (goal <= 1.2 matched)")
         lines.append(f"    decode at {dd['tokens_per_concept']:.2f} tokens per concept (R = 4 by the calibrated "
                      f"threshold {dd['boundary_threshold']:.4f})")
+    c8 = res.get("cdlm")
+    if c8:
+        lines.append(f"[8] CDLM {c8['size']} block {c8['block']} T={c8['seq_len']} B={c8['batch']}: CDLM/AR step "
+                     f"{c8['cdlm_over_ar']:.3f} (goal <= {c8['goal']}); masked attention backend {c8['cdlm_backend']} "
+                     f"(ops say {c8['cdlm_backend_from_ops']}); ok {c8['ok']}")
+        for f in c8["flex"]:
+            ms = f["median_ms"]
+            lines.append(f"    attention {f['timed']} T={f['T']}: SDPA+mask {ms['sdpa_mask']:.2f} ms, flex {ms['flex']:.2f} ms "
+                         f"({f['flex_over_sdpa_mask']:.2f}x), is_causal {ms['sdpa_causal']:.2f} ms; flex vs mask "
+                         f"max|diff| {f['max_abs_diff']:.2e} of {f['scale']:.2f}")
     failed = [k for k, v in res.get("checks", {}).items() if not v]
     lines.append(f"checks: {'all passed' if not failed else 'FAILED ' + ', '.join(failed)} ({len(res.get('checks', {}))} run)")
     for name, err in res["errors"].items():
@@ -692,6 +826,8 @@ def checks(res: dict[str, Any]) -> dict[str, bool]:
         out["decode_cached_equals_full"] = res["decode"]["ok"]
     if "archpreview" in res:
         out["archpreview_trains_and_decodes"] = res["archpreview"]["ok"]
+    if "cdlm" in res:
+        out["cdlm_trains_and_flex_matches"] = res["cdlm"]["ok"]
     return out
 
 
@@ -770,6 +906,7 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
     section("decode", lambda: decode_section(sh, env))
     section("archpreview", lambda: archpreview_section(sh, env))
     section("dlcm", lambda: dlcm_section(sh, env))
+    section("cdlm", lambda: cdlm_section(sh, env))
     res["process_s"] = round(time.perf_counter() - _T_PROCESS, 2)
     res["checks"] = checks(res)
     res["ok"] = not res["errors"] and all(res["checks"].values())

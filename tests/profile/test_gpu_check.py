@@ -24,7 +24,7 @@ from ..conftest import REPO
 SCRIPT = REPO / "bench" / "gpu_check.py"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
        "TOKENIZERS_PARALLELISM": "false"}
-SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview", "dlcm")
+SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview", "dlcm", "cdlm")
 VARIANTS = {"base": dict(concept=dict(enabled=False)), "concept": dict(concept=dict(enabled=True)),
             "pm": dict(concept=dict(enabled=False), extra_token_layers=2)}
 
@@ -99,6 +99,19 @@ def test_dlcm_section(dry) -> None:
     for r in d["batches"].values():
         assert _positive(r["ratio_matched"]) and _positive(r["ratio_token"])
         assert r["ratio_matched"] == pytest.approx(r["dlcm_ms"] / r["base_matched_ms"])
+
+
+def test_cdlm_section(dry) -> None:
+    """Section 8: the CDLM and the AR base both learn their batch, the step ratio is the paired
+    median of their rounds, and FlexAttention's block-causal output equals the masked SDPA's."""
+    c = dry["cdlm"]
+    assert c["block"] == 16 and set(c["losses"]) == {"ar", "cdlm"}
+    assert c["finite"] and c["decreased"] and all(ls[-1] < ls[0] for ls in c["losses"].values())
+    assert _positive(c["cdlm_over_ar"]) and c["cdlm_backend"] == "n/a on CPU"
+    (f,) = c["flex"]
+    assert f["T"] == 64 and f["timed"] == "forward" and set(f["median_ms"]) == {"sdpa_mask", "flex", "sdpa_causal"}
+    assert f["max_abs_diff"] < 1e-4 and f["ok"]  # fp32 on the CPU: the same attention
+    assert dry["checks"]["cdlm_trains_and_flex_matches"]
 
 
 def test_sdpa_profiler_path(dry) -> None:
