@@ -40,8 +40,12 @@ How to read each section (JSON keys in brackets):
    (torch.profiler, CPU + CUDA). Kernels launched under the attention ops are classified by
    name (flash / mem_efficient / cudnn / math) into ``backend``; ``backend_from_ops`` is the
    same read from the dispatched ATen op names (``_scaled_dot_product_flash_attention``, ...).
-   Flash is expected (``expected_flash``): the model calls SDPA with ``is_causal=True`` and no
-   mask when there is no sliding window. ``sdp_flags`` are ``torch.backends.cuda.*_sdp_enabled()``.
+   A fused flash-style kernel is expected (``expected_flash``): the model calls SDPA with
+   ``is_causal=True`` and no mask when there is no sliding window. Both PyTorch's flash kernel and
+   cuDNN's count: on Hopper PyTorch 2.5+ dispatches to cuDNN's fused attention first (the first
+   H200 run, torch 2.11: ``cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_*``), which is
+   a flash kernel too; math or mem_efficient would fail the check. ``sdp_flags`` are
+   ``torch.backends.cuda.*_sdp_enabled()``.
 3. ZeRO [zero]: the ConceptLM pythia-70m at the same T and batch under ZeRO stage 1 and 2,
    ``steps`` steps each on one batch. ``median_s`` excludes the first step; ``peak_bytes`` =
    ``torch.cuda.max_memory_allocated`` over build + steps (``allocated_before_bytes``: what
@@ -94,6 +98,11 @@ How to read each section (JSON keys in brackets):
    2e-2 of the output scale in bf16) and ``flex_over_sdpa_mask``, i.e. whether building the
    FlexAttention path (issue 23's open item) pays.
 
+``--profile`` replaces the check by a diagnosis: where the time of section 4's decode step
+(batch 1, concept path on and off) and of sections 1 and 6's training steps goes (wall vs
+kernel time per call, launches, host syncs, top ops and kernels). The first H200 run measured a
+decode step of ~79 ms at batch 1 and an IRC+CRC step 1.58x the plain one; this is how to see why.
+
 ``--dry`` runs the same code on the CPU with tiny shapes (``debug`` size, T=64, fp32, one
 warm-up step, two rounds, a few decode tokens; ZeRO on DeepSpeed's CPU accelerator) so the
 test suite catches breakage; its numbers mean nothing and the backend reads "n/a on CPU".
@@ -130,6 +139,7 @@ BASE_RECIPE = REPO / "recipes" / "debug.yaml"
 SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview", "dlcm", "cdlm")
 ARCHPREVIEW_RECIPE = REPO / "recipes" / "debug-archpreview.yaml"
 DLCM_RECIPE = REPO / "recipes" / "debug-dlcm.yaml"  # section 7's decode models (as bench/dlcm_decode.py)
+FLASH_CLASS = ("flash", "cudnn")  # section 2: fused flash-style SDPA kernels (cuDNN's is preferred on Hopper)
 CONCEPT_PM_GOAL = 0.02  # section 5: |time ratio - FLOPs ratio|, the goal bench/train_step.py judges too
 # section 6's variants of recipes/debug-archpreview.yaml: the same model without the dynamic
 # residuals and MTP, with IRC + CRC, and with MTP too (all Muon, post-norm, ZeRO-2)
@@ -407,7 +417,7 @@ def sdpa_section(trained: dict[str, Any], env: Env) -> dict[str, Any]:
     models = {n: profile_attention(trained["steps"][n], env) for n in ("base", "concept")}
     out: dict[str, Any] = {"sdp_flags": flags, "models": models}
     if env.on_gpu:
-        out["expected_flash"] = all(m["backend"] == "flash" for m in models.values())
+        out["expected_flash"] = all(m["backend"] in FLASH_CLASS for m in models.values())
     return out
 
 
@@ -732,6 +742,95 @@ def cdlm_section(sh: Shapes, env: Env) -> dict[str, Any]:
     return out
 
 
+# ----------------------------------------------------------------------------- --profile: where the time goes
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
+
+
+def where_time_goes(fn: Callable[[], Any], n: int, env: Env, top: int = 12) -> dict[str, Any]:
+    """Time ``n`` calls of ``fn`` (after the caller's warm-up), then profile ``n`` more: wall time per call, the device's
+    kernel time per call (their sum; wall >> kernels means launch- or host-bound), kernel launches
+    and host-synchronising runtime calls per call, and the top ops by CPU total and the top
+    kernels by device time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.on_gpu else [])
+    env.sync()
+    t0 = time.perf_counter()  # timed without the profiler: its start-up (~1 s once) would land in the wall
+    for _ in range(n):
+        fn()
+    env.sync()
+    wall = (time.perf_counter() - t0) / n
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            fn()
+        env.sync()
+    ev = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    runtime = {e.key: e.count for e in ev if e.key.startswith("cuda")}
+    cpu_top = sorted((e for e in ev if not e.key.startswith("cuda")), key=lambda e: -e.cpu_time_total)[:top]
+    by_kernel: dict[str, list[float]] = {}
+    for k in kernels:
+        by_kernel.setdefault(k.name[:120], []).append(k.device_time_total if hasattr(k, "device_time_total")
+                                                      else k.cuda_time_total)
+    k_top = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"calls": n, "wall_ms": 1e3 * wall, "kernel_ms": sum(sum(v) for v in by_kernel.values()) / 1e3 / n,
+            "kernels_per_call": len(kernels) / n,
+            "launches_per_call": sum(c for k, c in runtime.items() if "Launch" in k) / n,
+            "syncs_per_call": {k: runtime[k] / n for k in SYNC_CALLS if k in runtime},
+            "top_cpu_ms_per_call": [(e.key[:80], round(e.cpu_time_total / 1e3 / n, 3), e.count // n) for e in cpu_top],
+            "top_kernels_ms_per_call": [(k, round(sum(v) / 1e3 / n, 3), len(v) // n) for k, v in k_top]}
+
+
+def profile_decode(sh: Shapes, env: Env) -> dict[str, Any]:
+    """Section 4's decode step (batch 1, bf16) with the concept path on and off."""
+    import torch
+
+    from ncpctl.model.config import build_config
+    from ncpctl.model.model import NCPModel
+
+    dtype = torch.bfloat16 if env.bf16 else torch.float32
+    out: dict[str, Any] = {}
+    for name, on in (("base", False), ("concept", True)):
+        cfg = build_config(sh.decode_size, concept=dict(enabled=on))
+        torch.manual_seed(0)
+        model = NCPModel(cfg).to(env.device, dtype=dtype).eval()
+        prompts = torch.randint(0, cfg.vocab_size, (1, sh.prompt_len)).to(env.device)
+        with torch.no_grad():
+            _, state = model.prefill(prompts, [sh.prompt_len], max_len=sh.prompt_len + 64)
+            nxt = prompts[:, -1]
+            step = lambda: model.decode_step(state, nxt)  # noqa: E731  (the same token fed: timing only)
+            for _ in range(8):
+                step()
+            out[name] = where_time_goes(step, 16, env)
+            g = _greedy(model, prompts, 64, cfg.vocab_size, env)  # section 4's loop, for comparison
+            out[name]["greedy_ms_per_token"] = 1e3 * g["decode_s"] / 64
+        del model, state
+        _free(env)
+    return out
+
+
+def profile_train(sh: Shapes, env: Env) -> dict[str, Any]:
+    """Section 1's base step and section 6's plain and IRC+CRC steps."""
+    from ncpctl.profile.step import engine_step
+
+    out: dict[str, Any] = {}
+    recipes = {"base": make_recipe(sh.train_size, sh.seq_len, sh.batch, "base", 1, env, 8),
+               "arch_plain": _arch_recipe(sh, "plain", env), "arch_irc_crc": _arch_recipe(sh, "irc_crc", env)}
+    for name, recipe in recipes.items():
+        engine = build_engine(recipe, env)
+        x, y = _batch(recipe.model_config, sh.batch, sh.seq_len, env)
+        step = engine_step(engine, x, y)
+        for _ in range(2):
+            step()
+        out[name] = where_time_goes(step, 2, env)
+        release(engine)
+        del engine, step
+        _free(env)
+    return out
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -753,7 +852,7 @@ def summary(res: dict[str, Any]) -> str:
                          f"{m['last_loss']:.3f}  {m['optimizer']}")
     s = res.get("sdpa")
     if s:
-        lines.append(f"[2] SDPA flags {s['sdp_flags']}" + (f"; flash as expected: {s['expected_flash']}" if "expected_flash" in s else ""))
+        lines.append(f"[2] SDPA flags {s['sdp_flags']}" + (f"; fused flash-class kernel as expected: {s['expected_flash']}" if "expected_flash" in s else ""))
         for n, m in s["models"].items():
             lines.append(f"    {n:8} backend {m['backend']} (ops say {m['backend_from_ops']}); kernels: "
                          + (", ".join(k[:70] for k in m["attention_kernels"][:4]) or "-"))
@@ -808,6 +907,19 @@ def summary(res: dict[str, Any]) -> str:
     lines.append(f"checks: {'all passed' if not failed else 'FAILED ' + ', '.join(failed)} ({len(res.get('checks', {}))} run)")
     for name, err in res["errors"].items():
         lines.append(f"ERROR in {name}: {err['error']}")
+    return "\n".join(lines)
+
+
+def profile_summary(res: dict[str, Any]) -> str:
+    lines = []
+    for sec in ("profile_decode", "profile_train"):
+        for name, p in res.get(sec, {}).items():
+            lines.append(f"{sec} {name}: wall {p['wall_ms']:.2f} ms/call, kernels {p['kernel_ms']:.2f} ms/call, "
+                         f"{p['kernels_per_call']:.0f} kernels, {p['launches_per_call']:.0f} launches, syncs {p['syncs_per_call']}"
+                         + (f"; section 4's greedy loop {p['greedy_ms_per_token']:.2f} ms/token" if "greedy_ms_per_token" in p else ""))
+            lines += [f"    cpu  {ms:9.3f} ms x{c:<5} {k}" for k, ms, c in p["top_cpu_ms_per_call"]]
+            lines += [f"    gpu  {ms:9.3f} ms x{c:<5} {k}" for k, ms, c in p["top_kernels_ms_per_call"]]
+    lines += [f"ERROR in {n}: {e['error']}" for n, e in res["errors"].items()]
     return "\n".join(lines)
 
 
@@ -895,6 +1007,11 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
 
         return call
 
+    if args.profile:  # diagnosis only: where the time of a decode step and a training step goes
+        section("profile_decode", lambda: profile_decode(sh, env))
+        section("profile_train", lambda: profile_train(sh, env))
+        res["ok"] = not res["errors"]
+        return res
     section("train_step", train)
     section("sdpa", needs_train(lambda: sdpa_section(held, env)))
     section("concept_vs_pm", needs_train(lambda: concept_vs_pm(res["train_step"])))
@@ -920,6 +1037,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' = stdout)")
     ap.add_argument("--rounds", type=int, help="timed rounds per model in section 1 (default 12; --dry 2)")
     ap.add_argument("--batch", type=int, help="micro batch for sections 1 and 3 (default 8; --dry 2)")
+    ap.add_argument("--profile", action="store_true",
+                    help="diagnosis instead of the check: profile decode and training steps (where the time goes)")
     ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                     help="as train.precision: auto = bf16 on a GPU, fp32 on the CPU")
     args = ap.parse_args(argv)
@@ -937,7 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
     sh = Shapes(**{**vars(sh), **over})
     with stdout_to_stderr():
         res = run(args, sh)
-    text = summary(res)
+    text = profile_summary(res) if args.profile else summary(res)
     if args.json == "-":
         _say(text)
         print(json.dumps(res, indent=2))

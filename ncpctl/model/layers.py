@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelConfig, strategy
 from .family import family
@@ -324,10 +325,32 @@ class Attention(nn.Module):
             k, v = cache.update(k, v)  # (B, Hkv, len, hd)
         if self.probe is not None:
             self.probe(q, k, mask)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
-        )
+        backends = cached_backends(q, cache is not None)
+        if backends is None:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
+            )
+        else:
+            with sdpa_kernel(backends):
+                y = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
+                )
         return self.proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+# SDPA backends for cached calls on a GPU: every one but cuDNN's. cuDNN's fused attention (which
+# PyTorch prefers on Hopper) builds an execution plan per shape, and a decode step's key length
+# grows by one each call, so every step re-planned: the first H200 run (torch 2.11) spent ~5 ms of
+# host time per layer in _cudnn_attention_forward, 75 ms per token for pythia-160m at batch 1
+# against 0.7 ms of kernels (bench/gpu_check.py --profile). Uncached calls (training, full
+# forwards) have fixed shapes and keep cuDNN.
+CACHED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def cached_backends(q: torch.Tensor, cached: bool) -> list | None:
+    """The SDPA backends a call may use: ``CACHED_BACKENDS`` for a cached call on a GPU, else
+    ``None`` (PyTorch's own choice)."""
+    return CACHED_BACKENDS if cached and q.is_cuda else None
 
 
 class MLP(nn.Module):

@@ -48,3 +48,42 @@ def test_prompts_shorter_than_a_block():
         for t in range(2, 9):
             step = model.decode_step(state, seqs[:, t])
         assert (step[0] - full[8]).abs().max() <= 1e-5
+
+
+def test_cached_calls_on_a_gpu_avoid_cudnn_attention(monkeypatch):
+    """A cached call's key length changes every step, and cuDNN's fused attention re-plans per
+    shape (75 ms per token at pythia-160m on an H200): cached calls on a GPU run under
+    ``sdpa_kernel`` without cuDNN, uncached ones keep PyTorch's choice. The GPU is faked here by
+    forcing the cached rule on the CPU: decoding still equals the full forward, and every cached
+    attention call (prefill and steps) went through the restricted backends."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention import SDPBackend
+
+    from ncpctl.model import layers
+
+    assert SDPBackend.CUDNN_ATTENTION not in layers.CACHED_BACKENDS
+    gpu = SimpleNamespace(is_cuda=True)
+    assert layers.cached_backends(gpu, True) == layers.CACHED_BACKENDS
+    assert layers.cached_backends(gpu, False) is None
+    assert layers.cached_backends(torch.zeros(1), True) is None  # the CPU: PyTorch's own choice
+    entered = []
+    real = layers.sdpa_kernel
+
+    def counting(backends):
+        entered.append(list(backends))
+        return real(backends)
+
+    monkeypatch.setattr(layers, "cached_backends", lambda q, cached: layers.CACHED_BACKENDS if cached else None)
+    monkeypatch.setattr(layers, "sdpa_kernel", counting)
+    cfg = tiny("neox", concept=dict(k=4))
+    model = build(cfg, scale=0.2)
+    seqs = tokens(cfg, 1, 9)
+    with torch.no_grad():
+        full = model(seqs).logits[0]  # uncached: no restriction
+        assert entered == []
+        _, state = model.prefill(seqs[:, :3], [3], max_len=9)
+        for t in range(3, 9):
+            step = model.decode_step(state, seqs[:, t])
+    assert (step[0] - full[8]).abs().max() <= 1e-5
+    assert len(entered) >= 7 * cfg.n_layers and all(b == layers.CACHED_BACKENDS for b in entered)
