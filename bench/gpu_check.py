@@ -2,11 +2,11 @@
 ConceptLM/PM step ratio. A script, not a test; run it once when a GPU is lent and paste its
 output into the report.
 
-    python bench/gpu_check.py --json gpu_check.json     # on one H100/H200-class GPU, ~1-2 min
+    python bench/gpu_check.py --json gpu_check.json     # on one H100/H200-class GPU, ~3.5 min
     python bench/gpu_check.py --dry --json -            # CPU smoke run of the same code (~10 s)
 
-Expected runtime on one H100/H200: about 1-2 minutes (imports and engine builds dominate;
-the measurements themselves are seconds), well under the 5 minutes it is sized for. The
+Runtime on one H200 (2026-12-04, docs/gpu/README.md): 192 s of sections (decode and DLCM's
+decode the longest) plus imports, under the 5 minutes it is sized for. The
 JSON is rewritten after every section, so a run cut short still leaves what it measured;
 a section that fails is recorded under ``errors`` (message and traceback) and the others
 still run. ``checks`` holds the correctness verdicts (finite losses, flash attention, equal
