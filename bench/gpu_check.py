@@ -335,6 +335,8 @@ def concept_vs_pm(train: dict[str, Any]) -> dict[str, Any]:
 def kernel_backend(name: str) -> str | None:
     """SDPA backend a CUDA kernel name belongs to (None: not an attention kernel)."""
     n = name.lower()
+    if "flex_attention" in n:  # Triton's FlexAttention kernels: "triton_tem_fused_flex_attention_0"
+        return "flex"
     if "cudnn" in n:  # before flash: cuDNN's SDPA kernels are named "cudnn_..._sdpa_..._flash_fprop_..."
         return "cudnn"
     if "flash" in n:
@@ -646,7 +648,7 @@ def flex_vs_sdpa(T: int, block: int, sh: Shapes, env: Env) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from ncpctl.model.patterns import BlockCausal, kernel_masks
+    from ncpctl.model.patterns import BlockCausal
 
     dtype = torch.bfloat16 if env.bf16 else torch.float32
     B, H, hd = sh.batch, sh.cdlm_heads, 64
@@ -654,7 +656,8 @@ def flex_vs_sdpa(T: int, block: int, sh: Shapes, env: Env) -> dict[str, Any]:
     q, k, v = (torch.randn(B, H, T, hd, device=env.device, dtype=dtype, generator=g).requires_grad_(env.on_gpu)
                for _ in range(3))
     grad = torch.randn(B, H, T, hd, device=env.device, dtype=dtype, generator=g)
-    (mask,) = kernel_masks([BlockCausal(block)], T, env.device).values()  # (1, 1, T, T) bool
+    pos = torch.arange(T, device=env.device)[None]
+    mask = BlockCausal(block).mask(pos, pos)  # (1, 1, T, T) bool: the mask SDPA gets without FlexAttention
 
     def visible(b, h, qi, ki):
         return qi // block >= ki // block
@@ -695,6 +698,30 @@ def flex_vs_sdpa(T: int, block: int, sh: Shapes, env: Env) -> dict[str, Any]:
     return out
 
 
+def flex_model_parity(model: Any, x: Any, env: Env) -> dict[str, Any]:
+    """The CDLM's eval forward with its block-causal layers on FlexAttention (``patterns.flex_enabled``:
+    on a GPU) against the same forward on SDPA with the boolean mask: logits within the section's
+    tolerance. On the CPU both are the boolean path (``uses_flex`` False)."""
+    import torch
+
+    from ncpctl.model import patterns
+
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        flex = model(x).logits.float()
+        real = patterns.flex_enabled
+        patterns.flex_enabled = lambda device: False
+        try:
+            ref = model(x).logits.float()
+        finally:
+            patterns.flex_enabled = real
+    model.train(was)
+    diff, scale = float((flex - ref).abs().max()), float(ref.abs().max())
+    return {"uses_flex": patterns.flex_enabled(x.device), "max_abs_diff": diff, "logit_scale": scale,
+            "ok": diff <= (5e-2 if env.bf16 else 1e-4) * max(scale, 1.0)}
+
+
 def cdlm_section(sh: Shapes, env: Env) -> dict[str, Any]:
     """Steerling's Causal Diffusion LM (issue 23) on the device: its DeepSpeed training step
     against the AR base of section 1's shape (one noisy copy: goal <= 1.15, bench/cdlm.py's),
@@ -723,13 +750,14 @@ def cdlm_section(sh: Shapes, env: Env) -> dict[str, Any]:
             secs[n].append(dt)
             losses[n].append(loss)
     backend = profile_attention(steps["cdlm"], env)
+    parity = flex_model_parity(engines["cdlm"].module, data["cdlm"][0][:2].to(env.device), env)
     out: dict[str, Any] = {
         "size": sh.train_size, "seq_len": T, "batch": B, "block": sh.cdlm_block, "rounds": sh.cdlm_rounds,
         "median_ms": {n: 1e3 * statistics.median(s) for n, s in secs.items()},
         "cdlm_over_ar": paired_ratios(secs["cdlm"], secs["ar"])["paired_median"], "goal": 1.15,
         "losses": {n: [first[n], *losses[n]] for n in steps},
         "cdlm_backend": backend.get("backend"), "cdlm_backend_from_ops": backend["backend_from_ops"],
-        "cdlm_attention_kernels": backend["attention_kernels"][:6],
+        "cdlm_attention_kernels": backend["attention_kernels"][:6], "model_flex": parity,
     }
     out["finite"] = all(math.isfinite(v) for ls in out["losses"].values() for v in ls)
     out["decreased"] = all(ls[-1] < ls[0] for ls in out["losses"].values())
@@ -738,7 +766,7 @@ def cdlm_section(sh: Shapes, env: Env) -> dict[str, Any]:
     engines.clear()
     _free(env)
     out["flex"] = [flex_vs_sdpa(t, sh.cdlm_block, sh, env) for t in sh.cdlm_flex_T]
-    out["ok"] = out["finite"] and out["decreased"] and all(f["ok"] for f in out["flex"])
+    out["ok"] = out["finite"] and out["decreased"] and parity["ok"] and all(f["ok"] for f in out["flex"])
     return out
 
 
@@ -897,7 +925,9 @@ def summary(res: dict[str, Any]) -> str:
     if c8:
         lines.append(f"[8] CDLM {c8['size']} block {c8['block']} T={c8['seq_len']} B={c8['batch']}: CDLM/AR step "
                      f"{c8['cdlm_over_ar']:.3f} (goal <= {c8['goal']}); masked attention backend {c8['cdlm_backend']} "
-                     f"(ops say {c8['cdlm_backend_from_ops']}); ok {c8['ok']}")
+                     f"(ops say {c8['cdlm_backend_from_ops']}); model on FlexAttention {c8['model_flex']['uses_flex']}, "
+                     f"flex vs mask logits max|diff| {c8['model_flex']['max_abs_diff']:.2e} of {c8['model_flex']['logit_scale']:.2f}; "
+                     f"ok {c8['ok']}")
         for f in c8["flex"]:
             ms = f["median_ms"]
             lines.append(f"    attention {f['timed']} T={f['T']}: SDPA+mask {ms['sdpa_mask']:.2f} ms, flex {ms['flex']:.2f} ms "

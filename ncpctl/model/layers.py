@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelConfig, strategy
 from .family import family
-from .patterns import Pattern, as_pattern, attn_mask, kernel_masks  # noqa: F401  (attn_mask: re-exported)
+from .patterns import Pattern, as_pattern, attn_mask, is_block_mask, kernel_masks  # noqa: F401  (attn_mask: re-exported)
 
 
 class RMSNorm(nn.Module):
@@ -323,6 +323,12 @@ class Attention(nn.Module):
         v = v.view(B, T, Hkv, hd).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, len, hd)
+        if is_block_mask(mask):  # a FlexAttention BlockMask (patterns.kernel_masks, on a GPU): uncached, T x T
+            y = None if self.probe is not None else flex_attention(q, k, v, mask, self.n_kv != self.n_heads)
+            if y is not None:
+                return self.proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+            pos = torch.arange(T, device=q.device)[None]  # the probe, or FlexAttention failed: the boolean mask
+            mask = self.pattern.mask(pos, pos)
         if self.probe is not None:
             self.probe(q, k, mask)
         backends = cached_backends(q, cache is not None)
@@ -351,6 +357,28 @@ def cached_backends(q: torch.Tensor, cached: bool) -> list | None:
     """The SDPA backends a call may use: ``CACHED_BACKENDS`` for a cached call on a GPU, else
     ``None`` (PyTorch's own choice)."""
     return CACHED_BACKENDS if cached and q.is_cuda else None
+
+
+_FLEX: dict = {}  # device type -> flex_attention (compiled on a GPU)
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, gqa: bool) -> torch.Tensor | None:
+    """FlexAttention (B, H, T, hd) with a ``BlockMask``, compiled once on a GPU (uncompiled it
+    runs a reference implementation, not a fused kernel). None when it cannot run here (no
+    Triton, an unsupported GPU): then FlexAttention is switched off for the process with one
+    warning saying why (``patterns.disable_flex``) and the caller uses the boolean mask."""
+    from . import patterns
+
+    try:
+        fn = _FLEX.get(q.device.type)
+        if fn is None:
+            from torch.nn.attention.flex_attention import flex_attention as flex
+
+            fn = _FLEX[q.device.type] = torch.compile(flex, dynamic=False) if q.is_cuda else flex
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    except Exception as e:  # compile or kernel failure: fall back, never fail a training run on it
+        patterns.disable_flex(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+        return None
 
 
 class MLP(nn.Module):

@@ -162,3 +162,50 @@ def test_profile_kernels_accounting_takes_a_cdlm():
     assert set(siblings(cdlm())) == {"recipe", "base", "pm"} and "conceptlm" in siblings(tiny("neox"))
     with_concept = _with_concept(cdlm())
     assert with_concept.concept.enabled and with_concept.objective == "next_token"
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_flexattention_block_mask_equals_the_boolean_mask(monkeypatch, window):
+    """On a GPU a block-causal layer runs FlexAttention with a BlockMask (patterns.kernel_masks);
+    forced on here (FlexAttention's CPU forward is a reference implementation), the model's
+    logits equal those of the boolean-mask SDPA path, with a window too, and the BlockMask is
+    built once per shape."""
+    from ncpctl.model import patterns
+
+    cfg = tiny("llama", objective="causal_diffusion", diffusion=dict(block_size=BLOCK, mask_id=MASK),
+               sliding_window=window)
+    model = build(cfg, scale=0.3).eval()
+    x = tokens(cfg, 2, 24)
+    with torch.no_grad():
+        ref = model(x).logits
+        monkeypatch.setattr(patterns, "flex_enabled", lambda device: True)
+        patterns._BLOCK_MASKS.clear()
+        (p,) = model.token_patterns
+        assert patterns.is_block_mask(patterns.kernel_masks([p], 24, x.device)[p.key])
+        flex = model(x).logits
+        flex_again = model(x).logits
+    assert len(patterns._BLOCK_MASKS) == 1
+    assert (flex - ref).abs().max() <= 1e-5 * ref.abs().max() and torch.equal(flex, flex_again)  # fp32 rounding
+
+
+def test_flexattention_that_cannot_run_falls_back_to_the_boolean_mask(monkeypatch):
+    """A FlexAttention failure (no Triton, an unsupported GPU) never fails the run: the layer
+    uses the boolean mask, one warning says why, and FlexAttention stays off for the process."""
+    from ncpctl.model import layers, patterns
+
+    model = build(cdlm(), scale=0.3).eval()
+    x = tokens(model.cfg, 2, 16)
+    with torch.no_grad():
+        ref = model(x).logits
+    monkeypatch.setattr(patterns, "flex_enabled", lambda device: patterns._FLEX_OFF is None)
+    monkeypatch.setattr(patterns, "_FLEX_OFF", None)
+
+    def broken(*a, **k):
+        raise RuntimeError("no Triton here\nmore")
+
+    monkeypatch.setitem(layers._FLEX, "cpu", broken)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="FlexAttention is off for this run .RuntimeError: no Triton here"):
+        out = model(x).logits
+    assert torch.equal(out, ref) and patterns._FLEX_OFF is not None
+    (p,) = model.token_patterns
+    assert not patterns.is_block_mask(patterns.kernel_masks([p], 16, x.device)[p.key])

@@ -189,6 +189,9 @@ KERNELS = {
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_kernel__5x_cublas": "math",
     "void (anonymous namespace)::softmax_warp_forward<c10::BFloat16, c10::BFloat16, float, 11, false, false>": "math",
     "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": None,
+    # seen on the first H200 run (docs/gpu/README.md): FlexAttention's Triton kernels
+    "triton_tem_fused_flex_attention_0": "flex",
+    "triton_per_fused_flex_attention_backward_0": "flex",
 }
 
 
