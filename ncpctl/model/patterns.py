@@ -10,8 +10,8 @@ kernel for the call (``kernel_masks``), so no design names a kernel:
   on a GPU, no mask built): the mask entry is ``None``. Otherwise a boolean mask.
 * ``BlockCausal(block, window)``: positions are grouped in blocks of ``block`` (block b holds
   positions b*block .. b*block + block - 1); a query sees every key of its own block and of earlier
-  blocks (bidirectional inside a block, causal across blocks), within ``window`` if set. Always a
-  boolean mask.
+  blocks (bidirectional inside a block, causal across blocks), within ``window`` if set. A boolean
+  mask; for an uncached sequence on a GPU a FlexAttention ``BlockMask`` (its ``mask_mod``).
 
 A pattern maps to a mask (B|1, 1, Tq, Tk), True = attend, for any query and key positions:
 ``mask(q_pos, k_pos, k_valid)``; a query always sees itself, so a padding query never has an
