@@ -16,7 +16,8 @@ from ncpctl.errors import UserError
 def main(
     inputs: Annotated[list[str], typer.Argument(
         help="A JSON or CSV table of points (columns family, N, D, C, loss, ...; optional name, budget, "
-        "tokenizer, val_set), `ncpctl pretrain` run directories, or directories holding runs (a sweep's).",
+        "tokenizer, val_set; lr and width for --transfer), `ncpctl pretrain` run directories, or directories "
+        "holding runs (a sweep's).",
         show_default=False, metavar="TABLE|RUN_DIR")],
     metric: Annotated[str, typer.Option("--metric", "-m", help="The metric to fit (a table column, or a key of "
                                         "the runs' validation records); `1-NAME` fits the complement of a metric "
