@@ -14,7 +14,8 @@ modules' base rates). Per width, the metric against x = log2 lr:
 
 The optimum *stays put* when the spread of the optimal log2 lr over the widths (max - min) is within
 ``tolerance`` grid steps (default one); a width whose optimum is more than that from the
-reference's is flagged as moved. Repeated (width, lr) points (seeds) are averaged.
+reference's is flagged as moved. Repeated (width, lr) points (seeds) are averaged; a diverged run
+(a loss that is not finite) counts as worse than any other. One family at a time.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def optimum(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         return {"method": "argmin" if len(x) < 3 else "argmin-edge",
                 "x": float(x[i]), "value": float(y[i]), "coef": None}
     xs, ys = x[i - 1:i + 2], y[i - 1:i + 2]
+    if not np.all(np.isfinite(ys)):  # a diverged neighbour (inf): no parabola, the best point stands
+        return {"method": "argmin", "x": float(x[i]), "value": float(y[i]), "coef": None}
     a, b, c = np.polyfit(xs, ys, 2)
     if not a > 0:  # a tie with a neighbour makes a flat or downward parabola: the best point stands
         return {"method": "argmin", "x": float(x[i]), "value": float(y[i]), "coef": None}
@@ -68,7 +71,12 @@ def transfer(points: Sequence[Point], metric: str = "loss", lr_column: str = "lr
         raise UserError(f"--lr-column {lr_column}: not an lr setting; choose from {', '.join(LR_COLUMNS)}")
     if not tolerance > 0:
         raise UserError(f"--tolerance must be positive (grid steps), got {tolerance:g}")
+    fams = sorted({p.family for p in points})
+    if len(fams) > 1:
+        raise UserError(f"--transfer reads one family, got {len(fams)} ({', '.join(fams)})",
+                        hint="fit each family's runs on their own")
     y = values(points, metric)
+    y = np.where(np.isfinite(y), y, np.inf)  # a diverged run (nan or inf loss) is worse than any other
     lr, width = _setting(points, lr_column), _setting(points, "width")
     if np.any(lr <= 0):
         raise UserError(f"--transfer: the {lr_column} of every point must be positive")
@@ -82,6 +90,8 @@ def transfer(points: Sequence[Point], metric: str = "loss", lr_column: str = "lr
                             "per width needs two or more", hint="sweep the base learning rate at every width")
         x = np.log2(rates)
         v = np.array([y[at & (lr == r)].mean() for r in rates])  # seeds of one (width, lr) averaged
+        if not np.isfinite(v).any():
+            raise UserError(f"--transfer: every run of width {w:g} diverged (its {metric} is not finite)")
         rows.append({"width": w, "concept_width": concept.get(w), "lrs": rates, "values": v.tolist(),
                      "runs": int(at.sum()), **_row_optimum(x, v)})
     if len(rows) < 2:
@@ -92,12 +102,12 @@ def transfer(points: Sequence[Point], metric: str = "loss", lr_column: str = "lr
     for r in rows:
         r["shift_log2"] = r["opt_log2"] - ref["opt_log2"]
         r["shift_steps"] = r["shift_log2"] / step
-        r["moved"] = bool(abs(r["shift_steps"]) > tolerance)
+        r["moved"] = bool(abs(r["shift_steps"]) > tolerance + 1e-9)  # exactly the tolerance is not a move
     opts = [r["opt_log2"] for r in rows]
     spread = float(max(opts) - min(opts))
     return {"metric": metric, "lr_column": lr_column, "reference_width": ref["width"], "grid_step_log2": step,
             "tolerance_steps": tolerance, "tolerance_log2": tolerance * step, "spread_log2": spread,
-            "spread_steps": spread / step, "stays_put": bool(spread <= tolerance * step),
+            "spread_steps": spread / step, "stays_put": bool(spread <= (tolerance + 1e-9) * step),
             "moved": [r["width"] for r in rows if r["moved"]],
             "edge": [r["width"] for r in rows if r["method"] == "argmin-edge"], "widths": rows}
 

@@ -76,9 +76,9 @@ def test_dlcm_mup_transfer_dry_run_is_three_widths_by_five_rates() -> None:
 def test_debug_mup_transfer_dry_run_is_three_widths_by_three_rates() -> None:
     res = _dry(RECIPES / "sweeps" / "debug-mup-transfer.yaml")
     params = {p["name"]: p["params"] for p in res["points"]}
-    assert len(params) == 9 and {p["max_steps"] for p in res["points"]} == {60}
+    assert len(params) == 12 and {p["max_steps"] for p in res["points"]} == {60}
     assert {(v["model.d_model"], v["model.concept.d_concept"], v["train.lr"]) for v in params.values()} == {
-        (d, 2 * d, lr) for d in (32, 64, 128) for lr in (1e-3, 3e-3, 9e-3)}
+        (d, 2 * d, lr) for d in (32, 64, 128) for lr in (1e-3, 3e-3, 9e-3, 2.7e-2)}
     assert params["d128,lr9e-3"]["train.min_lr"] == 9e-4
 
 

@@ -51,6 +51,14 @@ def test_an_optimum_at_the_edge_or_between_two_rates_is_the_best_rate() -> None:
     assert [r["method"] for r in two["widths"]] == ["argmin", "argmin"] and two["widths"][0]["opt_lr"] == 2.0 ** -10
 
 
+def test_a_diverged_run_is_the_worst_and_stops_no_other_width() -> None:
+    pts = [p if not (p.settings["width"] == 64 and p.settings["lr"] > 2.0 ** -9.5) else
+           Point(**{**p.__dict__, "metrics": {"loss": float("nan")}}) for p in _points({32: -10.3, 64: -10.0})]
+    t = transfer(pts)  # width 64 diverged at 2^-9 and above: its best, 2^-10, has a diverged neighbour
+    assert t["widths"][0]["method"] == "parabola" and t["widths"][1]["method"] == "argmin"
+    assert t["widths"][1]["opt_lr"] == 2.0 ** -10 and t["stays_put"]
+
+
 def test_repeated_runs_of_one_setting_are_averaged() -> None:
     pts = _points({32: -10.0, 64: -10.0})
     seed2 = [Point(**{**p.__dict__, "name": p.name + ",s2", "metrics": {"loss": p.metrics["loss"] + 0.02}}) for p in pts]
@@ -66,6 +74,8 @@ def test_bad_transfer_requests_are_refused() -> None:
         transfer(_points({32: -10.0}))
     with pytest.raises(UserError, match="setting 'width' for every point"):
         transfer([Point(**{**p.__dict__, "settings": {"lr": p.settings["lr"]}}) for p in _points({32: -10.0})])
+    with pytest.raises(UserError, match="one family, got 2"):
+        transfer(_points({32: -10.0, 64: -10.0}) + [Point(**{**p.__dict__, "family": "b"}) for p in _points({32: -9.0})])
     with pytest.raises(UserError, match="--lr-column lr_other"):
         transfer(_points({32: -10.0, 64: -10.0}), lr_column="lr_other")
 
@@ -113,3 +123,20 @@ def test_a_run_directory_carries_its_rates_and_widths(tmp_path: Path) -> None:
     r = load_recipe(RECIPES / "debug-dlcm.yaml", ["train.mup_lr_token=1e-3", "model.d_model=128"])
     assert settings(r) == {"lr": 3e-3, "lr_token": 1e-3, "lr_concept": 3e-3, "width": 128.0, "concept_width": 128.0}
     assert "concept_width" not in settings(load_recipe(RECIPES / "debug.yaml", ["model.concept.enabled=false"]))
+
+
+def test_a_transfer_sweep_point_trains_each_group_at_its_rate_over_s() -> None:
+    """A debug-mup-transfer point at width 128 (s_token = 128/64, s_concept = 256/64: debug-dlcm's one
+    base width 64): the token and concept modules' hidden matrices at the swept base rate / s,
+    everything else at the base rate."""
+    from ncpctl.model.model import NCPModel
+    from ncpctl.profile.load import load_for_profile
+    from ncpctl.study.sweep import read_sweep
+    from ncpctl.train.config import make_optimizer
+
+    sweep, _ = read_sweep(RECIPES / "sweeps" / "debug-mup-transfer.yaml")
+    point = next(p for p in sweep.points if p.name == "d128,lr9e-3")
+    r, _ = load_for_profile(str(sweep.base), [f"{k}={json.dumps(v)}" for k, v in point.params.items()])
+    assert r.model_config.mup_widths == (2.0, 4.0)
+    lrs = {g["name"]: g["lr"] for g in make_optimizer(NCPModel(r.model_config), r, on_gpu=False).param_groups}
+    assert lrs == pytest.approx({"decay": 9e-3, "no_decay": 9e-3, "decay_token": 4.5e-3, "decay_concept": 2.25e-3})
