@@ -16,7 +16,8 @@ from ncpctl.errors import UserError
 def main(
     inputs: Annotated[list[str], typer.Argument(
         help="A JSON or CSV table of points (columns family, N, D, C, loss, ...; optional name, budget, "
-        "tokenizer, val_set), `ncpctl pretrain` run directories, or directories holding runs (a sweep's).",
+        "tokenizer, val_set; lr and width for --transfer), `ncpctl pretrain` run directories, or directories "
+        "holding runs (a sweep's).",
         show_default=False, metavar="TABLE|RUN_DIR")],
     metric: Annotated[str, typer.Option("--metric", "-m", help="The metric to fit (a table column, or a key of "
                                         "the runs' validation records); `1-NAME` fits the complement of a metric "
@@ -47,6 +48,16 @@ def main(
         "--dlcm", help="Also fit DLCM's Eq. 22, L(N, D, R, P) with the concept share P and the compression R "
         "(columns R and P). Points with a stable_loss column (the loss before a WSD decay) also get the "
         "decay-phase law Δ = k L_stable^a R^b N^c.")] = False,
+    transfer: Annotated[bool, typer.Option(
+        "--transfer", help="Instead of the scaling laws, the muP learning-rate transfer view (DLCM Fig. 3): "
+        "per width, the metric against log2 lr and its optimum, and whether the optimum stays put across widths "
+        "(points of several widths x several base rates, e.g. recipes/sweeps/dlcm-mup-transfer.yaml's runs).")] = False,
+    lr_column: Annotated[str, typer.Option(
+        "--lr-column", help="--transfer: the rate on the x axis: lr (train.lr), lr_token or lr_concept (decoupled "
+        "muP's module base rates).")] = "lr",
+    tolerance: Annotated[float, typer.Option(
+        "--tolerance", help="--transfer: the optimum stays put when its spread over the widths is within this "
+        "many grid steps (the median spacing of the rates in log2).")] = 1.0,
     no_plots: Annotated[bool, typer.Option("--no-plots", help="Do not draw the plots.")] = False,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -58,7 +69,8 @@ def main(
     prediction beside the naive log-linear one).
 
     Writes fit.json, fit.md and (with matplotlib) fit_frontier.png, fit_residuals.png and
-    fit_isoflop.png to --out. Runs of different tokenizers or validation sets are refused.
+    fit_isoflop.png to --out (--transfer: the transfer view and fit_transfer.png). Runs of different
+    tokenizers or validation sets are refused.
     """
     from ncpctl.study.fit import FitOptions, analyse
     from ncpctl.study.points import read_points
@@ -70,7 +82,16 @@ def main(
     for name, v in (("--at-loss", at_loss), ("--at-budget", at_budget)):
         if v is not None and not v > 0:
             raise UserError(f"{name} must be positive, got {v:g}")
+    if transfer and dlcm:
+        raise UserError("--transfer and --dlcm are alternatives: the transfer view fits no scaling law")
     points = read_points(inputs, family_from_parent)
+    if transfer:
+        from ncpctl.study.transfer import analyse_transfer
+
+        report = analyse_transfer(points, metric, lr_column, tolerance)
+        write(report, points, Path(out) if out else Path("fit"), draw=not no_plots)
+        out_.result({"command": "fit", **report}, lambda con: _human_transfer(con, report))
+        return
     opts = FitOptions(metric=metric, resamples=resamples, seed=seed, baseline=baseline, family=family,
                       at_loss=at_loss, at_budget=at_budget, holdout=tuple(holdout or ()), dlcm=dlcm)
     out_.info(f"[dim]fitting {metric} of {len(points)} points ({resamples} bootstrap resamples)[/]")
@@ -108,6 +129,24 @@ def _human(con, report: dict) -> None:
             con.print(line)
     if "multiplier" in report:
         con.print(multiplier_line(report["multiplier"]))
+    if report.get("plots_note"):
+        con.print(f"[dim]{report['plots_note']}[/]")
+    con.print("[dim]" + "\n".join(report["files"].values()) + "[/]")
+
+
+def _human_transfer(con, report: dict) -> None:
+    from rich.table import Table
+
+    from ncpctl.study.transfer import TRANSFER_COLUMNS, transfer_rows, transfer_verdict
+
+    t = report["transfer"]
+    tab = Table(title=f"muP transfer: {report['metric']} against {t['lr_column']} per width", title_justify="left")
+    for col in TRANSFER_COLUMNS:
+        tab.add_column(report["metric"] if col == "METRIC" else col, justify="left" if col in ("width", "method") else "right")
+    for row in transfer_rows(t):
+        tab.add_row(*row)
+    con.print(tab)
+    con.print(transfer_verdict(t), soft_wrap=True)
     if report.get("plots_note"):
         con.print(f"[dim]{report['plots_note']}[/]")
     con.print("[dim]" + "\n".join(report["files"].values()) + "[/]")

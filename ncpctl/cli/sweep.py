@@ -33,10 +33,10 @@ def main(
     recipe and sets the point's keys and run.dir OUT/runs/NAME), a manifest (OUT/manifest.json),
     and each point's `ncpctl pretrain` through submitit, with a progress table.
 
-    A sweep file names a `base` recipe and `axes` (a grid), `zip` (lists varied together) and/or
-    `points` (explicit), each a recipe key path with its values. Rerunning skips finished points,
-    resumes killed ones from their checkpoints and never starts a point whose run directory is
-    locked by a live process.
+    A sweep file names a `base` recipe and `axes` (a grid), `zip` (lists varied together, or a list
+    of such groups, each one more axis) and/or `points` (explicit), each a recipe key path with its
+    values. Rerunning skips finished points, resumes killed ones from their checkpoints and never
+    starts a point whose run directory is locked by a live process.
     """
     from ncpctl.study.sweep import EXECUTORS, make_executor, read_sweep, resolve, write_plan
 

@@ -5,8 +5,9 @@ Two inputs:
 * a table, JSON (a list of objects, or ``{"points": [...]}``) or CSV (a header row), with the
   columns ``family`` (default ``default``), ``N`` (parameters), ``D`` (training tokens), ``C``
   (training FLOPs), optional ``name``, ``budget`` (the IsoFLOP budget a point belongs to),
-  ``tokenizer`` and ``val_set`` (identities; points that differ in either are refused), and
-  any number of metric columns (``loss`` and others);
+  ``tokenizer`` and ``val_set`` (identities; points that differ in either are refused), the
+  settings ``lr``, ``lr_token``, ``lr_concept``, ``width`` and ``concept_width`` (the muP transfer
+  view's, ``ncpctl.study.transfer``), and any number of metric columns (``loss`` and others);
 * run directories of ``ncpctl pretrain`` (or a directory holding them, e.g. a sweep's): N is the model's parameter count
   (``ncpctl.model.accounting.count_parameters``, tied weights once), D the tokens of the last
   training record of ``metrics.jsonl``, C the exact training FLOPs of those steps
@@ -14,7 +15,10 @@ Two inputs:
   mean tokens per concept its training records logged, not at the target R), the metrics those of the last
   validation record; the run's family is ``default``, or the directory's parent name with
   ``family_from_parent`` (``runs/base/s1``, ``runs/conceptlm/s1``: families base and conceptlm). The tokenizer is ``data/meta.json``'s tokenizer sha256, the
-  validation set its source fingerprint and split (``data.val_prefix`` when set).
+  validation set its source fingerprint and split (``data.val_prefix`` when set). Its settings come
+  from the resolved recipe: ``lr`` = train.lr (decoupled muP's eta_base_others), ``lr_token`` /
+  ``lr_concept`` the token and concept modules' base rates (``ncpctl.train.config.base_lrs``),
+  ``width`` = model.d_model and ``concept_width`` the concept transformer's d_concept.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ncpctl.errors import UserError
 
 REQUIRED = ("N", "D", "C")
 IDENTITY = ("tokenizer", "val_set")
+SETTINGS = ("lr", "lr_token", "lr_concept", "width", "concept_width")  # what a run was trained with, not measured
 
 
 @dataclass(frozen=True)
@@ -43,10 +48,11 @@ class Point:
     name: str = ""
     budget: float | None = None
     identity: dict[str, str] = field(default_factory=dict)  # tokenizer, val_set
+    settings: dict[str, float] = field(default_factory=dict)  # SETTINGS: lr, width, ...
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "family": self.family, "N": self.N, "D": self.D, "C": self.C,
-                "budget": self.budget, **self.metrics, **self.identity}
+                "budget": self.budget, **self.settings, **self.metrics, **self.identity}
 
 
 def _number(v: Any, where: str, col: str) -> float:
@@ -68,13 +74,14 @@ def _point(row: dict[str, Any], where: str) -> Point:
     bad = [c for c, v in vals.items() if v <= 0]
     if bad:
         raise UserError(f"{where}: {', '.join(bad)} must be positive")
-    skip = {"family", "name", "budget", *REQUIRED, *IDENTITY}
+    skip = {"family", "name", "budget", *REQUIRED, *IDENTITY, *SETTINGS}
     metrics = {k: _number(v, where, k) for k, v in row.items() if k not in skip and v not in (None, "")}
     budget = row.get("budget")
     return Point(family=str(row.get("family") or "default"), name=str(row.get("name") or ""),
                  N=vals["N"], D=vals["D"], C=vals["C"], metrics=metrics,
                  budget=None if budget in (None, "") else _number(budget, where, "budget"),
-                 identity={k: str(row[k]) for k in IDENTITY if row.get(k) not in (None, "")})
+                 identity={k: str(row[k]) for k in IDENTITY if row.get(k) not in (None, "")},
+                 settings={k: _number(row[k], where, k) for k in SETTINGS if row.get(k) not in (None, "")})
 
 
 def read_table(path: Path) -> list[Point]:
@@ -156,7 +163,20 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
     metrics = {k: float(v) for k, v in val.items() if k not in ("split", "step") and isinstance(v, (int, float))}
     family = run.resolve().parent.name if family_from_parent else "default"
     return Point(family=family, name=str(run), N=float(count_parameters(cfg).total), D=float(train["tokens"]),
-                 C=float(per_step) * int(train["step"]), metrics=metrics, identity=_identity(run, recipe))
+                 C=float(per_step) * int(train["step"]), metrics=metrics, identity=_identity(run, recipe),
+                 settings=settings(recipe))
+
+
+def settings(recipe: Any) -> dict[str, float]:
+    """The run's SETTINGS from its resolved recipe: the base rates and the widths the transfer view reads."""
+    from ncpctl.train.config import base_lrs
+
+    cfg, lrs = recipe.model_config, base_lrs(recipe.train)
+    out = {"lr": float(recipe.train.lr), "lr_token": float(lrs["token"]), "lr_concept": float(lrs["concept"]),
+           "width": float(cfg.d_model)}
+    if cfg.concept.enabled:
+        out["concept_width"] = float(cfg.concept_cfg.d_model)
+    return out
 
 
 def is_run(path: Path) -> bool:

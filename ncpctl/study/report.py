@@ -1,7 +1,8 @@
 """The files of ``ncpctl fit``: ``fit.json`` (the report), ``fit.md`` (its tables) and, when
 matplotlib is installed, ``fit_frontier.png`` (the metric against compute, every family's
 points and fitted frontier), ``fit_residuals.png`` (measured minus the joint law, against C) and
-``fit_isoflop.png`` (the IsoFLOP curves with their parabolas)."""
+``fit_isoflop.png`` (the IsoFLOP curves with their parabolas); with ``--transfer`` (a report with a
+``transfer`` section) the transfer view's table and ``fit_transfer.png`` instead."""
 
 from __future__ import annotations
 
@@ -166,15 +167,67 @@ def plots(report: dict[str, Any], points: list[Point], out_dir: Path) -> tuple[l
     return names, None
 
 
+def transfer_markdown(report: dict[str, Any]) -> str:
+    """fit.md of ``--transfer``: the optimum per width and the verdict."""
+    from ncpctl.study.transfer import TRANSFER_COLUMNS, transfer_rows, transfer_verdict
+
+    t = report["transfer"]
+    cols = [c if c != "METRIC" else f"{report['metric']} at the optimum" for c in TRANSFER_COLUMNS]
+    cols[cols.index("shift")] = "shift (grid steps)"
+    out = [f"# muP learning-rate transfer of {report['metric']} ({report['points']} points)", "",
+           f"Per width, {report['metric']} against log2 {t['lr_column']}: the vertex of the parabola through the "
+           "best rate and its neighbours (`parabola`), or the best rate (`argmin`: fewer than 3 rates; "
+           "`argmin-edge`: the best is the grid's edge, a bound). Shifts are from the reference width "
+           f"{_g(t['reference_width'])} (the smallest).", "",
+           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(r) + " |" for r in transfer_rows(t)]
+    out += ["", transfer_verdict(t)]
+    if report.get("plots_note"):
+        out += ["", report["plots_note"]]
+    out += ["", *(f"![{p}]({p})" for p in report.get("plots", []))]
+    return "\n".join(out) + "\n"
+
+
+def transfer_plot(report: dict[str, Any], out_dir: Path) -> tuple[list[str], str | None]:
+    """fit_transfer.png: the metric against lr per width (log x), each width's parabola and optimum (Fig. 3)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "plots skipped: matplotlib is not installed (pip install matplotlib)"
+    t = report["transfer"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, r in enumerate(t["widths"]):
+        colour = f"C{i}"
+        ax.plot(r["lrs"], r["values"], "o-", color=colour, lw=0.8, ms=4, label=f"width {r['width']:g}")
+        if r["coef"]:
+            x = np.log2(r["lrs"])
+            k = int(np.argmin(r["values"]))
+            xs = np.linspace(x[k - 1], x[k + 1], 40)
+            ax.plot(2.0 ** xs, np.polyval(r["coef"], xs), color=colour, lw=1.5, ls="--")
+        ax.scatter([r["opt_lr"]], [r["opt_value"]], marker="*", s=90, color=colour, zorder=3)
+    ax.set(xscale="log", xlabel=t["lr_column"], ylabel=report["metric"],
+           title=f"muP transfer: {'stays put' if t['stays_put'] else 'moves'} (spread {t['spread_steps']:.2f} grid steps)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "fit_transfer.png", dpi=120)
+    plt.close(fig)
+    return ["fit_transfer.png"], None
+
+
 def write(report: dict[str, Any], points: list[Point], out_dir: Path, draw: bool = True) -> dict[str, str]:
     """fit.json, fit.md and the plots into out_dir; returns the paths written (``report['files']``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    names, note = plots(report, points, out_dir) if draw else ([], "plots skipped (--no-plots)")
+    is_transfer = "transfer" in report
+    draw_fn = (lambda: transfer_plot(report, out_dir)) if is_transfer else (lambda: plots(report, points, out_dir))
+    names, note = draw_fn() if draw else ([], "plots skipped (--no-plots)")
     report["plots"], report["plots_note"] = names, note
     files = {"json": str(out_dir / "fit.json"), "markdown": str(out_dir / "fit.md"),
              **{n.removesuffix(".png"): str(out_dir / n) for n in names}}
     report["files"] = files
     atomic_write(out_dir / "fit.json", json.dumps({**report, "input": [p.to_dict() for p in points]},
                                                   indent=2, default=float) + "\n")
-    atomic_write(out_dir / "fit.md", markdown(report))
+    atomic_write(out_dir / "fit.md", transfer_markdown(report) if is_transfer else markdown(report))
     return files

@@ -12,6 +12,7 @@ The sweep file (YAML)::
       name: [274m-p50, 468m-p50]     # optional: labels of the rows, used in the point names
       model.d_model: [768, 1024]
       model.n_heads: [12, 16]
+                                     # or a list of such mappings: each one more axis (lr x width)
     points:                          # explicit points, added to the grid's (optional `name` each)
       - {name: extra, model.d_model: 512, train.max_steps: 100}
     slurm:                           # --executor slurm: submitit's parameters (partition, time, nodes, ...)
@@ -133,27 +134,38 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=,+-]+", "_", text).strip("_") or "point"
 
 
+def _zips(path: Path, raw: Any) -> list[dict[str, list[Any]]]:
+    """``zip``: one mapping of lists varied together, or a list of them (each one more axis of the grid:
+    a learning rate with its min_lr x a width with its heads)."""
+    groups = raw if isinstance(raw, list) else [raw]
+    out = []
+    for i, g in enumerate(groups):
+        where = "zip" if len(groups) == 1 else f"zip[{i}]"
+        zipped = _key_list(path, where, g)
+        lengths = {k: len(v) for k, v in zipped.items()}
+        if len(set(lengths.values())) > 1:
+            raise _fail(path, f"{where}: the lists differ in length (" + ", ".join(f"{k} {n}" for k, n in lengths.items())
+                        + "); zipped keys vary together, one value each per point")
+        out.append(zipped)
+    return out
+
+
 def _rows(path: Path, doc: dict[str, Any]) -> list[tuple[list[str], dict[str, Any]]]:
     """(name parts, params) of every point: the grid of ``axes`` x ``zip`` rows, then ``points``."""
     axes = _key_list(path, "axes", doc["axes"]) if doc.get("axes") is not None else {}
     factors: list[list[tuple[list[str], dict[str, Any]]]] = []
     all_keys = list(axes)
-    zipped = None
-    if doc.get("zip") is not None:
-        zipped = _key_list(path, "zip", doc["zip"])
-        lengths = {k: len(v) for k, v in zipped.items()}
-        if len(set(lengths.values())) > 1:
-            raise _fail(path, "zip: the lists differ in length (" + ", ".join(f"{k} {n}" for k, n in lengths.items())
-                        + "); zipped keys vary together, one value each per point")
+    zips = _zips(path, doc["zip"]) if doc.get("zip") is not None else []
+    for zipped in zips:
         all_keys += [k for k in zipped if k != "name"]
     for key, values in axes.items():
         # a key with one value is the same for every point: it does not name them
         factors.append([([f"{_label(key, all_keys)}={_fmt(v)}"] if len(values) > 1 else [], {key: v}) for v in values])
-    if zipped is not None:
+    for j, zipped in enumerate(zips):  # zip rows first (in their order), then the axes
         names = zipped.get("name")
         keys = [k for k in zipped if k != "name"]
         n = len(next(iter(zipped.values())))
-        factors.insert(0, [([str(names[i])] if names else [f"{_label(k, all_keys)}={_fmt(zipped[k][i])}" for k in keys],
+        factors.insert(j, [([str(names[i])] if names else [f"{_label(k, all_keys)}={_fmt(zipped[k][i])}" for k in keys],
                             {k: zipped[k][i] for k in keys}) for i in range(n)])
     rows = []
     if factors:

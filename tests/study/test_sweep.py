@@ -57,6 +57,31 @@ def test_archpreview_ladder_dry_run_spends_each_budget() -> None:
         assert (points[best]["flops_per_step"], points[best]["max_steps"]) == (flops, steps)
 
 
+def test_dlcm_mup_transfer_dry_run_is_three_widths_by_five_rates() -> None:
+    """DLCM Fig. 3: the grid's P = 50% shapes (the FLOPs of recipes/dlcm/scaling-*-p50-r4.yaml) x the
+    paper's coordinate-descent multipliers of the three base rates, moved together with min_lr."""
+    res = _dry(RECIPES / "sweeps" / "dlcm-mup-transfer.yaml")
+    points = {p["name"]: p for p in res["points"]}
+    mults = ["0.5", "0.75", "1", "1.5", "2"]
+    assert sorted(points) == sorted(f"{s},lr-x{m}" for s in ("274m", "468m", "833m") for m in mults)
+    for name, p in points.items():
+        size, mult = name.split(",lr-x")
+        flops, _ = _flops(RECIPES / "dlcm" / f"scaling-{size}-p50-r4.yaml")
+        t = {k.removeprefix("train."): v for k, v in p["params"].items() if k.startswith("train.")}
+        assert p["flops_per_step"] == flops and p["max_steps"] == 4768
+        assert t["lr"] == t["mup_lr_token"] == t["mup_lr_concept"] == pytest.approx(3e-4 * float(mult))
+        assert t["min_lr"] == pytest.approx(t["lr"] / 10)
+
+
+def test_debug_mup_transfer_dry_run_is_three_widths_by_three_rates() -> None:
+    res = _dry(RECIPES / "sweeps" / "debug-mup-transfer.yaml")
+    params = {p["name"]: p["params"] for p in res["points"]}
+    assert len(params) == 12 and {p["max_steps"] for p in res["points"]} == {60}
+    assert {(v["model.d_model"], v["model.concept.d_concept"], v["train.lr"]) for v in params.values()} == {
+        (d, 2 * d, lr) for d in (32, 64, 128) for lr in (1e-3, 3e-3, 9e-3, 2.7e-2)}
+    assert params["d128,lr9e-3"]["train.min_lr"] == 9e-4
+
+
 BASE = "model: {size: debug}\ntokenizer: {vocab_size: 512}\ndata: {sources: [builtin:python-stdlib]}\n"
 
 
@@ -68,6 +93,8 @@ BASE = "model: {size: debug}\ntokenizer: {vocab_size: 512}\ndata: {sources: [bui
     ("base: base.yaml\n", [], "sweep.yaml: no points: give axes, zip or points"),
     ("base: base.yaml\nzip: {train.lr: [0.1, 0.2], train.max_steps: [10]}\n", [],
      "sweep.yaml: zip: the lists differ in length (train.lr 2, train.max_steps 1)"),
+    ("base: base.yaml\nzip: [{train.lr: [0.1, 0.2]}, {model.d_model: [64, 128], model.n_heads: [4]}]\n", [],
+     "sweep.yaml: zip[1]: the lists differ in length (model.d_model 2, model.n_heads 1)"),
     ("base: base.yaml\naxes: {train.lr: [0.1]}\n", ["--executor", "kubernetes"],
      "--executor kubernetes: unknown executor; choose from local, slurm"),
     ("base: base.yaml\naxes: {train.max_steps: [10, 0]}\n", [],
