@@ -27,7 +27,10 @@ def _missing_file_keys(err: UserError) -> set[str] | None:
     return keys
 
 
-def load_for_profile(path: str, sets: Iterable[str] = (), world_size: int | None = None):  # -> (Recipe, notes)
+def load_for_profile(path: str, sets: Iterable[str] = (), world_size: int | None = None,
+                     drop_missing_sets: bool = False):  # -> (Recipe, notes)
+    """``drop_missing_sets``: a ``--set`` of a file key whose file is missing is dropped too (a
+    sweep's ``--dry`` lists points whose shared data is tokenized later); otherwise it wins."""
     from ncpctl.model.config import build_config
     from ncpctl.recipe import load_recipe
 
@@ -38,6 +41,8 @@ def load_for_profile(path: str, sets: Iterable[str] = (), world_size: int | None
         keys = _missing_file_keys(e)
         if not keys:
             raise
+    if drop_missing_sets:
+        sets = [s for s in sets if s.split("=", 1)[0].strip() not in keys]
     extra = [f"{k}=null" for k in _FILE_KEYS]
     r = load_recipe(path, extra + sets, world_size=world_size)  # shapes only; user --set values still win
     notes = [f"{', '.join(sorted(keys))}: file not found; profiling the model shapes only"]

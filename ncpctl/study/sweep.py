@@ -253,7 +253,7 @@ def _check_keys(sweep: Sweep) -> None:
             first.setdefault(k, v)
     for key, value in first.items():
         try:
-            load_for_profile(str(sweep.base), _sets({key: value}))
+            load_for_profile(str(sweep.base), _sets({key: value}), drop_missing_sets=True)
         except UserError as e:
             for line in e.problems:  # load_recipe names the key (or the part of it that fails) after --set:
                 where, _, msg = line.removeprefix("--set: ").partition(": ")
@@ -279,7 +279,7 @@ def resolve(sweep: Sweep, *, strict: bool) -> None:
             if strict:
                 r = load_recipe(sweep.base, sets, world_size=sweep.ranks)
             else:
-                r, found = load_for_profile(str(sweep.base), sets, world_size=sweep.ranks)
+                r, found = load_for_profile(str(sweep.base), sets, world_size=sweep.ranks, drop_missing_sets=True)
                 notes.update(found)
         except UserError as e:
             # a key the point sets reads as the sweep's (load_recipe names it --set)

@@ -136,7 +136,8 @@ def test_a_transfer_sweep_point_trains_each_group_at_its_rate_over_s() -> None:
 
     sweep, _ = read_sweep(RECIPES / "sweeps" / "debug-mup-transfer.yaml")
     point = next(p for p in sweep.points if p.name == "d128,lr9e-3")
-    r, _ = load_for_profile(str(sweep.base), [f"{k}={json.dumps(v)}" for k, v in point.params.items()])
+    r, _ = load_for_profile(str(sweep.base), [f"{k}={json.dumps(v)}" for k, v in point.params.items()],
+                            drop_missing_sets=True)  # the shared data is tokenized later
     assert r.model_config.mup_widths == (2.0, 4.0)
     lrs = {g["name"]: g["lr"] for g in make_optimizer(NCPModel(r.model_config), r, on_gpu=False).param_groups}
     assert lrs == pytest.approx({"decay": 9e-3, "no_decay": 9e-3, "decay_token": 4.5e-3, "decay_concept": 2.25e-3})
