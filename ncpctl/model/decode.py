@@ -46,6 +46,7 @@ class DecodeState:
     cpl: dict = field(default_factory=dict)  # the coupling's per-row state, (B, ...) tensors
     crc: dict = field(default_factory=dict)  # concept-decoder CRC: each row's latest concept depths (B, C+1, d)
     interventions: list = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # (B, n, d) final-norm states of the latest call (prefill or step)
 
     @property
     def lengths(self) -> list[int]:
@@ -118,7 +119,7 @@ def prefill(model, tokens: torch.Tensor, lengths, max_len: int | None, ivs: list
     h, depths = _encode(model, x, enc)
     z, concept_depths = _concept_prefill(model, st, h, lengths, ivs, depths) if cm is not None else (h, None)
     z = decoder_input_addition(ivs, z, positions)
-    hN = model.decode(z, _decoder_context(model, dec, st, positions, depths, concept_depths))
+    hN = st.hidden = model.decode(z, _decoder_context(model, dec, st, positions, depths, concept_depths))
     h_bar = readout_addition(ivs, model.readout(hN)[0], positions)  # the full forward's head path
     return model.head(h_bar), st
 
@@ -193,25 +194,81 @@ def _concept_prefill(model, st: DecodeState, h: torch.Tensor, lengths: list[int]
 @torch.no_grad()
 def step(model, st: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
     """Feed one token per row, tokens (B,); returns next-token logits (B, V)."""
-    s = st.slot
-    if st.capacity is not None and s >= st.capacity:
+    return step_many(model, st, tokens[:, None])[:, 0]
+
+
+def snapshot(st: DecodeState) -> dict:
+    """Copies of the per-row state that a step changes besides the KV caches (segmenter, coupling,
+    CRC): with ``st.slot`` they are all a rollback needs (cache entries past the slot, or past a
+    row's closed concepts, are never read before they are written again)."""
+    return {name: {k: v.clone() for k, v in getattr(st, name).items()} for name in ("seg", "cpl", "crc")}
+
+
+def restore(st: DecodeState, snap: dict, slot: int) -> None:
+    """Roll ``st`` back to ``snap`` (taken when ``st.slot`` was ``slot``)."""
+    for name, d in snap.items():
+        setattr(st, name, {k: v.clone() for k, v in d.items()})
+    st.slot = slot
+
+
+@torch.no_grad()
+def step_many(model, st: DecodeState, tokens: torch.Tensor, snapshots: list | None = None) -> torch.Tensor:
+    """Feed n tokens per row, tokens (B, n), in one cached forward of the token stacks; returns
+    logits (B, n, V), entry i predicting the token after tokens[:, i] (what n ``step`` calls
+    give). The concept path runs token by token (a concept may close at any of the n tokens,
+    and the next token's decoder input must see it); ``snapshots``, if given, receives the
+    ``snapshot`` after each token (speculative decoding rolls back to one of them).
+    ``st.hidden`` keeps the final-norm states (B, n, d) (an MTP drafter reads them)."""
+    s, n = st.slot, tokens.shape[1]
+    if n > 1 and _context_per_step(model):  # its decoder context reads the state after the last token only
+        outs, hidden = [], []
+        for i in range(n):
+            outs.append(step_many(model, st, tokens[:, i : i + 1], snapshots))
+            hidden.append(st.hidden)
+        st.hidden = torch.cat(hidden, 1)
+        return torch.cat(outs, 1)
+    if st.capacity is not None and s + n > st.capacity:
         raise ValueError(f"decode state is full ({st.capacity} slots); prefill with a larger max_len")
     dev = tokens.device
-    pos = (s - st.pad_t)[:, None]  # (B, 1) the new token's position per row
-    x = model.embed_tokens(tokens[:, None], pos)  # (B, 1, d)
+    pos = (s + torch.arange(n, device=dev))[None] - st.pad_t[:, None]  # (B, n) the new tokens' positions
+    x = model.embed_tokens(tokens, pos)  # (B, n, d)
     cos, sin = rope(pos, model.cfg, x.dtype)
-    keys = torch.arange(s + 1, device=dev)
-    valid = keys[None] >= st.pad_t[:, None]  # (B, s+1)
+    keys = torch.arange(s + n, device=dev)
+    valid = keys[None] >= st.pad_t[:, None]  # (B, s+n)
     masks = step_masks(model.token_patterns, pos, keys[None] - st.pad_t[:, None], valid)
     ivs = st.interventions
-    enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=s, length=s + 1), pos, x, st)
+    enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=s, length=s + n), pos, x, st)
     h, depths = _encode(model, x, enc)
-    z, concept_depths = _concept_step(model, st, h, pos[:, 0], ivs, depths) if model.concept is not None \
-        else (h, None)
+    z, concept_depths = h, None
+    if model.concept is not None:
+        zs, cds = [], []
+        for i in range(n):  # one concept step per token: (B, 1, d) each
+            st.slot = s + i
+            zi, cdi = _concept_step(model, st, h[:, i : i + 1], pos[:, i], ivs,
+                                    None if depths is None else [t[:, i : i + 1] for t in depths])
+            zs.append(zi)
+            cds.append(cdi)
+            if snapshots is not None:
+                snapshots.append(snapshot(st))
+        z = torch.cat(zs, 1)  # (B, n, d)
+        if cds[0] is not None:
+            concept_depths = [torch.cat(c, 1) for c in zip(*cds)]
+    elif snapshots is not None:
+        snapshots += [snapshot(st)] * n
     z = decoder_input_addition(ivs, z, pos)
     dec = _decoder_context(model, dec, st, pos, depths, concept_depths)
-    st.slot += 1
-    return model.head(readout_addition(ivs, model.readout(model.decode(z, dec))[0], pos))[:, 0]
+    st.slot = s + n
+    st.hidden = model.decode(z, dec)  # (B, n, d)
+    return model.head(readout_addition(ivs, model.readout(st.hidden)[0], pos))
+
+
+def _context_per_step(model) -> bool:
+    """Whether the coupling builds the decoder's context from its decoding state (a memory to attend
+    to, ``Coupling.decode_context``): that context is right for one new token at a time."""
+    from .coupling import Coupling
+
+    cm = model.concept
+    return cm is not None and type(cm.coupling).decode_context is not Coupling.decode_context
 
 
 def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, ivs: list,

@@ -1,0 +1,241 @@
+"""Issue 25: speculative decoding in generate (ncpctl/inference/speculative.py, drafters.py): greedy
+output equals plain greedy token for token, the sampled distribution is the target's (and a broken
+acceptance rule is caught by the same test), rollback leaves the caches of the accepted prefix."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from ncpctl.inference import SamplingParams, generate
+from ncpctl.inference.drafters import ModelDrafter, MtpDrafter
+from ncpctl.inference.speculative import Cursor, Speculative
+from ncpctl.model.interventions import AddToResidual, CodeEdit
+from ncpctl.model.layers import Context
+
+from ..conftest import run_cli
+from ..model._helpers import build, tiny
+
+DLCM = {"segmentation": "dynamic", "ncp_weight": 0.0, "vq_weight": 0.0}
+TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
+CONFIGS = {
+    "fixed-blocks": lambda: tiny("neox", concept=dict(k=3)),
+    "dlcm": lambda: tiny("llama", concept=DLCM),
+    "dlcm-cross-attention": lambda: tiny("llama", concept={**DLCM, "coupling": "cross_attention"}),
+}
+ONE = [[5, 17, 3, 99, 42]]
+RAGGED = [[5, 17, 3, 99, 42], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
+
+
+def f64(cfg, seed: int = 0, scale: float = 0.05):
+    return build(cfg, seed=seed, scale=scale).double()
+
+
+def noisy(model, scale: float, seed: int = 5):
+    """A drafter close to the target: it agrees often, not always (partial acceptance)."""
+    d = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return d
+
+
+def _gen(model, prompts, spec=None, **kw):
+    return [c.tokens for c in generate(model, prompts, SamplingParams(**kw), str, speculative=spec)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_speculative_equals_plain_greedy(name):
+    torch.manual_seed(0)
+    model = f64(CONFIGS[name](), scale=0.2)
+    drafter = noisy(model, 0.005)
+    n = 24
+    E, D = len(model.encoder), len(model.decoder)
+    iv = [AddToResidual(start=4, vector=torch.randn(model.cfg.d_model, dtype=torch.float64), stack="decoder",
+                        layer=D - 1, rows=[0])]
+    if model.concept is not None and name == "fixed-blocks":
+        S, N = model.cfg.concept.segments, model.cfg.concept.codes
+        iv.append(CodeEdit(start=1, scale=torch.zeros(S, N, dtype=torch.float64).index_fill_(1, torch.tensor([0]), 1)))
+    assert E >= 1
+    for prompts, ivs in ((ONE, None), (RAGGED, None), (RAGGED, iv)):
+        plain = [c.tokens for c in generate(model, prompts, SamplingParams(max_new_tokens=n, greedy=True), str,
+                                            interventions=ivs)]
+        for K in (1, 3):
+            spec = Speculative(ModelDrafter(drafter), K)
+            got = [c.tokens for c in generate(model, prompts, SamplingParams(max_new_tokens=n, greedy=True), str,
+                                              interventions=ivs, speculative=spec)]
+            assert got == plain, (prompts, K)
+            st = spec.stats.as_dict()
+            if len(prompts) == 1:  # one row: rounds that accept some drafts and reject others
+                assert 1.0 < st["mal"] < K + 1, st
+    # a drafter that is the target accepts everything: K + 1 tokens a round
+    spec = Speculative(ModelDrafter(model), 3)
+    assert _gen(model, RAGGED, spec, max_new_tokens=n, greedy=True) == _gen(model, RAGGED, max_new_tokens=n,
+                                                                             greedy=True)
+    assert spec.stats.as_dict()["mal"] == 4.0
+
+
+def test_mtp_self_drafter_greedy_and_cached_heads():
+    """Greedy output with the MTP drafter is the target's; its drafts come from per-depth caches
+    kept across rounds that commit 1, 2 or 3 tokens, and equal the MTP head (mtp.py's
+    teacher-forced forward, uncached) run on the whole committed sequence."""
+    model = f64(tiny("neox", concept=dict(k=3), mtp_depth=2), scale=0.2)
+    plain = _gen(model, RAGGED, max_new_tokens=20, greedy=True)
+    for K in (1, 2):
+        spec = Speculative(MtpDrafter(model), K)
+        assert _gen(model, RAGGED, spec, max_new_tokens=20, greedy=True) == plain
+    committed = list(ONE[0])
+    x = torch.tensor([11])
+    target = Cursor(model, torch.tensor([committed]), [len(committed)], 40)
+    dr = MtpDrafter(model)
+    dr.start(target, torch.tensor([committed]), [len(committed)], 40)
+    params, gen = SamplingParams(temperature=1.0), torch.Generator().manual_seed(0)
+    for r, m in enumerate([1, 2, 3, 1, 3, 2, 2]):
+        drafts, q = dr.propose(x, 2, params, [gen], None)
+        target.feed(torch.cat([x[:, None], drafts], 1))
+        target.commit(m)
+        dr.commit(m)
+        committed += [int(x)] + drafts[0, : m - 1].tolist()
+        x = torch.tensor([(7 * r + 3) % 200])  # the round's correction (any token)
+    drafts, q = dr.propose(x, 2, params, [gen], None)
+    with torch.no_grad():
+        seq = torch.tensor([committed + [int(x), int(drafts[0, 0])]])  # (1, T + 2)
+        T = len(committed)
+        prev = model(seq[:, :T], return_hidden=True).hidden  # (1, T, d) h_0
+        pos = torch.arange(T)[None]
+        ctx = Context.causal(model.cfg, pos, [None], prev.dtype)
+        for k, depth in enumerate(model.mtp.depths, start=1):  # depth k reads the token k ahead
+            prev = depth(prev, model.embed_tokens(seq[:, k : T + k], pos), ctx)
+            ref = model.head(model.final_norm(prev[:, -1:]))[0, 0].float().softmax(-1)
+            assert torch.allclose(q[0, k - 1], ref, atol=1e-6), k
+
+
+def _enumerate(model, prompt, V, n=3):
+    """The target's exact probability of every n-token continuation (V**n,), from full forwards."""
+    probs = []
+    with torch.no_grad():
+        for seq in itertools.product(range(V), repeat=n):
+            x = torch.tensor([prompt + list(seq)])
+            lp = model(x).logits[0, len(prompt) - 1 : -1, :V].float().log_softmax(-1)  # (n, V)
+            probs.append(float(lp.gather(1, torch.tensor(seq)[:, None]).sum().exp()))
+    return torch.tensor(probs)
+
+
+def _chi_square(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of counts against probabilities p, cells with expected count < 5 pooled."""
+    N = counts.sum()
+    small = N * p < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts
+    exp = torch.cat([N * p[~small], N * p[small].sum()[None]]) if small.any() else N * p
+    return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+
+
+def test_sampled_distribution_is_the_targets_and_a_broken_rule_is_caught():
+    """The first three sampled tokens on a 4-token vocabulary: a chi-square test against the target's
+    exact enumeration (64 cells) at significance 0.001, seeded (deterministic). The same statistic
+    rejects always-accept, whose output follows the drafter on drafted positions."""
+    V, runs, alpha = 4, 1500, 1e-3
+    cfg = tiny("neox", concept=dict(k=2), vocab_size=V, pad_vocab_multiple=4)
+    model = f64(cfg, scale=0.3)
+    drafter = f64(cfg, seed=7, scale=0.6)  # another model: it disagrees often
+    prompt = [1, 2, 3]
+    p = _enumerate(model, prompt, V)
+    assert abs(float(p.sum()) - 1) < 1e-6
+    index = {s: i for i, s in enumerate(itertools.product(range(V), repeat=3))}
+
+    def counts(accept):
+        c = torch.zeros(V ** 3)
+        spec = Speculative(ModelDrafter(drafter), 2, accept=accept)
+        for r in range(runs):
+            (toks,) = _gen(model, [prompt], spec, max_new_tokens=3, temperature=1.0, seed=r)
+            c[index[tuple(toks)]] += 1
+        return c, spec.stats.as_dict()
+
+    good, st = counts(None)
+    stat, df = _chi_square(good, p)
+    assert stat < chi2.ppf(1 - alpha, df), (stat, df)
+    assert 0.2 < st["acceptance"] < 0.9, st  # drafts are both accepted and rejected
+    bad, _ = counts(lambda pd, qd: torch.ones(()))  # always accept
+    stat_bad, df_bad = _chi_square(bad, p)
+    assert stat_bad > chi2.ppf(1 - alpha, df_bad), (stat_bad, df_bad)
+
+
+def _live(state, closed: list[int]) -> dict:
+    """What a decode state's future depends on: token caches up to the slot, concept caches and the
+    coupling's concept keys up to each row's closed concepts, the per-row state dicts."""
+    s = state.slot
+    out = {f"tok{i}": torch.cat([c.k[:, :, :s], c.v[:, :, :s]]) for i, c in enumerate([*state.enc, *state.dec])}
+    for i, c in enumerate(state.con):
+        out.update({f"con{i}.{b}": torch.cat([c.k[b, :, :n], c.v[b, :, :n]]) for b, n in enumerate(closed)})
+    for name in ("seg", "cpl", "crc"):
+        for k, v in getattr(state, name).items():
+            if k in ("k", "v"):  # (B, H, M, hd): the first n per row are live
+                out.update({f"{name}.{k}.{b}": v[b, :, :n] for b, n in enumerate(closed)})
+            else:
+                out[f"{name}.{k}"] = v
+    return out
+
+
+@pytest.mark.parametrize("name", ["fixed-blocks", "dlcm-cross-attention"])
+def test_caches_after_a_rejection_equal_the_accepted_prefix(name):
+    model = f64(CONFIGS[name](), scale=0.3)
+    k = model.cfg.concept.k
+    prompt = torch.tensor([[0, 0, 5, 17, 3], [9, 10, 11, 12, 13]])  # row 0 left-padded
+    lengths, more = [3, 5], torch.tensor([[4, 8, 15, 16, 23, 42, 7], [1, 2, 3, 4, 5, 6, 7]])
+    spec = Cursor(model, prompt, lengths, 20)
+    spec.feed(more)  # a draft of 7 tokens (concepts close inside it) ...
+    spec.commit(3)  # ... of which 3 are kept
+    ref = Cursor(model, prompt, lengths, 20)
+    for t in range(3):
+        ref.feed(more[:, t : t + 1])
+    closed = ([(n + 3) // k for n in lengths] if "n" not in ref.state.seg else ref.state.seg["n"].tolist())
+    a, b = _live(spec.state, closed), _live(ref.state, closed)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-12, rtol=0), key
+    nxt = torch.tensor([[3, 1, 4], [1, 5, 9]])
+    assert torch.allclose(spec.feed(nxt), torch.cat([ref.feed(nxt[:, i : i + 1]) for i in range(3)], 1), atol=1e-12)
+
+
+def _checkpoint(tmp: Path, name: str, tokenizer: Path = TOKENIZER, **cfg) -> str:
+    from ncpctl.checkpoint import save_model_files
+
+    model = build(tiny("llama", vocab_size=320, max_seq_len=64, **cfg), scale=0.3)
+    save_model_files(tmp / name, model, step=0, tokens_seen=0, recipe=None, tokenizer_path=tokenizer)
+    return str(tmp / name)
+
+
+def test_cli_generate_speculative_json_and_refusals(tmp_path):
+    from tokenizers import Tokenizer
+
+    target = _checkpoint(tmp_path, "target", mtp_depth=2)
+    draft = _checkpoint(tmp_path, "draft", n_layers=1)
+    plain = run_cli("generate", target, "-p", "def main(", "-p", "x", "-n", "9", "--greedy", "--json")
+    assert plain.returncode == 0, plain.stderr
+    for how in (["--draft", draft, "--draft-tokens", "3"], ["--draft", "mtp", "--draft-tokens", "2"]):
+        r = run_cli("generate", target, "-p", "def main(", "-p", "x", "-n", "9", "--greedy", "--json", *how)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["completions"] == json.loads(plain.stdout)["completions"]
+        s = out["speculative"]
+        assert s["draft_tokens"] == int(how[-1]) and s["rounds"] >= 1 and 1.0 <= s["mal"] <= int(how[-1]) + 1
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    tok.add_special_tokens(["<|other|>"])
+    tok.save(str(tmp_path / "other.json"))
+    other = _checkpoint(tmp_path, "other", tokenizer=tmp_path / "other.json")
+    cdlm = _checkpoint(tmp_path, "cdlm", objective="causal_diffusion", diffusion=dict(block_size=4, mask_id=3))
+    for args, msg in (([target, "--draft", other], "another tokenizer or vocabulary"),
+                      ([target, "--draft", draft, "--draft-tokens", "0"], "--draft-tokens must be >= 1"),
+                      ([draft, "--draft", "mtp"], "has no MTP head"),
+                      ([cdlm, "--draft", draft], "speculative decoding needs next-token decoding"),
+                      ([target, "--draft", cdlm], "drafting needs next-token decoding")):
+        r = run_cli("generate", *args, "-p", "x", "-n", "3")
+        assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
