@@ -104,11 +104,7 @@ def main(
     per_prompt = [common + specs_from(st, f"{prompts_file} prompt {i + 1}") for i, st in enumerate(own)]
     loaded = load_model(checkpoint)
     blocks = _sampling(loaded, params, any(per_prompt))
-    spec = spec_info = None
-    if draft is not None:
-        from ncpctl.inference.drafters import load_speculative
-
-        spec, spec_info = load_speculative(loaded, draft, draft_tokens)
+    spec, spec_info = _speculative(loaded, draft, draft_tokens)
     steering = None
     if any(per_prompt):
         names = loaded.meta.get("concept_names")
@@ -125,6 +121,27 @@ def main(
         sys.stdout.write("\n")
     results = [{"prompt": p, "text": c.text, "tokens": len(c.tokens), "finish_reason": c.finish_reason}
                for p, c in zip(prompts, done)]
+    o.result({"command": "generate", "checkpoint": str(loaded.path), "seed": seed,
+              "sampling": {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                           "greedy": params.is_greedy, "stop": params.stop, **blocks},
+              "steer": None if steering is None else [[r.describe() for r in row] for row in steering],
+              "speculative": None if spec is None else {**spec_info, **spec.stats.as_dict()},
+              "completions": results}, _human(results, stream, spec))
+
+
+def _speculative(loaded, draft: str | None, k: int):
+    """(``Speculative``, its description for the output) for ``--draft``, or (None, None)."""
+    if draft is None:
+        return None, None
+    from ncpctl.inference.drafters import load_speculative
+
+    spec, info = load_speculative(loaded, draft, k)
+    # a round commits the same number of tokens to every row of a batch (speculative.py)
+    return spec, {**info, "draft_tokens": k, "commit": "min_over_rows"}
+
+
+def _human(results: list[dict], stream: bool, spec):
+    """The human-readable output: each completion (unless it was streamed), and MAL."""
 
     def human(con) -> None:
         for r in [] if stream else results:
@@ -135,13 +152,7 @@ def main(
             s = spec.stats.as_dict()
             con.print(f"[dim](speculative: {s['rounds']} verification rounds, MAL {s['mal']:.2f} tokens a round)[/]")
 
-    o.result({"command": "generate", "checkpoint": str(loaded.path), "seed": seed,
-              "sampling": {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                           "greedy": params.is_greedy, "stop": params.stop, **blocks},
-              "steer": None if steering is None else [[r.describe() for r in row] for row in steering],
-              "speculative": None if spec is None else {**spec_info, "draft_tokens": draft_tokens,
-                                                        "commit": "min_over_rows", **spec.stats.as_dict()},
-              "completions": results}, human)
+    return human
 
 
 def _sampling(loaded, params, steered: bool) -> dict:
