@@ -135,7 +135,7 @@ def verify(p: torch.Tensor, drafts: list[int], q: torch.Tensor, params: Sampling
             ok = int(p[i].argmax()) == d
         else:
             prob = (p[i, d] / q[i, d]).clamp(max=1.0) if accept is None else accept(p[i, d], q[i, d])
-            ok = bool(torch.rand((), generator=gen) < prob)
+            ok = bool(torch.rand((), generator=gen, device=p.device) < prob)
         if not ok:
             rest = (p[i] - q[i]).clamp_min(0.0)  # norm(max(0, p - q)); p == q leaves nothing: draw from p
             return out + [draw(rest / rest.sum() if rest.sum() > 0 else p[i], params, gen)]

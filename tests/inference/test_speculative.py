@@ -68,13 +68,17 @@ def test_greedy_speculative_equals_plain_greedy(name):
         S, N = model.cfg.concept.segments, model.cfg.concept.codes
         iv.append(CodeEdit(start=1, scale=torch.zeros(S, N, dtype=torch.float64).index_fill_(1, torch.tensor([0]), 1)))
     assert E >= 1
-    for prompts, ivs in ((ONE, None), (RAGGED, None), (RAGGED, iv)):
+
+    def penalty(step, logits):  # steering's logit penalty: it depends on the generated token's index
+        return logits - 2.0 * (torch.arange(logits.shape[1]) % 5 == step % 5)
+
+    for prompts, ivs, adj in ((ONE, None, None), (RAGGED, None, None), (RAGGED, iv, penalty)):
         plain = [c.tokens for c in generate(model, prompts, SamplingParams(max_new_tokens=n, greedy=True), str,
-                                            interventions=ivs)]
+                                            interventions=ivs, logit_adjust=adj)]
         for K in (1, 3):
             spec = Speculative(ModelDrafter(drafter), K)
             got = [c.tokens for c in generate(model, prompts, SamplingParams(max_new_tokens=n, greedy=True), str,
-                                              interventions=ivs, speculative=spec)]
+                                              interventions=ivs, logit_adjust=adj, speculative=spec)]
             assert got == plain, (prompts, K)
             st = spec.stats.as_dict()
             if len(prompts) == 1:  # one row: rounds that accept some drafts and reject others
