@@ -136,8 +136,7 @@ def _speculative(loaded, draft: str | None, k: int):
     from ncpctl.inference.drafters import load_speculative
 
     spec, info = load_speculative(loaded, draft, k)
-    # a round commits the same number of tokens to every row of a batch (speculative.py)
-    return spec, {**info, "draft_tokens": k, "commit": "min_over_rows"}
+    return spec, {**info, "draft_tokens": k}
 
 
 def _human(results: list[dict], stream: bool, spec):

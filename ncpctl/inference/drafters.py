@@ -7,8 +7,8 @@ target) and proposes K tokens a round with the distributions it drew them from:
   (a ``speculative.Cursor``: its ``state`` holds the pads and the prompt's final-norm states);
 * ``propose(x, K, params, gens, vocab_size)`` -> drafts (B, K) and q (B, K, V): the pending
   token x (B,) is committed, d_1..d_K follow it; q_i is what d_i was drawn from (greedy: one-hot);
-* ``commit(m)``: the round kept x, d_1 .. d_{m-1} (m <= K + 1; m = K + 1 also keeps d_K),
-  and the next pending token is the round's m-th.
+* ``commit(keep)``: row b kept x, d_1 .. d_{m-1} with m = keep[b] (m <= K + 1; m = K + 1 also
+  keeps d_K; m = 0: nothing, a row that stopped), and its next pending token is the round's m-th.
 * ``max_tokens``: the most drafts it can propose a round (None: any K).
 
 ``ModelDrafter``: any ncpctl checkpoint with the target's tokenizer, decoding on its own caches.
@@ -39,7 +39,7 @@ class Drafter:
     def propose(self, x: torch.Tensor, K: int, params, gens: list, vocab_size: int | None):
         raise NotImplementedError
 
-    def commit(self, m: int) -> None:
+    def commit(self, keep: list[int]) -> None:
         raise NotImplementedError
 
 
@@ -50,19 +50,16 @@ def _draw_rows(logits: torch.Tensor, params, gens: list, vocab_size: int | None)
 
 
 class ModelDrafter(Drafter):
-    """An independent (smaller) model: K cached steps a round, rolled back to what was kept."""
+    """An independent (smaller) model: K cached steps a round, each row rolled back to what it kept."""
 
     def __init__(self, model):
         self.model = model
 
     def start(self, target, tokens, lengths, max_len) -> None:
         self.cur = Cursor(self.model, tokens, lengths, max_len)
-        self.extra: torch.Tensor | None = None  # (B, 1) a kept draft not fed yet (all K were accepted)
 
     def propose(self, x, K, params, gens, vocab_size):
-        chunk = x[:, None] if self.extra is None else torch.cat([self.extra, x[:, None]], 1)  # (B, 1|2)
-        self.extra = None
-        logits = self.cur.feed(chunk)[:, -1]
+        logits = self.cur.feed(x[:, None])[:, 0]
         ds, qs = [], []
         for i in range(K):
             d, q = _draw_rows(logits, params, gens, vocab_size)
@@ -70,16 +67,16 @@ class ModelDrafter(Drafter):
             qs.append(q)
             if i < K - 1:
                 logits = self.cur.feed(d[:, None])[:, 0]
-        self.n_chunk, self.k, self.last_draft = chunk.shape[1], K, ds[-1][:, None]
+        self.k, self.last_draft = K, ds[-1][:, None]
         return torch.stack(ds, 1), torch.stack(qs, 1)
 
-    def commit(self, m: int) -> None:
-        # fed this round: the chunk (ending with x), then d_1 .. d_{K-1}
-        if m <= self.k:
-            self.cur.commit(self.n_chunk - 1 + m)
-        else:  # everything fed was kept, and d_K too: feed it with the next pending token
-            self.cur.commit(self.cur.fed)
-            self.extra = self.last_draft
+    def commit(self, keep: list[int]) -> None:
+        # fed this round: x, d_1 .. d_{K-1}; a row that kept all K drafts also needs d_K
+        self.cur.commit([min(k, self.k) for k in keep])
+        full = [k == self.k + 1 for k in keep]
+        if any(full):
+            self.cur.feed(self.last_draft)
+            self.cur.commit([int(f) for f in full])
 
 
 class MtpDrafter(Drafter):
@@ -95,7 +92,7 @@ class MtpDrafter(Drafter):
         m, st = self.model, target.state
         B, Tp = tokens.shape
         D = self.max_tokens
-        cap = max_len + 1
+        cap = max_len + D + 2
         self.target, self.pad_t = target, st.pad_t
         self.tok = tokens.new_zeros(B, cap + D + 1)  # committed tokens by slot, then x and the drafts
         self.tok[:, :Tp] = tokens
@@ -104,37 +101,44 @@ class MtpDrafter(Drafter):
         self.H[0][:, :Tp] = h
         cfg = m.cfg
         self.caches = [KVCache(B, cfg.n_kv_heads, cfg.head_dim, h.device, h.dtype, cap) for _ in range(D)]
-        self.first = [0] * (D + 1)  # depth k: the first slot whose entry is not final
-        self.last = Tp - 1  # the last slot the target has fed
+        self.first = [[0] * B for _ in range(D + 1)]  # depth k, row b: the first slot whose entry is not final
+        self.last = [Tp - 1] * B  # each row's last slot the target has fed
 
     def propose(self, x, K, params, gens, vocab_size):
-        m, L = self.model, self.last
-        self.tok[:, L + 1] = x
-        keys = torch.arange(L + 1, device=x.device)
-        valid = keys[None] >= self.pad_t[:, None]  # (B, L+1)
+        m, L = self.model, self.last  # L[b]: row b's last fed slot
+        dev = x.device
+        rows, L_t = torch.arange(len(L), device=dev), torch.tensor(L, device=dev)
+        self.tok[rows, L_t + 1] = x
+        top = max(L)
+        keys = torch.arange(top + 1, device=dev)
+        valid = keys[None] >= self.pad_t[:, None]  # (B, top+1)
         ds, qs = [], []
         for k in range(1, K + 1):
-            f = self.first[k]
-            slots = torch.arange(f, L + 1, device=x.device)
+            # from the first slot not final in some row to the furthest row's last (a row's slots
+            # past its own last are junk it never reads: later than its queries, recomputed later)
+            f = min(self.first[k])
+            slots = torch.arange(f, top + 1, device=dev)
             pos = slots[None] - self.pad_t[:, None]  # (B, n) rows' own positions (padding: negative)
             emb = m.embed_tokens(self.tok[:, slots + k], pos.clamp_min(0))  # the token k ahead of each slot
             cos, sin = rope(pos.clamp_min(0), m.cfg, emb.dtype)
             masks = step_masks([None], pos, keys[None] - self.pad_t[:, None], valid)
-            ctx = Context(cos, sin, masks, [self.caches[k - 1]], at=f, length=L + 1)
-            out = m.mtp.depths[k - 1](self.H[k - 1][:, f : L + 1], emb, ctx)  # (B, n, d)
-            self.H[k][:, f : L + 1] = out
-            d, q = _draw_rows(m.head(m.final_norm(out[:, -1:]))[:, 0], params, gens, vocab_size)
-            self.tok[:, L + 1 + k] = d
+            ctx = Context(cos, sin, masks, [self.caches[k - 1]], at=f, length=top + 1)
+            out = m.mtp.depths[k - 1](self.H[k - 1][:, f : top + 1], emb, ctx)  # (B, n, d)
+            self.H[k][:, f : top + 1] = out
+            last = out[rows, L_t - f][:, None]  # (B, 1, d) each row's last fed slot
+            d, q = _draw_rows(m.head(m.final_norm(last))[:, 0], params, gens, vocab_size)
+            self.tok[rows, L_t + 1 + k] = d
             ds.append(d)
             qs.append(q)
             # slot t is final for depth k once the token at t + k is committed (x sits at L + 1)
-            self.first[k] = L + 2 - k
+            self.first[k] = [n + 2 - k for n in L]
         return torch.stack(ds, 1), torch.stack(qs, 1)
 
-    def commit(self, m: int) -> None:
-        L = self.last
-        self.H[0][:, L + 1 : L + 1 + m] = self.target.state.hidden[:, :m]  # the target's states of the kept tokens
-        self.last = L + m
+    def commit(self, keep: list[int]) -> None:
+        hidden = self.target.state.hidden  # (B, K+1, d) the target's states of this round's tokens
+        for b, n in enumerate(keep):
+            self.H[0][b, self.last[b] + 1 : self.last[b] + 1 + n] = hidden[b, :n]
+        self.last = [n + k for n, k in zip(self.last, keep)]
 
 
 MTP = "mtp"  # --draft mtp: the target's own MTP head

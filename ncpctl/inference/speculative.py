@@ -14,18 +14,17 @@ Every emitted token is then distributed as the target's next token given the tok
 so the output distribution is the target's; greedy (q and p one-hot) accepts d_i iff it is the
 target's argmax and emits exactly the plain greedy tokens.
 
-Ragged acceptance: rows share one slot axis (left padding, decode.py), so a round commits the
-same number of tokens m = min over running rows of (accepted_b + 1) to every row; a row that
-accepted more keeps only its first m tokens. That stays exact: whether a row's i-th token is
-kept is decided before it is drawn (by earlier acceptances and by other rows, whose randomness
-is their own), so every kept token is a target sample given the tokens before it, and the next
-round draws afresh. The cost is drafted tokens thrown away in batches; ``SpecStats`` reports
-both the committed MAL and the per-row one a per-row commit would reach.
+Ragged acceptance: each row keeps its own accepted prefix. Rows share one slot axis (left
+padding, decode.py) but each has its own next slot (``DecodeState.behind``): a round feeds the
+same K + 1 tokens to every row, each row from its own slot, and a row that kept fewer tokens
+simply writes its next round over its rejected slots (they are later than any of its queries,
+so they are never visible meanwhile). The last round of a row may emit more tokens than it has
+left; the extra ones are dropped (a cut decided before they are drawn: exact).
 
-Rollback: the token KV caches need only the write slot moved back (entries past it are never
-read before they are written again); concept caches likewise (a concept index past a row's
-closed count is masked); the segmenter's, coupling's and CRC's per-row state is restored from
-the snapshot the multi-token step took after the last kept token.
+Rollback: the token KV caches need only each row's write slot moved back; concept caches
+likewise (a concept index past a row's closed count is masked); the segmenter's, coupling's
+and CRC's per-row state is restored, row by row, from the snapshot the multi-token step took
+after the row's last kept token.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from ncpctl.model.decode import restore, step_many
+from ncpctl.model.decode import restore, snapshot, step_many
 
 from .generate import Rows, SamplingParams, filter_logits
 
@@ -43,26 +42,24 @@ from .generate import Rows, SamplingParams, filter_logits
 @dataclass
 class SpecStats:
     """Acceptance over the verification rounds of a run (MAL: NCP-ArchPreview Eq. 27, tokens
-    committed per round, the target's correction or bonus token included)."""
+    committed per round, the target's correction or bonus token included), counted per row."""
 
-    rounds: int = 0
-    committed: int = 0  # tokens committed per row, summed over rounds (the same m for every running row)
+    rounds: int = 0  # verification rounds (target forwards after the prefill)
     row_rounds: int = 0  # (round, running row) pairs
-    row_accepted: int = 0  # accepted drafts + 1 summed over (round, running row): a per-row commit's tokens
-    drafted: int = 0  # drafted tokens per row, summed over rounds
+    committed: int = 0  # tokens committed, summed over (round, running row)
+    drafted: int = 0  # drafted tokens, summed over (round, running row)
 
-    def record(self, m: int, per_row: list[int], k: int) -> None:
+    def record(self, per_row: list[int], k: int) -> None:
+        """One round: the tokens each running row committed (accepted drafts + 1), K drafted."""
         self.rounds += 1
-        self.committed += m
         self.row_rounds += len(per_row)
-        self.row_accepted += sum(per_row)
-        self.drafted += k
+        self.committed += sum(per_row)
+        self.drafted += k * len(per_row)
 
     def as_dict(self) -> dict:
         return {"rounds": self.rounds,
-                "mal": self.committed / self.rounds if self.rounds else None,
-                "mal_per_row": self.row_accepted / self.row_rounds if self.row_rounds else None,
-                "acceptance": (self.committed - self.rounds) / self.drafted if self.drafted else None}
+                "mal": self.committed / self.row_rounds if self.row_rounds else None,
+                "acceptance": (self.committed - self.row_rounds) / self.drafted if self.drafted else None}
 
 
 @dataclass
@@ -82,32 +79,29 @@ class Speculative:
 
 
 class Cursor:
-    """A model's cached decoding of a batch that can feed several tokens at once and roll back to
-    any of the tokens fed since the last ``commit``."""
+    """A model's cached decoding of a batch that can feed several tokens at once and roll each row
+    back to any of the tokens fed since the last ``commit`` (or to the commit itself)."""
 
     def __init__(self, model, tokens: torch.Tensor, lengths: list[int], max_len: int, interventions=None):
         logits, self.state = model.prefill(tokens, lengths, max_len=max_len, interventions=interventions)
         self.model, self.logits = model, logits[:, -1]  # (B, V) the first new token's
-        self.base, self.snaps = self.state.slot, []
+        self._mark()
+
+    def _mark(self) -> None:
+        self.base, self.snaps, self.fed = self.state.row_slots, [snapshot(self.state)], 0
 
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, n) -> logits (B, n, V); ``state.hidden`` holds their final-norm states."""
+        self.fed += tokens.shape[1]
         return step_many(self.model, self.state, tokens, self.snaps)
 
-    @property
-    def fed(self) -> int:
-        """Tokens fed since the last ``commit``."""
-        return self.state.slot - self.base
-
-    def commit(self, keep: int) -> None:
-        """Keep the first ``keep`` tokens fed since the last commit; forget the rest."""
-        if not 0 <= keep <= self.fed:
+    def commit(self, keep: list[int]) -> None:
+        """Keep row b's first ``keep[b]`` tokens fed since the last commit; forget the rest."""
+        if not all(0 <= k <= self.fed for k in keep):
             raise ValueError(f"keep must be in [0, {self.fed}], got {keep}")
-        if keep < self.fed:
-            if keep == 0:
-                raise ValueError("rolling back to before the last commit is not kept track of")
-            restore(self.state, self.snaps[keep - 1], self.base + keep)
-        self.base, self.snaps = self.state.slot, []
+        if any(k < self.fed for k in keep):
+            restore(self.state, [self.snaps[k] for k in keep], [b + k for b, k in zip(self.base, keep)])
+        self._mark()
 
 
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -151,37 +145,47 @@ def speculate(model, spec: Speculative, tokens: torch.Tensor, lengths: list[int]
     ``rows``, drafting with ``spec.drafter`` and verifying on ``model``."""
     B, Tp = tokens.shape
     n_new = params.max_new_tokens
-    target = Cursor(model, tokens, lengths, Tp + n_new, interventions)
+    # a row's slots: its prompt, up to n_new - 1 + K fed and kept tokens, a round's K + 1 fed ones
+    capacity = Tp + n_new + 2 * spec.k + 1
+    target = Cursor(model, tokens, lengths, capacity, interventions)
     drafter = spec.drafter
-    drafter.start(target, tokens, lengths, Tp + n_new)
+    drafter.start(target, tokens, lengths, capacity)
 
-    def dist(logits: torch.Tensor, step: int) -> torch.Tensor:  # (B, V) -> the target's p (B, V)
+    def dist(logits: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        """Logits (B, V) of row b's new token ``steps[b]`` -> the target's p (B, V)."""
         logits = logits if vocab_size is None else logits[:, :vocab_size]
-        return probs(logits if logit_adjust is None else logit_adjust(step, logits), params)
+        if logit_adjust is not None:  # it takes one step for the batch: once per distinct step
+            out = logits.clone()
+            for step in set(steps):
+                at = torch.tensor([s == step for s in steps], device=logits.device)
+                out[at] = logit_adjust(step, logits)[at]
+            logits = out
+        return probs(logits, params)
 
-    p0 = dist(target.logits, 0)
+    p0 = dist(target.logits, [0] * B)
     x = [draw(p0[b], params, g) for b, g in enumerate(gens)]
     for b in range(B):
         rows.push(b, x[b])
-    produced = 1
-    while produced < n_new and not all(rows.done):
-        # a round emits at most K + 1 tokens; the last round's extra ones are dropped (a cut decided
-        # before they are drawn: exact)
-        K = min(spec.k, n_new - produced, drafter.max_tokens or spec.k)
+    produced = [1] * B  # new tokens per row so far
+    while True:
+        running = [b for b in range(B) if not rows.done[b] and produced[b] < n_new]
+        if not running:
+            break
+        K = min(spec.k, max(n_new - produced[b] for b in running), drafter.max_tokens or spec.k)
         x_t = torch.tensor(x, device=tokens.device)
         drafts, q = drafter.propose(x_t, K, params, gens, vocab_size)  # (B, K), (B, K, V)
         logits = target.feed(torch.cat([x_t[:, None], drafts], 1))  # (B, K+1, V)
-        p = torch.stack([dist(logits[:, i], produced + i) for i in range(K + 1)], 1)  # (B, K+1, V)
+        p = torch.stack([dist(logits[:, i], [n + i for n in produced]) for i in range(K + 1)], 1)  # (B, K+1, V)
         d_host = drafts.tolist()
-        emitted = [verify(p[b], d_host[b], q[b], params, g, spec.accept) if not rows.done[b] else [0] * (K + 1)
-                   for b, g in enumerate(gens)]
-        running = [len(e) for b, e in enumerate(emitted) if not rows.done[b]]
-        m = min(running)
-        spec.stats.record(m, running, K)
-        target.commit(m)  # x, d_1 .. d_{m-1}
-        drafter.commit(m)
-        for b in range(B):
-            for t in emitted[b][: min(m, n_new - produced)]:
+        emitted = [verify(p[b], d_host[b], q[b], params, gens[b], spec.accept) if b in running else [x[b]]
+                   for b in range(B)]
+        spec.stats.record([len(emitted[b]) for b in running], K)
+        # x, then the accepted drafts; a row that stopped keeps nothing (it stays where it is)
+        keep = [len(emitted[b]) if b in running else 0 for b in range(B)]
+        target.commit(keep)
+        drafter.commit(keep)
+        for b in running:
+            for t in emitted[b][: n_new - produced[b]]:
                 rows.push(b, t)
-        x = [e[m - 1] for e in emitted]
-        produced += m
+            produced[b] += len(emitted[b])
+        x = [e[-1] for e in emitted]

@@ -36,7 +36,7 @@ from .patterns import step_masks
 class DecodeState:
     pad: list[int]  # host: padding slots per row
     pad_t: torch.Tensor  # (B,) the same on the device
-    slot: int  # next slot to write, shared by all rows
+    slot: int  # next slot to write, shared by all rows (with ``behind``: the furthest row's)
     capacity: int | None  # slots the token caches hold (None: they grow)
     enc: list[KVCache]
     dec: list[KVCache]
@@ -47,11 +47,20 @@ class DecodeState:
     crc: dict = field(default_factory=dict)  # concept-decoder CRC: each row's latest concept depths (B, C+1, d)
     interventions: list = field(default_factory=list)
     hidden: torch.Tensor | None = None  # (B, n, d) final-norm states of the latest call (prefill or step)
+    # row b's next slot is slot - behind[b] (None: every row's is slot). Speculative decoding keeps
+    # a different number of tokens per row; a row's slots past its own are stale and never visible
+    # (their positions are later than any of its queries), and are written again as it advances
+    behind: list[int] | None = None
+
+    @property
+    def row_slots(self) -> list[int]:
+        """Each row's next slot to write."""
+        return [self.slot] * len(self.pad) if self.behind is None else [self.slot - b for b in self.behind]
 
     @property
     def lengths(self) -> list[int]:
         """Tokens seen so far per row."""
-        return [self.slot - p for p in self.pad]
+        return [s - p for s, p in zip(self.row_slots, self.pad)]
 
     @property
     def pred(self) -> torch.Tensor | None:
@@ -62,6 +71,8 @@ class DecodeState:
         """Keep batch rows ``rows`` (B,) in that order (beam search, after each step)."""
         idx = rows.tolist()
         self.pad = [self.pad[i] for i in idx]
+        if self.behind is not None:
+            self.behind = [self.behind[i] for i in idx]
         self.pad_t = self.pad_t[rows]
         for kv in (*self.enc, *self.dec, *self.con):
             kv.reorder(rows)
@@ -204,11 +215,21 @@ def snapshot(st: DecodeState) -> dict:
     return {name: {k: v.clone() for k, v in getattr(st, name).items()} for name in ("seg", "cpl", "crc")}
 
 
-def restore(st: DecodeState, snap: dict, slot: int) -> None:
-    """Roll ``st`` back to ``snap`` (taken when ``st.slot`` was ``slot``)."""
-    for name, d in snap.items():
-        setattr(st, name, {k: v.clone() for k, v in d.items()})
-    st.slot = slot
+def restore(st: DecodeState, snaps: list[dict], slots: list[int]) -> None:
+    """Roll row b of ``st`` back to ``snaps[b]`` (a ``snapshot`` of the whole batch, taken when
+    the row's next slot was ``slots[b]``)."""
+    for name in ("seg", "cpl", "crc"):
+        d = {}
+        for k in snaps[0][name]:
+            parts = [snap[name][k][b] for b, snap in enumerate(snaps)]
+            if len({p.shape for p in parts}) > 1:  # a coupling's concept keys grew between the snapshots
+                big = [max(sz) for sz in zip(*(p.shape for p in parts))]
+                parts = [torch.nn.functional.pad(p, [x for i in reversed(range(p.dim()))
+                                                     for x in (0, big[i] - p.shape[i])]) for p in parts]
+            d[k] = torch.stack(parts)
+        setattr(st, name, d)
+    st.slot = max(slots)
+    st.behind = None if min(slots) == st.slot else [st.slot - s for s in slots]
 
 
 @torch.no_grad()
@@ -230,22 +251,24 @@ def step_many(model, st: DecodeState, tokens: torch.Tensor, snapshots: list | No
     if st.capacity is not None and s + n > st.capacity:
         raise ValueError(f"decode state is full ({st.capacity} slots); prefill with a larger max_len")
     dev = tokens.device
-    pos = (s + torch.arange(n, device=dev))[None] - st.pad_t[:, None]  # (B, n) the new tokens' positions
+    rows = st.row_slots  # host: each row's first new slot
+    start = torch.tensor(rows, device=dev) if st.behind is not None else torch.full_like(st.pad_t, s)
+    pos = (start[:, None] + torch.arange(n, device=dev)[None]) - st.pad_t[:, None]  # (B, n) their positions
     x = model.embed_tokens(tokens, pos)  # (B, n, d)
     cos, sin = rope(pos, model.cfg, x.dtype)
     keys = torch.arange(s + n, device=dev)
     valid = keys[None] >= st.pad_t[:, None]  # (B, s+n)
     masks = step_masks(model.token_patterns, pos, keys[None] - st.pad_t[:, None], valid)
     ivs = st.interventions
-    enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=s, length=s + n), pos, x, st)
+    at = s if st.behind is None else start  # int: one write index for all rows; (B,): each row's own
+    enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=at, length=s + n), pos, x, st)
     h, depths = _encode(model, x, enc)
     z, concept_depths = h, None
     if model.concept is not None:
         zs, cds = [], []
         for i in range(n):  # one concept step per token: (B, 1, d) each
-            st.slot = s + i
-            zi, cdi = _concept_step(model, st, h[:, i : i + 1], pos[:, i], ivs,
-                                    None if depths is None else [t[:, i : i + 1] for t in depths])
+            zi, cdi = _concept_step(model, st, h[:, i : i + 1], pos[:, i], [r + i - p for r, p in zip(rows, st.pad)],
+                                    ivs, None if depths is None else [t[:, i : i + 1] for t in depths])
             zs.append(zi)
             cds.append(cdi)
             if snapshots is not None:
@@ -271,14 +294,15 @@ def _context_per_step(model) -> bool:
     return cm is not None and type(cm.coupling).decode_context is not Coupling.decode_context
 
 
-def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, ivs: list,
+def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, pos_host: list[int], ivs: list,
                   depths: list | None) -> tuple[torch.Tensor, list | None]:
-    """h (B, 1, d) of the new token at positions ``pos`` (B,) -> decoder input z (B, 1, d) and,
-    for a concept-decoder CRC, each row's latest concept depths as K tensors (B, 1, d)."""
+    """h (B, 1, d) of the new token at positions ``pos`` (B,) (``pos_host``: the same on the host)
+    -> decoder input z (B, 1, d) and, for a concept-decoder CRC, each row's latest concept depths
+    as K tensors (B, 1, d)."""
     cm = model.concept
     pooled_depths = depths if model._crc_has("encoder-concept") else None
     h_in = h[:, 0] if pooled_depths is None else torch.cat(pooled_depths, dim=-1)[:, 0]
-    closing = cm.segmenter.decode_step(st.seg, h_in, pos, [st.slot - p for p in st.pad])
+    closing = cm.segmenter.decode_step(st.seg, h_in, pos, pos_host)
     want = model._crc_has("concept-decoder")
     if closing.any is not False:  # some row may have closed a concept: one concept step
         B = h.shape[0]

@@ -113,8 +113,8 @@ def test_mtp_self_drafter_greedy_and_cached_heads():
     for r, m in enumerate([1, 2, 3, 1, 3, 2, 2]):
         drafts, q = dr.propose(x, 2, params, [gen], None)
         target.feed(torch.cat([x[:, None], drafts], 1))
-        target.commit(m)
-        dr.commit(m)
+        target.commit([m])
+        dr.commit([m])
         committed += [int(x)] + drafts[0, : m - 1].tolist()
         x = torch.tensor([(7 * r + 3) % 200])  # the round's correction (any token)
     drafts, q = dr.propose(x, 2, params, [gen], None)
@@ -181,41 +181,45 @@ def test_sampled_distribution_is_the_targets_and_a_broken_rule_is_caught():
     assert stat_bad > chi2.ppf(1 - alpha, df_bad), (stat_bad, df_bad)
 
 
-def _live(state, closed: list[int]) -> dict:
-    """What a decode state's future depends on: token caches up to the slot, concept caches and the
-    coupling's concept keys up to each row's closed concepts, the per-row state dicts."""
-    s = state.slot
-    out = {f"tok{i}": torch.cat([c.k[:, :, :s], c.v[:, :, :s]]) for i, c in enumerate([*state.enc, *state.dec])}
-    for i, c in enumerate(state.con):
-        out.update({f"con{i}.{b}": torch.cat([c.k[b, :, :n], c.v[b, :, :n]]) for b, n in enumerate(closed)})
+def _live(state, b: int, closed: int) -> dict:
+    """What row b of a decode state's future depends on: its token cache slots (from its first real
+    one to its next), its first ``closed`` concept cache entries and coupling concept keys, and its
+    rows of the per-row state dicts."""
+    lo, hi = state.pad[b], state.row_slots[b]
+    out = {f"tok{i}": torch.cat([c.k[b, :, lo:hi], c.v[b, :, lo:hi]])
+           for i, c in enumerate([*state.enc, *state.dec])}
+    out.update({f"con{i}": torch.cat([c.k[b, :, :closed], c.v[b, :, :closed]]) for i, c in enumerate(state.con)})
     for name in ("seg", "cpl", "crc"):
         for k, v in getattr(state, name).items():
-            if k in ("k", "v"):  # (B, H, M, hd): the first n per row are live
-                out.update({f"{name}.{k}.{b}": v[b, :, :n] for b, n in enumerate(closed)})
-            else:
-                out[f"{name}.{k}"] = v
+            out[f"{name}.{k}"] = v[b, :, :closed] if k in ("k", "v") else v[b]  # (H, M, hd): the first closed live
     return out
 
 
 @pytest.mark.parametrize("name", ["fixed-blocks", "dlcm-cross-attention"])
 def test_caches_after_a_rejection_equal_the_accepted_prefix(name):
+    """A 7-token draft (concepts close inside it), of which row 0 keeps 3 and row 1 keeps 5: each
+    row's caches and concept state equal those of that row's accepted prefix decoded alone, and so
+    do the logits of what comes next."""
     model = f64(CONFIGS[name](), scale=0.3)
     k = model.cfg.concept.k
     prompt = torch.tensor([[0, 0, 5, 17, 3], [9, 10, 11, 12, 13]])  # row 0 left-padded
-    lengths, more = [3, 5], torch.tensor([[4, 8, 15, 16, 23, 42, 7], [1, 2, 3, 4, 5, 6, 7]])
-    spec = Cursor(model, prompt, lengths, 20)
-    spec.feed(more)  # a draft of 7 tokens (concepts close inside it) ...
-    spec.commit(3)  # ... of which 3 are kept
-    ref = Cursor(model, prompt, lengths, 20)
-    for t in range(3):
-        ref.feed(more[:, t : t + 1])
-    closed = ([(n + 3) // k for n in lengths] if "n" not in ref.state.seg else ref.state.seg["n"].tolist())
-    a, b = _live(spec.state, closed), _live(ref.state, closed)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.allclose(a[key], b[key], atol=1e-12, rtol=0), key
+    lengths, keep = [3, 5], [3, 5]
+    more = torch.tensor([[4, 8, 15, 16, 23, 42, 7], [1, 2, 3, 4, 5, 6, 7]])
+    spec = Cursor(model, prompt, lengths, 24)
+    spec.feed(more)
+    spec.commit(keep)
     nxt = torch.tensor([[3, 1, 4], [1, 5, 9]])
-    assert torch.allclose(spec.feed(nxt), torch.cat([ref.feed(nxt[:, i : i + 1]) for i in range(3)], 1), atol=1e-12)
+    after = spec.feed(nxt)  # (B, 3, V) every row from its own slot
+    spec.commit([0, 0])
+    for b, n in enumerate(lengths):
+        ref = Cursor(model, prompt[b : b + 1, -n:], [n], 24)
+        ref.feed(more[b : b + 1, : keep[b]])
+        closed = (n + keep[b]) // k if "n" not in ref.state.seg else int(ref.state.seg["n"][0])
+        got, want = _live(spec.state, b, closed), _live(ref.state, 0, closed)
+        assert got.keys() == want.keys()
+        for key in got:
+            assert torch.allclose(got[key], want[key], atol=1e-12, rtol=0), (b, key)
+        assert torch.allclose(after[b], ref.feed(nxt[b : b + 1])[0], atol=1e-12), b
 
 
 def _checkpoint(tmp: Path, name: str, tokenizer: Path = TOKENIZER, **cfg) -> str:
