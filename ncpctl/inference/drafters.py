@@ -119,7 +119,8 @@ class MtpDrafter(Drafter):
             f = min(self.first[k])
             slots = torch.arange(f, top + 1, device=dev)
             pos = slots[None] - self.pad_t[:, None]  # (B, n) rows' own positions (padding: negative)
-            emb = m.embed_tokens(self.tok[:, slots + k], pos.clamp_min(0))  # the token k ahead of each slot
+            # the token k ahead of each slot (positions past the window: junk slots, never read)
+            emb = m.embed_tokens(self.tok[:, slots + k], pos.clamp(0, m.cfg.max_seq_len - 1))
             cos, sin = rope(pos.clamp_min(0), m.cfg, emb.dtype)
             masks = step_masks([None], pos, keys[None] - self.pad_t[:, None], valid)
             ctx = Context(cos, sin, masks, [self.caches[k - 1]], at=f, length=top + 1)

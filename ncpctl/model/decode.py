@@ -254,7 +254,9 @@ def step_many(model, st: DecodeState, tokens: torch.Tensor, snapshots: list | No
     rows = st.row_slots  # host: each row's first new slot
     start = torch.tensor(rows, device=dev) if st.behind is not None else torch.full_like(st.pad_t, s)
     pos = (start[:, None] + torch.arange(n, device=dev)[None]) - st.pad_t[:, None]  # (B, n) their positions
-    x = model.embed_tokens(tokens, pos)  # (B, n, d)
+    # a speculative round may feed a finished row's throw-away tokens past the window: learned
+    # position tables (gpt2) end there, and those tokens' outputs are never used
+    x = model.embed_tokens(tokens, pos.clamp_max(model.cfg.max_seq_len - 1))  # (B, n, d)
     cos, sin = rope(pos, model.cfg, x.dtype)
     keys = torch.arange(s + n, device=dev)
     valid = keys[None] >= st.pad_t[:, None]  # (B, s+n)

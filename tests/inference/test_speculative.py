@@ -264,3 +264,16 @@ def test_cli_generate_speculative_json_and_refusals(tmp_path):
         with pytest.raises(UserError, match=msg) as e:
             load_speculative(load_model(ck), *args)
         assert len(e.value.problems) == 1 and "\n" not in e.value.problems[0] and e.value.hint is None
+
+
+def test_rounds_at_the_window_edge_with_learned_positions():
+    """Prompts and new tokens filling a gpt2 model's whole window (learned positions): a last round
+    drafts past it for rows that are done; those throw-away tokens must not index past the table."""
+    model = f64(tiny("gpt2", max_seq_len=24, concept=dict(k=2)), scale=0.2)
+    prompts = [list(range(1, 11)), [5, 6], [7]]
+    spec = Speculative(ModelDrafter(noisy(model, 0.01)), 4)
+    got = [c.tokens for c in generate(model, prompts, SamplingParams(max_new_tokens=14, greedy=True), str,
+                                      max_len=24, speculative=spec)]
+    assert got == [c.tokens for c in generate(model, prompts, SamplingParams(max_new_tokens=14, greedy=True), str,
+                                              max_len=24)]
+    assert spec.stats.as_dict()["mal"] > 1.5
