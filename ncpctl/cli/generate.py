@@ -44,6 +44,12 @@ def main(
                                                        show_default=False)] = None,
     save_steer: Annotated[Optional[str], typer.Option("--save-steer", help="Write the (one) --steer spec to this "
                                                       "file, units and schedule explicit.", show_default=False)] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: a drafter checkpoint with the "
+                                                 "same tokenizer, or 'mtp' (the checkpoint's own MTP head). The output "
+                                                 "distribution is the checkpoint's (greedy: the same tokens).",
+                                                 show_default=False)] = None,
+    draft_tokens: Annotated[int, typer.Option("--draft-tokens", help="Speculative decoding: tokens drafted per "
+                                              "verification round (K; the MTP drafter: at most its depth).")] = 4,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -98,6 +104,7 @@ def main(
     per_prompt = [common + specs_from(st, f"{prompts_file} prompt {i + 1}") for i, st in enumerate(own)]
     loaded = load_model(checkpoint)
     blocks = _sampling(loaded, params, any(per_prompt))
+    spec, spec_info = _speculative(loaded, draft, draft_tokens)
     steering = None
     if any(per_prompt):
         names = loaded.meta.get("concept_names")
@@ -108,26 +115,43 @@ def main(
     if stream:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
-    done = generate_texts(loaded, prompts, params, batch_size=batch_size, steer=steering,
+    done = generate_texts(loaded, prompts, params, batch_size=batch_size, steer=steering, speculative=spec,
                           on_text=(lambda i, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None)
     if stream:
         sys.stdout.write("\n")
     results = [{"prompt": p, "text": c.text, "tokens": len(c.tokens), "finish_reason": c.finish_reason}
                for p, c in zip(prompts, done)]
-
-    def human(con) -> None:
-        if stream:
-            return
-        for r in results:
-            con.print(f"[bold]{r['prompt']}[/]", end="", markup=True, highlight=False)
-            con.print(r["text"], markup=False, highlight=False)
-            con.print(f"[dim]({r['tokens']} tokens, {r['finish_reason']})[/]")
-
     o.result({"command": "generate", "checkpoint": str(loaded.path), "seed": seed,
               "sampling": {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                            "greedy": params.is_greedy, "stop": params.stop, **blocks},
               "steer": None if steering is None else [[r.describe() for r in row] for row in steering],
-              "completions": results}, human)
+              "speculative": None if spec is None else {**spec_info, **spec.stats.as_dict()},
+              "completions": results}, _human(results, stream, spec))
+
+
+def _speculative(loaded, draft: str | None, k: int):
+    """(``Speculative``, its description for the output) for ``--draft``, or (None, None)."""
+    if draft is None:
+        return None, None
+    from ncpctl.inference.drafters import load_speculative
+
+    spec, info = load_speculative(loaded, draft, k)
+    return spec, {**info, "draft_tokens": k}
+
+
+def _human(results: list[dict], stream: bool, spec):
+    """The human-readable output: each completion (unless it was streamed), and MAL."""
+
+    def human(con) -> None:
+        for r in [] if stream else results:
+            con.print(f"[bold]{r['prompt']}[/]", end="", markup=True, highlight=False)
+            con.print(r["text"], markup=False, highlight=False)
+            con.print(f"[dim]({r['tokens']} tokens, {r['finish_reason']})[/]")
+        if spec is not None and spec.stats.rounds:
+            s = spec.stats.as_dict()
+            con.print(f"[dim](speculative: {s['rounds']} verification rounds, MAL {s['mal']:.2f} tokens a round)[/]")
+
+    return human
 
 
 def _sampling(loaded, params, steered: bool) -> dict:

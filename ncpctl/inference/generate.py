@@ -115,19 +115,25 @@ def generate(
     on_text: Callable[[int, str], None] | None = None,
     interventions: Sequence[Any] | None = None,
     logit_adjust: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    speculative: Any = None,
 ) -> list[Completion]:
     """Continue each prompt (token ids, at least one each). ``decode`` turns ids into text
     (for stop strings and streaming); ``vocab_size`` hides padded-vocab rows; ``max_len``
     keeps only the last ``max_len - max_new_tokens`` prompt tokens; ``on_text(row, delta)``
     streams new text as it becomes final; ``interventions`` (``ncpctl.model.interventions``:
     rows are this batch's rows, positions each row's own) apply to the prompt and every new token;
-    ``logit_adjust(step, logits (B, V))`` edits the logits that pick new token ``step`` (0-based)."""
+    ``logit_adjust(step, logits (B, V))`` edits the logits that pick new token ``step`` (0-based);
+    ``speculative`` (a ``speculative.Speculative``): a drafter proposes tokens that the model
+    verifies several at a time, with the same output distribution (greedy: the same tokens)."""
     B = len(prompts)
     if B == 0:
         return []
     if any(len(t) == 0 for t in prompts):
         raise ValueError("every prompt needs at least one token")
     if getattr(model.objective, "block_sampling", False):  # a diffusion LM: block by block
+        if speculative is not None:
+            raise ValueError(f"speculative decoding needs next-token decoding; objective {model.cfg.objective} "
+                             "samples block by block")
         from .causal_diffusion import generate_blocks
 
         return generate_blocks(model, prompts, params, decode, eod_id=eod_id, vocab_size=vocab_size, max_len=max_len,
@@ -150,12 +156,15 @@ def generate(
     gens: list[torch.Generator | None] = [None] * B
     if params.seed is not None:
         gens = [torch.Generator(device=dev).manual_seed(params.seed + b) for b in range(B)]
+    rows = Rows(B, params.stop, decode, eod_id, on_text)
+    if speculative is not None:  # draft and verify (speculative.py)
+        from .speculative import speculate
+
+        speculate(model, speculative, x, lengths, params, gens, rows, vocab_size=vocab_size,
+                  interventions=interventions, logit_adjust=logit_adjust)
+        return rows.finish()
     dec = model.objective.decoding(model, x, lengths, Tp + n_new, interventions)
     last = dec.logits  # (B, V): each row's next token
-    out: list[list[int]] = [[] for _ in range(B)]
-    texts = [""] * B
-    shown = [0] * B
-    done: list[str | None] = [None] * B
     for step in range(n_new):
         if vocab_size is not None:
             last = last[:, :vocab_size]
@@ -164,33 +173,55 @@ def generate(
         nxt = _pick(last, params, gens)  # (B,)
         ids = nxt.tolist()
         for b in range(B):
-            if done[b]:
-                continue
-            out[b].append(ids[b])
-            if eod_id is not None and ids[b] == eod_id:
-                done[b] = "eod"
-                out_text = decode(out[b][:-1])
-            else:
-                out_text = decode(out[b])
-            cut, hit = _cut(out_text, params.stop)
-            if hit:
-                done[b] = "stop"
-            texts[b] = cut
-            if on_text is not None:
-                safe = releasable(cut, bool(done[b]), params.stop, shown[b])
-                if safe > shown[b]:
-                    on_text(b, cut[shown[b]:safe])
-                    shown[b] = safe
-        if all(done) or step == n_new - 1:
+            rows.push(b, ids[b])
+        if all(rows.done) or step == n_new - 1:
             break
         dec.step(nxt)
         last = dec.logits
-    result = []
-    for b in range(B):
-        if on_text is not None and len(texts[b]) > shown[b]:
-            on_text(b, texts[b][shown[b]:])
-        result.append(Completion(texts[b], out[b], done[b] or "length"))
-    return result
+    return rows.finish()
+
+
+class Rows:
+    """The new tokens and text of each row of a batch: end-of-document and stop strings end a row
+    (``done[b]``: its finish reason, None while it runs); ``on_text(row, delta)`` streams text as
+    it becomes final."""
+
+    def __init__(self, B: int, stop: Sequence[str], decode: Callable[[list[int]], str], eod_id: int | None,
+                 on_text: Callable[[int, str], None] | None):
+        self.stop, self.decode, self.eod_id, self.on_text = stop, decode, eod_id, on_text
+        self.out: list[list[int]] = [[] for _ in range(B)]
+        self.texts = [""] * B
+        self.shown = [0] * B
+        self.done: list[str | None] = [None] * B
+
+    def push(self, b: int, token: int) -> None:
+        """Append ``token`` to row b (nothing once the row is done)."""
+        if self.done[b]:
+            return
+        out = self.out[b]
+        out.append(token)
+        if self.eod_id is not None and token == self.eod_id:
+            self.done[b] = "eod"
+            out_text = self.decode(out[:-1])
+        else:
+            out_text = self.decode(out)
+        cut, hit = _cut(out_text, self.stop)
+        if hit:
+            self.done[b] = "stop"
+        self.texts[b] = cut
+        if self.on_text is not None:
+            safe = releasable(cut, bool(self.done[b]), self.stop, self.shown[b])
+            if safe > self.shown[b]:
+                self.on_text(b, cut[self.shown[b]:safe])
+                self.shown[b] = safe
+
+    def finish(self) -> list[Completion]:
+        result = []
+        for b, text in enumerate(self.texts):
+            if self.on_text is not None and len(text) > self.shown[b]:
+                self.on_text(b, text[self.shown[b]:])
+            result.append(Completion(text, self.out[b], self.done[b] or "length"))
+        return result
 
 
 def fit_prompts(prompts: Sequence[Sequence[int]], max_len: int, n_new: int) -> list[list[int]]:
@@ -209,12 +240,13 @@ def eod_token(loaded) -> tuple[str, int | None]:
 
 def generate_texts(loaded, prompts: Sequence[str], params: SamplingParams, *, batch_size: int = 8,
                    on_text: Callable[[int, str], None] | None = None,
-                   steer: Sequence[Sequence[Any]] | None = None) -> list[Completion]:
+                   steer: Sequence[Sequence[Any]] | None = None, speculative: Any = None) -> list[Completion]:
     """Text in, completions out, for a ``LoadedModel`` (``ncpctl generate``): prompts are
     encoded with the checkpoint's tokenizer (an empty prompt = the end-of-document token)
     and decoded ``batch_size`` at a time; prompt i samples with ``seed + i``, so its text
     does not depend on the batch size; ``on_text(i, delta)`` streams prompt i's text;
-    ``steer[i]``: prompt i's ``ncpctl.interpret.steer.Resolved`` specs."""
+    ``steer[i]``: prompt i's ``ncpctl.interpret.steer.Resolved`` specs; ``speculative``: draft and
+    verify (``speculative.Speculative``, its statistics summed over the batches)."""
     from ncpctl.errors import UserError
 
     tok = loaded.tokenizer
@@ -239,5 +271,5 @@ def generate_texts(loaded, prompts: Sequence[str], params: SamplingParams, *, ba
         out += generate(loaded.model, batch, p,
                         lambda ids: tok.decode(ids, skip_special_tokens=False), eod_id=eod,
                         vocab_size=loaded.config.vocab_size, max_len=loaded.config.max_seq_len, on_text=cb,
-                        interventions=ivs, logit_adjust=adjust)
+                        interventions=ivs, logit_adjust=adjust, speculative=speculative)
     return out

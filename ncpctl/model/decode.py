@@ -36,7 +36,7 @@ from .patterns import step_masks
 class DecodeState:
     pad: list[int]  # host: padding slots per row
     pad_t: torch.Tensor  # (B,) the same on the device
-    slot: int  # next slot to write, shared by all rows
+    slot: int  # next slot to write, shared by all rows (with ``behind``: the furthest row's)
     capacity: int | None  # slots the token caches hold (None: they grow)
     enc: list[KVCache]
     dec: list[KVCache]
@@ -46,11 +46,21 @@ class DecodeState:
     cpl: dict = field(default_factory=dict)  # the coupling's per-row state, (B, ...) tensors
     crc: dict = field(default_factory=dict)  # concept-decoder CRC: each row's latest concept depths (B, C+1, d)
     interventions: list = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # (B, n, d) final-norm states of the latest call (prefill or step)
+    # row b's next slot is slot - behind[b] (None: every row's is slot). Speculative decoding keeps
+    # a different number of tokens per row; a row's slots past its own are stale and never visible
+    # (their positions are later than any of its queries), and are written again as it advances
+    behind: list[int] | None = None
+
+    @property
+    def row_slots(self) -> list[int]:
+        """Each row's next slot to write."""
+        return [self.slot] * len(self.pad) if self.behind is None else [self.slot - b for b in self.behind]
 
     @property
     def lengths(self) -> list[int]:
         """Tokens seen so far per row."""
-        return [self.slot - p for p in self.pad]
+        return [s - p for s, p in zip(self.row_slots, self.pad)]
 
     @property
     def pred(self) -> torch.Tensor | None:
@@ -61,6 +71,8 @@ class DecodeState:
         """Keep batch rows ``rows`` (B,) in that order (beam search, after each step)."""
         idx = rows.tolist()
         self.pad = [self.pad[i] for i in idx]
+        if self.behind is not None:
+            self.behind = [self.behind[i] for i in idx]
         self.pad_t = self.pad_t[rows]
         for kv in (*self.enc, *self.dec, *self.con):
             kv.reorder(rows)
@@ -118,7 +130,7 @@ def prefill(model, tokens: torch.Tensor, lengths, max_len: int | None, ivs: list
     h, depths = _encode(model, x, enc)
     z, concept_depths = _concept_prefill(model, st, h, lengths, ivs, depths) if cm is not None else (h, None)
     z = decoder_input_addition(ivs, z, positions)
-    hN = model.decode(z, _decoder_context(model, dec, st, positions, depths, concept_depths))
+    hN = st.hidden = model.decode(z, _decoder_context(model, dec, st, positions, depths, concept_depths))
     h_bar = readout_addition(ivs, model.readout(hN)[0], positions)  # the full forward's head path
     return model.head(h_bar), st
 
@@ -193,35 +205,106 @@ def _concept_prefill(model, st: DecodeState, h: torch.Tensor, lengths: list[int]
 @torch.no_grad()
 def step(model, st: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
     """Feed one token per row, tokens (B,); returns next-token logits (B, V)."""
-    s = st.slot
-    if st.capacity is not None and s >= st.capacity:
+    return step_many(model, st, tokens[:, None])[:, 0]
+
+
+def snapshot(st: DecodeState) -> dict:
+    """Copies of the per-row state that a step changes besides the KV caches (segmenter, coupling,
+    CRC): with ``st.slot`` they are all a rollback needs (cache entries past the slot, or past a
+    row's closed concepts, are never read before they are written again)."""
+    return {name: {k: v.clone() for k, v in getattr(st, name).items()} for name in ("seg", "cpl", "crc")}
+
+
+def restore(st: DecodeState, snaps: list[dict], slots: list[int]) -> None:
+    """Roll row b of ``st`` back to ``snaps[b]`` (a ``snapshot`` of the whole batch, taken when
+    the row's next slot was ``slots[b]``)."""
+    for name in ("seg", "cpl", "crc"):
+        d = {}
+        for k in snaps[0][name]:
+            parts = [snap[name][k][b] for b, snap in enumerate(snaps)]
+            if len({p.shape for p in parts}) > 1:  # a coupling's concept keys grew between the snapshots
+                big = [max(sz) for sz in zip(*(p.shape for p in parts))]
+                parts = [torch.nn.functional.pad(p, [x for i in reversed(range(p.dim()))
+                                                     for x in (0, big[i] - p.shape[i])]) for p in parts]
+            d[k] = torch.stack(parts)
+        setattr(st, name, d)
+    st.slot = max(slots)
+    st.behind = None if min(slots) == st.slot else [st.slot - s for s in slots]
+
+
+@torch.no_grad()
+def step_many(model, st: DecodeState, tokens: torch.Tensor, snapshots: list | None = None) -> torch.Tensor:
+    """Feed n tokens per row, tokens (B, n), in one cached forward of the token stacks; returns
+    logits (B, n, V), entry i predicting the token after tokens[:, i] (what n ``step`` calls
+    give). The concept path runs token by token (a concept may close at any of the n tokens,
+    and the next token's decoder input must see it); ``snapshots``, if given, receives the
+    ``snapshot`` after each token (speculative decoding rolls back to one of them).
+    ``st.hidden`` keeps the final-norm states (B, n, d) (an MTP drafter reads them)."""
+    s, n = st.slot, tokens.shape[1]
+    if n > 1 and _context_per_step(model):  # its decoder context reads the state after the last token only
+        outs, hidden = [], []
+        for i in range(n):
+            outs.append(step_many(model, st, tokens[:, i : i + 1], snapshots))
+            hidden.append(st.hidden)
+        st.hidden = torch.cat(hidden, 1)
+        return torch.cat(outs, 1)
+    if st.capacity is not None and s + n > st.capacity:
         raise ValueError(f"decode state is full ({st.capacity} slots); prefill with a larger max_len")
     dev = tokens.device
-    pos = (s - st.pad_t)[:, None]  # (B, 1) the new token's position per row
-    x = model.embed_tokens(tokens[:, None], pos)  # (B, 1, d)
+    rows = st.row_slots  # host: each row's first new slot
+    start = torch.tensor(rows, device=dev) if st.behind is not None else torch.full_like(st.pad_t, s)
+    pos = (start[:, None] + torch.arange(n, device=dev)[None]) - st.pad_t[:, None]  # (B, n) their positions
+    # a speculative round may feed a finished row's throw-away tokens past the window: learned
+    # position tables (gpt2) end there, and those tokens' outputs are never used
+    x = model.embed_tokens(tokens, pos.clamp_max(model.cfg.max_seq_len - 1))  # (B, n, d)
     cos, sin = rope(pos, model.cfg, x.dtype)
-    keys = torch.arange(s + 1, device=dev)
-    valid = keys[None] >= st.pad_t[:, None]  # (B, s+1)
+    keys = torch.arange(s + n, device=dev)
+    valid = keys[None] >= st.pad_t[:, None]  # (B, s+n)
     masks = step_masks(model.token_patterns, pos, keys[None] - st.pad_t[:, None], valid)
     ivs = st.interventions
-    enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=s, length=s + 1), pos, x, st)
+    at = s if st.behind is None else start  # int: one write index for all rows; (B,): each row's own
+    enc, dec = _contexts(model, ivs, Context(cos, sin, masks, at=at, length=s + n), pos, x, st)
     h, depths = _encode(model, x, enc)
-    z, concept_depths = _concept_step(model, st, h, pos[:, 0], ivs, depths) if model.concept is not None \
-        else (h, None)
+    z, concept_depths = h, None
+    if model.concept is not None:
+        zs, cds = [], []
+        for i in range(n):  # one concept step per token: (B, 1, d) each
+            zi, cdi = _concept_step(model, st, h[:, i : i + 1], pos[:, i], [r + i - p for r, p in zip(rows, st.pad)],
+                                    ivs, None if depths is None else [t[:, i : i + 1] for t in depths])
+            zs.append(zi)
+            cds.append(cdi)
+            if snapshots is not None:
+                snapshots.append(snapshot(st))
+        z = torch.cat(zs, 1)  # (B, n, d)
+        if cds[0] is not None:
+            concept_depths = [torch.cat(c, 1) for c in zip(*cds)]
+    elif snapshots is not None:
+        snapshots += [snapshot(st)] * n
     z = decoder_input_addition(ivs, z, pos)
     dec = _decoder_context(model, dec, st, pos, depths, concept_depths)
-    st.slot += 1
-    return model.head(readout_addition(ivs, model.readout(model.decode(z, dec))[0], pos))[:, 0]
+    st.slot = s + n
+    st.hidden = model.decode(z, dec)  # (B, n, d)
+    return model.head(readout_addition(ivs, model.readout(st.hidden)[0], pos))
 
 
-def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, ivs: list,
+def _context_per_step(model) -> bool:
+    """Whether the coupling builds the decoder's context from its decoding state (a memory to attend
+    to, ``Coupling.decode_context``): that context is right for one new token at a time."""
+    from .coupling import Coupling
+
+    cm = model.concept
+    return cm is not None and type(cm.coupling).decode_context is not Coupling.decode_context
+
+
+def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, pos_host: list[int], ivs: list,
                   depths: list | None) -> tuple[torch.Tensor, list | None]:
-    """h (B, 1, d) of the new token at positions ``pos`` (B,) -> decoder input z (B, 1, d) and,
-    for a concept-decoder CRC, each row's latest concept depths as K tensors (B, 1, d)."""
+    """h (B, 1, d) of the new token at positions ``pos`` (B,) (``pos_host``: the same on the host)
+    -> decoder input z (B, 1, d) and, for a concept-decoder CRC, each row's latest concept depths
+    as K tensors (B, 1, d)."""
     cm = model.concept
     pooled_depths = depths if model._crc_has("encoder-concept") else None
     h_in = h[:, 0] if pooled_depths is None else torch.cat(pooled_depths, dim=-1)[:, 0]
-    closing = cm.segmenter.decode_step(st.seg, h_in, pos, [st.slot - p for p in st.pad])
+    closing = cm.segmenter.decode_step(st.seg, h_in, pos, pos_host)
     want = model._crc_has("concept-decoder")
     if closing.any is not False:  # some row may have closed a concept: one concept step
         B = h.shape[0]

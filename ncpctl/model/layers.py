@@ -157,8 +157,8 @@ class KVCache:
     """Keys/values of one attention layer: (B, Hkv, capacity, hd) each.
 
     The caller sets ``at`` before a forward: an int writes the new T positions at
-    ``at:at+T`` for every row; a LongTensor (B,) writes the single new position of each row
-    at its own index. ``len`` is how many positions attention then reads. With ``capacity``
+    ``at:at+T`` for every row; a LongTensor (B,) writes each row's T new positions from its own
+    index. ``len`` is how many positions attention then reads. With ``capacity``
     the buffers are allocated once; without (HF ``generate`` does not say how many tokens
     will come) they are allocated on first write and double when ``len`` outgrows them.
     """
@@ -190,10 +190,15 @@ class KVCache:
         if isinstance(self.at, int):
             self.k[:, :, self.at : self.at + k.shape[2]] = k
             self.v[:, :, self.at : self.at + v.shape[2]] = v
-        else:
+        elif k.shape[2] == 1:
             rows = torch.arange(k.shape[0], device=k.device)
             self.k[rows, :, self.at] = k[:, :, 0]
             self.v[rows, :, self.at] = v[:, :, 0]
+        else:  # T positions per row from its own index (speculative decoding's ragged rows)
+            at = self.at[:, None] + torch.arange(k.shape[2], device=k.device)  # (B, T)
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            self.k[rows, :, at] = k.transpose(1, 2)  # indexed view (B, T, H, hd)
+            self.v[rows, :, at] = v.transpose(1, 2)
         return self.k[:, :, : self.len], self.v[:, :, : self.len]
 
     def reorder(self, rows: torch.Tensor) -> None:

@@ -87,3 +87,31 @@ def test_cached_calls_on_a_gpu_avoid_cudnn_attention(monkeypatch):
             step = model.decode_step(state, seqs[:, t])
     assert (step[0] - full[8]).abs().max() <= 1e-5
     assert len(entered) >= 7 * cfg.n_layers and all(b == layers.CACHED_BACKENDS for b in entered)
+
+
+MULTI = {**CONFIGS, "dlcm": tiny("llama", concept={"segmentation": "dynamic", "ncp_weight": 0.0, "vq_weight": 0.0}),
+         "dlcm-cross-attention": tiny("llama", concept={"segmentation": "dynamic", "ncp_weight": 0.0, "vq_weight": 0.0,
+                                                        "coupling": "cross_attention"})}
+
+
+@pytest.mark.parametrize("name", list(MULTI))
+def test_multi_token_step_equals_full_forward(name):
+    """``decode.step_many`` (speculative decoding's verification: several tokens per row in one
+    cached forward, concept blocks and DLCM boundaries closing inside the chunk) gives the full
+    forward's logits at every position, for a ragged batch."""
+    from ncpctl.model.decode import step_many
+
+    cfg = MULTI[name]
+    model = build(cfg, scale=0.2)
+    lengths, n_new = [5, 2, 7, 4], 13
+    seqs, prompt = ragged_batch(cfg, lengths, n_new)
+    with torch.no_grad():
+        full = [model(seqs[b : b + 1, : n + n_new]).logits[0] for b, n in enumerate(lengths)]
+        _, state = model.prefill(prompt, lengths, max_len=max(lengths) + n_new)
+        t = 0
+        for size in (3, 1, 5, 4):  # chunks of the 13 new tokens
+            new = torch.stack([seqs[b, n + t : n + t + size] for b, n in enumerate(lengths)])  # (B, size)
+            got = step_many(model, state, new)  # (B, size, V)
+            for b, n in enumerate(lengths):
+                assert (got[b] - full[b][n + t : n + t + size]).abs().max() <= 1e-5, (t, b)
+            t += size
