@@ -119,7 +119,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def write_plots(run_dir: Path, code_counts: np.ndarray | None = None, warn: Any = None,
                 target_ratio: float | None = None) -> list[str]:
-    """``loss_curves.png`` (train loss terms and validation losses against step),
+    """``loss_curves.png`` (train loss terms and validation losses against step, per data.mix
+    component too: the ``KEY/NAME`` keys),
     ``codebook_usage.png`` (one panel per codebook segment: how often each code is the nearest
     code of a predicted concept over the final validation pass, sorted; ConceptLM Fig. 5),
     when there are stability records, ``attention_stats.png`` (``_attention_plot``) and, when the
@@ -148,6 +149,9 @@ def write_plots(run_dir: Path, code_counts: np.ndarray | None = None, warn: Any 
         vpts = [(r["step"], r[key]) for r in val if r.get(key) is not None]
         if vpts:
             ax.plot(*zip(*vpts), "o-", label="val", ms=3)
+        for comp in dict.fromkeys(k for r in val for k in r if k.startswith(key + "/")):  # data.mix components
+            cpts = [(r["step"], r[comp]) for r in val if isinstance(r.get(comp), (int, float))]
+            ax.plot(*zip(*cpts), ".--", lw=0.8, ms=3, label=f"val: {comp.split('/', 1)[1]}")
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.legend()
