@@ -241,7 +241,7 @@ def tokenize_mix(recipe: Any, tokenize: Callable[[Any], dict[str, Any]], force: 
             _write_component(recipe.data_dir, out, meta, first, len(c.sources), cmeta)
         else:
             cmeta = old
-        written[c.name] = {split: cmeta["splits"][split]["tokens"] for split in ("train", "val")}
+        written[c.name] = {"prefix_dir": str(out), **{split: cmeta["splits"][split]["tokens"] for split in ("train", "val")}}
         first += len(c.sources)
     recipe.write_resolved(recipe.run_dir)  # the recipe itself (the union's was written above)
     return {**meta, "mix": written}

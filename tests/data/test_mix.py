@@ -119,3 +119,28 @@ def test_bad_mixtures_are_one_line_errors(tmp_path: Path, mix: str, message: str
     lines = [line for line in e.value.problems if "mix" in line]  # one per bad component (weights 0, 0: two)
     assert lines and all("\n" not in line for line in lines) and message in lines[0], e.value.problems
     assert len(lines) == (2 if "weight: 0" in mix else 1)
+
+
+def test_tokenize_writes_a_prefix_per_component(tmp_path: Path, text_corpus: Path) -> None:
+    from ncpctl.data.tokenize import tokenize
+
+    p = tmp_path / "r.yaml"
+    p.write_text(f"run: {{dir: {tmp_path / 'run'}}}\ntokenizer: {{vocab_size: 300}}\ndata:\n  val_fraction: 0.2\n  mix:\n"
+                 f"    - {{name: a, weight: 2, sources: ['{text_corpus}/doc0*.txt']}}\n"
+                 f"    - {{name: b, weight: 1, sources: ['{text_corpus}/doc1*.txt', '{text_corpus}/doc2*.txt']}}\n")
+    recipe = load_recipe(p, need_sources=True)
+    meta = tokenize(recipe)
+    run = tmp_path / "run"
+    for split in ("train", "val"):
+        union = IndexedDataset(run / "data" / split)
+        parts = [IndexedDataset(run / "mix" / name / "data" / split) for name in ("a", "b")]
+        # the components are the union's documents, source by source: a's 10 files, then b's 14
+        assert np.array_equal(np.concatenate([np.asarray(d.tokens) for d in parts]), np.asarray(union.tokens))
+        assert sum(len(d) for d in parts) == len(union)
+    assert len(IndexedDataset(run / "mix" / "a" / "data" / "train")) + len(IndexedDataset(run / "mix" / "a" / "data" / "val")) == 10
+    sha = {json.loads((run / "mix" / n / "data" / "meta.json").read_text())["tokenizer"]["sha256"] for n in "ab"}
+    assert sha == {meta["tokenizer"]["sha256"]}
+    stamp = (run / "mix" / "a" / "data" / "train.bin").stat().st_mtime_ns
+    again = tokenize(recipe)
+    assert again["up_to_date"] and again["mix"] == meta["mix"]
+    assert (run / "mix" / "a" / "data" / "train.bin").stat().st_mtime_ns == stamp  # nothing rewritten
