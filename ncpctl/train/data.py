@@ -31,6 +31,12 @@ class TrainData:
     val_args: dict[str, Any] = field(default_factory=dict)
     val_parts: list[tuple[str, float, IndexedDataset]] = field(default_factory=list)
 
+    def train_tokens(self) -> Any:
+        """The train tokens (num_tokens,), or with data.mix (normalised weight, tokens) per component."""
+        if isinstance(self.loader, MixLoader):
+            return [(w, p.dataset.tokens) for w, p in zip(self.loader.weights, self.loader.parts)]
+        return self.train_ds.tokens
+
     def val_loaders(self, recipe: Recipe, rank: int, world: int) -> list[tuple[str | None, float, WindowLoader, int]]:
         """``(component name or None, weight, loader, batches)`` per validation split: the one split,
         or each data.mix component's (round(eval_batches x its normalised weight) batches, at least one)."""

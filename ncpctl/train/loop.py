@@ -410,7 +410,7 @@ def _observe(run: _Run, out: Any) -> None:
     if lead:
         from ncpctl.train.display import TrainDisplay
 
-        run.entropy = unigram_entropy(run.data.train_ds.tokens, r.model_config.vocab_size)
+        run.entropy = unigram_entropy(run.data.train_tokens(), r.model_config.vocab_size)
         run.display = TrainDisplay(out.err, run.stage.name)
         run.info(f"data: {run.data.loader.num_windows:,} train windows of {T} tokens, global batch {G} "
                  f"({t.micro_batch_size} x {r.grad_accum_steps} accum x {d.world} ranks); "

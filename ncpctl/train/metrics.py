@@ -29,9 +29,18 @@ from ncpctl.fsutil import atomic_write, atomic_write_with, disk_errors
 
 METRICS = "metrics.jsonl"
 
-def unigram_entropy(tokens: np.ndarray, vocab_size: int, limit: int = 200_000_000) -> float:
+def unigram_entropy(tokens: np.ndarray | list[tuple[float, np.ndarray]], vocab_size: int,
+                    limit: int = 200_000_000) -> float:
     """Entropy in nats of the unigram token distribution (the loss a model knowing only
-    token frequencies would reach; a trained model must get clearly below it)."""
+    token frequencies would reach; a trained model must get clearly below it). ``tokens``: one
+    array, or ``(weight, tokens)`` per data.mix component: the weighted mixture of their unigrams."""
+    if isinstance(tokens, list):
+        mixed = np.zeros(vocab_size)
+        for w, t in tokens:
+            counts = np.bincount(np.asarray(t[:limit // len(tokens)]), minlength=vocab_size).astype(np.float64)
+            mixed += w * counts / max(counts.sum(), 1.0)
+        p = mixed[mixed > 0] / mixed.sum()
+        return float(-(p * np.log(p)).sum())
     counts = np.bincount(np.asarray(tokens[:limit]), minlength=vocab_size).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
