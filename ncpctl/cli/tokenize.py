@@ -76,6 +76,9 @@ def _human(con: Any, data_dir: Any, meta: dict[str, Any]) -> None:
     for split, s in meta["splits"].items():
         table.add_row(split, f"{s['documents']:,}", f"{s['tokens']:,}")
     con.print(table)
+    for name, tokens in (meta.get("mix") or {}).items():  # data.mix: each component's own prefix
+        con.print(f"data.mix component {name}: {tokens['prefix_dir']}/{{train,val}}: {tokens['train']:,} and "
+                  f"{tokens['val']:,} tokens")
     tok = meta["tokenizer"]
     con.print(f"tokenizer: vocab {tok['vocab_size']:,} ({'trained' if tok['trained'] else 'loaded'}), "
               f"EOD id {tok['eod_id']}, dtype {meta['dtype']}, "

@@ -389,6 +389,10 @@ def tokenize(
     ``on_total(documents or None)`` when encoding starts; ``log(message)`` for stage messages.
     """
     with cached_listings():  # builtin:python-packages: walk site-packages once per run, not per pass
+        if recipe.data.mix:  # every component with sources, then a prefix per component (ncpctl.data.mix)
+            from ncpctl.data.mix import tokenize_mix
+
+            return tokenize_mix(recipe, lambda r: _tokenize(r, force, on_progress, on_total, log), force)
         return _tokenize(recipe, force, on_progress, on_total, log)
 
 

@@ -36,14 +36,16 @@ _RESUME_HINT = ("resume with the same data, train.seq_len, train.global_batch_si
                 "the checkpoint, or start a fresh run (train.resume: never)")
 
 
-def epoch_order(num_windows: int, seed: int, epoch: int) -> np.ndarray:
+def epoch_order(num_windows: int, seed: int, epoch: int, stream: int | None = None) -> np.ndarray:
     """The permutation of ``range(num_windows)`` visited in ``epoch``: ``(num_windows,)``.
+    ``stream``: an independent order for the same seed (a ``data.mix`` component's index).
 
     Sorted raw PCG64 draws rather than ``Generator.permutation``: numpy guarantees the raw
     bit-generator stream (and SeedSequence) across versions and platforms (NEP 19), but not
     the algorithms built on it, and the data order must not change when numpy is upgraded.
     """
-    keys = np.random.PCG64(np.random.SeedSequence([seed, epoch])).random_raw(num_windows)  # (n,) uint64
+    entropy = [seed, epoch] if stream is None else [seed, epoch, stream]
+    keys = np.random.PCG64(np.random.SeedSequence(entropy)).random_raw(num_windows)  # (n,) uint64
     order = np.argsort(keys, kind="stable")  # stable: ties (p ~ n^2 / 2^65) still break the same way
     return order.astype(np.int32) if num_windows < 2**31 else order  # half the memory on big corpora
 
@@ -89,7 +91,7 @@ class WindowLoader:
     def __init__(self, dataset: IndexedDataset, seq_len: int, global_batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, labels: Any | None = None,
                  sources: SourceMap | None = None, vocab_size: int | None = None,
-                 vocab_from: str = ""):
+                 vocab_from: str = "", stream: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world size {world_size}")
         if seq_len < 1 or global_batch_size < 1:
@@ -107,7 +109,7 @@ class WindowLoader:
         if problems:
             raise UserError(*problems)
 
-        self.dataset, self.seq_len, self.seed = dataset, seq_len, seed
+        self.dataset, self.seq_len, self.seed, self.stream = dataset, seq_len, seed, stream
         self.global_batch_size, self.rank, self.world_size = global_batch_size, rank, world_size
         self.local_batch_size = global_batch_size // world_size
         tokens = dataset.tokens  # (num_tokens,) memmap
@@ -131,7 +133,7 @@ class WindowLoader:
             # Keep at most the previous epoch besides this one: a batch spans at most two
             # epochs unless an epoch is smaller than a batch (then recomputing is cheap).
             self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
-            self._orders[epoch] = epoch_order(self.num_windows, self.seed, epoch)
+            self._orders[epoch] = epoch_order(self.num_windows, self.seed, epoch, self.stream)
         return self._orders[epoch]
 
     def next_window_ids(self) -> np.ndarray:
@@ -154,9 +156,13 @@ class WindowLoader:
         ids = self.next_window_ids()
         mine = ids[self.rank * self.local_batch_size:(self.rank + 1) * self.local_batch_size]  # (B,)
         self.last_ids = mine
-        batch = self._windows[mine]  # (B, T+1) in the file's dtype
+        return self.read(mine)
+
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """Windows ``ids`` (n,) as ``(n, seq_len + 1)`` int64, every id checked against the vocabulary."""
+        batch = self._windows[ids]  # (n, T+1) in the file's dtype
         if self.vocab_size is not None:
-            self._check_ids(batch, mine)
+            self._check_ids(batch, ids)
         return batch.astype(np.int64)
 
     def _check_ids(self, batch: np.ndarray, ids: np.ndarray) -> None:

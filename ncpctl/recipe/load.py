@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import difflib
 import glob
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -331,11 +332,16 @@ def source_kind(path: str, declared: str) -> str:
 
 
 def _check_sources(data: DataSection) -> list[Problem]:
+    if data.mix:  # the components' own sources (a prefix component needs nothing tokenized)
+        listed = [(f"data.mix[{j}].sources[{i}]", src) for j, c in enumerate(data.mix) for i, src in enumerate(c.sources)]
+        if not listed:
+            return [("data.mix", "every component gives a prefix: there is nothing to tokenize")]
+    else:
+        listed = [(f"data.sources[{i}]", src) for i, src in enumerate(data.sources)]
     problems: list[Problem] = []
-    if not data.sources:
+    if not listed:
         problems.append(("data.sources", "no sources given; e.g. sources: [builtin:python-stdlib]"))
-    for i, src in enumerate(data.sources):
-        key = f"data.sources[{i}]"
+    for key, src in listed:
         kind = source_kind(src.path, src.type)
         if kind == "builtin":
             from ncpctl.data.sources import source_problem  # here: that module imports this one
@@ -347,6 +353,20 @@ def _check_sources(data: DataSection) -> list[Problem]:
                 problems.append((f"{key}.path", "hf: needs a dataset name, e.g. hf:wikitext"))
         elif not glob.glob(os.path.expanduser(src.path), recursive=True):
             problems.append((f"{key}.path", f"no file matches {src.path!r}"))
+    return problems
+
+
+def _check_mix(data: DataSection) -> list[Problem]:
+    """data.mix across its components (each component validated on its own in the schema)."""
+    names = [c.name for c in data.mix]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    problems: list[Problem] = []
+    if twice:
+        problems.append(("data.mix", f"component names must be unique ({', '.join(twice)} repeated)"))
+    if data.mix and data.sources:
+        problems.append(("data.mix", "give data.sources or data.mix, not both (a component takes `sources` itself)"))
+    if data.mix and not math.isfinite(sum(c.weight for c in data.mix)):
+        problems.append(("data.mix", "the weights' sum overflows; scale them down"))
     return problems
 
 
@@ -480,6 +500,7 @@ def _check_combinations(
             vocab = tok.vocab_size
 
     if data is not None:
+        problems += _check_mix(data)
         if need_sources and not data.train_prefix:
             problems.extend(_check_sources(data))
         for key in ("train_prefix", "val_prefix"):

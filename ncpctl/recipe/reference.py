@@ -83,6 +83,11 @@ def render() -> str:
             out += ["", "Each entry of `data.sources` (a bare string is shorthand for `{path: ...}`):", "",
                     "| key | type | default | meaning |", "|---|---|---|---|"]
             out += _rows(SourceSpec, "")
+            from ncpctl.recipe.schema import MixComponent
+
+            out += ["", "Each entry of `data.mix` (`sources` entries as those of `data.sources`):", "",
+                    "| key | type | default | meaning |", "|---|---|---|---|"]
+            out += _rows(MixComponent, "")
         if section == "eval":
             from ncpctl.recipe.schema import HeldoutSource, SourceSpec
 

@@ -13,7 +13,7 @@ import dataclasses
 import typing
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from ncpctl.model.config import BottleneckConfig, ConceptConfig, DiffusionConfig, ModelConfig
 
@@ -57,6 +57,34 @@ class HeldoutSource(SourceSpec):
                                  "`heldout_notes_md`, `builtin:python-stdlib` -> `heldout_python_stdlib`).")
 
 
+class MixComponent(Section):
+    """One component of a weighted mixture (``data.mix``): a dataset given by ``prefix`` or made from
+    ``sources`` by ``ncpctl tokenize``, drawn with probability ``weight / sum(weights)``."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="The component's name (letters, digits, "
+                      "`_.-`): its directory under run.dir/mix/ and its validation keys (`loss/NAME`).")
+    weight: float = Field(..., gt=0, description="Sampling weight (> 0; normalised over the components).")
+    prefix: Optional[str] = Field(None, description="An existing Megatron dataset (PREFIX.bin/.idx) for training.")
+    val_prefix: Optional[str] = Field(None, description="With `prefix`: its validation dataset (optional; "
+                                      "the component then gets its own validation loss).")
+    sources: list[SourceSpec] = Field(default_factory=list, description="Or corpora (as `data.sources`) that "
+                                      "`ncpctl tokenize` writes to run.dir/mix/NAME/data/{train,val}.")
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _bare_strings(cls, v: Any) -> Any:
+        return DataSection._bare_strings(v)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "MixComponent":
+        if (self.prefix is None) == (not self.sources):
+            raise ValueError(f"component {self.name!r}: give exactly one of `prefix` or `sources`")
+        if self.val_prefix is not None and self.prefix is None:
+            raise ValueError(f"component {self.name!r}: `val_prefix` goes with `prefix` (tokenize writes the "
+                             "validation split of `sources`)")
+        return self
+
+
 class DataSection(Section):
     sources: list[SourceSpec] = Field(default_factory=list, description="Corpora to tokenize, in order "
                                       "(a bare string is shorthand for `{path: STRING}`).")
@@ -79,6 +107,16 @@ class DataSection(Section):
     train_prefix: Optional[str] = Field(None, description="Use an existing Megatron dataset (PREFIX.bin/.idx, "
                                         "e.g. the pre-tokenized Pile) for training instead of `run.dir/data/train`.")
     val_prefix: Optional[str] = Field(None, description="Existing Megatron dataset for validation.")
+    mix: list[MixComponent] = Field(
+        default_factory=list, description="A weighted mixture instead of one dataset (Megatron's and GPT-NeoX's "
+        "blend): a list of `{name, weight, prefix | sources}`. Weights are normalised; global sample i is drawn "
+        "from the component k with the largest w_k (i+1) - n_k (n_k: its samples so far), so every prefix of the "
+        "order holds each component's share to within one sample, and each component's windows come in their own "
+        "shuffled order, epoch after epoch. Resumable and sharded over ranks as one dataset. Validation: each "
+        "component with a validation split (`sources`, or `val_prefix`) is evaluated on its own (`loss/NAME`, ...; "
+        "round(train.eval_batches x w) batches, at least one) and `loss` is their weighted mean; with none, "
+        "data.val_prefix or run.dir/data/val. Every component must use one tokenizer (checked from meta.json). "
+        "data.train_prefix, when set, replaces the mixture (one pre-blended dataset).")
 
     @field_validator("sources", mode="before")
     @classmethod

@@ -123,7 +123,10 @@ def _identity(run: Path, recipe: Any) -> dict[str, str]:
     tok = (meta.get("tokenizer") or {}).get("sha256") or json.dumps(recipe.tokenizer.model_dump(mode="json"),
                                                                    sort_keys=True)
     d = recipe.data
-    if d.val_prefix:
+    if d.mix and not d.train_prefix:  # validated per component, weighted
+        val = json.dumps({"mix": [c.model_dump(mode="json") for c in d.mix], "sources": meta.get("source_fingerprint"),
+                          "split": meta.get("split")}, sort_keys=True)
+    elif d.val_prefix:
         val = f"prefix:{d.val_prefix}"
     else:
         split = meta.get("split") or {"val_fraction": d.val_fraction, "split_seed": d.split_seed}

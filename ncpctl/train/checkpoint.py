@@ -115,13 +115,15 @@ STAGE_KEYS = tuple(f"bottleneck.{k}" for k in (
 
 def _tokenizer_file(recipe: Any) -> Path:
     """The tokenizer the run's data was made with: tokenizer.path, else the one `ncpctl tokenize`
-    wrote next to the data (the run's data/, or beside data.train_prefix when that is given)."""
+    wrote next to the data (the run's data/, or beside data.train_prefix when that is given, or
+    beside the first data.mix component's prefix: the components share one tokenizer)."""
     if recipe.tokenizer.path:
         return Path(recipe.tokenizer.path)
     own = recipe.data_dir / "tokenizer.json"
-    if own.is_file() or not recipe.data.train_prefix:
+    given = recipe.data.train_prefix or next((c.prefix for c in recipe.data.mix if c.prefix), None)
+    if own.is_file() or not given:
         return own
-    return Path(recipe.data.train_prefix).parent / "tokenizer.json"
+    return Path(given).parent / "tokenizer.json"
 
 
 def check_compatible(path: Path, meta: dict[str, Any], model_config: dict[str, Any], *,

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ncpctl.data.indexed import IndexedDataset, paths
+from ncpctl.data.mix import MixLoader, open_parts
 from ncpctl.data.windows import WindowLoader
 from ncpctl.errors import UserError
 from ncpctl.recipe.load import Recipe
@@ -24,10 +25,32 @@ from ncpctl.train.hooks import Hooks, dataset_meta
 class TrainData:
     """The splits, the train loader and what the designs add to the validation loader."""
 
-    train_ds: IndexedDataset
-    val_ds: IndexedDataset
-    loader: WindowLoader
+    train_ds: IndexedDataset  # with data.mix: the first component's
+    val_ds: IndexedDataset | None  # None: data.mix with per-component validation (val_parts)
+    loader: WindowLoader | MixLoader
     val_args: dict[str, Any] = field(default_factory=dict)
+    val_parts: list[tuple[str, float, IndexedDataset]] = field(default_factory=list)
+
+    def train_tokens(self) -> Any:
+        """The train tokens (num_tokens,), or with data.mix (normalised weight, tokens) per component."""
+        if isinstance(self.loader, MixLoader):
+            return [(w, p.dataset.tokens) for w, p in zip(self.loader.weights, self.loader.parts)]
+        return self.train_ds.tokens
+
+    def val_loaders(self, recipe: Recipe, rank: int, world: int) -> list[tuple[str | None, float, WindowLoader, int]]:
+        """``(component name or None, weight, loader, batches)`` per validation split: the one split,
+        or each data.mix component's (round(eval_batches x its normalised weight) batches, at least one)."""
+        if not self.val_parts:
+            return [(None, 1.0, *self.val_loader(recipe, rank, world))]
+        t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
+        total = sum(w for _, w, _ in self.val_parts)
+        out = []
+        for name, w, ds in self.val_parts:
+            val = WindowLoader(ds, T, G, seed=t.seed, rank=rank, world_size=world,
+                               vocab_size=recipe.model_config.vocab_size, vocab_from=vocab_from(recipe)[0])
+            n = min(max(1, round(t.eval_batches * w / total)), math.ceil(val.num_windows / G))
+            out.append((name, w, val, n))
+        return out
 
     def val_loader(self, recipe: Recipe, rank: int, world: int) -> tuple[WindowLoader, int]:
         """A fresh validation loader (the same fixed batches at every evaluation) and how many of
@@ -41,6 +64,8 @@ class TrainData:
 def open_data(recipe: Recipe, rank: int, world: int, hooks: Hooks, info: Callable[[str], None]) -> TrainData:
     """Train and validation data (and what the designs read beside the tokens), checked against
     the model and the batch (clear errors first)."""
+    if recipe.data.mix and not recipe.data.train_prefix:
+        return _open_mix(recipe, rank, world, hooks, info)
     t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
     train_ds, val_ds = dataset(recipe, "train"), dataset(recipe, "val")
     vocab = recipe.model_config.vocab_size
@@ -56,6 +81,37 @@ def open_data(recipe: Recipe, rank: int, world: int, hooks: Hooks, info: Callabl
                         hint="use more data, or lower train.seq_len / train.global_batch_size")
     WindowLoader(val_ds, T, G, seed=t.seed)  # raises if validation has not one window
     return TrainData(train_ds, val_ds, loader, val_args)
+
+
+def _open_mix(recipe: Recipe, rank: int, world: int, hooks: Hooks, info: Callable[[str], None]) -> TrainData:
+    """data.mix: the components' train datasets behind one ``MixLoader``; validation per component
+    that has a validation split (at least one window), else the run's one validation split."""
+    t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
+    vocab = recipe.model_config.vocab_size
+    parts = open_parts(recipe, "train", info)
+    for _, _, ds in parts:
+        check_vocab(recipe, ds, vocab)
+        if any(v is not None for v in hooks.loader_args("train", ds, info).values()):
+            raise UserError("data.mix: this model's designs read data beside the tokens (concept labels), "
+                            "which a mixture does not carry yet", hint="tokenize the mixture into one dataset "
+                            "with labels and give it as data.train_prefix")
+    loader = MixLoader(parts, T, G, seed=t.seed, rank=rank, world_size=world, vocab_size=vocab,
+                       vocab_from=vocab_from(recipe)[0])
+    val_parts = []
+    for name, w, ds in open_parts(recipe, "val", info):
+        if (ds.num_tokens - 1) // T < 1:
+            info(f"data.mix: component {name} has no validation window of {T + 1} tokens; not evaluated on its own")
+            continue
+        check_vocab(recipe, ds, vocab)
+        val_parts.append((name, w, ds))
+    val_ds = None
+    if not val_parts:
+        val_ds = dataset(recipe, "val")
+        check_vocab(recipe, val_ds, vocab)
+        WindowLoader(val_ds, T, G, seed=t.seed)  # raises if validation has not one window
+    info("data.mix: " + ", ".join(f"{n} {w:.3f} ({p.num_windows:,} windows)"
+                                  for n, w, p in zip(loader.names, loader.weights, loader.parts)))
+    return TrainData(parts[0][2], val_ds, loader, val_parts=val_parts)
 
 
 def dataset(recipe: Recipe, split: str) -> IndexedDataset:

@@ -108,7 +108,7 @@ class TrainDisplay:
     def validation(self, step: int, val: dict[str, Any]) -> None:
         """One line per evaluation: the total, with several loss terms the first one (the token
         loss, comparable across models), and with learned segments the tokens per concept (per
-        data.sources entry when there are several)."""
+        data.sources entry when there are several); with data.mix each component's loss."""
         parts = loss_terms(val)
         first = f" ({_short(parts[0])} {val[parts[0]]:.4f})" if len(parts) > 1 else ""
         extra = ""
@@ -120,6 +120,9 @@ class TrainDisplay:
         if isinstance(val.get("concept_auc"), (int, float)):  # a bottleneck: held-out concept detection
             extra += ", " + detection_line(val)
         extra += "".join(", " + s for s in estimate_terms(val))
+        per = {k.split("/", 1)[1]: v for k, v in val.items() if k.startswith("loss/")}  # data.mix components
+        if per:
+            extra += " (" + ", ".join(f"{name} {v:.4f}" for name, v in per.items()) + ")"
         self.message(f"step {step}: val loss {val['loss']:.4f}{first}{extra}")
 
     def message(self, text: str) -> None:

@@ -49,6 +49,7 @@ from ncpctl.train.metrics import MetricsLog, unigram_entropy, write_plots
 from ncpctl.train.packing import LOSS, StepPacking
 from ncpctl.train.stages import Stage, build_model
 from ncpctl.train.summary import summary
+from ncpctl.train.validate import validate
 
 
 FAULT_ENV = "NCPCTL_FAULT"  # test hook, see Faults
@@ -409,7 +410,7 @@ def _observe(run: _Run, out: Any) -> None:
     if lead:
         from ncpctl.train.display import TrainDisplay
 
-        run.entropy = unigram_entropy(run.data.train_ds.tokens, r.model_config.vocab_size)
+        run.entropy = unigram_entropy(run.data.train_tokens(), r.model_config.vocab_size)
         run.display = TrainDisplay(out.err, run.stage.name)
         run.info(f"data: {run.data.loader.num_windows:,} train windows of {T} tokens, global batch {G} "
                  f"({t.micro_batch_size} x {r.grad_accum_steps} accum x {d.world} ranks); "
@@ -522,34 +523,9 @@ def _log_step(run: _Run, step: _Step) -> None:
 
 
 def _evaluate(run: _Run, final: bool = False) -> None:
-    """Validation on train.eval_batches fixed batches: the model's log keys averaged over
-    micro-batches, batches and ranks (one collective; no statistics hook), then the designs' own
-    keys (their evaluation hooks, ``ncpctl.train.hooks``; ``final``: the run's last evaluation)."""
-    r, d, engine, pk, hooks = run.recipe, run.d, run.engine, run.packing, run.hooks
-    micro = r.train.micro_batch_size
-    engine.eval()
-    val, batches = run.data.val_loader(r, d.rank, d.world)
-    objective = engine.module.objective
-    acc = torch.zeros(pk.n_terms, device=d.device)
-    held: dict[str, torch.Tensor] = {}  # the objective's held-out sums (Objective.validation: the CDLM's ELBO)
-    hooks.eval_begin(engine.module, final)
-    with torch.no_grad():
-        for _ in range(batches):
-            windows = torch.from_numpy(next(val))
-            ids = torch.from_numpy(val.sample_ids()).split(micro)  # the same at every evaluation
-            extra = hooks.inputs(val, math.ceil(windows.shape[0] / micro), micro, d.device, evaluating=True)
-            for i, (mb, mb_ids, kw) in enumerate(zip(windows.split(micro), ids, extra)):  # (micro, T+1)
-                x, y = (t.to(d.device) for t in objective.keyed_batch(mb, mb_ids))
-                o = engine(x, y, **kw)
-                hooks.eval_micro(i, o)
-                acc += pk.terms(o)
-                for k, v in objective.validation(engine.module, mb.to(d.device), mb_ids.to(d.device)).items():
-                    held[k] = held[k] + v if k in held else v
-    terms = pk.split_terms(d.sum(acc), mean_over=d.world * batches * r.grad_accum_steps)
-    run.tot.val, run.tot.val_step = pk.scalars(terms), run.tot.step
-    run.tot.val.update(objective.validation_record({k: d.sum(v) for k, v in held.items()}))
-    run.tot.val.update(hooks.eval_end(d))
-    engine.train()
+    """Validation on train.eval_batches fixed batches (per data.mix component when the mixture's
+    components have validation splits; ``ncpctl.train.validate``), logged and shown."""
+    run.tot.val, run.tot.val_step = validate(run, final), run.tot.step
     if run.metrics is not None:
         run.metrics.write({"split": "val", "step": run.tot.step, **run.tot.val})
     if run.display is not None:
@@ -562,7 +538,8 @@ def _save(run: _Run) -> None:
     meta = {"stage": stage.name, "tokens_seen": tot.tokens, "model_config": r.model_config.to_dict(),
             "optimizer": r.train.optimizer,
             **run.hooks.checkpoint_meta(),  # what the designs record (e.g. their label names)
-            "data": {"train": run.data.loader.state_dict(), "train_prefix": str(run.data.train_ds.bin_path)[:-4]},
+            "data": {"train": run.data.loader.state_dict(),  # with data.mix: its components in the state
+                     "train_prefix": None if r.data.mix and not r.data.train_prefix else str(run.data.train_ds.bin_path)[:-4]},
             "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
             "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
             "budget": r.budget.record(tot.step, tot.tokens, run.flops_per_step),

@@ -29,9 +29,18 @@ from ncpctl.fsutil import atomic_write, atomic_write_with, disk_errors
 
 METRICS = "metrics.jsonl"
 
-def unigram_entropy(tokens: np.ndarray, vocab_size: int, limit: int = 200_000_000) -> float:
+def unigram_entropy(tokens: np.ndarray | list[tuple[float, np.ndarray]], vocab_size: int,
+                    limit: int = 200_000_000) -> float:
     """Entropy in nats of the unigram token distribution (the loss a model knowing only
-    token frequencies would reach; a trained model must get clearly below it)."""
+    token frequencies would reach; a trained model must get clearly below it). ``tokens``: one
+    array, or ``(weight, tokens)`` per data.mix component: the weighted mixture of their unigrams."""
+    if isinstance(tokens, list):
+        mixed = np.zeros(vocab_size)
+        for w, t in tokens:
+            counts = np.bincount(np.asarray(t[:limit // len(tokens)]), minlength=vocab_size).astype(np.float64)
+            mixed += w * counts / max(counts.sum(), 1.0)
+        p = mixed[mixed > 0] / mixed.sum()
+        return float(-(p * np.log(p)).sum())
     counts = np.bincount(np.asarray(tokens[:limit]), minlength=vocab_size).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
@@ -119,7 +128,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def write_plots(run_dir: Path, code_counts: np.ndarray | None = None, warn: Any = None,
                 target_ratio: float | None = None) -> list[str]:
-    """``loss_curves.png`` (train loss terms and validation losses against step),
+    """``loss_curves.png`` (train loss terms and validation losses against step, per data.mix
+    component too: the ``KEY/NAME`` keys),
     ``codebook_usage.png`` (one panel per codebook segment: how often each code is the nearest
     code of a predicted concept over the final validation pass, sorted; ConceptLM Fig. 5),
     when there are stability records, ``attention_stats.png`` (``_attention_plot``) and, when the
@@ -148,6 +158,9 @@ def write_plots(run_dir: Path, code_counts: np.ndarray | None = None, warn: Any 
         vpts = [(r["step"], r[key]) for r in val if r.get(key) is not None]
         if vpts:
             ax.plot(*zip(*vpts), "o-", label="val", ms=3)
+        for comp in dict.fromkeys(k for r in val for k in r if k.startswith(key + "/")):  # data.mix components
+            cpts = [(r["step"], r[comp]) for r in val if isinstance(r.get(comp), (int, float))]
+            ax.plot(*zip(*cpts), ".--", lw=0.8, ms=3, label=f"val: {comp.split('/', 1)[1]}")
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.legend()

@@ -175,9 +175,9 @@ def test_stage2_midtrains_100b_tokens_from_stage1(tree: Path, olmo_like: list[st
     # (the data prefixes differ too, in the files: here both point at the stand-ins)
     assert _diff(s1.to_dict(), s2.to_dict()) == {
         "train.init_from", "train.load", "train.global_batch_size", "train.max_steps", "train.lr", "train.min_lr",
-        "train.warmup_steps", "train.grad_accum_steps"}
-    data = yaml.safe_load(_path(tree, f"{MAIN}-stage2").read_text())["data"]
-    assert all("dolmino" in data[k] for k in ("train_prefix", "val_prefix")) and s2.train.load == "all"
+        "train.warmup_steps", "train.grad_accum_steps", "data.mix"}
+    (mix,) = yaml.safe_load(_path(tree, f"{MAIN}-stage2").read_text())["data"]["mix"]
+    assert all("dolmino" in mix[k] for k in ("prefix", "val_prefix")) and s2.train.load == "all"
     assert s2.train.max_steps * 256 * 8192 == pytest.approx(100e9, rel=1e-5)
     # annealed from where Stage 1 ends to 0, no warmup (OLMo-3's midtraining)
     assert (s2.train.lr, s2.train.min_lr, s2.warmup_steps) == (s1.train.min_lr, 0.0, 0)

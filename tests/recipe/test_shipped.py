@@ -40,6 +40,7 @@ def pile_like(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 def test_every_recipe_file_is_covered() -> None:
     shipped = {p.stem for p in RECIPES.glob("*.yaml")}
     assert shipped == {"debug", "debug-bottleneck", "debug-bottleneck-steer", "debug-dlcm", "debug-cdlm", "debug-cdlm-bottleneck",
+                       "debug-mix",
                        "steerling-8b", "pythia-common", *PYTHIA, *PAPER_RECIPES,
                        *ARCHPREVIEW_RECIPES, *DLCM_RECIPES}
 
@@ -85,6 +86,14 @@ def test_debug_recipe() -> None:
     assert r.run_dir == Path("runs/debug")
     assert cfg.concept.enabled and cfg.name == "debug" and cfg.vocab_size == r.tokenizer.vocab_size
     assert r.seq_len == 256 and r.global_batch_size == 8
+
+
+def test_debug_mix_recipe() -> None:
+    """The debug model on a weighted mixture of three built-in corpora (run once: README)."""
+    r = load_recipe(RECIPES / "debug-mix.yaml", need_sources=True)
+    assert [(c.name, c.weight) for c in r.data.mix] == [("pydantic", 0.5), ("cli", 0.3), ("networkx", 0.2)]
+    assert not r.data.sources and all(c.sources and c.prefix is None for c in r.data.mix)
+    assert r.run_dir == Path("runs/debug-mix") and r.model_config.name == "debug"
 
 
 def test_debug_dlcm_recipe() -> None:

@@ -127,3 +127,9 @@ def test_the_cpu_peak_is_the_instruction_set_bound_or_the_best_measured_gemm_whi
     monkeypatch.setattr(timing, "gemm_peak", lambda *a, **k: {"flop_per_s": 2e14})  # loaded again: the best stays
     peak, how = timing.device_peak(False)
     assert peak == 1e15 and "best fp32 1024^3 GEMM measured here 1000000 GFLOP/s" in how
+
+
+def test_validation_shows_each_mixture_components_loss() -> None:
+    val = {"loss": 5.5, "ntp_loss": 5.25, "loss/web": 5.25, "ntp_loss/web": 5.0, "loss/code": 6.0, "ntp_loss/code": 5.75}
+    _, out = _shown(REC, val)
+    assert "step 3: val loss 5.5000 (web 5.2500, code 6.0000)\n" in out  # one loss term: no (ntp ...)
