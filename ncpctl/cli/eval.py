@@ -46,6 +46,18 @@ def main(
     base: Annotated[Optional[str], typer.Option(
         "--base", metavar="CHECKPOINT", help="With --concepts: the base model compared position by position "
         "(same tokenizer).", show_default=False)] = None,
+    proxy: Annotated[Optional[str], typer.Option(
+        "--proxy", metavar="SPEC.jsonl", help="Capability proxies (NCP-ArchPreview App. C) of each TARGET checkpoint: "
+        "a JSONL of {prompt, suffix, source, capability[, choices, label]}; teacher-forced mean suffix NLL averaged "
+        "per source then per capability, and the multiple-choice margin. Writes proxy_<step>.json to --out.",
+        show_default=False)] = None,
+    against: Annotated[Optional[str], typer.Option(
+        "--against", metavar="TASK:METRIC", help="With --proxy and several TARGETs: correlate each proxy with this "
+        "downstream score from their results_<step>.json (slope, R², Spearman), e.g. hellaswag:acc_norm.",
+        show_default=False)] = None,
+    allow_code_execution: Annotated[bool, typer.Option(
+        "--allow-code-execution", help="Run code tasks (pass@k): execute model-written programs in a subprocess "
+        "with CPU, memory and time limits (a guard against accidents, not a sandbox against a hostile model).")] = False,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -70,7 +82,9 @@ def main(
     set_verify(not no_verify)
     out_ = Output(json_out)
     names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None
-    log = lambda m: out_.info(f"[dim]{m}[/]")  # noqa: E731
+    from rich.markup import escape
+
+    log = lambda m: out_.info(f"[dim]{escape(m)}[/]")  # noqa: E731 - escape: a skipped task's error may hold [brackets]
     if compare:
         if set_:
             raise UserError("--set does not apply to --compare", hint="each checkpoint carries its own recipe")
@@ -83,6 +97,9 @@ def main(
             con.print("[dim]" + "\n".join(f"{k}: {v}" for k, v in payload["files"].items() if v) + "[/]"),
         ))
         return
+    if proxy is not None:
+        _proxy(out_, targets, proxy, against, out, batch_size, log)
+        return
     if len(targets) != 1:
         raise UserError(f"eval takes one TARGET, got {len(targets)}", hint="to compare runs: ncpctl eval --compare A B")
     if concepts or base is not None:
@@ -92,11 +109,28 @@ def main(
 
     t = resolve_target(targets[0], set_ or [], names, batch_size, limit, num_fewshot, out, heldout=heldout,
                        diffusion_samples=diffusion_samples)
+    if allow_code_execution:
+        import os
+
+        from ncpctl.evaluate.code_exec import ALLOW_ENV
+
+        os.environ[ALLOW_ENV] = "1"
+        t.allow_code = True
     summary = evaluate(t, log=log)
     out_.result({"command": "eval", **summary}, lambda con: (
         print_wide(con, rich_table(summary)),
         con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),
     ))
+
+
+def _proxy(out_: Output, targets: list[str], spec: str, against: str | None, out: str | None,
+           batch_size: int | None, log) -> None:
+    """``--proxy``: ncpctl.evaluate.proxy.evaluate_proxy on each TARGET, one table; the correlation view
+    with --against."""
+    from ncpctl.evaluate.proxy import evaluate_proxy, rich_tables
+
+    payload = evaluate_proxy(targets, spec, against=against, out=out, batch_size=batch_size or 8, log=log)
+    out_.result({"command": "eval", "mode": "proxy", **payload}, lambda con: [print_wide(con, t) for t in rich_tables(payload)])
 
 
 def _concepts(out_: Output, target: str, heldout: list[str] | None, base: str | None, out: str | None) -> None:
