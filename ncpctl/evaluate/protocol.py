@@ -9,7 +9,7 @@ group machinery cannot: which metric of each member the paper reports (``metrics
 the papers mix acc, acc_norm, exact match and pass@1), the sub-averages (``sections``) and the rule::
 
     metadata:
-      aggregate: {name: Avg Acc, rule: mean, note: "..."}   # rule: mean = unweighted arithmetic mean
+      aggregate: {name: Avg Acc, rule: unweighted_mean, note: "..."}
       metrics: {arc_challenge: acc_norm, ...}                # default: acc
       sections: {Math: [gsm8k, ...], ...}                    # optional sub-averages, same rule
 
@@ -22,13 +22,15 @@ which were missing.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ncpctl.errors import UserError
 
-RULES = {"mean": "unweighted arithmetic mean of the members' scores"}
+RULES = {"unweighted_mean": "unweighted arithmetic mean of the members' scores"}
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def protocol_of(name: str, ours: dict[str, dict[str, Any]]) -> Protocol | None:
     if d is None or "group" not in d or "aggregate" not in meta:
         return None
     agg, metrics = meta["aggregate"], meta.get("metrics") or {}
-    rule = agg.get("rule", "mean")
+    rule = agg.get("rule", "unweighted_mean")
     if rule not in RULES:
         raise UserError(f"task group {name}: aggregate rule {rule!r} is not one of {', '.join(RULES)}")
     members = []
@@ -90,6 +92,17 @@ def check_known(p: Protocol, known: set[str]) -> None:
                         hint="fix the group YAML in ncpctl/evaluate/tasks/ (lm-eval task names: lm_eval ls tasks)")
 
 
+@contextlib.contextmanager
+def _quiet(name: str):
+    log = logging.getLogger(name)
+    before = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
+
+
 def load_members(p: Protocol, tm: Any, allow_code: bool, skip: Callable[[str], None]) -> list[Any]:
     """lm-eval task/group objects of the members that can run here; the others are reported through
     ``skip`` with one line each (data not on this machine, code execution not allowed)."""
@@ -103,7 +116,8 @@ def load_members(p: Protocol, tm: Any, allow_code: bool, skip: Callable[[str], N
                  "pass@k runs on local code tasks: ncpctl.evaluate.code_exec)")
             continue
         try:  # by name: lm-eval builds a top-level {task: NAME, ...} dict as a new inline task, unmerged
-            loaded = tm.load([m.name])
+            with _quiet("lm_eval.config.task"):  # its config advice for a task that may be skipped is noise
+                loaded = tm.load([m.name])
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - a dataset loader raises anything when offline

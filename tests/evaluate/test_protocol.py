@@ -27,7 +27,7 @@ def _tiny_tasks(root: Path, members: str) -> Path:
         "metric_list: [{metric: acc, aggregation: mean, higher_is_better: true}]\nmetadata: {version: 1.0}\n")
     (root / "tiny_group.yaml").write_text(
         f"group: tiny_group\ntask:\n{members}\n"
-        "metadata: {version: 1.0, aggregate: {name: Avg Acc, rule: mean}}\n")
+        "metadata: {version: 1.0, aggregate: {name: Avg Acc, rule: unweighted_mean}}\n")
     return root
 
 
