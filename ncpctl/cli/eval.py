@@ -21,7 +21,8 @@ def main(
     tasks: Annotated[Optional[str], typer.Option(
         "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: eval.tasks of the recipe, or of "
         "the recipe a checkpoint carries; '' = none, only --heldout). "
-        "Offline: ncp_offline; the ConceptLM paper: conceptlm, conceptlm_downstream, conceptlm_ppl.",
+        "Offline: ncp_offline; the ConceptLM paper: conceptlm, conceptlm_downstream, conceptlm_ppl; paper tables with "
+        "their shots and aggregate: conceptlm_table1, conceptlm_8b, dlcm_table2, archpreview_table1, archpreview_general.",
         show_default=False)] = None,
     heldout: Annotated[Optional[list[str]], typer.Option(
         "--heldout", metavar="SOURCE", help="Held-out text to score (token/word/byte perplexity, bits per byte), "
