@@ -140,3 +140,23 @@ def test_code_members_need_the_opt_in() -> None:
     code = protocol.Protocol(p.name, [m for m in p.members if m.is_code], p.label, p.rule)
     assert protocol.load_members(code, NoLoad(), allow_code=False, skip=skipped.append) == []
     assert len(skipped) == 6 and all("--allow-code-execution" in s for s in skipped)
+
+
+def test_evaluate_writes_the_aggregate_with_its_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`evaluate` (what `ncpctl eval` calls) on a protocol group: the JSON's `aggregates` and the
+    markdown carry the paper's name of the aggregate, its value and the rule line."""
+    import functools
+
+    from ncpctl.evaluate import run
+
+    root = _tiny_tasks(tmp_path, "  - {task: tiny_qa, num_fewshot: 2}")
+    monkeypatch.setattr(run, "load_tasks", functools.partial(load_tasks, tasks_dir=root))
+    lm = _Recorder()
+    lm.token_stats = {}
+    t = run.EvalTarget(tmp_path / "ck", tmp_path / "out", ["tiny_group"], batch_size=4, limit=3, num_fewshot=None)
+    summary = run.evaluate(t, lm=lm)
+    agg = summary["aggregates"]["tiny_group"]
+    assert agg["value"] == pytest.approx(1.0) and agg["name"] == "Avg Acc"
+    md = Path(summary["files"]["markdown"]).read_text()
+    assert "## tiny_group: Avg Acc" in md and "unweighted arithmetic mean" in md
+    assert json.loads(Path(summary["files"]["json"]).read_text())["aggregates"]["tiny_group"]["value"] == 1.0
