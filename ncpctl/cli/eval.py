@@ -56,6 +56,12 @@ def main(
         "--against", metavar="TASK:METRIC", help="With --proxy and several TARGETs: correlate each proxy with this "
         "downstream score from their results_<step>.json (slope, R², Spearman), e.g. hellaswag:acc_norm.",
         show_default=False)] = None,
+    code_task: Annotated[Optional[str], typer.Option(
+        "--code-task", metavar="FILE.jsonl", help="pass@k of the checkpoint on a code task: JSONL of {prompt, test}; "
+        "--samples completions per problem, each run with its test (needs --allow-code-execution). "
+        "Writes code_<step>.json to --out. A tiny one: examples/code/tiny.jsonl.", show_default=False)] = None,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="With --code-task: samples per problem "
+                                         "(NCP-ArchPreview: 32); pass@1 and, when n >= 10, pass@10.")] = 32,
     allow_code_execution: Annotated[bool, typer.Option(
         "--allow-code-execution", help="Run code tasks (pass@k): execute model-written programs in a subprocess "
         "with CPU, memory and time limits (a guard against accidents, not a sandbox against a hostile model).")] = False,
@@ -98,6 +104,15 @@ def main(
             con.print("[dim]" + "\n".join(f"{k}: {v}" for k, v in payload["files"].items() if v) + "[/]"),
         ))
         return
+    if allow_code_execution:  # the opt-in reaches the code runner through the environment (as lm-eval's HF_ALLOW_CODE_EVAL)
+        import os
+
+        from ncpctl.evaluate.code_exec import ALLOW_ENV
+
+        os.environ[ALLOW_ENV] = "1"
+    if code_task is not None:
+        _code(out_, targets, code_task, samples, out, batch_size, log)
+        return
     if proxy is not None:
         _proxy(out_, targets, proxy, against, out, batch_size, log)
         return
@@ -110,18 +125,34 @@ def main(
 
     t = resolve_target(targets[0], set_ or [], names, batch_size, limit, num_fewshot, out, heldout=heldout,
                        diffusion_samples=diffusion_samples)
-    if allow_code_execution:
-        import os
-
-        from ncpctl.evaluate.code_exec import ALLOW_ENV
-
-        os.environ[ALLOW_ENV] = "1"
-        t.allow_code = True
+    t.allow_code = allow_code_execution
     summary = evaluate(t, log=log)
     out_.result({"command": "eval", **summary}, lambda con: (
         print_wide(con, rich_table(summary)),
         con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),
     ))
+
+
+def _code(out_: Output, targets: list[str], path: str, samples: int, out: str | None, batch_size: int | None,
+          log) -> None:
+    """``--code-task``: ncpctl.evaluate.code_exec.run_code_task on one checkpoint."""
+    from ncpctl.evaluate.code_exec import run_code_task
+
+    if len(targets) != 1:
+        raise UserError(f"--code-task takes one TARGET, got {len(targets)}")
+    res = run_code_task(targets[0], path, samples, (1, 10) if samples >= 10 else (1,), out=out,
+                        batch_size=batch_size or 8, log=log)
+
+    def human(con) -> None:
+        ks = [k for k in res if isinstance(k, str) and k.startswith("pass@")]
+        con.print(f"{path}: {len(res['problems'])} problems, n = {res['n']} samples each: "
+                  + ", ".join(f"{k} = {res[k]:.4f}" for k in ks) + " (unbiased estimator, Chen et al. 2021)")
+        for p in res["problems"]:
+            con.print(f"  {p['task_id']}: {p['correct']}/{p['n']} passed" + (
+                f"; failures: {'; '.join(p['failures'][:3])}" if p["failures"] else ""), markup=False)
+        con.print(f"[dim]{res['file']}[/]")
+
+    out_.result({"command": "eval", "mode": "code", **res}, human)
 
 
 def _proxy(out_: Output, targets: list[str], spec: str, against: str | None, out: str | None,

@@ -117,3 +117,42 @@ def evaluate_code(problems: list[dict[str, str]], sample: Callable[[str, int], l
                     "failures": sorted({why for ok, why in outcomes if not ok})})
     return {**{f"pass@{k}": sum(r[f"pass@{k}"] for r in per) / len(per) for k in ks},
             "n": n, "problems": per, "limits": lim.__dict__}
+
+
+TEMPERATURE = 0.8  # NCP-ArchPreview's Table 13 gives no decoding parameters: assumed
+STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]  # the end of a function body, as lm-eval's humaneval
+
+
+def lm_sampler(lm, max_gen_toks: int = 256, seed: int = 0) -> Callable[[str, int], list[str]]:
+    """n completions of a prompt from an lm-eval LM (``NCPLM``): its ``generate_until`` with sampling
+    at ``TEMPERATURE``; the n requests share their arguments, so they are drawn as one seeded batch."""
+    class _Req:
+        def __init__(self, prompt: str):
+            self.args = (prompt, {"until": STOP, "do_sample": True, "temperature": TEMPERATURE,
+                                  "max_gen_toks": max_gen_toks, "seed": seed})
+
+    return lambda prompt, n: lm.generate_until([_Req(prompt) for _ in range(n)], disable_tqdm=True)
+
+
+def run_code_task(target: str, path: str, n: int, ks: tuple[int, ...], out: str | None = None,
+                  batch_size: int = 8, log: Callable[[str], None] = lambda m: None) -> dict[str, object]:
+    """``ncpctl eval CKPT --code-task FILE --allow-code-execution``: pass@k of the checkpoint on a code
+    task file; writes ``code_<checkpoint name>.json`` to ``out`` (default the run's ``eval/``)."""
+    from ncpctl.checkpoint import resolve, run_dir_of
+    from ncpctl.evaluate.lm import NCPLM
+    from ncpctl.fsutil import atomic_write
+
+    problems = read_problems(Path(path))  # before the model loads: a bad file is one line per problem
+    if os.environ.get(ALLOW_ENV) != "1":
+        raise UserError("--code-task executes model-written programs", hint="opt in with --allow-code-execution")
+    if max(ks) > n:
+        raise UserError(f"pass@{max(ks)} needs at least {max(ks)} samples per problem (--samples {n})")
+    ck = resolve(Path(target))
+    log(f"{path}: {len(problems)} problems x {n} samples at temperature {TEMPERATURE} on {ck}")
+    res = evaluate_code(problems, lm_sampler(NCPLM(str(ck), batch_size=batch_size)), n, ks)
+    res.update(checkpoint=str(ck), task=str(path), temperature=TEMPERATURE)
+    out_dir = Path(out) if out else (run_dir_of(ck) or ck) / "eval"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / f"code_{ck.name}.json", json.dumps(res, indent=2) + "\n")
+    res["file"] = str(out_dir / f"code_{ck.name}.json")
+    return res

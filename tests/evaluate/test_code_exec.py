@@ -55,3 +55,23 @@ def test_a_problem_without_a_test_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(UserError) as e:
         read_problems(f)
     assert e.value.problems == [f"{f}:1: missing field test"]
+
+
+def test_code_task_through_the_cli_needs_the_opt_in(tmp_path: Path) -> None:
+    """`ncpctl eval CKPT --code-task FILE`: refused (one line, exit 2) without --allow-code-execution;
+    with it, every sample of the checkpoint is executed and counted (the 20-step fixture writes no
+    working code: pass@1 = 0, with the failures recorded)."""
+    from ..conftest import run_cli
+
+    ckpt = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox"
+    f = tmp_path / "one.jsonl"
+    f.write_text(json.dumps(PROBLEMS[0]) + "\n")
+    r = run_cli("eval", str(ckpt), "--code-task", str(f), "--samples", "2", "--out", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.splitlines()[0] == "error: --code-task executes model-written programs"
+    r = run_cli("eval", str(ckpt), "--code-task", str(f), "--samples", "2", "--allow-code-execution",
+                "--out", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [(p["n"], p["pass@1"]) for p in res["problems"]] == [(2, p["correct"] / 2) for p in res["problems"]]
+    assert len(res["problems"]) == 1 and res["pass@1"] == res["problems"][0]["pass@1"]
+    assert (tmp_path / f"code_{ckpt.name}.json").is_file()
