@@ -197,8 +197,10 @@ def evaluate_proxy(targets: list[str], spec: str, against: str | None = None, ou
         ck = resolve(Path(target))
         out_dir = Path(out) if out else (run_dir_of(ck) or ck) / "eval"
         log(f"proxy {spec} on {ck} ({len(items)} items)")
-        rep = score(items, lm_scorer(NCPLM(str(ck), batch_size=batch_size)))
-        rep.update(checkpoint=str(ck), spec=str(spec))
+        lm = NCPLM(str(ck), batch_size=batch_size)
+        rep = score(items, lm_scorer(lm))
+        # a Causal Diffusion LM's log-likelihoods are ELBO bounds: its NLLs are upper bounds
+        rep.update(checkpoint=str(ck), spec=str(spec), likelihood=lm.likelihood)
         if against:
             rep["downstream"] = {"score": against, "value": _downstream(out_dir, ck.name, against)}
         out_dir.mkdir(parents=True, exist_ok=True)
