@@ -7,6 +7,7 @@
 * ``ncpctl.evaluate.protocol``: paper-table groups: per-task shots and metric, the paper's aggregate.
 * ``ncpctl.evaluate.code_exec``: code tasks: sandboxed execution and the unbiased pass@k.
 * ``ncpctl.evaluate.proxy``: capability proxies (``ncpctl eval --proxy``); ``proxy_build`` makes a set.
+* ``ncpctl.evaluate.uncertainty``: tokens-to-reach, window and seed aggregates, paired bootstrap.
 * ``ncpctl.evaluate.tasks/``: task YAMLs (``ncp_offline``; the ConceptLM paper groups; the paper tables).
 * ``ncpctl.evaluate.run``: ``evaluate(...)``, what ``ncpctl eval`` calls.
 * ``python -m ncpctl.evaluate ...``: the ``lm_eval`` command line with ``--model ncpctl``

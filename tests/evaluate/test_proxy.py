@@ -84,3 +84,16 @@ def test_shipped_set_through_the_cli(tmp_path: Path) -> None:
     assert set(caps) == {"function generation", "function choice"} and all(0 < v < 20 for v in caps.values())
     assert rep["mc_items"] == 6 and isinstance(rep["margin"]["overall"], float)
     assert (tmp_path / "out" / f"proxy_{FIXTURE.name}.json").is_file()
+
+
+def test_builder_makes_a_valid_set_from_held_out_packages(tmp_path: Path) -> None:
+    from ncpctl.evaluate.proxy_build import main
+
+    f = tmp_path / "p.jsonl"
+    main(["--packages", "mpmath", "--per-source", "2", "--out", str(f)])
+    items = proxy.read_spec(f)  # every line has the four fields; choices hold the suffix at label
+    assert {(it.source, it.capability) for it in items} == {("mpmath", "function generation"),
+                                                            ("mpmath", "function choice")}
+    for it in items:
+        assert it.prompt.lstrip().startswith(("def ", "@", "async def ")) and ('"""' in it.prompt or "'''" in it.prompt)
+        assert not it.choices or (len(it.choices) == 4 and it.choices[it.label] == it.suffix)
