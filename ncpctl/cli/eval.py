@@ -21,7 +21,8 @@ def main(
     tasks: Annotated[Optional[str], typer.Option(
         "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: eval.tasks of the recipe, or of "
         "the recipe a checkpoint carries; '' = none, only --heldout). "
-        "Offline: ncp_offline; the ConceptLM paper: conceptlm, conceptlm_downstream, conceptlm_ppl.",
+        "Offline: ncp_offline; the ConceptLM paper: conceptlm, conceptlm_downstream, conceptlm_ppl; paper tables with "
+        "their shots and aggregate: conceptlm_table1, conceptlm_8b, dlcm_table2, archpreview_table1, archpreview_general.",
         show_default=False)] = None,
     heldout: Annotated[Optional[list[str]], typer.Option(
         "--heldout", metavar="SOURCE", help="Held-out text to score (token/word/byte perplexity, bits per byte), "
@@ -46,6 +47,24 @@ def main(
     base: Annotated[Optional[str], typer.Option(
         "--base", metavar="CHECKPOINT", help="With --concepts: the base model compared position by position "
         "(same tokenizer).", show_default=False)] = None,
+    proxy: Annotated[Optional[str], typer.Option(
+        "--proxy", metavar="SPEC.jsonl", help="Capability proxies (NCP-ArchPreview App. C) of each TARGET checkpoint: "
+        "a JSONL of {prompt, suffix, source, capability[, choices, label]}; teacher-forced mean suffix NLL averaged "
+        "per source then per capability, and the multiple-choice margin. Writes proxy_<step>.json to --out.",
+        show_default=False)] = None,
+    against: Annotated[Optional[str], typer.Option(
+        "--against", metavar="TASK:METRIC", help="With --proxy and several TARGETs: correlate each proxy with this "
+        "downstream score from their results_<step>.json (slope, R², Spearman), e.g. hellaswag:acc_norm.",
+        show_default=False)] = None,
+    code_task: Annotated[Optional[str], typer.Option(
+        "--code-task", metavar="FILE.jsonl", help="pass@k of the checkpoint on a code task: JSONL of {prompt, test}; "
+        "--samples completions per problem, each run with its test (needs --allow-code-execution). "
+        "Writes code_<step>.json to --out. A tiny one: examples/code/tiny.jsonl.", show_default=False)] = None,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="With --code-task: samples per problem "
+                                         "(NCP-ArchPreview: 32); pass@1 and, when n >= 10, pass@10.")] = 32,
+    allow_code_execution: Annotated[bool, typer.Option(
+        "--allow-code-execution", help="Run code tasks (pass@k): execute model-written programs in a subprocess "
+        "with CPU, memory and time limits (a guard against accidents, not a sandbox against a hostile model).")] = False,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -70,7 +89,9 @@ def main(
     set_verify(not no_verify)
     out_ = Output(json_out)
     names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None
-    log = lambda m: out_.info(f"[dim]{m}[/]")  # noqa: E731
+    from rich.markup import escape
+
+    log = lambda m: out_.info(f"[dim]{escape(m)}[/]")  # noqa: E731 - escape: a skipped task's error may hold [brackets]
     if compare:
         if set_:
             raise UserError("--set does not apply to --compare", hint="each checkpoint carries its own recipe")
@@ -83,6 +104,18 @@ def main(
             con.print("[dim]" + "\n".join(f"{k}: {v}" for k, v in payload["files"].items() if v) + "[/]"),
         ))
         return
+    if allow_code_execution:  # the opt-in reaches the code runner through the environment (as lm-eval's HF_ALLOW_CODE_EVAL)
+        import os
+
+        from ncpctl.evaluate.code_exec import ALLOW_ENV
+
+        os.environ[ALLOW_ENV] = "1"
+    if code_task is not None:
+        _code(out_, targets, code_task, samples, out, batch_size, log)
+        return
+    if proxy is not None:
+        _proxy(out_, targets, proxy, against, out, batch_size, log)
+        return
     if len(targets) != 1:
         raise UserError(f"eval takes one TARGET, got {len(targets)}", hint="to compare runs: ncpctl eval --compare A B")
     if concepts or base is not None:
@@ -92,11 +125,44 @@ def main(
 
     t = resolve_target(targets[0], set_ or [], names, batch_size, limit, num_fewshot, out, heldout=heldout,
                        diffusion_samples=diffusion_samples)
+    t.allow_code = allow_code_execution
     summary = evaluate(t, log=log)
     out_.result({"command": "eval", **summary}, lambda con: (
         print_wide(con, rich_table(summary)),
         con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),
     ))
+
+
+def _code(out_: Output, targets: list[str], path: str, samples: int, out: str | None, batch_size: int | None,
+          log) -> None:
+    """``--code-task``: ncpctl.evaluate.code_exec.run_code_task on one checkpoint."""
+    from ncpctl.evaluate.code_exec import run_code_task
+
+    if len(targets) != 1:
+        raise UserError(f"--code-task takes one TARGET, got {len(targets)}")
+    res = run_code_task(targets[0], path, samples, (1, 10) if samples >= 10 else (1,), out=out,
+                        batch_size=batch_size or 8, log=log)
+
+    def human(con) -> None:
+        ks = [k for k in res if isinstance(k, str) and k.startswith("pass@")]
+        con.print(f"{path}: {len(res['problems'])} problems, n = {res['n']} samples each: "
+                  + ", ".join(f"{k} = {res[k]:.4f}" for k in ks) + " (unbiased estimator, Chen et al. 2021)")
+        for p in res["problems"]:
+            con.print(f"  {p['task_id']}: {p['correct']}/{p['n']} passed" + (
+                f"; failures: {'; '.join(p['failures'][:3])}" if p["failures"] else ""), markup=False)
+        con.print(f"[dim]{res['file']}[/]")
+
+    out_.result({"command": "eval", "mode": "code", **res}, human)
+
+
+def _proxy(out_: Output, targets: list[str], spec: str, against: str | None, out: str | None,
+           batch_size: int | None, log) -> None:
+    """``--proxy``: ncpctl.evaluate.proxy.evaluate_proxy on each TARGET, one table; the correlation view
+    with --against."""
+    from ncpctl.evaluate.proxy import evaluate_proxy, rich_tables
+
+    payload = evaluate_proxy(targets, spec, against=against, out=out, batch_size=batch_size or 8, log=log)
+    out_.result({"command": "eval", "mode": "proxy", **payload}, lambda con: [print_wide(con, t) for t in rich_tables(payload)])
 
 
 def _concepts(out_: Output, target: str, heldout: list[str] | None, base: str | None, out: str | None) -> None:

@@ -4,7 +4,11 @@
 * ``ncpctl.evaluate.offline``: offline tasks from the tokenized validation split.
 * ``ncpctl.evaluate.heldout``: perplexity tasks on the user's own corpora (``--heldout``).
 * ``ncpctl.evaluate.compare``: ``ncpctl eval --compare``, several runs' results side by side.
-* ``ncpctl.evaluate.tasks/``: task YAMLs (``ncp_offline``; the ConceptLM paper groups).
+* ``ncpctl.evaluate.protocol``: paper-table groups: per-task shots and metric, the paper's aggregate.
+* ``ncpctl.evaluate.code_exec``: code tasks: sandboxed execution and the unbiased pass@k.
+* ``ncpctl.evaluate.proxy``: capability proxies (``ncpctl eval --proxy``); ``proxy_build`` makes a set.
+* ``ncpctl.evaluate.uncertainty``: tokens-to-reach, window and seed aggregates, paired bootstrap.
+* ``ncpctl.evaluate.tasks/``: task YAMLs (``ncp_offline``; the ConceptLM paper groups; the paper tables).
 * ``ncpctl.evaluate.run``: ``evaluate(...)``, what ``ncpctl eval`` calls.
 * ``python -m ncpctl.evaluate ...``: the ``lm_eval`` command line with ``--model ncpctl``
   registered and our task directory included (lm-eval 0.4 has no plugin discovery).

@@ -72,6 +72,7 @@ class EvalTarget:
     num_fewshot: int | None
     heldout: list[Any] = field(default_factory=list)  # [HeldoutSource], scored as tasks named by their labels
     diffusion_samples: int | None = None  # Monte Carlo samples of a bound's estimates (None: NCPLM's default)
+    allow_code: bool = False  # run code tasks: execute sampled programs (sandboxed; --allow-code-execution)
 
 
 def resolve_target(target: str, sets: list[str], tasks: list[str] | None, batch_size: int | None,
@@ -127,20 +128,22 @@ def _checkpoint_eval(ckpt: Path):  # -> EvalSection
                           for err in e.errors()), hint="pass --tasks/--limit/--batch-size/--num-fewshot") from None
 
 
-def our_tasks() -> dict[str, dict[str, Any]]:
+def our_tasks(tasks_dir: Path = TASKS_DIR) -> dict[str, dict[str, Any]]:
     """Our task and group YAMLs by name (a loader that ignores ``!function`` tags)."""
     class _L(yaml.SafeLoader):
         pass
 
     _L.add_constructor("!function", lambda loader, node: None)
     out = {}
-    for f in sorted(TASKS_DIR.glob("*.yaml")):
+    for f in sorted(tasks_dir.glob("*.yaml")):
         d = yaml.load(f.read_text(), Loader=_L)  # noqa: S506 - SafeLoader subclass
         out[d.get("group") or d.get("task")] = d
     return out
 
 
-def _leaves(name: str, ours: dict[str, dict[str, Any]]) -> list[str]:
+def _leaves(name: str | dict[str, Any], ours: dict[str, dict[str, Any]]) -> list[str]:
+    if isinstance(name, dict):  # a group member with overrides: {task: NAME, num_fewshot: N}
+        name = name.get("task") or name.get("group")
     d = ours.get(name)
     if d is None or "group" not in d:
         return [name]
@@ -152,18 +155,28 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".strip()
 
 
-def load_tasks(names: list[str], metadata: dict[str, Any]) -> tuple[Any, list[Any]]:
-    """(TaskManager, loaded task/group objects). lm-eval's own ~200 task folders are indexed
-    only when a name is not one of ours (that takes ~10 s). Every task that cannot be
-    loaded is reported at once, one line each."""
+def load_tasks(names: list[str], metadata: dict[str, Any], tasks_dir: Path = TASKS_DIR, allow_code: bool = False,
+               skip: Callable[[str], None] = lambda m: None) -> tuple[Any, list[Any], list[Any]]:
+    """(TaskManager, loaded task/group objects, protocols). lm-eval's own ~200 task folders are
+    indexed only when a name is not one of ours (that takes ~10 s). Every task that cannot be
+    loaded is reported at once, one line each; a protocol group (``ncpctl.evaluate.protocol``)
+    instead skips a member it cannot load with one line through ``skip`` and runs the others."""
     from lm_eval.tasks import TaskManager
 
-    ours = our_tasks()
+    from ncpctl.evaluate import protocol
+
+    ours = our_tasks(tasks_dir)
     defaults = any(leaf not in ours for n in names for leaf in _leaves(n, ours))
-    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=defaults, metadata=metadata)
-    known = set(tm.all_tasks)
-    problems, objs = [], []
+    tm = TaskManager(include_path=str(tasks_dir), include_defaults=defaults, metadata=metadata)
+    known = set(tm.all_tasks) | set(getattr(tm, "all_groups", []))
+    problems, objs, protocols = [], [], []
     for name in names:
+        p = protocol.protocol_of(name, ours)
+        if p is not None:
+            protocol.check_known(p, known)
+            objs += protocol.load_members(p, tm, allow_code, skip)
+            protocols.append(p)
+            continue
         if name not in known:
             near = [k for k in known if name in k][:3]
             problems.append(f"task {name}: unknown to lm-eval" + (f" (did you mean {', '.join(near)}?)" if near else ""))
@@ -190,7 +203,7 @@ def load_tasks(names: list[str], metadata: dict[str, Any]) -> tuple[Any, list[An
         raise UserError(*problems, hint="hub datasets need the network or a local datasets cache"
                         + (" (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE are set)" if offline else "")
                         + "; the offline tasks are `ncp_offline`")
-    return tm, objs
+    return tm, objs, protocols
 
 
 class _DropMetadataAdvice(logging.Filter):
@@ -236,6 +249,7 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     from lm_eval.utils import handle_non_serializable, make_table
 
     from ncpctl.evaluate.lm import NCPLM
+    from ncpctl.evaluate.protocol import aggregate
 
     for name in ("lm-eval", "lm_eval"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -248,8 +262,11 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     if lm is None:
         lm = NCPLM(str(t.checkpoint), batch_size=t.batch_size,
                    **({"diffusion_samples": t.diffusion_samples} if t.diffusion_samples else {}))
-    tm, objs = load_tasks(t.tasks, {"checkpoint": str(t.checkpoint)})
+    tm, objs, protocols = load_tasks(t.tasks, {"checkpoint": str(t.checkpoint)}, allow_code=t.allow_code, skip=log)
     objs += heldout.tasks(corpora)
+    if not objs:
+        raise UserError(f"none of {', '.join(t.tasks)} can run on this machine (see the skipped lines above)",
+                        hint="hub datasets need the network or a local datasets cache")
     names = [*t.tasks, *corpora]
     log(f"evaluating {t.checkpoint} on {', '.join(names)}" + (f" (limit {t.limit})" if t.limit else ""))
     with _quiet_git_hash():
@@ -259,6 +276,8 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     res.pop("samples", None)
     ppl = perplexity_summary(res["results"], lm.token_stats, res.get("configs"))
     res["perplexity"] = ppl
+    res["aggregates"] = aggregates = {p.name: aggregate(p, {**res["results"], **res.get("groups", {})})
+                                      for p in protocols}
     likelihood = getattr(lm, "likelihood", {"kind": "exact"})
     res["likelihood"] = likelihood
     res["request"] = request = {
@@ -270,12 +289,25 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     js, md = t.out_dir / f"results_{tag}.json", t.out_dir / f"results_{tag}.md"
     atomic_write(js, json.dumps(res, indent=2, default=handle_non_serializable) + "\n")
     table = make_table(res) + ("\n" + make_table(res, "groups") if res.get("groups") else "")
-    atomic_write(md, f"# {t.checkpoint}\n\n{_likelihood_line(likelihood)}{table}\n{_ppl_markdown(ppl)}")
+    atomic_write(md, f"# {t.checkpoint}\n\n{_likelihood_line(likelihood)}{table}\n{_ppl_markdown(ppl)}"
+                 f"{_aggregates_markdown(aggregates)}")
     return {
         **request, "likelihood": likelihood,
         "results": metrics(res["results"]), "groups": metrics(res.get("groups", {})), "perplexity": ppl,
+        "aggregates": aggregates,
         "files": {"json": str(js), "markdown": str(md)}, "seconds": round(time.time() - t0, 2),
     }
+
+
+def _aggregates_markdown(aggregates: dict[str, dict[str, Any]]) -> str:
+    """The paper aggregates (``ncpctl.evaluate.protocol``), each with its rule in words."""
+    lines = []
+    for group, a in aggregates.items():
+        lines += ["", f"## {group}: {a['name']}", "", "| task | metric | score |", "|---|---|---:|"]
+        lines += [f"| {k} | {a['metrics'][k]} | {_num(v)} |" for k, v in a["scores"].items()]
+        lines += [f"| {s} AVG | | {_num(v)} |" for s, v in a["sections"].items()]
+        lines += [f"| **{a['name']}** | {a['rule']} | {_num(a['value'])} |", "", f"- rule: {a['rule_text']}", ""]
+    return "\n".join(lines)
 
 
 def _likelihood_line(likelihood: dict[str, Any]) -> str:
@@ -418,6 +450,24 @@ def rich_table(summary: dict[str, Any]):
         table.add_row("perplexity sets", "mean of per-set ppl (paper's average)", _num(ppl["mean_of_sets"]), "")
         table.add_row("perplexity sets", "token-weighted ppl (tokens pooled)", _num(ppl["token_weighted"]), "")
         table.caption, table.caption_justify = Text(ppl["rule"]), "left"  # Text: its [unit]s are not markup
+    _aggregate_rows(table, summary.get("aggregates") or {})
     return table
+
+
+def _aggregate_rows(table, aggregates: dict[str, dict[str, Any]]) -> None:
+    """A paper group's section AVGs and its aggregate, named as the paper names it; the rule goes
+    into the caption (one line per group)."""
+    from rich.text import Text
+
+    rules = []
+    for group, a in aggregates.items():
+        table.add_section()
+        for s, v in a["sections"].items():
+            table.add_row(group, f"{s} AVG ({a['rule']})", _num(v), "")
+        table.add_row(group, f"{a['name']} ({a['rule']})", _num(a["value"]), "")
+        rules.append(f"{group}: {a['rule_text']}")
+    if rules:
+        before = table.caption.plain + "\n" if isinstance(table.caption, Text) else ""
+        table.caption, table.caption_justify = Text(before + "\n".join(rules)), "left"
 
 
