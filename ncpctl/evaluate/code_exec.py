@@ -85,16 +85,12 @@ def run_program(program: str, lim: Limits = Limits()) -> tuple[bool, str]:
 
 def read_problems(path: Path) -> list[dict[str, str]]:
     """The problems of a code task file; a missing field or bad line is one line each, exit 2."""
-    probs, bad = [], []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            bad.append(f"{path}:{i}: not JSON ({e.msg})")
-            continue
-        miss = [k for k in ("prompt", "test") if not isinstance(d.get(k), str)]
+    from ncpctl.evaluate.proxy import jsonl_records
+
+    probs: list[dict[str, str]] = []
+    records, bad = jsonl_records(path)
+    for i, d in records:
+        miss = [k for k in ("prompt", "test") if not isinstance(d, dict) or not isinstance(d.get(k), str)]
         if miss:
             bad.append(f"{path}:{i}: missing field {', '.join(miss)}")
             continue

@@ -41,20 +41,28 @@ class Item:
     label: int | None = None
 
 
+def jsonl_records(path: Path) -> tuple[list[tuple[int, Any]], list[str]]:
+    """(line number, parsed value) of each non-blank line of a JSONL file, and one problem line
+    per line that is not JSON (``path:line: not JSON (...)``): the task and proxy files' reader."""
+    records, bad = [], []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append((i, json.loads(line)))
+        except json.JSONDecodeError as e:
+            bad.append(f"{path}:{i}: not JSON ({e.msg})")
+    return records, bad
+
+
 def read_spec(path: str | Path) -> list[Item]:
     """The items of a proxy file; every bad line is reported at once, one line each (exit 2)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: no such proxy file", hint="a JSONL of {prompt, suffix, source, capability}")
-    items, bad = [], []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            bad.append(f"{p}:{i}: not JSON ({e.msg})")
-            continue
+    items: list[Item] = []
+    records, bad = jsonl_records(p)
+    for i, d in records:
         miss = [k for k in FIELDS if not isinstance(d.get(k), str) or (k != "prompt" and not d[k])] \
             if isinstance(d, dict) else list(FIELDS)
         if miss:
