@@ -41,7 +41,7 @@ def main(
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the bootstrap.")] = 0,
     family_from_parent: Annotated[bool, typer.Option(
         "--family-from-parent", help="A run directory's family is its parent directory's name (runs/base/s1, "
-        "runs/conceptlm/s1); default: one family.")] = False,
+        "runs/conceptlm/s1), a sweep's point's (OUT/runs/NAME) the sweep's, OUT's; default: one family.")] = False,
     out: Annotated[Optional[str], typer.Option(
         "--out", help="Directory of fit.json, fit.md and the plots (default: ./fit).", show_default=False)] = None,
     dlcm: Annotated[bool, typer.Option(

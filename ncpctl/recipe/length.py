@@ -92,6 +92,7 @@ def _resolve_budget(train: Any, cfg: ModelConfig | None, seq: int | None, batch:
     if key == "max_steps":
         per, unit = 1, ""
     elif seq is None or (key == "max_flops" and cfg is None):
+        train.max_steps = train.max_steps or DEFAULT_MAX_STEPS  # the other checks still run
         return []  # the model or the sequence length is wrong already (reported)
     elif key == "max_tokens":
         per, unit = batch * seq, f" tokens = global_batch_size {batch} x seq_len {seq}"

@@ -14,7 +14,9 @@ Two inputs:
   (``exact_flops(...).training_per_step()`` times the steps; a dynamic segmentation's at the
   mean tokens per concept its training records logged, not at the target R), the metrics those of the last
   validation record; the run's family is ``default``, or the directory's parent name with
-  ``family_from_parent`` (``runs/base/s1``, ``runs/conceptlm/s1``: families base and conceptlm). The tokenizer is ``data/meta.json``'s tokenizer sha256, the
+  ``family_from_parent`` (``runs/base/s1``, ``runs/conceptlm/s1``: families base and conceptlm; a sweep's
+  point, ``OUT/runs/NAME``, is of the family ``OUT``'s name, so ``study/base`` and ``study/conceptlm``
+  sweeps are two families). The tokenizer is ``data/meta.json``'s tokenizer sha256, the
   validation set its source fingerprint and split (``data.val_prefix`` when set). Its settings come
   from the resolved recipe: ``lr`` = train.lr (decoupled muP's eta_base_others), ``lr_token`` /
   ``lr_concept`` the token and concept modules' base rates (``ncpctl.train.config.base_lrs``),
@@ -147,6 +149,17 @@ def realised_ratio(cfg: Any, recs: list[dict[str, Any]]) -> float | None:
     return ratio if ratio is not None and ratio > 1 else None
 
 
+def family_of(run: Path) -> str:
+    """A run directory's family: its parent's name; a sweep point's (``OUT/runs/NAME``, OUT holding the
+    sweep's manifest) the sweep's, OUT's name: every sweep's points sit in a directory named ``runs``."""
+    from ncpctl.study.sweep import MANIFEST, RUNS
+
+    parent = run.resolve().parent
+    if parent.name == RUNS and (parent.parent / MANIFEST).is_file():
+        return parent.parent.name
+    return parent.name
+
+
 def read_run(run: Path, family_from_parent: bool = False) -> Point:
     """The point of one ``ncpctl pretrain`` run directory (see the module docstring)."""
     from ncpctl.model.accounting import count_parameters, exact_flops
@@ -164,7 +177,7 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
     per_step = exact_flops(cfg, recipe.seq_len, recipe.global_batch_size,
                            realised_ratio=realised_ratio(cfg, recs)).training_per_step()
     metrics = {k: float(v) for k, v in val.items() if k not in ("split", "step") and isinstance(v, (int, float))}
-    family = run.resolve().parent.name if family_from_parent else "default"
+    family = family_of(run) if family_from_parent else "default"
     return Point(family=family, name=str(run), N=float(count_parameters(cfg).total), D=float(train["tokens"]),
                  C=float(per_step) * int(train["step"]), metrics=metrics, identity=_identity(run, recipe),
                  settings=settings(recipe))

@@ -58,6 +58,7 @@ from ncpctl.errors import UserError
 TOP_KEYS = ("name", "base", "out", "ranks", "axes", "zip", "points", "slurm", "timeout_min")
 EXECUTORS = ("local", "slurm")
 MANIFEST = "manifest.json"
+RUNS = "runs"  # OUT/runs/NAME: a point's run directory
 
 
 @dataclass
@@ -272,7 +273,7 @@ def resolve(sweep: Sweep, *, strict: bool) -> None:
     _check_keys(sweep)
     notes: set[str] = set()
     for p in sweep.points:
-        p.run_dir = sweep.out / "runs" / p.name
+        p.run_dir = sweep.out / RUNS / p.name
         p.recipe = sweep.out / "points" / f"{p.name}.yaml"
         sets = _sets(p.params) + [f"run.dir={json.dumps(str(p.run_dir))}"]
         try:

@@ -150,6 +150,21 @@ def test_run_directories_give_exact_counts_and_refuse_mixed_tokenizers(tmp_path:
     assert res.exit_code == 2 and "none below it" in json.loads(res.stdout)["errors"][0], res.output
 
 
+def test_a_sweeps_points_are_of_the_sweeps_family(tmp_path: Path) -> None:
+    """Every sweep writes its points to OUT/runs/NAME: the family is OUT's name (two sweeps, two
+    families), not the ``runs`` they all share; a plain runs/NAME without a manifest stays ``runs``."""
+    from ncpctl.study.points import read_points
+    from ncpctl.study.sweep import MANIFEST
+
+    for fam in ("base", "conceptlm"):
+        (tmp_path / "study" / fam).mkdir(parents=True)
+        (tmp_path / "study" / fam / MANIFEST).write_text("{}")
+        _run_dir(tmp_path / "study" / fam / "runs", "d32", 10, 3.0, "sha-a")
+    assert [p.family for p in read_points([str(tmp_path / "study")], family_from_parent=True)] == ["base", "conceptlm"]
+    plain = _run_dir(tmp_path / "runs", "s1", 10, 3.0, "sha-a")
+    assert read_points([str(plain)], family_from_parent=True)[0].family == "runs"
+
+
 def test_a_dlcm_run_is_costed_at_its_realised_tokens_per_concept(tmp_path: Path) -> None:
     """A dynamic segmentation's FLOPs are those of the concepts it made (the training records'
     tokens_per_concept), not of the target R."""

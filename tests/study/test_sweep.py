@@ -82,6 +82,23 @@ def test_debug_mup_transfer_dry_run_is_three_widths_by_three_rates() -> None:
     assert params["d128,lr9e-3"]["train.min_lr"] == 9e-4
 
 
+def test_the_tiny_scaling_study_spends_each_budget_within_a_step() -> None:
+    """recipes/scaling/: the base and ConceptLM families at the same 5 shapes x 3 budgets, each point
+    stopping within one step of its train.max_flops; its data recipes name installed packages."""
+    from ncpctl.recipe.load import load_recipe
+
+    for fam in ("base", "conceptlm"):
+        res = _dry(RECIPES / "scaling" / f"sweep-{fam}.yaml")
+        assert len(res["points"]) == 15
+        budgets = {p["params"]["train.max_flops"] for p in res["points"]}
+        assert budgets == {1e12, 2e12, 4e12}
+        for p in res["points"]:
+            budget = p["params"]["train.max_flops"]
+            assert budget - p["flops_per_step"] < p["flops"] <= budget and p["tokens"] == p["max_steps"] * 8 * 256
+    data = load_recipe(RECIPES / "scaling" / "data.yaml", need_sources=True)
+    assert data.run_dir == Path("runs/scaling") and data.tokenizer.vocab_size == 2048
+
+
 BASE = "model: {size: debug}\ntokenizer: {vocab_size: 512}\ndata: {sources: [builtin:python-stdlib]}\n"
 
 

@@ -78,6 +78,14 @@ def test_a_budget_below_one_step_names_the_key_and_the_step(key: str, value: str
     assert f"train.{key}: {float(value):g} is smaller than one optimizer step ({size}" in line
 
 
+def test_a_budget_on_a_model_that_does_not_build_reports_the_model() -> None:
+    """With no model config there is no step cost: the model's own problem is the error (it was a
+    TypeError from the warmup check, max_steps left None), and nothing is said of the budget."""
+    with pytest.raises(UserError) as e:
+        debug(*BUDGET, "train.max_flops=1e12", "model.d_model=24", "model.n_heads=2")  # head size 12
+    assert any("rotary" in p for p in e.value.problems) and not any("max_flops" in p for p in e.value.problems)
+
+
 def test_cli_refuses_a_budget_below_one_step_in_one_line(make_recipe) -> None:
     proc = ncpctl("pretrain", str(make_recipe("small")), *(f"--set={s}" for s in BUDGET), "--set=train.max_tokens=255")
     assert proc.returncode == 2
