@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ncpctl.checkpoint import run_dir_of
 from ncpctl.errors import UserError
 
 FIELDS = ("prompt", "suffix", "source", "capability")
@@ -215,7 +216,7 @@ def evaluate_proxy(targets: list[str], spec: str, against: str | None = None, ou
         atomic_write(out_dir / f"proxy_{ck.name}.json", json.dumps(rep, indent=2) + "\n")
         rep["file"] = str(out_dir / f"proxy_{ck.name}.json")
         per[str(ck)] = rep
-    payload: dict[str, Any] = {"spec": str(spec), "checkpoints": per}
+    payload: dict[str, Any] = {"spec": str(spec), "per_checkpoint": per}
     if against and len(per) > 1:
         have = [r for r in per.values() if r["downstream"]["value"] is not None]
         y = [r["downstream"]["value"] for r in have]
@@ -223,7 +224,7 @@ def evaluate_proxy(targets: list[str], spec: str, against: str | None = None, ou
         views = {f"-NLL {c}": [-r["nll"]["capabilities"][c] for r in have] for c in caps}
         if all(r["margin"] for r in have):
             views["margin"] = [r["margin"]["overall"] for r in have]
-        payload["correlation"] = {"against": against, "checkpoints": len(have),
+        payload["correlation"] = {"against": against, "n_checkpoints": len(have),
                                   **({k: correlate(x, y) for k, x in views.items()} if len(have) > 1 else {})}
     return payload
 
@@ -232,11 +233,12 @@ def rich_tables(payload: dict[str, Any]) -> list[Any]:
     """One table of capability NLLs and margins per checkpoint (columns), and the correlation view."""
     from rich.table import Table
 
-    reps = payload["checkpoints"]
+    reps = payload["per_checkpoint"]
     t = Table(title=f"capability proxies: {payload['spec']}", title_justify="left")
     t.add_column("proxy")
     for ck in reps:
-        t.add_column(Path(ck).parent.parent.name + "/" + Path(ck).name, justify="right")
+        run = run_dir_of(Path(ck))  # RUN/checkpoints/step_N -> "RUN/step_N"
+        t.add_column(f"{run.name}/{Path(ck).name}" if run is not None else Path(ck).name, justify="right")
     first = next(iter(reps.values()))
     for c in first["nll"]["capabilities"]:
         t.add_row(f"{c} NLL ↓", *(f"{r['nll']['capabilities'].get(c, float('nan')):.4f}" for r in reps.values()))
@@ -252,7 +254,7 @@ def rich_tables(payload: dict[str, Any]) -> list[Any]:
     out = [t]
     corr = payload.get("correlation") or {}
     if len(corr) > 2:
-        c = Table(title=f"proxy vs {corr['against']} over {corr['checkpoints']} checkpoints", title_justify="left")
+        c = Table(title=f"proxy vs {corr['against']} over {corr['n_checkpoints']} checkpoints", title_justify="left")
         for col in ("proxy (x)", "slope", "R²", "Spearman"):
             c.add_column(col, justify="left" if col.startswith("proxy") else "right")
         for k, v in corr.items():

@@ -79,7 +79,7 @@ def test_shipped_set_through_the_cli(tmp_path: Path) -> None:
     spec.write_text("\n".join(keep) + "\n")
     r = run_cli("eval", "--proxy", str(spec), str(FIXTURE), "--out", str(tmp_path / "out"), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.loads(r.stdout.strip().splitlines()[-1])["checkpoints"][str(FIXTURE.resolve())]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])["per_checkpoint"][str(FIXTURE.resolve())]
     caps = rep["nll"]["capabilities"]
     assert set(caps) == {"function generation", "function choice"} and all(0 < v < 20 for v in caps.values())
     assert rep["mc_items"] == 6 and isinstance(rep["margin"]["overall"], float)
