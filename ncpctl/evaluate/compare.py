@@ -306,7 +306,7 @@ def val_curves(entries: list[Entry]) -> dict[str, dict[str, Any]]:
 
 def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list[str] | None = None,
             limit: int | None = None, num_fewshot: int | None = None, batch_size: int | None = None,
-            out: str | None = None, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+            out: str | None = None, window: int = 200, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Locate (and where needed evaluate) each target's results, build the table, write the files.
     ``tasks``/``heldout``/``limit``/``num_fewshot``/``batch_size`` only apply to targets evaluated here."""
     if len(targets) < 2:
@@ -320,6 +320,9 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
     for e in entries:
         e.results = _read(e.results_file) if e.results_file is not None else None
     _label(entries)
+    from ncpctl.evaluate.compare_curves import check_tokenizers, curve_stats
+
+    check_tokenizers([e.label for e in entries], [e.checkpoint for e in entries])
     _evaluate_missing(entries, tasks, heldout, limit, num_fewshot, batch_size, log)
     rows, missing = table(entries)
     runs = [{"label": e.label, "target": e.target, "run_dir": _s(e.run_dir), "checkpoint": _s(e.checkpoint),
@@ -335,7 +338,9 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
             f"{lab} {c['key']} ({'a bound' if c['key'] in BOUND_KEYS else 'cross-entropy'})" for lab, c in curves.items())
             + ": a bound is not comparable to a cross-entropy")
     payload = {"runs": runs, "baseline": entries[0].label, "rows": rows, "missing": missing,
-               "notes": notes, "val_loss": curves, "likelihood": {e.label: _kind(e) for e in entries}}
+               "notes": notes, "val_loss": curves,
+               "curves": curve_stats(runs, [e.run_dir for e in entries], curves, window),
+               "likelihood": {e.label: _kind(e) for e in entries}}
     payload["files"] = write(payload, Path(out) if out else entries[0].eval_dir, log)
     return payload
 
@@ -449,6 +454,10 @@ def markdown(payload: dict[str, Any]) -> str:
     lines += ["", f"Δ = value - {payload['baseline']}'s value.", "",
               "| " + " | ".join(cols) + " |", "|" + "---|" * 2 + "---:|" * (len(cols) - 2)]
     lines += ["| " + " | ".join(cells(payload, row)) + " |" for row in payload["rows"]]
+    from ncpctl.evaluate.compare_curves import lines as curve_lines
+
+    if payload.get("curves"):
+        lines += ["", "Training curves:", "", *(f"- {n}" for n in curve_lines(payload["curves"], payload["baseline"]))]
     if payload["notes"]:
         lines += ["", "Notes:", "", *(f"- {n}" for n in payload["notes"])]
     return "\n".join(lines) + "\n"
@@ -459,7 +468,7 @@ def rich_table(payload: dict[str, Any]):
 
     cols = columns(payload)
     table = Table(title=f"eval comparison (Δ to {payload['baseline']})", title_justify="left",
-                  caption="\n".join(payload["notes"]) or None, caption_justify="left")
+                  caption="\n".join(_curve_text(payload) + payload["notes"]) or None, caption_justify="left")
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i < 2 else "right")
     section = None
@@ -469,6 +478,12 @@ def rich_table(payload: dict[str, Any]):
         section = row["section"]
         table.add_row(*cells(payload, row))
     return table
+
+
+def _curve_text(payload: dict[str, Any]) -> list[str]:
+    from ncpctl.evaluate.compare_curves import lines as curve_lines
+
+    return curve_lines(payload["curves"], payload["baseline"]) if payload.get("curves") else []
 
 
 def _stem(payload: dict[str, Any]) -> str:

@@ -255,3 +255,40 @@ def test_compare_reads_the_flops_a_checkpoint_records_it_spent(finished, tmp_pat
     got = compare([str(finished["base"]), str(run)], out=str(tmp_path / "o"))
     runs = {r["label"]: r for r in got["runs"]}
     assert runs["recorded"]["training_flops"] == 1234567.0 and runs["base"]["training_flops"] != 1234567.0
+
+
+def _curved(finished, tmp_path) -> tuple[Path, Path]:
+    """Copies of base and concept with known curves: tokens = 1000 x step; the baseline's val loss
+    5 - t/1000 (final 1.0 at 4000 tokens), the other's 5 - 2t/1000 logged at steps 1 and 3 only
+    (it crosses 1.0 at t = 2000 between them: ratio 0.5 by interpolation); train loss = step."""
+    a, b = (shutil.copytree(finished[k], tmp_path / k, symlinks=True) for k in ("base", "concept"))
+    for run, slope, vsteps in ((a, 1, (1, 2, 3, 4)), (b, 2, (1, 3))):
+        recs = [{"split": "train", "step": s, "tokens": 1000 * s, "loss": float(s)} for s in (1, 2, 3, 4)]
+        recs += [{"split": "val", "step": s, "ntp_loss": 5 - slope * s} for s in vsteps]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return a, b
+
+
+def test_compare_tokens_to_reach_and_windows(finished, tmp_path):
+    a, b = _curved(finished, tmp_path)
+    p = compare([str(a), str(b)], out=str(tmp_path / "out"), window=2)
+    base, other = (p["curves"][r["label"]] for r in p["runs"])
+    assert other["target_loss"] == pytest.approx(1.0)
+    assert other["tokens_to_reach"] == pytest.approx(2000) and other["tokens_ratio"] == pytest.approx(0.5)
+    assert base["tokens_ratio"] == pytest.approx(1.0)
+    r0, r1 = p["runs"]
+    assert other["compute_ratio"] == pytest.approx(r1["training_flops"] / r1["tokens"] * 2000 / r0["training_flops"])
+    assert other["train_loss_last"] == pytest.approx((3 + 4) / 2) and other["train_loss_all"] == pytest.approx(2.5)
+    md = Path(p["files"]["markdown"]).read_text()
+    assert "tokens to reach" in md and "ratio 0.500" in md
+
+
+def test_compare_refuses_different_tokenizers(finished, tmp_path):
+    from ncpctl.checkpoint import TOKENIZER, resolve
+
+    a, b = _curved(finished, tmp_path)
+    tok = resolve(b) / TOKENIZER
+    assert tok.is_file()
+    tok.write_text(tok.read_text() + " ")  # another tokenizer file
+    r = run_cli("eval", "--compare", str(a), str(b), "--out", str(tmp_path / "out"))
+    assert r.returncode == 2 and "different tokenizers" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,91 @@
+"""The training-curve columns of ``ncpctl eval --compare`` (issue 26 item 4), from each run's
+``metrics.jsonl`` through ``ncpctl.evaluate.uncertainty``:
+
+* tokens-to-reach: the tokens each run needs to reach the baseline's (first run's) final
+  validation loss, interpolated, and their ratio to the baseline's tokens; compute-to-reach: the
+  same with the training FLOPs the checkpoints record (the run's FLOPs per token x its tokens to
+  reach / the baseline's FLOPs). A validation record's tokens are the train record's at its step
+  (else the record's own ``tokens``, else its step: the ratio then assumes equal tokens per step).
+* window aggregates of the training loss: the mean over the last N steps and over the whole run.
+
+Per-token metrics of runs with different tokenizers do not compare (a loss per token of one
+vocabulary is not one of another): ``check_tokenizers`` refuses them with one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from ncpctl.errors import UserError
+from ncpctl.evaluate.uncertainty import tokens_to_reach, window
+
+
+def tokenizer_id(checkpoint: Path | None) -> str | None:
+    """sha256 of the checkpoint's tokenizer.json (None where it has none)."""
+    from ncpctl.checkpoint import TOKENIZER
+
+    f = checkpoint / TOKENIZER if checkpoint is not None else None
+    return hashlib.sha256(f.read_bytes()).hexdigest()[:12] if f is not None and f.is_file() else None
+
+
+def check_tokenizers(labels: list[str], checkpoints: list[Path | None]) -> None:
+    ids = {lab: tokenizer_id(ck) for lab, ck in zip(labels, checkpoints)}
+    if len({i for i in ids.values() if i is not None}) > 1:
+        raise UserError("the runs have different tokenizers (" + ", ".join(f"{k}: {v}" for k, v in ids.items())
+                        + "): their per-token losses, perplexities and tokens-to-reach do not compare")
+
+
+def _records(run_dir: Path | None) -> list[dict[str, Any]]:
+    from ncpctl.train.metrics import read_metrics
+
+    return read_metrics(run_dir) if run_dir is not None else []
+
+
+def curve_stats(runs: list[dict[str, Any]], run_dirs: list[Path | None], curves: dict[str, dict[str, Any]],
+                last: int) -> dict[str, dict[str, Any]]:
+    """{label: {train_loss_last, train_loss_all, tokens_to_reach, tokens_ratio, compute_ratio}}
+    (None where a run lacks the records)."""
+    out: dict[str, dict[str, Any]] = {}
+    base = runs[0]["label"]
+    xs: dict[str, list[float]] = {}
+    for r, d in zip(runs, run_dirs):
+        recs = _records(d)
+        train = [(x["step"], float(x["loss"])) for x in recs if x.get("split") == "train"
+                 and isinstance(x.get("loss"), (int, float))]
+        tok = {x["step"]: x["tokens"] for x in recs if x.get("split") == "train" and "tokens" in x}
+        own = {x["step"]: x.get("tokens") for x in recs if x.get("split") == "val"}
+        c = curves.get(r["label"])
+        if c:
+            xs[r["label"]] = [float(tok.get(s) or own.get(s) or s) for s in c["steps"]]
+        row: dict[str, Any] = {"window": last, "train_loss_last": None, "train_loss_all": None}
+        if train:
+            steps, vals = zip(*train)
+            row["train_loss_last"] = window(steps, vals, last)["mean"]
+            row["train_loss_all"] = window(steps, vals)["mean"]
+        out[r["label"]] = row
+    b = curves.get(base)
+    for r in runs:
+        row = out[r["label"]] | {"tokens_to_reach": None, "tokens_ratio": None, "compute_ratio": None}
+        c = curves.get(r["label"])
+        if b and c and len(b["steps"]) > 1 and len(c["steps"]) > 1:
+            reach = tokens_to_reach(xs[base], b["values"], xs[r["label"]], c["values"])
+            row |= {"target_loss": reach["target_loss"], "tokens_to_reach": reach["tokens"], "tokens_ratio": reach["ratio"]}
+            f, t, fb = r.get("training_flops"), r.get("tokens"), runs[0].get("training_flops")
+            if reach["tokens"] is not None and f and t and fb:
+                row["compute_ratio"] = f / t * reach["tokens"] / fb
+        out[r["label"]] = row
+    return out
+
+
+def lines(stats: dict[str, dict[str, Any]], baseline: str) -> list[str]:
+    """The curve columns as text lines (terminal caption and markdown)."""
+    g = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+    out = []
+    for lab, s in stats.items():
+        out.append(f"{lab}: train loss last {s['window']} steps {g(s['train_loss_last'], '.4f')}, whole run "
+                   f"{g(s['train_loss_all'], '.4f')}; tokens to reach {baseline}'s final val loss "
+                   f"{g(s.get('target_loss'), '.4f')}: {g(s.get('tokens_to_reach'), ',.0f')} "
+                   f"(ratio {g(s.get('tokens_ratio'), '.3f')}, compute ratio {g(s.get('compute_ratio'), '.3f')})")
+    return out
