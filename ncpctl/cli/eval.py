@@ -37,8 +37,7 @@ def main(
     diffusion_samples: Annotated[Optional[int], typer.Option(
         "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
         "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)] = None,
-    window: Annotated[int, typer.Option("--window", min=1, help="With --compare: the training loss is also "
-        "averaged over the last N steps (and the whole run).")] = 200,
+    window: Annotated[int, typer.Option("--window", min=1, help="--compare: train loss mean over the last N steps.")] = 200,
     out: Annotated[Optional[str], typer.Option("--out", help="Output directory (default run.dir/eval; with "
                                                "--compare the first run's eval/).", show_default=False)] = None,
     concepts: Annotated[bool, typer.Option(
@@ -98,7 +97,6 @@ def main(
         if set_:
             raise UserError("--set does not apply to --compare", hint="each checkpoint carries its own recipe")
         from ncpctl.evaluate.compare import compare as run_compare, rich_table as compare_table
-
         payload = run_compare(targets, tasks=names, heldout=heldout, limit=limit, num_fewshot=num_fewshot,
                               batch_size=batch_size, out=out, window=window, log=log)
         out_.result({"command": "eval", "mode": "compare", **payload}, lambda con: (
