@@ -640,7 +640,7 @@ def archpreview_section(sh: Shapes, env: Env) -> dict[str, Any]:
 
 def flex_vs_sdpa(T: int, block: int, sh: Shapes, env: Env) -> dict[str, Any]:
     """BlockCausal(block) attention, forward + backward, three ways on one (B, H, T, hd) input:
-    SDPA with the boolean mask the model builds today (``patterns.kernel_masks``), FlexAttention
+    SDPA with the boolean mask (``BlockCausal.mask``: the model's path without FlexAttention), FlexAttention
     with a BlockMask (compiled on a GPU; eager on the CPU), and SDPA ``is_causal`` (flash on a
     GPU) as the floor a fused block-causal kernel could reach. ``max_abs_diff``: flex vs the
     masked SDPA's output. On the CPU (``--dry``) forward only: FlexAttention has no CPU backward."""
