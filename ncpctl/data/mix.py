@@ -123,6 +123,16 @@ class MixLoader:
         self.last_components, self.last_ids = mine, ids
         return batch
 
+    def last_documents(self) -> np.ndarray | None:
+        """Each row's per-token document index (B, T) int64 (``WindowLoader.documents`` of its component)."""
+        if self.last_ids is None:
+            return None
+        out = np.empty((self.last_ids.size, self.seq_len), dtype=np.int64)
+        for k in np.unique(self.last_components):
+            rows = np.flatnonzero(self.last_components == k)
+            out[rows] = self.parts[int(k)].documents(self.last_ids[rows])
+        return out
+
     def last_labels(self) -> None:
         return None
 

@@ -178,6 +178,21 @@ class WindowLoader:
                         f"is outside the model's vocabulary of {self.vocab_size} ids{where}",
                         hint="the data was tokenized with another tokenizer, or the .bin is damaged")
 
+    def documents(self, ids: np.ndarray) -> np.ndarray:
+        """Document index of each input token of windows ``ids`` (n,), counted from 0 in each row:
+        (n, seq_len) int64, non-decreasing along a row. Window i's inputs are tokens i*T .. i*T+T-1;
+        documents are the index's (Megatron's ``doc_idx`` over sequences: ``ncpctl tokenize`` writes
+        one sequence per document, ending in EOD), found by binary search in the memory-mapped index."""
+        ds, T = self.dataset, self.seq_len
+        offsets = ids.astype(np.int64)[:, None] * T + np.arange(T)  # (n, T) token offsets
+        seq = np.searchsorted(ds.pointers, offsets * ds.dtype.itemsize, side="right") - 1
+        doc = np.searchsorted(ds.doc_idx, seq, side="right") - 1
+        return (doc - doc[:, :1]).astype(np.int64)
+
+    def last_documents(self) -> np.ndarray | None:
+        """``documents`` of the last batch, (B, T) int64 (None before the first batch)."""
+        return None if self.last_ids is None else self.documents(self.last_ids)
+
     def last_labels(self) -> np.ndarray | None:
         """Concept-label evidence of the last batch's inputs, (B, T, n) bool (None without labels):
         window i's inputs are tokens i*T .. i*T+T-1."""

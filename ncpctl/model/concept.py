@@ -19,7 +19,7 @@ from torch import nn
 from .config import ModelConfig, strategy
 from .coupling import Coupling
 from .interventions import edit_code_weights
-from .layers import Context, Stack, make_norm, rope
+from .layers import Context, Stack, document_masks, make_norm, rope
 from .outputs import LogKey
 from .segment import Segmenter, Segments, shift_blocks  # noqa: F401  (shift_blocks: re-exported)
 
@@ -146,22 +146,29 @@ class ConceptModule(nn.Module):
         """Concept-transformer output u (B, M, d_c) -> pred (B, M, d) as a mix of codes."""
         return self.mix(self.code_weights(u), codes)
 
-    def context(self, positions: torch.Tensor, dtype: torch.dtype) -> Context:
-        """The concept stack's context for concepts at RoPE ``positions`` (B|1, M), unpadded."""
-        return Context.causal(self.ccfg, positions, self.cfg.concept_windows, dtype)
+    def context(self, positions: torch.Tensor, dtype: torch.dtype, docs: torch.Tensor | None = None) -> Context:
+        """The concept stack's context for concepts at RoPE ``positions`` (B|1, M), unpadded; with
+        ``docs`` (B, M) (packed documents) attention stays inside each concept's document."""
+        if docs is None:
+            return Context.causal(self.ccfg, positions, self.cfg.concept_windows, dtype)
+        cos, sin = rope(positions, self.ccfg, dtype)
+        return Context(cos, sin, document_masks(set(self.cfg.concept_windows), docs))
 
     # ---- full-sequence forward ----
 
     def forward(self, h: torch.Tensor, losses: bool, interventions=(), states: bool = False,
-                crc=None, enc_states: list | None = None, sample_ids: torch.Tensor | None = None) -> ConceptOutput:
+                crc=None, enc_states: list | None = None, sample_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> ConceptOutput:
         """Encoder output h (B, T, d) -> ConceptOutput (decoder input z and the concept terms).
 
         ``crc`` (residual.CrossModules) with an encoder-concept connection pools every encoder
         depth ``enc_states`` (E + 1 of (B, T, d)) with the same segments and feeds them to the
         concept stack; ``states`` also returns the concept stack's depths (concept-decoder CRC);
-        ``sample_ids`` (B,) global sample indices, for a segmenter whose sampling is keyed by them."""
+        ``sample_ids`` (B,) global sample indices, for a segmenter whose sampling is keyed by them;
+        ``doc_ids`` (B, T) packed documents: segments, the concept stack's attention and the shift
+        stay inside each document (``Segments.docs``/``first``)."""
         seg, pooled = self.segment(h, enc_states if crc is not None and crc.has("encoder-concept") else None,
-                                   sample_ids)
+                                   sample_ids, doc_ids)
         out = ConceptOutput(z=h, segments=seg, losses=dict(seg.losses), metrics=dict(seg.metrics),
                             stats=dict(seg.stats))
         M = seg.concepts.shape[1]
@@ -171,7 +178,7 @@ class ConceptModule(nn.Module):
                 zero = h.new_zeros(())
                 out.losses.update(ncp_loss=zero, vq_loss=zero, commitment_loss=zero)
             return out
-        ctx = self.context(seg.positions, h.dtype)
+        ctx = self.context(seg.positions, h.dtype, seg.docs)
         if pooled is not None:
             ctx = crc.attach(ctx, [("encoder-concept", pooled)])
         if states:
@@ -187,15 +194,16 @@ class ConceptModule(nn.Module):
             self._losses(seg, pred, codes, out)
         return out
 
-    def segment(self, h: torch.Tensor, depths: list | None,
-                sample_ids: torch.Tensor | None = None) -> tuple[Segments, list | None]:
+    def segment(self, h: torch.Tensor, depths: list | None, sample_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> tuple[Segments, list | None]:
         """Segments of h; with ``depths`` (a width-independent segmentation) every depth is pooled
         by the same segments in one pass: (segments of h, [pooled depth (B, M, d)])."""
+        kw = {} if doc_ids is None else {"doc": doc_ids}  # packed documents (Segmenter.documents)
         if depths is None:
             if getattr(self.segmenter, "keyed", False):  # its sampling noise is keyed by the sample index
-                return self.segmenter(h, sample_ids=sample_ids), None
-            return self.segmenter(h), None
-        seg = self.segmenter(torch.cat(depths, dim=-1))  # (B, M, K*d): h = depths[-1] comes last
+                return self.segmenter(h, sample_ids=sample_ids, **kw), None
+            return self.segmenter(h, **kw), None
+        seg = self.segmenter(torch.cat(depths, dim=-1), **kw)  # (B, M, K*d): h = depths[-1] comes last
         pooled = list(seg.concepts.chunk(len(depths), dim=-1))
         seg.concepts = pooled[-1]
         return seg, pooled
@@ -222,7 +230,7 @@ class ConceptModule(nn.Module):
         # NCP: predict the continuous pooled state of the next concept; the target is detached.
         if M >= 2:
             err = (pred[:, :-1] - c[:, 1:].detach()).pow(2)  # (B, M-1, d)
-            pair = None if valid is None else (valid[:, :-1] & valid[:, 1:])  # (B, M-1) both real
+            pair = seg.pairs()  # (B, M-1): both real, one document
             out.losses["ncp_loss"] = self._reduce(err, pair, cfg.ncp_reduction)
         else:
             out.losses["ncp_loss"] = c.new_zeros(())
@@ -242,7 +250,7 @@ class ConceptModule(nn.Module):
         # input, so it equals commitment x vq_loss exactly and has no gradient (Eq. 21 has none).
         out.losses["commitment_loss"] = cfg.commitment * vq.detach()
         with torch.no_grad():  # metrics as tensors: no host sync on the hot path
-            self._code_metrics(idx, pred, codes, valid, out.metrics)
+            self._code_metrics(idx, pred, codes, valid, out.metrics, seg.pairs())
 
     def _reduce(self, err: torch.Tensor, mask: torch.Tensor | None, how: str) -> torch.Tensor:
         """Squared errors err (B, M, d) -> one loss value: per concept the mean over d (``mean``),
@@ -258,7 +266,7 @@ class ConceptModule(nn.Module):
             return per.mean()
         return (per * mask).sum() / mask.sum().clamp_min(1)
 
-    def _code_metrics(self, idx, pred, codes, valid, metrics: dict) -> None:
+    def _code_metrics(self, idx, pred, codes, valid, metrics: dict, pair=None) -> None:
         S, N = self.S, self.N
         counts = torch.zeros(S, N, device=idx.device)
         flat = idx.reshape(-1, S).t()  # (S, B*M)
@@ -272,10 +280,10 @@ class ConceptModule(nn.Module):
         metrics["code_perplexity"] = torch.exp(-(p * p.clamp_min(1e-12).log()).sum(-1))
         if idx.shape[1] >= 2:
             hit = (nearest_code(pred[:, :-1].detach(), codes.detach()) == idx[:, 1:]).float()  # (B, M-1, S)
-            if valid is None:
+            if pair is None:
                 metrics["ncp_code_acc"] = hit.mean(dim=(0, 1))
             else:
-                pair = (valid[:, :-1] & valid[:, 1:])[..., None].float()
+                pair = pair[..., None].float()
                 metrics["ncp_code_acc"] = (hit * pair).sum((0, 1)) / pair.sum((0, 1)).clamp_min(1)
 
 

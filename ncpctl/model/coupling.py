@@ -49,6 +49,11 @@ class Coupling(nn.Module):
     def decoder_context(self, ctx, pred, seg, segmenter):
         return ctx
 
+    @classmethod
+    def document_refusal(cls, cfg: ModelConfig) -> str | None:
+        """Why this coupling cannot keep packed documents apart (``data.document_mask``), or None."""
+        return None
+
     def decode_context(self, ctx, state: dict, positions):
         return ctx
 
@@ -101,13 +106,19 @@ class AddCoupling(Coupling):
 _FAR = float(2 ** 14)
 
 
-def per_concept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:
+def per_concept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, closed: torch.Tensor,
+                          first: torch.Tensor | None = None) -> torch.Tensor:
     """``per_concept``: q (B, H, T, hd) over the concepts k, v (B, H, M, hd), token t seeing
     concepts 0 .. closed[t] - 1 once each (SDPA with a (B, 1, T, M) boolean mask) -> (B, H, T, hd),
-    exactly zero where closed[t] = 0."""
+    exactly zero where closed[t] = 0. ``first`` (B, T) (packed documents): token t sees concepts
+    first[t] .. closed[t] - 1 only, its own document's."""
     M = k.shape[2]
-    vis = torch.arange(M, device=closed.device) < closed[..., None]  # (B, T, M)
+    ar = torch.arange(M, device=closed.device)
+    vis = ar < closed[..., None]  # (B, T, M)
     seen = closed > 0  # (B, T)
+    if first is not None:
+        vis = vis & (ar >= first[..., None])
+        seen = closed > first
     mask = (vis | ~seen[..., None])[:, None]  # rows that see nothing attend anywhere ...
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * seen[:, None, :, None].to(q.dtype)  # ... x 0
 
@@ -187,9 +198,13 @@ class CrossAttentionCoupling(Coupling):
         self.q_norm, self.k_norm = RMSNorm(self.hd, cfg.norm_eps), RMSNorm(self.hd, cfg.norm_eps)
         self.smooth = nn.Parameter(torch.zeros(d))  # concept smoothing, zero = none (init_weights keeps it)
 
-    def smoothed(self, mem: torch.Tensor) -> torch.Tensor:
-        """Concepts (B, M, d) -> z~ (B, M, d): z_j + s * z_{j-1}, causal over the concept index."""
+    def smoothed(self, mem: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """Concepts (B, M, d) -> z~ (B, M, d): z_j + s * z_{j-1}, causal over the concept index;
+        ``docs`` (B, M) (packed documents): z_{j-1} of another document counts as 0."""
         prev = torch.cat([mem.new_zeros(mem.shape[0], 1, mem.shape[2]), mem[:, :-1]], dim=1)
+        if docs is not None:
+            same = torch.cat([torch.zeros_like(docs[:, :1], dtype=torch.bool), docs[:, 1:] == docs[:, :-1]], dim=1)
+            prev = prev * same[..., None].to(prev.dtype)
         return mem + self.smooth * prev
 
     def keys_values(self, mem: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,11 +223,24 @@ class CrossAttentionCoupling(Coupling):
         B, _, T, _ = y.shape
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
-    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, closed: torch.Tensor,
+               first: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens x (B, T, d) of a whole sequence to concepts k, v (B, H, M, hd), token t seeing
-        concepts 0 .. closed[t] - 1 (closed (B, T)), in the declared form -> (B, T, d)."""
+        concepts 0 .. closed[t] - 1 (closed (B, T)), in the declared form -> (B, T, d); ``first``
+        (B, T): packed documents, token t sees first[t] .. closed[t] - 1 (per_concept only)."""
+        if first is not None:
+            if self.replicated:
+                raise ValueError(self.document_refusal(self.cfg))
+            return self._out(per_concept_attention(self.queries(x), k, v, closed, first))
         form = replicated_attention if self.replicated else per_concept_attention
         return self._out(form(self.queries(x), k, v, closed))
+
+    @classmethod
+    def document_refusal(cls, cfg: ModelConfig) -> str | None:
+        if cfg.concept.cross_attention == "replicated":
+            return ("model.concept.cross_attention: replicated copies concepts onto token slots under one causal "
+                    "mask, which does not separate packed documents yet; use per_concept with data.document_mask")
+        return None
 
     @staticmethod
     def copies(closed: torch.Tensor, M: int) -> torch.Tensor:
@@ -225,8 +253,8 @@ class CrossAttentionCoupling(Coupling):
         if pred is None:  # no concept closed in any row
             return h
         closed = segmenter.closed_counts(seg, h.shape[1])
-        k, v = self.keys_values(self.smoothed(pred))
-        return h + self.attend(h, k, v, closed)
+        k, v = self.keys_values(self.smoothed(pred, seg.docs))
+        return h + self.attend(h, k, v, closed, seg.first)
 
     # ---- incremental decoding: each row's concept keys/values and closed count ----
 

@@ -61,7 +61,7 @@ from torch import nn
 
 from .config import DYNAMIC, ModelConfig
 from .outputs import LogKey
-from .segment import Closing, Segmenter, Segments, segment_means
+from .segment import Closing, Segmenter, Segments, document_concepts, segment_means
 
 _M32 = 0xFFFFFFFF
 _SALT = 0x9E3779B9  # separates this stream from any other use of the same hash
@@ -112,6 +112,7 @@ class DynamicSegmenter(Segmenter):
     law = DYNAMIC
     owns_init = True  # W_q = W_k = I is the design, not NCPModel's normal init
     keyed = True  # forward takes the global sample indices (the sampling noise's key)
+    documents = True  # packed documents: every document's first token starts a segment (p = b = 1)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -167,10 +168,24 @@ class DynamicSegmenter(Segmenter):
 
     # ---- segments ----
 
-    def forward(self, h: torch.Tensor, sample_ids: torch.Tensor | None = None) -> Segments:
+    def forward(self, h: torch.Tensor, sample_ids: torch.Tensor | None = None,
+                doc: torch.Tensor | None = None) -> Segments:
+        """``doc`` (B, T): packed documents. A document's first token starts a segment as t = 0 does
+        (p = b = 1 there, counted in F and G alike), so no segment spans two documents; a document's
+        last segment closes at the next document's first token and no token of that document uses it
+        (``Segments.first``): it is the NCP target of the document's previous segment only."""
         p = self.probabilities(h)  # (B, T)
+        start = None
+        if doc is not None:
+            start = torch.ones_like(doc, dtype=torch.bool)
+            start[:, 1:] = doc[:, 1:] != doc[:, :-1]
+            p = torch.where(start, torch.ones_like(p), p)
         b = self.decide(p, sample_ids)
+        if start is not None:
+            b = b | start
         seg = self._segments(h, b, None)
+        if doc is not None:
+            seg.positions = document_concepts(seg, b, seg.closed, doc)  # (B, M) index inside the document
         self._terms(seg, p, b)
         return seg
 

@@ -35,7 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelConfig, strategy
 from .family import family
-from .patterns import Pattern, as_pattern, attn_mask, is_block_mask, kernel_masks  # noqa: F401  (attn_mask: re-exported)
+from .patterns import (Pattern, as_pattern, attn_mask, dense_mask, document_masks,  # noqa: F401  (attn_mask: re-exported)
+                       document_positions, is_block_mask, kernel_masks)
 
 
 class RMSNorm(nn.Module):
@@ -272,6 +273,15 @@ class Context:
         cos, sin = rope(positions, cfg, dtype)
         return cls(cos, sin, kernel_masks(set(patterns), positions.shape[-1], positions.device))
 
+    @classmethod
+    def documents(cls, cfg: ModelConfig, doc: torch.Tensor, patterns, dtype: torch.dtype) -> tuple["Context", torch.Tensor]:
+        """A packed (unpadded, uncached) batch of documents ``doc`` (B, T) (each position's document
+        index): positions restart at 0 per document, and every pattern is also block-diagonal by
+        document (patterns.document_masks). Returns (context, positions (B, T))."""
+        positions = document_positions(doc)
+        cos, sin = rope(positions, cfg, dtype)
+        return cls(cos, sin, document_masks(set(patterns), doc)), positions
+
     def with_(self, **changes: Any) -> "Context":
         return replace(self, **changes)
 
@@ -332,8 +342,7 @@ class Attention(nn.Module):
             y = None if self.probe is not None else flex_attention(q, k, v, mask, self.n_kv != self.n_heads)
             if y is not None:
                 return self.proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
-            pos = torch.arange(T, device=q.device)[None]  # the probe, or FlexAttention failed: the boolean mask
-            mask = self.pattern.mask(pos, pos)
+            mask = dense_mask(mask.mask_mod, B, T, q.device)  # the probe, or FlexAttention failed: the boolean mask
         if self.probe is not None:
             self.probe(q, k, mask)
         backends = cached_backends(q, cache is not None)

@@ -35,6 +35,7 @@ from .coupling import Coupling
 from .bottleneck import BottleneckOutput, ConceptBottleneck
 from .config import ModelConfig, steer_site, strategy
 from .decode import DecodeState, prefill, step
+from .documents import check_documents
 from .head import LMHead
 from .interventions import (AddToDecoderInput, AddToReadout, AddToResidual, Intervention, check, decoder_input_addition,
                             readout_addition, readout_vector, residual_additions)
@@ -151,11 +152,11 @@ class NCPModel(nn.Module):
 
     def concepts(self, h: torch.Tensor, *, losses: bool = False, interventions: Sequence[Intervention] = (),
                  states: bool = False, enc_states: list | None = None,
-                 sample_ids: torch.Tensor | None = None) -> ConceptOutput:
+                 sample_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> ConceptOutput:
         if self.concept is None:
             return ConceptOutput(z=h)
         return self.concept(h, losses=losses, interventions=interventions, states=states, crc=self.crc,
-                            enc_states=enc_states, sample_ids=sample_ids)
+                            enc_states=enc_states, sample_ids=sample_ids, doc_ids=doc_ids)
 
     # ---- cross-module residuals: which depths to keep, and the decoder's hook ----
 
@@ -229,8 +230,11 @@ class NCPModel(nn.Module):
 
     # ---- contexts: what the token stacks need besides their input ----
 
-    def token_context(self, T: int, device, dtype) -> tuple[Context, torch.Tensor]:
-        """Context of an unpadded, uncached T-token batch and its positions (1, T)."""
+    def token_context(self, T: int, device, dtype, doc_ids: torch.Tensor | None = None) -> tuple[Context, torch.Tensor]:
+        """Context of an unpadded, uncached T-token batch and its positions (1, T); with ``doc_ids``
+        (B, T) packed documents: attention within each document, positions (B, T) restarting per document."""
+        if doc_ids is not None:
+            return Context.documents(self.cfg, doc_ids, self.token_patterns, dtype)
         positions = torch.arange(T, device=device)[None]
         return Context.causal(self.cfg, positions, self.token_patterns, dtype), positions
 
@@ -251,7 +255,7 @@ class NCPModel(nn.Module):
                 interventions: Sequence[Intervention] | None = None, return_hidden: bool = False,
                 return_states: bool = False, compute_logits: bool = True,
                 concept_labels: torch.Tensor | None = None, return_bottleneck: bool = False,
-                sample_ids: torch.Tensor | None = None) -> NCPOutput:
+                sample_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> NCPOutput:
         """idx (B, T) token ids; targets (B, T) aligned with idx as the objective builds them
         (``objective.batch``; next-token: targets[:, p] = x[p+1]), -100 = ignore. Returns logits
         (B, T, V) and, with targets, the losses (the objective's first, ``objective.loss_key``);
@@ -260,21 +264,26 @@ class NCPModel(nn.Module):
         (the bottleneck's concept loss and teacher forcing); ``return_bottleneck``: its parts
         (k, u, k_hat, u_hat, e) as ``out.bottleneck``, for attribution; ``sample_ids`` (B,) each
         row's global sample index (the training loop's: the key of a segmenter's sampling noise,
-        so every rank count draws the same boundaries)."""
+        so every rank count draws the same boundaries); ``doc_ids`` (B, T) long, non-decreasing per
+        row: the document of each position of a packed window (``data.document_mask``; documents.py):
+        attention, positions and concept segments stay inside each document."""
         ivs = self.check_interventions(interventions)
+        if doc_ids is not None:
+            check_documents(self, idx, doc_ids)
         # where the bottleneck's concept loss reads and a steering stage injects (None: everywhere)
         keep = self.objective.concept_positions(idx, targets) if self.bottleneck is not None else None
         inj = self.bottleneck.injection(concept_labels, self.logit_weight, keep) \
             if self.bottleneck is not None and concept_labels is not None and targets is not None else None
         if inj is not None:  # a steering stage (Steerling): the direction added at the labelled slots
             ivs = ivs + [self._injection_site(inj)]
-        ctx, positions = self.token_context(idx.shape[1], idx.device, self.embed.weight.dtype)
+        ctx, positions = self.token_context(idx.shape[1], idx.device, self.embed.weight.dtype, doc_ids)
         x = self.embed_tokens(idx, positions)  # (B, T, d)
         enc_ctx, dec_ctx = self._stack_contexts(ctx, ivs, positions, x)
         h, enc_states = self.encode(x, enc_ctx, states=True) if self._keeps_encoder_depths(return_states) \
             else (self.encode(x, enc_ctx), None)
         co = self.concepts(h, losses=targets is not None, interventions=ivs, enc_states=enc_states,
-                           states=return_states or self._crc_has("concept-decoder"), sample_ids=sample_ids)
+                           states=return_states or self._crc_has("concept-decoder"), sample_ids=sample_ids,
+                           doc_ids=doc_ids)
         z = decoder_input_addition(ivs, co.z, positions)  # (B, T, d)
         dec_ctx = self._decoder_context(dec_ctx, co, enc_states, z)
         hN = self.decode(z, dec_ctx, states=return_states)  # (B, T, d)
@@ -309,7 +318,7 @@ class NCPModel(nn.Module):
             out.metrics["concept_share"] = self.bottleneck.share(parts, self.logit_weight,
                                                                  self.objective.target_tokens(targets))
         if self.mtp is not None and self.training:  # validation and evaluation: the main head only
-            out.losses["mtp_loss"], mtp_metrics = self.mtp(hN, targets, self)
+            out.losses["mtp_loss"], mtp_metrics = self.mtp(hN, targets, self, doc_ids)
             out.metrics.update(mtp_metrics)
             out.loss = out.loss + self.mtp.weight * out.losses["mtp_loss"]
         return out

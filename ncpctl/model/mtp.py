@@ -58,10 +58,14 @@ class MTPHead(nn.Module):
             if step >= start:
                 self.weight = float(weight)
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor, model) -> tuple[torch.Tensor, dict]:
+    def forward(self, h: torch.Tensor, targets: torch.Tensor, model,
+                doc: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """Main final-norm states h (B, T, d) and next-token targets (B, T) -> (mean loss over the
         depths, {"mtp_acc": (D,) top-1 accuracy per depth}). ``model`` lends its embedding, final
-        norm and LM head (shared, as in DeepSeek-V3)."""
+        norm and LM head (shared, as in DeepSeek-V3). ``doc`` (B, T): packed documents: each depth's
+        layer attends inside a document at restarted positions, and position t is not scored at depth
+        k when its fed token x[t + k] is another document's (as the main head, the position of a
+        document's last token may still predict the next document's first token)."""
         B, T, _ = h.shape
         losses, accs = [], []
         prev, stop = h, self.cfg.mtp_stop_token
@@ -70,14 +74,19 @@ class MTPHead(nn.Module):
             n = T - k
             if n <= 0:
                 break
-            positions = torch.arange(n, device=h.device)[None]
-            ctx = Context.causal(self.cfg, positions, [None], h.dtype)
+            if doc is None:
+                positions = torch.arange(n, device=h.device)[None]
+                ctx = Context.causal(self.cfg, positions, [None], h.dtype)
+            else:
+                ctx, positions = Context.documents(self.cfg, doc[:, :n], [None], h.dtype)
             emb = model.embed_tokens(targets[:, k - 1 : k - 1 + n].clamp_min(0), positions)  # x[t + k]
             prev = depth(prev[:, :n], emb, ctx)  # (B, n, d)
             tgt = targets[:, k:].clone()  # x[t + k + 1]
             if crossing is not None:  # an end of document among x[t+1 .. t+k]: across documents
                 before = torch.cat([crossing.new_zeros(B, 1), crossing[:, : n - 1]], dim=1)
                 tgt[(crossing[:, k - 1 : k - 1 + n] - before) > 0] = -100
+            if doc is not None:  # the fed token x[t + k] is in another document
+                tgt[doc[:, k:] != doc[:, :n]] = -100
             _, loss, hits = model.head(model.final_norm(prev), tgt, top1=True)  # the shared head (muP: its logit divisor too)
             losses.append(loss)
             accs.append(hits / (tgt != -100).sum().clamp_min(1))  # top-1 accuracy of this depth

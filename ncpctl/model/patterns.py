@@ -18,6 +18,14 @@ A pattern maps to a mask (B|1, 1, Tq, Tk), True = attend, for any query and key 
 empty row (SDPA would return NaN). ``key`` names the pattern in ``Context.masks``: a causal
 pattern is named by its window (as the window-keyed masks always were), any other by itself.
 New patterns subclass ``Pattern`` (a frozen dataclass: hashable, compared by value).
+
+Documents (``data.document_mask``): a packed window holds several documents, ``doc`` (B, T) the
+document index of each position (non-decreasing along a row). Every pattern then also requires
+``doc[q] == doc[k]`` (block-diagonal by document: ``document_mod``), one function of (b, h, q, k)
+that is FlexAttention's ``mask_mod`` on a GPU (a ``BlockMask`` per batch) and, evaluated on
+broadcast index grids, the boolean SDPA mask (B, 1, T, T) on the CPU (``document_masks``). Positions
+restart at 0 in each document (``document_positions``), so RoPE and learned positions see each
+document as if it were alone; the window rule reads index differences, equal inside a document.
 """
 
 from __future__ import annotations
@@ -185,6 +193,69 @@ def kernel_masks(patterns, T: int, device: torch.device) -> dict:
         else:
             pos = torch.arange(T, device=device)[None] if pos is None else pos
             out[p.key] = p.mask(pos, pos)
+    return out
+
+
+def pattern_mod(p: Pattern):
+    """``p``'s rule as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` over positions 0..T-1 of an
+    unpadded sequence (a query always sees itself): its own ``mask_mod``, or the causal window rule."""
+    if hasattr(p, "mask_mod"):
+        return p.mask_mod()
+    if not isinstance(p, Causal):
+        raise TypeError(f"{type(p).__name__} declares no mask_mod: it cannot be masked by documents")
+    window = p.window
+
+    def visible(b, h, q, k):
+        m = q >= k
+        return m if window is None else m & (q - k < window)
+
+    return visible
+
+
+def document_mod(p: Pattern, doc: torch.Tensor):
+    """``p`` restricted to each document: ``mask_mod`` of ``pattern_mod(p)`` and ``doc[b, q] ==
+    doc[b, k]``, ``doc`` (B, T) long the document index of each position."""
+    base = pattern_mod(p)
+
+    def visible(b, h, q, k):
+        return base(b, h, q, k) & (doc[b, q] == doc[b, k])
+
+    return visible
+
+
+def dense_mask(mask_mod, B: int, T: int, device) -> torch.Tensor:
+    """A ``mask_mod`` evaluated on broadcast index grids: the boolean SDPA mask (B, 1, T, T) (the
+    mods here are elementwise tensor expressions, so no vmap is needed)."""
+    ar = torch.arange(T, device=device)
+    b = torch.arange(B, device=device)[:, None, None, None]
+    return mask_mod(b, torch.zeros((), dtype=torch.long, device=device), ar[None, None, :, None], ar[None, None, None, :])
+
+
+def document_positions(doc: torch.Tensor) -> torch.Tensor:
+    """(B, T) long: each position's index inside its document (0 at every document's first token)."""
+    B, T = doc.shape
+    ar = torch.arange(T, device=doc.device)[None].expand(B, T)
+    start = torch.ones_like(doc, dtype=torch.bool)
+    start[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    first = torch.where(start, ar, torch.zeros_like(ar)).cummax(dim=1).values  # (B, T) index of the doc's start
+    return ar - first
+
+
+def document_masks(patterns, doc: torch.Tensor) -> dict:
+    """Masks of a packed (unpadded, uncached) batch of documents ``doc`` (B, T), one per pattern keyed
+    by ``Pattern.key``: a FlexAttention ``BlockMask`` of ``document_mod`` on a GPU (``flex_enabled``;
+    built per batch: the documents change every batch), else the boolean mask (B, 1, T, T) of the
+    same function."""
+    B, T = doc.shape
+    out: dict = {}
+    for p in map(as_pattern, patterns):
+        mod = document_mod(p, doc)
+        if flex_enabled(doc.device):
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            out[p.key] = create_block_mask(mod, B, None, T, T, device=str(doc.device))
+        else:
+            out[p.key] = dense_mask(mod, B, T, doc.device)
     return out
 
 

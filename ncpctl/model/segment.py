@@ -42,6 +42,10 @@ class Segments:
     segments closed at or before each token (None when the segmenter spreads by its own law);
     ``n_closed`` (B,) long, closed concepts within each row's real tokens (decoding prefill);
     ``lengths`` (B,) long, each row's real tokens (set by the decoder's prefill, for couplings).
+    Packed documents (``doc_ids``): ``docs`` (B, M) long, each concept's document (padding concepts
+    get distinct ids >= T, after the real ones, so a row stays sorted and a padding concept is alone
+    in its document); ``first`` (B, T) long, the concepts of earlier documents before each token:
+    token t may use concepts first(t) .. closed(t) - 1 only (its own document's closed ones).
     ``losses``/``metrics``/``stats`` are the segmenter's own terms (see outputs.py).
     """
 
@@ -51,9 +55,33 @@ class Segments:
     closed: torch.Tensor | None = None
     n_closed: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    docs: torch.Tensor | None = None
+    first: torch.Tensor | None = None
     losses: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+
+    def pairs(self) -> torch.Tensor | None:
+        """(B, M-1) bool: concept j+1 is a target of pred[j] (both real, one document); None: all."""
+        if self.valid is None:
+            return None
+        pair = self.valid[:, :-1] & self.valid[:, 1:]
+        return pair if self.docs is None else pair & (self.docs[:, :-1] == self.docs[:, 1:])
+
+
+def document_concepts(seg: Segments, at: torch.Tensor, index: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """Set ``seg.docs`` and ``seg.first`` of packed documents ``doc`` (B, T), the concepts' document
+    read at the tokens ``at`` (B, T) bool, where token t belongs to concept ``index[t]`` (values
+    beyond M - 1 are ignored); ``seg.valid`` (B, M) must be set. Returns each concept's index inside
+    its document (B, M) (0 for padding), for its RoPE position."""
+    B, T = doc.shape
+    M = seg.valid.shape[1]
+    docs = doc.new_zeros(B, M + 1)
+    docs.scatter_(1, torch.where(at, index, M).clamp(0, M), doc)  # column M: a throw-away slot
+    pad = T + torch.arange(M, device=doc.device)[None]  # distinct, above every real document index
+    seg.docs = torch.where(seg.valid, docs[:, :M], pad).contiguous()  # (B, M) sorted along each row
+    seg.first = torch.searchsorted(seg.docs, doc.contiguous())  # (B, T) concepts of earlier documents
+    return torch.arange(M, device=doc.device)[None] - torch.searchsorted(seg.docs, seg.docs)
 
 
 @dataclass
@@ -79,6 +107,8 @@ class Segmenter(nn.Module):
     implement ``forward``, ``decode_init``, ``decode_prefill`` and ``decode_step``."""
 
     law: SegmentationLaw
+    # True: ``forward(h, doc=...)`` takes packed documents (B, T) and sets ``Segments.docs``/``first``
+    documents = False
     owns_init = False  # True: NCPModel.init_weights leaves this module to its reset_parameters
     # True: ``forward(h, sample_ids=...)`` also receives each row's global sample index (B,) or None,
     # the key of sampling noise that must not depend on the rank or the batch position (DLCM)
@@ -99,7 +129,8 @@ class Segmenter(nn.Module):
         B, M, e = x.shape
         idx = (seg.closed - 1).clamp(0, max(M - 1, 0))  # (B, T)
         out = x.gather(1, idx[..., None].expand(B, T, e)) if M else x.new_zeros(B, T, e)
-        return out * (seg.closed > 0)[..., None].to(x.dtype)
+        lo = 0 if seg.first is None else seg.first  # packed documents: never an earlier document's concept
+        return out * (seg.closed > lo)[..., None].to(x.dtype)
 
     def max_concepts(self, T: int) -> int:
         return self.law.concepts(self.cfg.concept, T)
@@ -160,6 +191,7 @@ class FixedBlocks(Segmenter):
     not pooled; block j closes at its last token, so token t sees blocks 0 .. (t+1)//k - 1."""
 
     law = FIXED_BLOCKS
+    documents = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -169,16 +201,44 @@ class FixedBlocks(Segmenter):
     def positions(self, j: torch.Tensor) -> torch.Tensor:
         return j * self.k if self.scale_positions else j
 
-    def forward(self, h: torch.Tensor) -> Segments:
+    def forward(self, h: torch.Tensor, doc: torch.Tensor | None = None) -> Segments:
+        if doc is not None:
+            return self._documents(h, doc)
         B, T, d = h.shape
         k, M = self.k, T // self.k
         c = h[:, : M * k].reshape(B, M, k, d).mean(dim=2)  # (B, M, d)
         return Segments(c, self.positions(torch.arange(M, device=h.device))[None])
 
+    def _documents(self, h: torch.Tensor, doc: torch.Tensor) -> Segments:
+        """Packed documents ``doc`` (B, T): blocks of k tokens counted from each document's start. A
+        block that a document's end (or the window's) cuts short is dropped, as a trailing partial
+        block always is: every concept is a mean of exactly k tokens of one document; the tokens of a
+        cut block still receive their document's latest closed concept."""
+        from .patterns import document_positions
+
+        B, T, d = h.shape
+        k, M = self.k, T // self.k
+        r = document_positions(doc)  # (B, T) index inside the document
+        end = r % k == k - 1  # (B, T) last token of a complete block
+        closed = end.long().cumsum(1)  # (B, T) blocks closed at or before t
+        n = closed[:, -1]  # (B,) complete blocks per row
+        valid = torch.arange(M, device=h.device)[None] < n[:, None]  # (B, M)
+        ends = torch.full((B, M + 1), k - 1, dtype=torch.long, device=h.device)
+        ends.scatter_(1, torch.where(end, closed - 1, M), torch.arange(T, device=h.device)[None].expand(B, T))
+        idx = (ends[:, :M, None] - (k - 1) + torch.arange(k, device=h.device)).reshape(B, M * k)  # block tokens
+        c = h.gather(1, idx[..., None].expand(B, M * k, d)).reshape(B, M, k, d).mean(dim=2)  # (B, M, d)
+        seg = Segments(c * valid[..., None].to(c.dtype), h.new_zeros(0), valid=valid, closed=closed)
+        seg.positions = self.positions(document_concepts(seg, end, closed - 1, doc))  # (B, M), 0 per document
+        return seg
+
     def spread(self, seg: Segments, x: torch.Tensor, T: int) -> torch.Tensor:
+        if seg.first is not None:  # packed documents: the general rule, by closed counts
+            return super().spread(seg, x, T)
         return shift_blocks(x, self.k, T)
 
     def closed_counts(self, seg: Segments, T: int) -> torch.Tensor:
+        if seg.closed is not None:
+            return seg.closed
         B = seg.concepts.shape[0]
         return ((torch.arange(T, device=seg.concepts.device) + 1) // self.k)[None].expand(B, T)
 

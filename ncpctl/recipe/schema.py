@@ -107,6 +107,15 @@ class DataSection(Section):
     train_prefix: Optional[str] = Field(None, description="Use an existing Megatron dataset (PREFIX.bin/.idx, "
                                         "e.g. the pre-tokenized Pile) for training instead of `run.dir/data/train`.")
     val_prefix: Optional[str] = Field(None, description="Existing Megatron dataset for validation.")
+    document_mask: bool = Field(
+        False, description="Keep the documents packed into a training window apart (GPT-NeoX's and Megatron's "
+        "reset_attention_mask and reset_position_ids): attention is block-diagonal by document, positions restart "
+        "at each document's first token, concept segments never cross a document boundary (fixed blocks count from "
+        "each document's start and a block cut by a document's end is dropped; DLCM starts a segment at every "
+        "document), and a token uses its own document's concepts only. Document boundaries come from the "
+        "dataset's index (each document a sequence ending in EOD); the position of a document's EOD still predicts "
+        "the next document's first token. Causal objectives; not with the concept bottleneck or "
+        "`cross_attention: replicated`. Decoding is unaffected (one document per sequence).")
     mix: list[MixComponent] = Field(
         default_factory=list, description="A weighted mixture instead of one dataset (Megatron's and GPT-NeoX's "
         "blend): a list of `{name, weight, prefix | sources}`. Weights are normalised; global sample i is drawn "

@@ -179,3 +179,27 @@ def test_every_batch_is_checked_against_the_vocabulary(tmp_path: Path) -> None:
     np.memmap(tmp_path / "neg.bin", np.int32, "r+")[3] = -7  # a damaged int32 .bin (the writer refuses it)
     with pytest.raises(UserError, match="token id -7 at token 3 is outside"):
         next(WindowLoader(IndexedDataset(tmp_path / "neg"), seq_len=8, global_batch_size=1, seed=0, vocab_size=9))
+
+
+def test_documents_of_each_window_come_from_the_index(tmp_path: Path) -> None:
+    """data.document_mask: token v of make_dataset is in document v // 7 (7-token documents), so
+    each input token's document index, counted from 0 in its row, is v // 7 - row[0] // 7; a data.mix
+    row reads its own component's index."""
+    from ncpctl.data.mix import MixLoader
+
+    ds = make_dataset(tmp_path, 200)
+    loader = WindowLoader(ds, seq_len=9, global_batch_size=6, seed=2)
+    assert loader.last_documents() is None
+    for _ in range(3):
+        rows = next(loader)[:, :-1]  # (B, T) inputs
+        assert np.array_equal(loader.last_documents(), rows // 7 - rows[:, :1] // 7)
+    with IndexedDatasetWriter(tmp_path / "fives", np.uint16) as w:  # another layout: 5-token documents, uint16
+        w.add_documents(np.arange(60) % 50, np.full(12, 5))
+    mix = MixLoader([("sevens", 1.0, ds), ("fives", 1.0, IndexedDataset(tmp_path / "fives"))], 9, 4, seed=0)
+    for _ in range(3):
+        next(mix)
+        docs = mix.last_documents()
+        for row, k, i in zip(docs, mix.last_components, mix.last_ids):
+            offsets = np.arange(i * 9, i * 9 + 9)
+            size = 7 if k == 0 else 5
+            assert np.array_equal(row, offsets // size - offsets[0] // size)

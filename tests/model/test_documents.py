@@ -1,0 +1,140 @@
+"""Packed documents (``data.document_mask``, ncpctl/model/documents.py): attention, positions and
+concept segments stay inside each document of a window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ncpctl.model import patterns
+from ncpctl.model.documents import document_refusal
+from ncpctl.model.patterns import BlockCausal, Causal, dense_mask, document_mod, document_positions
+
+from ._helpers import build, tiny, tokens
+
+LENS = [9, 2, 13]  # document lengths of a 24-token window: a short one, and a partial fixed block at each end
+
+
+def doc_ids(lens: list[int], B: int = 2) -> torch.Tensor:
+    """(B, sum(lens)) document index of each position, the same documents in every row."""
+    return torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None].expand(B, -1).contiguous()
+
+
+def designs() -> dict:
+    return {
+        "conceptlm": tiny("llama", concept={}),
+        "dlcm": tiny("llama", concept={"segmentation": "dynamic", "coupling": "cross_attention"}),
+        "archpreview-mtp": tiny("llama", concept={"code_weights": "softmax"}, mtp_depth=1, sliding_window=6),
+        "gpt2": tiny("gpt2", max_seq_len=32),
+    }
+
+
+@pytest.mark.parametrize("name", list(designs()))
+def test_changing_a_document_never_changes_the_logits_of_the_documents_after_it(name):
+    """fp64, so "unchanged" is exact: every document's logits are those of the document alone
+    (positions restart), whatever the documents before it hold."""
+    model = build(designs()[name], scale=0.3).double()
+    doc = doc_ids(LENS)
+    x = tokens(model.cfg, 2, sum(LENS))
+    other = x.clone()
+    other[:, : LENS[0]] = tokens(model.cfg, 2, LENS[0], seed=7)  # document A changed
+    with torch.no_grad():
+        a, b = model(x, doc_ids=doc).logits, model(other, doc_ids=doc).logits
+        assert (a[:, : LENS[0]] - b[:, : LENS[0]]).abs().max() > 1e-2  # A's own logits did change
+        assert torch.equal(a[:, LENS[0]:], b[:, LENS[0]:])
+        assert not torch.equal(model(x).logits[:, LENS[0]:], model(other).logits[:, LENS[0]:])  # unmasked: A leaks
+        start = sum(LENS[:2])
+        alone = model(x[:, start:]).logits  # document C as its own sequence
+    assert (a[:, start:] - alone).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("name", list(designs()))
+def test_one_document_windows_equal_the_unmasked_model(name):
+    """In training mode (the losses, DLCM's sampled boundaries and the MTP depth included)."""
+    model = build(designs()[name], scale=0.3).double().train()
+    x = tokens(model.cfg, 2, 17)
+    y = tokens(model.cfg, 2, 17, seed=3)
+    ids = torch.tensor([4, 9])
+    plain = model(x, y, sample_ids=ids)
+    one = model(x, y, sample_ids=ids, doc_ids=torch.zeros_like(x))
+    assert torch.equal(plain.loss, one.loss)
+    assert plain.losses.keys() == one.losses.keys()
+    assert all(torch.equal(plain.losses[k], one.losses[k]) for k in plain.losses)
+
+
+@pytest.mark.parametrize("segmentation", ["fixed", "dynamic"])
+def test_concept_segments_never_straddle_a_document_boundary(segmentation):
+    """Pooling each token's one-hot document: every real concept is one document's exactly; a token
+    sees only its own document's closed concepts; fixed blocks count from each document's start and
+    drop a block cut by the document's end."""
+    cfg = tiny("llama", concept={"segmentation": segmentation})
+    model = build(cfg).train()
+    seg_mod = model.concept.segmenter
+    doc = doc_ids(LENS, B=3)
+    B, T = doc.shape
+    h = torch.nn.functional.one_hot(doc, cfg.d_model).float() + 0.01 * torch.randn(B, T, cfg.d_model)
+    kw = {"sample_ids": torch.arange(B)} if seg_mod.keyed else {}
+    seg = seg_mod(h, doc=doc, **kw)
+    pooled = seg.concepts[..., : len(LENS)]  # (B, M, docs): a mean of one-hots plus noise
+    for b in range(B):
+        real = seg.valid[b]
+        assert torch.allclose(pooled[b][real].round(), torch.nn.functional.one_hot(seg.docs[b][real], len(LENS)).float())
+        lo, hi = seg.first[b], seg.closed[b]  # token t uses concepts lo[t] .. hi[t] - 1
+        for t in range(T):
+            assert (seg.docs[b, lo[t]:hi[t]] == doc[b, t]).all()
+            assert lo[t] == (seg.docs[b][real] < doc[b, t]).sum()
+    if segmentation == "fixed":
+        assert seg.valid.sum(1).tolist() == [sum(n // 4 for n in LENS)] * B  # 2 + 0 + 3 complete blocks
+        assert seg.positions[0, : int(seg.valid[0].sum())].tolist() == [0, 1, 0, 1, 2]  # restart per document
+    else:
+        starts = torch.tensor([0, 9, 11])
+        assert (seg.closed[:, starts[1:]] > seg.closed[:, starts[1:] - 1]).all()  # a document start is a boundary
+
+
+def test_positions_restart_at_every_document():
+    assert document_positions(doc_ids([3, 1, 2], B=1)).tolist() == [[0, 1, 2, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("pattern", [Causal(None), Causal(3), BlockCausal(2), BlockCausal(2, 4)])
+def test_document_mask_mod_is_the_boolean_mask_and_flexattention_runs_it(pattern, monkeypatch):
+    """The one declared function: FlexAttention's ``create_mask`` of ``document_mod`` equals the
+    boolean mask built from it, which is the pattern's own mask within each document and nothing
+    across; forced onto FlexAttention (its CPU reference), a model gives the boolean path's logits."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    doc = doc_ids([5, 3, 4], B=2)
+    doc[1] = doc_ids([2, 10], B=1)[0]
+    B, T = doc.shape
+    mod = document_mod(pattern, doc)
+    dense = dense_mask(mod, B, T, "cpu")
+    assert torch.equal(create_mask(mod, B, 1, T, T, device="cpu"), dense)
+    pos = torch.arange(T)[None]
+    same = doc[:, :, None] == doc[:, None, :]
+    assert torch.equal(dense, pattern.mask(pos, pos) & same[:, None])
+    if pattern != Causal(3):
+        return
+    model = build(tiny("llama", concept={}, sliding_window=3), scale=0.3).eval()
+    x = tokens(model.cfg, B, T)
+    with torch.no_grad():
+        ref = model(x, doc_ids=doc).logits
+        monkeypatch.setattr(patterns, "flex_enabled", lambda device: True)
+        flex = model(x, doc_ids=doc).logits
+    assert (flex - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_models_that_cannot_keep_documents_apart_say_why():
+    from ncpctl.model.config import ModelConfig
+
+    cdlm = tiny("llama", objective="causal_diffusion", diffusion=dict(block_size=4, mask_id=3))
+    assert "causal objectives only" in document_refusal(cdlm)
+    replicated = tiny("llama", concept={"segmentation": "dynamic", "coupling": "cross_attention",
+                                        "cross_attention": "replicated"})
+    assert "replicated" in document_refusal(replicated)
+    bottleneck = tiny("neox", bottleneck=dict(enabled=True, concepts=4))
+    assert "bottleneck" in document_refusal(bottleneck)
+    assert all(document_refusal(c) is None for c in designs().values())
+    model = build(cdlm)
+    x = tokens(cdlm, 1, 8)
+    with pytest.raises(ValueError, match="causal objectives only"):
+        model(x, doc_ids=torch.zeros_like(x))
+    assert isinstance(cdlm, ModelConfig)
