@@ -123,25 +123,34 @@ def per_concept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, clo
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * seen[:, None, :, None].to(q.dtype)  # ... x 0
 
 
-def replicated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:
+def replicated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, closed: torch.Tensor,
+                         first: torch.Tensor | None = None) -> torch.Tensor:
     """``replicated`` (DLCM Sec. 4.1's kernel): concept j's key/value copied onto the positions of
     segment j+1 (the tokens with closed = j+1: never onto its own segment), then ONE attention over
     the T token-aligned keys under the plain causal mask (``is_causal``: flash kernels), so token t
     weighs concept j by its copies at positions <= t. Segment 0 carries no concept: its key slots
     get the extra coordinate -_FAR (exactly out of the softmax) and zero values, and its tokens'
     outputs are zeroed. Shapes as ``per_concept_attention``; memory (B, H, T, hd + _PAD) for the
-    copies, as the paper's kernel."""
+    copies, as the paper's kernel. ``first`` (B, T) (packed documents): a slot carries a concept
+    only when it is its own document's (closed > first), and token t reads only slots whose concept
+    is at least first[t] (an explicit (B, 1, T, T) mask instead of ``is_causal``; a query always sees
+    its own slot, so no row is empty)."""
     B, H, T, hd = q.shape
-    valid = closed > 0  # (B, T) the slot carries concept closed - 1
+    valid = closed > (0 if first is None else first)  # (B, T) the slot carries concept closed - 1
     idx = (closed - 1).clamp_min(0)[:, None, :, None].expand(B, H, T, hd)
     kr, vr = k.gather(2, idx), v.gather(2, idx) * valid[:, None, :, None].to(v.dtype)  # (B, H, T, hd)
     ext_q = q.new_zeros(B, H, T, _PAD)
     ext_q[..., 0] = 1
     ext_k = q.new_zeros(B, H, T, _PAD)
     ext_k[..., 0] = torch.where(valid, 0.0, -_FAR).to(q.dtype)[:, None]
+    mask = None
+    if first is not None:
+        ar = torch.arange(T, device=q.device)
+        mask = ((ar[:, None] >= ar[None]) & (closed[:, None, :] > first[:, :, None]))[:, None]  # (B, 1, Tq, Tk)
+        mask = mask | (ar[:, None] == ar[None])
     y = F.scaled_dot_product_attention(torch.cat([q, ext_q], -1), torch.cat([kr, ext_k], -1),
-                                       torch.cat([vr, torch.zeros_like(ext_q)], -1), is_causal=True,
-                                       scale=hd ** -0.5)[..., :hd]
+                                       torch.cat([vr, torch.zeros_like(ext_q)], -1), attn_mask=mask,
+                                       is_causal=mask is None, scale=hd ** -0.5)[..., :hd]
     return y * valid[:, None, :, None].to(q.dtype)
 
 
@@ -227,20 +236,9 @@ class CrossAttentionCoupling(Coupling):
                first: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens x (B, T, d) of a whole sequence to concepts k, v (B, H, M, hd), token t seeing
         concepts 0 .. closed[t] - 1 (closed (B, T)), in the declared form -> (B, T, d); ``first``
-        (B, T): packed documents, token t sees first[t] .. closed[t] - 1 (per_concept only)."""
-        if first is not None:
-            if self.replicated:
-                raise ValueError(self.document_refusal(self.cfg))
-            return self._out(per_concept_attention(self.queries(x), k, v, closed, first))
+        (B, T): packed documents, token t sees first[t] .. closed[t] - 1."""
         form = replicated_attention if self.replicated else per_concept_attention
-        return self._out(form(self.queries(x), k, v, closed))
-
-    @classmethod
-    def document_refusal(cls, cfg: ModelConfig) -> str | None:
-        if cfg.concept.cross_attention == "replicated":
-            return ("model.concept.cross_attention: replicated copies concepts onto token slots under one causal "
-                    "mask, which does not separate packed documents yet; use per_concept with data.document_mask")
-        return None
+        return self._out(form(self.queries(x), k, v, closed, first))
 
     @staticmethod
     def copies(closed: torch.Tensor, M: int) -> torch.Tensor:

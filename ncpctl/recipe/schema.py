@@ -114,8 +114,7 @@ class DataSection(Section):
         "each document's start and a block cut by a document's end is dropped; DLCM starts a segment at every "
         "document), and a token uses its own document's concepts only. Document boundaries come from the "
         "dataset's index (each document a sequence ending in EOD); the position of a document's EOD still predicts "
-        "the next document's first token. Causal objectives; not with the concept bottleneck or "
-        "`cross_attention: replicated`. Decoding is unaffected (one document per sequence).")
+        "the next document's first token. Causal objectives; not with the concept bottleneck. Decoding is unaffected (one document per sequence).")
     mix: list[MixComponent] = Field(
         default_factory=list, description="A weighted mixture instead of one dataset (Megatron's and GPT-NeoX's "
         "blend): a list of `{name, weight, prefix | sources}`. Weights are normalised; global sample i is drawn "

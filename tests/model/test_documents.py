@@ -24,6 +24,8 @@ def designs() -> dict:
     return {
         "conceptlm": tiny("llama", concept={}),
         "dlcm": tiny("llama", concept={"segmentation": "dynamic", "coupling": "cross_attention"}),
+        "dlcm-replicated": tiny("neox", concept={"segmentation": "dynamic", "coupling": "cross_attention",
+                                                 "cross_attention": "replicated"}),
         "archpreview-mtp": tiny("llama", concept={"code_weights": "softmax"}, mtp_depth=1, sliding_window=6),
         "gpt2": tiny("gpt2", max_seq_len=32),
     }
@@ -31,8 +33,8 @@ def designs() -> dict:
 
 @pytest.mark.parametrize("name", list(designs()))
 def test_changing_a_document_never_changes_the_logits_of_the_documents_after_it(name):
-    """fp64, so "unchanged" is exact: every document's logits are those of the document alone
-    (positions restart), whatever the documents before it hold."""
+    """In fp64 (a leak shows at O(1), rounding at 1e-15): every document's logits are those of the
+    document alone (positions restart), whatever the documents before it hold."""
     model = build(designs()[name], scale=0.3).double()
     doc = doc_ids(LENS)
     x = tokens(model.cfg, 2, sum(LENS))
@@ -41,7 +43,8 @@ def test_changing_a_document_never_changes_the_logits_of_the_documents_after_it(
     with torch.no_grad():
         a, b = model(x, doc_ids=doc).logits, model(other, doc_ids=doc).logits
         assert (a[:, : LENS[0]] - b[:, : LENS[0]]).abs().max() > 1e-2  # A's own logits did change
-        assert torch.equal(a[:, LENS[0]:], b[:, LENS[0]:])
+        # exact up to fp64 rounding (A's segments shift the concept indices, so shapes may differ)
+        assert (a[:, LENS[0]:] - b[:, LENS[0]:]).abs().max() < 1e-10
         assert not torch.equal(model(x).logits[:, LENS[0]:], model(other).logits[:, LENS[0]:])  # unmasked: A leaks
         start = sum(LENS[:2])
         alone = model(x[:, start:]).logits  # document C as its own sequence
@@ -127,9 +130,6 @@ def test_models_that_cannot_keep_documents_apart_say_why():
 
     cdlm = tiny("llama", objective="causal_diffusion", diffusion=dict(block_size=4, mask_id=3))
     assert "causal objectives only" in document_refusal(cdlm)
-    replicated = tiny("llama", concept={"segmentation": "dynamic", "coupling": "cross_attention",
-                                        "cross_attention": "replicated"})
-    assert "replicated" in document_refusal(replicated)
     bottleneck = tiny("neox", bottleneck=dict(enabled=True, concepts=4))
     assert "bottleneck" in document_refusal(bottleneck)
     assert all(document_refusal(c) is None for c in designs().values())

@@ -62,10 +62,9 @@ def test_the_logged_validation_loss_is_the_document_masked_one(make_recipe, tiny
 def test_a_model_that_cannot_keep_documents_apart_is_refused_in_one_line(make_recipe) -> None:
     from ncpctl.train.designs.documents import DocumentHooks
 
-    sets = ["data.document_mask=true", "model.concept.segmentation=dynamic", "model.concept.coupling=cross_attention",
-            "model.concept.cross_attention=replicated"]
-    r = load_recipe(make_recipe("replicated"), sets)
-    with pytest.raises(UserError, match="data.document_mask: model.concept.cross_attention: replicated") as e:
+    sets = ["data.document_mask=true", "model.bottleneck.enabled=true", "model.bottleneck.concepts=4"]
+    r = load_recipe(make_recipe("bottleneck"), sets)
+    with pytest.raises(UserError, match="data.document_mask: model.bottleneck: ") as e:
         DocumentHooks(r)
     assert "\n" not in str(e.value)
-    DocumentHooks(load_recipe(make_recipe("fine"), sets[:-1]))  # per_concept: accepted
+    DocumentHooks(load_recipe(make_recipe("fine"), sets[:1]))  # the same model without the bottleneck: accepted

@@ -2,7 +2,7 @@
 (hooks: ``ncpctl.train.hooks``).
 
 prepare      refuses, before any heavy work, a model that cannot keep documents apart (a
-             non-causal objective, the concept bottleneck, ``cross_attention: replicated``).
+             non-causal objective, the concept bottleneck).
 inputs       each micro-batch's per-token document index (B, T) as ``doc_ids``, from the dataset's
              index (``WindowLoader.documents``; a data.mix component's own index), in training and
              validation alike.
