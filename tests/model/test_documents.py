@@ -150,3 +150,19 @@ def test_models_that_cannot_keep_documents_apart_say_why():
     with pytest.raises(ValueError, match="causal objectives only"):
         model(x, doc_ids=torch.zeros_like(x))
     assert isinstance(cdlm, ModelConfig)
+
+
+def test_mtp_depths_neither_attend_nor_score_across_documents():
+    """With document A's own targets ignored (-100), the training loss (the main head and two MTP
+    depths) does not depend on A's tokens: a depth's layer attends inside a document and position t
+    is not scored when its fed token x[t + k] is in the next document."""
+    model = build(tiny("llama", mtp_depth=2), scale=0.3).double().train()
+    doc = doc_ids(LENS)
+    x = tokens(model.cfg, 2, sum(LENS))
+    y = torch.cat([x[:, 1:], tokens(model.cfg, 2, 1, seed=4)], dim=1)  # next tokens
+    y[:, : LENS[0]] = -100  # nothing predicted from A's positions
+    other = x.clone()
+    other[:, : LENS[0]] = tokens(model.cfg, 2, LENS[0], seed=7)
+    a, b = model(x, y, doc_ids=doc), model(other, y, doc_ids=doc)
+    assert (a.losses["mtp_loss"] - b.losses["mtp_loss"]).abs() < 1e-12 and (a.loss - b.loss).abs() < 1e-12
+    assert (model(x, y).losses["mtp_loss"] - model(other, y).losses["mtp_loss"]).abs() > 1e-6  # unmasked: A leaks
