@@ -368,13 +368,14 @@ class NCPModel(nn.Module):
         return keys + (self.mtp.log_keys() if self.mtp is not None else [])
 
     def attention_stats(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                        chunk_elements: int = CHUNK_ELEMENTS) -> dict[str, torch.Tensor]:
+                        chunk_elements: int = CHUNK_ELEMENTS, doc_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Stability diagnostics of one batch idx (B, T) (NCP-ArchPreview Sec. 4.6): per attention
         layer the max attention logit over visible pairs and the max per-head query / key norm, and
         their maxima over layers, as 0-dim tensors named ``attn/{layer}/{max_logit|max_q_norm|
         max_k_norm}`` and ``attn/{quantity}`` (stability.py). No grad; an extra eval-mode forward
-        (targets (B, T): the MTP depths too); the training forward is untouched by it."""
-        return attention_stats(self, idx, targets, chunk_elements=chunk_elements)
+        (targets (B, T): the MTP depths too; ``doc_ids``: packed documents); the training forward is
+        untouched by it."""
+        return attention_stats(self, idx, targets, chunk_elements=chunk_elements, doc_ids=doc_ids)
 
     def on_step_begin(self, step: int) -> None:
         """Called by the loop before optimizer step ``step`` (0-based): schedules inside the

@@ -99,12 +99,13 @@ def _layers(model: nn.Module) -> dict[str, Attention]:
 
 @torch.no_grad()
 def attention_stats(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                    chunk_elements: int = CHUNK_ELEMENTS) -> dict[str, torch.Tensor]:
+                    chunk_elements: int = CHUNK_ELEMENTS, doc_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """One forward of ``model`` (an ``NCPModel``) on token ids idx (B, T) -> 0-dim fp32 tensors:
     ``attn/max_logit``, ``attn/max_q_norm``, ``attn/max_k_norm`` (over all layers), then
     ``attn/{layer}/{quantity}`` per layer (``_layers``' names). Tensors on idx's device, not
     floats: a caller reduces them over ranks in one collective. With ``targets`` (B, T) the MTP
-    depths run too; layers that did not run (no concept closed) are left out."""
+    depths run too; layers that did not run (no concept closed) are left out. ``doc_ids`` (B, T):
+    packed documents (the forward's), so the maxima are over the pairs the training forward sees."""
     layers = _layers(model)
     probes = {name: _Probe(chunk_elements) for name in layers}
     modes = {m: m.training for m in model.modules()}
@@ -113,9 +114,9 @@ def attention_stats(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor |
         model.eval()
         for name, attn in layers.items():
             attn.probe = probes[name]
-        out = model(idx, return_hidden=mtp is not None, compute_logits=False)
+        out = model(idx, return_hidden=mtp is not None, compute_logits=False, doc_ids=doc_ids)
         if mtp is not None:
-            mtp(out.hidden, targets, model)
+            mtp(out.hidden, targets, model, doc_ids)
     finally:
         for attn in layers.values():
             attn.__dict__.pop("probe", None)  # back to the class default, None

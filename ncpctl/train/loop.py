@@ -442,12 +442,12 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     engine.module.on_step_begin(run.tot.step)  # schedules inside the model
     batch = torch.from_numpy(next(run.data.loader))  # (micro * accum, T+1) this rank's share
     ids = torch.from_numpy(run.data.loader.sample_ids()).split(r.train.micro_batch_size)  # global sample indices
-    attention = _attention_stats(run, batch[: r.train.micro_batch_size], ids[0]) \
+    extra = run.hooks.inputs(run.data.loader, len(ids), r.train.micro_batch_size, d.device)  # the designs' inputs
+    attention = _attention_stats(run, batch[: r.train.micro_batch_size], ids[0], extra[0].get("doc_ids")) \
         if _attention_due(r.train.attention_stats_every, run.tot.step + 1) else None
     keyed = getattr(engine.module, "uses_sample_ids", False)  # the key of a segmenter's sampled boundaries
     terms = torch.zeros(pk.n_terms, device=d.device)
     stats = torch.zeros(len(pk.stats), device=d.device)
-    extra = run.hooks.inputs(run.data.loader, len(ids), r.train.micro_batch_size, d.device)  # the designs' inputs
     for mb, mb_ids, kw in zip(batch.split(r.train.micro_batch_size), ids, extra):
         # (micro, T) inputs, targets; an objective's noise is keyed on the global sample indices
         x, y = (t.to(d.device) for t in engine.module.objective.keyed_batch(mb, mb_ids))
@@ -476,13 +476,15 @@ def _attention_due(every: int, step: int) -> bool:
     return every > 0 and (step == 1 or step % every == 0)
 
 
-def _attention_stats(run: _Run, mb: torch.Tensor, mb_ids: torch.Tensor) -> dict[str, float]:
+def _attention_stats(run: _Run, mb: torch.Tensor, mb_ids: torch.Tensor,
+                     doc_ids: torch.Tensor | None) -> dict[str, float]:
     """The stability diagnostics (``NCPModel.attention_stats``) of this rank's micro-batch mb
-    (micro, T+1), before the step's update: the weights the step's loss is computed with. Max
-    over ranks in one collective; ``seconds``: what it took (kept out of the step's time)."""
+    (micro, T+1), before the step's update: the weights the step's loss is computed with (and its
+    packed documents, data.document_mask). Max over ranks in one collective; ``seconds``: what it
+    took (kept out of the step's time)."""
     t0 = time.perf_counter()
     x, y = (t.to(run.d.device) for t in run.engine.module.objective.keyed_batch(mb, mb_ids))  # (micro, T)
-    stats = run.engine.module.attention_stats(x, y)
+    stats = run.engine.module.attention_stats(x, y, doc_ids=doc_ids)
     values = run.d.max(torch.stack(list(stats.values())).float()) if stats else torch.zeros(0)
     return {**dict(zip(stats, values.tolist())), "seconds": time.perf_counter() - t0}
 

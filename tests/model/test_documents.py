@@ -166,3 +166,16 @@ def test_mtp_depths_neither_attend_nor_score_across_documents():
     a, b = model(x, y, doc_ids=doc), model(other, y, doc_ids=doc)
     assert (a.losses["mtp_loss"] - b.losses["mtp_loss"]).abs() < 1e-12 and (a.loss - b.loss).abs() < 1e-12
     assert (model(x, y).losses["mtp_loss"] - model(other, y).losses["mtp_loss"]).abs() > 1e-6  # unmasked: A leaks
+
+
+def test_attention_stats_see_the_training_forwards_documents():
+    """The stability diagnostics' forward takes the step's ``doc_ids``: one document per row gives
+    the unmasked maxima, packed ones other maxima (the pairs across documents are gone)."""
+    model = build(tiny("llama", concept={}, mtp_depth=1), scale=0.3).double()
+    x = tokens(model.cfg, 2, sum(LENS))
+    y = tokens(model.cfg, 2, sum(LENS), seed=3)
+    plain, one = model.attention_stats(x, y), model.attention_stats(x, y, doc_ids=torch.zeros_like(x))
+    packed = model.attention_stats(x, y, doc_ids=doc_ids(LENS))
+    assert plain.keys() == one.keys() == packed.keys() and "attn/mtp.depths.0.layer.0/max_logit" in plain
+    assert all(torch.allclose(plain[k], one[k], rtol=1e-12) for k in plain)
+    assert any(not torch.allclose(plain[k], packed[k]) for k in plain)
