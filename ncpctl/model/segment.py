@@ -31,6 +31,7 @@ from torch import nn
 
 from .config import FIXED_BLOCKS, ModelConfig, SegmentationLaw
 from .outputs import LogKey
+from .patterns import document_positions
 
 
 @dataclass
@@ -214,8 +215,6 @@ class FixedBlocks(Segmenter):
         block that a document's end (or the window's) cuts short is dropped, as a trailing partial
         block always is: every concept is a mean of exactly k tokens of one document; the tokens of a
         cut block still receive their document's latest closed concept."""
-        from .patterns import document_positions
-
         B, T, d = h.shape
         k, M = self.k, T // self.k
         r = document_positions(doc)  # (B, T) index inside the document
