@@ -152,7 +152,9 @@ class ConceptModule(nn.Module):
         if docs is None:
             return Context.causal(self.ccfg, positions, self.cfg.concept_windows, dtype)
         cos, sin = rope(positions, self.ccfg, dtype)
-        return Context(cos, sin, document_masks(set(self.cfg.concept_windows), docs))
+        # boolean masks: M changes between batches under a data-dependent segmentation, and the
+        # (B, 1, M, M) mask is small (M = T / k)
+        return Context(cos, sin, document_masks(set(self.cfg.concept_windows), docs, flex=False))
 
     # ---- full-sequence forward ----
 

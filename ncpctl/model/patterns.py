@@ -241,16 +241,17 @@ def document_positions(doc: torch.Tensor) -> torch.Tensor:
     return ar - first
 
 
-def document_masks(patterns, doc: torch.Tensor) -> dict:
+def document_masks(patterns, doc: torch.Tensor, flex: bool = True) -> dict:
     """Masks of a packed (unpadded, uncached) batch of documents ``doc`` (B, T), one per pattern keyed
     by ``Pattern.key``: a FlexAttention ``BlockMask`` of ``document_mod`` on a GPU (``flex_enabled``;
     built per batch: the documents change every batch), else the boolean mask (B, 1, T, T) of the
-    same function."""
+    same function. ``flex=False``: the boolean mask everywhere (a sequence whose length changes
+    from batch to batch, DLCM's concepts: the compiled FlexAttention is specialised to one length)."""
     B, T = doc.shape
     out: dict = {}
     for p in map(as_pattern, patterns):
         mod = document_mod(p, doc)
-        if flex_enabled(doc.device):
+        if flex and flex_enabled(doc.device):
             from torch.nn.attention.flex_attention import create_block_mask
 
             out[p.key] = create_block_mask(mod, B, None, T, T, device=str(doc.device))
