@@ -98,6 +98,9 @@ def test_concept_segments_never_straddle_a_document_boundary(segmentation):
         for t in range(T):
             assert (seg.docs[b, lo[t]:hi[t]] == doc[b, t]).all()
             assert lo[t] == (seg.docs[b][real] < doc[b, t]).sum()
+    pairs = seg.pairs()  # (B, M-1): NCP targets, only a concept of the same document
+    assert torch.equal(pairs, seg.valid[:, 1:] & (seg.docs[:, 1:] == seg.docs[:, :-1]))
+    assert (~pairs & seg.valid[:, 1:]).any()  # the first concept of a later document is nobody's target
     if segmentation == "fixed":
         assert seg.valid.sum(1).tolist() == [sum(n // 4 for n in LENS)] * B  # 2 + 0 + 3 complete blocks
         assert seg.positions[0, : int(seg.valid[0].sum())].tolist() == [0, 1, 0, 1, 2]  # restart per document
