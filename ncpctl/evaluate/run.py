@@ -172,18 +172,20 @@ def _first_line(e: BaseException) -> str:
 
 
 def load_tasks(names: list[str], metadata: dict[str, Any], tasks_dir: Path = TASKS_DIR, allow_code: bool = False,
-               skip: Callable[[str], None] = lambda m: None) -> tuple[Any, list[Any], list[Any]]:
+               skip: Callable[[str], None] = lambda m: None, tm: Any = None) -> tuple[Any, list[Any], list[Any]]:
     """(TaskManager, loaded task/group objects, protocols). lm-eval's own ~200 task folders are
     indexed only when a name is not one of ours (that takes ~10 s). Every task that cannot be
     loaded is reported at once, one line each; a protocol group (``ncpctl.evaluate.protocol``)
-    instead skips a member it cannot load with one line through ``skip`` and runs the others."""
+    instead skips a member it cannot load with one line through ``skip`` and runs the others.
+    ``tm``: a TaskManager from an earlier call with the same names (the training loop's evaluations
+    reuse theirs: indexing lm-eval's tasks again would cost its ~10 s at every evaluation)."""
     from lm_eval.tasks import TaskManager
 
     from ncpctl.evaluate import protocol
 
     ours = our_tasks(tasks_dir)
     defaults = any(leaf not in ours for n in names for leaf in _leaves(n, ours))
-    tm = TaskManager(include_path=str(tasks_dir), include_defaults=defaults, metadata=metadata)
+    tm = tm or TaskManager(include_path=str(tasks_dir), include_defaults=defaults, metadata=metadata)
     known = set(tm.all_tasks) | set(getattr(tm, "all_groups", []))
     problems, objs, protocols = [], [], []
     for name in names:

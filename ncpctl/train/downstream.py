@@ -34,6 +34,7 @@ import torch
 from ncpctl.errors import UserError
 
 SPLIT = "downstream"
+_TASK_MANAGERS: dict[tuple[str, ...], Any] = {}  # train.eval_tasks -> its lm-eval TaskManager (indexed once)
 
 
 def due(train: Any, step: int, last: bool) -> bool:
@@ -62,10 +63,11 @@ def _load(run: Any) -> tuple[Any, list[Any], list[Any]]:
     from ncpctl.evaluate.run import load_tasks
 
     d, names = run.d, list(run.recipe.train.eval_tasks)
+    tm = _TASK_MANAGERS.get(tuple(names))
     got, err = None, None
     if d.rank == 0:
         try:
-            got = load_tasks(names, _metadata(run.recipe), skip=run.info)
+            got = load_tasks(names, _metadata(run.recipe), skip=run.info, tm=tm)
         except UserError as e:
             err = e
     if d.world > 1 and d.sum(torch.tensor([float(err is not None)])).item() > 0:
@@ -73,8 +75,9 @@ def _load(run: Any) -> tuple[Any, list[Any], list[Any]]:
     if err is not None:
         raise err
     if d.rank != 0:
-        got = load_tasks(names, _metadata(run.recipe))
+        got = load_tasks(names, _metadata(run.recipe), tm=tm)
     assert got is not None
+    _TASK_MANAGERS[tuple(names)] = got[0]
     return got
 
 

@@ -127,6 +127,7 @@ class _Totals:
     train_loss_step: int | None = None  # the step ``train_loss`` was measured at
     val: dict[str, float] = field(default_factory=dict)
     val_step: int | None = None  # the step ``val`` was measured at (a summary after Ctrl-C says so)
+    downstream: dict[str, Any] = field(default_factory=dict)  # the last train.eval_tasks record (its step in it)
 
 
 @dataclass
@@ -284,9 +285,9 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
 
     run = _Run(recipe, stage, d, faults, info, warn, data, hooks, engine, packing, resume_from,
                n_params, n_trainable, bf16)
+    downstream.prepare(run)  # train.eval_tasks load (rank 0 first) before any step or record
     _restore(run, meta)
     _observe(run, out)
-    downstream.prepare(run)  # train.eval_tasks load (rank 0 first) before the first step
     return run
 
 
@@ -539,7 +540,7 @@ def _evaluate(run: _Run, final: bool = False) -> None:
 
 def _downstream(run: _Run) -> None:
     """train.eval_tasks on the live model, every rank (``ncpctl.train.downstream``); not step time."""
-    rec = downstream.evaluate(run)
+    rec = run.tot.downstream = downstream.evaluate(run)
     if run.metrics is not None:
         run.metrics.write(rec)
     run.info(downstream.line(rec))
