@@ -479,10 +479,12 @@ def markdown(payload: dict[str, Any]) -> str:
 
 def rich_table(payload: dict[str, Any]):
     from rich.table import Table
+    from rich.text import Text
 
     cols = columns(payload)
+    caption = "\n".join(_curve_text(payload) + payload["notes"])  # Text: a rule's [token perplexity] is not markup
     table = Table(title=f"eval comparison (Δ to {payload['baseline']})", title_justify="left",
-                  caption="\n".join(_curve_text(payload) + payload["notes"]) or None, caption_justify="left")
+                  caption=Text(caption) if caption else None, caption_justify="left")
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i < 2 else "right")
     section = None

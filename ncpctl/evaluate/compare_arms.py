@@ -151,5 +151,6 @@ def lines(arms: dict[str, Any]) -> list[str]:
             parts.append(text)
         out.append(f"{row['task']} {row['metric']}: " + "; ".join(parts))
     out.append(f"bootstrap: {arms['resamples']} resamples of the examples, seed {arms['seed']}, percentile interval; "
-               "an example's score in an arm is its mean over the arm's seeds")
+               "an example's score in an arm is its mean over the arm's seeds (the interval is over examples, the ± over "
+               "seeds: with few seeds read both)")
     return out

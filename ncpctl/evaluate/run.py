@@ -22,7 +22,9 @@ include a perplexity):
 Held-out corpora (``EvalTarget.heldout``: ``--heldout`` or ``eval.heldout``) are tasks of their
 own, named by their labels (``ncpctl.evaluate.heldout``); they count as perplexity sets.
 The JSON also records what was asked (``request``: tasks, held-out corpora, limit, few-shot,
-batch size, checkpoint), which ``ncpctl eval --compare`` reuses to evaluate a run the same way.
+batch size, checkpoint), which ``ncpctl eval --compare`` reuses to evaluate a run the same way, and
+each task's numeric per-example scores (``per_example``: ``doc_id`` and one list per metric), which
+its seed arms pair on (``ncpctl.evaluate.compare_arms``).
 
 A checkpoint whose log-likelihoods are bounds (a Causal Diffusion LM: its held-out ELBO,
 ``ncpctl.model.diffusion_elbo``) is scored with ``diffusion_samples`` Monte Carlo samples per

@@ -89,3 +89,17 @@ def test_an_arm_whose_runs_differ_in_more_than_the_seed_is_one_line(tmp_path: Pa
     assert r.returncode == 2 and "Traceback" not in r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "a1 differs from a0 in more than the seed: train.lr" in errors[0]
+
+
+def test_the_printed_notes_keep_their_square_brackets() -> None:
+    """The caption is plain text: a perplexity rule's `[token perplexity]` and an interval's `[95%: ...]`
+    were read as rich markup (the unit vanished from the printed rule)."""
+    from rich.console import Console
+
+    from ncpctl.evaluate.compare import rich_table
+
+    payload = {"runs": [{"label": "a"}, {"label": "b"}], "baseline": "a", "rows": [],
+               "notes": ["perplexity averages: mean_of_sets = (ncp_heldout_ppl [token perplexity]) / 1"]}
+    con = Console(width=200, record=True)
+    con.print(rich_table(payload))
+    assert "(ncp_heldout_ppl [token perplexity]) / 1" in " ".join(con.export_text().split())
