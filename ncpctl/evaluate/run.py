@@ -269,7 +269,7 @@ def quiet_lm_eval() -> None:
 
 
 def score(lm, tm, objs: list[Any], protocols: list[Any], limit: int | None, num_fewshot: int | None,
-          metadata: dict[str, Any], bootstrap_iters: int = 1000) -> dict[str, Any]:
+          batch_size: int, metadata: dict[str, Any], bootstrap_iters: int = 1000) -> dict[str, Any]:
     """lm-eval's results object for ``lm`` on the loaded tasks ``objs`` (``load_tasks``), plus our
     ``perplexity`` summary, the paper ``aggregates`` and ``per_example`` (``per_example``): what
     ``ncpctl eval`` writes and the training loop's in-loop evaluation logs (``ncpctl.train.downstream``),
@@ -281,7 +281,7 @@ def score(lm, tm, objs: list[Any], protocols: list[Any], limit: int | None, num_
 
     with _quiet_git_hash():
         res = simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
-                              batch_size=lm.batch_size, log_samples=True, bootstrap_iters=bootstrap_iters,
+                              batch_size=batch_size, log_samples=True, bootstrap_iters=bootstrap_iters,
                               metadata=metadata)
     if res is None:  # lm-eval returns the results only where LOCAL_RANK is 0 (an in-loop evaluation's other ranks)
         return {}
@@ -336,7 +336,7 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
                         hint="hub datasets need the network or a local datasets cache")
     names = [*t.tasks, *corpora]
     log(f"evaluating {t.checkpoint} on {', '.join(names)}" + (f" (limit {t.limit})" if t.limit else ""))
-    res = score(lm, tm, objs, protocols, t.limit, t.num_fewshot, {"checkpoint": str(t.checkpoint)})
+    res = score(lm, tm, objs, protocols, t.limit, t.num_fewshot, t.batch_size, {"checkpoint": str(t.checkpoint)})
     ppl, aggregates = res["perplexity"], res["aggregates"]
     likelihood = getattr(lm, "likelihood", {"kind": "exact"})
     res["likelihood"] = likelihood

@@ -123,7 +123,8 @@ def evaluate(run: Any) -> dict[str, Any]:
     try:
         tm, objs, protocols = _load(run)
         lm = _live_lm(run)
-        res = score(lm, tm, objs, protocols, r.eval.limit, r.eval.num_fewshot, _metadata(r), bootstrap_iters=0)
+        res = score(lm, tm, objs, protocols, r.eval.limit, r.eval.num_fewshot, r.eval.batch_size, _metadata(r),
+                    bootstrap_iters=0)
     finally:
         engine.train()
         set_rng_state(rng)
