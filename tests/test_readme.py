@@ -42,3 +42,17 @@ def test_readme_points_at_the_shipped_pipeline() -> None:
     assert "examples/pipeline.sh" in (REPO / "README.md").read_text()
     assert script.is_file() and os.access(script, os.X_OK)
     assert "set -euo pipefail" in script.read_text()
+
+
+def test_readme_points_at_the_seed_arms_example() -> None:
+    """The README's seed-arm and in-loop evaluation output comes from examples/seed_arms.sh."""
+    import os
+
+    script = REPO / "examples" / "seed_arms.sh"
+    readme = (REPO / "README.md").read_text()
+    assert "examples/seed_arms.sh" in readme and script.is_file() and os.access(script, os.X_OK)
+    text = script.read_text()
+    assert "set -euo pipefail" in text and "recipes/debug.yaml" in text and (REPO / "recipes" / "debug.yaml").is_file()
+    assert "examples/proxy/python_packages.jsonl" in text and (REPO / "examples/proxy/python_packages.jsonl").is_file()
+    for cmd in ("train.eval_tasks=[ncp_cloze]", "eval --compare runs/debug-s1,runs/debug-s2", "--against ncp_cloze:acc"):
+        assert cmd in text and cmd in readme

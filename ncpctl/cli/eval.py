@@ -10,6 +10,12 @@ from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, S
 from ncpctl.errors import UserError
 
 
+LevelOpt = Annotated[float, typer.Option("--level", min=0.5, max=0.999, help="--compare with seed arms: the level "
+                                         "of the paired bootstrap's interval.")]
+ResamplesOpt = Annotated[int, typer.Option("--resamples", min=100, help="--compare with seed arms: bootstrap "
+                                           "resamples of the examples (fixed seed 0).")]
+
+
 @command
 def main(
     targets: Annotated[list[str], typer.Argument(
@@ -17,7 +23,9 @@ def main(
         metavar="TARGET")],
     compare: Annotated[bool, typer.Option(
         "--compare", help="Compare the TARGETs' results side by side (Δ to the first); a target without results "
-        "is evaluated first. Writes `compare_<runs>.{json,md,png}` to --out (default: the first run's eval/).")] = False,
+        "is evaluated first. Writes `compare_<runs>.{json,md,png}` to --out (default: the first run's eval/). "
+        "A TARGET 'A1,A2,A3' is an arm of runs that differ only by train.seed: mean ± std per arm and a paired "
+        "bootstrap over examples of each arm's difference to the first.")] = False,
     tasks: Annotated[Optional[str], typer.Option(
         "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: eval.tasks of the recipe, or of "
         "the recipe a checkpoint carries; '' = none, only --heldout). "
@@ -38,6 +46,8 @@ def main(
         "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
         "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)] = None,
     window: Annotated[int, typer.Option("--window", min=1, help="--compare: train loss mean over the last N steps.")] = 200,
+    level: LevelOpt = 0.95,
+    resamples: ResamplesOpt = 2000,
     out: Annotated[Optional[str], typer.Option("--out", help="Output directory (default run.dir/eval; with "
                                                "--compare the first run's eval/).", show_default=False)] = None,
     concepts: Annotated[bool, typer.Option(
@@ -96,13 +106,9 @@ def main(
     if compare:
         if set_:
             raise UserError("--set does not apply to --compare", hint="each checkpoint carries its own recipe")
-        from ncpctl.evaluate.compare import compare as run_compare, rich_table as compare_table
-        payload = run_compare(targets, tasks=names, heldout=heldout, limit=limit, num_fewshot=num_fewshot,
-                              batch_size=batch_size, out=out, window=window, log=log)
-        out_.result({"command": "eval", "mode": "compare", **payload}, lambda con: (
-            print_wide(con, compare_table(payload)),
-            con.print("[dim]" + "\n".join(f"{k}: {v}" for k, v in payload["files"].items() if v) + "[/]"),
-        ))
+        _compare(out_, targets, dict(tasks=names, heldout=heldout, limit=limit, num_fewshot=num_fewshot,
+                                     batch_size=batch_size, out=out, window=window, log=log, level=level,
+                                     resamples=resamples))
         return
     if allow_code_execution:  # the opt-in reaches the code runner through the environment (as lm-eval's HF_ALLOW_CODE_EVAL)
         import os
@@ -130,6 +136,17 @@ def main(
     out_.result({"command": "eval", **summary}, lambda con: (
         print_wide(con, rich_table(summary)),
         con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),
+    ))
+
+
+def _compare(out_: Output, targets: list[str], kw: dict) -> None:
+    """``--compare``: ncpctl.evaluate.compare.compare, one table (seed arms and curves in its caption)."""
+    from ncpctl.evaluate.compare import compare as run_compare, rich_table as compare_table
+
+    payload = run_compare(targets, **kw)
+    out_.result({"command": "eval", "mode": "compare", **payload}, lambda con: (
+        print_wide(con, compare_table(payload)),
+        con.print("[dim]" + "\n".join(f"{k}: {v}" for k, v in payload["files"].items() if v) + "[/]"),
     ))
 
 

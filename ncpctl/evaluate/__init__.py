@@ -3,7 +3,8 @@
 * ``ncpctl.evaluate.lm``: ``NCPLM``, our model as the lm-eval model ``ncpctl``.
 * ``ncpctl.evaluate.offline``: offline tasks from the tokenized validation split.
 * ``ncpctl.evaluate.heldout``: perplexity tasks on the user's own corpora (``--heldout``).
-* ``ncpctl.evaluate.compare``: ``ncpctl eval --compare``, several runs' results side by side.
+* ``ncpctl.evaluate.compare``: ``ncpctl eval --compare``, several runs' results side by side
+  (``compare_curves``: training curves; ``compare_arms``: seed arms with the paired bootstrap).
 * ``ncpctl.evaluate.protocol``: paper-table groups: per-task shots and metric, the paper's aggregate.
 * ``ncpctl.evaluate.code_exec``: code tasks: sandboxed execution and the unbiased pass@k.
 * ``ncpctl.evaluate.proxy``: capability proxies (``ncpctl eval --proxy``); ``proxy_build`` makes a set.

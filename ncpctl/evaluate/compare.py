@@ -306,9 +306,15 @@ def val_curves(entries: list[Entry]) -> dict[str, dict[str, Any]]:
 
 def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list[str] | None = None,
             limit: int | None = None, num_fewshot: int | None = None, batch_size: int | None = None,
-            out: str | None = None, window: int = 200, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+            out: str | None = None, window: int = 200, log: Callable[[str], None] = lambda m: None,
+            level: float = 0.95, resamples: int = 2000) -> dict[str, Any]:
     """Locate (and where needed evaluate) each target's results, build the table, write the files.
-    ``tasks``/``heldout``/``limit``/``num_fewshot``/``batch_size`` only apply to targets evaluated here."""
+    ``tasks``/``heldout``/``limit``/``num_fewshot``/``batch_size`` only apply to targets evaluated here.
+    A comma-separated target is an arm of seeds (``ncpctl.evaluate.compare_arms``; ``level``, ``resamples``)."""
+    from ncpctl.evaluate import compare_arms
+
+    split = compare_arms.split_arms(targets)
+    targets, arm = split if split else (targets, None)
     if len(targets) < 2:
         raise UserError("--compare needs at least two runs or checkpoints")
     entries = [locate(t) for t in targets]
@@ -323,6 +329,8 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
     from ncpctl.evaluate.compare_curves import check_tokenizers, curve_stats
 
     check_tokenizers([e.label for e in entries], [e.checkpoint for e in entries])
+    if arm is not None:
+        compare_arms.check_seeds_only(entries, arm)
     _evaluate_missing(entries, tasks, heldout, limit, num_fewshot, batch_size, log)
     rows, missing = table(entries)
     runs = [{"label": e.label, "target": e.target, "run_dir": _s(e.run_dir), "checkpoint": _s(e.checkpoint),
@@ -340,7 +348,8 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
     payload = {"runs": runs, "baseline": entries[0].label, "rows": rows, "missing": missing,
                "notes": notes, "val_loss": curves,
                "curves": curve_stats(runs, [e.run_dir for e in entries], curves, window),
-               "likelihood": {e.label: _kind(e) for e in entries}}
+               "likelihood": {e.label: _kind(e) for e in entries},
+               "arms": compare_arms.report(entries, arm, rows, level, resamples) if arm is not None else None}
     payload["files"] = write(payload, Path(out) if out else entries[0].eval_dir, log)
     return payload
 
@@ -458,6 +467,11 @@ def markdown(payload: dict[str, Any]) -> str:
 
     if payload.get("curves"):
         lines += ["", "Training curves:", "", *(f"- {n}" for n in curve_lines(payload["curves"], payload["baseline"]))]
+    if payload.get("arms"):
+        from ncpctl.evaluate.compare_arms import lines as arm_lines
+
+        lines += ["", "Seed arms (mean ± std over seeds; paired bootstrap over examples):", "",
+                  *(f"- {n}" for n in arm_lines(payload["arms"]))]
     if payload["notes"]:
         lines += ["", "Notes:", "", *(f"- {n}" for n in payload["notes"])]
     return "\n".join(lines) + "\n"
@@ -465,10 +479,12 @@ def markdown(payload: dict[str, Any]) -> str:
 
 def rich_table(payload: dict[str, Any]):
     from rich.table import Table
+    from rich.text import Text
 
     cols = columns(payload)
+    caption = "\n".join(_curve_text(payload) + payload["notes"])  # Text: a rule's [token perplexity] is not markup
     table = Table(title=f"eval comparison (Δ to {payload['baseline']})", title_justify="left",
-                  caption="\n".join(_curve_text(payload) + payload["notes"]) or None, caption_justify="left")
+                  caption=Text(caption) if caption else None, caption_justify="left")
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i < 2 else "right")
     section = None
@@ -481,9 +497,11 @@ def rich_table(payload: dict[str, Any]):
 
 
 def _curve_text(payload: dict[str, Any]) -> list[str]:
+    from ncpctl.evaluate.compare_arms import lines as arm_lines
     from ncpctl.evaluate.compare_curves import lines as curve_lines
 
-    return curve_lines(payload["curves"], payload["baseline"]) if payload.get("curves") else []
+    return (curve_lines(payload["curves"], payload["baseline"]) if payload.get("curves") else []) + \
+        (arm_lines(payload["arms"]) if payload.get("arms") else [])
 
 
 def _stem(payload: dict[str, Any]) -> str:

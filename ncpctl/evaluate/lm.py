@@ -60,12 +60,14 @@ class NCPLM(TemplateLM):
     ``max_length`` (default the model's ``max_seq_len``), ``dtype`` (float32|bfloat16),
     ``device`` (cpu|cuda...), ``data=DIR`` (offline tasks' data, else found from the checkpoint),
     ``diffusion_samples`` / ``diffusion_seed``: the Monte Carlo samples and key of a bound's estimates
-    (an objective whose log-likelihoods are bounds: the CDLM's ELBO)."""
+    (an objective whose log-likelihoods are bounds: the CDLM's ELBO). In-process: ``loaded`` (a
+    ``LoadedModel``) instead of a checkpoint; ``live=True``: its model is a training run's module, used
+    on its device and in its dtype as it is (``ncpctl.train.downstream``)."""
 
     def __init__(self, checkpoint: str | None = None, *, loaded=None, batch_size: int | str = 8,
                  max_length: int | None = None, dtype: str = "float32", device: str | None = None,
                  max_gen_toks: int = 256, diffusion_samples: int | str = DIFFUSION_SAMPLES,
-                 diffusion_seed: int | str = 0, **_: Any):
+                 diffusion_seed: int | str = 0, live: bool = False, **_: Any):
         super().__init__()
         if not str(diffusion_samples).isdigit() or int(diffusion_samples) < 1:
             raise UserError(f"diffusion_samples={diffusion_samples!r}: expected a positive integer")
@@ -88,7 +90,9 @@ class NCPLM(TemplateLM):
         if dev.type == "cuda" and not torch.cuda.is_available():  # lm-eval's CLI defaults to cuda:0
             dev = torch.device("cpu")
         self.loaded = loaded
-        self.model = loaded.model.to(dev, dtype=getattr(torch, dtype)).eval()
+        # live: a training run's own module (ncpctl.train.downstream), scored where and as it trains (a
+        # .to() would cast the weights being trained); the loop puts it back in train mode
+        self.model = loaded.model.eval() if live else loaded.model.to(dev, dtype=getattr(torch, dtype)).eval()
         self.cfg = loaded.config
         self.tok = loaded.tokenizer
         self._device = dev

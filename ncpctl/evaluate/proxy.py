@@ -176,12 +176,13 @@ def lm_scorer(lm: Any) -> Scorer:
     return run
 
 
-def _downstream(out_dir: Path, tag: str, against: str) -> float | None:
+def _downstream(dirs: list[Path], tag: str, against: str) -> float | None:
     """``TASK:METRIC`` (``METRIC`` as lm-eval keys it, ``acc`` -> ``acc,none``) from the checkpoint's
-    results_<tag>.json of an earlier ``ncpctl eval``; None when it has none."""
+    results_<tag>.json of an earlier ``ncpctl eval``, the first found in ``dirs`` (``--out``, then the
+    checkpoint's own eval dir, where ``ncpctl eval`` writes it); None when it has none."""
     task, _, metric = against.partition(":")
-    f = out_dir / f"results_{tag}.json"
-    if not f.is_file():
+    f = next((d / f"results_{tag}.json" for d in dirs if (d / f"results_{tag}.json").is_file()), None)
+    if f is None:
         return None
     res = json.loads(f.read_text())
     row = {**res.get("results", {}), **res.get("groups", {})}.get(task) or {}
@@ -211,7 +212,8 @@ def evaluate_proxy(targets: list[str], spec: str, against: str | None = None, ou
         # a Causal Diffusion LM's log-likelihoods are ELBO bounds: its NLLs are upper bounds
         rep.update(checkpoint=str(ck), spec=str(spec), likelihood=lm.likelihood)
         if against:
-            rep["downstream"] = {"score": against, "value": _downstream(out_dir, ck.name, against)}
+            own = (run_dir_of(ck) or ck) / "eval"
+            rep["downstream"] = {"score": against, "value": _downstream([out_dir, own], ck.name, against)}
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(out_dir / f"proxy_{ck.name}.json", json.dumps(rep, indent=2) + "\n")
         rep["file"] = str(out_dir / f"proxy_{ck.name}.json")

@@ -22,7 +22,9 @@ include a perplexity):
 Held-out corpora (``EvalTarget.heldout``: ``--heldout`` or ``eval.heldout``) are tasks of their
 own, named by their labels (``ncpctl.evaluate.heldout``); they count as perplexity sets.
 The JSON also records what was asked (``request``: tasks, held-out corpora, limit, few-shot,
-batch size, checkpoint), which ``ncpctl eval --compare`` reuses to evaluate a run the same way.
+batch size, checkpoint), which ``ncpctl eval --compare`` reuses to evaluate a run the same way, and
+each task's numeric per-example scores (``per_example``: ``doc_id`` and one list per metric), which
+its seed arms pair on (``ncpctl.evaluate.compare_arms``).
 
 A checkpoint whose log-likelihoods are bounds (a Causal Diffusion LM: its held-out ELBO,
 ``ncpctl.model.diffusion_elbo``) is scored with ``diffusion_samples`` Monte Carlo samples per
@@ -150,24 +152,42 @@ def _leaves(name: str | dict[str, Any], ours: dict[str, dict[str, Any]]) -> list
     return [leaf for t in d["task"] for leaf in _leaves(t, ours)]
 
 
+def unknown_tasks(names: list[str], tasks_dir: Path = TASKS_DIR) -> list[str]:
+    """The names in ``names`` that are neither ours (``ncpctl/evaluate/tasks``) nor lm-eval's, each as
+    one line (a recipe's ``train.eval_tasks`` is checked with it before training starts). lm-eval's
+    own index (~10 s) is read only when a name is not one of ours."""
+    ours = our_tasks(tasks_dir)
+    rest = [n for n in names if n not in ours]
+    if not rest:
+        return []
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=str(tasks_dir), include_defaults=True)
+    known = set(tm.all_tasks) | set(getattr(tm, "all_groups", []))
+    return [f"task {n}: unknown to lm-eval" + (f" (did you mean {', '.join(near)}?)" if near else "")
+            for n in rest if n not in known for near in [[k for k in known if n in k][:3]]]
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".strip()
 
 
 def load_tasks(names: list[str], metadata: dict[str, Any], tasks_dir: Path = TASKS_DIR, allow_code: bool = False,
-               skip: Callable[[str], None] = lambda m: None) -> tuple[Any, list[Any], list[Any]]:
+               skip: Callable[[str], None] = lambda m: None, tm: Any = None) -> tuple[Any, list[Any], list[Any]]:
     """(TaskManager, loaded task/group objects, protocols). lm-eval's own ~200 task folders are
     indexed only when a name is not one of ours (that takes ~10 s). Every task that cannot be
     loaded is reported at once, one line each; a protocol group (``ncpctl.evaluate.protocol``)
-    instead skips a member it cannot load with one line through ``skip`` and runs the others."""
+    instead skips a member it cannot load with one line through ``skip`` and runs the others.
+    ``tm``: a TaskManager from an earlier call with the same names (the training loop's evaluations
+    reuse theirs: indexing lm-eval's tasks again would cost its ~10 s at every evaluation)."""
     from lm_eval.tasks import TaskManager
 
     from ncpctl.evaluate import protocol
 
     ours = our_tasks(tasks_dir)
     defaults = any(leaf not in ours for n in names for leaf in _leaves(n, ours))
-    tm = TaskManager(include_path=str(tasks_dir), include_defaults=defaults, metadata=metadata)
+    tm = tm or TaskManager(include_path=str(tasks_dir), include_defaults=defaults, metadata=metadata)
     known = set(tm.all_tasks) | set(getattr(tm, "all_groups", []))
     problems, objs, protocols = [], [], []
     for name in names:
@@ -238,6 +258,61 @@ def _quiet_git_hash():
             evaluator.get_git_commit_hash = before
 
 
+def quiet_lm_eval() -> None:
+    """lm-eval's loggers at WARNING. Our offline tasks build their data with a custom_dataset
+    function; lm-eval then advises about `--metadata` once per task, which is noise for our users."""
+    for name in ("lm-eval", "lm_eval"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    task_log = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _DropMetadataAdvice) for f in task_log.filters):
+        task_log.addFilter(_DropMetadataAdvice())
+
+
+def score(lm, tm, objs: list[Any], protocols: list[Any], limit: int | None, num_fewshot: int | None,
+          batch_size: int, metadata: dict[str, Any], bootstrap_iters: int = 1000) -> dict[str, Any]:
+    """lm-eval's results object for ``lm`` on the loaded tasks ``objs`` (``load_tasks``), plus our
+    ``perplexity`` summary, the paper ``aggregates`` and ``per_example`` (``per_example``): what
+    ``ncpctl eval`` writes and the training loop's in-loop evaluation logs (``ncpctl.train.downstream``),
+    one code path for both. ``bootstrap_iters``: lm-eval's bootstrap of the stderr of non-mean metrics
+    (a process pool; the training loop passes 0)."""
+    from lm_eval import simple_evaluate
+
+    from ncpctl.evaluate.protocol import aggregate
+
+    with _quiet_git_hash():
+        res = simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
+                              batch_size=batch_size, log_samples=True, bootstrap_iters=bootstrap_iters,
+                              metadata=metadata)
+    if res is None:  # lm-eval returns the results only where LOCAL_RANK is 0 (an in-loop evaluation's other ranks)
+        return {}
+    res["per_example"] = per_example(res.pop("samples", None) or {})
+    res["perplexity"] = perplexity_summary(res["results"], lm.token_stats, res.get("configs"))
+    res["aggregates"] = {p.name: aggregate(p, {**res["results"], **res.get("groups", {})}) for p in protocols}
+    return res
+
+
+def per_example(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, list[Any]]]:
+    """{task: {"doc_id": [...], metric: [per-example score, ...]}} from lm-eval's logged samples: the
+    numeric per-example scores only (``acc``, ``exact_match``; a perplexity's (loglikelihood, weight)
+    pairs are left out), one list per metric (``metric[filter]`` as in ``metrics``), in doc_id order
+    (what ``ncpctl eval --compare``'s paired bootstrap pairs on)."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for task, rows in samples.items():
+        by_doc: dict[int, dict[str, float]] = {}
+        for row in rows:
+            flt = row.get("filter", "none")
+            for m in row.get("metrics") or []:
+                v = row.get(m)
+                if isinstance(v, bool) or isinstance(v, (int, float)):
+                    key = m if flt in ("none", "first_identifier") else f"{m}[{flt}]"
+                    by_doc.setdefault(int(row["doc_id"]), {})[key] = float(v)
+        if by_doc:
+            ids = sorted(by_doc)
+            keys = list(dict.fromkeys(k for d in by_doc.values() for k in d))
+            out[task] = {"doc_id": ids, **{k: [by_doc[i].get(k) for i in ids] for k in keys}}
+    return out
+
+
 def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None) -> dict[str, Any]:
     """Run lm-eval on ``t``; write the JSON and markdown; return the summary."""
     from ncpctl.evaluate import heldout
@@ -245,19 +320,11 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     # held-out corpora first: a corpus with no text is an error before lm-eval and the model load
     corpora = heldout.prepare(t.heldout, t.tasks, lm.tok if lm is not None else _tokenizer(t.checkpoint)) \
         if t.heldout else {}
-    from lm_eval import simple_evaluate
     from lm_eval.utils import handle_non_serializable, make_table
 
     from ncpctl.evaluate.lm import NCPLM
-    from ncpctl.evaluate.protocol import aggregate
 
-    for name in ("lm-eval", "lm_eval"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    # Our offline tasks build their data with a custom_dataset function; lm-eval then advises
-    # about `--metadata` once per task, which is noise for our users.
-    task_log = logging.getLogger("lm_eval.api.task")
-    if not any(isinstance(f, _DropMetadataAdvice) for f in task_log.filters):
-        task_log.addFilter(_DropMetadataAdvice())
+    quiet_lm_eval()
     t0 = time.time()
     if lm is None:
         lm = NCPLM(str(t.checkpoint), batch_size=t.batch_size,
@@ -269,15 +336,8 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
                         hint="hub datasets need the network or a local datasets cache")
     names = [*t.tasks, *corpora]
     log(f"evaluating {t.checkpoint} on {', '.join(names)}" + (f" (limit {t.limit})" if t.limit else ""))
-    with _quiet_git_hash():
-        res = simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=t.limit, num_fewshot=t.num_fewshot,
-                              batch_size=t.batch_size, log_samples=False, bootstrap_iters=1000,
-                              metadata={"checkpoint": str(t.checkpoint)})
-    res.pop("samples", None)
-    ppl = perplexity_summary(res["results"], lm.token_stats, res.get("configs"))
-    res["perplexity"] = ppl
-    res["aggregates"] = aggregates = {p.name: aggregate(p, {**res["results"], **res.get("groups", {})})
-                                      for p in protocols}
+    res = score(lm, tm, objs, protocols, t.limit, t.num_fewshot, t.batch_size, {"checkpoint": str(t.checkpoint)})
+    ppl, aggregates = res["perplexity"], res["aggregates"]
     likelihood = getattr(lm, "likelihood", {"kind": "exact"})
     res["likelihood"] = likelihood
     res["request"] = request = {

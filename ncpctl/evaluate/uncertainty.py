@@ -1,5 +1,5 @@
-"""Comparing runs with their uncertainty (issue 26 item 4; the statistics, not yet wired into
-``ncpctl eval --compare``).
+"""Comparing runs with their uncertainty (issue 26 item 4): the statistics behind ``ncpctl eval
+--compare`` (``compare_curves``: tokens-to-reach and windows; ``compare_arms``: seed arms).
 
 * ``tokens_to_reach``: NCP-ArchPreview Fig. 1's claim, the fraction of the baseline's tokens a run
   needs to reach the baseline's final loss (51.3% in Stage 1): the first crossing of the run's

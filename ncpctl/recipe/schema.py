@@ -269,6 +269,18 @@ class TrainSection(Section):
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 on GPU, fp32 on CPU.")
     eval_every: int = Field(50, ge=0, description="Validation every N steps (0 = only at the end).")
     eval_batches: int = Field(8, gt=0, description="Validation batches per evaluation.")
+    eval_tasks: list[str] = Field(
+        default_factory=list, description="Downstream evaluation inside the run (as gpt-neox and OLMo-core do): "
+        "lm-eval task or group names (as eval.tasks: `ncp_offline`, the paper tables, any lm-eval task), scored "
+        "by the live model through the same lm-eval model as `ncpctl eval` (no checkpoint written or read), "
+        "with eval.limit, eval.num_fewshot and eval.batch_size, every train.eval_tasks_every steps and at the "
+        "end; every rank scores the same requests (ZeRO-3 gathers each layer on all ranks). Logged as a "
+        "`\"split\": \"downstream\"` record of `eval/<task>/<metric>` keys in metrics.jsonl (and "
+        "`downstream.png` with train.plots); its time is kept out of step_time and the rates, and the RNG "
+        "state is put back, so training is the same as without it. An unknown name is an error before "
+        "training starts.")
+    eval_tasks_every: int = Field(0, ge=0, description="Steps between in-loop downstream evaluations of "
+                                  "train.eval_tasks (0 = only at the end of the run).")
     save_every: int = Field(100, ge=0, description="Checkpoint every N steps (0 = only at the end).")
     keep_last: int = Field(2, gt=0, description="Checkpoints kept on disk.")
     resume: str = Field("auto", description="`auto` (newest complete checkpoint), `never`, or a checkpoint path.")

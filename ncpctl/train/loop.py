@@ -8,7 +8,8 @@ out)`` then reads top to bottom, one named piece per stage of a run:
               -> model -> DeepSpeed engine -> [restore checkpoint] -> observability
     loop:     _optimizer_step (micro-batches fwd/bwd/step, ONE all-reduce of the named step
               vector, see ``ncpctl.train.packing``) -> _count_nonfinite -> the model's
-              ``on_step_end`` hook -> _log_step -> _evaluate -> _save
+              ``on_step_end`` hook -> _log_step -> _evaluate -> _downstream (train.eval_tasks,
+              ``ncpctl.train.downstream``) -> _save
     finish:   final _evaluate and _save, plots, the summary (summary.py)
 
 The loop names no design and no loss term or metric of the model except ``loss`` (the
@@ -41,6 +42,7 @@ from ncpctl.errors import UserError
 from ncpctl.profile.timing import device_peak
 from ncpctl.recipe.load import Recipe
 from ncpctl.train import checkpoint as ckpt
+from ncpctl.train import downstream
 from ncpctl.train.config import schedule_change
 from ncpctl.train.data import TrainData, open_data
 from ncpctl.train.engine import Dist, build_engine, init_distributed, reset_hyperparameters
@@ -125,6 +127,7 @@ class _Totals:
     train_loss_step: int | None = None  # the step ``train_loss`` was measured at
     val: dict[str, float] = field(default_factory=dict)
     val_step: int | None = None  # the step ``val`` was measured at (a summary after Ctrl-C says so)
+    downstream: dict[str, Any] = field(default_factory=dict)  # the last train.eval_tasks record (its step in it)
 
 
 @dataclass
@@ -226,6 +229,8 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
                 last = tot.step == t.max_steps
                 if t.eval_every and tot.step % t.eval_every == 0 and not last:
                     _evaluate(run)
+                if downstream.due(t, tot.step, last):  # before the save: the checkpoint has these weights
+                    _downstream(run)
                 # no periodic save inside a non-finite streak: if the weights themselves went bad,
                 # the checkpoint before the streak is the one to go back to
                 due = t.save_every and tot.step % t.save_every == 0 and not last and tot.nonfinite_run == 0
@@ -280,6 +285,7 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
 
     run = _Run(recipe, stage, d, faults, info, warn, data, hooks, engine, packing, resume_from,
                n_params, n_trainable, bf16)
+    downstream.prepare(run)  # train.eval_tasks load (rank 0 first) before any step or record
     _restore(run, meta)
     _observe(run, out)
     return run
@@ -532,6 +538,14 @@ def _evaluate(run: _Run, final: bool = False) -> None:
         run.metrics.write({"split": "val", "step": run.tot.step, **run.tot.val})
     if run.display is not None:
         run.display.validation(run.tot.step, run.tot.val)
+
+
+def _downstream(run: _Run) -> None:
+    """train.eval_tasks on the live model, every rank (``ncpctl.train.downstream``); not step time."""
+    rec = run.tot.downstream = downstream.evaluate(run)
+    if run.metrics is not None:
+        run.metrics.write(rec)
+    run.info(downstream.line(rec))
 
 
 def _save(run: _Run) -> None:

@@ -11,7 +11,9 @@ code_usage_per_segment.
 Validation records (``"split": "val"``): step and the means of the log keys not logged per
 element. Stability records (``"split": "stability"``, ``train.attention_stats_every``): step,
 ``attn/max_logit``, ``attn/max_q_norm``, ``attn/max_k_norm`` (over all attention layers) and the
-same per layer as ``attn/{layer}/{quantity}`` (``NCPModel.attention_stats``), and ``seconds``. The names are the recipe's and the model's (one vocabulary); the code here lists
+same per layer as ``attn/{layer}/{quantity}`` (``NCPModel.attention_stats``), and ``seconds``.
+Downstream records (``"split": "downstream"``, ``train.eval_tasks``; ``ncpctl.train.downstream``):
+step, ``seconds`` and ``eval/<task>/<metric>``. The names are the recipe's and the model's (one vocabulary); the code here lists
 none of them.
 """
 
@@ -193,7 +195,34 @@ def write_plots(run_dir: Path, code_counts: np.ndarray | None = None, warn: Any 
     if any("tokens_per_concept" in r for r in train + val):
         _compression_plot(plt, run_dir / "compression.png", train, val, target_ratio)
         written.append("compression.png")
+    downstream = [r for r in records if r.get("split") == "downstream"]
+    if downstream:
+        _downstream_plot(plt, run_dir / "downstream.png", downstream)
+        written.append("downstream.png")
     return written
+
+
+def _downstream_plot(plt: Any, path: Path, recs: list[dict[str, Any]]) -> None:
+    """train.eval_tasks (``ncpctl.train.downstream``): one panel per task, its metrics against step."""
+    keys = list(dict.fromkeys(k for r in recs for k in r if k.startswith("eval/")))
+    tasks = list(dict.fromkeys(k.split("/")[1] for k in keys))
+    cols = min(len(tasks), 4)
+    fig, axes = plt.subplots(math.ceil(len(tasks) / cols), cols, figsize=(3.6 * cols, 3.0 * math.ceil(len(tasks) / cols)),
+                             squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax, task in zip(flat, tasks):
+        for key in (k for k in keys if k.split("/")[1] == task):
+            pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            if pts:
+                ax.plot(*zip(*pts), "o-", ms=3, lw=1, label=key.split("/", 2)[2])
+        ax.set_title(task, fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    for ax in flat[len(tasks):]:
+        ax.axis("off")
+    fig.tight_layout()
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
 
 
 def _compression_plot(plt: Any, path: Path, train: list[dict[str, Any]], val: list[dict[str, Any]],

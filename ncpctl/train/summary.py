@@ -17,6 +17,7 @@ def summary(run: Any, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:
         "stage": stage.name, "run_dir": str(r.run_dir), "step": tot.step, "max_steps": r.train.max_steps,
         "tokens": tot.tokens, "train_loss": tot.train_loss, "train_loss_step": tot.train_loss_step,
         "val": tot.val, "val_step": tot.val_step,
+        "downstream": tot.downstream or None,  # train.eval_tasks: the last in-loop record
         "unigram_entropy": run.entropy, "parameters": run.n_params, "trainable_parameters": run.n_trainable,
         "steps_run": steps, "seconds": round(elapsed, 2),
         "steps_per_s": steps / compute_s if compute_s else None,

@@ -97,3 +97,23 @@ def test_builder_makes_a_valid_set_from_held_out_packages(tmp_path: Path) -> Non
     for it in items:
         assert it.prompt.lstrip().startswith(("def ", "@", "async def ")) and ('"""' in it.prompt or "'''" in it.prompt)
         assert not it.choices or (len(it.choices) == 4 and it.choices[it.label] == it.suffix)
+
+
+def test_against_reads_each_checkpoints_own_results_when_out_is_elsewhere(tmp_path: Path) -> None:
+    """`--against` with `--out`: the downstream score is where `ncpctl eval` wrote it, the run's eval/."""
+    import shutil
+
+    spec = tmp_path / "one.jsonl"
+    spec.write_text(SHIPPED.read_text().splitlines()[0] + "\n")
+    cks = []
+    for i, acc in enumerate((0.25, 0.5)):
+        ck = tmp_path / f"run{i}" / "checkpoints" / "step_0000020"
+        shutil.copytree(FIXTURE, ck)
+        (ck.parent / "latest").write_text(ck.name + "\n")
+        (tmp_path / f"run{i}" / "eval").mkdir()
+        (tmp_path / f"run{i}" / "eval" / "results_step_0000020.json").write_text(
+            json.dumps({"results": {"ncp_cloze": {"acc,none": acc}}}))
+        cks.append(str(ck))
+    got = proxy.evaluate_proxy(cks, str(spec), against="ncp_cloze:acc", out=str(tmp_path / "out"))
+    assert [r["downstream"]["value"] for r in got["per_checkpoint"].values()] == [0.25, 0.5]
+    assert got["correlation"]["n_checkpoints"] == 2
