@@ -48,6 +48,7 @@ class SpecStats:
     row_rounds: int = 0  # (round, running row) pairs
     committed: int = 0  # tokens committed, summed over (round, running row)
     drafted: int = 0  # drafted tokens, summed over (round, running row)
+    hist: dict[int, int] = field(default_factory=dict)  # tokens committed in a (round, row) -> how often
 
     def record(self, per_row: list[int], k: int) -> None:
         """One round: the tokens each running row committed (accepted drafts + 1), K drafted."""
@@ -55,11 +56,22 @@ class SpecStats:
         self.row_rounds += len(per_row)
         self.committed += sum(per_row)
         self.drafted += k * len(per_row)
+        for n in per_row:
+            self.hist[n] = self.hist.get(n, 0) + 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.rounds += other.rounds
+        self.row_rounds += other.row_rounds
+        self.committed += other.committed
+        self.drafted += other.drafted
+        for n, c in other.hist.items():
+            self.hist[n] = self.hist.get(n, 0) + c
 
     def as_dict(self) -> dict:
         return {"rounds": self.rounds,
                 "mal": self.committed / self.row_rounds if self.row_rounds else None,
-                "acceptance": (self.committed - self.row_rounds) / self.drafted if self.drafted else None}
+                "acceptance": (self.committed - self.row_rounds) / self.drafted if self.drafted else None,
+                "committed_per_round": {str(n): self.hist[n] for n in sorted(self.hist)}}
 
 
 @dataclass
