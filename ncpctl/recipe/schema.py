@@ -199,6 +199,8 @@ class DrafterSection(Section):
         "pooled", description="c of Eq. 26: `pooled` = the mean of the target's encoder output over the last "
         "complete block of the verified prefix; `predicted` = the target's concept prediction made from that block.")
     anchors: int = Field(16, gt=0, description="Anchors (draft blocks) per training window, drawn uniformly.")
+    decay: Optional[float] = Field(None, gt=0, description="Slot i's loss weight exp(-i / decay) (DFlash: 7 at "
+                                   "K = 16; a draft is accepted as a prefix, so early slots count more); null = uniform.")
 
 
 class TrainSection(Section):

@@ -92,7 +92,7 @@ def _drafter_stage(recipe: Recipe, init: Path) -> Stage:
         cfg = drafter_config(recipe)
     except ValueError as e:
         raise UserError(f"{recipe.path}: train.drafter: {e}") from None
-    anchors = t.drafter.anchors
+    anchors, decay = t.drafter.anchors, t.drafter.decay
 
     def freeze(model: torch.nn.Module) -> None:
         model.requires_grad_(False)
@@ -102,7 +102,7 @@ def _drafter_stage(recipe: Recipe, init: Path) -> Stage:
             raise UserError(f"{recipe.path}: train.init_from: objective {recipe.model_config.objective} does not "
                             "decode token by token on KV caches: no drafter can speed it up")
         try:
-            return DraftTraining(model, cfg, anchors)
+            return DraftTraining(model, cfg, anchors, decay)
         except ValueError as e:
             raise UserError(f"{recipe.path}: train.init_from: {e}") from None
 

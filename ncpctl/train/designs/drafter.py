@@ -41,7 +41,7 @@ def drafter_config(recipe: Recipe) -> DrafterConfig:
 class DraftTraining(nn.Module):
     """The loop's model in the drafter stage: the frozen target (not a submodule) and the drafter."""
 
-    def __init__(self, target: nn.Module, cfg: DrafterConfig, anchors: int):
+    def __init__(self, target: nn.Module, cfg: DrafterConfig, anchors: int, decay: float | None = None):
         super().__init__()
         why = check_target(target, cfg, "the drafter")
         if why:
@@ -50,6 +50,8 @@ class DraftTraining(nn.Module):
         self.objective = target.objective
         self.drafter = BlockDrafter(cfg)
         self.draft_cfg, self.anchors = cfg, anchors
+        w = torch.ones(cfg.k) if decay is None else torch.exp(-torch.arange(cfg.k, dtype=torch.float32) / decay)
+        self.slot_weight = (w / w.sum()).tolist()  # (K,) sums to 1: the loss stays a mean CE
         self.tap = TargetTap(target, cfg.target_layers)
 
     @property
@@ -92,11 +94,12 @@ class DraftTraining(nn.Module):
                           x_emb.reshape(B * A, -1), c)  # (B*A, K, d)
         tgt = seq.gather(1, (a[..., None] + 2 + torch.arange(K, device=x.device)).view(B, -1)).view(B * A, K)
         logits = self.target.head(hN).float()  # (B*A, K, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+        ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none").view(B * A, K)
+        loss = (ce.mean(0) * ce.new_tensor(self.slot_weight)).sum()
         with torch.no_grad():
             hit = (logits.argmax(-1) == tgt).float()  # (B*A, K)
             run = hit.cumprod(1).sum(1)  # leading correct slots: what greedy verification accepts
-        return NCPOutput(logits=None, loss=loss, losses={"draft_loss": loss.detach()},
+        return NCPOutput(logits=None, loss=loss, losses={"draft_loss": ce.detach().mean()},
                          metrics={"draft_acc": hit.mean(), "draft_mal": (run + 1).mean()})
 
     def log_keys(self) -> list[LogKey]:
@@ -125,5 +128,9 @@ class DrafterHooks(DesignHooks):
         return recipe.train.drafter is not None
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {"drafter": {"config": drafter_config(self.recipe).to_dict(), "target": self.recipe.train.init_from,
-                            "anchors": self.recipe.train.drafter.anchors}}
+        from ncpctl.checkpoint import resolve
+
+        t = self.recipe.train
+        return {"drafter": {"config": drafter_config(self.recipe).to_dict(), "target": t.init_from,
+                            "target_checkpoint": str(resolve(t.init_from, pin_it=False)),
+                            "anchors": t.drafter.anchors, "decay": t.drafter.decay, "data": "next-K tokens of the data"}}
