@@ -108,7 +108,17 @@ class BlockDraftRunner(Drafter):
         self.model, self.drafter = target_model, drafter
         self.cfg = drafter.cfg
         self.max_tokens = self.cfg.k
+        self.tap: TargetTap | None = None
+
+    def attach(self, target_model) -> None:
+        if target_model is not self.model:
+            raise ValueError("this drafter reads the states of the target it was loaded for")
         self.tap = TargetTap(target_model, self.cfg.target_layers)  # before the prefill: it reads it
+
+    def detach(self) -> None:
+        if self.tap is not None:
+            self.tap.close()
+            self.tap = None
 
     def start(self, target, tokens, lengths, max_len) -> None:
         st = target.state

@@ -10,6 +10,8 @@ target) and proposes K tokens a round with the distributions it drew them from:
 * ``commit(keep)``: row b kept x, d_1 .. d_{m-1} with m = keep[b] (m <= K + 1; m = K + 1 also
   keeps d_K; m = 0: nothing, a row that stopped), and its next pending token is the round's m-th.
 * ``max_tokens``: the most drafts it can propose a round (None: any K).
+* ``attach(target_model)`` / ``detach()``: around each ``speculate`` call, ``attach`` before the
+  prefill (a drafter that reads the target's hidden states hooks it there); no-ops by default.
 
 ``ModelDrafter``: any ncpctl checkpoint with the target's tokenizer, decoding on its own caches.
 ``BlockDraftRunner`` (block_drafter.py): the block-parallel drafter of NCP-ArchPreview Sec. 5.3,
@@ -34,6 +36,12 @@ from .speculative import Cursor, draw, probs
 
 class Drafter:
     max_tokens: int | None = None
+
+    def attach(self, target_model) -> None:
+        """Before the target's prefill of a ``speculate`` call (a drafter that reads its states)."""
+
+    def detach(self) -> None:
+        """After the call."""
 
     def start(self, target: Cursor, tokens: torch.Tensor, lengths: list[int], max_len: int) -> None:
         raise NotImplementedError

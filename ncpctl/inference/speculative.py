@@ -149,12 +149,23 @@ def verify(p: torch.Tensor, drafts: list[int], q: torch.Tensor, params: Sampling
     return out + [draw(p[len(drafts)], params, gen)]
 
 
-@torch.no_grad()
 def speculate(model, spec: Speculative, tokens: torch.Tensor, lengths: list[int], params: SamplingParams,
-              gens: list, rows: Rows, *, vocab_size: int | None = None, interventions=None,
-              logit_adjust: Callable | None = None) -> None:
+              gens: list, rows: Rows, **kw) -> None:
     """Generate ``params.max_new_tokens`` per row of the left-padded prompts tokens (B, Tp) into
-    ``rows``, drafting with ``spec.drafter`` and verifying on ``model``."""
+    ``rows``, drafting with ``spec.drafter`` and verifying on ``model`` (keywords: ``_speculate``'s).
+    A drafter that reads the target's states hooks it for this call only (``attach``, before the
+    prefill; ``detach`` after, also on an error)."""
+    spec.drafter.attach(model)
+    try:
+        _speculate(model, spec, tokens, lengths, params, gens, rows, **kw)
+    finally:
+        spec.drafter.detach()
+
+
+@torch.no_grad()
+def _speculate(model, spec: Speculative, tokens: torch.Tensor, lengths: list[int], params: SamplingParams,
+               gens: list, rows: Rows, *, vocab_size: int | None = None, interventions=None,
+               logit_adjust: Callable | None = None) -> None:
     B, Tp = tokens.shape
     n_new = params.max_new_tokens
     # a row's slots: its prompt, up to n_new - 1 + K fed and kept tokens, a round's K + 1 fed ones

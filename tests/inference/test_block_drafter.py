@@ -73,6 +73,7 @@ def test_greedy_speculative_with_the_block_drafter_equals_plain_greedy(how):
     spec = Speculative(BlockDraftRunner(target, drafter), 3)
     got = [c.tokens for c in generate(target, RAGGED, params, str, speculative=spec)]
     assert got == plain
+    assert not target.decoder._forward_hooks and not target.encoder._forward_pre_hooks  # hooked for the call only
     st = spec.stats.as_dict()
     assert st["rounds"] < 3 * 20 and 1.0 <= st["mal"] <= 4.0, st
     run = spec.drafter
@@ -150,7 +151,6 @@ def test_refusals_another_target_another_tokenizer_and_k_below_one(tmp_path):
     loaded = load_model(target)
     spec, info = load_speculative(loaded, good, 4)
     assert info["concept_source"] == "pooled" and spec.drafter.max_tokens == 4
-    spec.drafter.tap.close()
     for ck, args, msg in ((target, (wide, 4), r"another target: d_model 48 \(target 32\)"),
                           (target, (other, 4), "another tokenizer"),
                           (str(tmp_path / "plain"), (good, 4), "injects concepts of fixed blocks"),
