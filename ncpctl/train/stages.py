@@ -35,6 +35,9 @@ class Stage:
     # what the loop trains in place of the model once it is set up (train-drafter: the frozen target
     # wrapped with a new drafter, ncpctl.train.designs.drafter); None: the model itself
     wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+    # the stage's own check of a checkpoint it resumes (path, its ncpctl.json), beyond the model config
+    # the loop compares (train-drafter: the drafter's config); raises a UserError
+    check_resume: Callable[[Path, dict], None] | None = None
 
 
 def freeze_all_but_codebook(model: torch.nn.Module) -> None:
@@ -106,7 +109,15 @@ def _drafter_stage(recipe: Recipe, init: Path) -> Stage:
         except ValueError as e:
             raise UserError(f"{recipe.path}: train.init_from: {e}") from None
 
-    return Stage("train-drafter", init, "weights", freeze=freeze, wrap=wrap)
+    def check_resume(src: Path, meta: dict) -> None:
+        saved = (meta.get("drafter") or {}).get("config") or {}
+        diff = sorted(k for k in cfg.to_dict() if saved.get(k) != cfg.to_dict()[k])
+        if diff:
+            raise UserError(f"{src}: train.drafter: the checkpoint's drafter differs in "
+                            + ", ".join(f"{k} ({saved.get(k)!r}, now {cfg.to_dict()[k]!r})" for k in diff),
+                            hint="give this drafter its own run.dir, or train.resume: never")
+
+    return Stage("train-drafter", init, "weights", freeze=freeze, wrap=wrap, check_resume=check_resume)
 
 
 def make_stage(recipe: Recipe, name: str) -> Stage:

@@ -103,3 +103,21 @@ def test_debug_concept_drafter_trains_and_reports_mal(tmp_path: Path, tiny_data:
         assert set(out["tasks"]) == {"code", "text"} and out["horizon"] == 4
         assert all(1.0 <= t["mal"] <= 5.0 and t["rounds"] >= 1 for t in out["tasks"].values())
         assert out["concept_source"] == "pooled" and "one chain" in out["verification"]
+
+
+def test_resuming_another_drafter_is_refused(tmp_path: Path, tiny_data: Path) -> None:  # noqa: F811
+    """A run.dir whose checkpoints hold another drafter (here: the other concept source, same
+    weights' shapes) is not resumed silently."""
+    from ncpctl.errors import UserError
+    from ncpctl.train.designs.drafter import drafter_config
+
+    target = _target(tmp_path / "target", 512, tiny_data / "tokenizer.json")
+    sets = [f"train.init_from={target}", f"data.train_prefix={tiny_data}/train", f"data.val_prefix={tiny_data}/val",
+            "train.seq_len=32"]
+    r = load_recipe(DRAFTERS / "debug-concept.yaml", sets)
+    stage = make_stage(r, "train-drafter")
+    mine = drafter_config(r).to_dict()
+    stage.check_resume(tmp_path, {"drafter": {"config": mine}})  # the same drafter: resumes
+    with pytest.raises(UserError, match=r"concept_source \('predicted', now 'pooled'\)") as e:
+        stage.check_resume(tmp_path, {"drafter": {"config": {**mine, "concept_source": "predicted"}}})
+    assert len(e.value.problems) == 1
