@@ -21,6 +21,7 @@ from ncpctl.train.designs.drafter import DraftTraining
 
 from ..conftest import run_cli
 from ..model._helpers import build, tiny
+from .test_speculative import ARCHPREVIEW
 
 FIXED = lambda: tiny("neox", concept=dict(k=3))  # noqa: E731
 RAGGED = [[5, 17, 3, 99, 42, 7, 1], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
@@ -61,12 +62,14 @@ def test_zero_gate_at_init_makes_the_concept_drafter_the_baseline():
     assert not torch.allclose(base(feats, pos, valid, x), plus(feats, pos, valid, x, torch.randn(N, d)))
 
 
-@pytest.mark.parametrize("how", [dict(), dict(concept_injection=True, concept_source="pooled"),
-                                 dict(concept_injection=True, concept_source="predicted")])
-def test_greedy_speculative_with_the_block_drafter_equals_plain_greedy(how):
+@pytest.mark.parametrize("name,how", [("fixed", dict()), ("fixed", dict(concept_injection=True, concept_source="pooled")),
+                                      ("fixed", dict(concept_injection=True, concept_source="predicted")),
+                                      ("archpreview", dict(concept_injection=True))])
+def test_greedy_speculative_with_the_block_drafter_equals_plain_greedy(name, how):
     """Ragged float64 batch, K = 3 of a 4-slot drafter; then the drafter's per-slot states are the
-    target's full-forward states of the committed tokens (decoding reads what training reads)."""
-    target = build(FIXED(), scale=0.2).double()
+    target's full-forward states of the committed tokens (decoding reads what training reads),
+    also through IRC / CRC and sliding windows (the ArchPreview design)."""
+    target = build(FIXED() if name == "fixed" else ARCHPREVIEW(), scale=0.2).double()
     drafter = _drafter(target, k=4, gate=1.0, **how).double()
     params = SamplingParams(max_new_tokens=20, greedy=True)
     plain = [c.tokens for c in generate(target, RAGGED, params, str)]
