@@ -13,6 +13,9 @@ Data: each training window (T + 1 tokens) gives ``train.drafter.anchors`` anchor
 uniformly from the positions that have K tokens after the pending one: the target's states at
 positions <= a are the context, x[a+1] the pending token, x[a+2 .. a+K+1] the K targets (next-K
 tokens of the data, not the target's own outputs).
+
+The loop's FLOPs accounting (MFU, a FLOPs budget) is the target's model config with no trained
+parameter in it: the frozen target's forward; the drafter's own FLOPs are not counted.
 """
 
 from __future__ import annotations
