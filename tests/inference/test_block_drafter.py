@@ -79,17 +79,23 @@ def test_greedy_speculative_with_the_block_drafter_equals_plain_greedy(name, how
     assert not target.decoder._forward_hooks and not target.encoder._forward_pre_hooks  # hooked for the call only
     st = spec.stats.as_dict()
     assert st["rounds"] < 3 * 20 and 1.0 <= st["mal"] <= 4.0, st
-    run = spec.drafter
-    tap = TargetTap(target, drafter.cfg.target_layers)
+    run, cfg = spec.drafter, drafter.cfg
+    tap = TargetTap(target, cfg.target_layers)
+    c_decoding = run._concept(torch.tensor(run.last))  # (B, d) what the next round would inject
     for b, prompt in enumerate(RAGGED):
         seen = run.last[b] - int(run.pad[b]) + 1  # committed tokens the drafter holds states of
         seq = torch.tensor([(prompt + got[b])[:seen]])
         with torch.no_grad():
-            target(seq, compute_logits=False)
+            out = target(seq, compute_logits=False)
         feats, h = tap.take()
         lo = int(run.pad[b])
         assert torch.allclose(run.F[b, lo : lo + seen], feats[0], atol=1e-10)
         assert torch.allclose(run.H[b, lo : lo + seen], h[0], atol=1e-10)
+        if cfg.concept_injection:  # the training forward's concept at this anchor (the last verified position)
+            k = cfg.concept_k
+            per_block = out.concept.pred if cfg.concept_source == "predicted" else pool_blocks(h, k)
+            assert torch.allclose(c_decoding[b], block_concepts(per_block, torch.tensor([[seen - 1]]), k)[0, 0],
+                                  atol=1e-10)
     tap.close()
 
 
