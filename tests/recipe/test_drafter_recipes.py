@@ -77,7 +77,10 @@ def test_the_1_1b_pair_has_the_report_shape(tmp_path: Path, stage1_config: dict)
 def test_debug_concept_drafter_trains_and_reports_mal(tmp_path: Path, tiny_data: Path) -> None:  # noqa: F811
     """The +concept debug recipe (the base one differs only in the switch, above), sized down with
     --set only, against a tiny target on the test corpus: 2 steps; its checkpoint describes itself
-    (config, concept source, target) to ``eval --speculative``, which reports MAL per task."""
+    (config, concept source, target) to ``eval --speculative``'s library, which reports MAL per task
+    (the command's refusals run through the CLI in tests/inference/test_block_drafter.py)."""
+    from ncpctl.evaluate.speculative import speculative_mal
+
     target = _target(tmp_path / "target", 512, tiny_data / "tokenizer.json")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "task": t}) + "\n"
@@ -95,11 +98,7 @@ def test_debug_concept_drafter_trains_and_reports_mal(tmp_path: Path, tiny_data:
         meta = json.loads((ck / "ncpctl.json").read_text())["drafter"]
         assert meta["config"]["concept_injection"] and meta["config"]["concept_source"] == "pooled"
         assert meta["target"] == target
-        r = subprocess.run([*ncpctl_cmd(), "--json", "eval", target, "--speculative", str(ck), "--prompts",
-                            str(prompts), "--new-tokens", "12", "--horizon", "4"], capture_output=True, text=True,
-                           env=ENV, timeout=300)
-        assert r.returncode == 0, r.stderr
-        out = json.loads(r.stdout)
+        out = speculative_mal(target, str(ck), prompts=str(prompts), new_tokens=12, horizon=4)  # eval --speculative
         assert set(out["tasks"]) == {"code", "text"} and out["horizon"] == 4
         assert all(1.0 <= t["mal"] <= 5.0 and t["rounds"] >= 1 for t in out["tasks"].values())
         assert out["concept_source"] == "pooled" and "one chain" in out["verification"]
