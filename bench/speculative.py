@@ -11,6 +11,11 @@ step relative to the target's (batch 1), the machine and its load.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/speculative.py --target runs/debug --draft runs/debug-small
     OMP_NUM_THREADS=1 .venv/bin/python bench/speculative.py --target runs/debug-archpreview --draft mtp -k 1
+    OMP_NUM_THREADS=1 .venv/bin/python bench/speculative.py --target runs/debug \\
+        --draft runs/drafter-debug-base --draft runs/drafter-debug-concept -k 16
+
+A block-parallel drafter (``ncpctl train-drafter``) drafts all K tokens in one forward: its cost is
+reported per round (``drafter_round_over_target_step``), a model drafter's per step.
 """
 
 from __future__ import annotations
@@ -46,6 +51,23 @@ def _step_ms(model, B: int = 1, Tp: int = 32, reps: int = 16) -> float:
     return (time.perf_counter() - t0) / (reps - 1) * 1e3
 
 
+def _block_round_ms(runner, reps: int = 16) -> float:
+    """Milliseconds of one block-drafter round at batch 1: its forward over W context states and
+    the target's LM head on its K slots (all K drafts at once)."""
+    import torch
+
+    cfg, m = runner.cfg, runner.model
+    feats = torch.randn(1, cfg.window, len(cfg.target_layers) * cfg.d_model)
+    pos, valid = torch.arange(cfg.window)[None], torch.ones(1, cfg.window, dtype=torch.bool)
+    x, c = torch.randn(1, cfg.d_model), torch.randn(1, cfg.d_model) if cfg.concept_injection else None
+    with torch.no_grad():
+        m.head(runner.drafter(feats, pos, valid, x, c))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            m.head(runner.drafter(feats, pos, valid, x, c))
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="target checkpoint or run directory")
@@ -77,8 +99,9 @@ def main() -> None:
     rows = []
     for draft in args.draft:
         spec0, info = load_speculative(lm, draft, args.draft_tokens)
-        drafter_model = lm.model if info["draft"] == "mtp" else spec0.drafter.model
-        draft_ms = _step_ms(drafter_model)
+        block = info.get("drafter") == "block"  # one forward drafts all K (it reads the target's states)
+        draft_ms = _block_round_ms(spec0.drafter) if block else \
+            _step_ms(lm.model if info["draft"] == "mtp" else spec0.drafter.model)
         for B in batches:
             best = {"plain": float("inf"), "speculative": float("inf")}
             out, stats = {}, None
@@ -99,7 +122,11 @@ def main() -> None:
                          "plain_tokens_per_s": round(n / best["plain"], 1),
                          "speculative_tokens_per_s": round(n / best["speculative"], 1), "ratio": round(ratio, 2),
                          "mal": round(stats["mal"], 3), "acceptance": round(stats["acceptance"], 3),
-                         "drafter_step_over_target_step": round(draft_ms / target_ms, 3)})
+                         # a model drafter: one of its K steps a round; the block drafter: its whole round
+                         "drafter_step_over_target_step": None if block else round(draft_ms / target_ms, 3),
+                         "drafter_round_over_target_step": round(draft_ms / target_ms, 3) if block else None,
+                         **({"concept_injection": info["concept_injection"],
+                             "concept_source": info["concept_source"]} if block else {})})
     result = {"target": str(lm.path), "shape": f"d={lm.config.d_model}, {lm.config.n_layers} layers, "
                                                f"vocab {lm.config.vocab_size}",
               "prompts": len(prompts), "new_tokens": args.new, "greedy": True,

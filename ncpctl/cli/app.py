@@ -12,7 +12,7 @@ import typer
 
 from ncpctl import __version__
 from ncpctl.cli import adapt_vq, eval as eval_cmd, export, fit, generate, inspect_cmd, midtrain, pretrain, profile_kernels, \
-    sweep, tokenize
+    sweep, tokenize, train_drafter
 from ncpctl.cli._common import STATE, report_failure
 
 app = typer.Typer(
@@ -50,6 +50,7 @@ app.command("tokenize")(tokenize.main)
 app.command("pretrain")(pretrain.main)
 app.command("midtrain")(midtrain.main)
 app.command("adapt-vq")(adapt_vq.main)
+app.command("train-drafter")(train_drafter.main)
 app.command("eval")(eval_cmd.main)
 app.command("generate")(generate.main)
 app.command("export")(export.main)

@@ -9,6 +9,17 @@ import typer
 from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command, print_wide
 from ncpctl.errors import UserError
 
+SpeculativeOpt = Annotated[Optional[str], typer.Option(
+    "--speculative", metavar="DRAFTER", help="MAL (NCP-ArchPreview Eq. 27: tokens committed per verification round, "
+    "the correction or bonus token included) and acceptance of a drafter on the TARGET checkpoint, greedy, per "
+    "task of --prompts (default: the validation split): a drafter checkpoint (`ncpctl train-drafter`), another "
+    "ncpctl model, or 'mtp'.", show_default=False)]
+HorizonOpt = Annotated[int, typer.Option("--horizon", help="With --speculative: tokens drafted per round (the report: 16).")]
+PromptsOpt = Annotated[Optional[str], typer.Option(
+    "--prompts", metavar="FILE.jsonl", help="With --speculative: prompts as JSON lines {prompt, task}.",
+    show_default=False)]
+NewTokensOpt = Annotated[int, typer.Option("--new-tokens", min=1, help="With --speculative: tokens generated per prompt.")]
+
 
 LevelOpt = Annotated[float, typer.Option("--level", min=0.5, max=0.999, help="--compare with seed arms: the level "
                                          "of the paired bootstrap's interval.")]
@@ -76,6 +87,8 @@ def main(
     allow_code_execution: Annotated[bool, typer.Option(
         "--allow-code-execution", help="Run code tasks (pass@k): execute model-written programs in a subprocess "
         "with CPU, memory and time limits (a guard against accidents, not a sandbox against a hostile model).")] = False,
+    speculative: SpeculativeOpt = None, horizon: HorizonOpt = 16, prompts: PromptsOpt = None,
+    new_tokens: NewTokensOpt = 64,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -110,12 +123,11 @@ def main(
                                      batch_size=batch_size, out=out, window=window, log=log, level=level,
                                      resamples=resamples))
         return
+    if speculative is not None:
+        _speculative(out_, targets, speculative, horizon, prompts, limit, new_tokens, batch_size, log)
+        return
     if allow_code_execution:  # the opt-in reaches the code runner through the environment (as lm-eval's HF_ALLOW_CODE_EVAL)
-        import os
-
-        from ncpctl.evaluate.code_exec import ALLOW_ENV
-
-        os.environ[ALLOW_ENV] = "1"
+        _allow_code()
     if code_task is not None:
         _code(out_, targets, code_task, samples, out, batch_size, log)
         return
@@ -148,6 +160,26 @@ def _compare(out_: Output, targets: list[str], kw: dict) -> None:
         print_wide(con, compare_table(payload)),
         con.print("[dim]" + "\n".join(f"{k}: {v}" for k, v in payload["files"].items() if v) + "[/]"),
     ))
+
+
+def _allow_code() -> None:
+    import os
+
+    from ncpctl.evaluate.code_exec import ALLOW_ENV
+
+    os.environ[ALLOW_ENV] = "1"
+
+
+def _speculative(out_: Output, targets: list[str], draft: str, horizon: int, prompts: str | None, limit: int | None,
+                 new_tokens: int, batch_size: int | None, log) -> None:
+    """``--speculative``: ncpctl.evaluate.speculative.speculative_mal on one checkpoint."""
+    from ncpctl.evaluate.speculative import rich_table, speculative_mal
+
+    if len(targets) != 1:
+        raise UserError(f"--speculative takes one TARGET (the checkpoint that verifies), got {len(targets)}")
+    payload = speculative_mal(targets[0], draft, horizon=horizon, prompts=prompts, limit=limit or 32,
+                              new_tokens=new_tokens, batch_size=batch_size or 1, log=log)
+    out_.result({"command": "eval", "mode": "speculative", **payload}, lambda con: print_wide(con, rich_table(payload)))
 
 
 def _code(out_: Output, targets: list[str], path: str, samples: int, out: str | None, batch_size: int | None,

@@ -10,8 +10,12 @@ target) and proposes K tokens a round with the distributions it drew them from:
 * ``commit(keep)``: row b kept x, d_1 .. d_{m-1} with m = keep[b] (m <= K + 1; m = K + 1 also
   keeps d_K; m = 0: nothing, a row that stopped), and its next pending token is the round's m-th.
 * ``max_tokens``: the most drafts it can propose a round (None: any K).
+* ``attach(target_model)`` / ``detach()``: around each ``speculate`` call, ``attach`` before the
+  prefill (a drafter that reads the target's hidden states hooks it there); no-ops by default.
 
 ``ModelDrafter``: any ncpctl checkpoint with the target's tokenizer, decoding on its own caches.
+``BlockDraftRunner`` (block_drafter.py): the block-parallel drafter of NCP-ArchPreview Sec. 5.3,
+which reads the target's hidden states and proposes K tokens in one forward.
 ``MtpDrafter``: the target's own MTP head (mtp.py): depth k at the last verified position
 reads depth k-1's state there and the embedding of the token k ahead (the pending token, then
 the drafts), so a head of depth D drafts up to D tokens per round at the cost of D single-layer
@@ -32,6 +36,12 @@ from .speculative import Cursor, draw, probs
 
 class Drafter:
     max_tokens: int | None = None
+
+    def attach(self, target_model) -> None:
+        """Before the target's prefill of a ``speculate`` call (a drafter that reads its states)."""
+
+    def detach(self) -> None:
+        """After the call."""
 
     def start(self, target: Cursor, tokens: torch.Tensor, lengths: list[int], max_len: int) -> None:
         raise NotImplementedError
@@ -164,6 +174,13 @@ def load_speculative(loaded, draft: str, k: int):
         if loaded.model.mtp is None:
             raise UserError(f"{loaded.path} has no MTP head (model.mtp_depth is null): --draft mtp needs one")
         return Speculative(MtpDrafter(loaded.model), k), {"draft": MTP, "mtp_depth": len(loaded.model.mtp.depths)}
+    from ncpctl.checkpoint import read_meta, resolve
+
+    meta = read_meta(resolve(draft))
+    if "drafter" in meta:  # a block-parallel drafter (``ncpctl train-drafter``): it reads the target's states
+        from .block_drafter import load_block_drafter
+
+        return load_block_drafter(loaded, resolve(draft), meta, k)
     d = load_model(draft)
     why = _no_verify(d)
     if why:

@@ -48,6 +48,7 @@ class SpecStats:
     row_rounds: int = 0  # (round, running row) pairs
     committed: int = 0  # tokens committed, summed over (round, running row)
     drafted: int = 0  # drafted tokens, summed over (round, running row)
+    hist: dict[int, int] = field(default_factory=dict)  # tokens committed in a (round, row) -> how often
 
     def record(self, per_row: list[int], k: int) -> None:
         """One round: the tokens each running row committed (accepted drafts + 1), K drafted."""
@@ -55,11 +56,22 @@ class SpecStats:
         self.row_rounds += len(per_row)
         self.committed += sum(per_row)
         self.drafted += k * len(per_row)
+        for n in per_row:
+            self.hist[n] = self.hist.get(n, 0) + 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.rounds += other.rounds
+        self.row_rounds += other.row_rounds
+        self.committed += other.committed
+        self.drafted += other.drafted
+        for n, c in other.hist.items():
+            self.hist[n] = self.hist.get(n, 0) + c
 
     def as_dict(self) -> dict:
         return {"rounds": self.rounds,
                 "mal": self.committed / self.row_rounds if self.row_rounds else None,
-                "acceptance": (self.committed - self.row_rounds) / self.drafted if self.drafted else None}
+                "acceptance": (self.committed - self.row_rounds) / self.drafted if self.drafted else None,
+                "committed_per_round": {str(n): self.hist[n] for n in sorted(self.hist)}}
 
 
 @dataclass
@@ -137,12 +149,23 @@ def verify(p: torch.Tensor, drafts: list[int], q: torch.Tensor, params: Sampling
     return out + [draw(p[len(drafts)], params, gen)]
 
 
-@torch.no_grad()
 def speculate(model, spec: Speculative, tokens: torch.Tensor, lengths: list[int], params: SamplingParams,
-              gens: list, rows: Rows, *, vocab_size: int | None = None, interventions=None,
-              logit_adjust: Callable | None = None) -> None:
+              gens: list, rows: Rows, **kw) -> None:
     """Generate ``params.max_new_tokens`` per row of the left-padded prompts tokens (B, Tp) into
-    ``rows``, drafting with ``spec.drafter`` and verifying on ``model``."""
+    ``rows``, drafting with ``spec.drafter`` and verifying on ``model`` (keywords: ``_speculate``'s).
+    A drafter that reads the target's states hooks it for this call only (``attach``, before the
+    prefill; ``detach`` after, also on an error)."""
+    spec.drafter.attach(model)
+    try:
+        _speculate(model, spec, tokens, lengths, params, gens, rows, **kw)
+    finally:
+        spec.drafter.detach()
+
+
+@torch.no_grad()
+def _speculate(model, spec: Speculative, tokens: torch.Tensor, lengths: list[int], params: SamplingParams,
+               gens: list, rows: Rows, *, vocab_size: int | None = None, interventions=None,
+               logit_adjust: Callable | None = None) -> None:
     B, Tp = tokens.shape
     n_new = params.max_new_tokens
     # a row's slots: its prompt, up to n_new - 1 + K fed and kept tokens, a round's K + 1 fed ones

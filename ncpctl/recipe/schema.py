@@ -193,6 +193,24 @@ class LoraSection(Section):
                                "two matrices of every token and concept layer.")
 
 
+class DrafterSection(Section):
+    k: int = Field(8, gt=0, description="Setting train.drafter makes `ncpctl train-drafter` train the block-parallel "
+                   "drafter of NCP-ArchPreview Sec. 5.3 against the frozen target train.init_from "
+                   "(ncpctl.model.drafter): K, the tokens it proposes per round (its block size).")
+    layers: Optional[list[Annotated[int, Field(ge=0)]]] = Field(
+        None, description="Target token layers whose outputs the drafter mixes; null = five spread evenly (the report's).")
+    n_layers: int = Field(2, gt=0, description="Draft transformer layers (the target's width, heads and FFN).")
+    window: int = Field(32, gt=0, description="Latest verified positions whose target states the draft block reads.")
+    concept_injection: bool = Field(False, description="Eq. 26: tanh(g_l) * RMSNorm_l(c) added to every draft "
+                                    "slot before draft layer l, g zero-initialised (so it starts as the baseline).")
+    concept_source: Literal["pooled", "predicted"] = Field(
+        "pooled", description="c of Eq. 26: `pooled` = the mean of the target's encoder output over the last "
+        "complete block of the verified prefix; `predicted` = the target's concept prediction made from that block.")
+    anchors: int = Field(16, gt=0, description="Anchors (draft blocks) per training window, drawn uniformly.")
+    decay: Optional[float] = Field(None, gt=0, description="Slot i's loss weight exp(-i / decay) (DFlash: 7 at "
+                                   "K = 16; a draft is accepted as a prefix, so early slots count more); null = uniform.")
+
+
 class TrainSection(Section):
     max_steps: Optional[int] = Field(
         None, gt=0, le=2**53, description="Optimizer steps to run (at most 2**53: the schedule's step / max_steps is "
@@ -289,6 +307,8 @@ class TrainSection(Section):
     load: Literal["weights", "all"] = Field("weights", description="midtrain: load weights only (fresh optimizer) or everything.")
     lora: Optional[LoraSection] = Field(None, description="midtrain: LoRA adapters instead of full fine-tuning "
                                         "(see train.lora.rank); null = every weight trains.")
+    drafter: Optional[DrafterSection] = Field(None, description="train-drafter: the block-parallel drafter to "
+                                              "train against train.init_from (see train.drafter.k).")
     zero_concept_output: bool = Field(False, description="midtrain from a Hugging Face directory: start the codebook's "
                                       "output projection at zero, so step 0 computes exactly the base model's logits.")
     max_nonfinite: int = Field(5, gt=0, description="Abort after this many non-finite steps in a row.")

@@ -38,7 +38,8 @@ from ncpctl.recipe.load import Recipe
 
 # the shipped designs' hooks, "module:Class" (imported when a run starts), in the order they run
 BUILTIN = ["ncpctl.train.designs.bottleneck:BottleneckHooks", "ncpctl.train.designs.dynamic:DynamicHooks",
-           "ncpctl.train.designs.codebook:CodebookHooks", "ncpctl.train.designs.documents:DocumentHooks"]
+           "ncpctl.train.designs.codebook:CodebookHooks", "ncpctl.train.designs.documents:DocumentHooks",
+           "ncpctl.train.designs.drafter:DrafterHooks"]
 _registered: list[type["DesignHooks"]] = []
 
 

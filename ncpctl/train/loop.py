@@ -311,6 +311,8 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: Any,
         if meta.get("stage", stage.name) != stage.name:
             raise UserError(f"{resume_from}: a {meta['stage']} checkpoint; this is `ncpctl {stage.name}`",
                             hint="give this stage its own run.dir, or train.resume: never")
+        if stage.check_resume is not None:  # what the stage trains beyond the model config
+            stage.check_resume(resume_from, meta)
         _check_optimizer(recipe, resume_from, meta)
         loader.load_state_dict(meta["data"]["train"], source=str(resume_from / ckpt.META))
         return resume_from, meta

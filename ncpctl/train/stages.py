@@ -32,6 +32,12 @@ class Stage:
     # freezes all but the codebook; LoRA freezes everything and adds adapters. None: all train.
     freeze: Callable[[torch.nn.Module], None] | None = None
     hf: bool = False  # init_from is a Hugging Face directory (midtrain: ConceptLM continual pretraining)
+    # what the loop trains in place of the model once it is set up (train-drafter: the frozen target
+    # wrapped with a new drafter, ncpctl.train.designs.drafter); None: the model itself
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+    # the stage's own check of a checkpoint it resumes (path, its ncpctl.json), beyond the model config
+    # the loop compares (train-drafter: the drafter's config); raises a UserError
+    check_resume: Callable[[Path, dict], None] | None = None
 
 
 def freeze_all_but_codebook(model: torch.nn.Module) -> None:
@@ -72,9 +78,54 @@ def _lora_setup(recipe: Recipe, name: str) -> Callable[[torch.nn.Module], None] 
     return partial(apply_lora, spec=spec)
 
 
+def _drafter_stage(recipe: Recipe, init: Path) -> Stage:
+    """``train-drafter``: the frozen target of ``train.init_from`` wrapped with a new drafter."""
+    from ncpctl.train.designs.drafter import DraftTraining, drafter_config
+    from ncpctl.train.hooks import Hooks
+
+    t = recipe.train
+    if t.drafter is None:
+        raise UserError(f"{recipe.path}: train.drafter: `ncpctl train-drafter` trains a drafter; none given",
+                        hint="add train.drafter: {k: 8} (see recipes/drafters/)")
+    others = [type(h).__name__ for h in Hooks(recipe).each if type(h).__name__ != "DrafterHooks"]
+    if others or t.lora is not None:
+        raise UserError(f"{recipe.path}: a drafter trains against a plain target run; this one adds "
+                        f"{', '.join(others) or 'train.lora'}", hint="set train.plots: false and no train.lora")
+    try:
+        cfg = drafter_config(recipe)
+    except ValueError as e:
+        raise UserError(f"{recipe.path}: train.drafter: {e}") from None
+    anchors, decay = t.drafter.anchors, t.drafter.decay
+
+    def freeze(model: torch.nn.Module) -> None:
+        model.requires_grad_(False)
+
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+        if model.objective.block_sampling or not model.objective.causal:
+            raise UserError(f"{recipe.path}: train.init_from: objective {recipe.model_config.objective} does not "
+                            "decode token by token on KV caches: no drafter can speed it up")
+        try:
+            return DraftTraining(model, cfg, anchors, decay)
+        except ValueError as e:
+            raise UserError(f"{recipe.path}: train.init_from: {e}") from None
+
+    def check_resume(src: Path, meta: dict) -> None:
+        saved = (meta.get("drafter") or {}).get("config") or {}
+        diff = sorted(k for k in cfg.to_dict() if saved.get(k) != cfg.to_dict()[k])
+        if diff:
+            raise UserError(f"{src}: train.drafter: the checkpoint's drafter differs in "
+                            + ", ".join(f"{k} ({saved.get(k)!r}, now {cfg.to_dict()[k]!r})" for k in diff),
+                            hint="give this drafter its own run.dir, or train.resume: never")
+
+    return Stage("train-drafter", init, "weights", freeze=freeze, wrap=wrap, check_resume=check_resume)
+
+
 def make_stage(recipe: Recipe, name: str) -> Stage:
     t = recipe.train
     lora = _lora_setup(recipe, name)
+    if name != "train-drafter" and t.drafter is not None:
+        raise UserError(f"{recipe.path}: train.drafter: a drafter is trained with `ncpctl train-drafter`",
+                        hint=f"run `ncpctl train-drafter {recipe.path}`, or remove train.drafter")
     if name == "pretrain":
         return Stage(name)
     if not t.init_from:
@@ -88,6 +139,8 @@ def make_stage(recipe: Recipe, name: str) -> Stage:
                             "Hugging Face directory (weights only)", hint="use train.load: weights")
         return Stage(name, Path(t.init_from), "weights", freeze=lora, hf=True)
     init = ckpt.resolve(t.init_from, "train.init_from")
+    if name == "train-drafter":
+        return _drafter_stage(recipe, init)
     if name == "midtrain":
         return Stage(name, init, t.load, freeze=lora)
     cfg = recipe.model_config
@@ -117,6 +170,9 @@ def build_model(recipe: Recipe, stage: Stage, *, fresh: bool, info: Callable[[st
                  f"({'weights only' if stage.load == 'weights' else 'weights + optimizer'})")
     if stage.freeze is not None:
         stage.freeze(model)
+    if stage.wrap is not None:
+        torch.manual_seed(t.seed)  # the new part starts the same whatever the target's init drew
+        model = stage.wrap(model)
     return model
 
 

@@ -17,7 +17,7 @@ from ncpctl.errors import UserError
 
 from ..conftest import RECIPES, run_cli
 
-COMMANDS = ["tokenize", "pretrain", "midtrain", "adapt-vq", "eval", "generate", "export", "profile-kernels", "inspect", "fit",
+COMMANDS = ["tokenize", "pretrain", "midtrain", "adapt-vq", "train-drafter", "eval", "generate", "export", "profile-kernels", "inspect", "fit",
             "sweep"]
 RECIPE_COMMANDS = [c for c in COMMANDS if c not in ("fit", "sweep")]  # they read runs / sweep files: no --set
 
