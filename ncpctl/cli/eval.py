@@ -117,9 +117,7 @@ def main(
 
     log = lambda m: out_.info(f"[dim]{escape(m)}[/]")  # noqa: E731 - escape: a skipped task's error may hold [brackets]
     if compare:
-        if set_:
-            raise UserError("--set does not apply to --compare", hint="each checkpoint carries its own recipe")
-        _compare(out_, targets, dict(tasks=names, heldout=heldout, limit=limit, num_fewshot=num_fewshot,
+        _compare(out_, targets, set_, dict(tasks=names, heldout=heldout, limit=limit, num_fewshot=num_fewshot,
                                      batch_size=batch_size, out=out, window=window, log=log, level=level,
                                      resamples=resamples))
         return
@@ -151,8 +149,10 @@ def main(
     ))
 
 
-def _compare(out_: Output, targets: list[str], kw: dict) -> None:
+def _compare(out_: Output, targets: list[str], set_: list[str] | None, kw: dict) -> None:
     """``--compare``: ncpctl.evaluate.compare.compare, one table (seed arms and curves in its caption)."""
+    if set_:
+        raise UserError("--set does not apply to --compare", hint="each checkpoint carries its own recipe")
     from ncpctl.evaluate.compare import compare as run_compare, rich_table as compare_table
 
     payload = run_compare(targets, **kw)
