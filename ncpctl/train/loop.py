@@ -41,6 +41,7 @@ from ncpctl.errors import UserError
 from ncpctl.profile.timing import device_peak
 from ncpctl.recipe.load import Recipe
 from ncpctl.train import checkpoint as ckpt
+from ncpctl.train import tracking
 from ncpctl.train.config import schedule_change
 from ncpctl.train.data import TrainData, open_data
 from ncpctl.train.engine import Dist, build_engine, init_distributed, reset_hyperparameters
@@ -245,6 +246,8 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
             if run.metrics is not None:
                 run.metrics.close()
     plots = write_plots(recipe.run_dir, warn=run.warn, **run.hooks.plots()) if run.d.rank == 0 and t.plots else []
+    if run.metrics is not None:
+        run.metrics.finish([recipe.run_dir / p for p in plots])  # W&B: the plots, then the run's end
     return summary(run, interrupted=bool(stop.signum), plots=plots)
 
 
@@ -402,7 +405,10 @@ def _observe(run: _Run, out: Any) -> None:
     lead, on_gpu = d.rank == 0, d.device.type != "cpu"
     t, T, G = r.train, r.seq_len, r.global_batch_size
     if lead:
-        run.metrics = MetricsLog(r.run_dir, t.tensorboard, run.tot.step if run.resume_from else None, run.warn)
+        resumed = run.resume_from is not None and run.resume_from.parent.resolve() == run.root.resolve()  # own lineage
+        tracker = tracking.WandbRun(r, resumed, run.info) if t.wandb is not None else None
+        run.metrics = MetricsLog(r.run_dir, t.tensorboard, run.tot.step if run.resume_from else None, run.warn,
+                                 tracker)
         r.write_resolved(r.run_dir)
     run.flops_per_step = flops_per_step(r, run.stage, run.engine.module)
     peak, run.peak_source = device_peak(on_gpu)

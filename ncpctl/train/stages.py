@@ -73,8 +73,11 @@ def _lora_setup(recipe: Recipe, name: str) -> Callable[[torch.nn.Module], None] 
 
 
 def make_stage(recipe: Recipe, name: str) -> Stage:
+    from ncpctl.train.tracking import require
+
     t = recipe.train
     lora = _lora_setup(recipe, name)
+    require(recipe)  # train.wandb without wandb installed: one line naming the install command
     if name == "pretrain":
         return Stage(name)
     if not t.init_from:
