@@ -7,9 +7,12 @@ ranks, or 4 x 2 x 1; at one thread per rank the numbers agree bit for bit, the b
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+
+from ncpctl.errors import UserError
 
 from .conftest import losses, ncpctl, result
 
@@ -51,6 +54,12 @@ def check_elastic(make_recipe, stage: str, *sets: str) -> None:
         assert {"fp32", "step"} <= keys and moments in ({"exp_avg", "exp_avg_sq"}, {"momentum_buffer"}), (name, keys)
         if name.endswith("attn.qkv.weight"):  # a hidden matrix: Muon's under train.optimizer=muon
             assert moments == ({"momentum_buffer"} if muon else {"exp_avg", "exp_avg_sq"}), (name, keys)
+    broken = two.parent / f"broken{stage}"
+    shutil.copytree(two / "checkpoints" / "step_0000002", broken)
+    for f in broken.glob("*zero_pp_rank_1_*optim_states.pt"):
+        f.unlink()
+    with pytest.raises(UserError, match="has no ZeRO optimizer file of rank"):  # what conversion needs
+        convert(broken, two.parent / f"ub{stage}", 2, int(stage))
     src = two
     for name, ranks, saved, step in ((f"down{stage}", 0, 2, 2), (f"up{stage}", 2, 1, 4)):
         ckpt = src / "checkpoints" / f"step_{step:07d}"
