@@ -134,7 +134,7 @@ def check_compatible(path: Path, meta: dict[str, Any], model_config: dict[str, A
     The saved config is read through ``ModelConfig`` first, so a key added to the config since
     the checkpoint was written compares as its default (what loading that checkpoint gives).
     ``new_stage``: ``path`` starts another stage (init_from), which may change ``STAGE_KEYS``.
-    ``elastic``: the loader re-partitions ZeRO 1-3 state for another world size (``ncpctl.train.elastic``)."""
+    ``elastic``: the loader re-partitions the state for another world size (``ncpctl.train.elastic``)."""
     diffs = config_differences(_with_defaults(meta["model_config"], path), model_config)
     if new_stage:
         diffs = [d for d in diffs if d.split(":")[0].removeprefix("model.") not in STAGE_KEYS]
@@ -142,10 +142,8 @@ def check_compatible(path: Path, meta: dict[str, Any], model_config: dict[str, A
     if optimizer_state:  # DeepSpeed's optimizer partitions are per (stage, world size)
         if meta["zero_stage"] != zero_stage:
             problems.append(f"{path}: saved with deepspeed.zero_stage={meta['zero_stage']}, now {zero_stage}")
-        if meta["world_size"] != world_size and not (elastic and zero_stage >= 1):
-            problems.append(f"{path}: saved by {meta['world_size']} ranks, now {world_size}"
-                            + (" (a resume on another number of ranks re-partitions ZeRO 1-3 state; at ZeRO 0 "
-                               "keep the world size)" if elastic else ""))
+        if meta["world_size"] != world_size and not elastic:
+            problems.append(f"{path}: saved by {meta['world_size']} ranks, now {world_size}")
     if problems:
         raise UserError(*problems, hint="the checkpoint comes from an incompatible configuration: match it "
                         f"(see {path / 'recipe.resolved.yaml'}), load weights only, or start fresh (train.resume: never)")

@@ -156,9 +156,15 @@ def load(engine: Any, src: Path, saved_world: int, zero_stage: int, work: Path, 
     through DeepSpeed's universal loader, then ``work`` is removed. Collective."""
     from ncpctl.safe_load import DEEPSPEED_GLOBALS, deepspeed_loads_safely, load_pt
 
-    info(f"world size changed: {src} was saved by {saved_world} rank(s), this run has {d.world}; "
-         f"re-partitioning its ZeRO-{zero_stage} weights and optimizer state (DeepSpeed universal checkpoint); "
-         "the data continues at the same global sample")
+    changed = f"world size changed: {src} was saved by {saved_world} rank(s), this run has {d.world}; "
+    if not any(OPTIM_FILE.match(p.name) for p in src.iterdir()):  # ZeRO 0 in fp32: one file holds every state
+        info(changed + "its unpartitioned optimizer state loads as it is; the data continues at the same global sample")
+        with deepspeed_loads_safely():
+            engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
+                                   load_lr_scheduler_states=True)
+        return
+    info(changed + f"re-partitioning its ZeRO-{zero_stage} weights and optimizer state (DeepSpeed universal "
+         "checkpoint); the data continues at the same global sample")
     target = work / src.name
     if d.rank == 0:
         shutil.rmtree(work, ignore_errors=True)
