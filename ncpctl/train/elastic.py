@@ -166,10 +166,17 @@ def load(engine: Any, src: Path, saved_world: int, zero_stage: int, work: Path, 
     info(changed + f"re-partitioning its ZeRO-{zero_stage} weights and optimizer state (DeepSpeed universal "
          "checkpoint); the data continues at the same global sample")
     target = work / src.name
+    problem = None
     if d.rank == 0:
         shutil.rmtree(work, ignore_errors=True)
-        to_universal(src, target, saved_world, zero_stage)
-    d.barrier()
+        try:
+            to_universal(src, target, saved_world, zero_stage)
+        except UserError as e:
+            problem = e
+    # every rank learns whether rank 0 converted it (a plain barrier would leave them waiting on an error)
+    if d.sum(torch.tensor([float(problem is not None)])).item() > 0:
+        raise problem or UserError(f"{src}: rank 0 could not re-partition it for {d.world} ranks (its error says why)",
+                                   hint=HINT)
     config = engine._config  # the engine reads this flag at load time only
     config.load_universal_checkpoint = True
     try:
