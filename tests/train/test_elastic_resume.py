@@ -7,10 +7,12 @@ ranks, or 4 x 2 x 1; at one thread per rank the numbers agree bit for bit, the b
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from ncpctl.errors import UserError
 
@@ -30,6 +32,14 @@ def run(make_recipe, name: str, ranks: int, *sets: str) -> tuple[Path, str]:
 
 def data_state(run_dir: Path, step: int) -> dict:
     return json.loads((run_dir / "checkpoints" / f"step_{step:07d}" / "ncpctl.json").read_text())["data"]["train"]
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
 
 
 def convert(src: Path, dst: Path, world: int, stage: int) -> dict[str, set[str]]:
@@ -61,6 +71,11 @@ def check_elastic(make_recipe, stage: str, *sets: str) -> None:
             f.unlink()
         with pytest.raises(UserError, match="has no ZeRO optimizer file of rank"):  # what conversion needs
             convert(broken, two.parent / f"ub{stage}", 2, int(stage))
+        marker = two.parent / f"pwned{stage}"  # the conversion reads through the safe route: no code runs
+        torch.save({"state": _Evil(marker)}, broken / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        with pytest.raises(UserError, match="refused to load"):
+            convert(broken, two.parent / f"ue{stage}", 2, int(stage))
+        assert not marker.exists()
     src = two
     for name, ranks, saved, step in ((f"down{stage}", 0, 2, 2), (f"up{stage}", 2, 1, 4)):
         ckpt = src / "checkpoints" / f"step_{step:07d}"
