@@ -156,7 +156,8 @@ def load(engine: Any, src: Path, saved_world: int, zero_stage: int, work: Path, 
     through DeepSpeed's universal loader, then ``work`` is removed. Collective."""
     from ncpctl.safe_load import DEEPSPEED_GLOBALS, deepspeed_loads_safely, load_pt
 
-    changed = f"world size changed: {src} was saved by {saved_world} rank(s), this run has {d.world}; "
+    changed = (f"world size changed ({saved_world} -> {d.world} ranks): {src} was saved by {saved_world}, "
+               f"this run has {d.world}; ")
     if not any(OPTIM_FILE.match(p.name) for p in src.iterdir()):  # ZeRO 0 in fp32: one file holds every state
         info(changed + "its unpartitioned optimizer state loads as it is; the data continues at the same global sample")
         with deepspeed_loads_safely():
