@@ -35,6 +35,8 @@ META = "ncpctl.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 CHECKPOINTS = "checkpoints"  # run.dir/checkpoints/step_NNNNNNN/
+ELASTIC = ".elastic-resume"  # run.dir/.elastic-resume/: a checkpoint re-partitioned for another world size, while it loads
+WANDB_ID = "wandb-run-id"  # run.dir/wandb-run-id: the W&B run the run directory logs to (train.wandb)
 
 # Whether reading a checkpoint checks its files against its manifest (``--no-verify`` turns it off
 # for the command: the CLI sets it once, before any checkpoint is read).
@@ -245,6 +247,18 @@ def run_dir_of(checkpoint: Path) -> Path | None:
     """
     checkpoint = Path(checkpoint)
     return checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
+
+
+def elastic_dir(run_dir: Path) -> Path:
+    """Where a resume on another number of ranks writes the checkpoint it converts (DeepSpeed's
+    universal layout, ``ncpctl.train.elastic``); removed once every rank has loaded it."""
+    return Path(run_dir) / ELASTIC
+
+
+def wandb_id_file(run_dir: Path) -> Path:
+    """The file in ``run_dir`` that holds the id of its W&B run (one line), so that a job resumed
+    from the run's checkpoints continues the same W&B run (``ncpctl.train.tracking``)."""
+    return Path(run_dir) / WANDB_ID
 
 
 def read_meta(directory: Path) -> dict[str, Any]:

@@ -211,6 +211,19 @@ class DrafterSection(Section):
                                    "K = 16; a draft is accepted as a prefix, so early slots count more); null = uniform.")
 
 
+class WandbSection(Section):
+    project: str = Field(..., min_length=1, description="Setting train.wandb logs the run to Weights & Biases "
+                         "(`ncpctl.train.tracking`; needs `pip install 'ncpctl[wandb]'`), from rank 0: every "
+                         "metrics.jsonl record as `SPLIT/KEY` at its step (the TensorBoard names), the resolved recipe "
+                         "as the run config, and with train.plots the PNGs as images. The W&B run id is kept in "
+                         "run.dir, so a resumed job continues the same W&B run. This key: the W&B project.")
+    entity: Optional[str] = Field(None, description="W&B entity (user or team); null = your default entity.")
+    name: Optional[str] = Field(None, description="W&B run name; null = run.name (the recipe's file stem).")
+    mode: Optional[Literal["online", "offline", "disabled"]] = Field(
+        None, description="`online`, `offline` (files under $WANDB_DIR, else run.dir/wandb; `wandb sync` uploads "
+        "them later) or `disabled`; null = $WANDB_MODE, else online.")
+
+
 class TrainSection(Section):
     max_steps: Optional[int] = Field(
         None, gt=0, le=2**53, description="Optimizer steps to run (at most 2**53: the schedule's step / max_steps is "
@@ -325,6 +338,8 @@ class TrainSection(Section):
     plots: bool = Field(False, description="Write PNG loss curves, codebook-usage histograms and (with "
                         "train.attention_stats_every) the attention stability curves.")
     tensorboard: bool = Field(False, description="Also log to TensorBoard (needs `tensorboard`).")
+    wandb: Optional[WandbSection] = Field(None, description="Also log to Weights & Biases (see train.wandb.project); "
+                                          "null = not.")
 
 
 class DeepSpeedSection(Section):

@@ -9,6 +9,8 @@
 ``hooks``       what a design adds to a run (``DesignHooks``); the shipped designs' in ``designs/``
 ``packing``     the named step vector: the model's log keys, statistics and the loop's flags
 ``metrics``     metrics.jsonl, TensorBoard, plots (the MFU peak: ``ncpctl.profile.timing``)
+``tracking``    Weights & Biases (``train.wandb``): the same records, the recipe, the plots
+``elastic``     resuming on another number of ranks (DeepSpeed's universal checkpoint)
 ``display``     the rich live display on stderr
 
 Nothing here is imported by ``ncpctl --help``; torch and DeepSpeed load inside these modules.

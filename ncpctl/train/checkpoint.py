@@ -127,12 +127,14 @@ def _tokenizer_file(recipe: Any) -> Path:
 
 
 def check_compatible(path: Path, meta: dict[str, Any], model_config: dict[str, Any], *,
-                     world_size: int, zero_stage: int, optimizer_state: bool, new_stage: bool = False) -> None:
+                     world_size: int, zero_stage: int, optimizer_state: bool, new_stage: bool = False,
+                     elastic: bool = False) -> None:
     """Raise a UserError (before any training) when ``path`` cannot continue this run.
 
     The saved config is read through ``ModelConfig`` first, so a key added to the config since
     the checkpoint was written compares as its default (what loading that checkpoint gives).
-    ``new_stage``: ``path`` starts another stage (init_from), which may change ``STAGE_KEYS``."""
+    ``new_stage``: ``path`` starts another stage (init_from), which may change ``STAGE_KEYS``.
+    ``elastic``: the loader re-partitions the state for another world size (``ncpctl.train.elastic``)."""
     diffs = config_differences(_with_defaults(meta["model_config"], path), model_config)
     if new_stage:
         diffs = [d for d in diffs if d.split(":")[0].removeprefix("model.") not in STAGE_KEYS]
@@ -140,7 +142,7 @@ def check_compatible(path: Path, meta: dict[str, Any], model_config: dict[str, A
     if optimizer_state:  # DeepSpeed's optimizer partitions are per (stage, world size)
         if meta["zero_stage"] != zero_stage:
             problems.append(f"{path}: saved with deepspeed.zero_stage={meta['zero_stage']}, now {zero_stage}")
-        if meta["world_size"] != world_size:
+        if meta["world_size"] != world_size and not elastic:
             problems.append(f"{path}: saved by {meta['world_size']} ranks, now {world_size}")
     if problems:
         raise UserError(*problems, hint="the checkpoint comes from an incompatible configuration: match it "

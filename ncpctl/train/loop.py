@@ -41,8 +41,8 @@ import yaml
 from ncpctl.errors import UserError
 from ncpctl.profile.timing import device_peak
 from ncpctl.recipe.load import Recipe
-from ncpctl.train import checkpoint as ckpt
-from ncpctl.train import downstream
+from ncpctl.checkpoint import elastic_dir
+from ncpctl.train import checkpoint as ckpt, downstream, elastic, tracking
 from ncpctl.train.config import schedule_change
 from ncpctl.train.data import TrainData, open_data
 from ncpctl.train.engine import Dist, build_engine, init_distributed, reset_hyperparameters
@@ -250,6 +250,8 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
             if run.metrics is not None:
                 run.metrics.close()
     plots = write_plots(recipe.run_dir, warn=run.warn, **run.hooks.plots()) if run.d.rank == 0 and t.plots else []
+    if run.metrics is not None:
+        run.metrics.finish([recipe.run_dir / p for p in plots])  # W&B: the plots, then the run's end
     return summary(run, interrupted=bool(stop.signum), plots=plots)
 
 
@@ -307,7 +309,7 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: Any,
     if resume_from is not None:
         meta = ckpt.read_meta(resume_from)
         ckpt.check_compatible(resume_from, meta, cfg.to_dict(), world_size=d.world,
-                              zero_stage=recipe.deepspeed.zero_stage, optimizer_state=True)
+                              zero_stage=recipe.deepspeed.zero_stage, optimizer_state=True, elastic=True)
         if meta.get("stage", stage.name) != stage.name:
             raise UserError(f"{resume_from}: a {meta['stage']} checkpoint; this is `ncpctl {stage.name}`",
                             hint="give this stage its own run.dir, or train.resume: never")
@@ -375,9 +377,13 @@ def _restore(run: _Run, meta: dict[str, Any]) -> None:
     t, tot, engine = run.recipe.train, run.tot, run.engine
     if run.resume_from is not None:
         src = run.resume_from
-        with deepspeed_loads_safely():  # DeepSpeed would unpickle with weights_only=False
-            engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
-                                   load_lr_scheduler_states=True)
+        if meta.get("world_size", run.d.world) != run.d.world:  # re-partitioned for this world size
+            elastic.load(engine, src, meta["world_size"], meta["zero_stage"], elastic_dir(run.recipe.run_dir),
+                         run.d, run.info)
+        else:
+            with deepspeed_loads_safely():  # DeepSpeed would unpickle with weights_only=False
+                engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
+                                       load_lr_scheduler_states=True)
         ckpt.load_rng(src, run.d.rank)
         tot.step, tot.tokens = meta["step"], meta["tokens_seen"]
         tot.nonfinite_total = meta.get("nonfinite_total", 0)
@@ -410,7 +416,10 @@ def _observe(run: _Run, out: Any) -> None:
     lead, on_gpu = d.rank == 0, d.device.type != "cpu"
     t, T, G = r.train, r.seq_len, r.global_batch_size
     if lead:
-        run.metrics = MetricsLog(r.run_dir, t.tensorboard, run.tot.step if run.resume_from else None, run.warn)
+        resumed = run.resume_from is not None and run.resume_from.parent.resolve() == run.root.resolve()  # own lineage
+        tracker = tracking.WandbRun(r, resumed, run.info) if t.wandb is not None else None
+        run.metrics = MetricsLog(r.run_dir, t.tensorboard, run.tot.step if run.resume_from else None, run.warn,
+                                 tracker)
         r.write_resolved(r.run_dir)
     run.flops_per_step = flops_per_step(r, run.stage, run.engine.module)
     peak, run.peak_source = device_peak(on_gpu)

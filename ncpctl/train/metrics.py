@@ -49,9 +49,12 @@ def unigram_entropy(tokens: np.ndarray | list[tuple[float, np.ndarray]], vocab_s
 
 
 class MetricsLog:
-    """Appends records to metrics.jsonl (rank 0 only) and mirrors scalars to TensorBoard."""
+    """Appends records to metrics.jsonl (rank 0 only) and mirrors scalars to TensorBoard and to
+    ``tracker`` (a ``ncpctl.train.tracking.WandbRun``, or None), which ``finish`` ends."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None, warn: Any):
+    def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None, warn: Any,
+                 tracker: Any = None):
+        self.tracker = tracker
         self.path = run_dir / METRICS
         with disk_errors(self.path):
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -84,6 +87,8 @@ class MetricsLog:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "split") and math.isfinite(value):
                     self.tb.add_scalar(f"{split}/{key}", value, record["step"])
+        if self.tracker is not None:
+            self.tracker.log(record)
 
     def close(self) -> None:
         try:
@@ -92,6 +97,12 @@ class MetricsLog:
             pass
         if self.tb is not None:
             self.tb.close()
+
+    def finish(self, images: list[Path]) -> None:
+        """After the plots (``images``, written once the loop is done): the tracker logs them and ends."""
+        if self.tracker is not None:
+            self.tracker.finish(images)
+            self.tracker = None
 
 
 def records(path: Path, warn: Any = None) -> list[dict[str, Any]]:

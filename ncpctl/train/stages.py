@@ -121,11 +121,14 @@ def _drafter_stage(recipe: Recipe, init: Path) -> Stage:
 
 
 def make_stage(recipe: Recipe, name: str) -> Stage:
+    from ncpctl.train.tracking import require
+
     t = recipe.train
     lora = _lora_setup(recipe, name)
     if name != "train-drafter" and t.drafter is not None:
         raise UserError(f"{recipe.path}: train.drafter: a drafter is trained with `ncpctl train-drafter`",
                         hint=f"run `ncpctl train-drafter {recipe.path}`, or remove train.drafter")
+    require(recipe)  # train.wandb without wandb installed: one line naming the install command
     if name == "pretrain":
         return Stage(name)
     if not t.init_from:

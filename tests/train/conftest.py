@@ -88,7 +88,9 @@ def ncpctl(*args: str, env: dict[str, str] | None = None, launcher_ranks: int = 
     cmd = [*ncpctl_cmd(), *args]
     if launcher_ranks:
         port = str(30000 + os.getpid() % 2000)  # xdist workers must not share the rendezvous port
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(launcher_ranks),
+        # the launcher as a module of this interpreter, not the `deepspeed` script: a copied venv's
+        # script names the Python it was installed with, whose ranks would run that tree's ncpctl
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(launcher_ranks),
                "--master_port", port, *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout)
 
