@@ -6,7 +6,8 @@ profile`` and the ``bench/`` scripts (style rule 12: DeepSpeed is the engine).
   on localhost; under ``deepspeed --num_gpus N`` / a hostfile, rank and world from the launcher.
 * ``build_engine(recipe, model, d)``: the model wrapped exactly as ``ncpctl pretrain`` trains it:
   ``make_optimizer`` (AdamW, or Muon + AdamW bound to the ZeRO partitions), the warmup/cosine
-  ``LambdaLR``, the generated DeepSpeed config, and under ZeRO-3 the parameters a module reads
+  ``LambdaLR``, the generated DeepSpeed config, ``train.activation_checkpointing`` applied to the
+  model (``ncpctl.train.recompute``), and under ZeRO-3 the parameters a module reads
   outside its own forward declared to DeepSpeed (``external_parameters``, below).
 * bf16 at ZeRO stage 0: DeepSpeed wraps the optimizer in ``FP16_UnfusedOptimizer`` (fp32 master
   copies of the bf16 weights), which creates the optimizer state by taking one optimizer step on
@@ -41,6 +42,7 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
 from ncpctl.errors import UserError
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.config import base_lrs, deepspeed_config, lr_schedule, make_optimizer, param_groups, use_bf16
+from ncpctl.train.recompute import apply_activation_checkpointing
 
 
 @dataclass
@@ -158,6 +160,7 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist,
     ds_config = deepspeed_config(recipe, on_gpu)
     optimizer = make_optimizer(model, recipe, on_gpu)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
+    apply_activation_checkpointing(model, recipe.train.activation_checkpointing)
     bf16 = use_bf16(recipe, on_gpu)
     # stage 0 bf16: the fp32 weights, before DeepSpeed casts the model (its masters then come from bf16)
     fp32_init = ({id(p): p.detach().clone() for p in model.parameters() if p.requires_grad}
