@@ -7,7 +7,8 @@ profile`` and the ``bench/`` scripts (style rule 12: DeepSpeed is the engine).
 * ``build_engine(recipe, model, d)``: the model wrapped exactly as ``ncpctl pretrain`` trains it:
   ``make_optimizer`` (AdamW, or Muon + AdamW bound to the ZeRO partitions), the warmup/cosine
   ``LambdaLR``, the generated DeepSpeed config, ``train.activation_checkpointing`` applied to the
-  model (``ncpctl.train.recompute``), and under ZeRO-3 the parameters a module reads
+  model (``ncpctl.train.recompute``), its blocks compiled with ``train.compile``
+  (``ncpctl.train.compiled``), and under ZeRO-3 the parameters a module reads
   outside its own forward declared to DeepSpeed (``external_parameters``, below).
 * bf16 at ZeRO stage 0: DeepSpeed wraps the optimizer in ``FP16_UnfusedOptimizer`` (fp32 master
   copies of the bf16 weights), which creates the optimizer state by taking one optimizer step on
@@ -149,10 +150,11 @@ def check_parameters(model: torch.nn.Module) -> None:
                         hint="declare it with shape (1,), e.g. nn.Parameter(torch.ones(1)): it broadcasts the same")
 
 
-def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist,
-                 info: Callable[[str], None] | None = None) -> tuple[Any, bool]:
+def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable[[str], None] | None = None,
+                 warn: Callable[[str], None] | None = None) -> tuple[Any, bool]:
     """The DeepSpeed engine of ``model`` as the training loop runs it: our AdamW (or Muon + AdamW)
-    + warmup/cosine LambdaLR, the generated config. Returns (engine, bf16)."""
+    + warmup/cosine LambdaLR, the generated config, activation checkpointing and ``train.compile``
+    (``warn`` gets the line saying why a model runs eagerly). Returns (engine, bf16)."""
     import deepspeed
 
     check_parameters(model)
@@ -161,6 +163,10 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist,
     optimizer = make_optimizer(model, recipe, on_gpu)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
     apply_activation_checkpointing(model, recipe.train.activation_checkpointing)
+    if recipe.train.compile:
+        from ncpctl.train.compiled import compile_blocks
+
+        compile_blocks(model, recipe.deepspeed.zero_stage, on_gpu, warn or info or (lambda m: None))
     bf16 = use_bf16(recipe, on_gpu)
     # stage 0 bf16: the fp32 weights, before DeepSpeed casts the model (its masters then come from bf16)
     fp32_init = ({id(p): p.detach().clone() for p in model.parameters() if p.requires_grad}
