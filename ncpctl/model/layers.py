@@ -141,6 +141,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x is (B, H, T, hd) with cos, sin (B|1, 1, T, rotary_dim) as from ``rope``, or any layout
     that broadcasts against the tables (e.g. (B, T, H, hd) with ``cos.transpose(1, 2)``).
     """
+    if torch.compiler.is_compiling():  # the out= kernels into views do not trace: the same products and sums
+        rd, h = cos.shape[-1], cos.shape[-1] // 2
+        x1, x2 = x[..., :h], x[..., h:rd]
+        rot = torch.cat([x1 * cos[..., :h] - x2 * sin[..., :h], x2 * cos[..., h:] + x1 * sin[..., h:]], -1)
+        return torch.cat([rot, x[..., rd:]], -1) if rd < x.shape[-1] else rot
     return _Rope.apply(x, cos, sin)
 
 

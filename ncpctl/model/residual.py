@@ -74,6 +74,13 @@ def _weight_mlp(d: int, hidden: int, out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d, hidden), nn.SiLU(), nn.Linear(hidden, out))
 
 
+@dataclass
+class IRCState:
+    """A stack's IRC candidates: the stack input and every layer's plain output so far, each (B, T, d)."""
+
+    seen: list
+
+
 class IRC(Residual):
     owns_init = True
 
@@ -90,10 +97,13 @@ class IRC(Residual):
             nn.init.zeros_(mlp[2].weight)
             nn.init.zeros_(mlp[2].bias)
 
-    def begin(self, x0: torch.Tensor) -> list[torch.Tensor]:
-        return [x0]
+    def begin(self, x0: torch.Tensor) -> "IRCState":
+        return IRCState([x0])
 
-    def forward(self, layer: int, x: torch.Tensor, update: torch.Tensor, seen: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor, update: torch.Tensor, st: "IRCState") -> torch.Tensor:
+        # the candidates live in a record, not a bare list: ZeRO-3's module hooks rebuild list
+        # arguments (deepspeed apply_to_tensors_only), so appending to one was lost under ZeRO-3
+        seen = st.seen
         seen.append(update + x)  # H_l + R_l: the plain output of this layer
         w = self.mlps[layer](update)  # (B, T, layer + 2), zero at init
         newest = torch.zeros(layer + 2, dtype=w.dtype, device=w.device)

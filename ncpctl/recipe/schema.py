@@ -298,6 +298,15 @@ class TrainSection(Section):
                                 "with train.optimizer: muon, Muon's); none on norms, biases, embeddings, mixers.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clipping (0 disables).")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 on GPU, fp32 on CPU.")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="Recompute activations in the backward pass instead of keeping them "
+        "(torch.utils.checkpoint, per block of every stack): `full` keeps only each block's input and reruns the "
+        "block (about one more forward per step, the least activation memory); `selective` keeps the block "
+        "outputs and recomputes the attention and MLP internals (q, k, v, attention output, MLP hidden); "
+        "`none` keeps everything. Losses and gradients are unchanged.")
+    compile: bool = Field(False, description="torch.compile each block of every stack (inductor; the parts "
+                          "between blocks stay eager). Where it cannot (ZeRO-3; a CPU without a C++ compiler) the run "
+                          "goes on eagerly with one warning line saying why. The loss equals eager mode's to float rounding.")
     eval_every: int = Field(50, ge=0, description="Validation every N steps (0 = only at the end).")
     eval_batches: int = Field(8, gt=0, description="Validation batches per evaluation.")
     eval_tasks: list[str] = Field(

@@ -6,8 +6,17 @@ profile`` and the ``bench/`` scripts (style rule 12: DeepSpeed is the engine).
   on localhost; under ``deepspeed --num_gpus N`` / a hostfile, rank and world from the launcher.
 * ``build_engine(recipe, model, d)``: the model wrapped exactly as ``ncpctl pretrain`` trains it:
   ``make_optimizer`` (AdamW, or Muon + AdamW bound to the ZeRO partitions), the warmup/cosine
-  ``LambdaLR``, the generated DeepSpeed config, and under ZeRO-3 the parameters a module reads
+  ``LambdaLR``, the generated DeepSpeed config, ``train.activation_checkpointing`` applied to the
+  model (``ncpctl.train.recompute``), its blocks compiled with ``train.compile``
+  (``ncpctl.train.compiled``), and under ZeRO-3 the parameters a module reads
   outside its own forward declared to DeepSpeed (``external_parameters``, below).
+* bf16 at ZeRO stage 0: DeepSpeed wraps the optimizer in ``FP16_UnfusedOptimizer`` (fp32 master
+  copies of the bf16 weights), which creates the optimizer state by taking one optimizer step on
+  zero gradients when it is built. For AdamW that step counts (the first real step's bias
+  correction is then off by one: sqrt(1+beta2)/(1+beta1) = 0.73x of lr at betas 0.9/0.95) and
+  applies the weight decay once; ``_undo_init_step`` clears that state and sets the master
+  weights back to the model's fp32 initialisation (which the wrapper copied from the bf16 cast).
+  ZeRO 1-3 create their fp32 partitions without stepping.
 * ``reset_hyperparameters(engine, recipe)``: midtrain with ``train.load: all`` keeps the loaded
   optimizer *state* but takes this recipe's hyperparameters.
 
@@ -34,6 +43,7 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
 from ncpctl.errors import UserError
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.config import base_lrs, deepspeed_config, lr_schedule, make_optimizer, param_groups, use_bf16
+from ncpctl.train.recompute import apply_activation_checkpointing
 
 
 @dataclass
@@ -140,10 +150,11 @@ def check_parameters(model: torch.nn.Module) -> None:
                         hint="declare it with shape (1,), e.g. nn.Parameter(torch.ones(1)): it broadcasts the same")
 
 
-def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist,
-                 info: Callable[[str], None] | None = None) -> tuple[Any, bool]:
+def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable[[str], None] | None = None,
+                 warn: Callable[[str], None] | None = None) -> tuple[Any, bool]:
     """The DeepSpeed engine of ``model`` as the training loop runs it: our AdamW (or Muon + AdamW)
-    + warmup/cosine LambdaLR, the generated config. Returns (engine, bf16)."""
+    + warmup/cosine LambdaLR, the generated config, activation checkpointing and ``train.compile``
+    (``warn`` gets the line saying why a model runs eagerly). Returns (engine, bf16)."""
     import deepspeed
 
     check_parameters(model)
@@ -151,8 +162,19 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist,
     ds_config = deepspeed_config(recipe, on_gpu)
     optimizer = make_optimizer(model, recipe, on_gpu)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
+    apply_activation_checkpointing(model, recipe.train.activation_checkpointing)
+    if recipe.train.compile:
+        from ncpctl.train.compiled import compile_blocks
+
+        compile_blocks(model, recipe.deepspeed.zero_stage, on_gpu, warn or info or (lambda m: None))
+    bf16 = use_bf16(recipe, on_gpu)
+    # stage 0 bf16: the fp32 weights, before DeepSpeed casts the model (its masters then come from bf16)
+    fp32_init = ({id(p): p.detach().clone() for p in model.parameters() if p.requires_grad}
+                 if bf16 and recipe.deepspeed.zero_stage == 0 else None)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
+    if fp32_init is not None:
+        _undo_init_step(engine.optimizer, fp32_init)
     if hasattr(optimizer, "bind"):  # Muon: where its matrices lie in the flat ZeRO partitions
         optimizer.bind(engine.optimizer)
     if recipe.deepspeed.zero_stage == 3:
@@ -160,10 +182,24 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist,
 
         for p in external_parameters(model):
             register_external_parameter(model, p)
-    bf16 = use_bf16(recipe, on_gpu)
     if bf16 and info is not None:
         info("precision: bf16")
     return engine, bf16
+
+
+@torch.no_grad()
+def _undo_init_step(wrapper: Any, fp32_init: dict[int, torch.Tensor]) -> None:
+    """Undo the optimizer step DeepSpeed's stage-0 bf16 wrapper (``FP16_UnfusedOptimizer``: our
+    optimizer is never its FusedAdam) takes on zero gradients in ``initialize_optimizer_states`` (module doc): the
+    inner optimizer's state is cleared (AdamW's first real step is step 1 again) and each fp32 master
+    copy is the parameter's fp32 initialisation again, cast back into the bf16 model weight."""
+    if not (hasattr(wrapper, "fp16_groups") and hasattr(wrapper, "fp32_groups")):
+        raise AssertionError(f"bf16 at ZeRO stage 0: unexpected DeepSpeed wrapper {type(wrapper).__name__}")
+    wrapper.optimizer.state.clear()
+    for low, master in zip(wrapper.fp16_groups, wrapper.fp32_groups):
+        for lp, hp in zip(low, master):
+            hp.copy_(fp32_init[id(lp)])
+            lp.copy_(hp)
 
 
 def reset_hyperparameters(engine: Any, recipe: Recipe) -> None:

@@ -283,7 +283,7 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     info(f"model {recipe.model_config.name}: {n_params:,} parameters, {n_trainable:,} trainable")
-    engine, bf16 = build_engine(recipe, model, d, info)
+    engine, bf16 = build_engine(recipe, model, d, info, warn)
 
     run = _Run(recipe, stage, d, faults, info, warn, data, hooks, engine, packing, resume_from,
                n_params, n_trainable, bf16)

@@ -1,0 +1,73 @@
+"""One bf16 DeepSpeed engine per ZeRO stage on the debug model, one AdamW step at lr 3e-3 from
+the same batch; prints one JSON line per stage: the wrapper DeepSpeed chose, the dtype of its
+master weights, AdamW's step count after the step, and how far the step moved the zero-initialised
+biases, over lr (AdamW's first step moves an entry by lr * g / (|g| + eps), ~lr wherever |g| >> eps;
+the biases start at 0, where bf16 resolves 3e-3 to 0.4 %, so the bf16 model weights show it).
+
+Run by ``test_bf16.py``: ``python -m tests.train.bf16_step --stages 0 1 2 3``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ncpctl.recipe import load_recipe
+from tests.conftest import RECIPES
+
+LR = 3e-3
+
+
+def masters(wrapper) -> list[torch.Tensor]:
+    """The fp32 copies each wrapper keeps (stage 0: per parameter; 1-2: flat partitions; 3: flat sub-groups)."""
+    for name in ("fp32_groups", "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        if hasattr(wrapper, name):
+            groups = getattr(wrapper, name)
+            return [t for g in groups for t in (g if isinstance(g, list) else [g])]
+    raise AssertionError(type(wrapper).__name__)
+
+
+def run_stage(stage: int, d) -> dict:
+    import deepspeed
+
+    from ncpctl.model.model import NCPModel
+    from ncpctl.train.engine import build_engine
+
+    recipe = load_recipe(RECIPES / "debug.yaml", [
+        "model.max_seq_len=64", "train.seq_len=32", "train.precision=bf16", "train.warmup_steps=0",
+        f"train.lr={LR}", f"train.min_lr={LR}", "train.grad_clip=0", "train.micro_batch_size=2",
+        "train.global_batch_size=2", f"deepspeed.zero_stage={stage}"])
+    torch.manual_seed(0)
+    model = NCPModel(recipe.model_config)
+    biases = [n for n, p in model.named_parameters() if p.ndim == 1 and not p.any()]
+    engine, _ = build_engine(recipe, model, d)
+    batch = torch.randint(0, recipe.model_config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    out = engine(batch[:, :-1], batch[:, 1:])
+    engine.backward(out.loss)
+    engine.step()
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([params[n] for n in biases], enabled=stage == 3):
+        moved = torch.cat([params[n].detach().float().abs().flatten() for n in biases])
+    inner = engine.optimizer.optimizer
+    return {"stage": stage, "wrapper": type(engine.optimizer).__name__,
+            "masters": sorted({str(t.dtype) for t in masters(engine.optimizer)}),
+            "model": sorted({str(p.dtype) for p in engine.module.parameters()}),
+            "adam_steps": sorted({float(s["step"]) for s in inner.state.values()}),
+            "bias_step_over_lr": round(moved.max().item() / LR, 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    args = ap.parse_args()
+    from ncpctl.train.engine import init_distributed
+
+    d = init_distributed()
+    for stage in args.stages:
+        print(json.dumps(run_stage(stage, d)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
