@@ -119,6 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         value = res[num][field] / res[den][field]
         out["goals"][k] = {"value": value, "goal": f"{op} {v}", "met": value <= v}
         print("bench-ratio: " + json.dumps({k: out["goals"][k]}), file=sys.stderr, flush=True)
+    # every arm computes the same first step (same init and batch): checkpointing recomputes exactly,
+    # inductor's fused kernels reorder float sums (issue 27: within 1e-6 of eager in fp32)
+    if "none" in res:
+        ref = res["none"]["first_loss"]
+        out["loss_vs_none"] = {arm: abs(r["first_loss"] - ref) for arm, r in res.items() if arm != "none"}
+        bad = {arm: d for arm, d in out["loss_vs_none"].items() if d > 1e-6 * max(1.0, abs(ref))}
+        print("bench-check: " + json.dumps({"first loss |arm - none|": out["loss_vs_none"], "ok": not bad}),
+              file=sys.stderr, flush=True)
+        if bad:
+            out["goals"]["first loss equal to none (1e-6)"] = {"value": max(bad.values()), "goal": "<= 1e-06", "met": False}
     if a.json:
         print(json.dumps(out))
     return 0 if all(g["met"] for g in out["goals"].values()) else 1

@@ -3,13 +3,12 @@ gradients for ConceptLM, NCP-ArchPreview (IRC, CRC, MTP), DLCM and the bottlenec
 cannot compile, one warning line says why and the model stays eager.
 
 The suite compiles with dynamo's ``eager`` backend (the graph capture of every block, ~1-5 s per
-design); inductor itself costs ~56 s of compilation at debug size on one busy core, so its test
-(ConceptLM, loss and gradients within 1e-6 of eager) runs with ``NCPCTL_TEST_INDUCTOR=1``."""
+design); inductor itself costs ~56 s of compilation at debug size on one busy core, so its check
+(the first loss within 1e-6 of eager) is in bench/memory.py's ``compile`` arm, not in the suite."""
 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -56,12 +55,6 @@ def test_compiled_blocks_equal_eager(design: str) -> None:
     counters.clear()
     assert _compare(design, "eager", 0.0) >= 4  # every block of every stack was compiled
     assert counters["stats"]["unique_graphs"] >= 1  # and dynamo captured graphs (not all skipped)
-
-
-@pytest.mark.skipif(not os.environ.get("NCPCTL_TEST_INDUCTOR"), reason="inductor: ~1 min of compilation")
-def test_inductor_blocks_equal_eager_within_1e6() -> None:
-    torch._dynamo.reset()
-    assert _compare("conceptlm", "inductor", 1e-6) == 6
 
 
 def test_where_blocks_cannot_compile_one_line_says_why_and_the_model_stays_eager(monkeypatch) -> None:
