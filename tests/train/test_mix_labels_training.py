@@ -1,7 +1,8 @@
-"""The concept bottleneck trained through ``ncpctl pretrain`` on a labelled two-component mixture
-(``data.mix`` + ``data.labels``, Steerling's labelled mid-training mix) at debug size: the loop feeds
-each row its own component's labels (concept loss, per-component validation with detection), and a
-component without labels is one error line naming it."""
+"""The concept bottleneck trained through ``ncpctl pretrain`` on a labelled two-component mixture of
+prefixes (``data.mix``, each component's own ``PREFIX.labels.npy``; Steerling's labelled mid-training
+mix) at debug size: the loop feeds each row its own component's labels (concept loss, per-component
+validation with detection); ``ncpctl eval`` scores the held-out split per component, as training
+validates; a component without labels is one error line naming it."""
 
 from __future__ import annotations
 
@@ -9,40 +10,73 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from ..conftest import RECIPES
 from ..data.test_mix_labels import labelled_mix
 from .conftest import metrics, ncpctl, result
 
 
-def test_the_bottleneck_trains_on_a_labelled_mixture(tmp_path: Path) -> None:
-    mix = labelled_mix(tmp_path)
-    recipe = tmp_path / "bn.yaml"
-    recipe.write_text(f"extends: {RECIPES / 'debug-bottleneck.yaml'}\n"
-                      + mix.read_text().replace("data:\n", "data:\n  sources: []\n")
-                      + "model: {max_seq_len: 32, bottleneck: {concepts: 2, rank: 4, teacher_forcing_steps: 2}}\n"
-                        "train: {max_steps: 2, seq_len: 32, micro_batch_size: 4, global_batch_size: 8, eval_every: 2,"
-                        " eval_batches: 2, save_every: 2, plots: false, attention_stats_every: 0}\neval: {tasks: []}\n")
-    assert ncpctl("tokenize", str(recipe)).returncode == 0
+@pytest.fixture(scope="module")
+def mix_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(recipe, run dir) of 2 steps on the prefixes of ``labelled_mix``'s two tokenized components."""
+    root = tmp_path_factory.mktemp("mixlabels")
+    assert ncpctl("tokenize", str(labelled_mix(root))).returncode == 0
+    comp = root / "run" / "mix"
+    recipe = root / "bn.yaml"
+    recipe.write_text(
+        f"extends: {RECIPES / 'debug-bottleneck.yaml'}\nrun: {{dir: {root / 'prefixes'}}}\n"
+        f"tokenizer: {{path: {root / 'run' / 'data' / 'tokenizer.json'}}}\ndata:\n  sources: []\n  labels: field\n  mix:\n"
+        + "".join(f"    - {{name: {n}, weight: {w}, prefix: {comp / n / 'data' / 'train'}, "
+                  f"val_prefix: {comp / n / 'data' / 'val'}}}\n" for n, w in (("a", 0.7), ("b", 0.3)))
+        + "model: {max_seq_len: 32, bottleneck: {concepts: 2, rank: 4, teacher_forcing_steps: 2}}\n"
+          "train: {max_steps: 2, seq_len: 32, micro_batch_size: 4, global_batch_size: 8, eval_every: 2,"
+          " eval_batches: 2, save_every: 2, plots: false, attention_stats_every: 0}\neval: {tasks: []}\n")
     r = result(ncpctl("pretrain", str(recipe), "--json"))
-    run = tmp_path / "run"
     assert r["step"] == 2 and r["nonfinite_steps"] == 0
+    return recipe, root / "prefixes"
+
+
+def test_the_bottleneck_trains_on_a_labelled_mixture(mix_run: tuple[Path, Path]) -> None:
+    _, run = mix_run
     assert all(m["concept_loss"] > 0 for m in metrics(run))
     (val,) = metrics(run, "val")
     assert {"loss/a", "loss/b", "concept_loss/a", "concept_loss/b"} <= set(val)  # each component, with its labels
     names = json.loads((run / "checkpoints" / "step_0000002" / "ncpctl.json").read_text())["concept_names"]
     assert names == ["alpha", "beta"]
 
-    # a component without labels: one line naming it, before any training
+
+def test_eval_scores_a_prefix_mixture_per_component(mix_run: tuple[Path, Path]) -> None:
+    """conceptlm_val_ppl (the training distribution's held-out split) on a mixture of prefixes: one
+    task per component on its own validation split; the offline ncp_* tasks, which read one tokenized
+    corpus, say so in one line instead of pointing at `ncpctl tokenize`."""
+    from ncpctl.errors import UserError
+    from ncpctl.evaluate.offline import data_dir_for
+
+    _, run = mix_run
+    r = result(ncpctl("eval", str(run), "--tasks", "conceptlm_val_ppl", "--limit", "2", "--json"))
+    assert set(r["results"]) == {"conceptlm_val_ppl_a", "conceptlm_val_ppl_b"}, r["results"]
+    ppl = {k: v["token_perplexity"] for k, v in r["results"].items()}
+    assert all(1 < v < 1e4 for v in ppl.values()) and ppl["conceptlm_val_ppl_a"] != ppl["conceptlm_val_ppl_b"]
+    with pytest.raises(UserError, match="this checkpoint trained on a data.mix of prefixes") as e:
+        data_dir_for(checkpoint=str(run))  # what the ncp_* tasks' datasets call first
+    assert len(e.value.problems) == 1 and "conceptlm_val_ppl" in e.value.hint
+
+
+def test_a_component_without_labels_is_named(mix_run: tuple[Path, Path], tmp_path: Path) -> None:
+    recipe, _ = mix_run
+    comp = recipe.parent / "run" / "mix"
     bare = tmp_path / "bare"
-    shutil.copytree(run / "mix" / "b" / "data", bare)
+    shutil.copytree(comp / "b" / "data", bare)
     for f in bare.glob("*.labels.npy"):
         f.unlink()
     meta = json.loads((bare / "meta.json").read_text())
     del meta["labels"]
     (bare / "meta.json").write_text(json.dumps(meta))
     bad = ncpctl("pretrain", str(recipe), "--set", f"run.dir={tmp_path / 'bad'}", "--set",
-                 f"data.mix=[{{name: a, weight: 1, prefix: {run}/mix/a/data/train}}, "
+                 f"data.mix=[{{name: a, weight: 1, prefix: {comp}/a/data/train}}, "
                  f"{{name: plain, weight: 1, prefix: {bare}/train}}]")
     assert bad.returncode == 2
     (err,) = [x for x in bad.stderr.splitlines() if x.startswith("error: ")]
     assert "data.mix component 'plain' (train):" in err and "has no concept labels" in err, bad.stderr
+    assert not (tmp_path / "bad" / "checkpoints").exists()
