@@ -2,8 +2,8 @@
 ``ncpctl.train.hooks``).
 
 prepare      the validation split's token sources (``SourceMap`` from meta.json's
-             ``documents_per_source``) for its loader, when the dataset records them (with
-             data.mix validated per component: the first component's).
+             ``documents_per_source``) for its loader, when the dataset records them (not with
+             data.mix, validated per component: tokens per concept per component instead).
 evaluation   tokens per concept per source (DLCM Table 5): the concepts started and the tokens
              of each source over the whole split, summed over ranks: ``tokens_per_concept/{source}``.
 results      the compression plot's target ratio R.
@@ -24,7 +24,6 @@ class DynamicHooks(DesignHooks):
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
         self.sources: SourceMap | None = None  # the validation split's
-        self._val_ds: str | None = None  # the dataset it maps (a data.mix's first validated component)
         self._src: list[torch.Tensor] = []  # the validation batch's token sources per micro-batch (CPU)
         self._by_source: torch.Tensor | None = None  # (2, sources): concepts started, tokens
 
@@ -34,10 +33,11 @@ class DynamicHooks(DesignHooks):
         return c.enabled and c.segmentation == "dynamic"
 
     def loader_args(self, split: str, ds: Any, info: Callable[[str], None]) -> dict[str, Any]:
-        if split != "val" or self._val_ds not in (None, str(ds.bin_path)):
+        r = self.recipe
+        if split != "val" or (r.data.mix and not r.data.train_prefix):  # per component (validate.py) instead
             return {}
-        if self._val_ds is None:
-            self._val_ds, self.sources = str(ds.bin_path), val_sources(ds, info)
+        if self.sources is None:
+            self.sources = val_sources(ds, info)
         return {} if self.sources is None else {"sources": self.sources}
 
     def inputs(self, loader: Any, micro: int, evaluating: bool) -> list[dict[str, Any]] | None:
@@ -49,7 +49,7 @@ class DynamicHooks(DesignHooks):
         self._by_source = None if self.sources is None else torch.zeros(2, len(self.sources.labels), dtype=torch.long)
 
     def eval_micro(self, i: int, out: Any) -> None:
-        if self._by_source is not None and self._src:  # a loader without sources (another component): none
+        if self._by_source is not None:
             self._by_source += source_counts(out, self._src[i], self._by_source.shape[1])
 
     def eval_end(self, d: Any) -> dict[str, float]:
