@@ -63,20 +63,34 @@ def test_eval_scores_a_prefix_mixture_per_component(mix_run: tuple[Path, Path]) 
     assert len(e.value.problems) == 1 and "conceptlm_val_ppl" in e.value.hint
 
 
-def test_a_component_without_labels_is_named(mix_run: tuple[Path, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage, message", [
+    ("no labels", "has no concept labels"),
+    ("another vocabulary", "the label vocabulary differs from the first train dataset's"),
+])
+def test_a_component_without_its_labels_is_named(mix_run: tuple[Path, Path], tmp_path: Path, damage: str,
+                                                 message: str) -> None:
+    """A component whose labels are missing, or whose label ids mean other concepts: one line naming it."""
     recipe, _ = mix_run
     comp = recipe.parent / "run" / "mix"
     bare = tmp_path / "bare"
     shutil.copytree(comp / "b" / "data", bare)
-    for f in bare.glob("*.labels.npy"):
-        f.unlink()
     meta = json.loads((bare / "meta.json").read_text())
-    del meta["labels"]
+    if damage == "no labels":
+        for f in bare.glob("*.labels.npy"):
+            f.unlink()
+        del meta["labels"]
+    else:
+        meta["labels"]["vocabulary"] = meta["labels"]["vocabulary"][::-1]
     (bare / "meta.json").write_text(json.dumps(meta))
-    bad = ncpctl("pretrain", str(recipe), "--set", f"run.dir={tmp_path / 'bad'}", "--set",
-                 f"data.mix=[{{name: a, weight: 1, prefix: {comp}/a/data/train}}, "
-                 f"{{name: plain, weight: 1, prefix: {bare}/train}}]")
-    assert bad.returncode == 2
-    (err,) = [x for x in bad.stderr.splitlines() if x.startswith("error: ")]
-    assert "data.mix component 'plain' (train):" in err and "has no concept labels" in err, bad.stderr
-    assert not (tmp_path / "bad" / "checkpoints").exists()
+    from ncpctl.errors import UserError
+    from ncpctl.recipe import load_recipe
+    from ncpctl.train.data import open_data
+    from ncpctl.train.hooks import Hooks
+
+    # what `ncpctl pretrain` opens before any model work (in-process: no interpreter start)
+    r = load_recipe(recipe, [f"run.dir={tmp_path / 'bad'}", f"data.mix=[{{name: a, weight: 1, prefix: "
+                             f"{comp}/a/data/train}}, {{name: plain, weight: 1, prefix: {bare}/train}}]"])
+    with pytest.raises(UserError) as e:
+        open_data(r, 0, 1, Hooks(r), lambda m: None)
+    (err,) = e.value.problems
+    assert err.startswith("data.mix component 'plain' (train):") and message in err, err
