@@ -310,6 +310,12 @@ def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> 
                         f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
+    for mod in model.modules():  # non-persistent buffers are not in the weights: still on meta
+        for key, buf in mod._buffers.items():
+            # an empty one (the bottleneck's lift tokens (n, 0) before a steering stage sets them) has no
+            # value to lose; .to(device) would fail on it ("Cannot copy out of meta tensor")
+            if buf is not None and buf.is_meta and buf.numel() == 0:
+                mod._buffers[key] = torch.empty(buf.shape, dtype=buf.dtype)
     model.eval()
     tok = None
     if with_tokenizer and (directory / TOKENIZER).is_file():

@@ -340,6 +340,13 @@ class LabelSpans:
 
 def lift_tokens(tokens: np.ndarray, spans: LabelSpans, count: int, vocab: int, *, min_count: int = 5,
                 max_tokens: int = 4_000_000) -> np.ndarray:
+    """A steering stage's lift tokens T_c (Steerling's L_express) of one labelled token stream:
+    ``lift_tokens_over([(tokens, spans)], ...)``."""
+    return lift_tokens_over([(tokens, spans)], count, vocab, min_count=min_count, max_tokens=max_tokens)
+
+
+def lift_tokens_over(streams: list[tuple[np.ndarray, LabelSpans]], count: int, vocab: int, *, min_count: int = 5,
+                     max_tokens: int = 4_000_000) -> np.ndarray:
     """A steering stage's lift tokens T_c (Steerling's L_express): per labelled concept, the ``count``
     token ids most over-represented inside its spans, (n, count) int64, -1 where a concept has fewer.
 
@@ -347,16 +354,19 @@ def lift_tokens(tokens: np.ndarray, spans: LabelSpans, count: int, vocab: int, *
     of a token's count a_y among concept c's span tokens (A of them) against its count b_y in the
     stream (N), among tokens seen at least ``min_count`` times in c's spans. At most ``max_tokens``
     tokens are read per concept (spans in stream order) and for the stream (its start), so this
-    is one linear pass, deterministic for a dataset."""
-    n = spans.n
-    stream = np.asarray(tokens[:max_tokens]).astype(np.int64)
-    b = np.bincount(stream, minlength=vocab)[:vocab].astype(np.float64)
-    inside = [[] for _ in range(n)]
-    taken = np.zeros(n, dtype=np.int64)
-    for s, e, c in np.asarray(spans.spans):
-        if taken[c] < max_tokens:
-            inside[c].append(np.asarray(tokens[s:e]))
-            taken[c] += e - s
+    is one linear pass, deterministic for a dataset. Several streams (a ``data.mix``'s labelled
+    components, sharing one label vocabulary) add their counts, each read up to those limits."""
+    n = streams[0][1].n
+    b = np.zeros(vocab, dtype=np.float64)
+    inside: list[list[np.ndarray]] = [[] for _ in range(n)]  # concept c's span tokens, every stream
+    for tokens, spans in streams:
+        stream = np.asarray(tokens[:max_tokens]).astype(np.int64)
+        b += np.bincount(stream, minlength=vocab)[:vocab]
+        taken = np.zeros(n, dtype=np.int64)
+        for s, e, c in np.asarray(spans.spans):
+            if taken[c] < max_tokens:
+                inside[c].append(np.asarray(tokens[s:e]))
+                taken[c] += e - s
     out = np.full((n, count), -1, dtype=np.int64)
     for c in range(n):
         if not inside[c]:

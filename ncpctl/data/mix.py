@@ -13,6 +13,11 @@ its own. The loader's state is the global sample index and the counts ``n_k`` (t
 needs nothing else), so a resumed loader continues the exact sequence without replaying it; like
 ``WindowLoader`` it does not depend on the rank or the world size, and rank r of a world of size R
 takes rows ``r*B : (r+1)*B`` of every global batch. numpy only (no torch).
+
+What a design reads beside the tokens (Steerling's concept labels, ``PREFIX.labels.npy``) is each
+component's own (``part_args``: its ``WindowLoader`` arguments, e.g. its ``LabelSpans``): a row's
+labels are read from its component's label file at its component's window, so they stay aligned
+with its tokens, and they follow the blend (hence resume and rank) like the tokens.
 """
 
 from __future__ import annotations
@@ -69,12 +74,14 @@ class MixLoader:
     ``parts``: ``(name, weight, dataset)`` per component, in ``data.mix`` order."""
 
     def __init__(self, parts: list[tuple[str, float, IndexedDataset]], seq_len: int, global_batch_size: int,
-                 seed: int, rank: int = 0, world_size: int = 1, vocab_size: int | None = None, vocab_from: str = ""):
+                 seed: int, rank: int = 0, world_size: int = 1, vocab_size: int | None = None, vocab_from: str = "",
+                 part_args: list[dict[str, Any]] | None = None):
         if not parts:
             raise ValueError("a mixture needs at least one component")
-        # one single-stream WindowLoader per component: its windows view, epoch orders and id checks
+        args = part_args or [{} for _ in parts]  # each component's own labels (ncpctl.data.labels.LabelSpans)
+        # one single-stream WindowLoader per component: its windows view, epoch orders, id checks, labels
         self.parts = [WindowLoader(ds, seq_len, 1, seed=seed, vocab_size=vocab_size, vocab_from=vocab_from,
-                                   stream=k) for k, (_, _, ds) in enumerate(parts)]
+                                   stream=k, **args[k]) for k, (_, _, ds) in enumerate(parts)]
         if global_batch_size % world_size:
             raise UserError(f"train.global_batch_size {global_batch_size} is not divisible by the world size {world_size}")
         self.names = [name for name, _, _ in parts]
@@ -133,8 +140,18 @@ class MixLoader:
             out[rows] = self.parts[int(k)].documents(self.last_ids[rows])
         return out
 
-    def last_labels(self) -> None:
-        return None
+    def last_labels(self) -> np.ndarray | None:
+        """Concept-label evidence of the last batch's inputs, (B, T, n) bool: each row's from its own
+        component's label file at its window (None when the components carry no labels)."""
+        if self.last_ids is None or any(p.labels is None for p in self.parts):
+            return None
+        T = self.seq_len
+        return np.stack([self.parts[int(k)].labels.window(int(i) * T, T)
+                         for k, i in zip(self.last_components, self.last_ids)])
+
+    def label_streams(self) -> list[tuple[np.ndarray, Any]]:
+        """``(tokens, LabelSpans)`` per component that carries labels (a steering stage's lift tokens)."""
+        return [(p.dataset.tokens, p.labels) for p in self.parts if p.labels is not None]
 
     def last_sources(self) -> None:
         return None
@@ -262,7 +279,8 @@ def _component_meta(meta: dict[str, Any], first: int, n: int, comp: Any) -> dict
     for split in ("train", "val"):
         per = meta["splits"][split]["documents_per_source"]
         splits[split] = {"documents": int(sum(per[first:first + n])), "documents_per_source": per[first:first + n]}
-    return {**{k: meta[k] for k in ("format_version", "fingerprint", "tokenizer", "dtype")},
+    labels = {"labels": {**meta["labels"], "spans": {}}} if meta.get("labels") else {}  # one vocabulary for all
+    return {**{k: meta[k] for k in ("format_version", "fingerprint", "tokenizer", "dtype")}, **labels,
             "component": comp.name, "sources": meta["sources"][first:first + n],
             "source_labels": meta["source_labels"][first:first + n], "splits": splits}
 
@@ -273,8 +291,13 @@ def _component_current(out: Path, cmeta: dict[str, Any]) -> dict[str, Any] | Non
     if not path.is_file():
         return None
     old = json.loads(path.read_text())
+    files = [p for s in ("train", "val") for p in paths(out / s)]
+    if "labels" in cmeta:
+        from ncpctl.data.labels import labels_path
+
+        files += [labels_path(out / s) for s in ("train", "val")]
     same = (old.get("fingerprint") == cmeta["fingerprint"] and old.get("sources") == cmeta["sources"]
-            and all(p.is_file() for s in ("train", "val") for p in paths(out / s)))
+            and all(p.is_file() for p in files))
     return old if same else None
 
 
@@ -293,4 +316,18 @@ def _write_component(data_dir: Path, out: Path, meta: dict[str, Any], first: int
             w.add_documents(np.asarray(ds.tokens[start:end]), np.asarray(ds.sizes[a:b], dtype=np.int64))
         stats = w.finalize()
         cmeta["splits"][split].update(tokens=stats.tokens, max_id=stats.max_id)
+        if "labels" in cmeta:  # the union's label spans inside [start, end), shifted to the component's stream
+            cmeta["labels"]["spans"][split] = _write_component_labels(data_dir / split, out / split, start, end)
     atomic_write(out / "meta.json", json.dumps(cmeta, indent=2) + "\n")
+
+
+def _write_component_labels(union: Path, out: Path, start: int, end: int) -> int:
+    """``union``'s label spans (K, 3) [a, b, label] of tokens ``start .. end-1`` (spans never cross a
+    document, so none crosses a component) as ``out``'s, in the component's token positions."""
+    from ncpctl.data.labels import labels_path
+
+    arr = np.load(labels_path(union))
+    mine = arr[(arr[:, 0] >= start) & (arr[:, 0] < end)].copy()
+    mine[:, :2] -= start
+    np.save(labels_path(out), mine)
+    return int(mine.shape[0])

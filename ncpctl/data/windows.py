@@ -201,6 +201,10 @@ class WindowLoader:
         T = self.seq_len
         return np.stack([self.labels.window(int(i) * T, T) for i in self.last_ids])
 
+    def label_streams(self) -> list[tuple[np.ndarray, Any]]:
+        """``[(tokens, LabelSpans)]`` of the dataset when it carries labels, else ``[]``."""
+        return [] if self.labels is None else [(self.dataset.tokens, self.labels)]
+
     def last_sources(self) -> np.ndarray | None:
         """The source index of each input token of the last batch, (B, T) int64 (None without a
         ``SourceMap``): window i's inputs are tokens i*T .. i*T+T-1."""

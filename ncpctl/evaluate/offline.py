@@ -76,6 +76,11 @@ def data_dir_for(checkpoint: str | None = None, data: str | None = None) -> tupl
     for d in candidates:
         if (d / "val.idx").is_file() and (d / "val.bin").is_file():
             return d, d.parent / "eval" / "offline"
+    if mixture_validation(ckpt):  # prefixes only: no tokenized corpus of the run to build the tasks from
+        raise UserError(f"{ckpt}: the offline ncp_* tasks read one tokenized corpus (DIR/val.bin + tokenizer.json), "
+                        f"and this checkpoint trained on a data.mix of prefixes (no {candidates[0]})",
+                        hint="score each component's validation split with --tasks conceptlm_val_ppl "
+                             "(conceptlm_val_ppl_NAME per component), or pass data=DIR")
     raise UserError(f"{ckpt}: cannot find the validation split for the offline tasks "
                     f"(looked in {', '.join(str(c) for c in candidates) or 'nothing: no recipe in the checkpoint'})",
                     hint="run `ncpctl tokenize RECIPE` or pass data=RUN_DIR/data")
@@ -256,16 +261,28 @@ def validation_prefix(checkpoint: str) -> tuple[Path, Path]:
 def val_ppl(**metadata: Any):
     """Every document of the validation split (``validation_prefix``), decoded whole: lm-eval's
     ``loglikelihood_rolling`` scores each token once, in windows of the model's ``max_seq_len``
-    (``--limit N``: the first N documents)."""
+    (``--limit N``: the first N documents). A ``data.mix`` checkpoint has one split per component:
+    ``ncpctl eval --tasks conceptlm_val_ppl`` scores each as its own task (``mixture_tasks``)."""
     import datasets
     from tokenizers import Tokenizer
 
-    from ncpctl.data.indexed import IndexedDataset
-
     if not metadata.get("checkpoint"):
         raise UserError("conceptlm_val_ppl needs the checkpoint (lm-eval: --model_args checkpoint=DIR)")
+    comps = mixture_validation(metadata["checkpoint"])
+    if comps:  # reached through a group (conceptlm_ppl): one split would silently be one component's
+        raise UserError(f"conceptlm_val_ppl: {metadata['checkpoint']} trained on data.mix, validated per component "
+                        f"({', '.join(n for n, _ in comps)}); inside a task group it has no single split",
+                        hint="pass --tasks conceptlm_val_ppl (and the group's other tasks) to score each "
+                             "component's validation split as conceptlm_val_ppl_NAME")
     prefix, tok_path = validation_prefix(metadata["checkpoint"])
-    tokenizer = Tokenizer.from_file(str(tok_path))
+    rows = split_rows(prefix, Tokenizer.from_file(str(tok_path)))
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def split_rows(prefix: Path, tokenizer: Any) -> list[dict[str, Any]]:
+    """The documents of the split at ``prefix``, decoded whole: ``{text, n_tokens}`` each."""
+    from ncpctl.data.indexed import IndexedDataset
+
     eod, ds = _eod_id(prefix.parent, tokenizer), IndexedDataset(prefix)
     rows = []
     for start in range(0, len(ds), 1024):  # decoded and re-encoded 1024 documents at a time
@@ -275,7 +292,84 @@ def val_ppl(**metadata: Any):
             rows.append({"text": text, "n_tokens": len(enc.ids)})
     if not rows:
         raise UserError(f"{prefix}: the validation split has no text")
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+    return rows
+
+
+# ---- a data.mix checkpoint: each component's validation split --------------------------
+
+
+def mixture_validation(checkpoint: str | Path) -> list[tuple[str, Path]] | None:
+    """A checkpoint trained on ``data.mix`` (without data.train_prefix / data.val_prefix, which
+    replace it): (component name, validation prefix) of each component that has a validation
+    split, as training validated it (``ncpctl.train.validate``): a prefix component's ``val_prefix``,
+    a sources component's run.dir/mix/NAME/data/val (the checkpoint's run directory, then the
+    recipe's). None for any other checkpoint; [] when no component has one (then the run's one split)."""
+    from ncpctl.checkpoint import read_meta, resolve, run_dir_of
+    from ncpctl.data.indexed import paths
+
+    ckpt = resolve(checkpoint, pin_it=False)
+    recipe = read_meta(ckpt).get("recipe") or {}
+    data = recipe.get("data") or {}
+    if not data.get("mix") or data.get("train_prefix") or data.get("val_prefix"):
+        return None
+    recipe_run = (recipe.get("run") or {}).get("dir")
+    runs = [d for d in (run_dir_of(ckpt), Path(recipe_run) if recipe_run else None) if d is not None]
+    out = []
+    for c in data["mix"]:
+        if c.get("prefix"):
+            candidates = [Path(c["val_prefix"])] if c.get("val_prefix") else []
+        else:
+            candidates = [d / "mix" / c["name"] / "data" / "val" for d in runs]
+        found = next((p for p in candidates if all(f.is_file() for f in paths(p))), None)
+        if found is not None:
+            out.append((c["name"], found))
+    return out
+
+
+class _SplitRows:
+    """lm-eval's ``custom_dataset`` for one component's validation split (printed short in the
+    results' task configs, as ``ncpctl.evaluate.heldout``'s corpora)."""
+
+    def __init__(self, name: str, prefix: Path, rows: list[dict[str, Any]]):
+        self.name, self.prefix, self.rows = name, prefix, rows
+
+    def __call__(self, **_: Any):
+        import datasets
+
+        return datasets.DatasetDict({"test": datasets.Dataset.from_list(self.rows)})
+
+    def __repr__(self) -> str:
+        return f"data.mix component {self.name}: {self.prefix} ({len(self.rows)} documents)"
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def mixture_tasks(names: list[str], checkpoint: Path) -> tuple[list[str], list[Any]]:
+    """``names`` without ``conceptlm_val_ppl`` and, in its place, one lm-eval task per data.mix
+    component of ``checkpoint`` (``conceptlm_val_ppl_NAME``, configured as ``conceptlm_val_ppl``
+    on that component's validation split): the held-out perplexity per component, as training's
+    validation reports its loss per component. ``names`` unchanged for any other checkpoint."""
+    comps = mixture_validation(checkpoint) if "conceptlm_val_ppl" in names else None
+    if not comps:
+        return names, []
+    from lm_eval.api.task import ConfigurableTask
+    from tokenizers import Tokenizer
+
+    from ncpctl.checkpoint import TOKENIZER, resolve
+    from ncpctl.evaluate.run import our_tasks
+
+    tok_path = resolve(checkpoint, pin_it=False) / TOKENIZER
+    if not tok_path.is_file():
+        raise UserError(f"{tok_path}: missing (needed to decode the validation splits)")
+    tokenizer = Tokenizer.from_file(str(tok_path))
+    base = our_tasks()["conceptlm_val_ppl"]
+    objs = [ConfigurableTask(config={**base, "task": f"conceptlm_val_ppl_{name}",
+                                     "custom_dataset": _SplitRows(name, prefix, split_rows(prefix, tokenizer)),
+                                     "process_results": ppl_results,
+                                     "metric_list": [dict(m) for m in base["metric_list"]]})
+            for name, prefix in comps]
+    return [n for n in names if n != "conceptlm_val_ppl"], objs
 
 
 def ppl_results(doc: dict[str, Any], results: list[float]) -> dict[str, tuple[float, int]]:

@@ -315,7 +315,7 @@ def per_example(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
 
 def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None) -> dict[str, Any]:
     """Run lm-eval on ``t``; write the JSON and markdown; return the summary."""
-    from ncpctl.evaluate import heldout
+    from ncpctl.evaluate import heldout, offline
 
     # held-out corpora first: a corpus with no text is an error before lm-eval and the model load
     corpora = heldout.prepare(t.heldout, t.tasks, lm.tok if lm is not None else _tokenizer(t.checkpoint)) \
@@ -329,12 +329,14 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     if lm is None:
         lm = NCPLM(str(t.checkpoint), batch_size=t.batch_size,
                    **({"diffusion_samples": t.diffusion_samples} if t.diffusion_samples else {}))
-    tm, objs, protocols = load_tasks(t.tasks, {"checkpoint": str(t.checkpoint)}, allow_code=t.allow_code, skip=log)
-    objs += heldout.tasks(corpora)
+    # a data.mix checkpoint: conceptlm_val_ppl per component (conceptlm_val_ppl_NAME), as training validates
+    names, per_component = offline.mixture_tasks(t.tasks, t.checkpoint)
+    tm, objs, protocols = load_tasks(names, {"checkpoint": str(t.checkpoint)}, allow_code=t.allow_code, skip=log)
+    objs += per_component + heldout.tasks(corpora)
     if not objs:
         raise UserError(f"none of {', '.join(t.tasks)} can run on this machine (see the skipped lines above)",
                         hint="hub datasets need the network or a local datasets cache")
-    names = [*t.tasks, *corpora]
+    names = [*names, *(o.config.task for o in per_component), *corpora]
     log(f"evaluating {t.checkpoint} on {', '.join(names)}" + (f" (limit {t.limit})" if t.limit else ""))
     res = score(lm, tm, objs, protocols, t.limit, t.num_fewshot, t.batch_size, {"checkpoint": str(t.checkpoint)})
     ppl, aggregates = res["perplexity"], res["aggregates"]

@@ -111,6 +111,9 @@ STAGE_KEYS = tuple(f"bottleneck.{k}" for k in (
     "dropout", "concept_weight", "reconstruction_weight", "independence_weight", "independence",
     "teacher_forcing_start", "teacher_forcing_end", "teacher_forcing_steps", "top_k_known", "top_k_unknown",
     "respond_weight", "express_weight", "steer_at", "steer_strength", "steer_fraction", "lift_tokens"))
+# a Causal Diffusion LM's masking curriculum (Steerling's mid-training returns it to uniform): no weight either
+STAGE_KEYS += tuple(f"diffusion.{k}" for k in ("schedule", "gaussian_mean_start", "gaussian_mean_end",
+                                                "gaussian_std", "gaussian_steps"))
 
 
 def _tokenizer_file(recipe: Any) -> Path:

@@ -30,6 +30,7 @@ class TrainData:
     loader: WindowLoader | MixLoader
     val_args: dict[str, Any] = field(default_factory=dict)
     val_parts: list[tuple[str, float, IndexedDataset]] = field(default_factory=list)
+    val_part_args: list[dict[str, Any]] = field(default_factory=list)  # what the designs add, per val_parts entry
 
     def train_tokens(self) -> Any:
         """The train tokens (num_tokens,), or with data.mix (normalised weight, tokens) per component."""
@@ -45,9 +46,10 @@ class TrainData:
         t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
         total = sum(w for _, w, _ in self.val_parts)
         out = []
-        for name, w, ds in self.val_parts:
+        args = self.val_part_args or [{} for _ in self.val_parts]
+        for (name, w, ds), extra in zip(self.val_parts, args):
             val = WindowLoader(ds, T, G, seed=t.seed, rank=rank, world_size=world,
-                               vocab_size=recipe.model_config.vocab_size, vocab_from=vocab_from(recipe)[0])
+                               vocab_size=recipe.model_config.vocab_size, vocab_from=vocab_from(recipe)[0], **extra)
             n = min(max(1, round(t.eval_batches * w / total)), math.ceil(val.num_windows / G))
             out.append((name, w, val, n))
         return out
@@ -89,29 +91,38 @@ def _open_mix(recipe: Recipe, rank: int, world: int, hooks: Hooks, info: Callabl
     t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
     vocab = recipe.model_config.vocab_size
     parts = open_parts(recipe, "train", info)
-    for _, _, ds in parts:
+    part_args = []
+    for name, _, ds in parts:
         check_vocab(recipe, ds, vocab)
-        if any(v is not None for v in hooks.loader_args("train", ds, info).values()):
-            raise UserError("data.mix: this model's designs read data beside the tokens (concept labels), "
-                            "which a mixture does not carry yet", hint="tokenize the mixture into one dataset "
-                            "with labels and give it as data.train_prefix")
+        part_args.append(_component_args(hooks, "train", name, ds, info))  # its own labels, aligned with its tokens
     loader = MixLoader(parts, T, G, seed=t.seed, rank=rank, world_size=world, vocab_size=vocab,
-                       vocab_from=vocab_from(recipe)[0])
-    val_parts = []
+                       vocab_from=vocab_from(recipe)[0], part_args=part_args)
+    val_parts, val_args = [], []
     for name, w, ds in open_parts(recipe, "val", info):
         if (ds.num_tokens - 1) // T < 1:
             info(f"data.mix: component {name} has no validation window of {T + 1} tokens; not evaluated on its own")
             continue
         check_vocab(recipe, ds, vocab)
         val_parts.append((name, w, ds))
-    val_ds = None
+        val_args.append(_component_args(hooks, "val", name, ds, info))
+    val_ds, one_val_args = None, {}
     if not val_parts:
         val_ds = dataset(recipe, "val")
         check_vocab(recipe, val_ds, vocab)
+        one_val_args = hooks.loader_args("val", val_ds, info)
         WindowLoader(val_ds, T, G, seed=t.seed)  # raises if validation has not one window
     info("data.mix: " + ", ".join(f"{n} {w:.3f} ({p.num_windows:,} windows)"
                                   for n, w, p in zip(loader.names, loader.weights, loader.parts)))
-    return TrainData(parts[0][2], val_ds, loader, val_parts=val_parts)
+    return TrainData(parts[0][2], val_ds, loader, one_val_args, val_parts=val_parts, val_part_args=val_args)
+
+
+def _component_args(hooks: Hooks, split: str, name: str, ds: IndexedDataset, info: Callable[[str], None]) -> dict[str, Any]:
+    """What the designs read beside a data.mix component's tokens (its concept labels); their
+    errors (a component without labels, another label vocabulary) name the component."""
+    try:
+        return hooks.loader_args(split, ds, info)
+    except UserError as e:
+        raise UserError(*(f"data.mix component {name!r} ({split}): {p}" for p in e.problems), hint=e.hint) from None
 
 
 def dataset(recipe: Recipe, split: str) -> IndexedDataset:

@@ -141,3 +141,35 @@ def test_the_four_families_differ_only_in_objective_and_concept_module(tmp_path:
     assert {k.split(".")[1] for k in _diff(d["cdlm"], d["cdlm-concepts"])} == {"bottleneck"}
     assert [got[f].model_config.objective for f in got] == ["next_token"] * 2 + ["causal_diffusion"] * 2
     assert len({r.run_dir for r in got.values()}) == 4 and all(r.data.labels == "python-ast" for r in got.values())
+
+
+def test_steerling_midtraining_is_a_labelled_mixture_from_the_pretrained_run(tmp_path: Path) -> None:
+    """recipes/steerling-8b-midtrain.yaml: Steerling's mid-training (uniform masking, dropout 0.3,
+    teacher forcing 0.5 -> 0, 150B tokens) from the pre-training run, on a data.mix of three labelled
+    components (placeholder prefixes and weights: the notes give none); only stage keys of the model
+    change (a new stage may change them: STAGE_KEYS)."""
+    import yaml
+
+    from ncpctl.data.indexed import IndexedDatasetWriter
+    from ncpctl.train.checkpoint import STAGE_KEYS, config_differences
+
+    vocab = {f"t{i}": i for i in range(100280)} | {"<|mask|>": 100280}
+    Tokenizer(models.WordLevel(vocab, unk_token="t1")).save(str(tmp_path / "tok.json"))
+    (tmp_path / "pre").mkdir()
+    for split in ("train", "val"):
+        with IndexedDatasetWriter(tmp_path / split, "int32") as w:
+            w.add_document([1, 2, 3, 0])
+    sets = [f"tokenizer.path={tmp_path / 'tok.json'}"]
+    base = load_recipe(RECIPES / "steerling-8b.yaml", [*sets, f"data.train_prefix={tmp_path / 'train'}",
+                                                       f"data.val_prefix={tmp_path / 'val'}"])
+    r = load_recipe(RECIPES / "steerling-8b-midtrain.yaml", [*sets, f"train.init_from={tmp_path / 'pre'}"])
+    assert r.data.train_prefix is None and r.data.val_prefix is None
+    assert [(c.name, c.weight) for c in r.data.mix] == [("general", 0.5), ("math", 0.25), ("code", 0.25)]
+    assert all(c.prefix and c.val_prefix for c in r.data.mix)
+    raw = yaml.safe_load((RECIPES / "steerling-8b-midtrain.yaml").read_text())
+    assert raw["train"]["init_from"] == "runs/steerling-8b" == str(base.run_dir) and r.train.load == "weights"
+    b, d = r.model_config.bottleneck, r.model_config.diffusion
+    assert (d.schedule, b.dropout, b.teacher_forcing_start, b.teacher_forcing_end) == ("uniform", 0.3, 0.5, 0.0)
+    assert r.train.max_steps * r.global_batch_size * r.seq_len == pytest.approx(150e9, rel=1e-5)
+    diffs = config_differences(base.model_config.to_dict(), r.model_config.to_dict())
+    assert diffs and all(x.split(":")[0].removeprefix("model.") in STAGE_KEYS for x in diffs), diffs

@@ -41,7 +41,7 @@ def test_every_recipe_file_is_covered() -> None:
     shipped = {p.stem for p in RECIPES.glob("*.yaml")}
     assert shipped == {"debug", "debug-bottleneck", "debug-bottleneck-steer", "debug-dlcm", "debug-cdlm", "debug-cdlm-bottleneck",
                        "debug-mix",
-                       "steerling-8b", "pythia-common", *PYTHIA, *PAPER_RECIPES,
+                       "steerling-8b", "steerling-8b-midtrain", "pythia-common", *PYTHIA, *PAPER_RECIPES,
                        *ARCHPREVIEW_RECIPES, *DLCM_RECIPES}
 
 

@@ -2,8 +2,10 @@
 ``ncpctl.train.hooks``).
 
 prepare      each split's concept labels (``PREFIX.labels.npy``, ncpctl.data.labels) for its
-             loader, checked against ``model.bottleneck.concepts`` and, under teacher forcing,
-             refused when document-level; a steering stage's lift tokens from the train split.
+             loader (with data.mix: each component's own), checked against
+             ``model.bottleneck.concepts`` and one label vocabulary for every dataset and, under
+             teacher forcing, refused when document-level; a steering stage's lift tokens from the
+             train split (every labelled component of a mixture).
 inputs       each micro-batch's label evidence as ``concept_labels`` (validation: the bottleneck's
              parts too, ``return_bottleneck``).
 evaluation   held-out concept detection: the known head's chunk probabilities against the chunk
@@ -36,7 +38,13 @@ class BottleneckHooks(DesignHooks):
 
     def loader_args(self, split: str, ds: Any, info: Callable[[str], None]) -> dict[str, Any]:
         spans, names = labels(self.recipe, ds)
-        if split == "train":
+        if names is not None and self.names is not None and names != self.names:
+            # a label id means one concept in every dataset the run reads (a mixture's components, val)
+            raise UserError(f"{dataset_meta(ds)[0]}: the label vocabulary differs from the first train dataset's "
+                            f"({len(names)} names, {names[:3]}... vs {self.names[:3]}...)",
+                            hint="tokenize the datasets together (data.mix components with sources share one "
+                                 "vocabulary), or relabel them with one vocabulary")
+        if split == "train" and self.names is None:
             self.names = names
         return {"labels": spans}
 
@@ -114,9 +122,10 @@ def set_lift_tokens(model: torch.nn.Module, recipe: Recipe, ds: Any, loader: Any
     bn = model.bottleneck
     if bn.bcfg.express_weight <= 0:
         return
-    from ncpctl.data.labels import lift_tokens
+    from ncpctl.data.labels import lift_tokens_over
 
-    lift = lift_tokens(ds.tokens, loader.labels, bn.bcfg.lift_tokens, recipe.model_config.vocab_size)
+    # (tokens, labels) of the train split, or of each labelled data.mix component (their counts added)
+    lift = lift_tokens_over(loader.label_streams(), bn.bcfg.lift_tokens, recipe.model_config.vocab_size)
     bn.lift = torch.from_numpy(lift)
     empty = [names[c] if names else str(c) for c in range(lift.shape[0]) if lift[c, 0] < 0]
     info(f"steering stage: {bn.bcfg.lift_tokens} lift tokens per concept from the train split's labels"

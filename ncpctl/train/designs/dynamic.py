@@ -2,7 +2,8 @@
 ``ncpctl.train.hooks``).
 
 prepare      the validation split's token sources (``SourceMap`` from meta.json's
-             ``documents_per_source``) for its loader, when the dataset records them.
+             ``documents_per_source``) for its loader, when the dataset records them (not with
+             data.mix, validated per component: tokens per concept per component instead).
 evaluation   tokens per concept per source (DLCM Table 5): the concepts started and the tokens
              of each source over the whole split, summed over ranks: ``tokens_per_concept/{source}``.
 results      the compression plot's target ratio R.
@@ -32,7 +33,8 @@ class DynamicHooks(DesignHooks):
         return c.enabled and c.segmentation == "dynamic"
 
     def loader_args(self, split: str, ds: Any, info: Callable[[str], None]) -> dict[str, Any]:
-        if split != "val":
+        r = self.recipe
+        if split != "val" or (r.data.mix and not r.data.train_prefix):  # per component (validate.py) instead
             return {}
         if self.sources is None:
             self.sources = val_sources(ds, info)
