@@ -189,11 +189,21 @@ def _concept_path_bytes(cfg: ModelConfig, T: int, M: int, B: int, b: int) -> int
     """Between the encoder and the decoder (approximate: calibrated on the debug ConceptLM, where
     it is about six (B, M, d) tensors): the pooled concepts and the concept stack's output
     (M, d_c), the heads' code logits and code weights (M, S N), the codebook mix and the prediction
-    (M, d) that the decoder input z = h + spread(pred) reads."""
+    (M, d) that the decoder input z = h + spread(pred) reads. A segmentation or coupling with matmuls
+    of its own (DLCM's boundary predictor and (M, T) pooling, its cross-attention coupling) adds a
+    few (T, d) and (M, T) tensors, calibrated on the debug DLCM."""
     c = cfg.concept
     d, dc = cfg.d_model, cfg.concept_cfg.d_model
     SN = cfg.n_segments * c.codes
-    return B * M * b * (3 * d + dc + 2 * SN)
+    out = B * M * b * (3 * d + dc + 2 * SN)
+    from ncpctl.model.accounting_parts import SLOTS, _concept_costs
+
+    for slot, _ in _concept_costs(cfg):  # a strategy with its own matmuls (DLCM's), calibrated on debug-dlcm
+        if slot == SLOTS["segmentation"]:  # the boundary predictor's q, k and scores (T, d), dense (M, T) pooling
+            out += B * b * (3 * T * d + 6 * M * T)
+        else:  # a coupling's cross-attention: q, output and the mixed-in states (T, d), k and v (M, d), mask (T, M)
+            out += B * b * (4 * T * d + 2 * M * d + T * M)
+    return out
 
 
 def _residual_bytes(cfg: ModelConfig, T: int, M: int, B: int, b: int, irc: bool) -> int:
@@ -239,11 +249,16 @@ def _extras(cfg: ModelConfig, T: int, M: int, B: int, b: int, mods: _Modules,
 
 
 def activation_memory(cfg: ModelConfig, seq_len: int | None = None, micro_batch: int = 1, dtype: str = "bf16",
-                      attention: str = "flash") -> ActivationMemory:
+                      attention: str = "flash", realised_ratio: float | None = None) -> ActivationMemory:
     """Bytes saved for the backward pass of one ``micro_batch`` x ``seq_len`` micro-batch of
     ``cfg`` in ``dtype`` (the model's weights and activations: fp32, bf16 or fp16), per
     ``train.activation_checkpointing`` mode, with SDPA's ``attention`` kernel (flash: no T x T
-    scores; math: with them). See the module docstring for what is exact and what approximate."""
+    scores; math: with them). A dynamic segmentation's concepts are counted at its target R, or at
+    ``realised_ratio`` tokens per concept (``at_realised_ratio``: the concept stack's memory follows
+    the concepts a batch really has). See the module docstring for what is exact and what approximate."""
+    from ncpctl.model.accounting import at_realised_ratio
+
+    cfg = at_realised_ratio(cfg, realised_ratio)
     T = int(seq_len if seq_len is not None else cfg.max_seq_len)
     if T <= 0 or micro_batch <= 0:
         raise ValueError(f"seq_len and micro_batch must be positive, got {T}, {micro_batch}")

@@ -8,10 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ncpctl.model.accounting import at_realised_ratio
 from ncpctl.model.accounting_memory import activation_memory
 from ncpctl.model.config import build_config
 from ncpctl.model.model import NCPModel
+from ncpctl.recipe import load_recipe
 from ncpctl.train.recompute import apply_activation_checkpointing
+
+from ..conftest import RECIPES
 
 MODES = ("none", "selective", "full")
 
@@ -57,6 +61,28 @@ def test_estimate_matches_the_saved_tensors_per_mode(size: str, dtype: str, tol:
     assert est.recompute_peak["none"] == 0 < est.recompute_peak["selective"] < est.recompute_peak["full"]
 
 
+@pytest.mark.parametrize("recipe", ["debug-archpreview.yaml", "debug-dlcm.yaml"])
+def test_design_extras_are_approximately_counted(recipe: str) -> None:
+    """NCP-ArchPreview (post-norm, QK-norm, IRC, three CRC connections, MTP) and DLCM (dynamic
+    segmentation, a wider concept stack, the cross-attention coupling): within 15% per mode, the
+    dynamic segmentation counted at the concepts the batch really has (its padded M)."""
+    T, B = 64, 2
+    cfg = load_recipe(RECIPES / recipe, [f"model.max_seq_len={T}", f"train.seq_len={T}"]).model_config
+    torch.manual_seed(0)
+    model = NCPModel(cfg).train()
+    idx = torch.randint(0, 100, (B, T))
+    got = {m: saved_bytes(model, idx, m) for m in MODES}
+    ratio = None
+    if cfg.law.variable_length:
+        with torch.no_grad():
+            M = model(idx, idx).concept.pred.shape[1]
+        ratio = T / (M + 0.25)
+        assert at_realised_ratio(cfg, ratio).expected_concepts(T) == M  # the concepts the stack ran on
+    est = activation_memory(cfg, T, B, "fp32", realised_ratio=ratio)
+    for m in MODES:
+        assert abs(est.saved(m) - got[m]) <= 0.15 * got[m], (m, est.saved(m), got[m])
+
+
 def test_math_attention_adds_the_scores_and_the_head_scales_with_the_vocabulary() -> None:
     """The math kernel keeps (B, H, T, T) scores and probabilities in every token layer that
     ``none`` keeps; the fused head's (N, V) logits buffer is N * V * bytes."""
@@ -68,3 +94,18 @@ def test_math_attention_adds_the_scores_and_the_head_scales_with_the_vocabulary(
     assert flash.kept["none"]["head"] >= 512 * cfg.padded_vocab_size * 2
     with pytest.raises(ValueError, match="attention"):
         activation_memory(cfg, 512, 1, "bf16", "sdpa")
+
+
+def test_profile_accounting_reports_it_per_mode_in_the_recipe_precision() -> None:
+    """``profile-kernels --only accounting`` (ncpctl.profile.accounting) carries the estimate of each
+    variant per mode, and ``full`` < ``selective`` < ``none`` at a size where activations matter."""
+    from ncpctl.profile.accounting import accounting_section
+
+    cfg = build_config("debug", max_seq_len=1024, concept=dict(enabled=True))
+    a = accounting_section(cfg, 1024, 2, 8, params=False, precision="bf16")
+    got = a["variants"]["recipe"]["activation_memory"]
+    want = activation_memory(cfg, 1024, 2, "bf16")
+    assert got["dtype"] == "bf16" and got["total"] == {m: want.total(m) for m in MODES}
+    assert got["total"]["full"] < got["total"]["selective"] < got["total"]["none"]
+    assert a["variants"]["pm"]["activation_memory"]["kept"]["none"]["token_layers"] > \
+        a["variants"]["base"]["activation_memory"]["kept"]["none"]["token_layers"]
