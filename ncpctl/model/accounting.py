@@ -19,6 +19,9 @@ Spec: shared/docs/ncp-model.md section 6. Three views of one ``ModelConfig``:
 * ``count_parameters``: the real ``NCPModel`` built on the meta device, grouped by
   component. Only this one imports torch (lazily), so the CLI can describe configs cheaply.
 
+The activations a training micro-batch saves for its backward, per activation-checkpointing mode,
+are accounting_memory.py's ``activation_memory``.
+
 Everything here is pure arithmetic on the config except ``count_parameters``.
 """
 

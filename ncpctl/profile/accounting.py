@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ncpctl.model.accounting_memory import activation_memory
 from ncpctl.model.accounting import (at_realised_ratio, count_parameters, exact_flops, paper_flops, saving,
                                      tokens_per_concept)
 from ncpctl.model.config import ConfigError, ModelConfig
@@ -47,7 +48,7 @@ def siblings(cfg: ModelConfig) -> dict[str, ModelConfig]:
 
 
 def describe_variant(cfg: ModelConfig, seq_len: int, micro_batch: int, global_batch: int,
-                     params: bool = True) -> dict[str, Any]:
+                     params: bool = True, precision: str = "bf16") -> dict[str, Any]:
     paper = paper_flops(cfg, seq_len)
     exact = exact_flops(cfg, seq_len, micro_batch)
     tokens_per_step = seq_len * global_batch
@@ -83,20 +84,25 @@ def describe_variant(cfg: ModelConfig, seq_len: int, micro_batch: int, global_ba
             "concept_share": exact.concept_share_causal,
             "concept_share_full_attention": exact.concept_share,
         },
+        # bytes saved for the backward of one micro-batch per train.activation_checkpointing mode,
+        # flash-type SDPA (no T x T scores), in the recipe's precision (accounting_memory.py)
+        "activation_memory": activation_memory(cfg, seq_len, micro_batch, precision).to_dict(),
     }
     return out
 
 
 def accounting_section(cfg: ModelConfig, seq_len: int, micro_batch: int = 1, global_batch: int | None = None,
-                       params: bool = True, realised_ratio: float | None = None) -> dict[str, Any]:
+                       params: bool = True, realised_ratio: float | None = None,
+                       precision: str = "bf16") -> dict[str, Any]:
     """Paper and exact FLOPs, parameters, savings of ``recipe`` vs ``base`` and ``pm``.
     ``realised_ratio``: the recipe's dynamic segmentation costed at this measured tokens per
-    concept instead of its target R (``ncpctl.model.accounting.at_realised_ratio``)."""
+    concept instead of its target R (``ncpctl.model.accounting.at_realised_ratio``); ``precision``
+    (fp32, bf16, fp16): the activations' dtype for the activation memory."""
     law = cfg.law  # a data-dependent segmentation is costed at its target tokens per concept (DLCM's R)
     target = law.tokens_per_concept(cfg.concept) if law is not None and law.variable_length else None
     cfg = at_realised_ratio(cfg, realised_ratio)
     global_batch = global_batch or micro_batch
-    variants = {name: describe_variant(c, seq_len, micro_batch, global_batch, params)
+    variants = {name: describe_variant(c, seq_len, micro_batch, global_batch, params, precision)
                 for name, c in siblings(cfg).items()}
     savings: dict[str, Any] = {}
     for other in ("base", "pm"):

@@ -54,6 +54,9 @@ def render(con: Any, res: dict[str, Any]) -> None:
             ("exact: train FLOPs/step", lambda x: _si(x["exact"]["training_per_step"])),
             ("concept share (exact)", lambda x: f"{x['exact']['concept_share']:.2%}"),
         ]
+        # activations saved per micro-batch (and one recomputed module's internals), per checkpointing mode
+        rows += [(f"activations {m} (GiB)", (lambda m: lambda x: f"{x['activation_memory']['total'][m] / 2**30:.3g}")(m))
+                 for m in ("none", "selective", "full")]
         for label, fn in rows:
             t.add_row(label, *(fn(x) for x in v.values()))
         con.print(t)

@@ -49,7 +49,8 @@ def profile(
     if "accounting" in sections:
         log("accounting: parameters and FLOPs (recipe, base, PM)")
         result["accounting"] = accounting_section(cfg, T, B, recipe.global_batch_size,
-                                                  realised_ratio=realised_ratio)
+                                                  realised_ratio=realised_ratio,
+                                                  precision={"auto": "bf16"}.get(recipe.train.precision, recipe.train.precision))
     heavy = [s for s in sections if s != "accounting"]
     if not heavy:
         return result
