@@ -8,7 +8,7 @@ target's own greedy choice), the EAGLE / DFlash practice; a drafter trained on t
 data. Prompts come from the data's train split, never from bench/speculative.py's prompts.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/target_outputs.py --target runs/pythia70m-code \\
-        --data runs/debug/data --out runs/pythia70m-code/own --sequences 96 --prompt 32 --new 96
+        --data runs/debug/data --out runs/pythia70m-code/own --sequences 320 --prompt 32 --new 96 --batch 32
 """
 
 from __future__ import annotations
