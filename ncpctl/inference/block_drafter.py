@@ -171,12 +171,12 @@ class BlockDraftRunner(Drafter):
     @torch.no_grad()
     def commit(self, keep: list[int]) -> None:
         feats, h = self.tap.take()  # (B, K+1, .) this round's fed tokens: x, d_1 .. d_K
-        n_fed = feats.shape[1]
-        if max(keep) == 0:
+        most = max(keep)  # the tokens some row kept: only theirs are needed
+        if most == 0:
             return
         first = torch.tensor(self.last, device=feats.device) + 1  # (B,) each row's first fed slot
-        pos = (first - self.pad)[:, None] + torch.arange(n_fed, device=feats.device)[None]  # (B, K+1)
-        kv = self.drafter.context(feats, pos)  # the fed tokens' context keys and values, all rows at once
+        pos = (first - self.pad)[:, None] + torch.arange(most, device=feats.device)[None]  # (B, most)
+        kv = self.drafter.context(feats[:, :most], pos)  # their context keys and values, all rows at once
         for b, n in enumerate(keep):
             s = self.last[b] + 1
             self.F[b, s : s + n], self.H[b, s : s + n] = feats[b, :n], h[b, :n]
