@@ -129,6 +129,13 @@ class BlockDraftRunner(Drafter):
         self.F = feats.new_zeros(B, cap, feats.shape[-1])
         self.H = h.new_zeros(B, cap, h.shape[-1])
         self.F[:, :Tp], self.H[:, :Tp] = feats, h
+        # per draft layer the context keys and values (B, H, cap, hd) by slot: computed once per
+        # committed token (the prompt here, the kept tokens in ``commit``), not per round
+        kv = self.drafter.context(feats, torch.arange(Tp, device=h.device)[None] - self.pad[:, None])
+        self.KV = [tuple(t.new_zeros(*t.shape[:2], cap, t.shape[-1]) for t in pair) for pair in kv]
+        for cache, pair in zip(self.KV, kv):
+            for c, t in zip(cache, pair):
+                c[:, :, :Tp] = t
         self.last = [Tp - 1] * B
 
     def _concept(self, last: torch.Tensor) -> torch.Tensor | None:
@@ -151,19 +158,31 @@ class BlockDraftRunner(Drafter):
         last = torch.tensor(self.last, device=dev)
         slots = last[:, None] - cfg.window + 1 + torch.arange(cfg.window, device=dev)[None]  # (B, W)
         valid = slots >= self.pad[:, None]
-        feats = self.F.gather(1, slots.clamp_min(0)[..., None].expand(*slots.shape, self.F.shape[-1]))
-        pos = slots - self.pad[:, None]
-        x_emb = self.model.embed_tokens(x[:, None], (pos[:, -1:] + 1).clamp_max(self.model.cfg.max_seq_len - 1))[:, 0]
-        hN = self.drafter(feats, pos, valid, x_emb, self._concept(last))  # (B, k, d)
+        at = slots.clamp_min(0)[:, None, :, None]  # (B, 1, W, 1) -> the caches' (B, H, W, hd)
+        ctx_kv = [tuple(c.gather(2, at.expand(c.shape[0], c.shape[1], cfg.window, c.shape[3])) for c in cache)
+                  for cache in self.KV]
+        x_pos = (last - self.pad)[:, None] + 1  # (B, 1) the pending token's position
+        x_emb = self.model.embed_tokens(x[:, None], x_pos.clamp_max(self.model.cfg.max_seq_len - 1))[:, 0]
+        hN = self.drafter.block(ctx_kv, valid, x_pos, x_emb, self._concept(last))  # (B, k, d)
         logits = self.model.head(hN[:, :K])  # (B, K, V)
         ds, qs = zip(*(_draw_rows(logits[:, i], params, gens, vocab_size) for i in range(K)))
         return torch.stack(ds, 1), torch.stack(qs, 1)
 
+    @torch.no_grad()
     def commit(self, keep: list[int]) -> None:
         feats, h = self.tap.take()  # (B, K+1, .) this round's fed tokens: x, d_1 .. d_K
+        most = max(keep)  # the tokens some row kept: only theirs are needed
+        if most == 0:
+            return
+        first = torch.tensor(self.last, device=feats.device) + 1  # (B,) each row's first fed slot
+        pos = (first - self.pad)[:, None] + torch.arange(most, device=feats.device)[None]  # (B, most)
+        kv = self.drafter.context(feats[:, :most], pos)  # their context keys and values, all rows at once
         for b, n in enumerate(keep):
             s = self.last[b] + 1
             self.F[b, s : s + n], self.H[b, s : s + n] = feats[b, :n], h[b, :n]
+            for cache, pair in zip(self.KV, kv):
+                for c, t in zip(cache, pair):
+                    c[b, :, s : s + n] = t[b, :, :n]
         self.last = [n + k for n, k in zip(self.last, keep)]
 
 

@@ -118,14 +118,22 @@ class DraftLayer(nn.Module):
         self.fc = nn.Linear(d, 2 * cfg.ffn_dim, bias=False)
         self.proj = nn.Linear(cfg.ffn_dim, d, bias=False)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_k, mask: torch.Tensor) -> torch.Tensor:
-        """x (N, K, d) the block, ctx (N, W, d) context states, mask (N, 1, K, W+K) bool."""
+    def context_kv(self, ctx: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx (N, T, d) states at positions whose RoPE is ``rope`` -> their keys (rotated) and values
+        (N, H, T, hd). Position-wise: a decoder computes a verified token's once and caches it."""
+        N, T, _ = ctx.shape
+        k, v = (t.transpose(1, 2) for t in self.kv(ctx).view(N, T, 2, self.H, self.hd).unbind(2))
+        return _rotate(k, *rope), v
+
+    def forward(self, x: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor], rope_q,
+                mask: torch.Tensor) -> torch.Tensor:
+        """x (N, K, d) the block, ctx_kv the context's keys and values (N, H, W, hd) (``context_kv``),
+        mask (N, 1, K, W+K) bool."""
         N, K, _ = x.shape
         hx = self.attn_norm(x)
-        q = self.q(hx).view(N, K, self.H, self.hd).transpose(1, 2)  # (N, H, K, hd)
-        kv = self.kv(torch.cat([ctx, hx], 1)).view(N, -1, 2, self.H, self.hd)  # (N, W+K, 2, H, hd)
-        k, v = (t.transpose(1, 2) for t in kv.unbind(2))
-        q, k = _rotate(q, *rope_q), _rotate(k, *rope_k)
+        q = _rotate(self.q(hx).view(N, K, self.H, self.hd).transpose(1, 2), *rope_q)  # (N, H, K, hd)
+        k, v = self.context_kv(hx, rope_q)  # the block's own keys and values, at its positions
+        k, v = torch.cat([ctx_kv[0], k], 2), torch.cat([ctx_kv[1], v], 2)  # (N, H, W+K, hd)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (N, H, K, hd)
         x = x + self.o(a.transpose(1, 2).reshape(N, K, -1))
         g, u = self.fc(self.mlp_norm(x)).chunk(2, -1)
@@ -178,26 +186,39 @@ class BlockDrafter(nn.Module):
         emb = torch.cat((f, f), -1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
+    def context(self, feats: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """feats (N, T, L*d) the target's states at positions pos (N, T) -> per draft layer the keys
+        (RoPE'd) and values (N, H, T, hd) the block attends to there. Position-wise (each position
+        reads only its own states), so speculative decoding computes them once per verified token
+        instead of over the whole window every round."""
+        N, T, _ = feats.shape
+        d, L = self.cfg.d_model, len(self.cfg.target_layers)
+        f = feats.view(N, T, L, d)
+        f = f * torch.rsqrt(f.float().pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps).to(f.dtype)
+        ctx = self.hidden_norm(self.fc(f.reshape(N, T, L * d)))  # (N, T, d)
+        rope = self._rope(pos, ctx.dtype)
+        return [layer.context_kv(ctx, rope) for layer in self.layers]
+
+    def block(self, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_valid: torch.Tensor, x_pos: torch.Tensor,
+              x_emb: torch.Tensor, concept: torch.Tensor | None = None) -> torch.Tensor:
+        """The K draft slots over the context of ``context`` (ctx_valid (N, W) bool: a real verified
+        position), x_emb (N, d) the pending token's embedding at position x_pos (N, 1), concept
+        (N, d) (injection only) -> the block's final states (N, K, d)."""
+        N, W = ctx_valid.shape
+        K, d = self.cfg.k, self.cfg.d_model
+        x = torch.cat([x_emb[:, None], self.mask_embed.expand(N, K - 1, d)], 1)  # (N, K, d)
+        rope_q = self._rope(x_pos + torch.arange(K, device=x.device)[None], x.dtype)  # (N, K) positions
+        mask = torch.cat([ctx_valid, ctx_valid.new_ones(N, K)], 1)[:, None, None].expand(N, 1, K, W + K)
+        for i, layer in enumerate(self.layers):
+            if self.inject is not None:
+                x = x + self.inject[i](concept)
+            x = layer(x, ctx_kv[i], rope_q, mask)
+        return self.final_norm(x)
+
     def forward(self, feats: torch.Tensor, ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, x_emb: torch.Tensor,
                 concept: torch.Tensor | None = None) -> torch.Tensor:
         """feats (N, W, L*d) the target's states at the context positions ctx_pos (N, W) (ctx_valid
         (N, W) bool: a real verified position), x_emb (N, d) the pending token's embedding (its
         position: the last context position + 1), concept (N, d) (injection only) -> the block's
         final states (N, K, d)."""
-        N, W, _ = feats.shape
-        K, d = self.cfg.k, self.cfg.d_model
-        L = len(self.cfg.target_layers)
-        f = feats.view(N, W, L, d)
-        f = f * torch.rsqrt(f.float().pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps).to(f.dtype)
-        ctx = self.hidden_norm(self.fc(f.reshape(N, W, L * d)))  # (N, W, d)
-        x = torch.cat([x_emb[:, None], self.mask_embed.expand(N, K - 1, d)], 1)  # (N, K, d)
-        start = ctx_pos[:, -1:] + 1  # x's position
-        q_pos = start + torch.arange(K, device=feats.device)[None]  # (N, K)
-        rope_q = self._rope(q_pos, x.dtype)
-        rope_k = self._rope(torch.cat([ctx_pos, q_pos], 1), x.dtype)
-        mask = torch.cat([ctx_valid, ctx_valid.new_ones(N, K)], 1)[:, None, None].expand(N, 1, K, W + K)
-        for i, layer in enumerate(self.layers):
-            if self.inject is not None:
-                x = x + self.inject[i](concept)
-            x = layer(x, ctx, rope_q, rope_k, mask)
-        return self.final_norm(x)
+        return self.block(self.context(feats, ctx_pos), ctx_valid, ctx_pos[:, -1:] + 1, x_emb, concept)

@@ -91,6 +91,10 @@ def test_greedy_speculative_with_the_block_drafter_equals_plain_greedy(name, how
         lo = int(run.pad[b])
         assert torch.allclose(run.F[b, lo : lo + seen], feats[0], atol=1e-10)
         assert torch.allclose(run.H[b, lo : lo + seen], h[0], atol=1e-10)
+        # the context keys and values cached per committed token are those of the whole window at once
+        for cache, pair in zip(run.KV, drafter.context(feats, torch.arange(seen)[None])):
+            for c, t in zip(cache, pair):
+                assert torch.allclose(c[b, :, lo : lo + seen], t[0], atol=1e-10)
         if cfg.concept_injection:  # the training forward's concept at this anchor (the last verified position)
             k = cfg.concept_k
             per_block = out.concept.pred if cfg.concept_source == "predicted" else pool_blocks(h, k)
