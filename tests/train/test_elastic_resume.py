@@ -50,9 +50,9 @@ def convert(src: Path, dst: Path, world: int, stage: int) -> dict[str, set[str]]
     return {p.name: {f.stem for f in p.iterdir()} for p in (dst / "zero").iterdir() if p.is_dir()}
 
 
-def check_elastic(make_recipe, stage: str, *sets: str) -> None:
-    """2 ranks uninterrupted for 14 steps; 2 -> 1 from its step-2 checkpoint, then 1 -> 2 from the
-    step-4 checkpoint the 1-rank run wrote: each continues for at least 10 steps."""
+def check_elastic(make_recipe, stage: str, *sets: str, up: bool = True) -> None:
+    """2 ranks uninterrupted for 14 steps; 2 -> 1 from its step-2 checkpoint, then (``up``) 1 -> 2
+    from the step-4 checkpoint the 1-rank run wrote: each continues for at least 10 steps."""
     zero = ("--set", f"deepspeed.zero_stage={stage}", "--set", "train.max_steps=14", *sets)
     two, _ = run(make_recipe, f"two{stage}", 2, *zero)
     ref = dict(losses(two))
@@ -77,7 +77,8 @@ def check_elastic(make_recipe, stage: str, *sets: str) -> None:
             convert(broken, two.parent / f"ue{stage}", 2, int(stage))
         assert not marker.exists()
     src = two
-    for name, ranks, saved, step in ((f"down{stage}", 0, 2, 2), (f"up{stage}", 2, 1, 4)):
+    legs = ((f"down{stage}", 0, 2, 2), (f"up{stage}", 2, 1, 4))
+    for name, ranks, saved, step in legs if up else legs[:1]:
         ckpt = src / "checkpoints" / f"step_{step:07d}"
         got, err = run(make_recipe, name, ranks, *zero, "--set", f"train.resume={ckpt}")
         assert f"world size changed ({saved} -> {max(1, ranks)} ranks): {ckpt} was saved by {saved}" in err
@@ -96,13 +97,15 @@ def test_zero2_resumes_from_two_ranks_on_one_and_from_one_on_two(make_recipe) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,sets", [("1", ("--set", "train.optimizer=muon")), ("3", ()), ("0", ())],
-                         ids=["zero1-muon", "zero3-adamw", "zero0-adamw"])
-def test_other_stages_and_muon_momentum_resume_across_world_sizes(make_recipe, stage: str, sets: tuple) -> None:
-    """ZeRO-1 with Muon (its momentum, a state DeepSpeed's converter would drop), ZeRO-3 (every
-    parameter partitioned on its own; Muon is refused there) and ZeRO 0 (nothing partitioned in fp32:
-    the one state file loads as it is)."""
-    check_elastic(make_recipe, stage, *sets)
+@pytest.mark.parametrize("stage,sets", [("1", ("--set", "train.optimizer=muon")), ("3", ())],
+                         ids=["zero1-muon", "zero3-adamw"])
+def test_other_stages_and_muon_momentum_resume_from_two_ranks_on_one(make_recipe, stage: str, sets: tuple) -> None:
+    """ZeRO-1 with Muon (its momentum, a state DeepSpeed's converter would drop) and ZeRO-3 (every
+    parameter partitioned on its own; Muon is refused there), 2 -> 1 (the 1 -> 2 direction is
+    ZeRO-2's test; ZeRO 0 in fp32, whose one state file loads as it is, passed the same check both
+    ways when it was written and left the suite for time: the suite's time goes to the stages that
+    re-partition)."""
+    check_elastic(make_recipe, stage, *sets, up=False)
 
 
 def test_another_world_size_is_refused_only_where_nothing_re_partitions() -> None:
