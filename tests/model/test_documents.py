@@ -182,3 +182,37 @@ def test_attention_stats_see_the_training_forwards_documents():
     assert plain.keys() == one.keys() == packed.keys() and "attn/mtp.depths.0.layer.0/max_logit" in plain
     assert all(torch.allclose(plain[k], one[k], rtol=1e-12) for k in plain)
     assert any(not torch.allclose(plain[k], packed[k]) for k in plain)
+
+
+def test_compiled_flexattention_is_not_recompiled_for_each_batchs_documents(monkeypatch):
+    """On a GPU every batch brings new documents, so ``document_masks`` builds a new BlockMask whose
+    ``mask_mod`` closes over a new ``doc`` tensor. The compiled FlexAttention (``layers.flex_attention``
+    compiles it once per device) must take it as an input, not specialise on it: one graph for
+    every batch of a shape, and each batch's output that of its own boolean mask. Run here with
+    inductor's CPU kernel in place of the GPU's (dynamo's guards are the same on both)."""
+    import shutil
+
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    from ncpctl.model import layers
+
+    if shutil.which("g++") is None:
+        pytest.skip("inductor needs a C++ compiler on the CPU")
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setitem(layers._FLEX, "cpu", torch.compile(flex, dynamic=False))
+    monkeypatch.setattr(patterns, "flex_enabled", lambda device: True)
+    B, H, T, hd = 2, 2, 128, 16
+    g = torch.Generator().manual_seed(0)
+    for lens in ([40, 30, 58], [5, 100, 23], [128], [64, 64]):
+        doc = doc_ids(lens, B)
+        doc[1] = doc_ids(lens[::-1], 1)[0]
+        mask = patterns.document_masks([Causal(None)], doc)[Causal(None).key]
+        assert patterns.is_block_mask(mask)
+        q, k, v = (torch.randn(B, H, T, hd, generator=g) for _ in range(3))
+        out = layers.flex_attention(q, k, v, mask, gqa=False)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=dense_mask(document_mod(Causal(None), doc), B, T, "cpu"))
+        assert (out - ref).abs().max() <= 1e-5
+    assert counters["stats"]["unique_graphs"] == 1
