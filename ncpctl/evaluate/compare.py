@@ -158,12 +158,12 @@ def _scale(e: Entry) -> dict[str, Any]:
         out["training_flops"] = spent
         return out
     try:  # a checkpoint written before the loop recorded it
-        from ncpctl.model.accounting import exact_flops
+        from ncpctl.model.accounting import training_flops_per_step
         from ncpctl.model.config import ModelConfig
 
         T = int((meta.get("recipe") or {}).get("train", {}).get("seq_len"))
-        per_step = exact_flops(ModelConfig.from_dict(meta["model_config"]), T).training_per_step()
-        out["training_flops"] = per_step * tokens / T
+        per_sequence = training_flops_per_step(ModelConfig.from_dict(meta["model_config"]), T, 1)
+        out["training_flops"] = per_sequence * tokens / T
     except Exception:  # an old or foreign checkpoint: tokens and parameters only
         out["training_flops"] = None
     return out

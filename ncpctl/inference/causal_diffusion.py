@@ -39,7 +39,7 @@ from ncpctl.model.decode import _caches, _encode
 from ncpctl.model.layers import Context, rope
 from ncpctl.model.patterns import step_masks
 
-from .generate import Completion, SamplingParams, _cut, filter_logits, fit_prompts, releasable
+from .generate import Completion, SamplingParams, _cut, filter_logits, finish_rows, fit_prompts, releasable
 
 
 def schedule(masked: int, steps: int, per_step: int | None) -> list[int]:
@@ -222,10 +222,5 @@ def generate_blocks(model, prompts: Sequence[Sequence[int]], params: SamplingPar
         return [d is not None for d in done]
 
     sample_blocks(model, prompts, params, vocab_size=vocab_size, cache=cache, on_block=on_block)
-    result = []
-    for b in range(B):
-        if on_text is not None and len(texts[b]) > shown[b]:
-            on_text(b, texts[b][shown[b]:])
-        result.append(Completion(texts[b], toks[b], done[b] or "length"))
-    return result
+    return finish_rows(texts, toks, done, shown, on_text)
 

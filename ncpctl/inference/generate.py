@@ -216,12 +216,19 @@ class Rows:
                 self.shown[b] = safe
 
     def finish(self) -> list[Completion]:
-        result = []
-        for b, text in enumerate(self.texts):
-            if self.on_text is not None and len(text) > self.shown[b]:
-                self.on_text(b, text[self.shown[b]:])
-            result.append(Completion(text, self.out[b], self.done[b] or "length"))
-        return result
+        return finish_rows(self.texts, self.out, self.done, self.shown, self.on_text)
+
+
+def finish_rows(texts: Sequence[str], tokens: Sequence[list[int]], done: Sequence[str | None], shown: Sequence[int],
+                on_text: Callable[[int, str], None] | None) -> list[Completion]:
+    """Each row's completion (a row still running when sampling ends finished by ``length``), after
+    ``on_text`` streams the rest of its text, what was held back (``shown[b]``: characters streamed)."""
+    result = []
+    for b, text in enumerate(texts):
+        if on_text is not None and len(text) > shown[b]:
+            on_text(b, text[shown[b]:])
+        result.append(Completion(text, tokens[b], done[b] or "length"))
+    return result
 
 
 def fit_prompts(prompts: Sequence[Sequence[int]], max_len: int, n_new: int) -> list[list[int]]:

@@ -431,6 +431,16 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
     )
 
 
+def training_flops_per_step(cfg: ModelConfig, seq_len: int, global_batch_size: int, *,
+                            trainable: Mapping[str, int] | None = None, realised_ratio: float | None = None) -> int:
+    """Training FLOPs of one optimizer step (global_batch_size sequences of seq_len tokens, full
+    attention count): the one number a FLOPs budget divides, a sweep's ``--dry`` and a fit's compute
+    multiply by the steps, and MFU divides (``Recipe.flops_per_step`` at a recipe's own length and
+    batch). ``trainable`` / ``realised_ratio``: as ``exact_flops``."""
+    return exact_flops(cfg, seq_len, global_batch_size, trainable=trainable,
+                       realised_ratio=realised_ratio).training_per_step()
+
+
 # --------------------------------------------------------------------------------------
 # Everything at once (for `--json`)
 # --------------------------------------------------------------------------------------

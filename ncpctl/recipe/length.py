@@ -97,9 +97,9 @@ def _resolve_budget(train: Any, cfg: ModelConfig | None, seq: int | None, batch:
     elif key == "max_tokens":
         per, unit = batch * seq, f" tokens = global_batch_size {batch} x seq_len {seq}"
     else:
-        from ncpctl.model.accounting import exact_flops
+        from ncpctl.model.accounting import training_flops_per_step
 
-        per = exact_flops(cfg, seq, batch).training_per_step()
+        per = training_flops_per_step(cfg, seq, batch)
         unit = f" training FLOPs at global_batch_size {batch} x seq_len {seq}"
     budget = derived["budget"] = Budget(BUDGET_KEYS[key], value, per)
     steps = budget.max_steps

@@ -78,6 +78,15 @@ class Recipe:
         self.train.max_steps = self.budget.max_steps
         self.warmup_steps = warmup_steps(self.train.warmup_steps, self.train.warmup_fraction, self.train.max_steps)
 
+    def flops_per_step(self, trainable: dict[str, int] | None = None, realised_ratio: float | None = None) -> int:
+        """Training FLOPs of one optimizer step of this recipe (its model, seq_len and global batch):
+        ``ncpctl.model.accounting.training_flops_per_step``; every weight trains unless ``trainable``
+        (name -> element count) says which do; ``realised_ratio``: a measured tokens per concept."""
+        from ncpctl.model.accounting import training_flops_per_step
+
+        return training_flops_per_step(self.model_config, self.seq_len, self.global_batch_size,
+                                       trainable=trainable, realised_ratio=realised_ratio)
+
     @property
     def data_dir(self) -> Path:
         return self.run_dir / "data"

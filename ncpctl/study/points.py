@@ -11,7 +11,7 @@ Two inputs:
 * run directories of ``ncpctl pretrain`` (or a directory holding them, e.g. a sweep's): N is the model's parameter count
   (``ncpctl.model.accounting.count_parameters``, tied weights once), D the tokens of the last
   training record of ``metrics.jsonl``, C the exact training FLOPs of those steps
-  (``exact_flops(...).training_per_step()`` times the steps; a dynamic segmentation's at the
+  (``Recipe.flops_per_step()`` times the steps; a dynamic segmentation's at the
   mean tokens per concept its training records logged, not at the target R), the metrics those of the last
   validation record; the run's family is ``default``, or the directory's parent name with
   ``family_from_parent`` (``runs/base/s1``, ``runs/conceptlm/s1``: families base and conceptlm; a sweep's
@@ -162,7 +162,7 @@ def family_of(run: Path) -> str:
 
 def read_run(run: Path, family_from_parent: bool = False) -> Point:
     """The point of one ``ncpctl pretrain`` run directory (see the module docstring)."""
-    from ncpctl.model.accounting import count_parameters, exact_flops
+    from ncpctl.model.accounting import count_parameters
     from ncpctl.recipe.load import load_recipe
     from ncpctl.train.metrics import METRICS, records
 
@@ -174,8 +174,7 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
         raise UserError(f"{run}: {METRICS} has no {'training' if train is None else 'validation'} record",
                         hint="a fit reads the tokens of the last training step and the last validation losses")
     cfg = recipe.model_config
-    per_step = exact_flops(cfg, recipe.seq_len, recipe.global_batch_size,
-                           realised_ratio=realised_ratio(cfg, recs)).training_per_step()
+    per_step = recipe.flops_per_step(realised_ratio=realised_ratio(cfg, recs))
     metrics = {k: float(v) for k, v in val.items() if k not in ("split", "step") and isinstance(v, (int, float))}
     family = family_of(run) if family_from_parent else "default"
     return Point(family=family, name=str(run), N=float(count_parameters(cfg).total), D=float(train["tokens"]),

@@ -266,7 +266,6 @@ def _check_keys(sweep: Sweep) -> None:
 def resolve(sweep: Sweep, *, strict: bool) -> None:
     """Load every point's recipe (``strict``: as pretrain will, data files included; else as
     profile-kernels does, placeholder data paths tolerated) and fill its steps, FLOPs and tokens."""
-    from ncpctl.model.accounting import exact_flops
     from ncpctl.profile.load import load_for_profile
     from ncpctl.recipe import load_recipe
 
@@ -287,7 +286,7 @@ def resolve(sweep: Sweep, *, strict: bool) -> None:
             raise UserError(*(f"{sweep.path}: point {p.name}: {line.removeprefix('--set: ')}" for line in e.problems),
                             hint=e.hint) from None
         p.max_steps = int(r.train.max_steps)
-        p.flops_per_step = float(exact_flops(r.model_config, r.seq_len, r.global_batch_size).training_per_step())
+        p.flops_per_step = float(r.flops_per_step())
         p.tokens_per_step = int(r.seq_len) * int(r.global_batch_size)
     sweep.notes = sorted(notes)
 

@@ -46,6 +46,10 @@ _registered: list[type["DesignHooks"]] = []
 class DesignHooks:
     """A design's part in a training run; see the module doc. ``recipe``: the run's recipe."""
 
+    # whether a train-drafter run (a plain frozen target wrapped with a drafter) may carry these
+    # hooks; those of a design that changes the target's run are refused there
+    with_drafter: bool = False
+
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
 

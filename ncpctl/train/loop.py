@@ -438,12 +438,9 @@ def flops_per_step(recipe: Recipe, stage: Stage, model: torch.nn.Module, realise
     """Training FLOPs of one optimizer step, the MFU numerator (``ncpctl.model.accounting``): 3x
     forward when every weight trains; for a stage that freezes weights (adapt-vq, LoRA) the
     backward autograd really computes, from the parameters that require grad."""
-    from ncpctl.model.accounting import exact_flops
-
     trainable = None if stage.freeze is None else {  # ZeRO-3 partitions: ds_numel is the full size
         n: getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters() if p.requires_grad}
-    return exact_flops(recipe.model_config, recipe.seq_len, recipe.global_batch_size,
-                       trainable=trainable, realised_ratio=realised_ratio).training_per_step()
+    return recipe.flops_per_step(trainable, realised_ratio)
 
 
 # ----------------------------------------------------------------------------- one step

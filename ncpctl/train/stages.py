@@ -38,6 +38,8 @@ class Stage:
     # the stage's own check of a checkpoint it resumes (path, its ncpctl.json), beyond the model config
     # the loop compares (train-drafter: the drafter's config); raises a UserError
     check_resume: Callable[[Path, dict], None] | None = None
+    # the stage trains train.drafter (train-drafter); every other stage refuses a recipe that sets it
+    trains_drafter: bool = False
 
 
 def freeze_all_but_codebook(model: torch.nn.Module) -> None:
@@ -87,7 +89,7 @@ def _drafter_stage(recipe: Recipe, init: Path) -> Stage:
     if t.drafter is None:
         raise UserError(f"{recipe.path}: train.drafter: `ncpctl train-drafter` trains a drafter; none given",
                         hint="add train.drafter: {k: 8} (see recipes/drafters/)")
-    others = [type(h).__name__ for h in Hooks(recipe).each if type(h).__name__ != "DrafterHooks"]
+    others = [type(h).__name__ for h in Hooks(recipe).each if not h.with_drafter]
     if others or t.lora is not None:
         raise UserError(f"{recipe.path}: a drafter trains against a plain target run; this one adds "
                         f"{', '.join(others) or 'train.lora'}", hint="set train.plots: false and no train.lora")
@@ -117,17 +119,24 @@ def _drafter_stage(recipe: Recipe, init: Path) -> Stage:
                             + ", ".join(f"{k} ({saved.get(k)!r}, now {cfg.to_dict()[k]!r})" for k in diff),
                             hint="give this drafter its own run.dir, or train.resume: never")
 
-    return Stage("train-drafter", init, "weights", freeze=freeze, wrap=wrap, check_resume=check_resume)
+    return Stage("train-drafter", init, "weights", freeze=freeze, wrap=wrap, check_resume=check_resume,
+                 trains_drafter=True)
 
 
 def make_stage(recipe: Recipe, name: str) -> Stage:
+    t = recipe.train
+    lora = _lora_setup(recipe, name)
+    stage = _build_stage(recipe, name, lora)
+    if t.drafter is not None and not stage.trains_drafter:
+        raise UserError(f"{recipe.path}: train.drafter: a drafter is trained with `ncpctl train-drafter`",
+                        hint=f"run `ncpctl train-drafter {recipe.path}`, or remove train.drafter")
+    return stage
+
+
+def _build_stage(recipe: Recipe, name: str, lora: Callable[[torch.nn.Module], None] | None) -> Stage:
     from ncpctl.train.tracking import require
 
     t = recipe.train
-    lora = _lora_setup(recipe, name)
-    if name != "train-drafter" and t.drafter is not None:
-        raise UserError(f"{recipe.path}: train.drafter: a drafter is trained with `ncpctl train-drafter`",
-                        hint=f"run `ncpctl train-drafter {recipe.path}`, or remove train.drafter")
     require(recipe)  # train.wandb without wandb installed: one line naming the install command
     if name == "pretrain":
         return Stage(name)

@@ -120,3 +120,20 @@ def test_resuming_another_drafter_is_refused(tmp_path: Path, tiny_data: Path) ->
     with pytest.raises(UserError, match=r"concept_source \('predicted', now 'pooled'\)") as e:
         stage.check_resume(tmp_path, {"drafter": {"config": {**mine, "concept_source": "predicted"}}})
     assert len(e.value.problems) == 1
+
+
+def test_drafter_runs_only_as_train_drafter_on_a_plain_target(tmp_path: Path, tiny_data: Path) -> None:  # noqa: F811
+    """train.drafter belongs to the stage that declares it trains one (any other refuses it), and a
+    train-drafter run carries no hooks but those that declare they go with a drafter."""
+    from ncpctl.errors import UserError
+
+    target = _target(tmp_path / "target", 512, tiny_data / "tokenizer.json")
+    sets = [f"train.init_from={target}", f"data.train_prefix={tiny_data}/train", f"data.val_prefix={tiny_data}/val",
+            "train.seq_len=32"]
+    r = load_recipe(DRAFTERS / "debug-concept.yaml", sets)
+    assert make_stage(r, "train-drafter").trains_drafter
+    for name in ("pretrain", "midtrain"):
+        with pytest.raises(UserError, match="a drafter is trained with `ncpctl train-drafter`"):
+            make_stage(r, name)
+    with pytest.raises(UserError, match="a drafter trains against a plain target run; this one adds CodebookHooks"):
+        make_stage(load_recipe(DRAFTERS / "debug-concept.yaml", [*sets, "train.plots=true"]), "train-drafter")

@@ -126,6 +126,8 @@ class DraftTraining(nn.Module):
 class DrafterHooks(DesignHooks):
     """The drafter's entry in ``ncpctl.json``: config (with its concept source), target, anchors."""
 
+    with_drafter = True  # the drafter's own hooks
+
     @classmethod
     def applies(cls, recipe: Recipe) -> bool:
         return recipe.train.drafter is not None
