@@ -10,7 +10,8 @@ a. ``bf16``: the ConceptLM at section 3's size, ZeRO stage 0, ``steps`` steps on
    stage 0 is DeepSpeed's ``FP16_UnfusedOptimizer``, whose init step ``engine._undo_init_step``
    takes back). Both loss curves; ``mean_abs_diff_last``: mean |bf16 - fp32| over the last
    ``last`` steps, judged within 0.05 nats (tests/train/test_bf16.py's bound on the CPU);
-   ``adam_steps``: the inner AdamW's step count after the run (= steps: no hidden step).
+   ``adam_steps``: the inner AdamW's step count after the run (= steps: no hidden step). ``--dry``
+   runs the bf16 arm in bf16 on the CPU too (DeepSpeed's same stage-0 wrapper, as the test does).
 b. ``documents``: the ConceptLM at section 1's size, T and batch, ZeRO-1, with
    ``data.document_mask`` on: each batch packs random-length documents and its ``doc_ids`` reach
    ``engine(x, y, doc_ids=...)`` through the loop's own hooks (``Hooks.inputs`` ->

@@ -233,6 +233,23 @@ def test_kernel_names_classify(script, name: str) -> None:
     assert script.kernel_backend(name) == KERNELS[name]
 
 
+def test_real_runs_summary_reads_gpu_memory(dry, script) -> None:
+    """The summary's GPU-only branch (memory numbers, never filled on the CPU) formats, and a part
+    that failed leaves the other parts' checks and an ERROR line."""
+    import copy
+
+    r = copy.deepcopy(dry["real_runs"])
+    for m in r["checkpointing"]["modes"].values():
+        m.update(peak_above_bytes=3 * 2**30, forward_end_bytes=2**30, peak_over_estimate=1.5, forward_end_over_estimate=1.1)
+    runs = script.runs_module()
+    lines = runs.summary_lines(r)
+    assert sum("GiB (1.50x est.)" in line for line in lines) == 3
+    del r["documents"]
+    r["errors"]["documents"] = {"error": "RuntimeError: no", "traceback": ""}
+    assert set(runs.checks(r)) == {"bf16_tracks_fp32_zero0", "compile_first_loss_matches_eager"}
+    assert runs.summary_lines(r)[-1] == "    ERROR in documents: RuntimeError: no"
+
+
 def test_op_names_and_verdict(script) -> None:
     assert script.op_backend({"aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
                               "ScaledDotProductFlashAttentionBackward0"}) == "flash"
