@@ -1089,6 +1089,7 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
         section("profile_decode", lambda: profile_decode(sh, env))
         section("profile_train", lambda: profile_train(sh, env))
         res["ok"] = not res["errors"]
+        _write(res, args.json)
         return res
     section("train_step", train)
     section("sdpa", needs_train(lambda: sdpa_section(held, env)))
@@ -1109,6 +1110,7 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
     res["checks"] = checks(res)
     res["ok"] = not res["errors"] and all(res["checks"].values())
     res["wall_s"] = round(time.perf_counter() - t_start, 2)
+    _write(res, args.json)  # the verdicts too: the sections' writes came before them
     return res
 
 
