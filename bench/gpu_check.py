@@ -2,11 +2,12 @@
 ConceptLM/PM step ratio. A script, not a test; run it once when a GPU is lent and paste its
 output into the report.
 
-    python bench/gpu_check.py --json gpu_check.json     # on one H100/H200-class GPU, ~3.5 min
-    python bench/gpu_check.py --dry --json -            # CPU smoke run of the same code (~10 s)
+    python bench/gpu_check.py --json gpu_check.json     # on one H100/H200-class GPU, ~4.5 min
+    python bench/gpu_check.py --dry --json -            # CPU smoke run of the same code (~15 s)
 
-Runtime on one H200 (2026-12-04, docs/gpu/README.md): 192 s of sections (decode and DLCM's
-decode the longest) plus imports, under the 5 minutes it is sized for. The
+Runtime on one H200 (2026-12-04, docs/gpu/README.md): 192 s of sections 1-8 (decode and DLCM's
+decode the longest) plus imports; section 9 (added after that run, not yet timed on a GPU) is
+sized for about 60-90 s, so about 4.5 minutes in all, under the 5 minutes it is sized for. The
 JSON is rewritten after every section, so a run cut short still leaves what it measured;
 a section that fails is recorded under ``errors`` (message and traceback) and the others
 still run. ``checks`` holds the correctness verdicts (finite losses, flash attention, equal
@@ -98,6 +99,23 @@ How to read each section (JSON keys in brackets):
    2e-2 of the output scale in bf16) and ``flex_over_sdpa_mask``, i.e. whether building the
    FlexAttention path (issue 23's open item) pays.
 
+9. real runs [real_runs]: issue 27's features on the device, in their own module
+   (``bench/gpu_check_runs.py``, whose docstring says what each number is), each part recorded on
+   its own (``real_runs.errors``; copied into ``errors`` as ``real_runs.<part>``): ``bf16``: the
+   ConceptLM at section 3's size trained 16 steps on one stream of 4 batches at ZeRO 0 in fp32 and
+   in bf16 (DeepSpeed's stage-0 bf16 wrapper, whose init step ``_undo_init_step`` undoes) from one
+   seed, both curves, mean |bf16 - fp32| over the last 5 steps within 0.05 nats (as
+   tests/train/test_bf16.py on the CPU) and AdamW's step count = 16; ``documents``: section 1's
+   ConceptLM with ``data.document_mask``, packed documents' ``doc_ids`` through the loop's
+   ``DocumentHooks``, masked/unmasked step time and dynamo's graph count after each of 5 batches of
+   new documents (a FlexAttention ``BlockMask`` per batch on a GPU: no graph after the first);
+   ``checkpointing``: none / selective / full on that engine, peak memory of one step above what
+   was allocated before it and memory at the forward's end, against ``accounting_memory``'s
+   estimate (ratios: information), step time per mode; ``compile``: section 1's base model eager
+   vs ``train.compile: true`` (inductor; ``--dry``: backend eager), compile time apart, step-time
+   ratio, first-loss difference (tolerance as section 3), graphs made after the warm-up.
+   About 60-90 s on an H200 (two inductor compiles: FlexAttention's and the blocks').
+
 ``--profile`` replaces the check by a diagnosis: where the time of section 4's decode step
 (batch 1, concept path on and off) and of sections 1 and 6's training steps goes (wall vs
 kernel time per call, launches, host syncs, top ops and kernels). The first H200 run measured a
@@ -136,7 +154,7 @@ _T_PROCESS = time.perf_counter()  # process_s counts from here (before torch and
 
 REPO = _HERE.parent
 BASE_RECIPE = REPO / "recipes" / "debug.yaml"
-SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview", "dlcm", "cdlm")
+SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview", "dlcm", "cdlm", "real_runs")
 ARCHPREVIEW_RECIPE = REPO / "recipes" / "debug-archpreview.yaml"
 DLCM_RECIPE = REPO / "recipes" / "debug-dlcm.yaml"  # section 7's decode models (as bench/dlcm_decode.py)
 FLASH_CLASS = ("flash", "cudnn")  # section 2: fused flash-style SDPA kernels (cuDNN's is preferred on Hopper)
@@ -770,6 +788,24 @@ def cdlm_section(sh: Shapes, env: Env) -> dict[str, Any]:
     return out
 
 
+# ----------------------------------------------------------------------------- 9: real runs
+
+
+def runs_module() -> Any:
+    """``bench/gpu_check_runs.py`` (section 9), loaded by path: this folder is off ``sys.path``
+    (its tokenize.py would shadow the stdlib's). It reads its helpers from this module (``h``)."""
+    name = "gpu_check_runs"
+    if name not in sys.modules:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, _HERE / "gpu_check_runs.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # dataclasses look their module up there
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
 # ----------------------------------------------------------------------------- --profile: where the time goes
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
@@ -933,6 +969,8 @@ def summary(res: dict[str, Any]) -> str:
             lines.append(f"    attention {f['timed']} T={f['T']}: SDPA+mask {ms['sdpa_mask']:.2f} ms, flex {ms['flex']:.2f} ms "
                          f"({f['flex_over_sdpa_mask']:.2f}x), is_causal {ms['sdpa_causal']:.2f} ms; flex vs mask "
                          f"max|diff| {f['max_abs_diff']:.2e} of {f['scale']:.2f}")
+    if "real_runs" in res:
+        lines += runs_module().summary_lines(res["real_runs"])
     failed = [k for k, v in res.get("checks", {}).items() if not v]
     lines.append(f"checks: {'all passed' if not failed else 'FAILED ' + ', '.join(failed)} ({len(res.get('checks', {}))} run)")
     for name, err in res["errors"].items():
@@ -970,6 +1008,8 @@ def checks(res: dict[str, Any]) -> dict[str, bool]:
         out["archpreview_trains_and_decodes"] = res["archpreview"]["ok"]
     if "cdlm" in res:
         out["cdlm_trains_and_flex_matches"] = res["cdlm"]["ok"]
+    if "real_runs" in res:
+        out.update(runs_module().checks(res["real_runs"]))
     return out
 
 
@@ -1024,6 +1064,14 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
             res["wall_s"] = round(time.perf_counter() - t_start, 2)
             _write(res, args.json)
 
+    def keep(name: str) -> Callable[[dict[str, Any]], None]:
+        """A section's result so far into the JSON (a section of several parts, cut short, keeps the parts done)."""
+        def write(partial: dict[str, Any]) -> None:
+            res[name] = partial
+            _write(res, args.json)
+
+        return write
+
     def train() -> dict[str, Any]:
         result, trained = train_section(sh, env)
         held.update(trained)
@@ -1041,6 +1089,7 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
         section("profile_decode", lambda: profile_decode(sh, env))
         section("profile_train", lambda: profile_train(sh, env))
         res["ok"] = not res["errors"]
+        _write(res, args.json)
         return res
     section("train_step", train)
     section("sdpa", needs_train(lambda: sdpa_section(held, env)))
@@ -1054,10 +1103,14 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
     section("archpreview", lambda: archpreview_section(sh, env))
     section("dlcm", lambda: dlcm_section(sh, env))
     section("cdlm", lambda: cdlm_section(sh, env))
+    section("real_runs", lambda: runs_module().real_runs(sh, env, sys.modules[__name__], args.dry, keep("real_runs")))
+    for part, err in res.get("real_runs", {}).get("errors", {}).items():  # a failed part fails the run
+        res["errors"][f"real_runs.{part}"] = err
     res["process_s"] = round(time.perf_counter() - _T_PROCESS, 2)
     res["checks"] = checks(res)
     res["ok"] = not res["errors"] and all(res["checks"].values())
     res["wall_s"] = round(time.perf_counter() - t_start, 2)
+    _write(res, args.json)  # the verdicts too: the sections' writes came before them
     return res
 
 

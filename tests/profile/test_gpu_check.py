@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from ncpctl.model.accounting import exact_flops
+from ncpctl.model.accounting_memory import activation_memory
 from ncpctl.model.config import build_config
 
 from ..conftest import REPO
@@ -24,7 +25,7 @@ from ..conftest import REPO
 SCRIPT = REPO / "bench" / "gpu_check.py"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
        "TOKENIZERS_PARALLELISM": "false"}
-SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview", "dlcm", "cdlm")
+SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview", "dlcm", "cdlm", "real_runs")
 VARIANTS = {"base": dict(concept=dict(enabled=False)), "concept": dict(concept=dict(enabled=True)),
             "pm": dict(concept=dict(enabled=False), extra_token_layers=2)}
 
@@ -34,13 +35,15 @@ def _positive(x: Any) -> bool:
 
 
 @pytest.fixture(scope="module")
-def dry() -> dict[str, Any]:
-    # one process for every DeepSpeed engine (the first engine of a process is the slow one)
-    r = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--json", "-"], capture_output=True, text=True,
+def dry(tmp_path_factory) -> dict[str, Any]:
+    # one process for every DeepSpeed engine (the first engine of a process is the slow one); the
+    # JSON to a file, as a GPU run writes it (its final checks and ok were once never written there)
+    path = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--json", str(path)], capture_output=True, text=True,
                        env=ENV, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "checks: all passed" in r.stderr  # the summary goes to stderr when stdout holds the JSON
-    return json.loads(r.stdout)
+    assert "checks: all passed" in r.stdout and r.stdout.rstrip().endswith(f"JSON: {path}")  # the summary
+    return json.loads(path.read_text())
 
 
 def test_every_section_ran(dry) -> None:
@@ -50,6 +53,7 @@ def test_every_section_ran(dry) -> None:
         assert isinstance(dry.get(name), dict), f"missing section {name}"
         assert _positive(dry["section_s"][name]) or dry["section_s"][name] == 0
     assert dry["checks"] and all(dry["checks"].values()), dry["checks"]
+    assert _positive(dry["process_s"]) and dry["process_s"] >= dry["wall_s"]  # the file holds the end of the run
     assert "sdpa_flash" not in dry["checks"]  # no CUDA kernels on the CPU: not judged
     assert dry["env"]["device"] == "cpu"
 
@@ -112,6 +116,38 @@ def test_cdlm_section(dry) -> None:
     assert f["T"] == 64 and f["timed"] == "forward" and set(f["median_ms"]) == {"sdpa_mask", "flex", "sdpa_causal"}
     assert f["max_abs_diff"] < 1e-4 and f["ok"]  # fp32 on the CPU: the same attention
     assert dry["checks"]["cdlm_trains_and_flex_matches"]
+
+
+def test_real_runs_section(dry) -> None:
+    """Section 9 (bench/gpu_check_runs.py): each part ran, bf16 at ZeRO 0 (DeepSpeed's stage-0 wrapper,
+    here on the CPU too) tracks fp32 with AdamW's first step as step 1, packed documents train
+    through the loop's hooks without new graphs, the checkpointing modes sit next to the activation
+    estimate of the same shape, and compile's first loss equals eager's (fp32, dynamo's eager backend)."""
+    r = dry["real_runs"]
+    assert r["errors"] == {} and set(r["part_s"]) == {"bf16", "concept_engine", "documents", "checkpointing", "compile"}
+    a = r["bf16"]
+    assert a["zero_stage"] == 0 and a["runs"]["bf16"]["optimizer"] == "FP16_UnfusedOptimizer"
+    assert a["runs"]["bf16"]["adam_steps"] == a["steps"]  # the wrapper's init step undone
+    f, b = a["runs"]["fp32"]["losses"], a["runs"]["bf16"]["losses"]
+    assert len(f) == len(b) == a["steps"] and f != b  # bf16 really ran
+    assert a["mean_abs_diff_last"] == pytest.approx(sum(abs(x - y) for x, y in zip(f[-a["last"]:], b[-a["last"]:])) / a["last"])
+    assert a["ok"] and a["mean_abs_diff_last"] < 0.05
+    d = r["documents"]
+    assert d["documents_per_row"] > 1 and d["finite"] and d["flex"] is False  # CPU: boolean masks
+    assert len(d["graphs"]) == d["batches"] and d["no_recompile"] and _positive(d["masked_over_unmasked"])
+    c = r["checkpointing"]
+    assert set(c["modes"]) == {"none", "selective", "full"} and c["precision"] == "fp32"
+    est = activation_memory(build_config("debug", max_seq_len=c["seq_len"], concept=dict(enabled=True)),
+                            c["seq_len"], c["batch"], "fp32")
+    for mode, m in c["modes"].items():
+        assert m["estimate_total_bytes"] == est.total(mode) and m["peak_above_bytes"] is None  # no CUDA counters
+        assert _positive(m["median_s"]) and math.isfinite(m["loss"])
+    assert c["modes"]["none"]["checkpointed_modules"] == 0 < c["modes"]["full"]["checkpointed_modules"]
+    k = r["compile"]
+    assert k["backend"] == "eager" and k["compiled_blocks"] == 4 and k["eager_reason"] is None
+    assert k["first_loss_diff"] <= 1e-6 and k["first_loss_match"]
+    assert k["graphs"]["warmup"] >= 1 and k["graphs"]["after_warmup"] == 0
+    assert {"bf16_tracks_fp32_zero0", "documents_no_recompile", "compile_first_loss_matches_eager"} <= set(dry["checks"])
 
 
 def test_sdpa_profiler_path(dry) -> None:
@@ -198,6 +234,23 @@ KERNELS = {
 @pytest.mark.parametrize("name", list(KERNELS), ids=[f"{i}-{v}" for i, v in enumerate(KERNELS.values())])
 def test_kernel_names_classify(script, name: str) -> None:
     assert script.kernel_backend(name) == KERNELS[name]
+
+
+def test_real_runs_summary_reads_gpu_memory(dry, script) -> None:
+    """The summary's GPU-only branch (memory numbers, never filled on the CPU) formats, and a part
+    that failed leaves the other parts' checks and an ERROR line."""
+    import copy
+
+    r = copy.deepcopy(dry["real_runs"])
+    for m in r["checkpointing"]["modes"].values():
+        m.update(peak_above_bytes=3 * 2**30, forward_end_bytes=2**30, peak_over_estimate=1.5, forward_end_over_estimate=1.1)
+    runs = script.runs_module()
+    lines = runs.summary_lines(r)
+    assert sum("GiB (1.50x est.)" in line for line in lines) == 3
+    del r["documents"]
+    r["errors"]["documents"] = {"error": "RuntimeError: no", "traceback": ""}
+    assert set(runs.checks(r)) == {"bf16_tracks_fp32_zero0", "compile_first_loss_matches_eager"}
+    assert runs.summary_lines(r)[-1] == "    ERROR in documents: RuntimeError: no"
 
 
 def test_op_names_and_verdict(script) -> None:
