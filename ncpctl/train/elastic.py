@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ncpctl.errors import UserError
+from ncpctl.fsutil import disk_errors
 
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 HINT = ("resume with the number of ranks that saved it, or from a checkpoint written by ncpctl at ZeRO 1-3 "
@@ -171,9 +172,11 @@ def load(engine: Any, src: Path, saved_world: int, zero_stage: int, work: Path, 
     if d.rank == 0:
         shutil.rmtree(work, ignore_errors=True)
         try:
-            to_universal(src, target, saved_world, zero_stage)
-        except UserError as e:
+            with disk_errors(work):  # the copy is the checkpoint's size again: a full disk is one line
+                to_universal(src, target, saved_world, zero_stage)
+        except Exception as e:  # any failure (not only a UserError) must reach the all-reduce below
             problem = e
+            shutil.rmtree(work, ignore_errors=True)  # no half-written copy left behind
     # every rank learns whether rank 0 converted it (a plain barrier would leave them waiting on an error)
     if d.sum(torch.tensor([float(problem is not None)])).item() > 0:
         raise problem or UserError(f"{src}: rank 0 could not re-partition it for {d.world} ranks (its error says why)",
