@@ -40,7 +40,8 @@ def prompt_sets(loaded, path: str | None, limit: int, prompt_tokens: int,
             if len(val) >= limit:
                 break
         if not val:
-            raise UserError(f"{prefix}: no validation document is longer than --prompt-tokens {prompt_tokens}")
+            raise UserError(f"{prefix}: no validation document is longer than the {prompt_tokens}-token prompts "
+                            "drawn from it", hint="give the prompts as JSON lines with --prompts FILE.jsonl")
         return {"val": val[:limit]}
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.path}: no tokenizer.json to encode the prompts of {path}")
