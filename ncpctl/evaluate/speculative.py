@@ -55,9 +55,13 @@ def prompt_sets(loaded, path: str | None, limit: int, prompt_tokens: int,
             continue
         try:
             row = json.loads(line)
-            text, task = row["prompt"], str(row.get("task", "prompts"))
+            text, task = row["prompt"], row.get("task", "prompts")
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise UserError(f"{path}:{n}: expected a JSON object with a \"prompt\" (and optionally \"task\")") from None
+        if not isinstance(text, str) or not isinstance(task, (str, int)) or isinstance(task, bool):
+            raise UserError(f"{path}:{n}: \"prompt\" must be a string and \"task\" a name, got "
+                            f"{type(text).__name__} and {type(task).__name__}")
+        task = str(task)
         ids = loaded.tokenizer.encode(text, add_special_tokens=False).ids
         if ids and len(sets.setdefault(task, [])) < limit:
             sets[task].append(ids)

@@ -44,3 +44,18 @@ def test_short_validation_documents_name_a_flag_that_exists(monkeypatch, tmp_pat
                 for f in (a.default if isinstance(a.default, str) else "", *(a.param_decls or ())) if f.startswith("--")}
     assert "--speculative" in declared and "--prompts" in declared
     assert flags and flags <= declared, (flags, text)
+
+
+@pytest.mark.parametrize("line", ['{"prompt": 5}', '{"prompt": null}', '{"prompt": ["a"]}', '{"prompt": "x", "task": {}}'])
+def test_a_prompt_that_is_not_text_is_one_line(tmp_path, line):
+    """A JSON line whose prompt is not a string is the user's mistake (exit 2, file:line), not an
+    internal error from the tokenizer."""
+    from tokenizers import Tokenizer, models
+
+    from ncpctl.evaluate.speculative import prompt_sets
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "fine"}\n' + line + "\n")
+    tok = Tokenizer(models.WordLevel({"fine": 0, "x": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    with pytest.raises(UserError, match=r"p\.jsonl:2: "):
+        prompt_sets(SimpleNamespace(path=tmp_path, tokenizer=tok), str(f), limit=4, prompt_tokens=8)
