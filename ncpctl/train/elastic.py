@@ -113,6 +113,10 @@ def to_universal(src: Path, dst: Path, world: int, zero_stage: int) -> None:
     shapes = load_pt(models[0], allow=DEEPSPEED_GLOBALS, mmap=True)[PARAM_SHAPES]  # [{name: shape}] per group
     pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
     steps: dict[str, Any] = {}
+    if zero_stage <= 2 and not all(isinstance(sd.get(BASE_OPTIMIZER_STATE), dict) for sd in parts):
+        # DeepSpeed's zero_optimization.elastic_checkpoint: a list of per-group states, no param_groups
+        raise UserError(f"{src}: its ZeRO-{zero_stage} optimizer state was saved in DeepSpeed's elastic_checkpoint "
+                        "layout (per-group lists); ncpctl re-partitions the default layout only", hint=HINT)
     try:
         if zero_stage <= 2:
             _pieces_stage12(parts, pieces, steps)
@@ -126,7 +130,7 @@ def to_universal(src: Path, dst: Path, world: int, zero_stage: int) -> None:
             common[OPTIMIZER_STATE_DICT] = {"param_groups": inner["param_groups"], "state": {
                 g: {"step": s["step"]} for g, s in inner["state"].items() if "step" in s}}
             common["param_groups"] = inner["param_groups"]
-    except (KeyError, IndexError, AttributeError) as e:
+    except (KeyError, IndexError, AttributeError, TypeError) as e:
         raise UserError(f"{src}: its ZeRO-{zero_stage} optimizer files lack {e} (not the layout this DeepSpeed "
                         "writes): its state cannot be re-partitioned", hint=HINT) from None
     every = {name: shape for group in shapes for name, shape in group.items()}

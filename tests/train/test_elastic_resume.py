@@ -156,3 +156,26 @@ def test_a_conversion_that_fails_on_rank_0_is_reported_to_every_rank_not_left_ha
         elastic.load(object(), src, 2, 2, tmp_path / ".elastic-resume", d, lambda m: None)
     assert d.calls == ["sum"], "rank 0 raised before the collective the other ranks wait in"
     assert "Traceback" not in str(e.value)
+
+
+def test_deepspeeds_elastic_checkpoint_layout_is_one_line(tmp_path) -> None:
+    """``deepspeed.extra: {zero_optimization: {elastic_checkpoint: true}}`` saves each rank's base
+    optimizer state as a list of per-group states (no ``state``/``param_groups``): refused in one line,
+    not a TypeError."""
+    from collections import OrderedDict
+
+    from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT, PARAM_SHAPES,
+                                                PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)
+
+    from ncpctl.train.elastic import to_universal
+
+    src = tmp_path / "step_0000002"
+    src.mkdir()
+    torch.save({PARAM_SHAPES: [OrderedDict(w=torch.Size([4]))]}, src / "mp_rank_00_model_states.pt")
+    for r in range(2):
+        torch.save({OPTIMIZER_STATE_DICT: {BASE_OPTIMIZER_STATE: [{"exp_avg": torch.zeros(2)}],
+                                           SINGLE_PARTITION_OF_FP32_GROUPS: [torch.zeros(2)],
+                                           PARAM_SLICE_MAPPINGS: [OrderedDict()]}},
+                   src / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    with pytest.raises(UserError, match="elastic_checkpoint"):
+        to_universal(src, tmp_path / "out", 2, 2)
