@@ -325,9 +325,16 @@ def _write_component_labels(union: Path, out: Path, start: int, end: int) -> int
     """``union``'s label spans (K, 3) [a, b, label] of tokens ``start .. end-1`` (spans never cross a
     document, so none crosses a component) as ``out``'s, in the component's token positions."""
     from ncpctl.data.labels import labels_path
+    from ncpctl.fsutil import atomic_write_with
 
     arr = np.load(labels_path(union))
     mine = arr[(arr[:, 0] >= start) & (arr[:, 0] < end)].copy()
     mine[:, :2] -= start
-    np.save(labels_path(out), mine)
+
+    def save(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.save would append .npy to the temporary name
+            np.save(f, mine)
+
+    # atomic, and a full disk is one line: the component's tokens are written the same way
+    atomic_write_with(labels_path(out), save)
     return int(mine.shape[0])

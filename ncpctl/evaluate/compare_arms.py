@@ -108,7 +108,10 @@ def report(entries: list[Any], arm: list[int], rows: list[dict[str, Any]], level
         for runs in members:
             vals = [row["values"].get(e.label) for e in runs]
             vals = [v for v in vals if v is not None]
-            stats.append(seeds(vals) if vals else {"mean": None, "std": None, "n": 0})
+            st = seeds(vals) if vals else {"mean": None, "std": None, "n": 0}
+            if st["std"] is not None and math.isnan(st["std"]):  # one run: no spread (null in the JSON, not NaN)
+                st["std"] = None
+            stats.append(st)
         diffs = [_diff(members[0], runs, row["task"], row["metric"], stats[0], s, level, resamples,
                        paired_bootstrap) for runs, s in zip(members[1:], stats[1:])]
         out_rows.append({"section": row["section"], "task": row["task"], "metric": row["metric"],

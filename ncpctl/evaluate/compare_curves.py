@@ -4,8 +4,10 @@
 * tokens-to-reach: the tokens each run needs to reach the baseline's (first run's) final
   validation loss, interpolated, and their ratio to the baseline's tokens; compute-to-reach: the
   same with the training FLOPs the checkpoints record (the run's FLOPs per token x its tokens to
-  reach / the baseline's FLOPs). A validation record's tokens are the train record's at its step
-  (else the record's own ``tokens``, else its step: the ratio then assumes equal tokens per step).
+  reach / the baseline's FLOPs). A validation record's tokens are the train records' at its step
+  (interpolated between the train records around it when train.eval_every is not a multiple of
+  train.log_every; else the record's own ``tokens``, else its step: the ratio then assumes equal
+  tokens per step).
 * window aggregates of the training loss: the mean over the last N steps and over the whole run.
 
 Per-token metrics of runs with different tokenizers do not compare (a loss per token of one
@@ -43,6 +45,31 @@ def _records(run_dir: Path | None) -> list[dict[str, Any]]:
     return read_metrics(run_dir) if run_dir is not None else []
 
 
+def _tokens_at(steps: list[int], recs: list[dict[str, Any]]) -> list[float]:
+    """The tokens seen at each validation step: the train record's at that step, else interpolated
+    linearly between the train records around it (validation every 25 steps, logging every 10: a
+    validation step need not have a train record), else the record's own ``tokens``, else the step
+    itself (a run without any tokens recorded: equal tokens per step assumed)."""
+    import numpy as np
+
+    pts = sorted({x["step"]: float(x["tokens"]) for x in recs if x.get("split") == "train"
+                  and isinstance(x.get("tokens"), (int, float))}.items())
+    own = {x["step"]: x.get("tokens") for x in recs if x.get("split") == "val"}
+    if not pts:
+        return [float(own.get(s) or s) for s in steps]
+    ps, pt = np.array([p[0] for p in pts], dtype=float), np.array([p[1] for p in pts])
+    out = []
+    for s in steps:
+        if ps[0] <= s <= ps[-1]:
+            out.append(float(np.interp(s, ps, pt)))
+        elif own.get(s):
+            out.append(float(own[s]))
+        else:  # outside the logged steps: the nearest record's tokens per step
+            i = 0 if s < ps[0] else -1
+            out.append(float(pt[i] / ps[i] * s) if ps[i] > 0 else float(s))
+    return out
+
+
 def curve_stats(runs: list[dict[str, Any]], run_dirs: list[Path | None], curves: dict[str, dict[str, Any]],
                 last: int) -> dict[str, dict[str, Any]]:
     """{label: {train_loss_last, train_loss_all, tokens_to_reach, tokens_ratio, compute_ratio}}
@@ -54,11 +81,9 @@ def curve_stats(runs: list[dict[str, Any]], run_dirs: list[Path | None], curves:
         recs = _records(d)
         train = [(x["step"], float(x["loss"])) for x in recs if x.get("split") == "train"
                  and isinstance(x.get("loss"), (int, float))]
-        tok = {x["step"]: x["tokens"] for x in recs if x.get("split") == "train" and "tokens" in x}
-        own = {x["step"]: x.get("tokens") for x in recs if x.get("split") == "val"}
         c = curves.get(r["label"])
         if c:
-            xs[r["label"]] = [float(tok.get(s) or own.get(s) or s) for s in c["steps"]]
+            xs[r["label"]] = _tokens_at(c["steps"], recs)
         row: dict[str, Any] = {"window": last, "train_loss_last": None, "train_loss_all": None}
         if train:
             steps, vals = zip(*train)

@@ -40,7 +40,8 @@ def prompt_sets(loaded, path: str | None, limit: int, prompt_tokens: int,
             if len(val) >= limit:
                 break
         if not val:
-            raise UserError(f"{prefix}: no validation document is longer than --prompt-tokens {prompt_tokens}")
+            raise UserError(f"{prefix}: no validation document is longer than the {prompt_tokens}-token prompts "
+                            "drawn from it", hint="give the prompts as JSON lines with --prompts FILE.jsonl")
         return {"val": val[:limit]}
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.path}: no tokenizer.json to encode the prompts of {path}")
@@ -54,9 +55,13 @@ def prompt_sets(loaded, path: str | None, limit: int, prompt_tokens: int,
             continue
         try:
             row = json.loads(line)
-            text, task = row["prompt"], str(row.get("task", "prompts"))
+            text, task = row["prompt"], row.get("task", "prompts")
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise UserError(f"{path}:{n}: expected a JSON object with a \"prompt\" (and optionally \"task\")") from None
+        if not isinstance(text, str) or not isinstance(task, (str, int)) or isinstance(task, bool):
+            raise UserError(f"{path}:{n}: \"prompt\" must be a string and \"task\" a name, got "
+                            f"{type(text).__name__} and {type(task).__name__}")
+        task = str(task)
         ids = loaded.tokenizer.encode(text, add_special_tokens=False).ids
         if ids and len(sets.setdefault(task, [])) < limit:
             sets[task].append(ids)

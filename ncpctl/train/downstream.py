@@ -65,17 +65,24 @@ def _load(run: Any) -> tuple[Any, list[Any], list[Any]]:
     d, names = run.d, list(run.recipe.train.eval_tasks)
     tm = _TASK_MANAGERS.get(tuple(names))
     got, err = None, None
+    # any failure (not only a UserError) goes through the same all-reduces on every rank before it is
+    # raised: a rank that raised alone would leave the others waiting in their next collective
     if d.rank == 0:
         try:
             got = load_tasks(names, _metadata(run.recipe), skip=run.info, tm=tm)
-        except UserError as e:
+        except Exception as e:
             err = e
     if d.world > 1 and d.sum(torch.tensor([float(err is not None)])).item() > 0:
         raise err or UserError("train.eval_tasks: rank 0 could not load the tasks (see its error)")
     if err is not None:
         raise err
     if d.rank != 0:
-        got = load_tasks(names, _metadata(run.recipe), tm=tm)
+        try:
+            got = load_tasks(names, _metadata(run.recipe), tm=tm)
+        except Exception as e:
+            err = e
+    if d.world > 1 and d.sum(torch.tensor([float(err is not None)])).item() > 0:
+        raise err or UserError("train.eval_tasks: a rank other than 0 could not load the tasks (see its error)")
     assert got is not None
     _TASK_MANAGERS[tuple(names)] = got[0]
     return got

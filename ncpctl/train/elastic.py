@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ncpctl.errors import UserError
+from ncpctl.fsutil import disk_errors
 
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 HINT = ("resume with the number of ranks that saved it, or from a checkpoint written by ncpctl at ZeRO 1-3 "
@@ -112,6 +113,10 @@ def to_universal(src: Path, dst: Path, world: int, zero_stage: int) -> None:
     shapes = load_pt(models[0], allow=DEEPSPEED_GLOBALS, mmap=True)[PARAM_SHAPES]  # [{name: shape}] per group
     pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
     steps: dict[str, Any] = {}
+    if zero_stage <= 2 and not all(isinstance(sd.get(BASE_OPTIMIZER_STATE), dict) for sd in parts):
+        # DeepSpeed's zero_optimization.elastic_checkpoint: a list of per-group states, no param_groups
+        raise UserError(f"{src}: its ZeRO-{zero_stage} optimizer state was saved in DeepSpeed's elastic_checkpoint "
+                        "layout (per-group lists); ncpctl re-partitions the default layout only", hint=HINT)
     try:
         if zero_stage <= 2:
             _pieces_stage12(parts, pieces, steps)
@@ -125,7 +130,7 @@ def to_universal(src: Path, dst: Path, world: int, zero_stage: int) -> None:
             common[OPTIMIZER_STATE_DICT] = {"param_groups": inner["param_groups"], "state": {
                 g: {"step": s["step"]} for g, s in inner["state"].items() if "step" in s}}
             common["param_groups"] = inner["param_groups"]
-    except (KeyError, IndexError, AttributeError) as e:
+    except (KeyError, IndexError, AttributeError, TypeError) as e:
         raise UserError(f"{src}: its ZeRO-{zero_stage} optimizer files lack {e} (not the layout this DeepSpeed "
                         "writes): its state cannot be re-partitioned", hint=HINT) from None
     every = {name: shape for group in shapes for name, shape in group.items()}
@@ -171,9 +176,11 @@ def load(engine: Any, src: Path, saved_world: int, zero_stage: int, work: Path, 
     if d.rank == 0:
         shutil.rmtree(work, ignore_errors=True)
         try:
-            to_universal(src, target, saved_world, zero_stage)
-        except UserError as e:
+            with disk_errors(work):  # the copy is the checkpoint's size again: a full disk is one line
+                to_universal(src, target, saved_world, zero_stage)
+        except Exception as e:  # any failure (not only a UserError) must reach the all-reduce below
             problem = e
+            shutil.rmtree(work, ignore_errors=True)  # no half-written copy left behind
     # every rank learns whether rank 0 converted it (a plain barrier would leave them waiting on an error)
     if d.sum(torch.tensor([float(problem is not None)])).item() > 0:
         raise problem or UserError(f"{src}: rank 0 could not re-partition it for {d.world} ranks (its error says why)",

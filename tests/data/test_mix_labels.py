@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ncpctl.data.indexed import IndexedDataset
 from ncpctl.data.labels import LabelSpans, labels_path
@@ -75,3 +76,33 @@ def test_each_row_carries_its_own_components_labels(tmp_path: Path) -> None:
                       part_args=[{"labels": p[3]} for p in parts])
     again.load_state_dict(state)
     assert np.array_equal(next(again), want[0]) and np.array_equal(again.last_labels(), want[1])
+
+
+def test_a_components_labels_are_written_atomically_and_a_full_disk_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    """``tokenize`` splitting a labelled union into data.mix components: the component's label file
+    is replaced whole or not at all, and a full disk is a UserError (exit 2), as for its tokens."""
+    import errno
+
+    from ncpctl.data import mix
+    from ncpctl.data.labels import labels_path
+    from ncpctl.errors import UserError
+
+    union, out = tmp_path / "union" / "train", tmp_path / "comp" / "train"
+    union.parent.mkdir()
+    out.parent.mkdir()
+    np.save(labels_path(union), np.array([[0, 2, 1], [5, 7, 0], [9, 12, 1]], dtype=np.int64))
+    assert mix._write_component_labels(union, out, 4, 10) == 2
+    assert np.load(labels_path(out)).tolist() == [[1, 3, 0], [5, 8, 1]]  # shifted to the component's stream
+    before = labels_path(out).read_bytes()
+
+    real = np.save
+
+    def full(f, arr, *a, **k):
+        real(f, arr[:1])  # part of the file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(UserError, match="space|full"):
+        mix._write_component_labels(union, out, 0, 12)
+    assert labels_path(out).read_bytes() == before
+    assert sorted(p.name for p in out.parent.iterdir()) == [labels_path(out).name]  # no temporary left

@@ -103,3 +103,22 @@ def test_the_printed_notes_keep_their_square_brackets() -> None:
     con = Console(width=200, record=True)
     con.print(rich_table(payload))
     assert "(ncp_heldout_ppl [token perplexity]) / 1" in " ".join(con.export_text().split())
+
+
+def test_an_arm_of_one_run_has_no_std_and_the_json_stays_json(tmp_path: Path) -> None:
+    """``--compare BASE B1,B2``: the one-run arm's std is undefined; --json and compare_*.json must
+    still be JSON (null, not the NaN token that jq and JSON.parse reject)."""
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON output"))
+
+    rng = np.random.default_rng(1)
+    base = rng.uniform(0.2, 0.8, 50)
+    a = _run(tmp_path, "a0", 0, _arm_scores(rng, base, 0.0, 1)[0])
+    b = [_run(tmp_path, f"b{s}", s, x) for s, x in enumerate(_arm_scores(rng, base, 0.1, 2))]
+    r = run_cli("eval", "--compare", str(a), ",".join(map(str, b)), "--json", "--out", str(tmp_path / "out"),
+                "--resamples", "100")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = strict(r.stdout.strip().splitlines()[-1])
+    row = next(x for x in got["arms"]["rows"] if (x["task"], x["metric"]) == ("toy", "acc"))
+    assert row["arms"][0]["n"] == 1 and row["arms"][0]["std"] is None and row["arms"][1]["std"] is not None
+    strict(Path(got["files"]["json"]).read_text())

@@ -99,3 +99,37 @@ def test_zero3_on_two_ranks_evaluates_in_the_loop_without_deadlock(make_recipe, 
     result(ncpctl("pretrain", str(make_recipe("one")), "--json", *short))
     one = metrics(tmp_path / "one", "downstream")
     assert _scores(down[0]) and _scores(down[0]) == pytest.approx(_scores(one[0]), rel=1e-6)  # summed in another order
+
+
+class _Ranks:
+    """A Dist stand-in for rank ``rank`` of 2: records the collectives it joins (every rank must
+    join the same ones, or the others wait in theirs)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.world, self.calls = rank, 2, []
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls.append("sum")
+        return t.double()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_task_that_fails_to_load_on_one_rank_is_seen_by_every_rank(rank, monkeypatch, tmp_path) -> None:
+    """Any failure while loading the tasks (not only a UserError), on rank 0 or on another rank,
+    goes through the same collectives on every rank before it is raised: no rank is left waiting."""
+    from ncpctl.evaluate import run as evaluate_run
+    from ncpctl.train import downstream
+
+    def broken(*_a, **_k):
+        raise RuntimeError("lm-eval could not build the task")
+
+    monkeypatch.setattr(evaluate_run, "load_tasks", broken)
+    downstream._TASK_MANAGERS.clear()
+    recipe = SimpleNamespace(train=SimpleNamespace(eval_tasks=["ncp_cloze"]), data_dir=tmp_path,
+                             data=SimpleNamespace(val_prefix=None))
+    d = _Ranks(rank)
+    with pytest.raises(RuntimeError):
+        downstream._load(SimpleNamespace(d=d, recipe=recipe, info=lambda m: None))
+    # rank 0 fails: every rank stops at the first all-reduce (rank 0's outcome); another rank fails:
+    # rank 0 loaded, and every rank stops at the second (every rank's outcome)
+    assert d.calls == (["sum"] if rank == 0 else ["sum", "sum"])

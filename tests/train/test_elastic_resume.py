@@ -119,3 +119,63 @@ def test_another_world_size_is_refused_only_where_nothing_re_partitions() -> Non
     with pytest.raises(UserError, match="saved by 2 ranks, now 1"):
         check_compatible(Path("ck"), meta, cfg, world_size=1, zero_stage=2, optimizer_state=True)
     check_compatible(Path("ck"), meta, cfg, world_size=1, zero_stage=2, optimizer_state=True, elastic=True)
+
+
+class _Ranks:
+    """A Dist stand-in for rank ``rank`` of 2: records the collectives it joins."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.world, self.calls = rank, 2, []
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls.append("sum")
+        return t.double()
+
+    def barrier(self) -> None:
+        self.calls.append("barrier")
+
+
+def test_a_conversion_that_fails_on_rank_0_is_reported_to_every_rank_not_left_hanging(tmp_path, monkeypatch) -> None:
+    """A full disk while rank 0 writes the universal copy (an OSError, not a UserError) must still
+    reach the all-reduce the other ranks wait in (else they hang until the collective's timeout),
+    and comes out as one line naming the disk problem."""
+    import errno
+
+    from ncpctl.train import elastic
+
+    src = tmp_path / "checkpoints" / "step_0000002"
+    src.mkdir(parents=True)
+    (src / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(elastic, "to_universal", full)
+    d = _Ranks(0)
+    with pytest.raises(UserError, match="space|full") as e:
+        elastic.load(object(), src, 2, 2, tmp_path / ".elastic-resume", d, lambda m: None)
+    assert d.calls == ["sum"], "rank 0 raised before the collective the other ranks wait in"
+    assert "Traceback" not in str(e.value)
+
+
+def test_deepspeeds_elastic_checkpoint_layout_is_one_line(tmp_path) -> None:
+    """``deepspeed.extra: {zero_optimization: {elastic_checkpoint: true}}`` saves each rank's base
+    optimizer state as a list of per-group states (no ``state``/``param_groups``): refused in one line,
+    not a TypeError."""
+    from collections import OrderedDict
+
+    from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT, PARAM_SHAPES,
+                                                PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)
+
+    from ncpctl.train.elastic import to_universal
+
+    src = tmp_path / "step_0000002"
+    src.mkdir()
+    torch.save({PARAM_SHAPES: [OrderedDict(w=torch.Size([4]))]}, src / "mp_rank_00_model_states.pt")
+    for r in range(2):
+        torch.save({OPTIMIZER_STATE_DICT: {BASE_OPTIMIZER_STATE: [{"exp_avg": torch.zeros(2)}],
+                                           SINGLE_PARTITION_OF_FP32_GROUPS: [torch.zeros(2)],
+                                           PARAM_SLICE_MAPPINGS: [OrderedDict()]}},
+                   src / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    with pytest.raises(UserError, match="elastic_checkpoint"):
+        to_universal(src, tmp_path / "out", 2, 2)
