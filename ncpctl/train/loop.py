@@ -63,7 +63,8 @@ FAULT_ENV = "NCPCTL_FAULT"  # test hook, see Faults
 class Faults:
     """Failure injection for the tests, from ``$NCPCTL_FAULT`` (comma-separated):
     ``nan@S`` makes step S's loss NaN; ``kill_in_save@S`` SIGKILLs the process after DeepSpeed
-    wrote checkpoint S but before it became ``latest``; ``sleep@SECONDS`` pauses after every
+    wrote checkpoint S but before it became ``latest``; ``term@S`` sends the process SIGTERM as
+    step S begins (a preemption notice at a known step); ``sleep@SECONDS`` pauses after every
     step (so a test can kill a run mid-way). Unset in normal use.
 
     An environment variable rather than a recipe key: the faults must reach the real entry
@@ -71,7 +72,7 @@ class Faults:
     cannot act unnoticed, any item that is not exactly one of the forms above is an error before
     training starts, and an active spec is announced on stderr (``announce``)."""
 
-    KINDS = {"nan": int, "kill_in_save": int, "sleep": float}
+    KINDS = {"nan": int, "kill_in_save": int, "term": int, "sleep": float}
 
     def __init__(self, spec: str):
         self.spec = spec.strip()
@@ -85,7 +86,7 @@ class Faults:
                     raise ValueError(value)
             except (KeyError, ValueError):
                 raise UserError(f"${FAULT_ENV}={spec!r}: {item!r} is not a test fault "
-                                "(nan@STEP, kill_in_save@STEP or sleep@SECONDS)",
+                                "(nan@STEP, kill_in_save@STEP, term@STEP or sleep@SECONDS)",
                                 hint=f"{FAULT_ENV} is a test hook; unset it for real runs") from None
             if kind == "sleep":
                 self.sleep = float(number)
@@ -102,6 +103,8 @@ class Faults:
     def __call__(self, where: str, step: int) -> None:
         if (f"kill_in_{where}", str(step)) in self.items:
             os.kill(os.getpid(), signal.SIGKILL)
+        if where == "step" and ("term", str(step)) in self.items:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 # ----------------------------------------------------------------------------- a prepared run
@@ -227,9 +230,11 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
                     _log_step(run, step)
 
                 last = tot.step == t.max_steps
-                if t.eval_every and tot.step % t.eval_every == 0 and not last:
+                # a stopping step saves at once: a preemption's grace period is not spent evaluating
+                if t.eval_every and tot.step % t.eval_every == 0 and not last and not step.stopping:
                     _evaluate(run)
-                if downstream.due(t, tot.step, last):  # before the save: the checkpoint has these weights
+                # before the save: the checkpoint has these weights
+                if downstream.due(t, tot.step, last) and not step.stopping:
                     _downstream(run)
                 # no periodic save inside a non-finite streak: if the weights themselves went bad,
                 # the checkpoint before the streak is the one to go back to
@@ -453,6 +458,7 @@ def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
     t0 = time.perf_counter()
     lr = float(engine.get_lr()[0])
     nan = run.faults.nan(run.tot.step + 1)
+    run.faults("step", run.tot.step + 1)
     engine.module.on_step_begin(run.tot.step)  # schedules inside the model
     batch = torch.from_numpy(next(run.data.loader))  # (micro * accum, T+1) this rank's share
     ids = torch.from_numpy(run.data.loader.sample_ids()).split(r.train.micro_batch_size)  # global sample indices

@@ -114,6 +114,16 @@ def test_sigterm_saves_and_exits_cleanly(make_recipe, tmp_path: Path) -> None:
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{r['step']:07d}"
 
 
+def test_a_stopping_step_saves_before_any_evaluation(make_recipe, tmp_path: Path) -> None:
+    """SIGTERM (a preemption notice) arriving in step 6, where validation is due: the step saves at
+    once and exits; evaluating first could spend the grace period and lose the checkpoint."""
+    proc = ncpctl("pretrain", str(make_recipe("preempt")), "--json", env={"NCPCTL_FAULT": "term@6"})
+    r = result(proc)
+    assert r["interrupted"] and r["step"] == 6
+    assert (tmp_path / "preempt" / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+    assert [x["step"] for x in metrics(tmp_path / "preempt", "val")] == []
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1, 3])  # stage 0: GuardedAdamW skips; 1-3: DeepSpeed's ZeRO optimizer
 def test_nan_step_is_skipped_and_counted(zero_stage: int, make_recipe, tmp_path: Path) -> None:
     recipe = make_recipe("nan")
