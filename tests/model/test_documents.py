@@ -118,7 +118,7 @@ def test_document_mask_mod_is_the_boolean_mask_and_flexattention_runs_it(pattern
     """The one declared function: FlexAttention's ``create_mask`` of ``document_mod`` equals the
     boolean mask built from it, which is the pattern's own mask within each document and nothing
     across; forced onto FlexAttention (its CPU reference), a model gives the boolean path's logits."""
-    from torch.nn.attention.flex_attention import create_mask
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
     doc = doc_ids([5, 3, 4], B=2)
     doc[1] = doc_ids([2, 10], B=1)[0]
@@ -136,6 +136,8 @@ def test_document_mask_mod_is_the_boolean_mask_and_flexattention_runs_it(pattern
     with torch.no_grad():
         ref = model(x, doc_ids=doc).logits
         monkeypatch.setattr(patterns, "flex_enabled", lambda device: True)
+        # the eager BlockMask builder: the compiled one is the next test's
+        monkeypatch.setattr(patterns, "_CREATE", {"cpu": create_block_mask})
         flex = model(x, doc_ids=doc).logits
     assert (flex - ref).abs().max() <= 1e-5 * ref.abs().max()
 
@@ -185,14 +187,17 @@ def test_attention_stats_see_the_training_forwards_documents():
 
 
 def test_compiled_flexattention_is_not_recompiled_for_each_batchs_documents(monkeypatch):
-    """On a GPU every batch brings new documents, so ``document_masks`` builds a new BlockMask whose
-    ``mask_mod`` closes over a new ``doc`` tensor. The compiled FlexAttention (``layers.flex_attention``
-    compiles it once per device) must take it as an input, not specialise on it: one graph for
-    every batch of a shape, and each batch's output that of its own boolean mask. Run here with
-    inductor's CPU kernel in place of the GPU's (dynamo's guards are the same on both)."""
+    """On a GPU every batch brings new documents, so ``document_masks`` builds a new BlockMask (with
+    the compiled ``create_block_mask``: eager, it materialises the (B, T, T) mask every batch) whose
+    ``mask_mod`` closes over a new ``doc`` tensor, and the compiled FlexAttention
+    (``layers.flex_attention`` compiles it once per device) reads it. Both must take the documents
+    as inputs, not specialise on them: no new graph after a shape's first batch, each BlockMask
+    that of eager ``create_block_mask``, each output that of its own boolean mask. Run here with
+    inductor's CPU kernels in place of the GPU's (dynamo's guards are the same on both)."""
     import shutil
 
     from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     from ncpctl.model import layers
@@ -202,17 +207,38 @@ def test_compiled_flexattention_is_not_recompiled_for_each_batchs_documents(monk
     torch._dynamo.reset()
     counters.clear()
     monkeypatch.setitem(layers._FLEX, "cpu", torch.compile(flex, dynamic=False))
+    monkeypatch.setattr(patterns, "_CREATE", {})
     monkeypatch.setattr(patterns, "flex_enabled", lambda device: True)
     B, H, T, hd = 2, 2, 128, 16
     g = torch.Generator().manual_seed(0)
+    graphs = []
     for lens in ([40, 30, 58], [5, 100, 23], [128], [64, 64]):
         doc = doc_ids(lens, B)
         doc[1] = doc_ids(lens[::-1], 1)[0]
+        mod = document_mod(Causal(None), doc)
         mask = patterns.document_masks([Causal(None)], doc)[Causal(None).key]
-        assert patterns.is_block_mask(mask)
+        assert patterns.is_block_mask(mask) and patterns._CREATE["cpu"] is not create_block_mask
+        eager = create_block_mask(mod, B, None, T, T, device="cpu")
+        assert torch.equal(mask.to_dense(), eager.to_dense())
+        assert torch.equal(mask.full_kv_num_blocks, eager.full_kv_num_blocks)
         q, k, v = (torch.randn(B, H, T, hd, generator=g) for _ in range(3))
         out = layers.flex_attention(q, k, v, mask, gqa=False)
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=dense_mask(document_mod(Causal(None), doc), B, T, "cpu"))
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(mod, B, T, "cpu"))
         assert (out - ref).abs().max() <= 1e-5
-    assert counters["stats"]["unique_graphs"] == 1
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [graphs[0]] * 4 and graphs[0] >= 2  # the builder's graph and the kernel's
+
+
+def test_a_block_mask_builder_that_fails_to_compile_falls_back_to_eager_with_one_warning(monkeypatch):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def broken(*a, **k):
+        raise RuntimeError("no inductor here\nsecond line")
+
+    monkeypatch.setattr(patterns, "_CREATE", {"cpu": broken})
+    doc = doc_ids([5, 3, 4], B=2)
+    mod = document_mod(Causal(None), doc)
+    with pytest.warns(RuntimeWarning, match="built eagerly from now on .*RuntimeError: no inductor here\\)"):
+        got = patterns.batch_block_mask(mod, 2, 12, torch.device("cpu"))
+    assert torch.equal(got.to_dense(), create_block_mask(mod, 2, None, 12, 12, device="cpu").to_dense())
+    assert patterns._CREATE["cpu"] is create_block_mask
