@@ -49,6 +49,8 @@ class DesignHooks:
     # whether a train-drafter run (a plain frozen target wrapped with a drafter) may carry these
     # hooks; those of a design that changes the target's run are refused there
     with_drafter: bool = False
+    # the recipe key that brings these hooks into a run, as refusals name it
+    recipe_key: str = ""
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe

@@ -89,10 +89,12 @@ def _drafter_stage(recipe: Recipe, init: Path) -> Stage:
     if t.drafter is None:
         raise UserError(f"{recipe.path}: train.drafter: `ncpctl train-drafter` trains a drafter; none given",
                         hint="add train.drafter: {k: 8} (see recipes/drafters/)")
-    others = [type(h).__name__ for h in Hooks(recipe).each if not h.with_drafter]
+    others = [h.recipe_key or type(h).__name__ for h in Hooks(recipe).each if not h.with_drafter]
     if others or t.lora is not None:
         raise UserError(f"{recipe.path}: a drafter trains against a plain target run; this one adds "
-                        f"{', '.join(others) or 'train.lora'}", hint="set train.plots: false and no train.lora")
+                        f"{', '.join(others) or 'train.lora'}",
+                        hint="set train.plots: false and no train.lora; a target with a bottleneck, DLCM's "
+                             "dynamic segmentation or document masks has no drafter in ncpctl")
     try:
         cfg = drafter_config(recipe)
     except ValueError as e:

@@ -26,6 +26,8 @@ from ncpctl.train.hooks import DesignHooks, dataset_meta, micro_split
 
 
 class BottleneckHooks(DesignHooks):
+    recipe_key = "model.bottleneck"
+
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
         self.names: list[str] | None = None  # the label vocabulary (meta.json), the checkpoint's concept_names

@@ -17,6 +17,8 @@ from ncpctl.train.hooks import DesignHooks
 
 
 class CodebookHooks(DesignHooks):
+    recipe_key = "train.plots (the codebook plots)"
+
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
         self._model: torch.nn.Module | None = None

@@ -18,6 +18,8 @@ from ncpctl.train.hooks import DesignHooks, micro_split
 
 
 class DocumentHooks(DesignHooks):
+    recipe_key = "data.document_mask"
+
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
         from ncpctl.model.documents import document_refusal

@@ -21,6 +21,8 @@ from ncpctl.train.hooks import DesignHooks, dataset_meta, micro_split
 
 
 class DynamicHooks(DesignHooks):
+    recipe_key = "model.concept.segmentation: dynamic"
+
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
         self.sources: SourceMap | None = None  # the validation split's
