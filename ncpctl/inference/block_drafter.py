@@ -186,10 +186,18 @@ class BlockDraftRunner(Drafter):
         self.last = [n + k for n, k in zip(self.last, keep)]
 
 
-def read_drafter(meta: dict, weights: dict) -> BlockDrafter:
-    """The drafter of a drafter checkpoint (its ``ncpctl.json`` ``drafter`` entry and weights)."""
+def read_drafter(meta: dict, weights: dict, where: str = "the drafter checkpoint") -> BlockDrafter:
+    """The drafter of a drafter checkpoint (its ``ncpctl.json`` ``drafter`` entry and weights); weights
+    that do not fit the recorded config (an edited or mixed-up checkpoint) are one ``UserError``."""
+    from ncpctl.errors import UserError
+
     drafter = BlockDrafter(DrafterConfig.from_dict(meta["drafter"]["config"]))
-    drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in weights.items()})
+    try:
+        drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in weights.items()})
+    except RuntimeError as e:  # missing / unexpected keys or shapes: torch's multi-line report
+        detail = " ".join(str(e).split())[:300]
+        raise UserError(f"{where}: its weights do not fit the drafter its ncpctl.json describes ({detail})",
+                        hint="point --draft at an intact checkpoint of `ncpctl train-drafter`") from None
     return drafter.eval()
 
 
@@ -202,7 +210,7 @@ def load_block_drafter(loaded, directory, meta: dict, k: int):
 
     from .speculative import Speculative
 
-    drafter = read_drafter(meta, read_weights(directory, meta))
+    drafter = read_drafter(meta, read_weights(directory, meta), str(directory))
     why = check_target(loaded.model, drafter.cfg, f"drafter {directory}")
     if why:
         raise UserError(why, hint=f"train a drafter for {loaded.path} (train.init_from) with `ncpctl train-drafter`")

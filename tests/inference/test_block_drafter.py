@@ -159,6 +159,12 @@ def test_refusals_another_target_another_tokenizer_and_k_below_one(tmp_path):
     tok.add_special_tokens(["<|other|>"])
     tok.save(str(tmp_path / "other.json"))
     other = _drafter_checkpoint(tmp_path / "other", cfg, tmp_path / "other.json")
+    # an edited checkpoint: the weights of a drafter without injection under a config with it
+    plain_weights = BlockDrafter(DrafterConfig.for_target(cfg, k=4)).state_dict()
+    injecting = DrafterConfig.for_target(cfg, k=4, concept_injection=True)
+    save_model_files(tmp_path / "mixed", {f"drafter.{k}": v for k, v in plain_weights.items()}, step=1,
+                     tokens_seen=0, recipe=None, tokenizer_path=TOKENIZER,
+                     extra={"model_config": cfg.to_dict(), "drafter": {"config": injecting.to_dict()}})
     nocon = tiny("llama", vocab_size=320, max_seq_len=64)  # same shape, no concept path
     save_model_files(tmp_path / "plain", build(nocon), step=0, tokens_seen=0, recipe=None, tokenizer_path=TOKENIZER)
     loaded = load_model(target)
@@ -167,7 +173,8 @@ def test_refusals_another_target_another_tokenizer_and_k_below_one(tmp_path):
     for ck, args, msg in ((target, (wide, 4), r"another target: d_model 48 \(target 32\)"),
                           (target, (other, 4), "another tokenizer"),
                           (str(tmp_path / "plain"), (good, 4), "injects concepts of fixed blocks"),
-                          (target, (good, 0), "--draft-tokens must be >= 1")):
+                          (target, (good, 0), "--draft-tokens must be >= 1"),
+                          (target, (str(tmp_path / "mixed"), 4), "mixed: its weights do not fit the drafter")):
         with pytest.raises(UserError, match=msg) as e:
             load_speculative(load_model(ck), *args)
         assert len(e.value.problems) == 1 and "\n" not in e.value.problems[0]
