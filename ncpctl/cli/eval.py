@@ -29,6 +29,7 @@ ResamplesOpt = Annotated[int, typer.Option("--resamples", min=100, help="--compa
 
 @command
 def main(
+    ctx: typer.Context,
     targets: Annotated[list[str], typer.Argument(
         help="Checkpoint directory, run directory or recipe YAML (several with --compare).", show_default=False,
         metavar="TARGET")],
@@ -111,11 +112,10 @@ def main(
     from ncpctl.checkpoint import set_verify
 
     set_verify(not no_verify)
+    _check_flags(ctx)
     out_ = Output(json_out)
     names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None
-    from rich.markup import escape
-
-    log = lambda m: out_.info(f"[dim]{escape(m)}[/]")  # noqa: E731 - escape: a skipped task's error may hold [brackets]
+    log = _logger(out_)
     if compare:
         _compare(out_, targets, set_, dict(tasks=names, heldout=heldout, limit=limit, num_fewshot=num_fewshot,
                                      batch_size=batch_size, out=out, window=window, log=log, level=level,
@@ -147,6 +147,36 @@ def main(
         print_wide(con, rich_table(summary)),
         con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),
     ))
+
+
+# eval's modes (one per call), and the flags that only one of them reads
+MODES = {"compare": "--compare", "speculative": "--speculative", "code_task": "--code-task", "proxy": "--proxy",
+         "concepts": "--concepts"}
+MODE_FLAGS = {"window": ("--window", "compare"), "level": ("--level", "compare"),
+              "resamples": ("--resamples", "compare"), "horizon": ("--horizon", "speculative"),
+              "prompts": ("--prompts", "speculative"), "new_tokens": ("--new-tokens", "speculative"),
+              "samples": ("--samples", "code_task"), "against": ("--against", "proxy")}
+
+
+def _logger(out_: Output):
+    from rich.markup import escape
+
+    return lambda m: out_.info(f"[dim]{escape(m)}[/]")  # escape: a skipped task's error may hold [brackets]
+
+
+def _check_flags(ctx: typer.Context) -> None:
+    """One line for two modes at once, or a mode's flag without its mode (it would be ignored)."""
+    def given(name: str) -> bool:  # typed on the command line (or its environment), not a default
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+    modes = [flag for name, flag in MODES.items() if given(name)]
+    if len(modes) > 1:
+        raise UserError(f"eval: {' and '.join(modes)} are separate modes; give one per call")
+    for name, (flag, mode) in MODE_FLAGS.items():
+        if given(name) and not given(mode):
+            raise UserError(f"eval: {flag} applies only with {MODES[mode]}; without it, it would be ignored",
+                            hint=f"add {MODES[mode]}, or drop {flag}")
 
 
 def _compare(out_: Output, targets: list[str], set_: list[str] | None, kw: dict) -> None:
