@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -386,6 +387,8 @@ def _restore(run: _Run, meta: dict[str, Any]) -> None:
             elastic.load(engine, src, meta["world_size"], meta["zero_stage"], elastic_dir(run.recipe.run_dir),
                          run.d, run.info)
         else:
+            if run.d.rank == 0:  # a copy an earlier resume across world sizes left when it was killed
+                shutil.rmtree(elastic_dir(run.recipe.run_dir), ignore_errors=True)
             with deepspeed_loads_safely():  # DeepSpeed would unpickle with weights_only=False
                 engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
                                        load_lr_scheduler_states=True)

@@ -143,8 +143,15 @@ def crash_and_resume(make_recipe, name: str, sets: list[str]) -> tuple[Path, Pat
     crash = make_recipe(f"{name}_crash")
     proc = ncpctl("pretrain", str(crash), *sets, env={"NCPCTL_FAULT": "kill_in_save@6"})
     assert proc.returncode == -signal.SIGKILL
+    # what a kill in the middle of an earlier resume across world sizes leaves: a re-partitioned copy
+    from ncpctl.checkpoint import elastic_dir
+
+    stale = elastic_dir(crash.parent / f"{name}_crash") / "step_0000003"
+    stale.mkdir(parents=True)
+    (stale / "mp_rank_00_model_states.pt").write_bytes(b"half a copy")
     r = result(ncpctl("pretrain", str(crash), *sets, "--json"))
     assert r["resumed_from"].endswith("step_0000003") and r["step"] == 6
+    assert not stale.parent.exists()  # removed when the resume needs no re-partitioning
     return crash.parent / f"{name}_ref", crash.parent / f"{name}_crash"
 
 
