@@ -51,6 +51,7 @@ def compile_blocks(model: nn.Module, zero_stage: int, on_gpu: bool, warn: Callab
 
             set_z3_leaf_module(blk, True)
         blk.forward = torch.compile(blk.forward, backend=backend)
-    # each block instance is its own frame: allow one compiled variant per block (and per shape)
+    # every block runs the same code (Block.forward): one compiled variant per kind of block (stack,
+    # window, cross-attention) and per shape; the default limit (8) would send the rest to eager
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(blocks))
     return len(blocks)
