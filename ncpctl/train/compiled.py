@@ -8,9 +8,12 @@ Only each block's ``forward`` is compiled, not its ``__call__``: module hooks ru
 the compiled graph. That is what makes ZeRO-3 work: DeepSpeed gathers a module's weights in a
 forward pre-hook and releases them in a post-hook (its hook functions are ``torch.compiler.disable``d,
 so traced inside a graph they break it, and dynamo recompiled per sub-module type until its limit:
-64 s for one debug step). Each block is made a ZeRO-3 *leaf* (``set_z3_leaf_module``): its hooks
-gather all of its weights at once, its sub-modules get none, and the compiled forward is one graph
-over gathered weights. The block keeps its name, class and parameters, so checkpoints are unchanged.
+64 s for two debug steps with dynamo's ``eager`` backend, against 0.4 s eager). Each block is made a
+ZeRO-3 *leaf* (``set_z3_leaf_module``): its hooks gather all of its weights at once, its
+sub-modules get none, and the compiled forward is one graph over gathered weights. All blocks run
+the same code, so blocks of one kind share one compiled graph (dynamo guards on a sub-module's
+hooks, though: a hook registered per block is a recompile per block). The block keeps its name,
+class and parameters, so checkpoints are unchanged.
 
 Where it cannot compile (on a CPU, no C++ compiler for inductor's kernels), the run goes on
 eagerly with one warning line saying why.
