@@ -304,9 +304,10 @@ class TrainSection(Section):
         "block (about one more forward per step, the least activation memory); `selective` keeps the block "
         "outputs and recomputes the attention and MLP internals (q, k, v, attention output, MLP hidden); "
         "`none` keeps everything. Losses and gradients are unchanged.")
-    compile: bool = Field(False, description="torch.compile each block of every stack (inductor; the parts "
-                          "between blocks stay eager). Where it cannot (ZeRO-3; a CPU without a C++ compiler) the run "
-                          "goes on eagerly with one warning line saying why. The loss equals eager mode's to float rounding.")
+    compile: bool = Field(False, description="torch.compile each block's forward in every stack (inductor; the "
+                          "parts between blocks stay eager; at ZeRO-3 each block gathers its weights at once). Where it "
+                          "cannot (a CPU without a C++ compiler) the run goes on eagerly with one warning line saying why. "
+                          "The loss equals eager mode's to float rounding.")
     eval_every: int = Field(50, ge=0, description="Validation every N steps (0 = only at the end).")
     eval_batches: int = Field(8, gt=0, description="Validation batches per evaluation.")
     eval_tasks: list[str] = Field(

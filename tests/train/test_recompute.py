@@ -1,8 +1,11 @@
-"""``train.activation_checkpointing`` (``ncpctl.train.recompute``): full and selective give the
-same loss and gradients as eager inside the DeepSpeed engine for ConceptLM, NCP-ArchPreview (IRC,
-CRC, MTP; AdamW at ZeRO-3, which refuses Muon), DLCM and the Steerling bottleneck (dropout on) at
-ZeRO 0 and 3, and really recompute (the attention projections run twice per step); the swap
-leaves names, the state dict and decoding alone."""
+"""``train.activation_checkpointing`` (``ncpctl.train.recompute``) and ``train.compile``
+(``ncpctl.train.compiled``): full, selective and compiled blocks give the same loss and gradients as
+eager inside the DeepSpeed engine for ConceptLM, NCP-ArchPreview (IRC, CRC, MTP; AdamW at ZeRO-3,
+which refuses Muon), DLCM and the Steerling bottleneck (dropout on) at ZeRO 0 and 3; checkpointing
+really recomputes (the attention projections run twice per step), compile really captures graphs
+(dynamo's ``eager`` backend here; inductor's kernels in ``test_compile.py``) with no graph break,
+also at ZeRO-3 where every weight is partitioned; the swap leaves names, the state dict and
+decoding alone."""
 
 from __future__ import annotations
 
@@ -20,9 +23,9 @@ from ..conftest import RECIPES
 from .conftest import ENV
 
 
-def test_full_and_selective_equal_eager_for_every_design_at_zero_0_and_3() -> None:
-    proc = subprocess.run([sys.executable, "-m", "tests.train.recompute_step", "--stages", "0", "3"],
-                          capture_output=True, text=True, env=ENV, timeout=600)
+def test_checkpointing_and_compile_equal_eager_for_every_design_at_zero_0_and_3() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tests.train.recompute_step", "--stages", "0", "3",
+                           "--modes", "full", "selective", "compile"], capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [(r["design"], r["stage"]) for r in rows] == [(d, s) for d in ("conceptlm", "archpreview", "dlcm",
@@ -32,6 +35,11 @@ def test_full_and_selective_equal_eager_for_every_design_at_zero_0_and_3() -> No
             got = r[mode]
             assert got["loss"] <= 1e-6 and got["grad"] <= 1e-6, (r["design"], r["stage"], mode, got)
             assert got["qkv_calls"] == 2 * r["qkv_calls"], (r["design"], mode)  # recomputed, not skipped
+        got = r["compile"]
+        assert got["loss"] <= 1e-6 and got["grad"] <= 1e-6, (r["design"], r["stage"], got)
+        assert got["graph_calls"] > 0 and got["graph_breaks"] == 0, (r["design"], r["stage"], got)
+        released, params = got["released"]  # ZeRO-3 on one rank: every weight partitioned, gathered by hooks
+        assert released == (params if r["stage"] == 3 else 0), (r["design"], r["stage"], got)
 
 
 def test_the_swap_keeps_names_and_state_and_decodes_as_before() -> None:
