@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)  # one: on a shared 2-core machine two threads swing with other jobs
     ap.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     ap.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
