@@ -114,6 +114,7 @@ def main() -> None:
                 loss, grads, calls = run_mode(design, stage, mode, d, args.backend)
                 assert grads.keys() == ref_grads.keys(), (design, mode, set(grads) ^ set(ref_grads))
                 row[mode] = {"loss": max(abs(a - b) for a, b in zip(loss, ref_loss)),
+                             "loss_first": abs(loss[0] - ref_loss[0]),  # the second step's also carries the update
                              "grad": max((grads[n] - ref_grads[n]).abs().max().item() for n in grads),
                              "params": len(grads), "qkv_calls": calls, "released": list(released),
                              "graph_calls": counters["stats"]["calls_captured"], "graph_breaks": sum(counters["graph_break"].values())}
