@@ -153,7 +153,7 @@ def test_ablation_point_changes_only_its_keys(name: str, pile_like: list[str]) -
 
 
 # Two optimizer steps per point at d=96 (12 heads of 8, 12 layers: every varied key stays legal,
-# Table 17's 48 segments of 2 included; d=192 took ~50 s for all points against ~35 s),
+# Table 17's 48 segments of 2 included; all points took 30-36 s at d=192, 17-22 s at d=96),
 # seq 32, micro = global batch 2, fp32, no ZeRO, on the shared tiny corpus (512-token BPE).
 SMALL = ["model.d_model=96", "model.max_seq_len=64", "train.seq_len=32", "train.max_steps=2",
          "train.micro_batch_size=2", "train.global_batch_size=2", "train.precision=fp32", "train.eval_every=0",
