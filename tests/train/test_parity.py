@@ -1,6 +1,7 @@
 """Data parallelism: two ranks under the `deepspeed` launcher with ZeRO-1, -2 and -3 give the
 losses of one process (relative difference <= 1e-4 over 5 steps). The first DeepSpeed CPU run
-on a machine compiles `deepspeed_shm_comm_op` (~2.5 min, cached in ~/.cache/torch_extensions)."""
+on a machine compiles `deepspeed_shm_comm_op` (~2.5 min, cached in ~/.cache/torch_extensions).
+The ZeRO-2 launch also checks the attention diagnostics' max over both ranks (test_attention_stats)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from .conftest import losses, metrics, ncpctl, result, weights
+from .test_attention_stats import check_two_ranks_log_the_max_over_both_ranks
 
 # micro batch 2, global 8: one process accumulates 4 micro-batches, two ranks 2 each
 SETS = ["--set", "train.max_steps=5", "--set", "train.micro_batch_size=2", "--set", "train.eval_every=0",
@@ -31,7 +33,10 @@ def single(tmp_path_factory, tiny_data):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_two_ranks_match_one_process(stage: int, single, make_recipe, tmp_path) -> None:
     recipe = make_recipe(f"z{stage}")
-    proc = ncpctl("pretrain", str(recipe), "--json", *SETS, "--set", f"deepspeed.zero_stage={stage}",
+    # ZeRO-2's launch also carries the attention diagnostics (they leave training bit-identical:
+    # test_attention_stats.py), checked below: one launcher start for both properties
+    stats = ["--set", "train.attention_stats_every=1"] if stage == 2 else []
+    proc = ncpctl("pretrain", str(recipe), "--json", *SETS, "--set", f"deepspeed.zero_stage={stage}", *stats,
                   launcher_ranks=2, timeout=600)
     r = result(proc)
     assert r["world_size"] == 2 and r["zero_stage"] == stage
@@ -47,3 +52,5 @@ def test_two_ranks_match_one_process(stage: int, single, make_recipe, tmp_path) 
     assert w1.keys() == w2.keys()
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-4, msg=k)
+    if stats:
+        check_two_ranks_log_the_max_over_both_ranks(recipe, tmp_path / f"z{stage}")
