@@ -119,7 +119,7 @@ def test_cdlm_section(dry) -> None:
 
 
 def test_real_runs_section(dry) -> None:
-    """Section 9 (bench/gpu_check_runs.py): each part ran, bf16 at ZeRO 0 (DeepSpeed's stage-0 wrapper,
+    """Section 9 (real runs): each part ran, bf16 at ZeRO 0 (DeepSpeed's stage-0 wrapper,
     here on the CPU too) tracks fp32 with AdamW's first step as step 1, packed documents train
     through the loop's hooks without new graphs, the checkpointing modes sit next to the activation
     estimate of the same shape, and compile's first loss equals eager's (fp32, dynamo's eager backend)."""
@@ -244,13 +244,12 @@ def test_real_runs_summary_reads_gpu_memory(dry, script) -> None:
     r = copy.deepcopy(dry["real_runs"])
     for m in r["checkpointing"]["modes"].values():
         m.update(peak_above_bytes=3 * 2**30, forward_end_bytes=2**30, peak_over_estimate=1.5, forward_end_over_estimate=1.1)
-    runs = script.runs_module()
-    lines = runs.summary_lines(r)
+    lines = script.runs_summary_lines(r)
     assert sum("GiB (1.50x est.)" in line for line in lines) == 3
     del r["documents"]
     r["errors"]["documents"] = {"error": "RuntimeError: no", "traceback": ""}
-    assert set(runs.checks(r)) == {"bf16_tracks_fp32_zero0", "compile_first_loss_matches_eager"}
-    assert runs.summary_lines(r)[-1] == "    ERROR in documents: RuntimeError: no"
+    assert set(script.runs_checks(r)) == {"bf16_tracks_fp32_zero0", "compile_first_loss_matches_eager"}
+    assert script.runs_summary_lines(r)[-1] == "    ERROR in documents: RuntimeError: no"
 
 
 def test_op_names_and_verdict(script) -> None:
