@@ -82,13 +82,17 @@ class MetricsLog:
         with disk_errors(self.path):
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        if self.tb is None and self.tracker is None:
+            return
+        # the numeric fields as SPLIT/KEY, the names both mirrors use (lists and strings stay in the jsonl)
+        split, step = record.get("split", "train"), int(record["step"])
+        scalars = {f"{split}/{key}": value for key, value in record.items()
+                   if isinstance(value, (int, float)) and key not in ("step", "split") and math.isfinite(value)}
         if self.tb is not None:
-            split = record.get("split", "train")
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "split") and math.isfinite(value):
-                    self.tb.add_scalar(f"{split}/{key}", value, record["step"])
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
         if self.tracker is not None:
-            self.tracker.log(record)
+            self.tracker.log(scalars, step)
 
     def close(self) -> None:
         try:

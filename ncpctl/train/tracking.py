@@ -17,7 +17,6 @@ heavy work.
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import string
@@ -69,13 +68,11 @@ class WandbRun:
         where = self.run.url or f"offline, {self.run.dir}"
         info(f"W&B run {run_id} ({'continued' if continued else 'new'}; {where})")
 
-    def log(self, record: dict[str, Any]) -> None:
-        split = record.get("split", "train")
-        data = {f"{split}/{k}": v for k, v in record.items()
-                if k not in ("split", "step") and isinstance(v, (int, float)) and math.isfinite(v)}
-        self.step = max(self.step, int(record["step"]))
-        if data:
-            self.run.log(data, step=int(record["step"]))
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        """A record's numeric fields as ``SPLIT/KEY`` (``MetricsLog.write`` names them) at its step."""
+        self.step = max(self.step, step)
+        if scalars:
+            self.run.log(scalars, step=step)
 
     def finish(self, images: list[Path]) -> None:
         """The plots as images at the last step, then the run's end (its files flushed)."""
