@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ncpctl.errors import UserError
 
 SPLIT = "downstream"
@@ -72,16 +70,14 @@ def _load(run: Any) -> tuple[Any, list[Any], list[Any]]:
             got = load_tasks(names, _metadata(run.recipe), skip=run.info, tm=tm)
         except Exception as e:
             err = e
-    if d.world > 1 and d.sum(torch.tensor([float(err is not None)])).item() > 0:
+    if d.any(err is not None):
         raise err or UserError("train.eval_tasks: rank 0 could not load the tasks (see its error)")
-    if err is not None:
-        raise err
     if d.rank != 0:
         try:
             got = load_tasks(names, _metadata(run.recipe), tm=tm)
         except Exception as e:
             err = e
-    if d.world > 1 and d.sum(torch.tensor([float(err is not None)])).item() > 0:
+    if d.any(err is not None):
         raise err or UserError("train.eval_tasks: a rank other than 0 could not load the tasks (see its error)")
     assert got is not None
     _TASK_MANAGERS[tuple(names)] = got[0]

@@ -182,7 +182,7 @@ def load(engine: Any, src: Path, saved_world: int, zero_stage: int, work: Path, 
             problem = e
             shutil.rmtree(work, ignore_errors=True)  # no half-written copy left behind
     # every rank learns whether rank 0 converted it (a plain barrier would leave them waiting on an error)
-    if d.sum(torch.tensor([float(problem is not None)])).item() > 0:
+    if d.any(problem is not None):
         raise problem or UserError(f"{src}: rank 0 could not re-partition it for {d.world} ranks (its error says why)",
                                    hint=HINT)
     config = engine._config  # the engine reads this flag at load time only

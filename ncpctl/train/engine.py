@@ -67,6 +67,11 @@ class Dist:
             dist.all_reduce(t)
         return t.double().cpu()
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank: every rank gets the same answer (one all-reduce), so
+        a failure on one rank can be raised on all of them instead of leaving the others waiting."""
+        return self.sum(torch.tensor([float(flag)])).item() > 0
+
     def max(self, t: torch.Tensor) -> torch.Tensor:
         """All-reduce (max) a small vector; returns it as float64 on the CPU (one host sync)."""
         import deepspeed.comm as dist

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from ncpctl.train.engine import Dist
+
 from .conftest import metrics, ncpctl, result
 
 TASKS = ["--set", "train.eval_tasks=[ncp_cloze, ncp_heldout_ppl]", "--set", "eval.limit=4"]
@@ -101,11 +103,11 @@ def test_zero3_on_two_ranks_evaluates_in_the_loop_without_deadlock(make_recipe, 
     assert _scores(down[0]) and _scores(down[0]) == pytest.approx(_scores(one[0]), rel=1e-6)  # summed in another order
 
 
-class _Ranks:
+class _Ranks(Dist):
     """A Dist stand-in for rank ``rank`` of 2: records the collectives it joins (every rank must
     join the same ones, or the others wait in theirs)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int) -> None:  # no device or process group: the fields the code reads
         self.rank, self.world, self.calls = rank, 2, []
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ncpctl.errors import UserError
+from ncpctl.train.engine import Dist
 
 from .conftest import losses, ncpctl, result
 
@@ -121,10 +122,10 @@ def test_another_world_size_is_refused_only_where_nothing_re_partitions() -> Non
     check_compatible(Path("ck"), meta, cfg, world_size=1, zero_stage=2, optimizer_state=True, elastic=True)
 
 
-class _Ranks:
+class _Ranks(Dist):
     """A Dist stand-in for rank ``rank`` of 2: records the collectives it joins."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int) -> None:  # no device or process group: the fields the code reads
         self.rank, self.world, self.calls = rank, 2, []
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
