@@ -93,8 +93,8 @@ def _drafter_stage(recipe: Recipe, init: Path) -> Stage:
     if others or t.lora is not None:
         raise UserError(f"{recipe.path}: a drafter trains against a plain target run; this one adds "
                         f"{', '.join(others) or 'train.lora'}",
-                        hint="set train.plots: false and no train.lora; a target with a bottleneck, DLCM's "
-                             "dynamic segmentation or document masks has no drafter in ncpctl")
+                        hint="set train.plots: false and no train.lora; a target whose design adds the other "
+                             "keys named has no drafter in ncpctl")
     try:
         cfg = drafter_config(recipe)
     except ValueError as e:
