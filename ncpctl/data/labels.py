@@ -338,16 +338,10 @@ class LabelSpans:
         return out
 
 
-def lift_tokens(tokens: np.ndarray, spans: LabelSpans, count: int, vocab: int, *, min_count: int = 5,
+def lift_tokens(streams: list[tuple[np.ndarray, LabelSpans]], count: int, vocab: int, *, min_count: int = 5,
                 max_tokens: int = 4_000_000) -> np.ndarray:
-    """A steering stage's lift tokens T_c (Steerling's L_express) of one labelled token stream:
-    ``lift_tokens_over([(tokens, spans)], ...)``."""
-    return lift_tokens_over([(tokens, spans)], count, vocab, min_count=min_count, max_tokens=max_tokens)
-
-
-def lift_tokens_over(streams: list[tuple[np.ndarray, LabelSpans]], count: int, vocab: int, *, min_count: int = 5,
-                     max_tokens: int = 4_000_000) -> np.ndarray:
-    """A steering stage's lift tokens T_c (Steerling's L_express): per labelled concept, the ``count``
+    """A steering stage's lift tokens T_c (Steerling's L_express) of ``streams``, (tokens, LabelSpans) pairs:
+    per labelled concept, the ``count``
     token ids most over-represented inside its spans, (n, count) int64, -1 where a concept has fewer.
 
     Over-representation is the smoothed log ratio log((a_y + 1) / (A + V)) - log((b_y + 1) / (N + V))

@@ -772,7 +772,7 @@ def test_lift_tokens_are_the_tokens_over_represented_in_a_concepts_spans(tmp_pat
     prefix = tmp_path / "train"
     np.save(labels_path(prefix), np.array(spans, dtype=np.int64))
     lab = LabelSpans(prefix, len(stream), 3)
-    out = lift_tokens(stream, lab, 4, 50)
+    out = lift_tokens([(stream, lab)], 4, 50)
     assert out.shape == (3, 4)
     assert out[0, 0] == 7 and out[1, 0] == 9
     assert (out[2] == -1).all()

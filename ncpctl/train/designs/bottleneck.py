@@ -124,10 +124,10 @@ def set_lift_tokens(model: torch.nn.Module, recipe: Recipe, ds: Any, loader: Any
     bn = model.bottleneck
     if bn.bcfg.express_weight <= 0:
         return
-    from ncpctl.data.labels import lift_tokens_over
+    from ncpctl.data.labels import lift_tokens
 
     # (tokens, labels) of the train split, or of each labelled data.mix component (their counts added)
-    lift = lift_tokens_over(loader.label_streams(), bn.bcfg.lift_tokens, recipe.model_config.vocab_size)
+    lift = lift_tokens(loader.label_streams(), bn.bcfg.lift_tokens, recipe.model_config.vocab_size)
     bn.lift = torch.from_numpy(lift)
     empty = [names[c] if names else str(c) for c in range(lift.shape[0]) if lift[c, 0] < 0]
     info(f"steering stage: {bn.bcfg.lift_tokens} lift tokens per concept from the train split's labels"
