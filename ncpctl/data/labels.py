@@ -340,9 +340,9 @@ class LabelSpans:
 
 def lift_tokens(streams: list[tuple[np.ndarray, LabelSpans]], count: int, vocab: int, *, min_count: int = 5,
                 max_tokens: int = 4_000_000) -> np.ndarray:
-    """A steering stage's lift tokens T_c (Steerling's L_express) of ``streams``, (tokens, LabelSpans) pairs:
-    per labelled concept, the ``count``
-    token ids most over-represented inside its spans, (n, count) int64, -1 where a concept has fewer.
+    """A steering stage's lift tokens T_c (Steerling's L_express) of ``streams``, (tokens, LabelSpans)
+    pairs: per labelled concept, the ``count`` token ids most over-represented inside its spans,
+    (n, count) int64, -1 where a concept has fewer.
 
     Over-representation is the smoothed log ratio log((a_y + 1) / (A + V)) - log((b_y + 1) / (N + V))
     of a token's count a_y among concept c's span tokens (A of them) against its count b_y in the
