@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ncpctl.model.accounting_memory import activation_memory
 from ncpctl.model.accounting import (at_realised_ratio, count_parameters, exact_flops, paper_flops, saving,
                                      tokens_per_concept)
+from ncpctl.model.accounting_memory import activation_memory
 from ncpctl.model.config import ConfigError, ModelConfig
 
 VARIANTS = ("recipe", "base", "pm")

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +39,10 @@ from typing import Any, Callable
 import torch
 import yaml
 
+from ncpctl.checkpoint import elastic_dir
 from ncpctl.errors import UserError
 from ncpctl.profile.timing import device_peak
 from ncpctl.recipe.load import Recipe
-from ncpctl.checkpoint import elastic_dir
 from ncpctl.train import checkpoint as ckpt, downstream, elastic, tracking
 from ncpctl.train.config import schedule_change
 from ncpctl.train.data import TrainData, open_data
