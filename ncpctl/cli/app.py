@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from typing import Annotated, Optional
 
-import typer
+from ncpctl.threads import prefer_passive_waiting
 
-from ncpctl import __version__
+prefer_passive_waiting()  # before anything imports torch: its OpenMP runtime reads it once (ncpctl.threads)
+
+import typer  # noqa: E402
+
+from ncpctl import __version__  # noqa: E402
 from ncpctl.cli import adapt_vq, eval as eval_cmd, export, fit, generate, inspect_cmd, midtrain, pretrain, profile_kernels, \
-    sweep, tokenize, train_drafter
-from ncpctl.cli._common import STATE, report_failure
+    sweep, tokenize, train_drafter  # noqa: E402
+from ncpctl.cli._common import STATE, report_failure  # noqa: E402
 
 app = typer.Typer(
     name="ncpctl",

@@ -226,3 +226,24 @@ def reset_hyperparameters(engine: Any, recipe: Recipe) -> None:
         if g.get("muon"):
             g.update(momentum=t.muon_momentum, lr_scale=t.muon_lr_scale)
     engine.lr_scheduler.base_lrs = [g["initial_lr"] for g in opt.param_groups]  # our LambdaLR (kept by deepspeed)
+
+
+def follow_schedule(engine: Any, recipe: Recipe) -> int:
+    """A resumed run's lr (issue 46 item 6): this recipe's schedule on this recipe's base rates, from
+    the step the scheduler is about to take (its ``last_epoch``: skipped steps do not advance it),
+    which it returns. The loaded param groups carry the lr the checkpoint's schedule set for that
+    step and LambdaLR's state the checkpoint's base rates (its lambdas are this recipe's: plain
+    functions are not saved), so under a changed schedule the first resumed step took the old lr
+    and, with another train.lr, every later one the old peak. An unchanged schedule gives the same
+    numbers bit for bit (LambdaLR computes ``base * lambda(last_epoch)`` as here)."""
+    t, schedule, base = recipe.train, lr_schedule(recipe), base_lrs(recipe.train)
+    sched = engine.lr_scheduler  # our LambdaLR (kept by deepspeed), over the inner torch optimizer
+    mults = {g["name"]: g for g in param_groups(engine.module, t.weight_decay, muon=t.optimizer == "muon")}
+    rates = []
+    for g in sched.optimizer.param_groups:
+        mine = mults.get(g.get("name"), {})
+        rates.append(base.get(mine.get("mup"), t.lr) * mine.get("lr_mult", 1.0))
+        g.update(initial_lr=rates[-1], lr=rates[-1] * schedule(sched.last_epoch))
+    sched.base_lrs = rates
+    sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]  # what get_last_lr() reports
+    return sched.last_epoch
