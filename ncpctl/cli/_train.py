@@ -66,10 +66,10 @@ def _human(con: Any, s: dict[str, Any]) -> None:
                      if "flops_realised" in b else ""))
     val = s["val"]
     if val.get("loss") is not None:
-        from ncpctl.train.display import estimate_terms, loss_terms
+        from ncpctl.train.display import estimate_terms, loss_terms, term_text
 
         # the objective's term first (comparable across models), then the others, then the total
-        terms = [f"{k.removesuffix('_loss')} {val[k]:.4f}" for k in loss_terms(val)]
+        terms = [term_text(val, k) for k in loss_terms(val)]
         line = f"val at step {s['val_step']}: " if s.get("val_step") is not None else "val: "
         line += ", ".join([*terms, f"total {val['loss']:.4f}"] if len(terms) > 1 else [f"loss {val['loss']:.4f}"])
         line += "".join(", " + t for t in estimate_terms(val))  # e.g. the CDLM's held-out ELBO
