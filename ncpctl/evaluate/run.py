@@ -279,7 +279,9 @@ def score(lm, tm, objs: list[Any], protocols: list[Any], limit: int | None, num_
 
     from ncpctl.evaluate.protocol import aggregate
 
-    with _quiet_git_hash():
+    from ncpctl.evaluate.quiet import no_progress_bars
+
+    with _quiet_git_hash(), no_progress_bars():
         res = simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
                               batch_size=batch_size, log_samples=True, bootstrap_iters=bootstrap_iters,
                               metadata=metadata)

@@ -28,6 +28,7 @@ each under ZeRO-3. The engine names no component: it asks every module.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -176,6 +177,7 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable
     # stage 0 bf16: the fp32 weights, before DeepSpeed casts the model (its masters then come from bf16)
     fp32_init = ({id(p): p.detach().clone() for p in model.parameters() if p.requires_grad}
                  if bf16 and recipe.deepspeed.zero_stage == 0 else None)
+    quiet_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
     if fp32_init is not None:
@@ -190,6 +192,27 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable
     if bf16 and info is not None:
         info("precision: bf16")
     return engine, bf16
+
+
+class _DropUntested(logging.Filter):
+    """DeepSpeed's "You are using ZeRO with an untested optimizer": ncpctl's optimizers (GuardedAdamW,
+    MuonAdamW) are not on DeepSpeed's list, and ncpctl's tests run them under ZeRO (issue 46 item 10)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "untested optimizer" not in record.getMessage()
+
+
+def quiet_deepspeed() -> None:
+    """Drop the lines a user can do nothing about (issue 46 item 10): the untested-optimizer warning,
+    and torch's FutureWarning on the collectives DeepSpeed's ZeRO calls (``all_gather_into_tensor``,
+    ``reduce_scatter_tensor``: deprecated in torch, DeepSpeed's to change), once per call site."""
+    import warnings
+
+    from deepspeed.utils import logger
+
+    if not any(isinstance(f, _DropUntested) for f in logger.filters):
+        logger.addFilter(_DropUntested())
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 @torch.no_grad()
