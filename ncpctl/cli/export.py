@@ -64,7 +64,8 @@ def main(
         con.print(f"exported {ck} -> [bold]{info['out']}[/] as {info['architecture']} ({info['dtype']}, "
                   f"{info['parameters']:,} parameters, {info['shards']} shard(s))")
         if info.get("remote_code"):
-            con.print("  load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
+            con.print("  load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True); the tokenizer "
+                      "with PreTrainedTokenizerFast.from_pretrained(DIR)")
         v = info.get("verify")
         con.print(f"  verified: max |logit diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:.3g}; tokenizer identical"
                   if v else "  [yellow]not verified (--skip-verify)[/]")
