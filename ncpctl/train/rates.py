@@ -24,8 +24,8 @@ SLOW = 3.0  # how many times slower the recent steps must be for the hint
 
 def compiling_line(blocks: str = "the blocks") -> str:
     return (f"train.compile: the first step traces and compiles {blocks} (torch.compile, inductor); it is "
-            "logged when that is done (30-60 s at debug size on a CPU, minutes for a large model), and its "
-            "time is reported apart from steps/s")
+            "logged when that is done (at debug size on 2 CPU cores: minutes the first time, ~10 s once "
+            "inductor's cache holds the kernels), and its time is reported apart from steps/s")
 
 
 @dataclass
