@@ -48,12 +48,28 @@ def main(
         "--heldout", metavar="SOURCE", help="Held-out text to score (token/word/byte perplexity, bits per byte), "
         "repeatable: a file, glob, builtin:NAME, or a data.sources entry as YAML, e.g. "
         "'{path: notes.jsonl, field: body, label: notes}' (default: eval.heldout).", show_default=False)] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Examples per task (smoke runs).",
-                                                 show_default=False)] = None,
+    limit: Annotated[Optional[float], typer.Option(
+        "--limit", help="Examples per task (smoke runs); below 1, a fraction of each task's examples (lm-eval's "
+        "rule: 0.1 = the first ceil(10%)).", show_default=False)] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help="Requests per batch.",
                                                       show_default=False)] = None,
-    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples.",
-                                                       show_default=False)] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option(
+        "--num-fewshot", min=0, help="Few-shot examples of every task, 0-shot ones and a paper group's members "
+        "included (the shots each task used are recorded).", show_default=False)] = None,
+    seed: Annotated[Optional[str], typer.Option(
+        "--seed", metavar="N|R,N,T,F", help="lm-eval's seeds: Python random, numpy, torch, few-shot sampler (one "
+        "integer for all four, or four values; None leaves one unset) [default: 0,1234,1234,1234].",
+        show_default=False)] = None,
+    gen_kwargs: Annotated[Optional[str], typer.Option(
+        "--gen-kwargs", metavar="K=V,...|JSON", help="Generation tasks' settings, merged into each task's own: "
+        "temperature, top_p, top_k, do_sample, max_gen_toks, until (stop strings; a JSON object for those), seed.",
+        show_default=False)] = None,
+    log_samples: Annotated[bool, typer.Option(
+        "--log-samples", help="Write one JSONL per task beside the results (samples_<checkpoint>/TASK.jsonl): "
+        "document id, prompt, response, target, each metric's score.")] = False,
+    no_cache: Annotated[bool, typer.Option(
+        "--no-cache", help="Score every request anew (default: answers are kept in eval/cache/ as they are scored, "
+        "so an interrupted evaluation resumes; keyed by the checkpoint's manifest).")] = False,
     diffusion_samples: Annotated[Optional[int], typer.Option(
         "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
         "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)] = None,
@@ -116,13 +132,20 @@ def main(
     out_ = Output(json_out)
     names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None
     log = _logger(out_)
+    from ncpctl.evaluate.settings import parse_gen_kwargs, parse_limit, parse_seed
+
+    limit_ = parse_limit(limit)
+    how = dict(seed=parse_seed(seed) if seed is not None else None, gen_kwargs=parse_gen_kwargs(gen_kwargs),
+               log_samples=log_samples, cache=not no_cache)
     if compare:
-        _compare(out_, targets, set_, dict(tasks=names, heldout=heldout, limit=limit, num_fewshot=num_fewshot,
+        _compare(out_, targets, set_, dict(tasks=names, heldout=heldout, limit=limit_, num_fewshot=num_fewshot,
                                      batch_size=batch_size, out=out, window=window, log=log, level=level,
-                                     resamples=resamples))
+                                     resamples=resamples, how=how))
         return
     if speculative is not None:
-        _speculative(out_, targets, speculative, horizon, prompts, limit, new_tokens, batch_size, log)
+        if isinstance(limit_, float):
+            raise UserError(f"--speculative: --limit {limit:g} is a fraction; it counts prompts here")
+        _speculative(out_, targets, speculative, horizon, prompts, limit_, new_tokens, batch_size, log)
         return
     if allow_code_execution:  # the opt-in reaches the code runner through the environment (as lm-eval's HF_ALLOW_CODE_EVAL)
         _allow_code()
@@ -139,10 +162,12 @@ def main(
         return
     from ncpctl.evaluate.run import evaluate, resolve_target, rich_table
 
-    t = resolve_target(targets[0], set_ or [], names, batch_size, limit, num_fewshot, out, heldout=heldout,
-                       diffusion_samples=diffusion_samples)
+    t = resolve_target(targets[0], set_ or [], names, batch_size, limit_, num_fewshot, out, heldout=heldout,
+                       diffusion_samples=diffusion_samples, **how)
     t.allow_code = allow_code_execution
     summary = evaluate(t, log=log)
+    if summary is None:  # a data-parallel evaluation's rank other than 0: rank 0 writes and prints
+        return
     out_.result({"command": "eval", **summary}, lambda con: (
         print_wide(con, rich_table(summary)),
         con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),
