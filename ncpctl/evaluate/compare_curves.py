@@ -98,7 +98,8 @@ def curve_stats(runs: list[dict[str, Any]], run_dirs: list[Path | None], curves:
     for r in runs:
         row = out[r["label"]] | {"tokens_to_reach": None, "tokens_ratio": None, "compute_ratio": None}
         c = curves.get(r["label"])
-        if b and c and len(b["steps"]) > 1 and len(c["steps"]) > 1:
+        row["reach_note"] = _why_not(base, b, r["label"], c)
+        if row["reach_note"] is None:
             reach = tokens_to_reach(xs[base], b["values"], xs[r["label"]], c["values"])
             row |= {"target_loss": reach["target_loss"], "tokens_to_reach": reach["tokens"], "tokens_ratio": reach["ratio"]}
             f, t, fb = r.get("training_flops"), r.get("tokens"), runs[0].get("training_flops")
@@ -108,13 +109,33 @@ def curve_stats(runs: list[dict[str, Any]], run_dirs: list[Path | None], curves:
     return out
 
 
+def _why_not(base: str, b: dict[str, Any] | None, label: str, c: dict[str, Any] | None) -> str | None:
+    """Why tokens-to-reach cannot be computed for run ``label`` (None: it can): a crossing needs each
+    curve to have two validation records or more."""
+    for lab, curve in ((base, b), (label, c)):
+        if not curve:
+            return f"{lab} has no validation records in its metrics.jsonl"
+        if len(curve["steps"]) < 2:
+            return (f"{lab} validated once (step {curve['steps'][0]}): a crossing needs two validations or more "
+                    "(train.eval_every)")
+    return None
+
+
 def lines(stats: dict[str, dict[str, Any]], baseline: str) -> list[str]:
-    """The curve columns as text lines (terminal caption and markdown)."""
+    """The curve columns as text lines (terminal caption and markdown); where tokens-to-reach cannot be
+    computed, the reason instead of its numbers."""
     g = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     out = []
     for lab, s in stats.items():
-        out.append(f"{lab}: train loss last {s['window']} steps {g(s['train_loss_last'], '.4f')}, whole run "
-                   f"{g(s['train_loss_all'], '.4f')}; tokens to reach {baseline}'s final val loss "
+        head = (f"{lab}: train loss last {s['window']} steps {g(s['train_loss_last'], '.4f')}, whole run "
+                f"{g(s['train_loss_all'], '.4f')}; ")
+        if s.get("reach_note"):
+            out.append(head + f"tokens to reach {baseline}'s final val loss: not computed ({s['reach_note']})")
+            continue
+        if s.get("tokens_to_reach") is None:
+            out.append(head + f"{baseline}'s final val loss {g(s.get('target_loss'), '.4f')}: not reached in this run")
+            continue
+        out.append(head + f"tokens to reach {baseline}'s final val loss "
                    f"{g(s.get('target_loss'), '.4f')}: {g(s.get('tokens_to_reach'), ',.0f')} "
                    f"(ratio {g(s.get('tokens_ratio'), '.3f')}, compute ratio {g(s.get('compute_ratio'), '.3f')})")
     return out
