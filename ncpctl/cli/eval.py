@@ -26,6 +26,42 @@ LevelOpt = Annotated[float, typer.Option("--level", min=0.5, max=0.999, help="--
 ResamplesOpt = Annotated[int, typer.Option("--resamples", min=100, help="--compare with seed arms: bootstrap "
                                            "resamples of the examples (fixed seed 0).")]
 
+TasksOpt = Annotated[Optional[str], typer.Option(
+    "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: eval.tasks of the recipe, or of "
+    "the recipe a checkpoint carries; '' = none, only --heldout). "
+    "Offline: ncp_offline; the ConceptLM paper: conceptlm, conceptlm_downstream, conceptlm_ppl; paper tables with "
+    "their shots and aggregate: conceptlm_table1, conceptlm_8b, dlcm_table2, archpreview_table1, archpreview_general.",
+    show_default=False)]
+HeldoutOpt = Annotated[Optional[list[str]], typer.Option(
+    "--heldout", metavar="SOURCE", help="Held-out text to score (token/word/byte perplexity, bits per byte), "
+    "repeatable: a file, glob, builtin:NAME, or a data.sources entry as YAML, e.g. "
+    "'{path: notes.jsonl, field: body, label: notes}' (default: eval.heldout).", show_default=False)]
+DiffusionSamplesOpt = Annotated[Optional[int], typer.Option(
+    "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
+    "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)]
+LimitOpt = Annotated[Optional[float], typer.Option(
+    "--limit", help="Examples per task (smoke runs); below 1, a fraction of each task's examples (lm-eval's "
+    "rule: 0.1 = the first ceil(10%)).", show_default=False)]
+BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help="Requests per batch.",
+                                                 show_default=False)]
+ShotsOpt = Annotated[Optional[int], typer.Option(
+    "--num-fewshot", min=0, help="Few-shot examples of every task, 0-shot ones and a paper group's members "
+    "included (the shots each task used are recorded).", show_default=False)]
+SeedOpt = Annotated[Optional[str], typer.Option(
+    "--seed", metavar="N|R,N,T,F", help="lm-eval's seeds: Python random, numpy, torch, few-shot sampler (one "
+    "integer for all four, or four values; None leaves one unset) [default: 0,1234,1234,1234].",
+    show_default=False)]
+GenKwargsOpt = Annotated[Optional[str], typer.Option(
+    "--gen-kwargs", metavar="K=V,...|JSON", help="Generation tasks' settings, merged into each task's own: "
+    "temperature, top_p, top_k, do_sample, max_gen_toks, until (stop strings; a JSON object for those), seed.",
+    show_default=False)]
+LogSamplesOpt = Annotated[bool, typer.Option(
+    "--log-samples", help="Write one JSONL per task beside the results (samples_<checkpoint>/TASK.jsonl): "
+    "document id, prompt, response, target, each metric's score.")]
+NoCacheOpt = Annotated[bool, typer.Option(
+    "--no-cache", help="Score every request anew (default: answers are kept in eval/cache/ as they are scored, "
+    "so an interrupted evaluation resumes; keyed by the checkpoint's manifest).")]
+
 
 @command
 def main(
@@ -38,41 +74,16 @@ def main(
         "is evaluated first. Writes `compare_<runs>.{json,md,png}` to --out (default: the first run's eval/). "
         "A TARGET 'A1,A2,A3' is an arm of runs that differ only by train.seed: mean ± std per arm and a paired "
         "bootstrap over examples of each arm's difference to the first.")] = False,
-    tasks: Annotated[Optional[str], typer.Option(
-        "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: eval.tasks of the recipe, or of "
-        "the recipe a checkpoint carries; '' = none, only --heldout). "
-        "Offline: ncp_offline; the ConceptLM paper: conceptlm, conceptlm_downstream, conceptlm_ppl; paper tables with "
-        "their shots and aggregate: conceptlm_table1, conceptlm_8b, dlcm_table2, archpreview_table1, archpreview_general.",
-        show_default=False)] = None,
-    heldout: Annotated[Optional[list[str]], typer.Option(
-        "--heldout", metavar="SOURCE", help="Held-out text to score (token/word/byte perplexity, bits per byte), "
-        "repeatable: a file, glob, builtin:NAME, or a data.sources entry as YAML, e.g. "
-        "'{path: notes.jsonl, field: body, label: notes}' (default: eval.heldout).", show_default=False)] = None,
-    limit: Annotated[Optional[float], typer.Option(
-        "--limit", help="Examples per task (smoke runs); below 1, a fraction of each task's examples (lm-eval's "
-        "rule: 0.1 = the first ceil(10%)).", show_default=False)] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help="Requests per batch.",
-                                                      show_default=False)] = None,
-    num_fewshot: Annotated[Optional[int], typer.Option(
-        "--num-fewshot", min=0, help="Few-shot examples of every task, 0-shot ones and a paper group's members "
-        "included (the shots each task used are recorded).", show_default=False)] = None,
-    seed: Annotated[Optional[str], typer.Option(
-        "--seed", metavar="N|R,N,T,F", help="lm-eval's seeds: Python random, numpy, torch, few-shot sampler (one "
-        "integer for all four, or four values; None leaves one unset) [default: 0,1234,1234,1234].",
-        show_default=False)] = None,
-    gen_kwargs: Annotated[Optional[str], typer.Option(
-        "--gen-kwargs", metavar="K=V,...|JSON", help="Generation tasks' settings, merged into each task's own: "
-        "temperature, top_p, top_k, do_sample, max_gen_toks, until (stop strings; a JSON object for those), seed.",
-        show_default=False)] = None,
-    log_samples: Annotated[bool, typer.Option(
-        "--log-samples", help="Write one JSONL per task beside the results (samples_<checkpoint>/TASK.jsonl): "
-        "document id, prompt, response, target, each metric's score.")] = False,
-    no_cache: Annotated[bool, typer.Option(
-        "--no-cache", help="Score every request anew (default: answers are kept in eval/cache/ as they are scored, "
-        "so an interrupted evaluation resumes; keyed by the checkpoint's manifest).")] = False,
-    diffusion_samples: Annotated[Optional[int], typer.Option(
-        "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
-        "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)] = None,
+    tasks: TasksOpt = None,
+    heldout: HeldoutOpt = None,
+    limit: LimitOpt = None,
+    batch_size: BatchOpt = None,
+    num_fewshot: ShotsOpt = None,
+    seed: SeedOpt = None,
+    gen_kwargs: GenKwargsOpt = None,
+    log_samples: LogSamplesOpt = False,
+    no_cache: NoCacheOpt = False,
+    diffusion_samples: DiffusionSamplesOpt = None,
     window: Annotated[int, typer.Option("--window", min=1, help="--compare: train loss mean over the last N steps.")] = 200,
     level: LevelOpt = 0.95,
     resamples: ResamplesOpt = 2000,

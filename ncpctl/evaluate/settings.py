@@ -26,7 +26,6 @@ from typing import Any
 from ncpctl.errors import UserError
 
 DEFAULT_SEED = (0, 1234, 1234, 1234)  # lm-eval's defaults: random, numpy, torch, few-shot
-SEED_NAMES = ("random", "numpy", "torch", "fewshot")
 # what NCPLM.generate_until reads from a task's generation_kwargs (lm-eval's names)
 GEN_KEYS = ("until", "do_sample", "temperature", "top_p", "top_k", "max_gen_toks", "seed")
 
@@ -99,10 +98,6 @@ def parse_limit(v: float | int | None) -> int | float | None:
                             "a fraction of each task is below 1")
         return int(v)
     return float(v)
-
-
-def seed_record(seed: tuple[int | None, ...]) -> dict[str, int | None]:
-    return dict(zip(SEED_NAMES, seed))
 
 
 def task_settings(res: dict[str, Any], request: dict[str, Any]) -> dict[str, dict[str, Any]]:
