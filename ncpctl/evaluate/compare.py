@@ -267,8 +267,11 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
     ``tasks``/``heldout``/``limit``/``num_fewshot``/``batch_size`` and ``how`` (``seed``, ``gen_kwargs``,
     ``log_samples``, ``cache`` of ``resolve_target``) only apply to targets evaluated here.
     A comma-separated target is an arm of seeds (``ncpctl.evaluate.compare_arms``; ``level``, ``resamples``)."""
-    from ncpctl.evaluate import compare_arms
+    from ncpctl.evaluate import compare_arms, parallel
 
+    if parallel.launched().world > 1:
+        raise UserError("--compare runs in one process, not under a launcher",
+                        hint="score each run under the launcher first (`ncpctl eval RUN`), then compare without it")
     split = compare_arms.split_arms(targets)
     targets, arm = split if split else (targets, None)
     if len(targets) < 2:

@@ -2,7 +2,12 @@
 
 Writes ``results_<tag>.json`` (lm-eval's results object plus our ``perplexity`` summary)
 and ``results_<tag>.md`` (lm-eval's markdown table plus the perplexity summary) into
-``run.dir/eval/`` (a checkpoint outside a run directory: ``CHECKPOINT/eval/``).
+``run.dir/eval/`` (a checkpoint outside a run directory: ``CHECKPOINT/eval/``). The file of a
+checkpoint accumulates the tasks of every evaluation of it (``ncpctl.evaluate.accumulate``; a task
+scored again is replaced, ``scored`` says when and with what settings each was scored:
+``ncpctl.evaluate.settings``); ``--log-samples`` adds one JSONL per task (``ncpctl.evaluate.samples``);
+answers go through a resumable cache (``ncpctl.evaluate.cache``); under a launcher every rank scores
+its share and rank 0 writes (``ncpctl.evaluate.parallel``).
 
 Perplexity across sets (the ``perplexity`` entry; sets = the tasks whose lm-eval metrics
 include a perplexity):
@@ -22,9 +27,11 @@ include a perplexity):
 Held-out corpora (``EvalTarget.heldout``: ``--heldout`` or ``eval.heldout``) are tasks of their
 own, named by their labels (``ncpctl.evaluate.heldout``); they count as perplexity sets.
 The JSON also records what was asked (``request``: tasks, held-out corpora, limit, few-shot,
-batch size, checkpoint), which ``ncpctl eval --compare`` reuses to evaluate a run the same way, and
-each task's numeric per-example scores (``per_example``: ``doc_id`` and one list per metric), which
-its seed arms pair on (``ncpctl.evaluate.compare_arms``).
+batch size, seeds, generation settings, checkpoint), which ``ncpctl eval --compare`` reuses to
+evaluate a run the same way, and each task's numeric per-example scores (``per_example``: ``doc_id``
+and one list per metric; with ``--log-samples`` they are read from the samples files instead), which
+its seed arms pair on (``ncpctl.evaluate.compare_arms``). ``--num-fewshot`` applies to every task,
+0-shot ones included (``set_shots``: lm-eval's own override skips a task whose config says 0).
 
 A checkpoint whose log-likelihoods are bounds (a Causal Diffusion LM: its held-out ELBO,
 ``ncpctl.model.diffusion_elbo``) is scored with ``diffusion_samples`` Monte Carlo samples per
