@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -177,12 +178,20 @@ def main(
                        diffusion_samples=diffusion_samples, **how)
     t.allow_code = allow_code_execution
     summary = evaluate(t, log=log)
-    if summary is None:  # a data-parallel evaluation's rank other than 0: rank 0 writes and prints
-        return
-    out_.result({"command": "eval", **summary}, lambda con: (
-        print_wide(con, rich_table(summary)),
-        con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),
-    ))
+    if summary is not None:  # None: a data-parallel evaluation's rank other than 0 (rank 0 writes and prints)
+        out_.result({"command": "eval", **summary}, lambda con: (print_wide(con, rich_table(summary)),
+                                                                 con.print(f"[dim]{_files_lines(summary)}[/]")))
+
+
+def _files_lines(summary: dict) -> str:
+    """Where the results went, and how many requests the model answered (the rest: the request cache)."""
+    files, here = summary["files"], Path(summary["files"]["json"]).parent
+    text = f"results: {files['json']}\nmarkdown: {files['markdown']}"
+    text += "".join(f"\nsamples: {here / rel}" for rel in (summary.get("samples") or {}).values())
+    n, scored = summary.get("requests"), summary.get("model_requests")
+    if n is not None and scored is not None and summary.get("cache"):
+        text += f"\nrequests: {n:,} ({scored:,} scored by the model, {n - scored:,} from the cache)"
+    return text
 
 
 # eval's modes (one per call), and the flags that only one of them reads

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 TIMEOUT_S = 5.0
 _answered = False  # the hub answered once in this process: not asked again
+went_offline = False  # this process went offline because the hub did not answer
 
 
 def offline() -> bool:
@@ -58,7 +59,7 @@ def go_offline() -> None:
 
 def check(names: list[str], ours: dict[str, dict[str, Any]], log: Callable[[str], None]) -> None:
     """Ask the hub once when a task needs it; unreachable: offline, with one line saying so."""
-    global _answered
+    global _answered, went_offline
     if _answered or offline() or not needs_hub(names, ours):
         return
     why = unreachable()
@@ -68,5 +69,6 @@ def check(names: list[str], ours: dict[str, dict[str, Any]], log: Callable[[str]
     from huggingface_hub import constants
 
     go_offline()
+    went_offline = True
     log(f"the Hugging Face hub ({constants.ENDPOINT}) is unreachable ({why}): hub datasets are read from the "
         "local cache only (HF_HUB_OFFLINE=1 skips this check)")

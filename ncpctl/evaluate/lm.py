@@ -80,7 +80,7 @@ class NCPLM(Collectives, TemplateLM):
                  **_: Any):
         super().__init__()
         self._rank, self._world_size = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
-        self.cache, self.model_requests = cache, 0
+        self.cache, self.model_requests, self.requests = cache, 0, 0  # answered by the model / asked in all
         self._dtype = dtype
         if not str(diffusion_samples).isdigit() or int(diffusion_samples) < 1:
             raise UserError(f"diffusion_samples={diffusion_samples!r}: expected a positive integer")
@@ -131,15 +131,17 @@ class NCPLM(Collectives, TemplateLM):
         out, scored = request_cache.through(self.cache, kind, requests, self.cache_settings, compute,
                                             request_cache.CHUNK * self._batch_size, cacheable)
         self.model_requests += scored
+        self.requests += len(requests)
         return out
 
     def gather_stats(self) -> None:
-        """Sum ``token_stats`` over the ranks of a data-parallel evaluation (a collective: every rank
-        calls it); rank 0 then holds the totals."""
+        """Sum ``token_stats`` and the request counts over the ranks of a data-parallel evaluation (a
+        collective: every rank calls it); rank 0 then holds the totals."""
         if self._world_size > 1:
-            parts = self.gather_object(self.token_stats)
+            parts = self.gather_object((self.token_stats, self.requests, self.model_requests))
             if self._rank == 0:
-                self.token_stats = sum_stats(parts)
+                self.token_stats = sum_stats([p[0] for p in parts])
+                self.requests, self.model_requests = sum(p[1] for p in parts), sum(p[2] for p in parts)
 
     @property
     def likelihood(self) -> dict[str, Any]:

@@ -237,9 +237,10 @@ def load_tasks(names: list[str], metadata: dict[str, Any], tasks_dir: Path = TAS
         objs += [top] if top is not None else list(loaded["tasks"].values())
     if problems:
         offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
-        raise UserError(*problems, hint="hub datasets need the network or a local datasets cache"
-                        + (" (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE are set)" if offline else "")
-                        + "; the offline tasks are `ncp_offline`")
+        why = " (the hub is unreachable)" if hub.went_offline else \
+            " (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE are set)" if offline else ""
+        raise UserError(*problems, hint=f"hub datasets need the network or a local datasets cache{why}; "
+                        "the offline tasks are `ncp_offline`")
     return tm, objs, protocols
 
 
@@ -401,7 +402,8 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
         return None
     res["likelihood"] = likelihood = getattr(lm, "likelihood", {"kind": "exact"})
     res["request"] = _request(t, likelihood, corpora, ranks.world)
-    return _write(t, res, getattr(lm, "model_requests", None), time.time() - t0, say)
+    counts = {"requests": getattr(lm, "requests", None), "model_requests": getattr(lm, "model_requests", None)}
+    return _write(t, res, counts, time.time() - t0, say)
 
 
 def _request(t: EvalTarget, likelihood: dict[str, Any], corpora: dict[str, Any], world: int) -> dict[str, Any]:
@@ -412,7 +414,7 @@ def _request(t: EvalTarget, likelihood: dict[str, Any], corpora: dict[str, Any],
             "heldout": [dict(s.model_dump(exclude_defaults=True), label=lab) for s, lab in zip(t.heldout, corpora)]}
 
 
-def _write(t: EvalTarget, res: dict[str, Any], model_requests: int | None, seconds: float,
+def _write(t: EvalTarget, res: dict[str, Any], counts: dict[str, int | None], seconds: float,
            log: Callable[[str], None]) -> dict[str, Any]:
     """The results JSON (merged into the checkpoint's earlier results: ``ncpctl.evaluate.accumulate``),
     the logged samples, the markdown; the summary of this call."""
@@ -447,7 +449,7 @@ def _write(t: EvalTarget, res: dict[str, Any], model_requests: int | None, secon
     return {
         **res["request"], "likelihood": res["likelihood"],
         "results": metrics(res["results"]), "groups": metrics(res.get("groups", {})), "perplexity": res["perplexity"],
-        "aggregates": res["aggregates"], "kept": kept, "samples": res.get("samples"), "model_requests": model_requests,
+        "aggregates": res["aggregates"], "kept": kept, "samples": res.get("samples"), **counts,
         "files": {"json": str(js), "markdown": str(md)}, "seconds": round(seconds, 2),
     }
 

@@ -41,7 +41,8 @@ def test_two_ranks_give_one_ranks_result(runs, tmp_path: Path) -> None:
     assert len(printed) == 1 and two["ranks"] == 2  # rank 0 alone prints and writes
     one = evaluate(resolve_target(str(run), [], ["ncp_offline"], 2, 5, None, str(tmp_path / "one"), log_samples=True,
                                   cache=False))
-    assert two["model_requests"] < one["model_requests"]  # rank 0 answered its share only
+    # summed over the ranks: every request once, plus the repeats that even out the ranks' batches (3 vs 2 docs)
+    assert one["requests"] < two["requests"] <= one["requests"] + 4 + 1 + 1
     f1, f2 = Path(one["files"]["json"]), tmp_path / "two" / Path(one["files"]["json"]).name
     r1, r2 = (json.loads(f.read_text()) for f in (f1, f2))
     assert set(r1["results"]) == set(r2["results"])
