@@ -31,8 +31,8 @@ def test_dlcm_grid_dry_run_lists_the_shipped_grid(tmp_path: Path) -> None:
     res = _dry(RECIPES / "sweeps" / "dlcm-grid.yaml")
     points = {p["name"]: p for p in res["points"]}
     assert len(points) == 27 and res["dry"] and not (tmp_path / "runs").exists()
-    for name, p in points.items():  # 274m-p30,target_ratio=2 <-> recipes/dlcm/scaling-274m-p30-r2.yaml
-        shape, ratio = name.split(",target_ratio=")
+    for name, p in points.items():  # 274m-p30+target_ratio=2 <-> recipes/dlcm/scaling-274m-p30-r2.yaml
+        shape, ratio = name.split("+target_ratio=")
         flops, steps = _flops(RECIPES / "dlcm" / f"scaling-{shape}-r{ratio}.yaml")
         assert (p["flops_per_step"], p["max_steps"]) == (flops, steps) and flops > 0
         assert p["flops"] == flops * steps and p["tokens"] == steps * 512 * 8192
@@ -63,9 +63,9 @@ def test_dlcm_mup_transfer_dry_run_is_three_widths_by_five_rates() -> None:
     res = _dry(RECIPES / "sweeps" / "dlcm-mup-transfer.yaml")
     points = {p["name"]: p for p in res["points"]}
     mults = ["0.5", "0.75", "1", "1.5", "2"]
-    assert sorted(points) == sorted(f"{s},lr-x{m}" for s in ("274m", "468m", "833m") for m in mults)
+    assert sorted(points) == sorted(f"{s}+lr-x{m}" for s in ("274m", "468m", "833m") for m in mults)
     for name, p in points.items():
-        size, mult = name.split(",lr-x")
+        size, mult = name.split("+lr-x")
         flops, _ = _flops(RECIPES / "dlcm" / f"scaling-{size}-p50-r4.yaml")
         t = {k.removeprefix("train."): v for k, v in p["params"].items() if k.startswith("train.")}
         assert p["flops_per_step"] == flops and p["max_steps"] == 4768
@@ -79,7 +79,7 @@ def test_debug_mup_transfer_dry_run_is_three_widths_by_three_rates() -> None:
     assert len(params) == 12 and {p["max_steps"] for p in res["points"]} == {60}
     assert {(v["model.d_model"], v["model.concept.d_concept"], v["train.lr"]) for v in params.values()} == {
         (d, 2 * d, lr) for d in (32, 64, 128) for lr in (1e-3, 3e-3, 9e-3, 2.7e-2)}
-    assert params["d128,lr9e-3"]["train.min_lr"] == 9e-4
+    assert params["d128+lr9e-3"]["train.min_lr"] == 9e-4
 
 
 def test_the_tiny_scaling_study_spends_each_budget_within_a_step() -> None:
@@ -131,7 +131,8 @@ def test_slurm_section_becomes_submitit_parameters(tmp_path: Path, monkeypatch: 
     """`slurm:` keys are submitit's Slurm parameters (a job array of at most --parallel tasks); a
     key Slurm does not know is refused in one line. (No cluster here: sbatch and srun are stubs.)"""
     from ncpctl.errors import UserError
-    from ncpctl.study.sweep import make_executor, read_sweep
+    from ncpctl.study.sweep import read_sweep
+    from ncpctl.study.sweep_run import make_executor
 
     for tool in ("sbatch", "srun"):
         (tmp_path / tool).write_text("#!/bin/sh\n")
@@ -158,7 +159,7 @@ def test_slurm_section_becomes_submitit_parameters(tmp_path: Path, monkeypatch: 
 def test_a_point_is_its_pretrain_and_ranks_use_the_launcher(tmp_path: Path) -> None:
     """A point's job runs `ncpctl pretrain POINT.yaml`; with `ranks: N` under `deepspeed --num_gpus N`
     on a port of its own (two points on one machine must not share the rendezvous)."""
-    from ncpctl.study.sweep import point_command
+    from ncpctl.study.sweep_run import point_command
 
     recipe = tmp_path / "points" / "a.yaml"
     assert point_command(recipe, 1)[-3:] == ["pretrain", str(recipe), "--json"]
