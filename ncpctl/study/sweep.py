@@ -310,7 +310,9 @@ def adopt_legacy_names(sweep: Sweep) -> None:
     for p in sweep.points:
         new = sweep.out / RUNS / p.name
         old = sweep.out / RUNS / p.legacy
-        if p.legacy != p.name and len(p.legacy.encode()) < 256 and old.is_dir() and not new.exists():
+        # (an old name could be ".." or too long for a file name: never one of those)
+        ok = p.legacy not in (".", "..") and len(p.legacy.encode()) < 256
+        if ok and p.legacy != p.name and old.is_dir() and not new.exists():
             p.name = p.legacy
         p.run_dir = sweep.out / RUNS / p.name
         p.recipe = sweep.out / "points" / f"{p.name}.yaml"

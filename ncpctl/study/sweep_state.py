@@ -75,8 +75,15 @@ def stale_reason(p: "SweepPoint", checkpoint: Path, *, verify: bool) -> str | No
 
 
 def _verdict(sweep: "Sweep", p: "SweepPoint", checkpoint: Path) -> str | None:
-    """``stale_reason``, once per checkpoint and sweep run (a full ``--verify`` reads every byte)."""
-    key = str(checkpoint.resolve())
+    """``stale_reason``, once per checkpoint and sweep run (a full ``--verify`` reads every byte); a
+    checkpoint written again at the same path (a stale point trained again) is another one."""
+    from ncpctl.checkpoint import META
+
+    try:
+        st = (checkpoint / META).stat()
+    except OSError:
+        return stale_reason(p, checkpoint, verify=sweep.verify)
+    key = f"{checkpoint.resolve()}:{st.st_ino}:{st.st_mtime_ns}"
     if key not in sweep.verdicts:
         sweep.verdicts[key] = stale_reason(p, checkpoint, verify=sweep.verify)
     return sweep.verdicts[key]
