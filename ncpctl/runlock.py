@@ -8,9 +8,10 @@ read instead, ``ncpctl.checkpoint.resolve``). The lock is two things at once:
   on ``kill -9``), so a second run on this host is refused while the first lives, and only then;
 * the owner's host, pid and start time as the file's content, written after the flock is held, so a
   refusal names the owner, and a lock left by a dead process of this host is recognised (its pid is
-  gone, or is now another process's: the start time differs) and taken over with a warning. A lock whose content names another host is refused even when its
-  flock is free (``flock`` over network file systems is not to be trusted): the owner may live
-  there. ``--break-lock`` takes it anyway.
+  gone, or is now another process's: the start time differs) and taken over with a warning. A
+  lock whose content names another host is refused even when its flock is free (``flock`` over
+  network file systems is not to be trusted): the owner may live there. ``--break-lock`` takes
+  it anyway (``ncpctl sweep --break-lock`` passes it on).
 
 The file is removed on release (while still flocked; a process that opened the old file then
 finds it unlinked and retries on the new one).

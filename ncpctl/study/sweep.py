@@ -172,8 +172,9 @@ def _rows(path: Path, doc: dict[str, Any]) -> list[tuple[list[Part], dict[str, A
         for i, p in enumerate(explicit):
             params = {k: v for k, v in p.items() if k != "name"}
             _key_list(path, f"points[{i}]", {k: [v] for k, v in params.items()} or None)
-            name: list[Part] = [(None, p["name"])] if "name" in p else [(label(k, params), v) for k, v in params.items()]
-            rows.append((name, params))
+            named: list[Part] = [(None, p["name"])] if "name" in p else \
+                [(label(k, params), v) for k, v in params.items()]
+            rows.append((named, params))
     if not rows:
         raise _fail(path, "no points: give axes, zip or points (each a recipe key path with a non-empty list of values)")
     return rows

@@ -114,7 +114,8 @@ def test_a_point_is_done_only_while_its_checkpoint_and_recipe_match(tmp_path: Pa
 
     (tmp_path / "base.yaml").write_text(RECIPE.format(data=tiny_data, run=tmp_path / "unused"))
     sweep = tmp_path / "sweep.yaml"
-    sweep.write_text(f"base: base.yaml\nout: {tmp_path / 'out'}\npoints:\n  - {{train.lr: 0.003, train.warmup_steps: 3}}\n")
+    sweep.write_text(f"base: base.yaml\nout: {tmp_path / 'out'}\n"
+                     "points:\n  - {train.lr: 0.003, train.warmup_steps: 3}\n")
     name = "lr=0.003+warmup_steps=3"
     run = tmp_path / "out" / "runs" / name
     run.mkdir(parents=True)
@@ -125,8 +126,9 @@ def test_a_point_is_done_only_while_its_checkpoint_and_recipe_match(tmp_path: Pa
     assert locked.returncode == 1 and point["status"] == "locked" and "--break-lock" in point["note"], locked.stderr
     broken = subprocess.run([*cmd, "--break-lock"], cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
     assert broken.returncode == 0, broken.stderr[-3000:]
+    loss = json.loads(broken.stdout)["points"][0]["val_loss"]
     assert [line for line in broken.stderr.splitlines() if line.startswith("point ")] == [
-        f"point {name}: done at step 12/12, val loss {json.loads(broken.stdout)['points'][0]['val_loss']:.4f} [1/1 ended]"]
+        f"point {name}: done at step 12/12, val loss {loss:.4f} [1/1 ended]"]
 
     ck = run / "checkpoints" / "step_0000012"
     weights = ck / "model.safetensors"
@@ -136,7 +138,8 @@ def test_a_point_is_done_only_while_its_checkpoint_and_recipe_match(tmp_path: Pa
     weights.write_bytes(data)
     assert _status(sweep)[1] == "done"  # the sizes match: only --verify reads every byte
     assert _status(sweep, verify=True)[1:] == ("stale", "final checkpoint step_0000012: model.safetensors does not "
-                                               "match its xxh3_128 checksum (damaged on disk); --rerun-stale trains it again")
+                                               "match its xxh3_128 checksum (damaged on disk); --rerun-stale trains "
+                                               "it again")
     data[len(data) // 2] ^= 1
     weights.rename(tmp_path / "weights")
     assert _status(sweep)[1:] == ("stale", "final checkpoint step_0000012: model.safetensors is missing; "
