@@ -83,11 +83,13 @@ def test_greedy_speculative_equals_plain_greedy(name):
             st = spec.stats.as_dict()
             if len(prompts) == 1:  # one row: rounds that accept some drafts and reject others
                 assert 1.0 < st["mal"] < K + 1, st
-    # a drafter that is the target accepts everything: K + 1 tokens a round
+    # a drafter that is the target accepts everything: K + 1 tokens a round, except the last round of
+    # each row, which commits only the tokens left of max_new_tokens (issue 41 item 8: the 4.0 this
+    # asserted counted the dropped ones): n - 1 = 23 tokens after the first in ceil(23 / 4) = 6 rounds
     spec = Speculative(ModelDrafter(model), 3)
     assert _gen(model, RAGGED, spec, max_new_tokens=n, greedy=True) == _gen(model, RAGGED, max_new_tokens=n,
                                                                              greedy=True)
-    assert spec.stats.as_dict()["mal"] == 4.0
+    assert spec.stats.as_dict()["mal"] == (n - 1) / 6 and spec.stats.as_dict()["committed_per_round"] == {"3": 3, "4": 15}
 
 
 def test_mtp_self_drafter_greedy_and_cached_heads():
@@ -277,3 +279,20 @@ def test_rounds_at_the_window_edge_with_learned_positions():
     assert got == [c.tokens for c in generate(model, prompts, SamplingParams(max_new_tokens=14, greedy=True), str,
                                               max_len=24)]
     assert spec.stats.as_dict()["mal"] > 1.5
+
+
+def test_mal_counts_only_the_committed_tokens():
+    """Issue 41 item 8: MAL (Eq. 27) counted the tokens a last round drew past --new-tokens (62
+    against 60 produced). Over any run, the tokens the rounds committed are the completions' tokens
+    after the first (which comes from the prefill), ragged rows and an early end included."""
+    model = f64(CONFIGS["fixed-blocks"](), scale=0.2)
+    for n, K in ((5, 4), (9, 3), (12, 5)):
+        spec = Speculative(ModelDrafter(model), K)  # the target itself: every draft accepted
+        done = generate(model, RAGGED, SamplingParams(max_new_tokens=n, greedy=True), str, speculative=spec)
+        assert [len(c.tokens) for c in done] == [n] * len(RAGGED)
+        assert spec.stats.committed == sum(len(c.tokens) - 1 for c in done), (n, K, spec.stats)
+        assert max(int(m) for m in spec.stats.as_dict()["committed_per_round"]) <= min(K + 1, n - 1)
+    plain = generate(model, ONE, SamplingParams(max_new_tokens=12, greedy=True), str)[0].tokens
+    spec = Speculative(ModelDrafter(model), 4)
+    done = generate(model, ONE, SamplingParams(max_new_tokens=12, greedy=True), str, eod_id=plain[3], speculative=spec)
+    assert done[0].tokens == plain[: plain.index(plain[3]) + 1] and spec.stats.committed == len(done[0].tokens) - 1
