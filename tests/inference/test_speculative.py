@@ -296,3 +296,31 @@ def test_mal_counts_only_the_committed_tokens():
     spec = Speculative(ModelDrafter(model), 4)
     done = generate(model, ONE, SamplingParams(max_new_tokens=12, greedy=True), str, eod_id=plain[3], speculative=spec)
     assert done[0].tokens == plain[: plain.index(plain[3]) + 1] and spec.stats.committed == len(done[0].tokens) - 1
+
+
+def test_the_k_actually_drafted_is_reported_and_statistics_go_to_stderr(tmp_path):
+    """Issue 46 item 5: `--draft mtp` with the default --draft-tokens 4 on a depth-1 MTP head drafts
+    one token a round while the JSON said 4, `eval --speculative mtp` printed horizon 16, and the
+    statistics line was on stdout with the generated text (in-process: typer's CliRunner)."""
+    from typer.testing import CliRunner
+
+    from ncpctl.checkpoint import load_model
+    from ncpctl.cli.app import app
+    from ncpctl.evaluate.speculative import rich_table, speculative_mal
+    from ncpctl.inference import generate_texts
+
+    target = _checkpoint(tmp_path, "target", mtp_depth=1)
+    plain = generate_texts(load_model(target), ["def main("], SamplingParams(max_new_tokens=6, greedy=True))[0].text
+    r = CliRunner().invoke(app, ["generate", target, "-p", "def main(", "-n", "6", "--greedy", "--draft", "mtp", "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    s = json.loads(r.stdout)["speculative"]
+    assert (s["draft_tokens"], s["draft_tokens_requested"]) == (1, 4) and s["committed_per_round"].keys() <= {"1", "2"}
+    r = CliRunner().invoke(app, ["generate", target, "-p", "def main(", "-n", "6", "--greedy", "--draft", "mtp"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert r.stdout == "def main(" + plain + "\n"  # the streamed text, and nothing else
+    assert "note: --draft-tokens 4 is more than the drafter proposes: 1 a round" in r.stderr
+    assert "verification rounds, MAL" in r.stderr and "K = 1" in r.stderr, r.stderr
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def main("}\n')
+    payload = speculative_mal(target, "mtp", horizon=16, prompts=str(tmp_path / "p.jsonl"), limit=1, new_tokens=6)
+    assert (payload["horizon"], payload["horizon_requested"]) == (1, 16) and "draft_tokens" not in payload
+    assert "(horizon 1, --horizon 16 cut" in rich_table(payload).title
