@@ -19,8 +19,8 @@ Either way the program's group is killed on the timeout and after every exit, an
 is gone before ``run_sandboxed`` returns.
 
 The verdict: a program passes only when its harness printed this run's nonce (16 random bytes,
-never in the program's or the test's text) after the test returned, and it exited 0 within the
-limits. Exiting 0 early (``sys.exit(0)``, ``os._exit(0)``, an ``atexit`` handler), a printed
+never in the program's or the test's text) and the program's pid after the test returned, and it
+exited 0 within the limits. Exiting 0 early (``sys.exit(0)``, ``os._exit(0)``, an ``atexit`` handler), a printed
 guess of a sentinel, or a failing test all fail. Output (stdout, stderr) goes to two files in the
 temporary directory, each bounded by the file-size limit, and only their last ``TAIL`` bytes are
 read back, so a program that prints without end costs the evaluator no memory.
@@ -111,7 +111,7 @@ def _why(status: dict, stdout: str, stderr: str, nonce: str, lim: Limits) -> str
         what = {"SIGXCPU": f" (over the {lim.cpu_s} s CPU limit)"}.get(name, "")
         return f"killed by {name}{what}"
     code = status.get("exit")
-    if code == 0 and nonce in stdout.splitlines():
+    if code == 0 and f"{nonce} {status['pid']}" in stdout.splitlines():
         return "passed"
     if code == 0:
         return "exited 0 before the tests finished"
@@ -132,8 +132,8 @@ def run_sandboxed(program: str, test: str = "", lim: Limits = Limits()) -> Outco
         req = {"program": program, "test": test, "nonce": nonce, "timeout_s": lim.timeout_s, "cpu_s": lim.cpu_s,
                "memory_mb": lim.memory_mb, "file_mb": lim.file_mb, "out": str(io / "stdout"),
                "err": str(io / "stderr"), "subreaper": not prefix}
-        p = subprocess.Popen([*prefix, sys.executable, "-I", str(SUPERVISOR)], cwd=work, env={"PATH": os.defpath},  # noqa: S603
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        p = subprocess.Popen([*prefix, sys.executable, "-I", str(SUPERVISOR)],  # noqa: S603
+                             cwd=work, env={"PATH": os.defpath}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              start_new_session=True)
         try:
             out, err = p.communicate(json.dumps(req).encode(), timeout=lim.timeout_s + GRACE_S)
@@ -143,7 +143,8 @@ def run_sandboxed(program: str, test: str = "", lim: Limits = Limits()) -> Outco
             return Outcome(False, "timeout (the sandbox's supervisor did not stop)", "", "", 0)
         lines = out.decode("utf-8", "replace").strip().splitlines()
         if p.returncode != 0 or not lines:
-            raise RuntimeError(f"the code sandbox failed (exit {p.returncode}): {err.decode('utf-8', 'replace')[-500:]}")
+            why = err.decode("utf-8", "replace")[-500:]
+            raise RuntimeError(f"the code sandbox failed (exit {p.returncode}): {why}")
         status = json.loads(lines[-1])
         stdout, stderr = _tail(io / "stdout"), _tail(io / "stderr")
     why = _why(status, stdout, stderr, nonce, lim)

@@ -7,7 +7,7 @@ forked child, in a session (and process group) of its own, under ``setrlimit`` l
 from /dev/null and stdout / stderr written to two files (each bounded by the file-size limit; a
 write past it fails with EFBIG instead of killing the process). The child's harness executes the
 program, then the test, in one fresh ``__main__`` module and prints the nonce only when both
-returned; any exception, ``SystemExit`` included, is a failure (it catches ``BaseException``) and
+returned (with its own pid, so a forked copy of the program cannot print it for it); any exception, ``SystemExit`` included, is a failure (it catches ``BaseException``) and
 ``os._exit`` skips ``atexit`` handlers either way.
 
 Containment, whichever way the program ends (exit, signal, the wall-clock timeout):
@@ -43,7 +43,7 @@ def _harness(req):
         exec(compile(req["test"], "test.py", "exec"), mod.__dict__)  # noqa: S102
         sys.stdout.flush()
         sys.stderr.flush()
-        os.write(1, ("\n" + req["nonce"] + "\n").encode())
+        os.write(1, f"\n{req['nonce']} {os.getpid()}\n".encode())  # this process's: not a forked copy's
     except BaseException:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are failures too
         try:
             traceback.print_exc()
@@ -58,7 +58,7 @@ def _child(req):
     try:
         os.setsid()
         mem, fsize = req["memory_mb"] << 20, req["file_mb"] << 20
-        resource.setrlimit(resource.RLIMIT_CPU, (req["cpu_s"], req["cpu_s"]))
+        resource.setrlimit(resource.RLIMIT_CPU, (req["cpu_s"], req["cpu_s"] + 1))  # SIGXCPU, then SIGKILL
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -142,7 +142,7 @@ def main():
         pass
     _, status = os.waitpid(pid, 0)
     swept = _sweep(time.monotonic() + 10.0) if req["subreaper"] else 0
-    res = {"timeout": info is None, "swept": swept}
+    res = {"timeout": info is None, "swept": swept, "pid": pid}
     if info is not None and os.WIFEXITED(status):
         res["exit"] = os.WEXITSTATUS(status)
     elif info is not None:

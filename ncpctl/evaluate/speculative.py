@@ -105,8 +105,8 @@ def speculative_mal(target: str, draft: str, *, horizon: int = 16, prompts: str 
             tasks[task] = {"prompts": len(ps), **spec.stats.as_dict()}
             total.merge(spec.stats)
             log(f"{task}: MAL {_fmt(tasks[task]['mal'])} over {tasks[task]['rounds']} rounds")
-    return {"checkpoint": str(loaded.path), **info, "horizon": spec.k, **({"horizon_requested": asked} if asked else {}),
-            "greedy": True, "new_tokens": new_tokens,
+    return {"checkpoint": str(loaded.path), **info, "horizon": spec.k,
+            **({"horizon_requested": asked} if asked else {}), "greedy": True, "new_tokens": new_tokens,
             "prompt_set": prompts or "val", "tasks": tasks, "all": total.as_dict(),
             # the mean over tasks (Table 9's macro average); a task with no round (1 new token) has no MAL
             "macro_mal": _mean([t["mal"] for t in tasks.values() if t["mal"] is not None]),

@@ -38,11 +38,15 @@ def _pass_count(completions: list[str], lim: Limits = LIM) -> tuple[int, list[st
 
 
 def test_a_program_that_fakes_its_exit_status_fails(path):
-    """A wrong add that forces exit 0 (an atexit os._exit(0), sys.exit(0) before the tests) or prints
-    a guessed sentinel and leaves with os._exit(0) fails; the right add passes."""
+    """A wrong add that forces exit 0 (an atexit os._exit(0), sys.exit(0) before the tests), prints a
+    guessed sentinel and leaves with os._exit(0), or lets a forked copy of itself pass, fails; the
+    right add passes."""
     fakes = ["    return a * b\nimport atexit, os\natexit.register(lambda: os._exit(0))",
              "    return a * b\nimport sys\nsys.exit(0)",
-             "    return a * b\nimport os\nprint('PASSED', 'ok', '0' * 32, flush=True)\nos._exit(0)"]
+             "    return a * b\nimport os\nprint('PASSED', 'ok', '0' * 32, flush=True)\nos._exit(0)",
+             # a forked copy passes the test for it (its nonce line carries the copy's pid)
+             "    return a * b\nimport os\nif os.fork() == 0:\n    def add(a, b):\n        return a + b\n"
+             "else:\n    os.wait()\n    os._exit(0)"]
     correct, failures = _pass_count([*fakes, "    return a + b"])
     assert correct == 1, failures
     assert failures == ["AssertionError", "SystemExit: 0", "exited 0 before the tests finished"]
@@ -123,8 +127,8 @@ def test_the_network_is_out_of_reach_only_with_namespaces(path, tmp_path):
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
         port = srv.getsockname()[1]
-        out = sandbox.run_sandboxed(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).close()\n",
-                                    "", Limits(timeout_s=5.0))
+        prog = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).close()\n"
+        out = sandbox.run_sandboxed(prog, "", Limits(timeout_s=5.0))
     assert out.passed == (path == "subreaper"), out.why
 
 

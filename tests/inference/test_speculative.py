@@ -89,7 +89,8 @@ def test_greedy_speculative_equals_plain_greedy(name):
     spec = Speculative(ModelDrafter(model), 3)
     assert _gen(model, RAGGED, spec, max_new_tokens=n, greedy=True) == _gen(model, RAGGED, max_new_tokens=n,
                                                                              greedy=True)
-    assert spec.stats.as_dict()["mal"] == (n - 1) / 6 and spec.stats.as_dict()["committed_per_round"] == {"3": 3, "4": 15}
+    st = spec.stats.as_dict()
+    assert st["mal"] == (n - 1) / 6 and st["committed_per_round"] == {"3": 3, "4": 15}
 
 
 def test_mtp_self_drafter_greedy_and_cached_heads():
@@ -311,11 +312,12 @@ def test_the_k_actually_drafted_is_reported_and_statistics_go_to_stderr(tmp_path
 
     target = _checkpoint(tmp_path, "target", mtp_depth=1)
     plain = generate_texts(load_model(target), ["def main("], SamplingParams(max_new_tokens=6, greedy=True))[0].text
-    r = CliRunner().invoke(app, ["generate", target, "-p", "def main(", "-n", "6", "--greedy", "--draft", "mtp", "--json"])
+    args = ["generate", target, "-p", "def main(", "-n", "6", "--greedy", "--draft", "mtp"]
+    r = CliRunner().invoke(app, [*args, "--json"])
     assert r.exit_code == 0, (r.output, r.exception)
     s = json.loads(r.stdout)["speculative"]
     assert (s["draft_tokens"], s["draft_tokens_requested"]) == (1, 4) and s["committed_per_round"].keys() <= {"1", "2"}
-    r = CliRunner().invoke(app, ["generate", target, "-p", "def main(", "-n", "6", "--greedy", "--draft", "mtp"])
+    r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, (r.output, r.exception)
     assert r.stdout == "def main(" + plain + "\n"  # the streamed text, and nothing else
     assert "note: --draft-tokens 4 is more than the drafter proposes: 1 a round" in r.stderr
