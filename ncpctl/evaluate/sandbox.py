@@ -48,7 +48,7 @@ SUPERVISOR = Path(__file__).with_name("sandbox_supervisor.py")
 NAMESPACES_ENV = "NCPCTL_SANDBOX_NAMESPACES"  # "0": the subreaper path even where namespaces work
 UNSHARE = ["unshare", "--pid", "--fork", "--net", "--kill-child"]
 TAIL = 64 << 10  # bytes of each output file read back
-GRACE_S = 10.0  # past the program's timeout, before the supervisor itself is killed
+GRACE_S = 15.0  # past the program's timeout (the supervisor sweeps for up to 10 s), before it is killed itself
 
 
 @dataclass(frozen=True)
