@@ -42,22 +42,30 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat`` from field 3 (the state) on; empty where there is no ``/proc``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+
+
 def _started(pid: int) -> int | None:
     """The process's start time (clock ticks after boot, ``/proc/PID/stat`` field 22): with the pid
     it names one process, so a pid the kernel has since given to another is not taken for the owner.
     None where there is no ``/proc`` (the pid alone then decides)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state is field 3
+    fields = _stat(pid)
     return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
 
 
 def _alive(owner: dict[str, Any]) -> bool:
-    """Whether the owner (of this host) still runs: its pid lives and, where both are known, started
-    when the lock says."""
+    """Whether the owner (of this host) still runs: its pid lives (not a zombie, which holds its pid until
+    reaped) and, where both are known, started when the lock says."""
     if not _pid_alive(owner["pid"]):
+        return False
+    fields = _stat(owner["pid"])
+    if fields and fields[0] == "Z":
         return False
     recorded, now = owner.get("started"), _started(owner["pid"])
     return not isinstance(recorded, int) or now is None or recorded == now

@@ -256,11 +256,14 @@ def run(sweep: Sweep, executor: str, parallel: int, show: Callable[[Sweep], None
         signalled = 0
         while todo or jobs:
             if stop.count > signalled:  # the first signal: stop gently; another: kill
-                _signal_jobs(jobs, executor, force=signalled > 0)
+                force = stop.count > 1
+                _signal_jobs(jobs, executor, force)
                 todo, signalled = [], stop.count
-                if executor != "local" or signalled > 1:
-                    _abandon(jobs, by_name, "cancelled (scancel)" if executor != "local" else
-                             "killed by a second signal; it resumes from its last checkpoint")
+                if executor != "local":
+                    _abandon(jobs, by_name, "cancelled (scancel)", wait_s=0)
+                    break
+                if force:
+                    _abandon(jobs, by_name, "killed by a second signal; it resumes from its last checkpoint")
                     break
             while todo and len(jobs) < parallel:
                 p = todo.pop(0)
@@ -271,7 +274,7 @@ def run(sweep: Sweep, executor: str, parallel: int, show: Callable[[Sweep], None
                 _finish(by_name[name], jobs.pop(name), stopping=bool(stop.count))
             refresh(sweep, jobs)
             write_manifest(sweep)
-            show(sweep)
+            _show(show, sweep)
             if todo or jobs:
                 time.sleep(interval / 4 if stop.count else interval)
         sweep.signum = stop.signum
@@ -279,10 +282,21 @@ def run(sweep: Sweep, executor: str, parallel: int, show: Callable[[Sweep], None
     sweep.state = "interrupted" if sweep.signum else "done" if all(p.status == "done" for p in sweep.points) \
         else "incomplete"
     write_manifest(sweep)
-    show(sweep)
+    _show(show, sweep)
 
 
-def _abandon(jobs: dict[str, Any], by_name: dict[str, SweepPoint], note: str) -> None:
+def _show(show: Callable[[Sweep], None], sweep: Sweep) -> None:
+    """The progress display; a terminal that went away (SIGHUP: its writes fail) does not stop the sweep."""
+    with contextlib.suppress(OSError):
+        show(sweep)
+
+
+def _abandon(jobs: dict[str, Any], by_name: dict[str, SweepPoint], note: str, wait_s: float = 5.0) -> None:
+    """The jobs left behind: ``interrupted``; a killed local controller is waited for (briefly), so the
+    point's run lock is free when the sweep looks at it last."""
+    end = time.time() + wait_s
+    while any(not j.done() for j in jobs.values()) and time.time() < end:
+        time.sleep(0.05)
     for name in jobs:
         by_name[name].status, by_name[name].note = "interrupted", note
     jobs.clear()
