@@ -74,6 +74,8 @@ def _saved_at_its_last_step(run: Path) -> int:
 
 
 def test_a_stopped_or_killed_sweep_leaves_no_point_training(tmp_path: Path, tiny_data: Path) -> None:
+    from ncpctl.runlock import holder
+
     sweeps = {case: _start(tmp_path / case, tiny_data) for case in CASES}
     pids: dict[str, int] = {}
     try:
@@ -95,6 +97,7 @@ def test_a_stopped_or_killed_sweep_leaves_no_point_training(tmp_path: Path, tiny
             graceful = case in ("SIGTERM", "SIGHUP", "ctrl-c")
             # the stopped sweep waited for its point; a killed one's point stops on its own
             assert _gone_within(pids[case], 0 if graceful else 60), f"{case}: pretrain still running"
+            assert holder(run) is None, case  # the next run does not find the point locked
             step = _saved_at_its_last_step(run)
             if not graceful:
                 continue
