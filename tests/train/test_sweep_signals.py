@@ -13,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ncpctl_cmd
 
 from .conftest import ENV, RECIPE
@@ -73,6 +75,7 @@ def _saved_at_its_last_step(run: Path) -> int:
     return step
 
 
+@pytest.mark.slow  # five sweeps and their pretrains side by side: about 20 s of CPU
 def test_a_stopped_or_killed_sweep_leaves_no_point_training(tmp_path: Path, tiny_data: Path) -> None:
     from ncpctl.runlock import holder
 
