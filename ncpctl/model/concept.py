@@ -146,12 +146,14 @@ class ConceptModule(nn.Module):
         """Concept-transformer output u (B, M, d_c) -> pred (B, M, d) as a mix of codes."""
         return self.mix(self.code_weights(u), codes)
 
-    def context(self, positions: torch.Tensor, dtype: torch.dtype, docs: torch.Tensor | None = None) -> Context:
-        """The concept stack's context for concepts at RoPE ``positions`` (B|1, M), unpadded; with
-        ``docs`` (B, M) (packed documents) attention stays inside each concept's document."""
+    def context(self, positions: torch.Tensor, dtype: torch.dtype, docs: torch.Tensor | None = None,
+                limit: int | None = None) -> Context:
+        """The concept stack's context for concepts at RoPE ``positions`` (B|1, M), unpadded, all
+        below ``limit`` (the token count); with ``docs`` (B, M) (packed documents) attention stays
+        inside each concept's document."""
         if docs is None:
-            return Context.causal(self.ccfg, positions, self.cfg.concept_windows, dtype)
-        cos, sin = rope(positions, self.ccfg, dtype)
+            return Context.causal(self.ccfg, positions, self.cfg.concept_windows, dtype, limit=limit)
+        cos, sin = rope(positions, self.ccfg, dtype, limit=limit)
         # boolean masks: M changes between batches under a data-dependent segmentation, and the
         # (B, 1, M, M) mask is small (M = T / k)
         return Context(cos, sin, document_masks(set(self.cfg.concept_windows), docs, flex=False))
@@ -180,7 +182,7 @@ class ConceptModule(nn.Module):
                 zero = h.new_zeros(())
                 out.losses.update(ncp_loss=zero, vq_loss=zero, commitment_loss=zero)
             return out
-        ctx = self.context(seg.positions, h.dtype, seg.docs)
+        ctx = self.context(seg.positions, h.dtype, seg.docs, limit=h.shape[1])
         if pooled is not None:
             ctx = crc.attach(ctx, [("encoder-concept", pooled)])
         if states:
