@@ -286,15 +286,16 @@ class ConceptModule(nn.Module):
         if valid is not None:
             ones = ones * valid.reshape(1, -1).to(counts.dtype)
         counts.scatter_add_(1, flat, ones)  # (S, N) hits per code
-        metrics["code_usage"] = (counts > 0).float().mean(-1)
+        metrics["code_usage"] = counts.count_nonzero(-1) / N
         total = counts.sum(-1, keepdim=True)
         p = counts / (total if valid is None else total.clamp_min(1))
         metrics["code_perplexity"] = torch.special.entr(p).sum(-1).exp()  # exp(-sum p log p), 0 log 0 = 0
         if idx.shape[1] >= 2:
-            hit = (pred_idx == idx[:, 1:]).float()  # (B, M-1, S)
+            hit = pred_idx == idx[:, 1:]  # (B, M-1, S)
             if pair is None:
-                metrics["ncp_code_acc"] = hit.mean(dim=(0, 1))
+                metrics["ncp_code_acc"] = hit.mean(dim=(0, 1), dtype=torch.float32)
             else:
+                hit = hit.float()
                 pair = pair[..., None].float()
                 metrics["ncp_code_acc"] = (hit * pair).sum((0, 1)) / pair.sum((0, 1)).clamp_min(1)
 

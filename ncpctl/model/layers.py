@@ -72,13 +72,11 @@ def rope(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype,
     values are rows of a table of positions 0..limit-1 (``_rope_table``), made once per frequency
     set, device and dtype, and gathered here: one gather per forward or decode step instead of the
     eleven kernels computing them costs (a step's host overhead). The table's entries are computed
-    by the same elementwise ops, so they equal the per-call values bit for bit. On the CPU the
-    positions are checked against the table (free there); on a GPU that check would be a sync
-    per step, so ``limit`` is the caller's promise.
+    by the same elementwise ops, so they equal the per-call values bit for bit. Checking the
+    positions against the table would be a sync per step on a GPU, so ``limit`` is the caller's
+    promise (a position past the table is an index error).
     """
     limit = max(limit or 0, cfg.max_seq_len)
-    if positions.device.type == "cpu" and positions.numel():
-        limit = max(limit, int(positions.max()) + 1)
     table = _rope_table(cfg, limit, positions.device, dtype)  # (P, 2 rd): cos | sin
     cos, sin = F.embedding(positions, table).chunk(2, dim=-1)  # (B|1, T, rd) each
     return cos[:, None], sin[:, None]
