@@ -122,6 +122,7 @@ class IRCState:
 
 class IRC(Residual):
     owns_init = True
+    compile_region = True  # train.compile compiles its forward (ncpctl.train.compiled)
 
     def __init__(self, cfg: ModelConfig, n_layers: int):
         super().__init__(cfg, n_layers)
@@ -161,6 +162,7 @@ class CrossModule(nn.Module):
 
     no_weight_decay = True
     owns_init = True  # D = crc_init (0: the plain network); NCPModel.init_weights leaves it alone
+    compile_region = True  # train.compile compiles its forward (ncpctl.train.compiled)
 
     def __init__(self, cfg: ModelConfig, n_target: int, K: int):
         super().__init__()
@@ -264,6 +266,7 @@ class BlockAttnRes(Residual):
 
     owns_init = True
     reads_sources = True  # Stack passes Context.sources (cross-module block states) to begin
+    compile_region = True  # train.compile compiles its forward (ncpctl.train.compiled)
 
     @classmethod
     def cross_modules(cls, cfg: ModelConfig) -> "BlockSources | None":
