@@ -279,3 +279,27 @@ def test_the_8b_recipes_compute_what_the_release_config_does(recipe, tmp_path):
     function = ("enabled", "concepts", "unknown", "rank", "unknown_head", "bias", "logit_clamp", "top_k_known",
                 "top_k_unknown")
     assert {k: ours["bottleneck"][k] for k in function} == {k: theirs["bottleneck"][k] for k in function}
+
+
+def test_midtrain_starts_from_their_directory(interp, tmp_path):
+    """``train.init_from: <their dir>``: the recipe's model is their config with the recipe's model keys
+    on top; the stage's model holds their weights (fp32, trainable) and trains (a step's gradients
+    reach every weight the LM loss reads)."""
+    from ncpctl.recipe import load_recipe
+    from ncpctl.train.stages import build_model, make_stage
+
+    _, ref = interp
+    src = FIXTURES / "interpretable" / "model"
+    recipe = tmp_path / "mid.yaml"
+    recipe.write_text(f"run: {{dir: {tmp_path / 'run'}}}\ndata: {{sources: [builtin:python-stdlib]}}\n"
+                      f"tokenizer: {{vocab_size: 96}}\nmodel: {{bottleneck: {{dropout: 0.3}}}}\n"
+                      f"train: {{max_steps: 1, micro_batch_size: 2, seq_len: 16, init_from: {src}}}\n")
+    r = load_recipe(recipe)
+    cfg = r.model_config
+    assert (cfg.d_model, cfg.bottleneck.concepts, cfg.bottleneck.dropout, cfg.bottleneck.logit_clamp) == (32, 24, 0.3, 15.0)
+    model = build_model(r, make_stage(r, "midtrain"), fresh=True, info=lambda m: None)
+    assert model.training and all(p.dtype == torch.float32 for p in model.parameters())
+    with torch.no_grad():
+        close(model.eval()(ref["input_ids"]).logits, ref["logits"])
+    model.train()(ref["input_ids"], targets(ref)).loss.backward()
+    assert model.embed.weight.grad.abs().sum() > 0 and model.bottleneck.K.grad.abs().sum() > 0

@@ -256,16 +256,20 @@ def load(path: str | Path, *, with_tokenizer: bool = True):
     files' dtype, mapped), its tokenizer (tiktoken_bpe.py; with_tokenizer: refused with one line when
     it has none) and its ``meta``."""
     from ncpctl.checkpoint import LoadedModel
-
-    from .tiktoken_bpe import tokenizer
+    from ncpctl.model.config import ModelConfig
 
     path = Path(path)
     m = meta(path)
-    from ncpctl.model.config import ModelConfig
-
     cfg = ModelConfig.from_dict(m["model_config"])
-    tok = tokenizer(path, read_config(path)[0], required=True) if with_tokenizer else None
+    tok = tokenizer_of(path) if with_tokenizer else None
     return LoadedModel(model=load_into(cfg, path), config=cfg, tokenizer=tok, meta=m, path=path)
+
+
+def tokenizer_of(path: str | Path):
+    """The directory's tokenizer (tiktoken_bpe.py), refused with one line when it has none."""
+    from .tiktoken_bpe import tokenizer
+
+    return tokenizer(Path(path), read_config(Path(path))[0], required=True)
 
 
 # ---------------------------------------------------------------- train.init_from
