@@ -205,7 +205,8 @@ class DrafterSection(Section):
                                     "slot before draft layer l, g zero-initialised (so it starts as the baseline).")
     concept_source: Literal["pooled", "predicted"] = Field(
         "pooled", description="c of Eq. 26: `pooled` = the mean of the target's encoder output over the last "
-        "complete block of the verified prefix; `predicted` = the target's concept prediction made from that block.")
+        "complete block of the verified prefix; `predicted` = the target's concept prediction made from that block, as its coupling adds it to the next "
+        "tokens (norm(pred) with `concept.add: normed`).")
     anchors: int = Field(16, gt=0, description="Anchors (draft blocks) per training window, drawn uniformly.")
     decay: Optional[float] = Field(None, gt=0, description="Slot i's loss weight exp(-i / decay) (DFlash: 7 at "
                                    "K = 16; a draft is accepted as a prefix, so early slots count more); null = uniform.")
