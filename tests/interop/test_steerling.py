@@ -303,3 +303,26 @@ def test_midtrain_starts_from_their_directory(interp, tmp_path):
         close(model.eval()(ref["input_ids"]).logits, ref["logits"])
     model.train()(ref["input_ids"], targets(ref)).loss.backward()
     assert model.embed.weight.grad.abs().sum() > 0 and model.bottleneck.K.grad.abs().sum() > 0
+
+
+def test_generate_and_eval_read_their_directory(tmp_path):
+    """``generate`` (the block sampler) and ``eval --heldout`` (the ELBO) on their directory, with the
+    tokenizer of a named tiktoken file (``--tiktoken``), in process."""
+    from ncpctl.checkpoint import load_model
+    from ncpctl.evaluate.run import evaluate, resolve_target
+    from ncpctl.inference import SamplingParams, generate_texts
+    from ncpctl.interop.authors.tiktoken_bpe import set_tiktoken
+
+    src = FIXTURES / "interpretable" / "model"
+    set_tiktoken(tiny_tiktoken(tmp_path / "tiny.tiktoken"))
+    try:
+        loaded = load_model(src)
+        (done,) = generate_texts(loaded, ["steer_me"], SamplingParams(max_new_tokens=8, greedy=True))
+        assert len(done.tokens) == 8 and all(0 <= t < 95 for t in done.tokens)
+        (tmp_path / "held.txt").write_text("abc def ghi jkl mno pqr stu vwx\n")
+        s = evaluate(resolve_target(str(src), [], [], 2, None, None, str(tmp_path / "eval"),
+                                    heldout=[str(tmp_path / "held.txt")]))
+        (res,) = s["results"].values()
+        assert res["token_perplexity"] > 1
+    finally:
+        set_tiktoken(None)
