@@ -57,14 +57,16 @@ def write(d: Path) -> int:
     kv = D // ARCH["n_head"] * ARCH["n_kv_heads"]
     pad = lambda n: -(-n // 16) * 16  # noqa: E731
     shapes = {"transformer.tok_emb.weight": (V, D), "transformer.ln_f.weight": (D,),
-              "known_head.concept_predictor.weight": (pad(33732), D), "known_head.concept_embedding.weight": (pad(33732), D),
+              "known_head.concept_predictor.weight": (pad(33732), D),
+              "known_head.concept_embedding.weight": (pad(33732), D),
               "unknown_head.predictor_down.weight": (256, D), "unknown_head.predictor_up.weight": (pad(101196), 256),
               "unknown_head.embedding_coef.weight": (pad(101196), 256), "unknown_head.embedding_basis.weight": (D, 256)}
     for i in range(L):
         p = f"transformer.blocks.{i}."
         shapes.update({p + "ln_1.weight": (D,), p + "ln_2.weight": (D,), p + "attn.c_attn.weight": (D + 2 * kv, D),
                        p + "attn.c_proj.weight": (D, D), p + "attn.q_norm.weight": (D // 16,),
-                       p + "attn.k_norm.weight": (D // 16,), p + "mlp.c_fc.weight": (2 * F, D), p + "mlp.c_proj.weight": (D, F)})
+                       p + "attn.k_norm.weight": (D // 16,), p + "mlp.c_fc.weight": (2 * F, D),
+                       p + "mlp.c_proj.weight": (D, F)})
     g = torch.Generator().manual_seed(0)
     shard, size, n, total, weight_map = {}, 0, 0, 0, {}
 
@@ -124,9 +126,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(res, indent=1))
     else:
-        print(f"weights {res['weights_gib']:.2f} GiB ({res['parameters'] / 1e9:.2f}B parameters, bf16); load average "
-              f"{res['load_average'][0]:.1f}\n  peak RSS {r['peak_rss_gb']:.2f} GiB = {res['peak_over_weights']:.2f}x the "
-              f"weights (goal <= {GOAL}x; after load {r['rss_after_load_gb']:.2f} GiB, weights {r['dtype']})")
+        print(f"weights {res['weights_gib']:.2f} GiB ({res['parameters'] / 1e9:.2f}B parameters, bf16); load "
+              f"average {res['load_average'][0]:.1f}\n  peak RSS {r['peak_rss_gb']:.2f} GiB = "
+              f"{res['peak_over_weights']:.2f}x the weights (goal <= {GOAL}x; after load "
+              f"{r['rss_after_load_gb']:.2f} GiB, weights {r['dtype']})")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def close(ours, theirs, tol=TOL) -> float:
 def fixture(name: str):
     from ncpctl.checkpoint import load_model
 
-    return load_model(FIXTURES / name / "model", with_tokenizer=False), load_file(str(FIXTURES / name / "reference.safetensors"))
+    ref = load_file(str(FIXTURES / name / "reference.safetensors"))
+    return load_model(FIXTURES / name / "model", with_tokenizer=False), ref
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,8 @@ def test_inspect_cli_attributions_equal_theirs(interp, tmp_path):
     for p in rep["positions"]:
         t = p["position"]
         assert p["token"] == int(ref["attr_target_token_ids"][0, t])
-        for key, theirs in (("logit", ref["attr_target_logits"][0, t]), ("residual", ref["attr_epsilon_contribution"][0, t]),
+        for key, theirs in (("logit", ref["attr_target_logits"][0, t]),
+                            ("residual", ref["attr_epsilon_contribution"][0, t]),
                             ("known", ref["attr_known_contributions"][0, t].sum()),
                             ("unknown", ref["attr_unk_contributions"][0, t].sum())):
             assert abs(p[key] - float(theirs)) <= TOL * scale, (t, key, p[key], float(theirs))
@@ -146,12 +148,13 @@ def test_export_back_to_their_layout(interp, tmp_path):
     ``tools/reference/steerling.py check``)."""
     loaded, ref = interp
     out = tmp_path / "back"
-    r = run_cli("export", str(FIXTURES / "interpretable" / "model"), "--format", "steerling", "--out", str(out), "--json")
+    src = FIXTURES / "interpretable" / "model"
+    r = run_cli("export", str(src), "--format", "steerling", "--out", str(out), "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["verify"]["max_abs_diff"] <= 1e-6
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "causal_diffusion" and cfg["interpretable"] and cfg["concept"]["n_concepts"] == 24
-    theirs = json.loads((FIXTURES / "interpretable" / "model" / "model.safetensors.index.json").read_text())["weight_map"]
+    theirs = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     back = load_file(str(out / "model.safetensors"))
     assert set(back) == set(theirs)
     from ncpctl.checkpoint import load_model
@@ -164,7 +167,8 @@ def reference_bpe(ranks: dict[bytes, int], piece: bytes) -> list[int]:
     """tiktoken's byte-pair merge: repeatedly merge the adjacent pair whose merge has the lowest rank."""
     parts = [bytes([b]) for b in piece]
     while True:
-        best = min(((ranks[a + b], i) for i, (a, b) in enumerate(zip(parts, parts[1:])) if a + b in ranks), default=None)
+        pairs = [(ranks[a + b], i) for i, (a, b) in enumerate(zip(parts, parts[1:])) if a + b in ranks]
+        best = min(pairs, default=None)
         if best is None:
             return [ranks[p] for p in parts]
         i = best[1]
@@ -186,7 +190,8 @@ def test_tiktoken_file_converts_to_their_encoding(tmp_path):
     ids = tok.encode(text + "<|mask|>", add_special_tokens=False).ids
     pieces = [b"hello", b" world", b",", b" yellow", b" old"]  # cl100k's split of the text
     assert ids == [i for p in pieces for i in reference_bpe(ranks, p)] + [100280]
-    assert tok.decode(ids) == text and tok.token_to_id("<|endoftext|>") == 100257 and tok.token_to_id("<|pad|>") == 100277
+    assert tok.decode(ids) == text
+    assert tok.token_to_id("<|endoftext|>") == 100257 and tok.token_to_id("<|pad|>") == 100277
 
 
 def test_refusals_are_one_line(tmp_path):
@@ -296,7 +301,8 @@ def test_midtrain_starts_from_their_directory(interp, tmp_path):
                       f"train: {{max_steps: 1, micro_batch_size: 2, seq_len: 16, init_from: {src}}}\n")
     r = load_recipe(recipe)
     cfg = r.model_config
-    assert (cfg.d_model, cfg.bottleneck.concepts, cfg.bottleneck.dropout, cfg.bottleneck.logit_clamp) == (32, 24, 0.3, 15.0)
+    b = cfg.bottleneck
+    assert (cfg.d_model, b.concepts, b.dropout, b.logit_clamp) == (32, 24, 0.3, 15.0)
     model = build_model(r, make_stage(r, "midtrain"), fresh=True, info=lambda m: None)
     assert model.training and all(p.dtype == torch.float32 for p in model.parameters())
     with torch.no_grad():

@@ -7,7 +7,8 @@ ncpctl: their code and ours meet only through the files this writes. Nothing of 
     pip install --no-deps --ignore-requires-python --target DIR steerling==0.2.0
     git clone https://github.com/guidelabs/steerling REPO        # (commit recorded in reference.json)
     PYTHONPATH=DIR python tools/reference/steerling.py make --repo REPO --out tests/fixtures/authors/steerling
-    PYTHONPATH=DIR python tools/reference/steerling.py check EXPORT_DIR --fixture tests/fixtures/authors/steerling/interpretable
+    PYTHONPATH=DIR python tools/reference/steerling.py check EXPORT_DIR \
+        --fixture tests/fixtures/authors/steerling/interpretable
 
 ``make`` builds two tiny random models with their classes, ``CausalDiffusionLM`` (``base/``) and
 ``InterpretableCausalDiffusionLM`` (``interpretable/``), and writes for each: ``model/`` in their
@@ -94,8 +95,9 @@ def repo_commit(repo: Path) -> str:
 
 
 def build(interpretable: bool, seed: int):
-    """One of their models, random: their default init, then the (tied) embedding, every norm weight and the concept heads
-    (padding rows included, which their forward never reads) redrawn, so that each weight matters."""
+    """One of their models, random: their default init, then the (tied) embedding, every norm weight and
+    the concept heads (padding rows included, which their forward never reads) redrawn, so that each
+    weight matters."""
     import torch
     from steerling.configs.causal_diffusion import CausalDiffusionConfig
     from steerling.configs.concept import ConceptConfig
@@ -418,16 +420,19 @@ def load_theirs(path: Path):
 
 def check(path: Path, fixture: Path, quiet: bool = False) -> dict:
     """Their loader on ``path``; its logits (and, interpretable, the decomposition) on the fixture's
-    inputs against the fixture's. Returns the max |diff| of each, relative to the fixture's max |x|."""
+    inputs against the fixture's (``fixture``: a fixture directory, or any safetensors file with
+    ``input_ids`` and ``logits``, e.g. ncpctl's of the model exported). Returns the max |diff| of each,
+    relative to the reference's max |x|."""
     import torch
     from safetensors.torch import load_file
 
-    ref = load_file(str(fixture / "reference.safetensors"))
+    ref = load_file(str(fixture / "reference.safetensors" if fixture.is_dir() else fixture))
     gen = load_theirs(path)
     with torch.no_grad():
         if gen.is_interpretable:
             logits, o = gen.model(ref["input_ids"], minimal_output=False)
             got = {"logits": logits, "known_features": o.known_features, "unk_hat": o.unk_hat, "epsilon": o.epsilon}
+            got = {k: v for k, v in got.items() if k in ref}
         else:
             got = {"logits": gen.model(ref["input_ids"])}
     rel = {k: float((v - ref[k]).abs().max() / ref[k].abs().max()) for k, v in got.items()}

@@ -90,7 +90,8 @@ def _refusals(path: Path, arch: dict, concept: dict | None) -> list[str]:
         if not isinstance(arch.get(key), int):
             out.append(f"{path / 'config.json'}: {key}: an integer is required, got {arch.get(key)!r}")
     if concept is not None and concept.get("concept_dim", arch.get("n_embd")) != arch.get("n_embd"):
-        out.append(f"{path / 'config.json'}: concept_dim: {concept['concept_dim']} != n_embd (their code needs them equal)")
+        out.append(f"{path / 'config.json'}: concept_dim: {concept['concept_dim']} != n_embd "
+                   "(their code needs them equal)")
     return out
 
 
@@ -107,7 +108,8 @@ def config_dict(path: Path, arch: dict, concept: dict | None) -> dict[str, Any]:
         ffn_dim=arch.get("intermediate_size") or arch.get("mlp_ratio", 4) * d, max_seq_len=arch["block_size"],
         rotary_pct=1.0 if arch.get("use_rope", True) else 0.0, rope_base=float(arch.get("rope_base", 500000.0)),
         norm_eps=float(arch.get("norm_eps", 1e-5)), parallel_residual=False, bias=bool(arch.get("use_bias", False)),
-        tie_embeddings=bool(arch.get("weight_sharing", True)), qk_norm="head" if arch.get("use_qk_norm", True) else "none",
+        tie_embeddings=bool(arch.get("weight_sharing", True)),
+        qk_norm="head" if arch.get("use_qk_norm", True) else "none",
         clip_qkv=arch.get("clip_qkv"), norm_placement=arch.get("norm_order", "post"), objective="causal_diffusion",
         diffusion=dict(block_size=arch["diff_block_size"], mask_id=arch["mask_token_id"], mask_token=MASK_TOKEN),
         concept=dict(enabled=False))
@@ -136,6 +138,13 @@ def model_config(path: str | Path, **overrides: Any):
 
 
 # ---------------------------------------------------------------- weights
+
+# each block's tensors: ncpctl's name -> theirs (the SwiGLU projection, reordered, apart)
+LAYER_NAMES = {"attn_norm.weight": "ln_1.weight", "mlp_norm.weight": "ln_2.weight",
+               "attn.qkv.weight": "attn.c_attn.weight", "attn.proj.weight": "attn.c_proj.weight",
+               "mlp.proj.weight": "mlp.c_proj.weight", "attn.q_norm.weight": "attn.q_norm.weight",
+               "attn.k_norm.weight": "attn.k_norm.weight", "attn.qkv.bias": "attn.c_attn.bias",
+               "attn.proj.bias": "attn.c_proj.bias", "mlp.proj.bias": "mlp.c_proj.bias"}
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -169,15 +178,10 @@ def state_dict(cfg, path: Path) -> dict[str, Any]:
         sd["lm_head.weight"] = w.view(need(pre + "lm_head.weight"))
     for i in range(cfg.n_layers):
         theirs, ours = f"{pre}blocks.{i}.", f"decoder.{i}."
-        names = {"attn_norm.weight": "ln_1.weight", "mlp_norm.weight": "ln_2.weight", "attn.qkv.weight": "attn.c_attn.weight",
-                 "attn.proj.weight": "attn.c_proj.weight", "mlp.proj.weight": "mlp.c_proj.weight"}
-        if cfg.qk_norm != "none":
-            names.update({"attn.q_norm.weight": "attn.q_norm.weight", "attn.k_norm.weight": "attn.k_norm.weight"})
-        if cfg.bias:
-            names.update({"attn.qkv.bias": "attn.c_attn.bias", "attn.proj.bias": "attn.c_proj.bias",
-                          "mlp.proj.bias": "mlp.c_proj.bias"})
-        for o, t in names.items():
-            sd[ours + o] = w.view(need(theirs + t))
+        for o, t in LAYER_NAMES.items():
+            qk, bias = o in ("attn.q_norm.weight", "attn.k_norm.weight"), o.endswith(".bias")
+            if (not qk or cfg.qk_norm != "none") and (not bias or cfg.bias):
+                sd[ours + o] = w.view(need(theirs + t))
         for p in ["weight"] + (["bias"] if cfg.bias else []):  # theirs [up; gate] -> ncpctl's [gate; up]
             sd[f"{ours}mlp.fc.{p}"] = w.copy(need(f"{theirs}mlp.c_fc.{p}"), lambda x: torch.cat([x[ffn:], x[:ffn]]))
     if cfg.bottleneck.enabled:
@@ -218,14 +222,15 @@ def load_into(cfg, path: Path, *, train: bool = False):
 
     sd = state_dict(cfg, path)
     dtypes = {v.dtype for v in sd.values()}
-    if train or len(dtypes) > 1:
-        sd = {k: v.float() if train else v.to(torch.float32) for k, v in sd.items()}
+    if train or len(dtypes) > 1:  # training reads fp32 copies; mixed files are read as fp32
+        sd = {k: v.float() for k, v in sd.items()}
     with torch.device("meta"):
         model = NCPModel(cfg)
     try:
         missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     except RuntimeError as e:
-        raise UserError(f"{path}: weights do not fit its config.json ({str(e).strip().splitlines()[-1].strip()})") from None
+        why = str(e).strip().splitlines()[-1].strip()
+        raise UserError(f"{path}: weights do not fit its config.json ({why})") from None
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise UserError(f"{path}: weights do not fit its config.json (missing {sorted(missing)[:3]}, "

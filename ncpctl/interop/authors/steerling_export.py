@@ -22,7 +22,7 @@ from typing import Any
 
 from ncpctl.errors import UserError
 
-from .steerling import CLAMP, weight_files  # noqa: F401  (weight_files: the reader of what this writes)
+from .steerling import CLAMP, LAYER_NAMES
 
 TOLERANCE = 1e-5  # max |logit difference| of the re-import, relative to max |logit|
 PAD = 16  # their ConceptHead pads its rows to a multiple of pad_multiple (16)
@@ -61,7 +61,8 @@ def _config(loaded) -> dict[str, Any]:
     """Their config.json: ``convert_weights.build_steerling_config``'s fields."""
     cfg, src = loaded.config, _source_config(loaded)
     d = dict(model_type="causal_diffusion", interpretable=cfg.bottleneck.enabled, n_layers=cfg.n_layers,
-             n_head=cfg.n_heads, n_embd=cfg.d_model, block_size=cfg.max_seq_len, n_kv_heads=cfg.n_kv_heads or cfg.n_heads,
+             n_head=cfg.n_heads, n_embd=cfg.d_model, block_size=cfg.max_seq_len,
+             n_kv_heads=cfg.n_kv_heads or cfg.n_heads,
              diff_block_size=cfg.diffusion.block_size, use_rms_norm=True, norm_eps=cfg.norm_eps,
              norm_order=cfg.norm_placement, use_qk_norm=cfg.qk_norm == "head", use_rope=cfg.rotary_pct > 0,
              rope_base=cfg.rope_base, rope_full_precision=True, mlp_type="swiglu", activation="gelu",
@@ -117,11 +118,7 @@ def state(model) -> dict[str, Any]:
     ffn = cfg.ffn_dim
     for i in range(cfg.n_layers):
         ours, theirs = f"decoder.{i}.", f"{pre}blocks.{i}."
-        names = {"attn_norm.weight": "ln_1.weight", "mlp_norm.weight": "ln_2.weight", "attn.qkv.weight": "attn.c_attn.weight",
-                 "attn.proj.weight": "attn.c_proj.weight", "mlp.proj.weight": "mlp.c_proj.weight",
-                 "attn.q_norm.weight": "attn.q_norm.weight", "attn.k_norm.weight": "attn.k_norm.weight",
-                 "attn.qkv.bias": "attn.c_attn.bias", "attn.proj.bias": "attn.c_proj.bias", "mlp.proj.bias": "mlp.c_proj.bias"}
-        out.update({theirs + t: sd[ours + o] for o, t in names.items() if ours + o in sd})
+        out.update({theirs + t: sd[ours + o] for o, t in LAYER_NAMES.items() if ours + o in sd})
         for p in ("weight", "bias"):
             if f"{ours}mlp.fc.{p}" in sd:  # ncpctl's [gate; up] -> their [up; gate]
                 gate, up = sd[f"{ours}mlp.fc.{p}"].split([ffn, ffn])
@@ -152,7 +149,9 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", max_
         raise UserError(f"--dtype: {dtype!r} is not one of fp32, bf16")
     out = Path(out)
     existing(out)
-    loaded = load_model(checkpoint, with_tokenizer=False)
+    from .steerling import detect
+
+    loaded = load_model(checkpoint, with_tokenizer=not detect(checkpoint))  # an ncpctl checkpoint's, if it has one
     why = refusals(loaded.model)
     if why:
         raise UserError(*(f"{loaded.path}: cannot export in Steerling's layout: {w}" for w in why))
@@ -164,7 +163,8 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", max_
         shards = _save_weights(sd, tmp, torch_dtype, max_shard_size)
         (tmp / "config.json").write_text(json.dumps(_config(loaded), indent=2) + "\n")
         _tokenizer_files(loaded, tmp)
-        info = {"format": "steerling", "dtype": dtype, "shards": shards, "parameters": sum(v.numel() for v in sd.values())}
+        info = {"format": "steerling", "dtype": dtype, "shards": shards,
+                "parameters": sum(v.numel() for v in sd.values())}
         if verify:
             log("verifying: importing the export back and comparing logits")
             info["verify"] = _verify(loaded, tmp, torch_dtype)
@@ -179,9 +179,10 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", max_
 
 
 def _tokenizer_files(loaded, d: Path) -> None:
-    """An imported model's tiktoken file and tokenizer_config.json travel with it."""
-    src = (loaded.meta.get("imported") or {}).get("path")
-    for f in sorted(Path(src).glob("*.tiktoken")) + [Path(src) / "tokenizer_config.json"] if src else []:
+    """An imported model's tiktoken file and tokenizer_config.json travel with it; an ncpctl
+    checkpoint's tokenizer.json too (their loader reads tiktoken's; ncpctl reads this one back)."""
+    src = Path((loaded.meta.get("imported") or {}).get("path") or loaded.path)
+    for f in [*sorted(src.glob("*.tiktoken")), src / "tokenizer_config.json", src / "tokenizer.json"]:
         if f.is_file():
             shutil.copyfile(f, d / f.name)
 

@@ -89,7 +89,8 @@ def bpe_file(directory: Path) -> Path | None:
         return _NAMED[0]
     found = sorted(directory.glob("*.tiktoken"))
     if len(found) > 1:
-        raise UserError(f"{directory}: several tiktoken files ({', '.join(p.name for p in found)}); name one with --tiktoken")
+        names = ", ".join(p.name for p in found)
+        raise UserError(f"{directory}: several tiktoken files ({names}); name one with --tiktoken")
     return found[0] if found else None
 
 
@@ -129,6 +130,7 @@ def tokenizer(directory: Path, config: dict[str, Any], required: bool):
     if path is None:
         if not required:
             return None
-        raise UserError(f"{directory}: no tokenizer: Steerling's is tiktoken cl100k_base plus special tokens, and the "
-                        f"directory holds no *.tiktoken file; name one with --tiktoken FILE (cl100k_base.tiktoken: {URL})")
+        raise UserError(f"{directory}: no tokenizer: Steerling's is tiktoken cl100k_base plus special tokens, and "
+                        f"the directory holds no *.tiktoken file; name one with --tiktoken FILE "
+                        f"(cl100k_base.tiktoken: {URL})")
     return convert(path, specials(directory, config))
