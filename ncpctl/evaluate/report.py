@@ -26,7 +26,9 @@ def _aggregates_markdown(aggregates: dict[str, dict[str, Any]]) -> str:
         lines += ["", f"## {group}: {a['name']}", "", "| task | metric | score |", "|---|---|---:|"]
         lines += [f"| {k} | {a['metrics'][k]} | {_num(v)} |" for k, v in a["scores"].items()]
         lines += [f"| {s} AVG | | {_num(v)} |" for s, v in a["sections"].items()]
-        lines += [f"| **{a['name']}** | {a['rule']} | {_num(a['value'])} |", "", f"- rule: {a['rule_text']}", ""]
+        lines += [f"| **{a['name']}** | {a['rule']} | {_num(a['value'])} |"]
+        lines += [f"| {s} | reported, not in {a['name']} | {_num(v)} |" for s, v in (a.get("summaries") or {}).items()]
+        lines += ["", f"- rule: {a['rule_text']}", ""]
     return "\n".join(lines)
 
 
@@ -109,6 +111,8 @@ def _aggregate_rows(table, aggregates: dict[str, dict[str, Any]]) -> None:
         for s, v in a["sections"].items():
             table.add_row(group, f"{s} AVG ({a['rule']})", _num(v), "")
         table.add_row(group, f"{a['name']} ({a['rule']})", _num(a["value"]), "")
+        for s, v in (a.get("summaries") or {}).items():  # reported beside the aggregate, not in it
+            table.add_row(group, f"{s} (reported, not in {a['name']})", _num(v), "")
         rules.append(f"{group}: {a['rule_text']}")
     if rules:
         before = table.caption.plain + "\n" if isinstance(table.caption, Text) else ""
