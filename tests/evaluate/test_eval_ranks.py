@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,9 @@ def test_two_ranks_give_one_ranks_result(runs, tmp_path: Path) -> None:
     shutil.copytree(runs["concept"].parent.parent, run, symlinks=True, ignore=shutil.ignore_patterns("eval"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-    port = str(31000 + os.getpid() % 2000)
+    with socket.socket() as sock:  # a free port for the rendezvous (other launches may run beside this one)
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
     args = ["eval", str(run), "--tasks", "ncp_offline", "--limit", "5", "--batch-size", "2", "--log-samples",
             "--no-cache", "--json"]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
