@@ -222,6 +222,8 @@ def resolve(path: str | os.PathLike[str], *, warn: Any = _warn, pin_it: bool = T
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p}: no such checkpoint or run directory")
+    if _authors(p):  # a released model in its authors' layout (issue 43): no manifest, nothing to pin
+        return p
     if (p / META).is_file():
         if pin_it:
             pin(p)
@@ -261,7 +263,18 @@ def wandb_id_file(run_dir: Path) -> Path:
     return Path(run_dir) / WANDB_ID
 
 
+def _authors(directory: Path) -> bool:
+    """``directory`` holds a released model in its authors' layout (ConceptLM's), not ncpctl's."""
+    from ncpctl.interop.authors_conceptlm import is_conceptlm_dir
+
+    return is_conceptlm_dir(directory)
+
+
 def read_meta(directory: Path) -> dict[str, Any]:
+    if _authors(directory):  # what ncpctl.json would say: the model config read from their config.json
+        from ncpctl.interop import authors_conceptlm_io
+
+        return authors_conceptlm_io.meta(Path(directory))
     try:
         meta = json.loads((directory / META).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -278,6 +291,10 @@ def read_weights(directory: Path, meta: dict[str, Any] | None = None) -> dict[st
     """The full fp32 state dict of checkpoint ``directory`` (tied lm_head restored)."""
     from ncpctl.safe_load import load_safetensors
 
+    if _authors(directory):  # their weights, converted to ours
+        from ncpctl.interop import authors_conceptlm_io
+
+        return authors_conceptlm_io.state(Path(directory))
     state = load_safetensors(directory / WEIGHTS)  # a missing or damaged file: one line naming it
     if (meta or read_meta(directory)).get("model_config", {}).get("tie_embeddings") and "embed.weight" in state:
         state.setdefault("lm_head.weight", state["embed.weight"])  # (without it: load_model names what is missing)
@@ -300,13 +317,14 @@ def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> 
     state = read_weights(directory, meta)
     with torch.device("meta"):
         model = NCPModel(cfg)
+    weights = directory if _authors(directory) else directory / WEIGHTS
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # a tensor of the wrong shape: a damaged file or another model's
-        raise UserError(f"{directory / WEIGHTS}: weights do not match the model config "
+        raise UserError(f"{weights}: weights do not match the model config "
                         f"({str(e).strip().splitlines()[-1].strip()})") from None
     if missing or unexpected:
-        raise UserError(f"{directory / WEIGHTS}: weights do not match the model config "
+        raise UserError(f"{weights}: weights do not match the model config "
                         f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
