@@ -265,16 +265,16 @@ def wandb_id_file(run_dir: Path) -> Path:
 
 def _authors(directory: Path) -> bool:
     """``directory`` holds a released model in its authors' layout (ConceptLM's), not ncpctl's."""
-    from ncpctl.interop.authors_conceptlm import is_conceptlm_dir
+    from ncpctl.interop.authors import conceptlm
 
-    return is_conceptlm_dir(directory)
+    return conceptlm.detect(directory)
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
     if _authors(directory):  # what ncpctl.json would say: the model config read from their config.json
-        from ncpctl.interop import authors_conceptlm_io
+        from ncpctl.interop.authors import conceptlm_io
 
-        return authors_conceptlm_io.meta(Path(directory))
+        return conceptlm_io.meta(Path(directory))
     try:
         meta = json.loads((directory / META).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -292,9 +292,9 @@ def read_weights(directory: Path, meta: dict[str, Any] | None = None) -> dict[st
     from ncpctl.safe_load import load_safetensors
 
     if _authors(directory):  # their weights, converted to ours
-        from ncpctl.interop import authors_conceptlm_io
+        from ncpctl.interop.authors import conceptlm_io
 
-        return authors_conceptlm_io.state(Path(directory))
+        return conceptlm_io.state(Path(directory))
     state = load_safetensors(directory / WEIGHTS)  # a missing or damaged file: one line naming it
     if (meta or read_meta(directory)).get("model_config", {}).get("tie_embeddings") and "embed.weight" in state:
         state.setdefault("lm_head.weight", state["embed.weight"])  # (without it: load_model names what is missing)

@@ -21,9 +21,9 @@ def main(
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Shard safetensors above this "
                                                           "size, e.g. 5GB (default export.max_shard_size).",
                                                           show_default=False)] = None,
-    layout: Annotated[str, typer.Option("--layout", help="hf = a Hugging Face directory; conceptlm = the ConceptLM "
-                                        "authors' layout (their config.json and weight names, fp32), which their "
-                                        "ConceptLM_* classes load.")] = "hf",
+    format_: Annotated[str, typer.Option("--format", help="hf: a Hugging Face directory; conceptlm: the ConceptLM "
+                                         "authors' layout (their config.json and weight names, fp32, loadable by "
+                                         "their ConceptLM_* classes).")] = "hf",
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -49,11 +49,6 @@ def main(
         raise UserError("--set does not apply to export (a checkpoint carries its recipe)",
                         hint="use --out/--dtype/--max-shard-size/--skip-verify")
     ck = resolve(checkpoint)
-    if layout not in ("hf", "conceptlm"):
-        raise UserError(f"--layout: {layout!r} is not one of hf, conceptlm")
-    if layout == "conceptlm":
-        return _authors_layout(Output(json_out), ck, Path(out) if out else (run_dir_of(ck) or ck) / "export",
-                               dtype, skip_verify)
     section = ((read_meta(ck).get("recipe") or {}).get("export") or {})
     # Where to write is the user's choice (--out), never the checkpoint's: a shared or downloaded
     # checkpoint's recipe could name any directory (issue 21). Its export.out is only mentioned.
@@ -64,6 +59,10 @@ def main(
         o.warn(escape(f"the checkpoint's recipe sets export.out={section['out']}, which export follows only from "
                       f"--out; writing to {target}"))
     verify = not skip_verify and section.get("verify", True)
+    if format_ not in ("hf", "conceptlm"):
+        raise UserError(f"--format: {format_!r} is not one of hf, conceptlm")
+    if format_ == "conceptlm":  # the authors' layout (ncpctl/interop/authors/conceptlm_io.py)
+        from ncpctl.interop.authors.conceptlm_io import export
     info = export(ck, target, dtype=dtype or section.get("dtype", "fp32"), verify=verify,
                   max_shard_size=max_shard_size or section.get("max_shard_size", "5GB"),
                   log=lambda m: o.info(f"[dim]{m}[/]"))
@@ -74,30 +73,8 @@ def main(
         if info.get("remote_code"):
             con.print("  load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
         v = info.get("verify")
-        con.print(f"  verified: max |logit diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:.3g}; tokenizer identical"
+        same = "; tokenizer identical" if info.get("format", "hf") == "hf" else " (imported back)"
+        con.print(f"  verified: max |logit diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:.3g}{same}"
                   if v else "  [yellow]not verified (--skip-verify)[/]")
-
-    o.result({"command": "export", "checkpoint": str(ck), **info}, human)
-
-
-def _authors_layout(o: Output, ck, target, dtype: str | None, skip_verify: bool) -> None:
-    """``--layout conceptlm``: the model in the ConceptLM authors' layout, reloaded and compared."""
-    from ncpctl.checkpoint import load_model
-    from ncpctl.errors import UserError
-    from ncpctl.interop.authors_conceptlm_io import export, verify
-
-    if dtype not in (None, "fp32"):
-        raise UserError(f"--dtype {dtype}: the ConceptLM layout is written in fp32")
-    loaded = load_model(ck)
-    info = export(loaded, target, log=lambda m: o.info(f"[dim]{m}[/]"))
-    if not skip_verify:
-        info["verify"] = verify(loaded, target)
-
-    def human(con) -> None:
-        con.print(f"exported {ck} -> [bold]{info['out']}[/] in the ConceptLM layout as {info['architecture']} "
-                  f"({info['parameters']:,} parameters, fp32)")
-        v = info.get("verify")
-        con.print(f"  verified: max |logit diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:.3g}" if v
-                  else "  [yellow]not verified (--skip-verify)[/]")
 
     o.result({"command": "export", "checkpoint": str(ck), **info}, human)

@@ -27,11 +27,11 @@ from ncpctl.errors import UserError
 
 def is_hf_dir(path: str | Path) -> bool:
     """A Hugging Face model directory (not an ncpctl checkpoint, nor a ConceptLM authors' directory,
-    which ``ncpctl.checkpoint`` opens as a checkpoint: authors_conceptlm.py)."""
-    from ncpctl.interop.authors_conceptlm import is_conceptlm_dir
+    which ``ncpctl.checkpoint`` opens as a checkpoint: authors/conceptlm.py)."""
+    from ncpctl.interop.authors import conceptlm
 
     p = Path(path)
-    return (p / "config.json").is_file() and not (p / "ncpctl.json").is_file() and not is_conceptlm_dir(p)
+    return (p / "config.json").is_file() and not (p / "ncpctl.json").is_file() and not conceptlm.detect(p)
 
 
 def read_hf_state_dict(directory: Path) -> dict[str, Any]:

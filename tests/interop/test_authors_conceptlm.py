@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from ncpctl.checkpoint import load_model
 from ncpctl.errors import UserError
-from ncpctl.interop import authors_conceptlm_io as io
+from ncpctl.interop.authors import conceptlm_io as io
 
 from ..conftest import REPO, run_cli
 
@@ -82,8 +82,8 @@ def _their_weights(directory: Path) -> dict:
 @pytest.mark.parametrize("name", NAMES)
 def test_export_back_to_their_layout(name, tmp_path):
     loaded = _run(name)[0]
-    info = io.export(loaded, tmp_path / name)
-    assert io.verify(loaded, tmp_path / name)["max_abs_diff"] == 0.0
+    info = io.export(FIXTURES / name, tmp_path / name)
+    assert info["verify"]["max_abs_diff"] == 0.0
     mine, theirs = _their_weights(tmp_path / name), _their_weights(FIXTURES / name)
     assert set(mine) == set(theirs) and info["architecture"] in (FIXTURES / name / "config.json").read_text()
     S = loaded.config.n_segments
@@ -108,7 +108,7 @@ def test_what_their_code_cannot_run_is_one_line_per_key(tmp_path):
 
 
 def test_a_model_their_layout_cannot_hold_names_the_keys():
-    from ncpctl.interop.authors_conceptlm import export_problems
+    from ncpctl.interop.authors.conceptlm import export_problems
 
     loaded = _run("gpt2")[0]
     cfg = loaded.config.__class__.from_dict({**loaded.config.to_dict(), "concept": {
@@ -162,5 +162,5 @@ def test_the_cli_reads_their_directory(tmp_path):
     (tmp_path / "held.txt").write_text(" ".join(f"w{(7 * i) % 62}" for i in range(60)))
     ev = _invoke("eval", str(d), "--tasks", "", "--heldout", str(tmp_path / "held.txt"), "--out", str(tmp_path / "ev"))
     assert ev["perplexity"]["per_set"]
-    back = _invoke("export", str(d), "--layout", "conceptlm", "--out", str(tmp_path / "back"))
+    back = _invoke("export", str(d), "--format", "conceptlm", "--out", str(tmp_path / "back"))
     assert back["verify"]["max_abs_diff"] == 0.0 and (tmp_path / "back" / "tokenizer.json").is_file()

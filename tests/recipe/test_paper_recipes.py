@@ -343,9 +343,9 @@ KEPT = {"gpt2": {"codebook_transform"}, "llama": {"detach_added_concept"}}
                                            ("llama3.1-8b-conceptlm", "llama")])
 def test_conceptlm_recipes_compute_what_the_authors_code_does(name, backbone, request) -> None:
     """Where the notes are silent, the paper recipes take the authors' computation (issue 43): the
-    concept keys their code implies (the importer's, ncpctl/interop/authors_conceptlm.py) hold in the
+    concept keys their code implies (the importer's, ncpctl/interop/authors/conceptlm.py) hold in the
     recipe, but for the differences kept on purpose."""
-    from ncpctl.interop.authors_conceptlm import BACKBONES
+    from ncpctl.interop.authors.conceptlm import BACKBONES
 
     sets = request.getfixturevalue({"pythia": "pile_like", "gpt2": "gpt2_like", "llama": "llama_like"}[backbone])
     cfg = load_recipe(RECIPES / f"{name}.yaml", sets).model_config

@@ -1,4 +1,4 @@
-"""Weights to and from the ConceptLM authors' layout (authors_conceptlm.py has the configs), their
+"""Weights to and from the ConceptLM authors' layout (conceptlm.py has the configs), their
 directory opened as a loaded model, and the export back to it.
 
 Their blocks are Hugging Face blocks under their own prefixes, so each converts with the backbone
@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ncpctl.errors import UserError
-from ncpctl.interop.authors_conceptlm import LAYOUT, BACKBONES, _backbone_of, export_problems, model_config, \
+from ncpctl.interop.authors.conceptlm import LAYOUT, BACKBONES, _backbone_of, export_problems, model_config, \
     read_config, their_config
 
 
@@ -131,18 +131,30 @@ def state(directory: Path) -> dict:
 
 # ---- the export back to their layout ---------------------------------------------------------
 
-def export(loaded, out: Path, *, log=lambda m: None) -> dict:
-    """Write ``loaded.model`` into the new or empty directory ``out`` in their layout: config.json,
-    model.safetensors (fp32) and the checkpoint's tokenizer.json when it has one."""
+TOLERANCE = 1e-5  # max |logit difference| of the reloaded export, relative to max(1, max |logit|)
+
+
+def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", verify: bool = True,
+           max_shard_size: str | int = "5GB", log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """``ncpctl export --format conceptlm``: the model of ``checkpoint`` in their layout in the new or
+    empty directory ``out``: config.json, one model.safetensors (fp32: ``max_shard_size`` is not
+    used) and the checkpoint's tokenizer.json when it has one; with ``verify`` reloaded through the
+    importer and compared on a probe batch (above the tolerance the files are removed)."""
     from safetensors.torch import save_file
 
+    from ncpctl.checkpoint import load_model
+
+    if dtype != "fp32":
+        raise UserError(f"--dtype {dtype}: the ConceptLM layout is written in fp32")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: exists and is not empty; the ConceptLM layout is written into a new or empty "
+                        "directory", hint="choose another --out")
+    loaded = load_model(checkpoint)
     cfg = loaded.config
     problems = export_problems(cfg)
     if problems:
         raise UserError(*(f"{loaded.path}: cannot be written in the ConceptLM layout: {p}" for p in problems))
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out}: exists and is not empty; the ConceptLM layout is written into a new or empty "
-                        "directory", hint="choose another --out")
     sd = to_authors(loaded.model)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(their_config(cfg), indent=2, sort_keys=True) + "\n")
@@ -150,18 +162,18 @@ def export(loaded, out: Path, *, log=lambda m: None) -> dict:
     tok = Path(loaded.path) / "tokenizer.json"
     if tok.is_file():
         shutil.copyfile(tok, out / "tokenizer.json")
-    log(f"wrote {len(sd)} tensors in the ConceptLM layout ({_backbone_of(cfg).architecture})")
-    return {"out": str(out), "layout": LAYOUT, "architecture": _backbone_of(cfg).architecture,
-            "parameters": int(sum(v.numel() for v in sd.values())), "files": sorted(p.name for p in out.iterdir())}
+    arch = _backbone_of(cfg).architecture
+    log(f"wrote {len(sd)} tensors in the ConceptLM layout ({arch})")
+    info = {"format": LAYOUT, "architecture": arch, "dtype": "fp32", "shards": 1,
+            "parameters": int(sum(v.numel() for v in sd.values()))}
+    if verify:
+        info["verify"] = _verify(loaded, out)
+    return {**info, "out": str(out), "files": sorted(p.name for p in out.iterdir())}
 
 
-TOLERANCE = 1e-5  # max |logit difference| of the reloaded export, relative to max |logit|
-
-
-def verify(loaded, out: Path) -> dict:
+def _verify(loaded, out: Path) -> dict:
     """Reload the export ``out`` through the importer and compare its logits with ``loaded.model``'s on
-    a probe batch (2 rows of 3 chunks and an unfinished one); above the tolerance the written files
-    are removed and the export fails."""
+    a probe batch (2 rows of 3 chunks and an unfinished one)."""
     import torch
 
     from ncpctl.checkpoint import load_model
@@ -172,10 +184,10 @@ def verify(loaded, out: Path) -> dict:
     with torch.no_grad():
         want = loaded.model(x).logits[..., : cfg.vocab_size]
         got = load_model(out, with_tokenizer=False).model(x).logits[..., : cfg.vocab_size]
-    diff, scale = float((got - want).abs().max()), float(want.abs().max())
-    if not diff <= TOLERANCE * max(scale, 1.0):
+    diff, tol = float((got - want).abs().max()), TOLERANCE * max(float(want.abs().max()), 1.0)
+    if not diff <= tol:
         for f in ("config.json", "model.safetensors", "tokenizer.json"):
             (out / f).unlink(missing_ok=True)
         raise UserError(f"{out}: the export gives other logits than {loaded.path} (max |diff| {diff:.3g}); "
                         "nothing kept")
-    return {"max_abs_diff": diff, "tolerance": TOLERANCE * max(scale, 1.0), "probe_tokens": list(x.shape)}
+    return {"max_abs_diff": diff, "tolerance": tol, "probe_tokens": list(x.shape)}

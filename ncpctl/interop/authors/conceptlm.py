@@ -218,7 +218,8 @@ def read_config(directory: str | Path) -> dict | None:
     return None
 
 
-def is_conceptlm_dir(directory: str | Path) -> bool:
+def detect(directory: str | Path) -> bool:
+    """``directory`` holds a model in the ConceptLM authors' layout."""
     return read_config(directory) is not None
 
 
