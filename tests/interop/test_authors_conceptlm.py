@@ -95,6 +95,25 @@ def test_export_back_to_their_layout(name, tmp_path):
     assert again.to_dict() == loaded.config.to_dict()
 
 
+def test_their_llamas_cached_buffers_are_not_weights(tmp_path):
+    """Their Llama writes cached_* buffers during a forward; a checkpoint saved after one holds them:
+    they are activations, ignored on import (and never exported: test_export_back_to_their_layout)."""
+    from safetensors.torch import save_file
+
+    d = Path(shutil.copytree(FIXTURES / "llama", tmp_path / "llama"))
+    sd = _their_weights(d)
+    sd.update({f"model.cached_encoder_hs_{i}": torch.randn(2, 1, 32) for i in range(1, 5)},
+              **{"model.cached_pred_high_level_hs": torch.randn(2, 4, 32)})
+    save_file(sd, str(d / "model.safetensors"))
+    ref = load_file(str(d / "reference.safetensors"))
+    with torch.no_grad():
+        got = load_model(d).model(ref["tokens"]).logits[..., :64]
+    assert ((got - ref["logits"]).abs() <= TOL * ref["logits"].abs().max()).all()
+    save_file({**sd, "model.extra.weight": torch.zeros(2)}, str(d / "model.safetensors"))
+    with pytest.raises(UserError, match="weights ncpctl does not read: model.extra.weight"):
+        load_model(d)
+
+
 def test_what_their_code_cannot_run_is_one_line_per_key(tmp_path):
     d = Path(shutil.copytree(FIXTURES / "pythia", tmp_path / "pythia"))
     cfg = json.loads((d / "config.json").read_text())
