@@ -138,6 +138,26 @@ def test_a_model_their_layout_cannot_hold_names_the_keys():
     assert export_problems(loaded.config) == []
 
 
+def test_train_init_from_their_directory(tmp_path):
+    """midtrain / adapt-vq start from their weights: a recipe without a model section takes the
+    imported model (as from an ncpctl checkpoint); optimizer state (train.load: all) is refused."""
+    from ncpctl.recipe import load_recipe
+    from ncpctl.train.stages import build_model, make_stage
+
+    recipe = tmp_path / "mid.yaml"
+    recipe.write_text(f"tokenizer: {{vocab_size: 64}}\nrun: {{dir: {tmp_path / 'run'}}}\ntrain:\n"
+                      f"  init_from: {FIXTURES / 'llama'}\n  seq_len: 16\n  micro_batch_size: 2\n"
+                      "  global_batch_size: 2\n")
+    r = load_recipe(recipe, [])
+    loaded = _run("llama")[0]
+    assert r.model_config.to_dict() == loaded.config.to_dict()
+    model = build_model(r, make_stage(r, "midtrain"), fresh=True, info=lambda m: None)
+    mine = model.state_dict()
+    assert all(torch.equal(v, mine[k]) for k, v in loaded.model.state_dict().items())
+    with pytest.raises(UserError, match="train.load: all needs an ncpctl checkpoint"):
+        make_stage(load_recipe(recipe, ["train.load=all"]), "midtrain")
+
+
 def _tokenizer(path: Path) -> None:
     """A 64-word tokenizer for the fixtures' 64-token vocabulary (their directories ship their own)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
