@@ -62,16 +62,39 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
 # ---- rotary position embedding ---------------------------------------------------------
 
 
-def rope(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B|1, 1, T, rotary_dim) for integer ``positions`` (B|1, T).
+def rope(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype,
+         limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (B|1, 1, T, rotary_dim) for integer ``positions`` (B|1, T), all below
+    ``limit`` (default ``max_seq_len``; decoding past it passes its own).
 
-    Computed per call from the config (no buffer): exact HF formula, works for any
-    per-row positions (ragged decoding, concept positions scaled by k) and is unaffected
-    by ``model.to(dtype)`` or meta-device construction.
+    The exact HF formula from the config, for any per-row positions (ragged decoding, concept
+    positions scaled by k), unaffected by ``model.to(dtype)`` or meta-device construction. The
+    values are rows of a table of positions 0..limit-1 (``_rope_table``), made once per frequency
+    set, device and dtype, and gathered here: one gather per forward or decode step instead of the
+    eleven kernels computing them costs (a step's host overhead). The table's entries are computed
+    by the same elementwise ops, so they equal the per-call values bit for bit. Checking the
+    positions against the table would be a sync per step on a GPU, so ``limit`` is the caller's
+    promise (a position past the table is an index error).
     """
-    freqs = positions[..., None].float() * inv_freq(cfg, positions.device)  # (B, T, rd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, rd)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    limit = max(limit or 0, cfg.max_seq_len)
+    table = _rope_table(cfg, limit, positions.device, dtype)  # (P, 2 rd): cos | sin
+    cos, sin = F.embedding(positions, table).chunk(2, dim=-1)  # (B|1, T, rd) each
+    return cos[:, None], sin[:, None]
+
+
+_ROPE_TABLES: dict = {}  # (frequencies, device, dtype) -> (P, 2 rotary_dim)
+
+
+def _rope_table(cfg: ModelConfig, limit: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """cos | sin of positions 0..P-1 (P >= limit, grown by doubling), (P, 2 rotary_dim)."""
+    key = (cfg.rotary_dim, cfg.rope_base, repr(cfg.rope_scaling), str(device), dtype)
+    table = _ROPE_TABLES.get(key)
+    if table is None or table.shape[0] < limit:
+        n = max(limit, 2 * (0 if table is None else table.shape[0]))
+        freqs = torch.arange(n, device=device)[:, None].float() * inv_freq(cfg, device)  # (P, rd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, rd)
+        table = _ROPE_TABLES[key] = torch.cat((emb.cos().to(dtype), emb.sin().to(dtype)), dim=-1)
+    return table
 
 
 def inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
@@ -277,11 +300,12 @@ class Context:
     sources: list | None = None
 
     @classmethod
-    def causal(cls, cfg: ModelConfig, positions: torch.Tensor, patterns, dtype: torch.dtype) -> "Context":
-        """A plain (unpadded, uncached) sequence with integer RoPE ``positions`` (B|1, T), for layers
-        of the given attention ``patterns`` (``Pattern``s, or bare windows: causal ones), each mapped
-        to its fastest kernel (``kernel_masks``)."""
-        cos, sin = rope(positions, cfg, dtype)
+    def causal(cls, cfg: ModelConfig, positions: torch.Tensor, patterns, dtype: torch.dtype,
+               limit: int | None = None) -> "Context":
+        """A plain (unpadded, uncached) sequence with integer RoPE ``positions`` (B|1, T), all below
+        ``limit`` (default: T), for layers of the given attention ``patterns`` (``Pattern``s, or
+        bare windows: causal ones), each mapped to its fastest kernel (``kernel_masks``)."""
+        cos, sin = rope(positions, cfg, dtype, limit=limit or positions.shape[-1])
         return cls(cos, sin, kernel_masks(set(patterns), positions.shape[-1], positions.device))
 
     @classmethod
@@ -290,7 +314,7 @@ class Context:
         index): positions restart at 0 per document, and every pattern is also block-diagonal by
         document (patterns.document_masks). Returns (context, positions (B, T))."""
         positions = document_positions(doc)
-        cos, sin = rope(positions, cfg, dtype)
+        cos, sin = rope(positions, cfg, dtype, limit=doc.shape[-1])
         return cls(cos, sin, document_masks(set(patterns), doc)), positions
 
     def with_(self, **changes: Any) -> "Context":
