@@ -72,7 +72,8 @@ _f = option  # a documented dataclass field (config_base.option)
 @dataclass
 class ConceptConfig(DynamicSection, CrossAttentionSection, ConceptHeadSection):
     """The concept path (spec sections 1-3). Defaults follow ConceptLM (Pythia). The keys of one
-    segmentation or coupling are its section (config_dynamic.py, config_coupling.py)."""
+    segmentation or coupling are its section (config_dynamic.py, config_coupling.py); those of the
+    heads and the codebook transform, config_concept_head.py."""
 
     enabled: bool = _f(False, "Turn the concept path on (ConceptLM); off = exactly the HF backbone.")
     segmentation: str = _f(

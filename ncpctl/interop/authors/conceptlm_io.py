@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ncpctl.errors import UserError
-from ncpctl.interop.authors.conceptlm import LAYOUT, BACKBONES, _backbone_of, export_problems, model_config, \
-    read_config, their_config
+from ncpctl.interop.authors.conceptlm import (BACKBONES, LAYOUT, _backbone_of, export_problems, model_config,
+                                              read_config, their_config)
 
 
 class _Reads(dict):
