@@ -219,10 +219,12 @@ def resolve(path: str | os.PathLike[str], *, warn: Any = _warn, pin_it: bool = T
     """A checkpoint directory from a checkpoint dir, a ``checkpoints/`` dir or a run dir (then the
     one ``latest`` names, or the newest good one: ``find_in``). The checkpoint is verified against
     its manifest (unless ``--no-verify``) and pinned against pruning for the rest of the process."""
+    from ncpctl.interop.authors import steerling
+
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p}: no such checkpoint or run directory")
-    if _authors(p):  # a released model in its authors' layout (issue 43): no manifest, nothing to pin
+    if steerling.detect(p) or _authors(p):  # a model directory in its authors' layout (issue 43): no manifest
         return p
     if (p / META).is_file():
         if pin_it:
@@ -264,14 +266,19 @@ def wandb_id_file(run_dir: Path) -> Path:
 
 
 def _authors(directory: Path) -> bool:
-    """``directory`` holds a released model in its authors' layout (ConceptLM's), not ncpctl's."""
+    """``directory`` holds a model in the ConceptLM authors' layout (ncpctl/interop/authors/conceptlm.py),
+    read through ``read_meta`` and ``read_weights`` (Steerling's has its own ``load``)."""
     from ncpctl.interop.authors import conceptlm
 
     return conceptlm.detect(directory)
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
-    if _authors(directory):  # what ncpctl.json would say: the model config read from their config.json
+    from ncpctl.interop.authors import steerling
+
+    if steerling.detect(directory):
+        return steerling.meta(directory)
+    if _authors(directory):  # ConceptLM's: what ncpctl.json would say, the model config read from their config.json
         from ncpctl.interop.authors import conceptlm_io
 
         return conceptlm_io.meta(Path(directory))
@@ -302,12 +309,16 @@ def read_weights(directory: Path, meta: dict[str, Any] | None = None) -> dict[st
 
 
 def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> LoadedModel:
-    """NCPModel (fp32, CPU, eval mode) + tokenizer + metadata from a checkpoint or run dir."""
+    """NCPModel (fp32, CPU, eval mode) + tokenizer + metadata from a checkpoint or run dir, or from a
+    model directory in the authors' layout (Steerling: the files' dtype, the weights mapped)."""
     import torch
 
+    from ncpctl.interop.authors import steerling
     from ncpctl.model.model import NCPModel
 
     directory = resolve(path)
+    if steerling.detect(directory):  # the authors' layout (ncpctl/interop/authors/steerling.py)
+        return steerling.load(directory, with_tokenizer=with_tokenizer)
     meta = read_meta(directory)
     try:
         with from_checkpoint(directory):  # imports no strategy the user did not name (issue 21)

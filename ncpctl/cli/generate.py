@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command
 
 
 @command
@@ -54,6 +54,7 @@ def main(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     strategies: StrategyOpt = None,
+    tiktoken: TiktokenOpt = None,
     no_verify: NoVerifyOpt = False,
 ) -> None:
     """Generate text from a checkpoint: greedy, temperature, top-k, top-p, stop strings, seeds.

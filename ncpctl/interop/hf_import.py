@@ -89,7 +89,11 @@ def load_hf_pretrained(directory: str | Path, *, cfg: Any = None, concept: dict[
     from ncpctl.model.hf import fresh_keys, load_hf_state_dict
     from ncpctl.model.model import NCPModel
 
+    from ncpctl.interop.authors import steerling
+
     d = Path(directory)
+    if steerling.detect(d):  # Steerling's own layout (issue 43)
+        return steerling.load_pretrained(d, cfg)
     if not (d / "config.json").is_file():
         raise UserError(f"{d}: not a Hugging Face model directory (no config.json)")
     if cfg is None:
