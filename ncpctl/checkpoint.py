@@ -224,7 +224,7 @@ def resolve(path: str | os.PathLike[str], *, warn: Any = _warn, pin_it: bool = T
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p}: no such checkpoint or run directory")
-    if steerling.detect(p):  # a Steerling model directory (issue 43): read as a checkpoint, no manifest
+    if steerling.detect(p) or _authors(p):  # a model directory in its authors' layout (issue 43): no manifest
         return p
     if (p / META).is_file():
         if pin_it:
@@ -265,11 +265,23 @@ def wandb_id_file(run_dir: Path) -> Path:
     return Path(run_dir) / WANDB_ID
 
 
+def _authors(directory: Path) -> bool:
+    """``directory`` holds a model in the ConceptLM authors' layout (ncpctl/interop/authors/conceptlm.py),
+    read through ``read_meta`` and ``read_weights`` (Steerling's has its own ``load``)."""
+    from ncpctl.interop.authors import conceptlm
+
+    return conceptlm.detect(directory)
+
+
 def read_meta(directory: Path) -> dict[str, Any]:
     from ncpctl.interop.authors import steerling
 
     if steerling.detect(directory):
         return steerling.meta(directory)
+    if _authors(directory):  # ConceptLM's: what ncpctl.json would say, the model config read from their config.json
+        from ncpctl.interop.authors import conceptlm_io
+
+        return conceptlm_io.meta(Path(directory))
     try:
         meta = json.loads((directory / META).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -286,6 +298,10 @@ def read_weights(directory: Path, meta: dict[str, Any] | None = None) -> dict[st
     """The full fp32 state dict of checkpoint ``directory`` (tied lm_head restored)."""
     from ncpctl.safe_load import load_safetensors
 
+    if _authors(directory):  # their weights, converted to ours
+        from ncpctl.interop.authors import conceptlm_io
+
+        return conceptlm_io.state(Path(directory))
     state = load_safetensors(directory / WEIGHTS)  # a missing or damaged file: one line naming it
     if (meta or read_meta(directory)).get("model_config", {}).get("tie_embeddings") and "embed.weight" in state:
         state.setdefault("lm_head.weight", state["embed.weight"])  # (without it: load_model names what is missing)
@@ -312,13 +328,14 @@ def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> 
     state = read_weights(directory, meta)
     with torch.device("meta"):
         model = NCPModel(cfg)
+    weights = directory if _authors(directory) else directory / WEIGHTS
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # a tensor of the wrong shape: a damaged file or another model's
-        raise UserError(f"{directory / WEIGHTS}: weights do not match the model config "
+        raise UserError(f"{weights}: weights do not match the model config "
                         f"({str(e).strip().splitlines()[-1].strip()})") from None
     if missing or unexpected:
-        raise UserError(f"{directory / WEIGHTS}: weights do not match the model config "
+        raise UserError(f"{weights}: weights do not match the model config "
                         f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight

@@ -23,7 +23,9 @@ def main(
                                                           show_default=False)] = None,
     format_: Annotated[str, typer.Option("--format", help="hf: a Hugging Face directory; steerling: Steerling's "
                                          "own layout (their config.json and weight names, loadable by "
-                                         "SteerlingGenerator.from_pretrained).")] = "hf",
+                                         "SteerlingGenerator.from_pretrained); conceptlm: the ConceptLM authors' "
+                                         "layout (their config.json and weight names, fp32, loadable by their "
+                                         "ConceptLM_* classes).")] = "hf",
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -60,10 +62,13 @@ def main(
         o.warn(escape(f"the checkpoint's recipe sets export.out={section['out']}, which export follows only from "
                       f"--out; writing to {target}"))
     verify = not skip_verify and section.get("verify", True)
-    if format_ not in ("hf", "steerling"):
-        raise UserError(f"--format: {format_!r} is not one of hf, steerling")
-    if format_ == "steerling":  # the authors' layout (ncpctl/interop/authors/steerling_export.py)
-        from ncpctl.interop.authors.steerling_export import export
+    formats = {"steerling": "steerling_export", "conceptlm": "conceptlm_io"}  # the authors' layouts (issue 43)
+    if format_ != "hf" and format_ not in formats:
+        raise UserError(f"--format: {format_!r} is not one of hf, {', '.join(formats)}")
+    if format_ in formats:  # ncpctl/interop/authors/<module>.py
+        import importlib
+
+        export = importlib.import_module(f"ncpctl.interop.authors.{formats[format_]}").export
     info = export(ck, target, dtype=dtype or section.get("dtype", "fp32"), verify=verify,
                   max_shard_size=max_shard_size or section.get("max_shard_size", "5GB"),
                   log=lambda m: o.info(f"[dim]{m}[/]"))
@@ -74,7 +79,7 @@ def main(
         if info.get("remote_code"):
             con.print("  load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
         v = info.get("verify")
-        same = "; tokenizer identical" if info.get("format") != "steerling" else " (imported back)"
+        same = "; tokenizer identical" if info.get("format", "hf") == "hf" else " (imported back)"
         con.print(f"  verified: max |logit diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:.3g}{same}"
                   if v else "  [yellow]not verified (--skip-verify)[/]")
 

@@ -10,6 +10,7 @@ sequence, the S heads, the product-quantised codebook and the NCP/VQ losses.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -24,22 +25,49 @@ from .outputs import LogKey
 from .segment import Segmenter, Segments, shift_blocks  # noqa: F401  (shift_blocks: re-exported)
 
 
+class SegmentLinear(nn.Module):
+    """S independent linears, one per codebook segment: x (S, N, i) -> (S, N, o); ``weight`` (S, o, i),
+    ``bias`` (S, o). Each is initialised like ``nn.Linear``."""
+
+    def __init__(self, S: int, i: int, o: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(S, o, i))
+        self.bias = nn.Parameter(torch.empty(S, o)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for s in range(self.weight.shape[0]):  # nn.Linear's init, per segment (fan_in = i)
+            nn.init.kaiming_uniform_(self.weight[s], a=math.sqrt(5))
+            if self.bias is not None:
+                nn.init.uniform_(self.bias[s], -self.weight.shape[2] ** -0.5, self.weight.shape[2] ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight.transpose(1, 2))  # (S, N, o)
+        return y if self.bias is None else y + self.bias[:, None]
+
+
 class Codebook(nn.Module):
     """Product-quantised SimVQ codebook: codes = transform(base), (S, N, ds).
 
     ``base`` is a frozen Gaussian (std ds**-0.5), kept as a non-trainable Parameter so it is
-    counted and saved; only ``transform`` (shared across segments) trains. With
-    ``codebook: learned`` the base itself is the trainable codebook and there is no transform.
+    counted and saved; only ``transform`` trains: an MLP or a bias-free Linear
+    (``concept.codebook_transform``), one shared by the segments or one per segment
+    (``concept.codebook_per_segment``: ``SegmentLinear``s, the authors' one SimVQ per segment), its
+    linears at ``nn.Sequential`` indices 0 and 2 either way. With ``codebook: learned`` the base
+    itself is the trainable codebook and there is no transform.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        S, N, ds = cfg.n_segments, cfg.concept.codes, cfg.segment_dim
-        learned = cfg.concept.codebook == "learned"
+        c = cfg.concept
+        S, N, ds = cfg.n_segments, c.codes, cfg.segment_dim
+        learned = c.codebook == "learned"
         self.base = nn.Parameter(torch.empty(S, N, ds), requires_grad=learned)
         self.transform = None
         if not learned:
-            self.transform = nn.Sequential(nn.Linear(ds, 2 * ds), nn.ReLU(), nn.Linear(2 * ds, ds))
+            make = (lambda i, o, b: SegmentLinear(S, i, o, b)) if c.codebook_per_segment else nn.Linear
+            layers = [make(i, o, b) for i, o, b in c.transform_layers(ds)]
+            self.transform = nn.Sequential(*[m for lin in layers for m in (lin, nn.ReLU())][:-1])
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -47,8 +75,15 @@ class Codebook(nn.Module):
         nn.init.normal_(self.base, std=self.base.shape[-1] ** -0.5)
         if self.transform is not None:
             for m in self.transform:
-                if isinstance(m, nn.Linear):
+                if not isinstance(m, nn.ReLU):
                     m.reset_parameters()
+
+    @torch.no_grad()
+    def zero_output(self) -> None:
+        """Every code 0 (so the predicted concept is 0): the transform's last layer, or the base."""
+        last = self.base if self.transform is None else self.transform[-1]
+        for p in ([last] if isinstance(last, nn.Parameter) else last.parameters()):
+            p.zero_()
 
     def forward(self) -> torch.Tensor:
         return self.base if self.transform is None else self.transform(self.base)  # (S, N, ds)
@@ -115,9 +150,10 @@ class ConceptModule(nn.Module):
         dc = ccfg.d_model
         self.up = nn.Linear(cfg.d_model, dc, bias=cfg.bias) if dc != cfg.d_model else None
         self.layers = Stack(ccfg, cfg.concept_windows)
-        self.norm = make_norm(ccfg, dc)
+        # the norm before the heads (concept.head_norm; None: the heads read u itself)
+        self.norm = make_norm(ccfg, dc) if c.head_norm else None
         # S per-segment heads fused into one matmul: (B, M, d_c) -> (B, M, S*N).
-        self.heads = nn.Linear(dc, self.S * self.N, bias=cfg.bias)
+        self.heads = nn.Linear(dc, self.S * self.N, bias=cfg.bias if c.head_bias is None else c.head_bias)
         self.codebook = Codebook(cfg)
         self.coupling = _build("coupling", c.coupling, Coupling, cfg)
         # checkpoints before the coupling existed kept its norms here (concept.norm_h, .norm_pred)
@@ -132,7 +168,7 @@ class ConceptModule(nn.Module):
     def code_weights(self, u: torch.Tensor) -> torch.Tensor:
         """Concept-transformer output u (B, M, d_c) -> code weights w (B, M, S, N)."""
         B, M, _ = u.shape
-        w = self.heads(self.norm(u)).view(B, M, self.S, self.N)
+        w = self.heads(u if self.norm is None else self.norm(u)).view(B, M, self.S, self.N)
         if self.cfg.concept.code_weights == "softmax":  # pred in the convex hull of each segment
             w = w.softmax(dim=-1)
         return w

@@ -76,6 +76,8 @@ class NCPModel(nn.Module):
         if self.crc is None and hasattr(mixer, "cross_modules"):
             self.crc = mixer.cross_modules(cfg)
         self.final_norm = make_norm(cfg, d)
+        if self.concept is not None:  # a coupling may use the model's own modules (add: final_norm)
+            self.concept.coupling.bind(self)
         self.lm_head = LMHead(d, cfg.padded_vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight

@@ -98,8 +98,9 @@ class DepthMix(torch.autograd.Function):
         grad_w = grad_s = None
         if ctx.needs_input_grad[0]:
             grad_w = (g @ torch.stack(values, -2).transpose(-1, -2)).squeeze(-2).to(w.dtype)  # (B, T, n)
-        if ctx.needs_input_grad[1]:
-            grad_s = w.to(grad.dtype).unsqueeze(-1) * g  # (B, T, n, d)
+        if ctx.needs_input_grad[1]:  # an outer product, as a batched GEMM of inner size 1: the mix's
+            # backward is twice its forward in GEMMs, as every layer's (ncpctl.model.accounting)
+            grad_s = w.to(grad.dtype).unsqueeze(-1) @ g  # (B, T, n, 1) @ (B, T, 1, d) -> (B, T, n, d)
         return (grad_w, grad_s, *(None for _ in values))
 
 

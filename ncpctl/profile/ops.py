@@ -59,13 +59,15 @@ def n_layers(cfg: ModelConfig) -> int:
 
 
 def plain_sibling(cfg: ModelConfig) -> tuple[str, ModelConfig] | None:
-    """What the recipe's design is compared with: without the concept path (the base model) for a
-    concept design; the plain residual without CRC for a dynamic residual (IRC+CRC, Block AttnRes),
-    whose concept path both keep. None for a model that is its own plain sibling."""
+    """What the recipe's design is compared with: for a depth mixer other than the default (IRC+CRC,
+    Block AttnRes) or CRC connections, the same model with the default residual and no CRC (both keep
+    the concept path); else, for a concept design, the base model without the concept path. None for
+    a model that is its own plain sibling."""
     d = cfg.to_dict()
-    if d.get("residual", "plain") != "plain" or d.get("crc_connections"):
-        plain = {**d, "residual": "plain", "crc_connections": []}
-        label = "plain residual (no IRC/CRC)"
+    default_residual = ModelConfig.__dataclass_fields__["residual"].default
+    if d["residual"] != default_residual or d.get("crc_connections"):
+        plain = {**d, "residual": default_residual, "crc_connections": []}
+        label = f"{default_residual} residual, no CRC"
     elif cfg.concept.enabled:
         plain = {**d, "extra_token_layers": 0, "crc_connections": [], "concept": {**d["concept"], "enabled": False}}
         label = "base (no concept path)"
@@ -121,7 +123,7 @@ def ops_section(cfg: ModelConfig, seq_len: int, batch: int, decode_batch: int = 
     models = {"recipe": (cfg.name, cfg)}
     sib = plain_sibling(cfg)
     if sib is not None:
-        models["plain"] = sib
+        models["sibling"] = sib
     for key, (label, c) in models.items():
         train = training_step_ops(c, batch, seq_len)
         entry = {"name": label, "train_step": _summary(train, n_layers(c))}
@@ -129,9 +131,9 @@ def ops_section(cfg: ModelConfig, seq_len: int, batch: int, decode_batch: int = 
             entry["decode_step"] = _summary(decode_step_ops(c, decode_batch, min(seq_len, 2 * _block(c))),
                                             n_layers(c))
         out[key] = entry
-    if "plain" in out:
-        out["comparison"] = {k: per_layer(out["recipe"][k], out["plain"][k])
-                             for k in ("train_step", "decode_step") if k in out["recipe"] and k in out["plain"]}
+    if "sibling" in out:
+        out["comparison"] = {k: per_layer(out["recipe"][k], out["sibling"][k])
+                             for k in ("train_step", "decode_step") if k in out["recipe"] and k in out["sibling"]}
     return out
 
 

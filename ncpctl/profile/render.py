@@ -143,7 +143,7 @@ def _render_ops(con: Any, o: dict[str, Any]) -> None:
     t = Table(title=f"ops: {o['kind']}, batch {o['batch_size']} x {o['seq_len']}", title_justify="left")
     for col in ("model", "layers", "train step", "per layer", "decode step", "per layer"):
         t.add_column(col, justify="left" if col == "model" else "right")
-    for key in ("recipe", "plain"):
+    for key in ("recipe", "sibling"):
         if key in o:
             e, tr = o[key], o[key]["train_step"]
             dec = e.get("decode_step")

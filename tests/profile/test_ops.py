@@ -41,7 +41,7 @@ def test_conceptlm_costs_at_most_1_1x_the_plain_models_operators_per_layer() -> 
     (token and concept layers counted), a training step launches at most 1.1x the base model's."""
     recipe, _ = load_for_profile(RECIPES / "pythia160m.yaml", ["model.d_model=64", "model.n_heads=4"])
     res = ops_section(recipe.model_config, seq_len=32, batch=2)  # the count does not depend on the width
-    assert res["plain"]["train_step"]["layers"] == 12 and res["recipe"]["train_step"]["layers"] == 14
+    assert res["sibling"]["train_step"]["layers"] == 12 and res["recipe"]["train_step"]["layers"] == 14
     assert res["comparison"]["train_step"]["per_layer_ratio"] <= 1.10, res["comparison"]
     assert res["recipe"]["decode_step"]["total"] > 0
 
