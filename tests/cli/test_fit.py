@@ -86,7 +86,7 @@ def _bad(tmp_path: Path, name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("name, message", [
-    ("too_few_points", "at least 5 points, got 4"),
+    ("too_few_points", "at least 10 points (twice its parameters), got 4"),
     ("unknown_metric", "unknown metric 'concept_auc'"),
     ("mixed_tokenizers", "mix 2 tokenizers"),
     ("mixed_validation_sets", "mix 2 validation sets"),
