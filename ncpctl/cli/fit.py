@@ -66,11 +66,12 @@ def main(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Fit scaling laws to trained runs: IsoFLOP parabolas (N_opt and D_opt per budget, their
-    power laws in C), the joint law L(N, D) = E + A/N^α + B/D^β per family (Huber loss in log
-    space, L-BFGS from a grid, bootstrap 90% intervals), the compute multiplier between two
-    families at equal loss, and an extrapolation check (the largest budget held out, the law's
-    prediction beside the naive log-linear one).
+    """Fit scaling laws to trained runs: IsoFLOP parabolas (N_opt and D_opt per budget, N_opt ∝ C^a,
+    bootstrap intervals), the joint law L(N, D) = E + A/N^α + B/D^β per family (Huber loss in log
+    space, L-BFGS from a grid, bootstrap 90% intervals refitted from the grid), the compute multiplier
+    between two families at equal loss (each shape at its exact cost; the joint law's and the IsoFLOP
+    envelopes'), and an extrapolation check (the largest budget held out, the law's prediction beside
+    the naive log-linear one). What was skipped, and why, is said; a law of few points is cautioned.
 
     Writes fit.json, fit.md and (with matplotlib) fit_frontier.png, fit_residuals.png and
     fit_isoflop.png to --out (--transfer: the transfer view and fit_transfer.png). Runs of different

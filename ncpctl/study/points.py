@@ -196,7 +196,7 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
     metrics = {k: float(v) for k, v in val.items() if k not in ("split", "step") and isinstance(v, (int, float))}
     family = family_of(run) if family_from_parent else "default"
     steps, params = int(train["step"]), count_parameters(cfg)
-    extra = run_columns(recipe, params, steps, float(train["tokens"]), ratio)
+    extra = run_columns(run, recipe, params, steps, float(train["tokens"]), ratio)
     return Point(family=family, name=str(run), N=float(params.total), D=float(train["tokens"]),
                  C=float(per_step) * steps, metrics=metrics, identity=_identity(run, recipe),
                  settings={**settings(recipe), **extra})

@@ -208,24 +208,35 @@ def plots(report: dict[str, Any], points: list[Point], out_dir: Path) -> tuple[l
     fig.savefig(out_dir / "fit_residuals.png", dpi=120)
     plt.close(fig)
     names.append("fit_residuals.png")
-    fams = [(n, f) for n, f in report["families"].items() if f["isoflop"]["budgets"]]
-    if fams:
-        fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 4), squeeze=False)
-        for ax, (name, fam) in zip(axes[0], fams):
-            for j, r in enumerate(fam["isoflop"]["budgets"]):
-                x = np.log(r["sizes"])
-                xs = np.linspace(x.min(), x.max(), 50)
-                ax.scatter(r["sizes"], r["values"], s=12, color=f"C{j}")
-                ax.plot(np.exp(xs), np.polyval(r["coef"], xs), color=f"C{j}", lw=1, label=f"C={r['budget']:.2g}")
-                ax.scatter([r["N_opt"]], [r["min"]], marker="*", s=60, color=f"C{j}")
-            ax.set(xscale="log", xlabel="parameters N", ylabel=metric, title=f"{name}: IsoFLOP curves (★ vertex)")
-            size_ticks(ax, sorted({n for r in fam["isoflop"]["budgets"] for n in r["sizes"]}))
-            ax.legend(fontsize=7)
-        fig.tight_layout()
+    fig = isoflop_figure(report)
+    if fig is not None:
         fig.savefig(out_dir / "fit_isoflop.png", dpi=120)
         plt.close(fig)
         names.append("fit_isoflop.png")
     return names, None
+
+
+def isoflop_figure(report: dict[str, Any]) -> Any:
+    """fit_isoflop.png's figure: per family the IsoFLOP curves, their parabolas and vertices (★); None
+    when no family has a parabola."""
+    import matplotlib.pyplot as plt
+
+    fams = [(n, f) for n, f in report["families"].items() if f["isoflop"]["budgets"]]
+    if not fams:
+        return None
+    fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 4), squeeze=False)
+    for ax, (name, fam) in zip(axes[0], fams):
+        for j, r in enumerate(fam["isoflop"]["budgets"]):
+            x = np.log(r["sizes"])
+            xs = np.linspace(x.min(), x.max(), 50)
+            ax.scatter(r["sizes"], r["values"], s=12, color=f"C{j}")
+            ax.plot(np.exp(xs), np.polyval(r["coef"], xs), color=f"C{j}", lw=1, label=f"C={r['budget']:.2g}")
+            ax.scatter([r["N_opt"]], [r["min"]], marker="*", s=60, color=f"C{j}")
+        ax.set(xscale="log", xlabel="parameters N", ylabel=report["metric"], title=f"{name}: IsoFLOP curves (★ vertex)")
+        size_ticks(ax, sorted({n for r in fam["isoflop"]["budgets"] for n in r["sizes"]}))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
 def size_ticks(ax: Any, sizes: list[float]) -> None:

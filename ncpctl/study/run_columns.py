@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 
-def run_columns(recipe: Any, params: Any, steps: int, tokens: float, ratio: float | None) -> dict[str, float]:
-    """The columns above of a run (its point's settings, beside its validation metrics). ``params``: its
-    ``count_parameters``; ``steps`` and ``tokens``: what its last training record says; ``ratio``: its
-    realised R."""
+def run_columns(run: Path, recipe: Any, params: Any, steps: int, tokens: float,
+                ratio: float | None) -> dict[str, float]:
+    """The columns above of run directory ``run`` (its point's settings, beside its validation metrics).
+    ``params``: its ``count_parameters``; ``steps`` and ``tokens``: what its last training record says;
+    ``ratio``: its realised R."""
     from ncpctl.model.accounting import TRAIN_MULTIPLIER, exact_flops
 
     cfg = recipe.model_config
@@ -30,7 +31,7 @@ def run_columns(recipe: Any, params: Any, steps: int, tokens: float, ratio: floa
     per_step = recipe.flops_per_step(realised_ratio=ratio)
     head = TRAIN_MULTIPLIER * recipe.global_batch_size * exact_flops(cfg, recipe.seq_len, 1).components["lm_head"]
     settings = {"N_nonembedding": float(n_ne), "C_nonembedding": float((per_step - head) * steps)}
-    split = train_split_tokens(recipe)
+    split = train_split_tokens(run, recipe)
     if split:
         settings["epochs"] = tokens / split
     if cfg.concept.enabled:
@@ -43,13 +44,14 @@ def run_columns(recipe: Any, params: Any, steps: int, tokens: float, ratio: floa
     return settings
 
 
-def train_split_tokens(recipe: Any) -> int | None:
-    """The tokens of a run's training split: its data directory's ``meta.json`` (``splits.train.tokens``,
-    or the prefix's own split), else the ``.bin``'s length; None for a mixture or data that is gone."""
+def train_split_tokens(run: Path, recipe: Any) -> int | None:
+    """The tokens of a run's training split: the ``meta.json`` beside it (``splits.train.tokens``: the run's
+    own ``data/``, or ``data.train_prefix``'s directory), else the ``.bin``'s length; None for a mixture
+    or data that is gone."""
     d = recipe.data
     if d.mix and not d.train_prefix:
         return None
-    prefix = Path(d.train_prefix) if d.train_prefix else recipe.data_dir / "train"
+    prefix = Path(d.train_prefix) if d.train_prefix else run / "data" / "train"
     try:
         meta = json.loads((prefix.parent / "meta.json").read_text())
         n = int(meta["splits"][prefix.name]["tokens"])

@@ -141,6 +141,26 @@ def test_a_vertex_outside_the_sizes_is_kept_out_of_the_exponent() -> None:
     assert iso["N_opt_exponent"] == pytest.approx(np.log10(2), rel=1e-9)  # 1e8 -> 2e8 over one decade of C
 
 
+def test_a_law_on_few_points_or_at_a_bound_comes_with_a_caution() -> None:
+    """Issue 46 item 3: a law of fewer than 15 points, with an exponent at its bound, E collapsed to 0 or an
+    interval with no width is reported with a caution, and so is a multiplier read from it; the tiny
+    study (15 points per family) gets none."""
+    from ncpctl.study.fit import cautions
+
+    law = Law(E=1.476e-60, A=400.0, B=400.0, alpha=0.0, beta=0.3)
+    said = cautions(law, {"E": [1.476e-60, 1.476e-60], "beta": [0.2, 0.4]}, 12, values_min=2.5)
+    assert [c.split(" ")[0] for c in said] == ["12", "α", "E", "the"] and "interval of E has no width" in said[3]
+    assert cautions(CHINCHILLA, {"E": [1.5, 1.9]}, 15, values_min=2.5) == []
+    rng = np.random.default_rng(0)
+    pts = [p for f, law_ in (("base", CHINCHILLA), ("new", faster(CHINCHILLA, 1.5)))
+           for p in isoflop_points(law_, f, rng, (1e18, 1e19, 1e20), sizes=4)]
+    rep = analyse(pts, FitOptions(resamples=0))
+    assert all(f["cautions"][0].startswith("12 points") for f in rep["families"].values())
+    assert "the law of new and base comes with a caution" in rep["multiplier"]["caution"]
+    study = json.loads(STUDY.read_text())["families"]
+    assert [f["cautions"] for f in study.values()] == [[], []]
+
+
 def test_the_readme_reports_the_refitted_tiny_study() -> None:
     """Done-when and item 5c: the README's multiplier and interval are fit.json's (the refit: full-attention
     FLOPs, each shape's own cost, grid-started bootstrap), and its comparison with the papers' 1.4-1.74x
