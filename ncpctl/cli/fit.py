@@ -46,8 +46,9 @@ def main(
         "--out", help="Directory of fit.json, fit.md and the plots (default: ./fit).", show_default=False)] = None,
     dlcm: Annotated[bool, typer.Option(
         "--dlcm", help="Also fit DLCM's Eq. 22, L(N, D, R, P) with the concept share P and the compression R "
-        "(columns R and P). Points with a stable_loss column (the loss before a WSD decay) also get the "
-        "decay-phase law Δ = k L_stable^a R^b N^c.")] = False,
+        "(columns R and P; run directories carry them), at the non-embedding N where every point has it. Points "
+        "with a stable_loss column (the loss before a WSD decay; a decay branch's run directory carries it) also "
+        "get the decay-phase law Δ = k L_stable^a R^b N^c.")] = False,
     transfer: Annotated[bool, typer.Option(
         "--transfer", help="Instead of the scaling laws, the muP learning-rate transfer view (DLCM Fig. 3): "
         "per width, the metric against log2 lr and its optimum, and whether the optimum stays put across widths "

@@ -101,7 +101,7 @@ def _resolve_budget(train: Any, cfg: ModelConfig | None, seq: int | None, batch:
         from ncpctl.model.accounting import training_flops_per_step
 
         per = training_flops_per_step(cfg, seq, batch)
-        unit = f" training FLOPs at global_batch_size {batch} x seq_len {seq}"
+        unit = f" training FLOPs, attention counted in full, at global_batch_size {batch} x seq_len {seq}"
     budget = derived["budget"] = Budget(BUDGET_KEYS[key], value, per)
     steps = budget.max_steps
     train.max_steps = max(1, min(steps, 2**53))  # so that the other checks still run

@@ -313,8 +313,11 @@ def _dlcm_parts(points: Sequence[Point], opts: FitOptions) -> dict[str, Any]:
     y = values(points, opts.metric)
     if opts.dlcm:
         R, P = _column(points, "R", "--dlcm"), _column(points, "P", "--dlcm")
-        law = fit_dlcm(N, D, R, P, y, starts=opts.starts, seed=opts.seed)
-        out["dlcm"] = {"law": law.to_dict(), "rmse": float(np.sqrt(np.mean((law.loss(N, D, R, P) - y) ** 2)))}
+        # DLCM's N leaves out the embeddings, and a run directory's P is a share of that N
+        Nd = N if any(p.column("N_nonembedding") is None for p in points) else _column(points, "N_nonembedding", "")
+        law = fit_dlcm(Nd, D, R, P, y, starts=opts.starts, seed=opts.seed)
+        out["dlcm"] = {"law": law.to_dict(), "rmse": float(np.sqrt(np.mean((law.loss(Nd, D, R, P) - y) ** 2))),
+                       "N": "non-embedding" if Nd is not N else "N"}
     name = opts.metric[2:] if opts.metric.startswith("1-") else opts.metric
     col = f"stable_{name}"
     if any(p.column(col) is not None for p in points):

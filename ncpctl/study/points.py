@@ -274,8 +274,7 @@ def where_found(root: str, runs: list[Path]) -> str:
     for r in runs:
         rel = os.path.relpath(r.parent, root)
         by[rel] = by.get(rel, 0) + 1
-    return f"{root}: {len(runs)} run directories, in " + ", ".join(
-        f"{'.' if k == '.' else k}/ ({v})" for k, v in sorted(by.items()))
+    return f"{root}: {len(runs)} run directories, in " + ", ".join(f"{k}/ ({v})" for k, v in sorted(by.items()))
 
 
 def check_identity(points: list[Point]) -> None:

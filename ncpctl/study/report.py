@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ncpctl.fsutil import atomic_write
+from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
 from ncpctl.study.cost import Cost
 from ncpctl.study.law import Law
 from ncpctl.study.points import Point, values
@@ -189,7 +190,8 @@ def plots(report: dict[str, Any], points: list[Point], out_dir: Path) -> tuple[l
         cs = np.geomspace(min(p.C for p in pts) / 2, max(p.C for p in pts) * 4, 100)
         ax.plot(cs, [cost.frontier(law, c) for c in cs], color=colour, lw=1.5,
                 label=f"{name} frontier (α={law.alpha:.2f}, β={law.beta:.2f})")
-    ax.set(xscale="log", xlabel="training FLOPs C", ylabel=metric, title=f"{metric} against compute")
+    ax.set(xscale="log", xlabel=f"training FLOPs C ({FLOP_CONVENTION_SHORT})", ylabel=metric,
+           title=f"{metric} against compute")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "fit_frontier.png", dpi=120)
@@ -202,7 +204,8 @@ def plots(report: dict[str, Any], points: list[Point], out_dir: Path) -> tuple[l
         ax.scatter([p.C for p in pts], values(pts, metric) - pred, s=14, color=f"C{i}",
                    label=name)
     ax.axhline(0.0, color="k", lw=0.8)
-    ax.set(xscale="log", xlabel="training FLOPs C", ylabel=f"{metric} − law", title="residuals of the joint law")
+    ax.set(xscale="log", xlabel=f"training FLOPs C ({FLOP_CONVENTION_SHORT})", ylabel=f"{metric} − law",
+           title="residuals of the joint law")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "fit_residuals.png", dpi=120)

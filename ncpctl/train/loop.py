@@ -440,7 +440,7 @@ def _observe(run: _Run, out: Any) -> None:
         run.display = TrainDisplay(out.err, run.stage.name)
         run.info(f"data: {run.data.loader.num_windows:,} train windows of {T} tokens, global batch {G} "
                  f"({t.micro_batch_size} x {r.grad_accum_steps} accum x {d.world} ranks); "
-                 f"unigram entropy {run.entropy:.3f} nats")
+                 f"unigram entropy {run.entropy:.3f} nats; MFU of {FLOP_CONVENTION_SHORT}")
 
 
 def flops_per_step(recipe: Recipe, stage: Stage, model: torch.nn.Module, realised_ratio: float | None = None) -> int:

@@ -129,13 +129,15 @@ def test_approach_2_multiplier_and_isoflop_intervals() -> None:
 
 
 def test_a_vertex_outside_the_sizes_is_kept_out_of_the_exponent() -> None:
-    """Item 6d: three budgets on exact parabolas with N_opt = 1e8, 2e8, 4e8; the largest budget's sizes
-    stop below its vertex: flagged, and the exponent is the line through the other two."""
+    """Item 6d: three budgets with N_opt = 1e8, 2e8, 4e8, the first two on exact parabolas; the largest
+    budget's sizes stop below its vertex (and its curve is not a parabola there, so the extrapolated
+    vertex is off): flagged, and the exponent is the line through the other two."""
     pts = []
-    for C, n_opt, lo, hi in ((1e18, 1e8, 0.3, 3), (1e19, 2e8, 0.3, 3), (1e20, 4e8, 0.05, 0.4)):
+    for C, n_opt, lo, hi, skew in ((1e18, 1e8, 0.3, 3, 0.0), (1e19, 2e8, 0.3, 3, 0.0), (1e20, 4e8, 0.05, 0.4, 0.01)):
         for n in n_opt * np.geomspace(lo, hi, 5):
+            x = np.log(n / n_opt)
             pts.append(Point("base", N=float(n), D=C / (6 * n), C=C, budget=C,
-                             metrics={"loss": 2 + 0.1 * np.log(n / n_opt) ** 2 - 0.05 * np.log10(C)}))
+                             metrics={"loss": 2 + 0.1 * x ** 2 + skew * x ** 3 - 0.05 * np.log10(C)}))
     iso = isoflop(pts, "loss")
     assert [r["inside"] for r in iso["budgets"]] == [True, True, False] and iso["outside"] == [1e20]
     assert iso["N_opt_exponent"] == pytest.approx(np.log10(2), rel=1e-9)  # 1e8 -> 2e8 over one decade of C
