@@ -97,13 +97,11 @@ class Cost:
             x0 = float(xs[i])
         else:
             return float(Ns[i]), float(C / self.c(Ns[i]))
-        # Brent between the grid minimum's neighbours: c(N) has a kink at each shape, where the
-        # minimum often sits, so no parabola through the grid points
-        from scipy.optimize import minimize_scalar
-
-        res = minimize_scalar(lambda x: float(law.loss(np.exp(x), C / self.c(np.exp(x)))), method="bounded",
-                              bounds=(xs[i - 1], xs[i + 1]), options={"xatol": 1e-10})
-        n = float(np.exp(res.x if res.fun <= y[i] else xs[i]))
+        # a finer grid between the minimum's neighbours (ln N to 1e-5; the loss to ~1e-11): c(N) has a
+        # kink at each shape, where the minimum often sits, so no parabola through the grid points
+        fine = np.linspace(xs[i - 1], xs[i + 1], GRID_POINTS)
+        Nf = np.exp(fine)
+        n = float(Nf[int(np.argmin(law.loss(Nf, C / self.c(Nf))))])
         return n, float(C / self.c(n))
 
     def frontier(self, law: Law, C: float) -> float:

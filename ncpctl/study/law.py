@@ -130,7 +130,8 @@ def _lbfgs(theta0: np.ndarray, logN: np.ndarray, logD: np.ndarray, logL: np.ndar
 
 
 RTOL = 1e-12  # an accepted LM step that lowers a row's loss by less (relative) ends that row
-BOOT_ITERS = 1000  # LM steps of the bootstrap's refits; rows still walking then (a flat valley) finish by L-BFGS
+POLISH_WITHIN = 1e-3  # ... those within this (relative) of their resample's best loss: the others cannot win
+BOOT_ITERS = 1000  # LM steps of the bootstrap's refits; rows still walking then (a flat valley) finish by L-BFGS,
 
 
 def _parts(th: np.ndarray, logN: np.ndarray, logD: np.ndarray, logL: np.ndarray, w: np.ndarray,
@@ -263,7 +264,9 @@ def bootstrap_laws(N: np.ndarray, D: np.ndarray, L: np.ndarray, law: Law, resamp
     k = theta0.shape[1]
     wk = np.repeat(w, k, axis=0)  # (B (starts + 1), n)
     opt, done = _lm(theta0.reshape(-1, N_PARAMS), logN, logD, logL, wk, delta, BOOT_ITERS)
-    walking = np.flatnonzero(~done)  # still in a flat valley: L-BFGS takes each to its end
+    h = _parts(opt, logN, logD, logL, wk, delta)[2].reshape(resamples, k)
+    near = (h <= h.min(axis=1, keepdims=True) * (1 + POLISH_WITHIN)).ravel()
+    walking = np.flatnonzero(~done & near)  # still in a flat valley, and in the running: L-BFGS finishes it
     for i in walking:
         opt[i] = _lbfgs(opt[i][None], logN, logD, logL, wk[i][None], delta)[0]
     h = _parts(opt, logN, logD, logL, wk, delta)[2].reshape(resamples, k)  # (B, starts + 1)
