@@ -415,8 +415,11 @@ def _shown(path: Any) -> str:
 
 
 def markdown(payload: dict[str, Any]) -> str:
+    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+
     cols = columns(payload)
-    lines = ["# Comparison", "", "| run | results | limit | evaluated now | tokens | parameters | training FLOPs |",
+    lines = ["# Comparison", "", f"| run | results | limit | evaluated now | tokens | parameters | training FLOPs "
+             f"({FLOP_CONVENTION_SHORT}) |",
              "|---|---|---|---|---:|---:|---:|"]
     g = lambda r, k, f: "" if r.get(k) is None else format(r[k], f)  # noqa: E731
     lines += [f"| {r['label']} | {_shown(r['results_file'])} | {r['limit']} | {'yes' if r['evaluated'] else 'no'} | "

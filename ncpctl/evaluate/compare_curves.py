@@ -195,12 +195,14 @@ def scale(e: Any) -> dict[str, Any]:
 
 def scale_note(runs: list[dict[str, Any]]) -> list[str]:
     """One note when the runs differ in budget or size: each run's tokens, parameters and FLOPs."""
+    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+
     keys = ("tokens", "parameters", "training_flops")
     if len({tuple(r.get(k) for k in keys) for r in runs}) < 2:
         return []
     def fmt(r: dict[str, Any]) -> str:
         t, p, f = (r.get(k) for k in keys)
         return (f"{r['label']}: {'?' if t is None else f'{t:,}'} tokens, {'?' if p is None else f'{p:,}'} parameters, "
-                f"{'?' if f is None else f'{f:.3g}'} training FLOPs")
+                f"{'?' if f is None else f'{f:.3g}'} training FLOPs ({FLOP_CONVENTION_SHORT})")
     return ["the runs differ in budget or size (compare at equal tokens or FLOPs before reading the deltas as "
             "a design's effect): " + "; ".join(fmt(r) for r in runs)]
