@@ -111,7 +111,11 @@ def test_gpt2_124m_base_recipe_counts_hfs_parameters(cli):
     v = json.loads(r.stdout)["accounting"]["variants"]
     assert v["recipe"]["params"]["unpadded_total"] == 124_439_808
     assert v["recipe"]["params"]["total"] == 124_439_808 + (50304 - 50257) * 768
-    concept = build_config("gpt2-124m", concept=dict(enabled=True))
+    # the sibling turns on the recipe's own concept settings (gpt2-common.yaml: the authors' code's)
+    from ncpctl.profile.load import load_for_profile
+
+    keys = load_for_profile(RECIPES / "gpt2-124m-base.yaml", [])[0].model_config.to_dict()["concept"]
+    concept = build_config("gpt2-124m", concept={**keys, "enabled": True})
     assert v["conceptlm"]["params"]["total"] == count_parameters(concept).total > v["recipe"]["params"]["total"]
     assert v["pm"]["params"]["unpadded_total"] == 124_439_808 + 2 * 7_087_872  # two GPT-2 blocks
 
