@@ -143,7 +143,8 @@ def test_optim_runs(bench) -> None:
 def test_adapt_runs_its_three_arms(bench, monkeypatch) -> None:
     mod = _load("adapt")
     _children_in_process(mod, monkeypatch)
-    monkeypatch.setattr(mod, "T", 32)  # the script's CPU shape at 32 tokens
+    monkeypatch.setattr(mod, "T", 32)  # the script's CPU shape, narrower, at 32 tokens
+    monkeypatch.setattr(mod, "SHAPE", {**mod.SHAPE, "d_model": 64, "n_heads": 4, "ffn_dim": 172, "vocab_size": 512})
     rc, out = bench("adapt", "--rounds", "1", "--steps", "1", "--threads", "1", "--json", mod=mod)
     res = _last_json(out)
     assert rc in (0, 1) and set(res["memory_mb"]) == {"vq", "lora", "full"}  # 1: a goal missed

@@ -67,6 +67,7 @@ class Recipe:
     global_batch_size: int = 1
     warmup_steps: int = 0
     decay_steps: int = 0  # train.schedule: wsd: the decay phase's steps (0 with cosine)
+    decay_start: dict[str, Any] | None = None  # a decay branch's start (recipe.length.decay_start)
     budget: Budget = field(default_factory=Budget)
 
     def set_step_cost(self, per_step: int) -> None:
@@ -198,6 +199,24 @@ def _load_tree(path: Path, problems: list[str], origin: dict[str, str], stack: t
     # this file wins over its parents, and its keys are recorded as set here
     src = str(path)
     return deep_merge(merged, doc, on_leaf=lambda key, v: _record(v, origin, src, ".".join(map(str, key))))
+
+
+def set_keys(path: str | os.PathLike[str]) -> list[str]:
+    """The key paths a recipe file sets itself or through what it ``extends`` (a mapping is walked
+    into, any other value, a list too, is one key), in file order: what ``ncpctl sweep`` compares
+    with the recipe a finished point's run recorded."""
+    tree = _load_tree(Path(path), [], {})
+    out: list[str] = []
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict) and v:
+                walk(v, f"{prefix}{k}.")
+            else:
+                out.append(f"{prefix}{k}")
+
+    walk(tree, "")
+    return out
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
@@ -209,7 +209,8 @@ class DrafterSection(Section):
                                     "slot before draft layer l, g zero-initialised (so it starts as the baseline).")
     concept_source: Literal["pooled", "predicted"] = Field(
         "pooled", description="c of Eq. 26: `pooled` = the mean of the target's encoder output over the last "
-        "complete block of the verified prefix; `predicted` = the target's concept prediction made from that block.")
+        "complete block of the verified prefix; `predicted` = the target's concept prediction made from that block, as its coupling adds it to the next "
+        "tokens (norm(pred) with `concept.add: normed`).")
     anchors: int = Field(16, gt=0, description="Anchors (draft blocks) per training window, drawn uniformly.")
     decay: Optional[float] = Field(None, gt=0, description="Slot i's loss weight exp(-i / decay) (DFlash: 7 at "
                                    "K = 16; a draft is accepted as a prefix, so early slots count more); null = uniform.")
@@ -292,7 +293,10 @@ class TrainSection(Section):
         "checkpoint (or run directory) of a WSD run. This run, in its own run.dir, takes its weights, optimizer "
         "state, data position and step s and runs only the decay: max_steps = s + train.decay_steps (a max_steps in "
         "the recipe is replaced). Equals the WSD run whose decay starts at s, bit for bit at one thread "
-        "(OMP_NUM_THREADS=1), so one stable run yields many budgets. `train.resume: auto` continues the branch's own checkpoints first.")
+        "(OMP_NUM_THREADS=1), so one stable run yields many budgets. `train.resume: auto` continues the branch's own checkpoints first. "
+        "A run directory is resolved once, to its newest checkpoint when the branch starts; the branch's checkpoints "
+        "record it (with its step and validation losses) and are continued from it however far the stable run goes on; "
+        "a value that no longer names it is refused.")
     warmup_fraction: float = Field(0.01, ge=0, le=1, description="Linear warmup as a fraction of max_steps.")
     warmup_steps: Optional[int] = Field(None, ge=0, description="Linear warmup in steps (overrides warmup_fraction).")
     betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.95], min_length=2, max_length=2,
@@ -308,10 +312,12 @@ class TrainSection(Section):
         "block (about one more forward per step, the least activation memory); `selective` keeps the block "
         "outputs and recomputes the attention and MLP internals (q, k, v, attention output, MLP hidden); "
         "`none` keeps everything. Losses and gradients are unchanged.")
-    compile: bool = Field(False, description="torch.compile each block's forward in every stack (inductor; the "
-                          "parts between blocks stay eager; at ZeRO-3 each block gathers its weights at once). Where it "
-                          "cannot (a CPU without a C++ compiler) the run goes on eagerly with one warning line saying why. "
-                          "The loss equals eager mode's to float rounding.")
+    compile: Union[bool, Literal["auto"]] = Field(
+        "auto", description="torch.compile each block's forward in every stack, and the depth mixers between them "
+        "(IRC, CRC, Block AttnRes) (inductor; the rest stays eager; at ZeRO-3 each block gathers its weights at "
+        "once). `auto` = on a GPU, off on a CPU (where inductor's kernels are about as fast as eager ones and "
+        "compiling costs a minute). Where it cannot (a CPU without a C++ compiler) the run goes on eagerly with one "
+        "warning line saying why. The loss equals eager mode's to float rounding.")
     eval_every: int = Field(50, ge=0, description="Validation every N steps (0 = only at the end).")
     eval_batches: int = Field(8, gt=0, description="Validation batches per evaluation.")
     eval_tasks: list[str] = Field(

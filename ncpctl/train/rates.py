@@ -72,8 +72,9 @@ class Rates:
                 warn: Callable[[str], None]) -> "Rates":
         """The clock of a run about to take ``steps_left`` steps; says so when it compiles first."""
         from ncpctl.train.compiled import why_not
+        from ncpctl.train.engine import compiles
 
-        compiling = bool(recipe.train.compile) and steps_left > 0 and why_not(on_gpu) is None
+        compiling = compiles(recipe.train.compile, on_gpu) and steps_left > 0 and why_not(on_gpu) is None
         if compiling:
             info(compiling_line())
         return cls(compiling, info, warn)

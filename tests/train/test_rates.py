@@ -23,9 +23,11 @@ def test_a_compiling_first_step_is_announced_and_reported_apart() -> None:
         rates.add(s)
     assert rates.compile_s == 40.0 and rates.steps == 2 and rates.steps_per_s == 2.0
     assert said[1] == "train.compile: the first step took 40.0 s, compilation included (kept out of steps/s)"
-    eager = Rates.for_run(SimpleNamespace(train=SimpleNamespace(compile=False)), True, 3, said.append, said.append)
-    eager.add(40.0)
-    assert len(said) == 2 and eager.compile_s is None and eager.steps == 1  # nothing said, every step counts
+    for setting, on_gpu in ((False, True), ("auto", False)):  # off; auto on a CPU (off there)
+        eager = Rates.for_run(SimpleNamespace(train=SimpleNamespace(compile=setting)), on_gpu, 3, said.append,
+                              said.append)
+        eager.add(40.0)
+        assert len(said) == 2 and eager.compile_s is None and eager.steps == 1  # nothing said, every step counts
 
 
 def test_a_run_that_slows_far_below_its_first_steps_says_so_once() -> None:
