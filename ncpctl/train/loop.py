@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from ncpctl.checkpoint import elastic_dir
+from ncpctl.checkpoint import check_latest, elastic_dir
 from ncpctl.errors import UserError
 from ncpctl.profile.timing import device_peak
 from ncpctl.recipe.load import Recipe
@@ -305,6 +305,9 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: Any,
     that the checkpoint fits (before any heavy work) and positions the loader when resuming.
     Returns the checkpoint to resume from (or None) and its metadata."""
     t, cfg = recipe.train, recipe.model_config
+    # every rank, before rank 0 alone picks the checkpoint: a ``latest`` the run could not replace
+    # (a directory, a symbolic link) is one line on every rank, not an error on one and a hang on the others
+    check_latest(ckpt.checkpoints_dir(recipe.run_dir))
     resume_from: Path | None = None
     if t.resume == "auto":
         resume_from = _resume_checkpoint(recipe, d, warn)
