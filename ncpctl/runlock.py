@@ -115,7 +115,8 @@ class RunLock:
         mode = os.fstat(fd).st_mode if fd is not None else os.lstat(self.path).st_mode
         if fd is not None:
             os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
+                else "not a regular file")
         raise UserError(f"{self.path}: is {kind}, not the lock file ncpctl writes there",
                         hint="move it out of the run directory (the run creates its own lock file)")
 

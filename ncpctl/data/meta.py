@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from ncpctl.errors import UserError
 
-HINT = "it is the record `ncpctl tokenize` writes beside the data: tokenize again (or remove it for a dataset made elsewhere)"
+HINT = ("it is the record `ncpctl tokenize` writes beside the data: tokenize again (or remove it for a dataset "
+        "made elsewhere)")
 
 
 class _Loose(BaseModel):

@@ -66,7 +66,8 @@ def test_a_mix_component_whose_meta_json_is_not_an_object_is_one_line(tmp_path: 
     assert line.startswith(str(tmp_path / "b" / "meta.json")), line
 
 
-def test_a_single_datasets_meta_json_of_brackets_stops_pretrain_in_one_line(tiny_data_copy: Path, tmp_path: Path) -> None:
+def test_a_single_datasets_meta_json_of_brackets_stops_pretrain_in_one_line(tiny_data_copy: Path,
+                                                                            tmp_path: Path) -> None:
     """The tester's second case, through what pretrain runs first (``open_data``: the vocabulary
     check indexed ``meta["tokenizer"]`` of a list)."""
     from ncpctl.recipe import load_recipe

@@ -373,8 +373,8 @@ def test_reexport_over_save_pretrained_keeps_the_users_weights(tmp_path):
     before = _tree(out)
     r = CliRunner().invoke(app, ["export", str(FIXTURE), "--out", str(out), "--skip-verify"], env={"COLUMNS": "400"})
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.exit_code == 2 and len(errors) == 1 and "config.json, model.safetensors changed since ncpctl export wrote them" in \
-        errors[0] and str(out) in errors[0], r.stderr
+    assert r.exit_code == 2 and len(errors) == 1 and str(out) in errors[0], r.stderr
+    assert "config.json, model.safetensors changed since ncpctl export wrote them" in errors[0]
     assert _tree(out) == before
     r = CliRunner().invoke(app, ["export", str(FIXTURE), "--out", str(out), "--skip-verify", "--move-aside", "--json"],
                            env={"COLUMNS": "400"})

@@ -123,7 +123,8 @@ def tamper(ckpt: Path, victim: Path) -> None:
     for f in ckpt.glob("*optim_states.pt"):
         sd = load_pt(f, allow=DEEPSPEED_GLOBALS)
         if PARAM_SLICE_MAPPINGS in sd[OPTIMIZER_STATE_DICT]:  # ZeRO 1-2
-            sd[OPTIMIZER_STATE_DICT][PARAM_SLICE_MAPPINGS] = [moved(g) for g in sd[OPTIMIZER_STATE_DICT][PARAM_SLICE_MAPPINGS]]
+            inner = sd[OPTIMIZER_STATE_DICT]
+            inner[PARAM_SLICE_MAPPINGS] = [moved(g) for g in inner[PARAM_SLICE_MAPPINGS]]
             torch.save(sd, f)
     manifest.write(ckpt, manifest.describe(ckpt, manifest.files_of(ckpt)))
 
