@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ncpctl.data.indexed import IndexedDataset, paths
-from ncpctl.data.mix import MixLoader, open_parts
+from ncpctl.data.mix import MixLoader, normalised, open_parts
 from ncpctl.data.windows import WindowLoader
 from ncpctl.errors import UserError
 from ncpctl.recipe.load import Recipe
@@ -44,13 +44,13 @@ class TrainData:
         if not self.val_parts:
             return [(None, 1.0, *self.val_loader(recipe, rank, world))]
         t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
-        total = sum(w for _, w, _ in self.val_parts)
+        shares = normalised([w for _, w, _ in self.val_parts])  # normalised first: subnormal weights too
         out = []
         args = self.val_part_args or [{} for _ in self.val_parts]
-        for (name, w, ds), extra in zip(self.val_parts, args):
+        for (name, w, ds), extra, share in zip(self.val_parts, args, shares):
             val = WindowLoader(ds, T, G, seed=t.seed, rank=rank, world_size=world,
                                vocab_size=recipe.model_config.vocab_size, vocab_from=vocab_from(recipe)[0], **extra)
-            n = min(max(1, round(t.eval_batches * w / total)), math.ceil(val.num_windows / G))
+            n = min(max(1, round(t.eval_batches * share)), math.ceil(val.num_windows / G))
             out.append((name, w, val, n))
         return out
 
