@@ -31,7 +31,7 @@ def test_a_failing_in_loop_evaluation_is_recorded_and_training_goes_on(make_reci
     run = tmp_path / "fails"
     proc = start("pretrain", str(recipe), *TASKS, "--set", "train.max_steps=6", "--set", "train.save_every=3",
                  "--set", "train.eval_tasks=[ncp_cloze]", "--set", "eval.limit=2", "--set", "train.eval_tasks_every=3",
-                 env={"NCPCTL_FAULT": "sleep@0.3"})
+                 "--set", "train.plots=true", env={"NCPCTL_FAULT": "sleep@0.3"})
     wait_for_step(run, 1, proc)
     (data / "tokenizer.json").unlink()
     out, err = proc.communicate(timeout=300)
@@ -40,7 +40,9 @@ def test_a_failing_in_loop_evaluation_is_recorded_and_training_goes_on(make_reci
     assert [r["step"] for r in down] == [3, 6] and all("tokenizer.json" in r["error"] for r in down), down
     assert "in-loop evaluation (train.eval_tasks) at step 3 failed:" in " ".join(err.split())
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000003", "step_0000006"]
-    assert json.loads(out.splitlines()[-1])["step"] == 6
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["step"] == 6 and summary["downstream"] is None  # no scores to report
+    assert "downstream.png" not in summary["plots"] and "loss_curves.png" in summary["plots"]  # no plot of nothing
 
 
 def test_a_stop_signal_during_the_in_loop_evaluation_abandons_it_and_saves_at_once(make_recipe, tmp_path: Path) -> None:
