@@ -25,7 +25,7 @@ from ncpctl.errors import UserError
 from ncpctl.model.config import ConfigError, ModelConfig, build_config, deep_merge
 from ncpctl.recipe.init_from import hf_init_config, init_from_hf, init_from_model
 from ncpctl.recipe.length import Budget, Problem, check_train, warmup_steps
-from ncpctl.recipe.yaml_io import MAX_YAML_VALUES, alias_problem, yaml_load  # noqa: F401  (re-exported)
+from ncpctl.recipe.yaml_io import MAX_YAML_VALUES, alias_problem, yaml_load, yaml_problem  # noqa: F401  (re-exported)
 from ncpctl.recipe.schema import (
     SECTIONS,
     DataSection,
@@ -147,7 +147,7 @@ def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any] | None:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        problems.append(f"{path}{where}: invalid YAML ({getattr(e, 'problem', None) or e})")
+        problems.append(f"{path}{where}: invalid YAML ({yaml_problem(e)})")
         return None
     except RecursionError:
         problems.append(f"{path}: YAML nested too deeply")
