@@ -23,9 +23,9 @@ RECIPES = REPO / "recipes"
 # failure found once is kept in the test as an @example). HYPOTHESIS_PROFILE=dev explores instead.
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True,
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=60, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("dev", deadline=None, max_examples=500)
+settings.register_profile("dev", deadline=None, max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

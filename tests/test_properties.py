@@ -84,20 +84,24 @@ def scratch() -> Iterator[Path]:
 
 
 # ----------------------------------------------------------------------------- strategies
+# (examples per property: the profile's max_examples, 60 in "ci" and 1000 in "dev"; tests/conftest.py)
 
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
                     st.text(max_size=12), st.sampled_from(["", "..", "/", "/etc/passwd", "../../x", "~", "auto",
                                                           "builtin:python-stdlib", "hf:", "1e400", "null"]))
 
 
-def _keys() -> st.SearchStrategy[str]:
+def _keys() -> st.SearchStrategy[Any]:
+    """Recipe keys: the schema's section and field names, any text, and what YAML reads as a
+    number, a boolean or null (``1:``, ``0E0:``, ``null:``)."""
     from ncpctl.recipe.schema import SECTIONS
 
     known = sorted({f for cls in SECTIONS.values() for f in cls.model_fields} | set(SECTIONS))
-    return st.one_of(st.sampled_from(known), st.text(min_size=1, max_size=8))
+    return st.one_of(st.sampled_from(known), st.text(min_size=1, max_size=8), st.integers(-3, 3), st.none(),
+                     st.booleans(), st.floats(-2, 2))
 
 
-def values(depth: int = 3) -> st.SearchStrategy[Any]:
+def values() -> st.SearchStrategy[Any]:
     return st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                          st.dictionaries(_keys(), inner, max_size=4)),
                         max_leaves=12)
@@ -114,7 +118,7 @@ def recipe_docs() -> st.SearchStrategy[Any]:
 
 def set_items() -> st.SearchStrategy[str]:
     """``--set`` items: well-formed key paths with YAML-ish values, and arbitrary text."""
-    path = st.lists(st.one_of(_keys(), st.sampled_from(["", " ", "model", "train", "concept"])), min_size=1,
+    path = st.lists(st.one_of(_keys().map(str), st.sampled_from(["", " ", "model", "train", "concept"])), min_size=1,
                     max_size=4).map(".".join)
     raw = st.one_of(st.text(max_size=20), SCALARS.map(lambda v: json.dumps(v, default=str)),
                     st.sampled_from(["[1, 2", "{a: *b}", "&a [*a]", "!!python/object:os.system", "- x\n- y",
@@ -127,8 +131,8 @@ def set_items() -> st.SearchStrategy[str]:
 BASE = "model: {size: debug}\ntokenizer: {vocab_size: 512}\ntrain: {max_steps: 2, seq_len: 32, micro_batch_size: 2}\n"
 
 
-@settings(max_examples=60)
 @given(doc=recipe_docs(), raw=st.one_of(st.none(), st.text(max_size=80)))
+@example(doc={1: None, "model": {None: 1, "size": "debug"}, "train": {3.5: 1}}, raw=None)  # found by Hypothesis
 def test_any_recipe_loads_or_is_one_line_per_problem(doc: Any, raw: str | None) -> None:
     from ncpctl.recipe import load_recipe
 
@@ -141,8 +145,8 @@ def test_any_recipe_loads_or_is_one_line_per_problem(doc: Any, raw: str | None) 
             one_line_each(e)
 
 
-@settings(max_examples=60)
 @given(items=st.lists(set_items(), min_size=1, max_size=3))
+@example(items=["\n"])  # found by Hypothesis: the item was quoted as it is, newline and all
 def test_any_set_applies_or_is_one_line_per_problem(items: list[str]) -> None:
     from ncpctl.recipe import load_recipe
 
@@ -154,10 +158,11 @@ def test_any_set_applies_or_is_one_line_per_problem(items: list[str]) -> None:
             one_line_each(e)
 
 
-@settings(max_examples=25)
+@settings(max_examples=max(10, settings.default.max_examples // 2))  # two files per example
 @given(parent=recipe_docs(), child=st.dictionaries(_keys(), values(), max_size=3),
        extends=st.one_of(st.just("parent.yaml"), st.lists(st.sampled_from(["parent.yaml", "r.yaml", "missing.yaml",
                                                                            "/dev/null", ".."]), max_size=3), SCALARS))
+@example(parent={}, child={"0E0": None}, extends="parent.yaml")  # found by Hypothesis: a key YAML reads as 0.0
 def test_extends_chains_load_or_are_one_line_per_problem(parent: Any, child: dict, extends: Any) -> None:
     from ncpctl.recipe import load_recipe
 
@@ -192,7 +197,6 @@ def _dataset(d: Path, split: str = "train") -> Path:
     return d / split
 
 
-@settings(max_examples=60)
 @given(meta=st.one_of(JSON, st.fixed_dictionaries({}, optional=META_FIELDS)), raw=st.one_of(st.none(), st.binary(max_size=40)))
 def test_any_meta_json_is_read_or_one_line_and_its_readers_never_fail_otherwise(meta: Any, raw: bytes | None) -> None:
     """The reader (``ncpctl.data.meta``) and what pretrain does with what it passes: the vocabulary
@@ -216,7 +220,6 @@ def test_any_meta_json_is_read_or_one_line_and_its_readers_never_fail_otherwise(
                 one_line_each(e)
 
 
-@settings(max_examples=60)
 @given(header=st.tuples(st.sampled_from([b"MMIDIDX\x00\x00", b"TNTIDX\x00\x00\x00", b"garbage!!"]),
                         st.integers(0, 2), st.integers(0, 12), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
        small=st.tuples(st.integers(0, 4), st.integers(0, 4)),
@@ -252,7 +255,6 @@ NAMES = st.one_of(st.sampled_from(["model.safetensors", "ncpctl.json", ".", ".."
 ENTRY = st.one_of(JSON, st.fixed_dictionaries({"size": JSON, "xxh3_128": JSON}))
 
 
-@settings(max_examples=60)
 @given(files=st.one_of(JSON, st.dictionaries(NAMES, ENTRY, max_size=5)), algorithm=st.one_of(
     st.just("xxh3_128"), JSON), raw=st.one_of(st.none(), st.binary(max_size=30)))
 @example(files={".": {"size": 4096, "xxh3_128": "0"}}, algorithm="xxh3_128", raw=None)
@@ -291,7 +293,6 @@ def sweep_docs() -> st.SearchStrategy[Any]:
         "timeout_min": SCALARS}))
 
 
-@settings(max_examples=60)
 @given(doc=sweep_docs(), raw=st.one_of(st.none(), st.text(max_size=60)))
 @example(doc={"base": "base.yaml", "points": [{"name": "..", "train.max_steps": 3}, {"name": ".", "train.lr": 1}]},
          raw=None)

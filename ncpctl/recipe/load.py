@@ -406,9 +406,9 @@ def load_recipe(
     problems: list[Problem] = []
     sections: dict[str, BaseModel] = {}
     for key in tree:
-        if key not in SECTIONS:
-            near = difflib.get_close_matches(key, list(SECTIONS), n=1)
-            problems.append((key, "unknown section" + (f" (did you mean '{near[0]}'?)" if near else
+        if key not in SECTIONS:  # a key YAML read as a number (1:, 0E0:) or null too
+            near = difflib.get_close_matches(str(key), list(SECTIONS), n=1)
+            problems.append((str(key), "unknown section" + (f" (did you mean '{near[0]}'?)" if near else
                                                         f"; sections are {', '.join(SECTIONS)}")))
     for name, cls in SECTIONS.items():
         section, errs = _validate_section(name, cls, tree.get(name))
@@ -426,6 +426,7 @@ def load_recipe(
 
     lines = list(file_problems)
     lines += [f"{_origin_of(key, origin, top)}: {key}: {msg}" for key, msg in problems]
+    lines = list(dict.fromkeys(lines))  # once each (a key pydantic cannot prune is reported every round)
     if lines:
         raise UserError(*lines, hint="fix the recipe (or the --set values) and run again")
     return Recipe(path=path, name=name, sets=sets, world_size=world_size, **sections, **derived)  # type: ignore[arg-type]
