@@ -327,3 +327,23 @@ def test_deeply_nested_inputs_are_one_line(tmp_path: Path, text: str) -> None:
         with pytest.raises(UserError) as e:
             read(path)
         one_line_each(e.value)
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 3))  # the real command: every point's recipe
+@given(doc=sweep_docs())
+def test_sweep_dry_exits_0_or_2_with_error_lines_and_writes_nothing(doc: Any) -> None:
+    """``ncpctl sweep FILE --dry`` through the command itself (in-process): exit 0, or exit 2 with
+    ``error:`` lines and no internal error; a dry run writes nothing at all."""
+    from typer.testing import CliRunner
+
+    from ncpctl.cli.app import app
+
+    with scratch() as d:
+        (d / "base.yaml").write_text(BASE)
+        (d / "s.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True))
+        with writes_only_under(d / "nothing"):
+            r = CliRunner().invoke(app, ["sweep", str(d / "s.yaml"), "--dry", "--out", str(d / "out")],
+                                   env={"COLUMNS": "200"})
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert (r.exit_code == 0 and not errors) or (r.exit_code == 2 and errors), (r.exit_code, r.output[-2000:])
+        assert "internal error" not in r.output and not (d / "out").exists()
