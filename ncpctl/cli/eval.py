@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command, print_wide
+from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command, print_wide
 from ncpctl.errors import UserError
 
 SpeculativeOpt = Annotated[Optional[str], typer.Option(
@@ -94,6 +94,7 @@ def main(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     strategies: StrategyOpt = None,
+    tiktoken: TiktokenOpt = None,
     no_verify: NoVerifyOpt = False,
 ) -> None:
     """Evaluate a checkpoint with lm-evaluation-harness; results JSON + markdown go to run.dir/eval/.

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command
 
 
 @command
@@ -24,11 +24,17 @@ def main(
     move_aside: Annotated[bool, typer.Option("--move-aside", help="An earlier export at --out that holds files "
                                              "ncpctl did not write, or changed since it wrote them: move it to "
                                              "OUT.prev-TIME (kept whole) instead of refusing.")] = False,
+    format_: Annotated[str, typer.Option("--format", help="hf: a Hugging Face directory; steerling: Steerling's "
+                                         "own layout (their config.json and weight names, loadable by "
+                                         "SteerlingGenerator.from_pretrained); conceptlm: the ConceptLM authors' "
+                                         "layout (their config.json and weight names, fp32, loadable by their "
+                                         "ConceptLM_* classes).")] = "hf",
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     strategies: StrategyOpt = None,
     no_verify: NoVerifyOpt = False,
+    tiktoken: TiktokenOpt = None,
 ) -> None:
     """Export a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer).
 
@@ -60,19 +66,30 @@ def main(
         o.warn(escape(f"the checkpoint's recipe sets export.out={section['out']}, which export follows only from "
                       f"--out; writing to {target}"))
     verify = not skip_verify and section.get("verify", True)
+    formats = {"steerling": "steerling_export", "conceptlm": "conceptlm_io"}  # the authors' layouts (issue 43)
+    if format_ != "hf" and format_ not in formats:
+        raise UserError(f"--format: {format_!r} is not one of hf, {', '.join(formats)}")
+    if format_ in formats:  # ncpctl/interop/authors/<module>.py
+        import importlib
+
+        export = importlib.import_module(f"ncpctl.interop.authors.{formats[format_]}").export
+    if move_aside and format_ == "conceptlm":
+        raise UserError("--move-aside: the conceptlm format keeps no marker of what it wrote; choose a new --out")
+    extra = {"move_aside": True} if move_aside else {}
     info = export(ck, target, dtype=dtype or section.get("dtype", "fp32"), verify=verify,
                   max_shard_size=max_shard_size or section.get("max_shard_size", "5GB"),
-                  log=lambda m: o.info(f"[dim]{m}[/]"), move_aside=move_aside)
+                  log=lambda m: o.info(f"[dim]{m}[/]"), **extra)
 
     def human(con) -> None:
-        con.print(f"exported {ck} -> [bold]{info['out']}[/] as {info['architecture']} ({info['dtype']}, "
+        con.print(f"exported {ck} -> [bold]{info['out']}[/] as {info.get('architecture', info.get('format'))} ({info['dtype']}, "
                   f"{info['parameters']:,} parameters, {info['shards']} shard(s))")
         if info.get("moved_aside"):
             con.print(f"  the earlier export (changed since ncpctl wrote it) was moved to {info['moved_aside']}")
         if info.get("remote_code"):
             con.print("  load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
         v = info.get("verify")
-        con.print(f"  verified: max |logit diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:.3g}; tokenizer identical"
+        same = "; tokenizer identical" if info.get("format", "hf") == "hf" else " (imported back)"
+        con.print(f"  verified: max |logit diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:.3g}{same}"
                   if v else "  [yellow]not verified (--skip-verify)[/]")
 
     o.result({"command": "export", "checkpoint": str(ck), **info}, human)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command
 
 
 @command
@@ -54,6 +54,7 @@ def main(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     strategies: StrategyOpt = None,
+    tiktoken: TiktokenOpt = None,
     no_verify: NoVerifyOpt = False,
 ) -> None:
     """Generate text from a checkpoint: greedy, temperature, top-k, top-p, stop strings, seeds.
@@ -104,7 +105,7 @@ def main(
     per_prompt = [common + specs_from(st, f"{prompts_file} prompt {i + 1}") for i, st in enumerate(own)]
     loaded = load_model(checkpoint)
     blocks = _sampling(loaded, params, any(per_prompt))
-    spec, spec_info = _speculative(loaded, draft, draft_tokens)
+    spec, spec_info = _speculative(loaded, draft, draft_tokens, o)
     steering = None
     if any(per_prompt):
         names = loaded.meta.get("concept_names")
@@ -126,21 +127,24 @@ def main(
                            "greedy": params.is_greedy, "stop": params.stop, **blocks},
               "steer": None if steering is None else [[r.describe() for r in row] for row in steering],
               "speculative": None if spec is None else {**spec_info, **spec.stats.as_dict()},
-              "completions": results}, _human(results, stream, spec))
+              "completions": results}, _human(results, stream, spec, o))
 
 
-def _speculative(loaded, draft: str | None, k: int):
+def _speculative(loaded, draft: str | None, k: int, o: Output):
     """(``Speculative``, its description for the output) for ``--draft``, or (None, None)."""
     if draft is None:
         return None, None
     from ncpctl.inference.drafters import load_speculative
 
     spec, info = load_speculative(loaded, draft, k)
-    return spec, {**info, "draft_tokens": k}
+    if "draft_tokens_requested" in info:
+        o.info(f"note: --draft-tokens {k} is more than the drafter proposes: {spec.k} a round")
+    return spec, info
 
 
-def _human(results: list[dict], stream: bool, spec):
-    """The human-readable output: each completion (unless it was streamed), and MAL."""
+def _human(results: list[dict], stream: bool, spec, o: Output):
+    """The human-readable output: each completion (unless it was streamed) on stdout, and MAL on
+    stderr (statistics, not generated text)."""
 
     def human(con) -> None:
         for r in [] if stream else results:
@@ -149,7 +153,8 @@ def _human(results: list[dict], stream: bool, spec):
             con.print(f"[dim]({r['tokens']} tokens, {r['finish_reason']})[/]")
         if spec is not None and spec.stats.rounds:
             s = spec.stats.as_dict()
-            con.print(f"[dim](speculative: {s['rounds']} verification rounds, MAL {s['mal']:.2f} tokens a round)[/]")
+            o.info(f"[dim](speculative: {s['rounds']} verification rounds, MAL {s['mal']:.2f} tokens a round, "
+                   f"K = {spec.k})[/]")
 
     return human
 

@@ -6,7 +6,8 @@
 * ``ncpctl.evaluate.compare``: ``ncpctl eval --compare``, several runs' results side by side
   (``compare_curves``: training curves; ``compare_arms``: seed arms with the paired bootstrap).
 * ``ncpctl.evaluate.protocol``: paper-table groups: per-task shots and metric, the paper's aggregate.
-* ``ncpctl.evaluate.code_exec``: code tasks: sandboxed execution and the unbiased pass@k.
+* ``ncpctl.evaluate.code_exec``: code tasks and the unbiased pass@k; ``sandbox`` (with the script
+  ``sandbox_supervisor.py``) runs each program: the verdict and the containment.
 * ``ncpctl.evaluate.proxy``: capability proxies (``ncpctl eval --proxy``); ``proxy_build`` makes a set.
 * ``ncpctl.evaluate.uncertainty``: tokens-to-reach, window and seed aggregates, paired bootstrap.
 * ``ncpctl.evaluate.tasks/``: task YAMLs (``ncp_offline``; the ConceptLM paper groups; the paper tables).

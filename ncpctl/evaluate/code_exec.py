@@ -1,11 +1,10 @@
 """Code tasks: pass@k by sampling programs and executing them against the task's tests.
 
 Executing model output runs untrusted code, so it happens only when the user opts in
-(``ncpctl eval --allow-code-execution``), each program in its own subprocess
-(``python -I`` in an empty temporary directory, no inherited environment beyond PATH) under
-``resource.setrlimit`` limits: CPU seconds, address space (memory), file size and no core files,
-plus a wall-clock timeout. This is a guard against accidents (loops, memory blow-ups, stray
-files), not a security boundary against a hostile model: run untrusted checkpoints in a container.
+(``ncpctl eval --allow-code-execution``), each program in the sandbox of ``ncpctl.evaluate.sandbox``
+(limits, containment of everything it starts, a verdict a program cannot fake by exiting 0): a
+guard against accidents, not a security boundary against a hostile model: run untrusted
+checkpoints in a container.
 
 pass@k is the unbiased estimator of Chen et al. 2021 (Codex, Eq. 1): with n samples of which c
 pass, pass@k = 1 - C(n-c, k) / C(n, k), averaged over problems. lm-eval's own code metric loads
@@ -20,24 +19,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ncpctl.errors import UserError
 
+from .sandbox import Limits, containment, run_sandboxed
+
 ALLOW_ENV = "NCPCTL_ALLOW_CODE_EXECUTION"  # set by --allow-code-execution for the process that runs the task
-
-
-@dataclass(frozen=True)
-class Limits:
-    timeout_s: float = 5.0  # wall clock per program
-    cpu_s: int = 5
-    memory_mb: int = 512  # address space (RLIMIT_AS)
-    file_mb: int = 16
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -52,35 +41,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def _limit(lim: Limits) -> Callable[[], None]:
-    def apply() -> None:  # runs in the child between fork and exec
-        import resource
-
-        mem, fsize = lim.memory_mb << 20, lim.file_mb << 20
-        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s))
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        os.setsid()  # its own process group: a timeout kills everything it started
-
-    return apply
-
-
-def run_program(program: str, lim: Limits = Limits()) -> tuple[bool, str]:
-    """(passed, why) for one program: exit status 0 within the limits passes."""
+def run_program(program: str, lim: Limits = Limits(), test: str = "") -> tuple[bool, str]:
+    """(passed, why) for one program and its test: it passes only when the test ran to its end
+    (``sandbox.run_sandboxed``: the harness printed this run's nonce after it)."""
     if os.environ.get(ALLOW_ENV) != "1":
         raise UserError("code tasks execute model-written programs", hint="opt in with --allow-code-execution")
-    with tempfile.TemporaryDirectory(prefix="ncp-code-") as d:
-        (Path(d) / "prog.py").write_text(program)
-        try:
-            r = subprocess.run([sys.executable, "-I", "prog.py"], cwd=d, capture_output=True, text=True,  # noqa: S603
-                               timeout=lim.timeout_s, preexec_fn=_limit(lim), env={"PATH": os.defpath})
-        except subprocess.TimeoutExpired:
-            return False, "timeout"
-    if r.returncode == 0:
-        return True, "passed"
-    last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-    return False, last[:200]
+    res = run_sandboxed(program, test, lim)
+    return res.passed, res.why
 
 
 def read_problems(path: Path) -> list[dict[str, str]]:
@@ -103,16 +70,16 @@ def read_problems(path: Path) -> list[dict[str, str]]:
 def evaluate_code(problems: list[dict[str, str]], sample: Callable[[str, int], list[str]], n: int,
                   ks: tuple[int, ...] = (1,), lim: Limits = Limits()) -> dict[str, object]:
     """pass@k over ``problems``: ``sample(prompt, n)`` returns n completions; each program is the
-    prompt + completion + the problem's test, run by ``run_program``."""
+    prompt + completion, then the problem's test, run by ``run_program``."""
     per = []
     for p in problems:
-        outcomes = [run_program(p["prompt"] + c + "\n\n" + p["test"] + "\n", lim) for c in sample(p["prompt"], n)]
+        outcomes = [run_program(p["prompt"] + c + "\n", lim, test=p["test"] + "\n") for c in sample(p["prompt"], n)]
         c = sum(ok for ok, _ in outcomes)
         per.append({"task_id": p["task_id"], "n": len(outcomes), "correct": c,
                     **{f"pass@{k}": pass_at_k(len(outcomes), c, k) for k in ks},
                     "failures": sorted({why for ok, why in outcomes if not ok})})
     return {**{f"pass@{k}": sum(r[f"pass@{k}"] for r in per) / len(per) for k in ks},
-            "n": n, "problems": per, "limits": lim.__dict__}
+            "n": n, "problems": per, "limits": lim.__dict__, "containment": containment()[0]}
 
 
 TEMPERATURE = 0.8  # NCP-ArchPreview's Table 13 gives no decoding parameters: assumed

@@ -4,7 +4,8 @@ acceptance statistics of a drafter on a checkpoint, per task of a prompt set.
 MAL = R^-1 sum_r c_r, c_r the tokens a verification round commits, the target's correction or bonus
 token included (so 1 <= c_r <= horizon + 1); counted per row and round (``speculative.SpecStats``).
 Decoding is greedy (exact: the tokens are the target's own greedy ones), drafting ``horizon`` tokens
-a round (the report: 16; a drafter proposes at most its own K). The report's baseline selects among
+a round (the report: 16; a drafter proposes at most its own K, and the output's ``horizon`` is the
+K it drafted, with ``horizon_requested`` where that cut the flag's). The report's baseline selects among
 its top-16 paths per position (tree verification); ncpctl verifies one chain, which accepts at most
 what the best path would: compare MALs across the two with that in mind.
 
@@ -86,6 +87,10 @@ def speculative_mal(target: str, draft: str, *, horizon: int = 16, prompts: str 
         raise UserError(f"--horizon must be >= 1, got {horizon}")
     loaded = load_model(target)
     spec, info = load_speculative(loaded, draft, horizon)
+    asked = info.pop("draft_tokens_requested", None)
+    info.pop("draft_tokens")  # the horizon: the K drafted a round, as the drafter allows it
+    if asked is not None:
+        log(f"note: --horizon {asked} is more than the drafter proposes: {spec.k} a round")
     sets = prompt_sets(loaded, prompts, limit, prompt_tokens)
     _, eod = eod_token(loaded)
     decode = (lambda ids: loaded.tokenizer.decode(ids)) if loaded.tokenizer is not None else (lambda ids: "")
@@ -100,7 +105,8 @@ def speculative_mal(target: str, draft: str, *, horizon: int = 16, prompts: str 
             tasks[task] = {"prompts": len(ps), **spec.stats.as_dict()}
             total.merge(spec.stats)
             log(f"{task}: MAL {_fmt(tasks[task]['mal'])} over {tasks[task]['rounds']} rounds")
-    return {"checkpoint": str(loaded.path), **info, "horizon": horizon, "greedy": True, "new_tokens": new_tokens,
+    return {"checkpoint": str(loaded.path), **info, "horizon": spec.k,
+            **({"horizon_requested": asked} if asked else {}), "greedy": True, "new_tokens": new_tokens,
             "prompt_set": prompts or "val", "tasks": tasks, "all": total.as_dict(),
             # the mean over tasks (Table 9's macro average); a task with no round (1 new token) has no MAL
             "macro_mal": _mean([t["mal"] for t in tasks.values() if t["mal"] is not None]),
@@ -118,8 +124,9 @@ def _mean(xs: list[float]) -> float | None:
 def rich_table(payload: dict[str, Any]):
     from rich.table import Table
 
+    asked = f", --horizon {payload['horizon_requested']} cut to the drafter's" if "horizon_requested" in payload else ""
     t = Table(title=f"speculative decoding: {payload['draft']} on {payload['checkpoint']} "
-              f"(horizon {payload['horizon']}, greedy, one chain)")
+              f"(horizon {payload['horizon']}{asked}, greedy, one chain)")
     for col in ("task", "prompts", "rounds", "MAL", "acceptance"):
         t.add_column(col, justify="left" if col == "task" else "right")
     for name, r in payload["tasks"].items():

@@ -73,6 +73,13 @@ def block_concepts(per_block: torch.Tensor, anchors: torch.Tensor, k: int) -> to
     return padded.gather(1, j[..., None].expand(*j.shape, d))
 
 
+def predicted_terms(model, pred: torch.Tensor) -> torch.Tensor:
+    """The target's predicted concepts pred (B, M, d) -> what its coupling adds per concept (B, M, d)
+    (``added_term``: norm(pred) with ``concept.add: normed``): the tensor a ``predicted`` drafter reads,
+    in training and in decoding (the decode state's ``pred`` holds this term) alike."""
+    return model.concept.coupling.added_term(pred)
+
+
 def pool_blocks(h: torch.Tensor, k: int) -> torch.Tensor:
     """h (B, T, d) -> mean over each complete block of k tokens (B, T//k, d)."""
     B, T, d = h.shape
@@ -94,6 +101,9 @@ def check_target(model, cfg: DrafterConfig, where: str) -> str | None:
         if model.concept is None or not isinstance(model.concept.segmenter, FixedBlocks) \
                 or model.concept.segmenter.k != cfg.concept_k:
             return f"{where} injects concepts of fixed blocks of {cfg.concept_k} tokens; the target has none"
+        if cfg.concept_source == "predicted" and not hasattr(model.concept.coupling, "added_term"):
+            return (f"{where} injects the concept term the target adds to its tokens (concept_source: predicted); "
+                    "the target's coupling adds none")
     return None
 
 
@@ -143,7 +153,7 @@ class BlockDraftRunner(Drafter):
         cfg = self.cfg
         if not cfg.concept_injection:
             return None
-        if cfg.concept_source == "predicted":  # the coupling's current term: pred of the last closed block
+        if cfg.concept_source == "predicted":  # the coupling's current term (predicted_terms) of the last closed block
             return self.target.state.pred
         k, B = cfg.concept_k, last.shape[0]
         t = last - self.pad  # (B,) last verified positions

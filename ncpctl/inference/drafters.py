@@ -159,7 +159,19 @@ def load_speculative(loaded, draft: str, k: int):
     """``ncpctl generate --draft DRAFT --draft-tokens K`` for a ``LoadedModel`` target: a
     ``speculative.Speculative``, or a one-line ``UserError`` (K < 1, a target that cannot verify
     drafts, no MTP head, a drafter with another tokenizer or vocabulary or a shorter window).
-    Returns it and a description of the drafter for the output."""
+    Returns it and a description of the drafter for the output: ``draft_tokens`` is the K it
+    drafts a round, at most what the drafter proposes (an MTP head its depth, a block drafter its
+    own K); ``draft_tokens_requested`` is there when that cut K."""
+    spec, info = _load(loaded, draft, k)
+    most = spec.drafter.max_tokens
+    if most is not None and most < k:
+        spec.k = most
+        info["draft_tokens_requested"] = k
+    return spec, {**info, "draft_tokens": spec.k}
+
+
+def _load(loaded, draft: str, k: int):
+    """``load_speculative`` before the cut of K."""
     from ncpctl.checkpoint import load_model
     from ncpctl.errors import UserError
 

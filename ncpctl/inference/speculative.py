@@ -19,7 +19,8 @@ padding, decode.py) but each has its own next slot (``DecodeState.behind``): a r
 same K + 1 tokens to every row, each row from its own slot, and a row that kept fewer tokens
 simply writes its next round over its rejected slots (they are later than any of its queries,
 so they are never visible meanwhile). The last round of a row may emit more tokens than it has
-left; the extra ones are dropped (a cut decided before they are drawn: exact).
+left; the extra ones are dropped (a cut decided before they are drawn: exact) and not counted in
+the statistics (MAL counts committed tokens only, as Eq. 27).
 
 Rollback: the token KV caches need only each row's write slot moved back; concept caches
 likewise (a concept index past a row's closed count is masked); the segmenter's, coupling's
@@ -51,7 +52,8 @@ class SpecStats:
     hist: dict[int, int] = field(default_factory=dict)  # tokens committed in a (round, row) -> how often
 
     def record(self, per_row: list[int], k: int) -> None:
-        """One round: the tokens each running row committed (accepted drafts + 1), K drafted."""
+        """One round: the tokens each running row committed (accepted drafts + 1; fewer where a row reached
+        max_new_tokens or its end inside the round), K drafted."""
         self.rounds += 1
         self.row_rounds += len(per_row)
         self.committed += sum(per_row)
@@ -202,13 +204,15 @@ def _speculate(model, spec: Speculative, tokens: torch.Tensor, lengths: list[int
         d_host = drafts.tolist()
         emitted = [verify(p[b], d_host[b], q[b], params, gens[b], spec.accept) if b in running else [x[b]]
                    for b in range(B)]
-        spec.stats.record([len(emitted[b]) for b in running], K)
         # x, then the accepted drafts; a row that stopped keeps nothing (it stays where it is)
         keep = [len(emitted[b]) if b in running else 0 for b in range(B)]
         target.commit(keep)
         drafter.commit(keep)
+        before = [len(rows.out[b]) for b in running]
         for b in running:
             for t in emitted[b][: n_new - produced[b]]:
                 rows.push(b, t)
             produced[b] += len(emitted[b])
+        # Eq. 27 counts the tokens a round commits: not those dropped past max_new_tokens or an end
+        spec.stats.record([len(rows.out[b]) - n for b, n in zip(running, before)], K)
         x = [e[-1] for e in emitted]

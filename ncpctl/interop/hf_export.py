@@ -69,7 +69,6 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
            move_aside: bool = False) -> dict[str, Any]:
     import torch
 
-    from ncpctl import manifest
     from ncpctl.checkpoint import load_model
 
     if dtype not in ("fp32", "bf16"):
@@ -90,11 +89,7 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
         if verify:
             log("verifying: reloading the export with transformers and comparing logits")
             info["verify"] = _verify(loaded, tmp, dtype)
-        files = sorted(p.name for p in tmp.iterdir())
-        (tmp / MARKER).write_text(json.dumps({"written_by": "ncpctl export", "ncpctl_version": __version__,
-                                              "checkpoint": str(loaded.path), "files": files,
-                                              "algorithm": manifest.ALGORITHM,
-                                              "manifest": manifest.describe(tmp, files)}, indent=2) + "\n")
+        write_marker(tmp, "ncpctl export", loaded.path)
         aside = _put_in_place(tmp, out, move_aside)
     finally:
         if tmp.exists():
@@ -104,6 +99,17 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
     info["out"] = str(out)
     info["files"] = sorted(p.name for p in out.iterdir())
     return info
+
+
+def write_marker(tmp: Path, written_by: str, checkpoint: Path) -> None:
+    """``MARKER`` in the finished export ``tmp``: every file's name, size and xxh3-128 checksum."""
+    from ncpctl import manifest
+
+    files = sorted(p.name for p in tmp.iterdir())
+    (tmp / MARKER).write_text(json.dumps({"written_by": written_by, "ncpctl_version": __version__,
+                                          "checkpoint": str(checkpoint), "files": files,
+                                          "algorithm": manifest.ALGORITHM,
+                                          "manifest": manifest.describe(tmp, files)}, indent=2) + "\n")
 
 
 def existing(out: Path, move_aside: bool = False) -> str:

@@ -17,8 +17,9 @@ Concept injection (Eq. 26): before draft layer l every draft slot gets
 exactly what the same weights without it compute until g moves. c is the target's concept of the
 last complete block of the verified prefix: ``pooled`` (mean of the target's encoder output over
 that block, the concept module's input) or ``predicted`` (the concept module's prediction made
-from that block, the term the target adds to the next tokens). Which one is recorded in the
-config (``concept_source``) and so in every drafter checkpoint.
+from that block, as the term the target's coupling adds to the next tokens: norm(pred) with
+``concept.add: normed``). Which one is recorded in the config (``concept_source``) and so in
+every drafter checkpoint.
 """
 
 from __future__ import annotations

@@ -180,3 +180,32 @@ def test_refusals_another_target_another_tokenizer_and_k_below_one(tmp_path):
         assert len(e.value.problems) == 1 and "\n" not in e.value.problems[0]
     r = run_cli("eval", target, "--speculative", wide, "--prompts", str(tmp_path / "none.jsonl"))
     assert r.returncode == 2 and "another target" in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+
+
+def test_a_predicted_concept_is_the_same_tensor_in_training_and_decoding_on_a_normed_target():
+    """Issue 41 item 7: with ``concept.add: normed`` (the GPT-2 recipes) decoding injects the term the
+    coupling adds, norm(pred); training read the raw pred (up to 8.44 apart). The c that the training
+    forward hands the drafter at each anchor a is the c decoding injects after the prompt x[..a]."""
+    target = build(tiny("gpt2", concept=dict(k=3, encoder_layers=0, add="normed")), scale=0.2).double()
+    tr = DraftTraining(target, DrafterConfig.for_target(target.cfg, k=2, window=4, concept_injection=True,
+                                                        concept_source="predicted"), anchors=8).double()
+    seen = []
+    tr.drafter.register_forward_pre_hook(lambda m, args: seen.append((args[1][:, -1], args[4])))  # (N,) anchors, (N, d)
+    torch.manual_seed(0)
+    x = torch.randint(0, 200, (1, 21))
+    tr(x[:, :-1], x[:, 1:])
+    anchors, c_train = seen[0]
+    assert len(anchors) == 8 and (anchors >= 3).sum() >= 4  # some anchors after a complete block
+    for a, c in zip(anchors.tolist(), c_train):
+        _, st = target.prefill(x[:, : a + 1], [a + 1], max_len=32)
+        assert torch.allclose(st.pred[0], c, atol=1e-10), a  # BlockDraftRunner._concept returns st.pred
+    assert (c_train.norm(dim=-1) > 0).any()
+
+
+def test_a_predicted_concept_needs_a_coupling_that_adds_one():
+    from ncpctl.inference.block_drafter import check_target
+
+    target = build(tiny("llama", concept=dict(k=3, coupling="cross_attention")))
+    cfg = DrafterConfig.for_target(target.cfg, k=2, concept_injection=True, concept_source="predicted")
+    assert "the target's coupling adds none" in check_target(target, cfg, "the drafter")
+    assert check_target(target, DrafterConfig.for_target(target.cfg, k=2, concept_injection=True), "d") is None

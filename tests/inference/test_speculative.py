@@ -83,11 +83,14 @@ def test_greedy_speculative_equals_plain_greedy(name):
             st = spec.stats.as_dict()
             if len(prompts) == 1:  # one row: rounds that accept some drafts and reject others
                 assert 1.0 < st["mal"] < K + 1, st
-    # a drafter that is the target accepts everything: K + 1 tokens a round
+    # a drafter that is the target accepts everything: K + 1 tokens a round, except the last round of
+    # each row, which commits only the tokens left of max_new_tokens (issue 41 item 8: the 4.0 this
+    # asserted counted the dropped ones): n - 1 = 23 tokens after the first in ceil(23 / 4) = 6 rounds
     spec = Speculative(ModelDrafter(model), 3)
     assert _gen(model, RAGGED, spec, max_new_tokens=n, greedy=True) == _gen(model, RAGGED, max_new_tokens=n,
                                                                              greedy=True)
-    assert spec.stats.as_dict()["mal"] == 4.0
+    st = spec.stats.as_dict()
+    assert st["mal"] == (n - 1) / 6 and st["committed_per_round"] == {"3": 3, "4": 15}
 
 
 def test_mtp_self_drafter_greedy_and_cached_heads():
@@ -277,3 +280,49 @@ def test_rounds_at_the_window_edge_with_learned_positions():
     assert got == [c.tokens for c in generate(model, prompts, SamplingParams(max_new_tokens=14, greedy=True), str,
                                               max_len=24)]
     assert spec.stats.as_dict()["mal"] > 1.5
+
+
+def test_mal_counts_only_the_committed_tokens():
+    """Issue 41 item 8: MAL (Eq. 27) counted the tokens a last round drew past --new-tokens (62
+    against 60 produced). Over any run, the tokens the rounds committed are the completions' tokens
+    after the first (which comes from the prefill), ragged rows and an early end included."""
+    model = f64(CONFIGS["fixed-blocks"](), scale=0.2)
+    for n, K in ((5, 4), (9, 3), (12, 5)):
+        spec = Speculative(ModelDrafter(model), K)  # the target itself: every draft accepted
+        done = generate(model, RAGGED, SamplingParams(max_new_tokens=n, greedy=True), str, speculative=spec)
+        assert [len(c.tokens) for c in done] == [n] * len(RAGGED)
+        assert spec.stats.committed == sum(len(c.tokens) - 1 for c in done), (n, K, spec.stats)
+        assert max(int(m) for m in spec.stats.as_dict()["committed_per_round"]) <= min(K + 1, n - 1)
+    plain = generate(model, ONE, SamplingParams(max_new_tokens=12, greedy=True), str)[0].tokens
+    spec = Speculative(ModelDrafter(model), 4)
+    done = generate(model, ONE, SamplingParams(max_new_tokens=12, greedy=True), str, eod_id=plain[3], speculative=spec)
+    assert done[0].tokens == plain[: plain.index(plain[3]) + 1] and spec.stats.committed == len(done[0].tokens) - 1
+
+
+def test_the_k_actually_drafted_is_reported_and_statistics_go_to_stderr(tmp_path):
+    """Issue 46 item 5: `--draft mtp` with the default --draft-tokens 4 on a depth-1 MTP head drafts
+    one token a round while the JSON said 4, `eval --speculative mtp` printed horizon 16, and the
+    statistics line was on stdout with the generated text (in-process: typer's CliRunner)."""
+    from typer.testing import CliRunner
+
+    from ncpctl.checkpoint import load_model
+    from ncpctl.cli.app import app
+    from ncpctl.evaluate.speculative import rich_table, speculative_mal
+    from ncpctl.inference import generate_texts
+
+    target = _checkpoint(tmp_path, "target", mtp_depth=1)
+    plain = generate_texts(load_model(target), ["def main("], SamplingParams(max_new_tokens=6, greedy=True))[0].text
+    args = ["generate", target, "-p", "def main(", "-n", "6", "--greedy", "--draft", "mtp"]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    s = json.loads(r.stdout)["speculative"]
+    assert (s["draft_tokens"], s["draft_tokens_requested"]) == (1, 4) and s["committed_per_round"].keys() <= {"1", "2"}
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert r.stdout == "def main(" + plain + "\n"  # the streamed text, and nothing else
+    assert "note: --draft-tokens 4 is more than the drafter proposes: 1 a round" in r.stderr
+    assert "verification rounds, MAL" in r.stderr and "K = 1" in r.stderr, r.stderr
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def main("}\n')
+    payload = speculative_mal(target, "mtp", horizon=16, prompts=str(tmp_path / "p.jsonl"), limit=1, new_tokens=6)
+    assert (payload["horizon"], payload["horizon_requested"]) == (1, 16) and "draft_tokens" not in payload
+    assert "(horizon 1, --horizon 16 cut" in rich_table(payload).title

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ncpctl.inference.block_drafter import TargetTap, block_concepts, check_target, pool_blocks
+from ncpctl.inference.block_drafter import TargetTap, block_concepts, check_target, pool_blocks, predicted_terms
 from ncpctl.model.drafter import BlockDrafter, DrafterConfig
 from ncpctl.model.outputs import LogKey, NCPOutput
 from ncpctl.recipe.load import Recipe
@@ -91,7 +91,8 @@ class DraftTraining(nn.Module):
         x_emb = self.target.embed_tokens(pend, a + 1)
         c = None
         if cfg.concept_injection:
-            per_block = out.concept.pred if cfg.concept_source == "predicted" else pool_blocks(h, cfg.concept_k)
+            per_block = (predicted_terms(self.target, out.concept.pred) if cfg.concept_source == "predicted"
+                         else pool_blocks(h, cfg.concept_k))  # (B, M, d): what decoding reads
             c = block_concepts(per_block, a, cfg.concept_k).reshape(B * A, -1)
         hN = self.drafter(f.view(B * A, W, -1), ctx.view(B * A, W), valid.view(B * A, W),
                           x_emb.reshape(B * A, -1), c)  # (B*A, K, d)
