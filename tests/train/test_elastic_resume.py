@@ -50,7 +50,8 @@ def names_of(src: Path) -> set[str]:
 
     from ncpctl.safe_load import DEEPSPEED_GLOBALS, load_pt
 
-    shapes = load_pt(src / "mp_rank_00_model_states.pt", allow=DEEPSPEED_GLOBALS)[PARAM_SHAPES]
+    first = sorted(src.glob("*model_states.pt"))[0]  # ZeRO-3 writes one per rank (zero_pp_rank_R_mp_rank_00_...)
+    shapes = load_pt(first, allow=DEEPSPEED_GLOBALS)[PARAM_SHAPES]
     return {name for group in shapes for name in group}
 
 
@@ -117,9 +118,10 @@ def tamper(ckpt: Path, victim: Path) -> None:
     def moved(group: dict) -> dict:
         return type(group)((str(victim / name), v) for name, v in group.items())
 
-    model = load_pt(ckpt / "mp_rank_00_model_states.pt", allow=DEEPSPEED_GLOBALS)
-    model[PARAM_SHAPES] = [moved(g) for g in model[PARAM_SHAPES]]
-    torch.save(model, ckpt / "mp_rank_00_model_states.pt")
+    for f in ckpt.glob("*model_states.pt"):  # one file, or one per rank at ZeRO-3
+        model = load_pt(f, allow=DEEPSPEED_GLOBALS)
+        model[PARAM_SHAPES] = [moved(g) for g in model[PARAM_SHAPES]]
+        torch.save(model, f)
     for f in ckpt.glob("*optim_states.pt"):
         sd = load_pt(f, allow=DEEPSPEED_GLOBALS)
         if PARAM_SLICE_MAPPINGS in sd[OPTIMIZER_STATE_DICT]:  # ZeRO 1-2
