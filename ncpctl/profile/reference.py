@@ -76,9 +76,18 @@ class RefGPT(nn.Module):
     def from_ncp(cls, model: nn.Module) -> "RefGPT":
         """The same function as ``model``, an ncpctl base model (no concept path, plain residual, no
         bottleneck) of the neox family with fused [q; k; v] rows, parallel pre-norm blocks, biases."""
+        from ncpctl.model.layers import MLP, PlainResidual
+
         cfg = model.cfg
-        if (cfg.backbone, cfg.concept.enabled, cfg.residual, cfg.norm_placement, cfg.parallel_residual,
-                cfg.tie_embeddings, cfg.bottleneck.enabled) != ("neox", False, "plain", "pre", True, False, False):
+        blocks = model.token_layers()
+        plain = (model.concept is None and model.bottleneck is None and model.pos_embed is None and model.crc is None
+                 and model.logit_divisor is None and cfg.parallel_residual and not cfg.tie_embeddings
+                 and all(type(s.residual) is PlainResidual for s in (model.encoder, model.decoder))
+                 and all(isinstance(b.attn_norm, nn.LayerNorm) and type(b.mlp) is MLP and not b.mlp.gated
+                         and b.mlp.approximate == "none" and not b.post and b.cross is None and b.attn.clip is None
+                         and not hasattr(b.attn, "q_norm") and b.attn.n_kv == b.attn.n_heads and b.attn.window is None
+                         and b.attn.qkv.bias is not None for b in blocks))
+        if not plain:  # read from the modules: a GPT-NeoX block is what the copy below assumes
             raise ValueError("the reference is a plain GPT-NeoX (Pythia): a neox base model without concepts")
         ref = cls(cfg)
         names = {"ln1": "attn_norm", "ln2": "mlp_norm", "qkv": "attn.qkv", "proj": "attn.proj", "fc": "mlp.fc",
