@@ -1,19 +1,26 @@
-"""One-shot GPU check: bf16 training step and MFU, SDPA backend, ZeRO-1/2, cached decoding,
-ConceptLM/PM step ratio. A script, not a test; run it once when a GPU is lent and paste its
-output into the report.
+"""One-shot GPU check: bf16 training step and MFU next to a plain-PyTorch reference, SDPA backend,
+ZeRO-1/2, cached decoding (eager and CUDA graphs), ConceptLM/PM step ratio, NCP-ArchPreview, DLCM,
+CDLM, real runs, Liger's fused loss, and issue 45's goals. A script, not a test; run it once when a
+GPU is lent and paste its output into the report (the call and the wheels it carries:
+docs/gpu/README.md, "Issue 45's check").
 
-    python bench/gpu_check.py --json gpu_check.json     # on one H100/H200-class GPU, ~4.5 min
-    python bench/gpu_check.py --dry --json -            # CPU smoke run of the same code (~15 s)
+    python bench/gpu_check.py --json gpu_check.json     # on one H100/H200-class GPU, ~5 min
+    python bench/gpu_check.py --only train_step,decode  # some sections (in this process)
+    python bench/gpu_check.py --dry --json -            # CPU smoke run of the same code (~25 s)
 
-Runtime on one H200 (2026-12-04, docs/gpu/README.md): 192 s of sections 1-8 (decode and DLCM's
-decode the longest) plus imports; section 9 (added after that run, not yet timed on a GPU) is
-sized for about 60-90 s, so about 4.5 minutes in all, under the 5 minutes it is sized for. The
+Runtime on one H200 (2026-12-04, docs/gpu/README.md): 127 s of sections 1-8 in run 5 plus imports;
+section 9, the reference's compile, section 4's own process and section 10 were added after it
+and are not timed on a GPU yet; the shapes were trimmed so that the whole is about 4.5-5 minutes
+(a rerun must fit a session's 15 minutes of device time). The
 JSON is rewritten after every section, so a run cut short still leaves what it measured;
 a section that fails is recorded under ``errors`` (message and traceback) and the others
 still run. ``checks`` holds the correctness verdicts (finite losses, flash attention, equal
-ZeRO-1/2 first losses, cached decode == full forward); exit code 0 when every section ran and
+ZeRO-1/2 first losses, cached decode == full forward, Liger == ours); ``goals`` issue 45's speed
+goals (value, goal, met: not checks). Exit code 0 when every section ran and
 every check holds, 1 otherwise. Without CUDA (and without ``--dry``) it exits with code 2
 and one line. ``--precision bf16|fp32`` overrides the precision (default: bf16 on a GPU).
+Every MFU counts attention FLOPs in full (``exact_flops(...).training_per_step()``, issue 40's
+convention; ``mfu_causal`` is the causal count).
 
 Everything trains the way ``ncpctl pretrain`` trains on a GPU: a recipe (``recipes/debug.yaml``
 with ``--set``-style overrides for the size, shape, precision and ZeRO stage), then
@@ -28,13 +35,16 @@ How to read each section (JSON keys in brackets):
 
 1. train step [train_step]: pythia-160m, T=2048, micro batch 8, ZeRO-1 (as
    ``recipes/pythia160m.yaml``), for ``base`` (concept off), ``concept`` (ConceptLM, the
-   size's defaults E=1, C=2, k=4, N=64, S=n_heads) and ``pm`` (base + 2 token layers).
-   After ``warmup`` untimed steps the models are timed in alternating order for ``rounds``
-   rounds. ``median_s`` is the step time, ``tokens_per_s`` = B*T / median_s, ``mfu`` = exact
-   training FLOPs per step with the causal attention count
-   (``exact_flops(cfg, T, B).training_per_step(causal=True)``) / median_s / ``peak`` (the
+   size's defaults E=1, C=2, k=4, N=64, S=n_heads) and ``pm`` (base + 2 token layers), and
+   ``reference``: the base model as a plain PyTorch loop (``ncpctl.profile.reference``: the same
+   function and initial weights, autocast bf16, SDPA ``is_causal``, blocks compiled with
+   ``reference_compile``, fused AdamW, no DeepSpeed). After ``warmup`` untimed steps the models
+   are timed in alternating order for ``rounds`` rounds. ``median_s`` is the step time,
+   ``tokens_per_s`` = B*T / median_s, ``mfu`` = exact training FLOPs per step with attention
+   counted in full (``exact_flops(cfg, T, B).training_per_step()``) / median_s / ``peak`` (the
    device's dense bf16 peak from ``ncpctl.profile.timing.device_peak``; ``peak_source`` says
-   which). ``mfu_full_attention`` uses the full (non-causal) count, as metrics.jsonl does.
+   which); ``mfu_causal`` with the causal count. ``ours_over_reference``: paired median of the
+   base engine's step time over the reference's (issue 45's goal <= 1.0).
    A well-fed 160M model at T=2048 typically reaches tens of percent; single digits would
    mean something (kernel choice, syncs, the optimizer) is off.
 2. SDPA backend [sdpa]: one profiled training step of ``base`` and ``concept``
@@ -55,8 +65,13 @@ How to read each section (JSON keys in brackets):
    so the two stages differ in their gradient buffers only, not by a factor.
    Both stages start from the same weights, so ``first_loss_diff`` must be within
    ``first_loss_tol`` (1e-2 in bf16, 1e-4 in fp32); losses must be finite and fall.
-4. decode [decode]: the ConceptLM pythia-160m in bf16 weights, ``torch.no_grad()``, greedy,
-   ``prefill`` of 128-token prompts then 256 ``decode_step`` calls, batch 1 and 8.
+4. decode [decode]: run first, in a process of its own (this script with ``--only decode``;
+   ``process``): the ConceptLM pythia-160m in bf16 weights, ``torch.no_grad()``, greedy,
+   ``prefill`` of 128-token prompts then 256 steps, batch 1 and 8, each twice: the steps generation
+   takes on this device (``path``: on a GPU the static step captured as one CUDA graph and replayed,
+   ``cuda_graphs.GraphedSteps``; on the CPU that step eagerly) and, under ``eager``, ``decode_step``.
+   ``over_eager``: the speed-up; ``eager_reason``: None when the graph ran, else why it fell back;
+   ``tokens_same_as_eager``: the share of identical greedy tokens (bf16 near-ties may flip).
    ``tokens_per_s`` = batch * new tokens / decode seconds (prefill timed apart). ``max_abs_diff``
    compares the logits of the last cached step with a full forward of the whole sequence at
    that position (padded-vocab rows excluded); ``ok`` when it is within ``tol_rel`` of the
@@ -74,7 +89,9 @@ How to read each section (JSON keys in brackets):
    matrices) widened to ``archpreview`` = (d, heads, FFN, E + D layers), T and batch as section 1,
    ZeRO-2, as three engines: ``plain`` (no IRC/CRC/MTP), ``irc_crc`` and ``irc_crc_mtp``, timed
    in alternating order after one warm-up step. ``irc_crc_over_plain`` is the IRC+CRC step-time
-   overhead next to ``residual_flops_share`` (bench/train_step.py's goal: <= 1.05); NTP losses must be
+   overhead next to ``residual_flops_share`` (bench/train_step.py's goal: <= 1.05; issue 45's <= 1.10);
+   ``split`` times forward + backward and ``engine.step`` apart for plain and irc_crc, and
+   ``muon_share`` is the optimizer's share of the IRC+CRC step (issue 45's goal <= 10%); NTP losses must be
    finite and fall with Muon bound to the ZeRO-2 partitions (``optimizer``: MuonAdamW inside
    DeepSpeed's wrapper). ``decode``: the irc_crc model's cached decode against a full forward in
    the section's dtype (tolerance as section 4).
@@ -115,8 +132,17 @@ How to read each section (JSON keys in brackets):
    ratio, first-loss difference (tolerance as section 3), graphs made after the warm-up.
    About 60-90 s on an H200 (two inductor compiles: FlexAttention's and the blocks').
 
+10. fused loss [fused_ce]: the LM head's differentiated loss as ncpctl's own fused head and as Liger
+   Kernel's fused linear cross-entropy (what ``LMHead`` uses on a GPU when installed) at
+   ``fused_ce`` = (tokens, d, V) in the section's dtype: loss and gradient differences (``ok`` within
+   ``tol``), median forward + backward time, peak memory above the inputs. ``--dry``: the second is
+   ``F.cross_entropy`` of the full logits; a GPU without Liger records ``liger_installed`` False.
+
+goals [goals]: issue 45's table (``GOALS``), each measure's value, goal and whether it is met.
+
 ``--profile`` replaces the check by a diagnosis: where the time of section 4's decode step
-(batch 1, concept path on and off) and of sections 1 and 6's training steps goes (wall vs
+(batch 1, concept path on and off, and ``concept_graphed``: the CUDA-graph replay generation uses)
+and of sections 1 and 6's training steps goes (wall vs
 kernel time per call, launches, host syncs, top ops and kernels). The first H200 run measured a
 decode step of ~79 ms at batch 1 and an IRC+CRC step 1.58x the plain one; this is how to see why.
 
