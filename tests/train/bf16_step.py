@@ -8,9 +8,10 @@ the biases start at 0, where bf16 resolves 3e-3 to 0.4 %, so the bf16 model weig
 ``ncpctl.train.config.bf16_optimizer``, at its default clipping): a NaN loss at step 2 of 3 is
 skipped (the step not applied, the weights finite), the engine saves a checkpoint into DIR and
 takes two more steps, and a second engine built from the same seed loads that checkpoint (through
-``deepspeed_loads_safely``, as a resume does) and takes the same two; one more JSON line: the
-wrapper, the applied flags, the files written, both engines' losses after the checkpoint and
-whether their weights and fp32 masters are bit-identical.
+``deepspeed_loads_safely``, as a resume does) and takes the same two, a third through
+``ncpctl.train.elastic.load`` (the universal checkpoint a resume on another world size converts
+to); one more JSON line: the wrapper, the applied flags, the files written, the engines' losses
+after the checkpoint and whether their weights and fp32 masters are bit-identical.
 
 Run by ``test_bf16.py``: ``python -m tests.train.bf16_step --stages 0 1 2 3 --resume DIR``
 """
@@ -98,6 +99,7 @@ def _state(engine) -> list[torch.Tensor]:
 
 def run_resume(path: Path, d) -> dict:
     from ncpctl.safe_load import deepspeed_loads_safely
+    from ncpctl.train import elastic
 
     a = _zero1(d)
     g = torch.Generator().manual_seed(1)
@@ -110,9 +112,14 @@ def run_resume(path: Path, d) -> dict:
     with deepspeed_loads_safely():
         b.load_checkpoint(str(path), tag="ckpt", load_optimizer_states=True, load_lr_scheduler_states=True)
     after_b, _ = _steps(b, batches[3:])
+    # and through the re-partitioning path (DeepSpeed's universal checkpoint, what another world size takes)
+    c = _zero1(d)
+    elastic.load(c, path / "ckpt", 1, 1, path.parent / "elastic", d, lambda msg: None)
+    after_c, _ = _steps(c, batches[3:])
     return {"resume": True, "wrapper": type(a.optimizer).__name__, "applied": applied, "finite": finite,
-            "files": sorted(p.name for p in (path / "ckpt").iterdir()), "losses": [after_a, after_b],
-            "identical": all(torch.equal(x, y) for x, y in zip(_state(a), _state(b)))}
+            "files": sorted(p.name for p in (path / "ckpt").iterdir()), "losses": [after_a, after_b, after_c],
+            "identical": all(torch.equal(x, y) for x, y in zip(_state(a), _state(b))),
+            "identical_universal": all(torch.equal(x, y) for x, y in zip(_state(a), _state(c)))}
 
 
 def main() -> None:

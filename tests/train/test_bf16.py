@@ -47,13 +47,14 @@ def test_bf16_keeps_fp32_masters_and_adamw_first_step_at_every_zero_stage(engine
 def test_bf16_zero1_skips_a_nonfinite_step_and_resumes_exactly(engines) -> None:
     """bf16 at ZeRO-1 is DeepSpeed's BF16_Optimizer (no per-tensor overflow pass; issue 45): the
     README's promise holds (a NaN loss's step is not applied, the weights and fp32 masters stay
-    finite), and a checkpoint it wrote resumes bit for bit (weights, masters, the next losses).
+    finite), and a checkpoint it wrote resumes bit for bit (weights, masters, the next losses), also
+    through the universal checkpoint that a resume on another number of ranks converts it to.
     The switch it replaces, ``bf16.check_grad_overflow: false`` on the ZeRO optimizer, applies the
     NaN step (DeepSpeed 0.19 gates the global norm's own test on it too)."""
     (r,) = [r for r in engines if r.get("resume")]
     assert r["wrapper"] == "BF16_Optimizer" and "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in r["files"]
     assert r["applied"] == [True, False, True] and r["finite"]
-    assert r["losses"][0] == r["losses"][1] and r["identical"]
+    assert r["losses"][0] == r["losses"][1] == r["losses"][2] and r["identical"] and r["identical_universal"]
 
 
 def _run(tiny_data: Path, run_dir: Path, precision: str) -> dict:
