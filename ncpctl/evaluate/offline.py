@@ -137,10 +137,11 @@ def build(data: Path, out: Path, tokenizer=None) -> dict[str, Path]:
 
 
 def _eod_id(data: Path, tokenizer) -> int | None:
-    try:
-        return json.loads((data / "meta.json").read_text())["tokenizer"]["eod_id"]
-    except (OSError, KeyError, json.JSONDecodeError):
-        return tokenizer.token_to_id("<|endoftext|>")
+    from ncpctl.data import meta
+
+    recorded = meta.read(data / "meta.json")  # a damaged one: one line naming it
+    eod = (recorded or {}).get("tokenizer", {}).get("eod_id") if recorded and recorded.get("tokenizer") else None
+    return eod if eod is not None else tokenizer.token_to_id("<|endoftext|>")
 
 
 def _rng(text: str) -> random.Random:
@@ -343,6 +344,26 @@ class _SplitRows:
 
     def __deepcopy__(self, memo):
         return self
+
+
+def say_mixture(names: list[str], checkpoint: Path, log: Any) -> None:
+    """One line when the ``ncp_*`` tasks score a checkpoint trained on a data.mix of ``sources``: they
+    read the one tokenized corpus ``ncpctl tokenize`` wrote for it, the union of the components'
+    validation documents, not weighted by the mix (a mix of prefixes has no such corpus: ``data_dir_for``
+    refuses it)."""
+    from ncpctl.evaluate.run import leaves, our_tasks
+
+    ours = our_tasks()
+    ncp = list(dict.fromkeys(leaf for n in names for leaf in leaves(n, ours) if leaf in TASKS))
+    if not ncp or mixture_validation(checkpoint) is None:
+        return
+    try:
+        data, _ = data_dir_for(str(checkpoint))
+    except UserError:
+        return  # refused when the task loads, with its own line
+    log(f"{', '.join(ncp)}: {checkpoint} trained on a data.mix; these tasks read one corpus, {data / 'val'}: "
+        "the union of the components' validation documents, not weighted by the mix (conceptlm_val_ppl scores "
+        "each component's split)")
 
 
 def mixture_tasks(names: list[str], checkpoint: Path) -> tuple[list[str], list[Any]]:

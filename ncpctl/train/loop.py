@@ -39,8 +39,9 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from ncpctl.checkpoint import elastic_dir
+from ncpctl.checkpoint import check_latest, elastic_dir
 from ncpctl.errors import UserError
+from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
 from ncpctl.profile.timing import device_peak
 from ncpctl.recipe.load import Recipe
 from ncpctl.train import checkpoint as ckpt, downstream, elastic, tracking
@@ -51,6 +52,7 @@ from ncpctl.train.hooks import Hooks
 from ncpctl.train.metrics import MetricsLog, unigram_entropy, write_plots
 from ncpctl.train.packing import LOSS, StepPacking
 from ncpctl.train.stages import Stage, build_model
+from ncpctl.train.stopping import Abandoned, Signals, abandon_on_stop, downstream_or_failure
 from ncpctl.train.summary import summary
 from ncpctl.train.validate import validate
 
@@ -184,25 +186,6 @@ class _Step:
     attention: dict[str, float] | None = None  # the stability record's numbers, on the steps it is due
 
 
-class _Signals:
-    """SIGINT / SIGTERM only set ``signum``: the loop finishes the step, saves and exits cleanly."""
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._old: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-
-    def __enter__(self) -> "_Signals":
-        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -211,7 +194,7 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
     Returns the summary (also what ``--json`` prints)."""
     run = _prepare(recipe, stage, out)
     t, tot = recipe.train, run.tot
-    with _Signals() as stop:
+    with Signals() as stop:  # a first SIGINT / SIGTERM stops after a save, a second at once (stopping.py)
         run.engine.train()
         run.started, run.first_step = time.perf_counter(), tot.step
         if run.display is not None:
@@ -230,26 +213,29 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
                 if run.metrics is not None and (tot.step % t.log_every == 0 or tot.step == t.max_steps):
                     _log_step(run, step)
 
-                last = tot.step == t.max_steps
-                # a stopping step saves at once: a preemption's grace period is not spent evaluating
-                if t.eval_every and tot.step % t.eval_every == 0 and not last and not step.stopping:
-                    _evaluate(run)
+                last, stopping = tot.step == t.max_steps, step.stopping
+                # a stopping step saves at once: a preemption's grace period is not spent evaluating,
+                # and a signal during an evaluation abandons it (stopping = True)
+                if t.eval_every and tot.step % t.eval_every == 0 and not last and not stopping:
+                    stopping = _evaluate(run, stop)
                 # before the save: the checkpoint has these weights
-                if downstream.due(t, tot.step, last) and not step.stopping:
-                    _downstream(run)
+                if downstream.due(t, tot.step, last) and not stopping:
+                    stopping = _downstream(run, stop)
                 # no periodic save inside a non-finite streak: if the weights themselves went bad,
                 # the checkpoint before the streak is the one to go back to
                 due = t.save_every and tot.step % t.save_every == 0 and not last and tot.nonfinite_run == 0
-                if due or step.stopping:
-                    _save(run)
-                if step.stopping:
+                if due or stopping:
+                    with stop.save():  # a second signal waits for it
+                        _save(run)
+                if stopping:
                     run.info(f"stopped by signal at step {tot.step}; `train.resume: auto` continues from here")
                     break
             else:  # max_steps reached: the final evaluation and checkpoint, unless already there
                 if tot.last_saved != tot.step or not tot.val:
-                    _evaluate(run, final=True)
+                    _evaluate(run, stop, final=True)
                 if tot.last_saved != tot.step:
-                    _save(run)
+                    with stop.save():
+                        _save(run)
         finally:
             if run.display is not None:
                 run.display.stop()
@@ -283,7 +269,7 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     if recipe.budget.kind != "steps":
         b = recipe.budget
         info(f"budget: train.{b.key}={b.value:g} = {recipe.train.max_steps:,} optimizer steps of {b.per_step:,} "
-             f"{'tokens' if b.kind == 'tokens' else 'training FLOPs'}")
+             f"{'tokens' if b.kind == 'tokens' else 'training FLOPs (' + FLOP_CONVENTION_SHORT + ')'}")
     hooks.prepare(model, train_ds=data.train_ds, loader=data.loader, info=info)
     packing = StepPacking.for_model(model, FLAGS, reserved=RECORD_FIELDS)
     n_params = sum(p.numel() for p in model.parameters())
@@ -305,11 +291,14 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: Any,
     that the checkpoint fits (before any heavy work) and positions the loader when resuming.
     Returns the checkpoint to resume from (or None) and its metadata."""
     t, cfg = recipe.train, recipe.model_config
+    # every rank, before rank 0 alone picks the checkpoint: a ``latest`` the run could not replace
+    # (a directory, a symbolic link) is one line on every rank, not an error on one and a hang on the others
+    check_latest(ckpt.checkpoints_dir(recipe.run_dir))
     resume_from: Path | None = None
     if t.resume == "auto":
         resume_from = _resume_checkpoint(recipe, d, warn)
         if resume_from is None and t.decay_from:  # a decay branch's start (its own checkpoints come first)
-            resume_from = ckpt.resolve(t.decay_from, "train.decay_from", pin_it=False)
+            resume_from = ckpt.resolve(recipe.decay_start["path"], "train.decay_from", pin_it=False)  # as resolved
     elif t.resume != "never":
         resume_from = ckpt.resolve(t.resume, "train.resume", pin_it=False)
     if resume_from is not None:
@@ -439,7 +428,7 @@ def _observe(run: _Run, out: Any) -> None:
         run.display = TrainDisplay(out.err, run.stage.name)
         run.info(f"data: {run.data.loader.num_windows:,} train windows of {T} tokens, global batch {G} "
                  f"({t.micro_batch_size} x {r.grad_accum_steps} accum x {d.world} ranks); "
-                 f"unigram entropy {run.entropy:.3f} nats")
+                 f"unigram entropy {run.entropy:.3f} nats; MFU of {FLOP_CONVENTION_SHORT}")
 
 
 def flops_per_step(recipe: Recipe, stage: Stage, model: torch.nn.Module, realised_ratio: float | None = None) -> int:
@@ -454,7 +443,7 @@ def flops_per_step(recipe: Recipe, stage: Stage, model: torch.nn.Module, realise
 # ----------------------------------------------------------------------------- one step
 
 
-def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
+def _optimizer_step(run: _Run, stop: Signals) -> _Step:
     """grad_accum micro-batches of (micro, T) on every rank (DeepSpeed updates at the boundary),
     then ONE all-reduce of the step vector: log keys, statistics, flags (``StepPacking``)."""
     r, d, engine, pk = run.recipe, run.d, run.engine, run.packing
@@ -547,22 +536,37 @@ def _log_step(run: _Run, step: _Step) -> None:
 # ----------------------------------------------------------------------------- evaluate, save, finish
 
 
-def _evaluate(run: _Run, final: bool = False) -> None:
+def _evaluate(run: _Run, stop: Signals, final: bool = False) -> bool:
     """Validation on train.eval_batches fixed batches (per data.mix component when the mixture's
-    components have validation splits; ``ncpctl.train.validate``), logged and shown."""
-    run.tot.val, run.tot.val_step = validate(run, final), run.tot.step
+    components have validation splits; ``ncpctl.train.validate``), logged and shown. Returns whether
+    a stop signal abandoned it (``stopping.abandon_on_stop``: nothing is recorded then)."""
+    try:
+        with abandon_on_stop(run.engine.module, stop, run.d):
+            val = validate(run, final)
+    except Abandoned:
+        run.engine.train()
+        run.info(f"validation at step {run.tot.step} abandoned: a stop signal came; saving now")
+        return True
+    run.tot.val, run.tot.val_step = val, run.tot.step
     if run.metrics is not None:
         run.metrics.write({"split": "val", "step": run.tot.step, **run.tot.val})
     if run.display is not None:
         run.display.validation(run.tot.step, run.tot.val)
+    return False
 
 
-def _downstream(run: _Run) -> None:
-    """train.eval_tasks on the live model, every rank (``ncpctl.train.downstream``); not step time."""
-    rec = run.tot.downstream = downstream.evaluate(run)
+def _downstream(run: _Run, stop: Signals) -> bool:
+    """train.eval_tasks on the live model, every rank; not step time. Returns whether a stop signal
+    abandoned it; a failure is recorded and training goes on (``stopping.downstream_or_failure``)."""
+    rec = downstream_or_failure(run, stop, lambda: _save(run))
+    if rec is None:
+        return True
+    if "error" not in rec:
+        run.tot.downstream = rec
+        run.info(downstream.line(rec))
     if run.metrics is not None:
         run.metrics.write(rec)
-    run.info(downstream.line(rec))
+    return False
 
 
 def _save(run: _Run) -> None:
@@ -576,9 +580,9 @@ def _save(run: _Run) -> None:
             "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
             "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
             "budget": r.budget.record(tot.step, tot.tokens, run.flops_per_step),
-            # a decay branch's start, so that its recipe still loads once the stable checkpoint is pruned
-            "decay_from": {"path": r.train.decay_from, "step": r.train.max_steps - r.decay_steps}
-            if r.train.decay_from else None,
+            # a decay branch's start (the concrete checkpoint, its step, the stable-phase losses): its resumes
+            # and `fit` read it, also once the stable checkpoint is pruned (ncpctl.recipe.length.decay_start)
+            "decay_from": r.decay_start,
             "train_loss_step": tot.train_loss_step, "val_step": tot.val_step,
             "init_from": str(stage.init_from) if stage.init_from else None}
     if r.train.lora is not None and stage.name == "midtrain":
