@@ -333,9 +333,9 @@ def _mem(env: Env, what: str) -> int | None:
 
 
 def train_section(sh: Shapes, env: Env) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Base, ConceptLM and PM at one shape, timed in alternating order. Returns (result, steps)
-    with the step functions kept for the profiler (section 2)."""
-    from ncpctl.model.accounting import exact_flops
+    """Base, ConceptLM, PM and the plain-PyTorch reference at one shape, timed in alternating order.
+    Returns (result, steps) with the step functions kept for the profiler (section 2)."""
+    from ncpctl.model.accounting import FLOP_CONVENTION, exact_flops
     from ncpctl.profile.step import engine_step
 
     T, B = sh.seq_len, sh.batch
@@ -368,7 +368,7 @@ def train_section(sh: Shapes, env: Env) -> tuple[dict[str, Any], dict[str, Any]]
             "optimizer": type(engine.optimizer).__name__ if engine else "torch AdamW (fused)",
             "median_s": med, "best_s": min(s), "seconds": s, "tokens_per_s": B * T / med,
             "training_flops_full": full, "training_flops_causal": causal,
-            # MFU counts attention in full (issue 40's convention, PaLM/Megatron's); the causal count apart
+            # MFU counts attention in full (FLOP_CONVENTION, the training loop's); the causal count apart
             "mfu": full / med / env.peak, "mfu_causal": causal / med / env.peak,
             "first_loss": first[name], "last_loss": losses[name][-1],
             "finite": all(math.isfinite(v) for v in [first[name], *losses[name]]),
@@ -376,7 +376,7 @@ def train_section(sh: Shapes, env: Env) -> tuple[dict[str, Any], dict[str, Any]]
     result = {"size": sh.train_size, "seq_len": T, "batch": B, "zero_stage": 1, "warmup": sh.warmup,
               "rounds": sh.rounds, "precision": "bf16 (DeepSpeed)" if env.bf16 else "fp32 (DeepSpeed)",
               "peak": env.peak, "peak_source": env.peak_source, "max_memory_allocated_bytes": _mem(env, "max_memory_allocated"),
-              "flops_convention": "full attention (mfu; issue 40), causal apart (mfu_causal)",
+              "flops_convention": FLOP_CONVENTION,
               "reference": {"what": "plain PyTorch: RefGPT (ncpctl/profile/reference.py) with the base model's weights, "
                                     f"{'autocast bf16' if env.bf16 else 'fp32'}, SDPA is_causal, blocks compiled "
                                     f"({sh.reference_compile}), fused AdamW, no DeepSpeed",
@@ -1683,18 +1683,10 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _version(package: str) -> str | None:
-    """An installed package's version without importing it (the decode process imports no DeepSpeed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
 def _env_info(env: Env) -> dict[str, Any]:
     import torch
+
+    from ncpctl.profile.timing import package_version as _version  # the decode process imports no DeepSpeed
 
     info: dict[str, Any] = {"device": str(env.device), "torch": torch.__version__, "cuda": torch.version.cuda,
                             "deepspeed": _version("deepspeed"), "liger_kernel": _version("liger-kernel"),
