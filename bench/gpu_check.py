@@ -64,7 +64,11 @@ How to read each section (JSON keys in brackets):
    ``optimizer`` is DeepSpeed's wrapper class. On one GPU ZeRO partitions over a world of one,
    so the two stages differ in their gradient buffers only, not by a factor.
    Both stages start from the same weights, so ``first_loss_diff`` must be within
-   ``first_loss_tol`` (1e-2 in bf16, 1e-4 in fp32); losses must be finite and fall.
+   ``first_loss_tol`` (1e-2 in bf16, 1e-4 in fp32); losses must be finite and fall. In bf16 ZeRO-1
+   runs DeepSpeed's ``BF16_Optimizer`` (``ncpctl.train.config.bf16_optimizer``), and
+   ``zero1_zero_optimizer`` is stage 1 on the ZeRO optimizer beside it (``deepspeed.extra``
+   ``data_types.grad_accum_dtype: bf16``): ``bf16_optimizer_over_zero_optimizer`` is their
+   step-time ratio (what skipping the per-tensor overflow pass gives).
 4. decode [decode]: run first, in a process of its own (this script with ``--only decode``;
    ``process``): the ConceptLM pythia-160m in bf16 weights, ``torch.no_grad()``, greedy,
    ``prefill`` of 128-token prompts then 256 steps, batch 1 and 8, each twice: the steps generation
@@ -519,19 +523,23 @@ def zero_section(sh: Shapes, env: Env) -> dict[str, Any]:
 
     T, B = sh.seq_len, sh.batch
     out: dict[str, Any] = {"size": sh.zero_size, "seq_len": T, "batch": B, "variant": "concept", "steps": sh.zero_steps}
-    for stage in (1, 2):
+    # zero1: bf16's BF16_Optimizer (ncpctl.train.config.bf16_optimizer); zero1_zero_optimizer: DeepSpeed's
+    # ZeRO optimizer at stage 1 (its per-tensor overflow pass), the wrapper bf16 ZeRO-1 ran before issue 45
+    runs_of = {"zero1": (1, ()), "zero1_zero_optimizer": (1, ("deepspeed.extra={data_types: {grad_accum_dtype: bf16}}",)),
+               "zero2": (2, ())} if env.bf16 else {"zero1": (1, ()), "zero2": (2, ())}
+    for key, (stage, extra) in runs_of.items():
         _free(env)
         if env.on_gpu:
             torch.cuda.reset_peak_memory_stats()
         before = _mem(env, "memory_allocated")
-        recipe = make_recipe(sh.zero_size, T, B, "concept", stage, env, sh.zero_steps)
+        recipe = make_recipe(sh.zero_size, T, B, "concept", stage, env, sh.zero_steps, extra)
         engine = build_engine(recipe, env)
         built = _mem(env, "memory_allocated")
         x, y = _batch(recipe.model_config, B, T, env)
         step = engine_step(engine, x, y)
         runs = [timed(step, env) for _ in range(sh.zero_steps)]
         losses = [loss for _, loss in runs]
-        out[f"zero{stage}"] = {
+        out[key] = {
             "optimizer": type(engine.optimizer).__name__, "stage": engine.zero_optimization_stage(),
             "losses": losses, "first_loss": losses[0],
             "median_s": statistics.median(dt for dt, _ in runs[1:]), "first_step_s": runs[0][0],
@@ -539,11 +547,13 @@ def zero_section(sh: Shapes, env: Env) -> dict[str, Any]:
             "allocated_before_bytes": before, "allocated_after_build_bytes": built,
             "peak_bytes": _mem(env, "max_memory_allocated"),
         }
-        q = out[f"zero{stage}"]
+        q = out[key]
         q["peak_above_before_bytes"] = None if before is None else q["peak_bytes"] - before
         release(engine)
         del engine, step, x, y
     z1, z2 = out["zero1"], out["zero2"]
+    if "zero1_zero_optimizer" in out:  # the step-time effect of the wrapper (the same first loss: one forward)
+        out["bf16_optimizer_over_zero_optimizer"] = z1["median_s"] / out["zero1_zero_optimizer"]["median_s"]
     out["first_loss_diff"] = abs(z1["first_loss"] - z2["first_loss"])
     out["first_loss_tol"] = 1e-2 if env.bf16 else 1e-4
     out["first_loss_match"] = out["first_loss_diff"] <= out["first_loss_tol"]
@@ -1542,10 +1552,14 @@ def summary(res: dict[str, Any]) -> str:
     if z:
         lines.append(f"[3] ZeRO {z['size']} ({z['variant']}) T={z['seq_len']} B={z['batch']}, {z['steps']} steps: "
                      f"first-loss diff {z['first_loss_diff']:.2e} (tol {z['first_loss_tol']:g}); ok {z['ok']}")
-        for st in ("zero1", "zero2"):
+        for st in ("zero1", "zero1_zero_optimizer", "zero2"):
+            if st not in z:
+                continue
             q = z[st]
-            lines.append(f"    {st}    {q['median_s'] * 1e3:9.2f} ms  peak {_gb(q['peak_bytes'])}  loss {q['losses'][0]:.4f} -> "
+            lines.append(f"    {st:20} {q['median_s'] * 1e3:9.2f} ms  peak {_gb(q['peak_bytes'])}  loss {q['losses'][0]:.4f} -> "
                          f"{q['losses'][-1]:.4f}  {q['optimizer']}")
+        if "bf16_optimizer_over_zero_optimizer" in z:
+            lines.append(f"    ZeRO-1 step, BF16_Optimizer / ZeRO optimizer: {z['bf16_optimizer_over_zero_optimizer']:.3f}")
     d = res.get("decode")
     if d:
         own = " (a process of its own)" if d.get("process", {}).get("own") else ""
