@@ -3,7 +3,8 @@
 Prompts are left-padded into one batch; the objective's ``Decoding`` gives each row's logits of
 its next token and is fed the picked tokens. Next-token prediction runs the prompts once through
 ``model.prefill`` and then one token per step through ``model.decode_step`` (KV caches, per-row
-concept-block phase), so a ConceptLM sees exactly the tokens a full forward would. Each row samples with its own
+concept-block phase), so a ConceptLM sees exactly the tokens a full forward would; on CUDA those
+steps replay one captured CUDA graph (cuda_graphs.py). Each row samples with its own
 ``torch.Generator`` seeded ``seed + row``: a prompt's output does not depend on which other
 prompts share its batch, and the same seed gives the same text.
 
@@ -21,6 +22,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
+
+from ncpctl.model.objective import CachedDecoding
+
+from . import cuda_graphs
 
 
 @dataclass
@@ -164,6 +169,8 @@ def generate(
                   interventions=interventions, logit_adjust=logit_adjust)
         return rows.finish()
     dec = model.objective.decoding(model, x, lengths, Tp + n_new, interventions)
+    if isinstance(dec, CachedDecoding) and cuda_graphs.wanted(x.device):  # one CUDA graph per decode step
+        dec = cuda_graphs.GraphedDecoding(dec)
     last = dec.logits  # (B, V): each row's next token
     for step in range(n_new):
         if vocab_size is not None:
