@@ -217,7 +217,8 @@ class FixedBlocks(Segmenter):
         B, T, d = h.shape
         k, M = self.k, T // self.k
         c = h[:, : M * k].reshape(B, M, k, d).mean(dim=2)  # (B, M, d)
-        return Segments(c, self.positions(torch.arange(M, device=h.device))[None])
+        step = k if self.scale_positions else 1  # self.positions(arange(M)) in one kernel
+        return Segments(c, torch.arange(0, M * step, step, device=h.device)[None])
 
     def _documents(self, h: torch.Tensor, doc: torch.Tensor) -> Segments:
         """Packed documents ``doc`` (B, T): blocks of k tokens counted from each document's start. A
