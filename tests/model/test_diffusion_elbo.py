@@ -117,15 +117,15 @@ def test_eval_samples_is_checked_by_key_and_zero_turns_validation_off(model, bad
     assert [k for k, _ in e.value.problems] == ["diffusion.eval_samples"]
     w = torch.randint(2, V, (2, L + 1), generator=torch.Generator().manual_seed(6))
     ob = model.objective
-    sums = ob.validation(model, w, torch.tensor([4, 9]))  # eval_samples: 2 (the default)
-    assert sums["diffusion_elbo"].shape == (3,) and sums["diffusion_elbo"][-1] == 2 * L
+    sums = ob.validation(model, w, torch.tensor([4, 9]))  # eval_samples: 4 (the default)
+    assert sums["diffusion_elbo"].shape == (5,) and sums["diffusion_elbo"][-1] == 2 * L
     rec = ob.validation_record(sums)
     assert set(rec) == {"diffusion_elbo", "diffusion_elbo_stderr"} and rec["diffusion_elbo"] > 0
     ob.d.eval_samples = 0
     try:
         assert ob.validation(model, w, torch.tensor([4, 9])) == {} and ob.validation_record({}) == {}
     finally:
-        ob.d.eval_samples = 2
+        ob.d.eval_samples = 4
 
 
 @torch.no_grad()

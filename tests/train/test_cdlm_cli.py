@@ -69,7 +69,7 @@ def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path, cd
             for mb, mb_ids in zip(windows.split(4), ids.split(4)):
                 keyed.append(model(*model.objective.keyed_batch(mb, mb_ids)).loss.item())
                 by_row.append(model(*model.objective.batch(mb)).loss.item())
-            elbo.append(estimates(model, windows[:, :-1], samples=2, keys=ids))  # diffusion.eval_samples: 2
+            elbo.append(estimates(model, windows[:, :-1], samples=4, keys=ids))  # diffusion.eval_samples: 4
     assert abs(sum(keyed) / len(keyed) - logged) < 1e-5
     assert abs(sum(by_row) / len(by_row) - logged) > 1e-4  # the row index is not the key
     # the held-out ELBO (issue 23 item 4), beside the masked training loss, with its Monte Carlo error
@@ -110,7 +110,7 @@ def test_two_ranks_draw_the_masks_of_one_process(cdlm_data: Path, tmp_path: Path
     rank and micro-batch it lands in (rows keyed by their place in the micro-batch would differ).
     The elbo weighting averages over every token, so the loss does not depend on the micro-batch."""
     data = cdlm_data / "run" / "data"
-    sets = ["train.max_steps=3", "train.eval_every=0", "train.save_every=0", "model.diffusion.weighting=elbo",
+    sets = ["train.max_steps=3", "train.eval_every=0", "train.save_every=0", "model.diffusion.weighting=inverse_t",
             f"data.train_prefix={data / 'train'}", f"data.val_prefix={data / 'val'}"]
     runs = {}
     for ranks, micro in ((0, 4), (2, 2)):
