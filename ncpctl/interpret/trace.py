@@ -9,7 +9,8 @@ committed first, each from a forward in which some of its block is still [MASK].
 therefore explained in THAT state, not in the finished text nor at the block's first step:
 
 * ``record``: one prompt sampled block by block (cached), every commit group kept through the
-  sampler's ``on_commit`` hook (its positions, tokens, the model's logits of them, the tokens the row
+  sampler's ``on_commit`` hook (those past the tokens returned too: the sampler completes the last
+  block, and they are part of the other tokens' states; only the returned tokens are explained) (its positions, tokens, the model's logits of them, the tokens the row
   had committed before: what the steering schedule reads);
 * ``Trace.snapshot(g)``: the input the model saw when it committed group g: the prompt, the tokens
   of the earlier groups, [MASK] at every other generated position, up to the end of g's block (later
@@ -55,17 +56,25 @@ class Group:
 
 @dataclass
 class Trace:
+    """``groups``: every commit of the generation, in order, those past the ``n_new`` tokens returned
+    included (the sampler finishes the last block: they are part of the states of the others)."""
+
     prompt: list[int]
     block: int
     mask_id: int
+    n_new: int
     groups: list[Group] = field(default_factory=list)
     steer: Sequence[Any] = ()  # the row's resolved steering specs (ncpctl.interpret.steer.Resolved)
 
     @property
     def generated(self) -> list[int]:
-        """The committed tokens in position order."""
+        """The ``n_new`` generated tokens in position order."""
         at = {p: t for g in self.groups for p, t in zip(g.positions, g.tokens)}
-        return [at[p] for p in sorted(at)]
+        return [at[p] for p in sorted(at)][: self.n_new]
+
+    def returned(self, position: int) -> bool:
+        """Whether ``position`` holds one of the ``n_new`` tokens generation returns."""
+        return position < len(self.prompt) + self.n_new
 
     def snapshot(self, g: int) -> list[int]:
         """The input (ids) the model saw when it committed group ``g``."""
@@ -95,7 +104,7 @@ def record(model, prompt: Sequence[int], params: Any, steer: Sequence[Any] = ())
     from .steer import block_steering
 
     ob = model.objective
-    trace = Trace(list(prompt), ob.block, ob.mask_id, steer=list(steer))
+    trace = Trace(list(prompt), ob.block, ob.mask_id, params.max_new_tokens, steer=list(steer))
 
     def keep(c) -> None:
         trace.groups.append(Group(len(trace.groups), c.positions, c.tokens, c.logits, c.committed, c.step))
@@ -144,6 +153,8 @@ def concept_attribution(model, trace: Trace, names: Sequence[str] | None = None,
             parts = _at(fwd.bottleneck, pos)
             att = bn.attribute(parts, model.logit_weight, y[None])
         for i, p in enumerate(grp.positions):
+            if not trace.returned(p):
+                continue
             rec: dict[str, Any] = {"position": p, "token": grp.tokens[i], "commit_order": grp.order,
                                    "step": grp.step, "committed_before": grp.committed, "logit": float(logit[i]),
                                    "sampled_logit": grp.logits[i]}
@@ -210,7 +221,8 @@ def chunk_attribution(records: list[dict], chunk: int, start: int, names: Sequen
 
 def input_attribution(model, trace: Trace, steps: int = 16, top: int = 5) -> dict[int, dict]:
     """Per committed position: integrated gradients of its logit over its snapshot's inputs (from the
-    [MASK] embedding), the ``top`` inputs by |IG|, their sum and the completeness error."""
+    [MASK] embedding), the ``top`` inputs by |IG|, their sum, the completeness error, and the logit
+    at the input and with every input [MASK] (``value``, ``baseline_value``)."""
     from .inputs import Output, integrated_gradients
 
     out = {}
@@ -218,11 +230,14 @@ def input_attribution(model, trace: Trace, steps: int = 16, top: int = 5) -> dic
         ids = torch.tensor([trace.snapshot(g)], device=model.embed.weight.device)
         steer = (lambda rows, c=grp.committed, ids=ids: trace.steering(rows, c, ids)) if trace.steer else None
         for p, tok in zip(grp.positions, grp.tokens):
+            if not trace.returned(p):
+                continue
             ig = integrated_gradients(model, ids, Output("logit", (p,), token=tok, steer=steer), range(ids.shape[1]),
                                       trace.mask_id, steps=steps)
             vals = torch.tensor(ig.per_position)
             order = [int(i) for i in vals.abs().argsort(descending=True)[:top] if float(vals[i]) != 0.0]
             out[p] = {"commit_order": grp.order, "sum": float(vals.sum()), "completeness_error": ig.completeness_error,
+                      "value": ig.value, "baseline_value": ig.baseline_value,
                       "per_position": ig.per_position,
                       "top": [{"position": i, "token": int(ids[0, i]), "ig": float(vals[i])} for i in order]}
     return out
