@@ -57,6 +57,10 @@ def main(
     diffusion_samples: Annotated[Optional[int], typer.Option(
         "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
         "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)] = None,
+    noised_context: Annotated[bool, typer.Option(
+        "--noised-context", help="A Causal Diffusion LM: also report, per perplexity set, its loss with every block "
+        "noised, the conditions training reads (the bound conditions each block on clean earlier blocks, as the "
+        "sampler does; this is no bound).")] = False,
     window: Annotated[int, typer.Option("--window", min=1, help="--compare: train loss mean over the last N steps.")] = 200,
     level: LevelOpt = 0.95,
     resamples: ResamplesOpt = 2000,
@@ -141,7 +145,7 @@ def main(
 
     t = resolve_target(targets[0], set_ or [], names, batch_size, limit, num_fewshot, out, heldout=heldout,
                        diffusion_samples=diffusion_samples)
-    t.allow_code = allow_code_execution
+    t.allow_code, t.noised_context = allow_code_execution, noised_context
     summary = evaluate(t, log=log)
     out_.result({"command": "eval", **summary}, lambda con: (
         print_wide(con, rich_table(summary)),

@@ -60,14 +60,16 @@ class NCPLM(TemplateLM):
     ``max_length`` (default the model's ``max_seq_len``), ``dtype`` (float32|bfloat16),
     ``device`` (cpu|cuda...), ``data=DIR`` (offline tasks' data, else found from the checkpoint),
     ``diffusion_samples`` / ``diffusion_seed``: the Monte Carlo samples and key of a bound's estimates
-    (an objective whose log-likelihoods are bounds: the CDLM's ELBO). In-process: ``loaded`` (a
+    (an objective whose log-likelihoods are bounds: the CDLM's ELBO); ``noised_context``: also the
+    CDLM's noised-context estimate of each request (training's conditions: every block noised),
+    summed per task in ``token_stats`` (``nll_noised``, ``mc_var_noised``). In-process: ``loaded`` (a
     ``LoadedModel``) instead of a checkpoint; ``live=True``: its model is a training run's module, used
     on its device and in its dtype as it is (``ncpctl.train.downstream``)."""
 
     def __init__(self, checkpoint: str | None = None, *, loaded=None, batch_size: int | str = 8,
                  max_length: int | None = None, dtype: str = "float32", device: str | None = None,
                  max_gen_toks: int = 256, diffusion_samples: int | str = DIFFUSION_SAMPLES,
-                 diffusion_seed: int | str = 0, live: bool = False, **_: Any):
+                 diffusion_seed: int | str = 0, live: bool = False, noised_context: bool | str = False, **_: Any):
         super().__init__()
         if not str(diffusion_samples).isdigit() or int(diffusion_samples) < 1:
             raise UserError(f"diffusion_samples={diffusion_samples!r}: expected a positive integer")
@@ -84,6 +86,10 @@ class NCPLM(TemplateLM):
         why = loaded.model.objective.refusal("eval")
         if why:
             raise UserError(f"{loaded.path}: {why}")
+        self.noised_context = str(noised_context).lower() in ("1", "true", "yes")
+        if self.noised_context and not hasattr(loaded.model.objective, "noised_estimates"):
+            raise UserError(f"{loaded.path}: --noised-context applies to a Causal Diffusion LM (objective: "
+                            f"{loaded.config.objective} has no noised context)")
         if loaded.tokenizer is None:
             raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint (needed for evaluation)")
         dev = torch.device(device or "cpu")
@@ -104,6 +110,7 @@ class NCPLM(TemplateLM):
         self._eot = eot if eot is not None else 0
         self.token_stats: dict[str, dict[str, float]] = {}
         self._mc_var: list[float] = []  # the Monte Carlo variance of each result of the last scoring call
+        self._noised: list[tuple[float, float]] = []  # (noised-context NLL, its variance) of each result, likewise
 
     @property
     def likelihood(self) -> dict[str, Any]:
@@ -111,7 +118,9 @@ class NCPLM(TemplateLM):
         if not self.model.objective.bound:
             return {"kind": "exact"}
         return {"kind": "bound", "estimator": "ELBO (an upper bound on the NLL; Monte Carlo over the masks)",
-                "samples": self.diffusion_samples, "seed": self.diffusion_seed}
+                "samples": self.diffusion_samples, "seed": self.diffusion_seed,
+                **({"noised_context": "every block noised (training's conditions): not a bound on the model as "
+                                      "sampled"} if self.noised_context else {})}
 
     # ---- what lm-eval asks of a model ----
 
@@ -173,18 +182,23 @@ class NCPLM(TemplateLM):
             new.append((req.args, ctx_enc, cont_enc))
         out = self._loglikelihood_tokens(new, disable_tqdm=disable_tqdm)
         var = self._mc_var or [0.0] * len(out)
-        for req, (ll, _), (_, _, cont), v in zip(requests, out, new, var):
-            self._account(req, ll, len(cont), v)
+        noised = self._noised or [None] * len(out)
+        for req, (ll, _), (_, _, cont), v, nz in zip(requests, out, new, var, noised):
+            self._account(req, ll, len(cont), v, nz)
         return out
 
-    def _account(self, req, ll: float, n_tokens: int, mc_var: float = 0.0) -> None:
+    def _account(self, req, ll: float, n_tokens: int, mc_var: float = 0.0,
+                 noised: tuple[float, float] | None = None) -> None:
         """Per-task NLL and token counts (for token-weighted perplexities across sets); a bound's
-        estimates also their Monte Carlo variance."""
+        estimates also their Monte Carlo variance (and the noised-context NLL with its variance)."""
         st = self.token_stats.setdefault(getattr(req, "task_name", None) or "?", {"nll": 0.0, "tokens": 0})
         st["nll"] -= ll
         st["tokens"] += n_tokens
         if self.model.objective.bound:
             st["mc_var"] = st.get("mc_var", 0.0) + mc_var
+        if noised is not None:
+            st["nll_noised"] = st.get("nll_noised", 0.0) + noised[0]
+            st["mc_var_noised"] = st.get("mc_var_noised", 0.0) + noised[1]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from lm_eval import utils
@@ -199,15 +213,19 @@ class NCPLM(TemplateLM):
                 owner.append(r)
         scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm, greedy=False)
         var = self._mc_var or [0.0] * len(scores)
+        noised = self._noised or [None] * len(scores)
         totals = [0.0] * len(requests)
         counts = [0] * len(requests)
         variances = [0.0] * len(requests)
-        for r, (ll, _), (_, _, cont), v in zip(owner, scores, windows, var):
+        nz: list[list[float] | None] = [[0.0, 0.0] if self._noised else None for _ in requests]
+        for r, (ll, _), (_, _, cont), v, z in zip(owner, scores, windows, var, noised):
             totals[r] += ll
             counts[r] += len(cont)
             variances[r] += v
-        for req, ll, n, v in zip(requests, totals, counts, variances):
-            self._account(req, ll, n, v)
+            if z is not None:
+                nz[r] = [nz[r][0] + z[0], nz[r][1] + z[1]]
+        for req, ll, n, v, z in zip(requests, totals, counts, variances, nz):
+            self._account(req, ll, n, v, None if z is None else (z[0], z[1]))
         return totals
 
     @torch.no_grad()
@@ -216,8 +234,8 @@ class NCPLM(TemplateLM):
         one request at a time (its Monte Carlo samples are the rows of the estimator's forwards);
         identical requests are scored once. Sets ``_mc_var``: each result's Monte Carlo variance."""
         L, dev = self.max_length, self._device
-        done: dict[tuple[tuple[int, ...], int], tuple[float, bool, float]] = {}
-        out, self._mc_var = [], []
+        done: dict[tuple[tuple[int, ...], int], tuple[float, bool, float, tuple | None]] = {}
+        out, self._mc_var, self._noised = [], [], []
         for _, ctx, cont in requests:
             inp = tuple((list(ctx) + list(cont))[-L:])  # a continuation longer than the window: its last tokens
             n = min(len(cont), len(inp))
@@ -229,10 +247,16 @@ class NCPLM(TemplateLM):
                     self.model, x, scored, samples=self.diffusion_samples, seed=self.diffusion_seed, greedy=greedy)
                 S = est.shape[1]
                 var = float(est[0].var()) / S if S > 1 else float("nan")
-                done[(inp, n)] = (-float(est[0].mean()), bool(hit[0]) if hit is not None else False, var)
-            ll, g, var = done[(inp, n)]
+                nz = None
+                if self.noised_context:
+                    e = self.model.objective.noised_estimates(self.model, x, scored, samples=S, seed=self.diffusion_seed)
+                    nz = (float(e[0].mean()), float(e[0].var()) / S if S > 1 else float("nan"))
+                done[(inp, n)] = (-float(est[0].mean()), bool(hit[0]) if hit is not None else False, var, nz)
+            ll, g, var, nz = done[(inp, n)]
             out.append((ll, g))
             self._mc_var.append(var)
+            if nz is not None:
+                self._noised.append(nz)
         return out
 
     @torch.no_grad()

@@ -74,6 +74,7 @@ class EvalTarget:
     num_fewshot: int | None
     heldout: list[Any] = field(default_factory=list)  # [HeldoutSource], scored as tasks named by their labels
     diffusion_samples: int | None = None  # Monte Carlo samples of a bound's estimates (None: NCPLM's default)
+    noised_context: bool = False  # a CDLM: its noised-context estimate beside the bound (--noised-context)
     allow_code: bool = False  # run code tasks: execute sampled programs (sandboxed; --allow-code-execution)
 
 
@@ -327,7 +328,7 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     quiet_lm_eval()
     t0 = time.time()
     if lm is None:
-        lm = NCPLM(str(t.checkpoint), batch_size=t.batch_size,
+        lm = NCPLM(str(t.checkpoint), batch_size=t.batch_size, noised_context=t.noised_context,
                    **({"diffusion_samples": t.diffusion_samples} if t.diffusion_samples else {}))
     # a data.mix checkpoint: conceptlm_val_ppl per component (conceptlm_val_ppl_NAME), as training validates
     names, per_component = offline.mixture_tasks(t.tasks, t.checkpoint)
@@ -440,6 +441,9 @@ def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict
         if "mc_var" in st:  # a bound's Monte Carlo estimates (NCPLM: the CDLM's ELBO)
             sets[task].update(bound=True, nll_per_token=st["nll"] / st["tokens"],
                               nll_stderr=math.sqrt(st["mc_var"]) / st["tokens"])
+        if "nll_noised" in st:  # and the CDLM's noised-context estimate (training's conditions; no bound)
+            sets[task].update(noised_nll_per_token=st["nll_noised"] / st["tokens"],
+                              noised_nll_stderr=math.sqrt(st["mc_var_noised"]) / st["tokens"])
     if not sets:
         return {}
     avg = {k: s for k, s in sets.items() if s["averaged"]}
@@ -509,6 +513,9 @@ def rich_table(summary: dict[str, Any]):
             if v.get("bound"):  # the bound itself, nats per token, with its Monte Carlo error
                 table.add_row(task, "NLL bound per token (ELBO, nats)", f"{v['nll_per_token']:.4f}",
                               f"{v['nll_stderr']:.4f}")
+            if "noised_nll_per_token" in v:
+                table.add_row(task, "noised-context loss per token (training's conditions; no bound)",
+                              f"{v['noised_nll_per_token']:.4f}", f"{v['noised_nll_stderr']:.4f}")
         table.add_row("perplexity sets", "mean of per-set ppl (paper's average)", _num(ppl["mean_of_sets"]), "")
         table.add_row("perplexity sets", "token-weighted ppl (tokens pooled)", _num(ppl["token_weighted"]), "")
         table.caption, table.caption_justify = Text(ppl["rule"]), "left"  # Text: its [unit]s are not markup

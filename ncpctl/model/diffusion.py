@@ -165,6 +165,13 @@ class CausalDiffusion(Objective):
         est = estimates(model, tokens, scored, samples=samples, seed=seed)
         return est, (one_shot_greedy(model, tokens, scored) if greedy else None)
 
+    def noised_estimates(self, model, tokens, scored, *, samples, seed):
+        """The noised-context estimates (B, samples) beside the bound (``ncpctl eval --noised-context``):
+        every block noised, as training conditions each block (diffusion_elbo.noised_estimates)."""
+        from .diffusion_elbo import noised_estimates
+
+        return noised_estimates(model, tokens, scored, samples=samples, seed=seed)
+
     # ---- the concept bottleneck on a CDLM (bottleneck.py's docstring) ----
 
     def concept_positions(self, idx, targets):

@@ -202,6 +202,39 @@ def _masked_nll(model, prefix: torch.Tensor, masked: torch.Tensor, lo: int, max_
     return out.view(B, S)
 
 
+@torch.no_grad()
+def noised_estimates(model, tokens: torch.Tensor, scored: torch.Tensor | None = None, *, samples: int,
+                     seed: int = 0, keys: torch.Tensor | None = None, max_rows: int = 64) -> torch.Tensor:
+    """The noised-context estimate (B, samples) float64: the conditions training reads (one noisy
+    copy, diffusion.py). Every block of a row is noised at once, each as ``estimates`` noises a
+    scored block (k uniform in 1..n of its n positions masked: Bernoulli(t) masks with t ~ U(0, 1)
+    integrated out, the empty mask left out), in ONE forward per sample, and the masked scored
+    tokens' -log p are weighted n/k. A block is conditioned on NOISED earlier blocks, so this is not a
+    bound on the model as sampled (``estimates`` is: clean earlier blocks); it is what the model is
+    trained on. The masks are ``estimates``'s own (the same keys and seed) wherever every position is
+    scored, so the two differ only in the earlier blocks' noise: a paired comparison (validation's
+    windows, perplexity sets). On the first block the two are equal."""
+    ob, V = model.objective, model.cfg.vocab_size
+    B, L = tokens.shape
+    scored = torch.ones_like(tokens, dtype=torch.bool) if scored is None else scored.to(tokens.device, torch.bool)
+    keys = (torch.arange(B) if keys is None else keys).to(tokens.device, torch.int64)
+    masked, weight, _ = draw_masks(ob.block, torch.ones_like(scored), samples, seed, keys)  # (B, S, L) each
+    x = tokens[:, None].expand(B, samples, L).masked_fill(masked, ob.mask_id).reshape(B * samples, L)
+    m = (masked & scored[:, None]).reshape(B * samples, L)
+    w = weight.reshape(B * samples, L)
+    target = tokens[:, None].expand(B, samples, L).reshape(B * samples, L)
+    out = torch.zeros(B * samples, dtype=torch.float64, device=tokens.device)
+    for s in range(0, B * samples, max_rows):
+        rows = slice(s, s + max_rows)
+        h = model(x[rows], return_hidden=True, compute_logits=False).hidden  # (R, L, d)
+        sel = m[rows]
+        logp = model.head(h[sel])[:, :V].float().log_softmax(-1)  # (N, V): the masked scored positions
+        nll = -logp.gather(1, target[rows][sel][:, None])[:, 0].double() * w[rows][sel]
+        out[rows] = torch.zeros(sel.shape[0], dtype=torch.float64, device=out.device).index_add_(
+            0, sel.nonzero()[:, 0], nll)
+    return out.view(B, samples)
+
+
 def summarise(est: torch.Tensor, tokens: int) -> Bound:
     """A ``Bound`` from per-row, per-sample estimates (B, S) of ``tokens`` scored tokens."""
     per = est.sum(0).double().cpu() / max(tokens, 1)  # (S,) the bound per token of each sample

@@ -191,3 +191,21 @@ def test_the_bound_bench_runs_at_its_smallest_size(capsys):
     assert bench.main(["--seq-len", "32", "--samples", "2", "--repeats", "1", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["rows"]
     assert row["seq_len"] == 32 and row["max_abs_diff_per_token"] < 1e-5 and row["per_block_s"] > 0
+
+
+@torch.no_grad()
+def test_the_noised_context_estimate_conditions_later_blocks_on_noised_ones(model):
+    """Issue 43 item 8: every block noised at once with the bound's own keyed masks (training's
+    conditions). On the first block (no earlier block) it IS the bound, sample by sample; on later
+    blocks it conditions on noised earlier blocks, so it differs from the clean-context bound (here
+    by more than 3 standard errors of the paired difference)."""
+    from ncpctl.model.diffusion_elbo import noised_estimates
+
+    x = torch.randint(2, V, (2, L), generator=torch.Generator().manual_seed(9))
+    first = torch.zeros_like(x, dtype=torch.bool)
+    first[:, :BLOCK] = True
+    a, b = noised_estimates(model, x, first, samples=6, seed=1), estimates(model, x, first, samples=6, seed=1)
+    assert (a - b).abs().max() < 1e-9
+    a, b = noised_estimates(model, x, samples=200, seed=1), estimates(model, x, samples=200, seed=1)
+    gap = (a - b).sum(0)  # (S,) the paired difference of each sample
+    assert abs(float(gap.mean())) > 3 * float(gap.std()) / math.sqrt(200)
