@@ -23,6 +23,10 @@ NewTokensOpt = Annotated[int, typer.Option("--new-tokens", min=1, help="With --s
 
 LevelOpt = Annotated[float, typer.Option("--level", min=0.5, max=0.999, help="--compare with seed arms: the level "
                                          "of the paired bootstrap's interval.")]
+NoisedOpt = Annotated[bool, typer.Option(
+    "--noised-context", help="A Causal Diffusion LM: also report, per perplexity set, its loss with every block "
+    "noised, the conditions training reads (the bound conditions each block on clean earlier blocks, as the "
+    "sampler does; this is no bound).")]
 ResamplesOpt = Annotated[int, typer.Option("--resamples", min=100, help="--compare with seed arms: bootstrap "
                                            "resamples of the examples (fixed seed 0).")]
 
@@ -57,10 +61,7 @@ def main(
     diffusion_samples: Annotated[Optional[int], typer.Option(
         "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
         "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)] = None,
-    noised_context: Annotated[bool, typer.Option(
-        "--noised-context", help="A Causal Diffusion LM: also report, per perplexity set, its loss with every block "
-        "noised, the conditions training reads (the bound conditions each block on clean earlier blocks, as the "
-        "sampler does; this is no bound).")] = False,
+    noised_context: NoisedOpt = False,
     window: Annotated[int, typer.Option("--window", min=1, help="--compare: train loss mean over the last N steps.")] = 200,
     level: LevelOpt = 0.95,
     resamples: ResamplesOpt = 2000,

@@ -9,6 +9,13 @@ import typer
 
 from ncpctl.cli._common import ConceptTableOpt, DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command
 
+SteerOpt = Annotated[Optional[list[str]], typer.Option(
+    "--steer", help="Steer every prompt (repeatable): inline key=value,... (code=S/N, mix=S:N=W+... or "
+    "concept=NAME|#N|A+B, strength=6logit | 2norm, at=decoder_input | readout | decoder.L | decoder.L+ | encoder.L, "
+    "start, length, penalty) or a spec file (.json/.yaml). A --prompts-file JSON line may carry its own \"steer\". "
+    "A Causal Diffusion LM: added at the [MASK] positions while start <= committed tokens < start + length.",
+    show_default=False)]
+
 
 @command
 def main(
@@ -36,14 +43,7 @@ def main(
                                                            "block's [MASK]s spread evenly over its steps).",
                                                            show_default=False)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompts decoded together.")] = 8,
-    steer: Annotated[Optional[list[str]], typer.Option("--steer", help="Steer every prompt (repeatable): inline "
-                                                       "key=value,... (code=S/N, mix=S:N=W+... or concept=NAME|#N|A+B, "
-                                                       "strength=6logit | 2norm, at=decoder_input | readout | decoder.L | "
-                                                       "decoder.L+ | encoder.L, start, length, penalty) or a spec file "
-                                                       "(.json/.yaml). A --prompts-file JSON line may carry its own "
-                                                       "\"steer\". A Causal Diffusion LM: added at the [MASK] positions "
-                                                       "while start <= committed tokens < start + length.",
-                                                       show_default=False)] = None,
+    steer: SteerOpt = None,
     save_steer: Annotated[Optional[str], typer.Option("--save-steer", help="Write the (one) --steer spec to this "
                                                       "file, units and schedule explicit.", show_default=False)] = None,
     draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: a drafter checkpoint with the "

@@ -107,12 +107,20 @@ def main(
     if attribute_inputs or any(v is not None for v in attr.values()):
         return _attribute_inputs(o, checkpoint, prompts, target, corpus, top, plot, attribute_inputs, concept_table,
                                  **attr)
-    top = 3 if top is None else top
+    _read_concepts(o, checkpoint, prompts, target, 3 if top is None else top, ablate_codes, corpus, windows, seq_len,
+                   lift_windows, plot, concept_table)
 
+
+def _read_concepts(o: Output, checkpoint: str, prompts: list[str], target: str | None, top: int, ablate_codes: int,
+                   corpus: list[str] | None, windows: int, seq_len: int | None, lift_windows: int, plot: str | None,
+                   concept_table: str | None) -> None:
+    """The decomposition, ablations and code dictionaries of the prompts (and corpus): ``main`` without
+    --attribute-inputs, --generate or --find-concept."""
     import torch
 
     from ncpctl.checkpoint import load_model
     from ncpctl.interpret import concepts as C, plots
+    from ncpctl.errors import UserError
     from ncpctl.interpret.concept_table import names_for
 
     loaded = load_model(checkpoint)

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ncpctl.cli._common import Output, print_wide
+from ncpctl.cli._common import Output
 
 GenerateOpt = Annotated[Optional[int], typer.Option(
     "--generate", min=1, help="A Causal Diffusion LM: generate N tokens from each prompt (block by block) and explain "
@@ -96,16 +96,19 @@ def _human(con, report: dict[str, Any]) -> None:
         con.print(g["text"], markup=False, highlight=False)
         t = Table(title=f"each token in the state it was committed in (replay error {s['replay_error']:.1e})",
                   title_justify="left")
-        for col in ("pos", "token", "order", "logit", "known", "unknown", "residual", "top concepts (term)", "inputs"):
+        for col in ("pos", "token", "order", "logit", "known / unknown / residual", "top concepts (term)", "inputs (IG)"):
             t.add_column(col)
         for r in g["tokens"]:
-            has = "known" in r
+            sh = r.get("shares")
             t.add_row(str(r["position"]), repr(r["text"]), str(r["commit_order"]), f"{r['logit']:.2f}",
-                      f"{r['shares']['known']:.0%}" if has else "", f"{r['shares']['unknown']:.0%}" if has else "",
-                      f"{r['shares']['residual']:.0%}" if has else "",
-                      ", ".join(f"{c['name']} ({c['term']:+.2f})" for c in r.get("concepts", [])[:3]),
-                      ", ".join(f"{x['text']!r} {x['ig']:+.2f}" for x in r.get("inputs", {}).get("top", [])[:3]))
-        print_wide(con, t)
+                      f"{sh['known']:.0%} / {sh['unknown']:.0%} / {sh['residual']:.0%}" if sh else "",
+                      ", ".join(f"{c['name'][:16]} {c['term']:+.2f}" for c in r.get("concepts", [])[:2]),
+                      ", ".join(f"{x['text']!r} {x['ig']:+.2f}" for x in r.get("inputs", {}).get("top", [])[:2]))
+        width = con.width
+        if not con.is_terminal:  # piped: the whole table, not squeezed to 80 columns (print's width= cannot widen)
+            con.width = max(width, 150)
+        con.print(t)
+        con.width = width
         if "mean_shares" in s:
             m = s["mean_shares"]
             con.print(f"mean share of |logit|: known {m['known']:.1%}, unknown {m['unknown']:.1%}, "
