@@ -200,7 +200,7 @@ def direction_vector(model, spec: SteerSpec, names: Sequence[str] | None = None)
         if getattr(model, "bottleneck", None) is None:
             raise UserError(f"steer: direction {spec.direction!r}: this checkpoint has no concept bottleneck "
                             f"(model.bottleneck), so no labelled concepts to steer with")
-        idx = [_concept_index(spec.direction, name.strip(), names, model.bottleneck.n) for name in group.split("+")]
+        idx = [_concept_index(spec.direction, name.strip(), names, model.bottleneck) for name in group.split("+")]
         if len(idx) == 1:
             return model.bottleneck.concept_direction(idx[0]).detach().float()
         return model.bottleneck.K.detach()[idx].float().sum(0)  # Steerling's group: the summed embeddings
@@ -222,11 +222,12 @@ def direction_vector(model, spec: SteerSpec, names: Sequence[str] | None = None)
     return e
 
 
-def _concept_index(direction: str, name: str, names: Sequence[str] | None, n: int) -> int:
-    """Known concept ``name`` (or ``#N``) of a model with ``n`` known concepts named ``names``."""
+def _concept_index(direction: str, name: str, names: Sequence[str] | None, bottleneck) -> int:
+    """Known concept ``name`` (or ``#N``) of ``bottleneck`` whose known concepts are named ``names``."""
     if re.fullmatch(r"#\d+", name):
-        if int(name[1:]) >= n:
-            raise UserError(f"steer: direction {direction!r}: {name} is not a known concept (the model has {n})")
+        if int(name[1:]) >= bottleneck.n:
+            raise UserError(f"steer: direction {direction!r}: {name} is not a known concept (the model has "
+                            f"{bottleneck.n})")
         return int(name[1:])
     if not names:
         raise UserError(f"steer: direction {direction!r}: the checkpoint records no concept names (train it on a "
@@ -235,7 +236,7 @@ def _concept_index(direction: str, name: str, names: Sequence[str] | None, n: in
         import difflib
 
         near = difflib.get_close_matches(name, list(names), n=1)
-        listed = ", ".join(list(names)[:20]) + (" ..." if len(names) > 20 else "")
+        listed = ", ".join(names) if len(names) <= 64 else "search them with inspect --find-concept"
         raise UserError(f"steer: direction {direction!r}: unknown concept {name!r}"
                         + (f" (did you mean {near[0]!r}?)" if near else "") + f"; the {len(names)} known: {listed}")
     return list(names).index(name)

@@ -147,8 +147,9 @@ def test_cli_generate_samples_a_cdlm_checkpoint(tmp_path):
     out = json.loads(r.stdout)
     assert [c["tokens"] for c in out["completions"]] == [9, 9]
     assert out["sampling"]["steps_per_block"] == 2 and out["sampling"]["commit_per_step"] == 3
+    # steering a CDLM is built (issue 43 item 4: tests/inference/test_cdlm_steer.py); a code direction needs a codebook
     steer = run_cli("generate", ck, "-p", "x", "--steer", "code=0/0,strength=6logit")
-    assert steer.returncode == 2 and "steering is not implemented yet" in steer.stderr
+    assert steer.returncode == 2 and "no concept path, so no codebook to steer with" in steer.stderr
     assert len(steer.stderr.strip().splitlines()) == 1, steer.stderr
 
 
