@@ -219,9 +219,13 @@ def resolve(path: str | os.PathLike[str], *, warn: Any = _warn, pin_it: bool = T
     """A checkpoint directory from a checkpoint dir, a ``checkpoints/`` dir or a run dir (then the
     one ``latest`` names, or the newest good one: ``find_in``). The checkpoint is verified against
     its manifest (unless ``--no-verify``) and pinned against pruning for the rest of the process."""
+    from ncpctl.interop.authors import steerling
+
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p}: no such checkpoint or run directory")
+    if steerling.detect(p) or _authors(p):  # a model directory in its authors' layout (issue 43): no manifest
+        return p
     if (p / META).is_file():
         if pin_it:
             pin(p)
@@ -261,7 +265,23 @@ def wandb_id_file(run_dir: Path) -> Path:
     return Path(run_dir) / WANDB_ID
 
 
+def _authors(directory: Path) -> bool:
+    """``directory`` holds a model in the ConceptLM authors' layout (ncpctl/interop/authors/conceptlm.py),
+    read through ``read_meta`` and ``read_weights`` (Steerling's has its own ``load``)."""
+    from ncpctl.interop.authors import conceptlm
+
+    return conceptlm.detect(directory)
+
+
 def read_meta(directory: Path) -> dict[str, Any]:
+    from ncpctl.interop.authors import steerling
+
+    if steerling.detect(directory):
+        return steerling.meta(directory)
+    if _authors(directory):  # ConceptLM's: what ncpctl.json would say, the model config read from their config.json
+        from ncpctl.interop.authors import conceptlm_io
+
+        return conceptlm_io.meta(Path(directory))
     try:
         meta = json.loads((directory / META).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -278,6 +298,10 @@ def read_weights(directory: Path, meta: dict[str, Any] | None = None) -> dict[st
     """The full fp32 state dict of checkpoint ``directory`` (tied lm_head restored)."""
     from ncpctl.safe_load import load_safetensors
 
+    if _authors(directory):  # their weights, converted to ours
+        from ncpctl.interop.authors import conceptlm_io
+
+        return conceptlm_io.state(Path(directory))
     state = load_safetensors(directory / WEIGHTS)  # a missing or damaged file: one line naming it
     if (meta or read_meta(directory)).get("model_config", {}).get("tie_embeddings") and "embed.weight" in state:
         state.setdefault("lm_head.weight", state["embed.weight"])  # (without it: load_model names what is missing)
@@ -285,12 +309,16 @@ def read_weights(directory: Path, meta: dict[str, Any] | None = None) -> dict[st
 
 
 def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> LoadedModel:
-    """NCPModel (fp32, CPU, eval mode) + tokenizer + metadata from a checkpoint or run dir."""
+    """NCPModel (fp32, CPU, eval mode) + tokenizer + metadata from a checkpoint or run dir, or from a
+    model directory in the authors' layout (Steerling: the files' dtype, the weights mapped)."""
     import torch
 
+    from ncpctl.interop.authors import steerling
     from ncpctl.model.model import NCPModel
 
     directory = resolve(path)
+    if steerling.detect(directory):  # the authors' layout (ncpctl/interop/authors/steerling.py)
+        return steerling.load(directory, with_tokenizer=with_tokenizer)
     meta = read_meta(directory)
     try:
         with from_checkpoint(directory):  # imports no strategy the user did not name (issue 21)
@@ -300,13 +328,14 @@ def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> 
     state = read_weights(directory, meta)
     with torch.device("meta"):
         model = NCPModel(cfg)
+    weights = directory if _authors(directory) else directory / WEIGHTS
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # a tensor of the wrong shape: a damaged file or another model's
-        raise UserError(f"{directory / WEIGHTS}: weights do not match the model config "
+        raise UserError(f"{weights}: weights do not match the model config "
                         f"({str(e).strip().splitlines()[-1].strip()})") from None
     if missing or unexpected:
-        raise UserError(f"{directory / WEIGHTS}: weights do not match the model config "
+        raise UserError(f"{weights}: weights do not match the model config "
                         f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight

@@ -6,11 +6,12 @@ read instead, ``ncpctl.checkpoint.resolve``). The lock is two things at once:
 
 * an exclusive ``flock`` on the lock file, which the kernel drops when the process dies (also
   on ``kill -9``), so a second run on this host is refused while the first lives, and only then;
-* the owner's host and pid as the file's content, written after the flock is held, so a refusal
-  names the owner, and a lock left by a dead process of this host is recognised (by its pid) and
-  taken over with a warning. A lock whose content names another host is refused even when its
-  flock is free (``flock`` over network file systems is not to be trusted): the owner may live
-  there. ``--break-lock`` takes it anyway.
+* the owner's host, pid and start time as the file's content, written after the flock is held, so a
+  refusal names the owner, and a lock left by a dead process of this host is recognised (its pid is
+  gone, or is now another process's: the start time differs) and taken over with a warning. A
+  lock whose content names another host is refused even when its flock is free (``flock`` over
+  network file systems is not to be trusted): the owner may live there. ``--break-lock`` takes
+  it anyway (``ncpctl sweep --break-lock`` passes it on).
 
 The file is removed on release (while still flocked; a process that opened the old file then
 finds it unlinked and retries on the new one).
@@ -39,6 +40,35 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat`` from field 3 (the state) on; empty where there is no ``/proc``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+
+
+def _started(pid: int) -> int | None:
+    """The process's start time (clock ticks after boot, ``/proc/PID/stat`` field 22): with the pid
+    it names one process, so a pid the kernel has since given to another is not taken for the owner.
+    None where there is no ``/proc`` (the pid alone then decides)."""
+    fields = _stat(pid)
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def _alive(owner: dict[str, Any]) -> bool:
+    """Whether the owner (of this host) still runs: its pid lives (not a zombie, which holds its pid until
+    reaped) and, where both are known, started when the lock says."""
+    if not _pid_alive(owner["pid"]):
+        return False
+    fields = _stat(owner["pid"])
+    if fields and fields[0] == "Z":
+        return False
+    recorded, now = owner.get("started"), _started(owner["pid"])
+    return not isinstance(recorded, int) or now is None or recorded == now
 
 
 def _owner(text: str) -> dict[str, Any] | None:
@@ -113,7 +143,7 @@ class RunLock:
                 raise UserError(f"{self.path}: the run directory is locked by {_describe(owner)}",
                                 hint="if that run is gone, rerun with --break-lock")
             self.warn(f"{self.path}: broke the lock of {_describe(owner)} (--break-lock)")
-        elif owner is not None and owner["pid"] != os.getpid() and _pid_alive(owner["pid"]) and not self.break_lock:
+        elif owner is not None and owner["pid"] != os.getpid() and _alive(owner) and not self.break_lock:
             # the flock was free, yet the owner lives: a file system without working flock
             self.release(remove=False)
             raise UserError(f"{self.path}: the run directory is in use by {_describe(owner)}",
@@ -123,7 +153,8 @@ class RunLock:
 
     def _write_owner(self) -> None:
         assert self.fd is not None
-        data = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "command": self.command}) + "\n"
+        data = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": _started(os.getpid()),
+                           "command": self.command}) + "\n"
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, data.encode(), 0)
         os.fsync(self.fd)
@@ -141,12 +172,14 @@ class RunLock:
         self.fd = None
 
 
-def holder(run_dir: Path) -> str | None:
+def holder(run_dir: Path, *, break_lock: bool = False) -> str | None:
     """Who holds ``run_dir``'s lock, as a refusal would name them, or None when a run could take it.
 
     Read from the lock file's content only (never by taking the flock, which would make a run
-    starting at that moment refuse): a live pid of this host, or any owner on another host
-    (which ``RunLock`` refuses without ``--break-lock``). A dead pid of this host is a stale lock.
+    starting at that moment refuse): a live process of this host, or any owner on another host
+    (which ``RunLock`` refuses without ``--break-lock``; with ``break_lock`` only the live owner of
+    this host, whom the flock refuses anyway). A dead pid of this host, or a pid that now names
+    another process (its start time differs), is a stale lock.
     """
     path = Path(run_dir) / LOCK
     try:
@@ -155,6 +188,6 @@ def holder(run_dir: Path) -> str | None:
         return None
     if owner is None:
         return None
-    if owner.get("host") != socket.gethostname() or _pid_alive(owner["pid"]):
-        return _describe(owner)
-    return None
+    if owner.get("host") != socket.gethostname():
+        return None if break_lock else _describe(owner)
+    return _describe(owner) if _alive(owner) else None

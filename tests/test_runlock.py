@@ -23,7 +23,9 @@ def test_the_lock_names_its_owner_refuses_a_second_taker_and_is_released(tmp_pat
     warnings: list[str] = []
     with _lock(tmp_path / "run", warnings) as held:
         owner = json.loads(held.path.read_text())
-        assert owner == {"host": socket.gethostname(), "pid": os.getpid(), "command": "pretrain"}
+        stat = Path(f"/proc/{os.getpid()}/stat").read_text()  # the owner's start time: field 22
+        started = int(stat[stat.rfind(")") + 2:].split()[19])
+        assert owner == {"host": socket.gethostname(), "pid": os.getpid(), "started": started, "command": "pretrain"}
         with pytest.raises(UserError, match=rf"in use by pid {os.getpid()} on host .*`ncpctl pretrain`"):
             _lock(tmp_path / "run", warnings).acquire()  # a second open file: flock conflicts in one process too
     assert not (tmp_path / "run" / LOCK).exists() and warnings == []

@@ -37,6 +37,9 @@ StrategyOpt = Annotated[
 ]
 BreakLockOpt = Annotated[bool, typer.Option(
     "--break-lock", help="Take the run directory's lock (run.dir/ncpctl.lock) even if another host holds it.")]
+TiktokenOpt = Annotated[Optional[str], typer.Option(
+    "--tiktoken", metavar="FILE", help="A model directory in Steerling's layout: the tiktoken BPE file of its tokenizer "
+    "(cl100k_base.tiktoken), when the directory holds none.", show_default=False)]
 NoVerifyOpt = Annotated[bool, typer.Option(
     "--no-verify", help="Do not check the checkpoint's files against its manifest (sizes and xxh3-128 checksums).")]
 ConceptTableOpt = Annotated[Optional[str], typer.Option(
@@ -90,6 +93,10 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
         kwargs["json_out"], kwargs["debug"] = json_mode, debug
         try:
             _trust_strategies(kwargs.get("strategies"))
+            if kwargs.get("tiktoken"):
+                from ncpctl.interop.authors.tiktoken_bpe import set_tiktoken  # light: no torch
+
+                set_tiktoken(kwargs["tiktoken"])
             return fn(*args, **kwargs)
         except typer.Exit:
             raise

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command, print_wide
+from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command, print_wide
 from ncpctl.errors import UserError
 
 SpeculativeOpt = Annotated[Optional[str], typer.Option(
@@ -23,6 +23,9 @@ NewTokensOpt = Annotated[int, typer.Option("--new-tokens", min=1, help="With --s
 
 LevelOpt = Annotated[float, typer.Option("--level", min=0.5, max=0.999, help="--compare with seed arms: the level "
                                          "of the paired bootstrap's interval.")]
+SamplesOpt = Annotated[Optional[int], typer.Option(
+    "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
+    "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)]
 NoisedOpt = Annotated[bool, typer.Option(
     "--noised-context", help="A Causal Diffusion LM: also report, per perplexity set, its loss with every block "
     "noised, the conditions training reads (the bound conditions each block on clean earlier blocks, as the "
@@ -58,9 +61,7 @@ def main(
                                                       show_default=False)] = None,
     num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples.",
                                                        show_default=False)] = None,
-    diffusion_samples: Annotated[Optional[int], typer.Option(
-        "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
-        "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)] = None,
+    diffusion_samples: SamplesOpt = None,
     noised_context: NoisedOpt = False,
     window: Annotated[int, typer.Option("--window", min=1, help="--compare: train loss mean over the last N steps.")] = 200,
     level: LevelOpt = 0.95,
@@ -99,6 +100,7 @@ def main(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     strategies: StrategyOpt = None,
+    tiktoken: TiktokenOpt = None,
     no_verify: NoVerifyOpt = False,
 ) -> None:
     """Evaluate a checkpoint with lm-evaluation-harness; results JSON + markdown go to run.dir/eval/.

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command
 
 
 @command
@@ -21,11 +21,17 @@ def main(
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Shard safetensors above this "
                                                           "size, e.g. 5GB (default export.max_shard_size).",
                                                           show_default=False)] = None,
+    format_: Annotated[str, typer.Option("--format", help="hf: a Hugging Face directory; steerling: Steerling's "
+                                         "own layout (their config.json and weight names, loadable by "
+                                         "SteerlingGenerator.from_pretrained); conceptlm: the ConceptLM authors' "
+                                         "layout (their config.json and weight names, fp32, loadable by their "
+                                         "ConceptLM_* classes).")] = "hf",
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     strategies: StrategyOpt = None,
     no_verify: NoVerifyOpt = False,
+    tiktoken: TiktokenOpt = None,
 ) -> None:
     """Export a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer).
 
@@ -56,17 +62,25 @@ def main(
         o.warn(escape(f"the checkpoint's recipe sets export.out={section['out']}, which export follows only from "
                       f"--out; writing to {target}"))
     verify = not skip_verify and section.get("verify", True)
+    formats = {"steerling": "steerling_export", "conceptlm": "conceptlm_io"}  # the authors' layouts (issue 43)
+    if format_ != "hf" and format_ not in formats:
+        raise UserError(f"--format: {format_!r} is not one of hf, {', '.join(formats)}")
+    if format_ in formats:  # ncpctl/interop/authors/<module>.py
+        import importlib
+
+        export = importlib.import_module(f"ncpctl.interop.authors.{formats[format_]}").export
     info = export(ck, target, dtype=dtype or section.get("dtype", "fp32"), verify=verify,
                   max_shard_size=max_shard_size or section.get("max_shard_size", "5GB"),
                   log=lambda m: o.info(f"[dim]{m}[/]"))
 
     def human(con) -> None:
-        con.print(f"exported {ck} -> [bold]{info['out']}[/] as {info['architecture']} ({info['dtype']}, "
+        con.print(f"exported {ck} -> [bold]{info['out']}[/] as {info.get('architecture', info.get('format'))} ({info['dtype']}, "
                   f"{info['parameters']:,} parameters, {info['shards']} shard(s))")
         if info.get("remote_code"):
             con.print("  load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
         v = info.get("verify")
-        con.print(f"  verified: max |logit diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:.3g}; tokenizer identical"
+        same = "; tokenizer identical" if info.get("format", "hf") == "hf" else " (imported back)"
+        con.print(f"  verified: max |logit diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:.3g}{same}"
                   if v else "  [yellow]not verified (--skip-verify)[/]")
 
     o.result({"command": "export", "checkpoint": str(ck), **info}, human)

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import ConceptTableOpt, DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import (ConceptTableOpt, DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt,
+                                TiktokenOpt, command)
 
 SteerOpt = Annotated[Optional[list[str]], typer.Option(
     "--steer", help="Steer every prompt (repeatable): inline key=value,... (code=S/N, mix=S:N=W+... or "
@@ -57,6 +58,7 @@ def main(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     strategies: StrategyOpt = None,
+    tiktoken: TiktokenOpt = None,
     no_verify: NoVerifyOpt = False,
 ) -> None:
     """Generate text from a checkpoint: greedy, temperature, top-k, top-p, stop strings, seeds.

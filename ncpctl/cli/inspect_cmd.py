@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ncpctl.cli._common import ConceptTableOpt, DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import ConceptTableOpt, DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command
 from ncpctl.cli.inspect_generated import FindOpt, GenerateOpt, SeedOpt, SteerOpt, StepsOpt, TemperatureOpt
 
 TopOpt = Annotated[Optional[int], typer.Option("--top", min=1, help="Codes shown per segment (the rest as a "
@@ -81,6 +81,7 @@ def main(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     strategies: StrategyOpt = None,
+    tiktoken: TiktokenOpt = None,
 ) -> None:
     """Read a checkpoint's concepts: per block the codes each segment mixes (exact decomposition
     of the predicted concept), attribution of a continuation to codes by ablation, and code

@@ -12,7 +12,8 @@ import typer
 
 from ncpctl.cli._common import DebugOpt, JsonOpt, Output, RecipeArg, SetOpt, command
 
-SECTIONS = ("accounting", "kernels", "step", "trace")  # = ncpctl.profile.SECTIONS (no torch import here)
+SECTIONS = ("accounting", "kernels", "step", "trace", "ops")  # = ncpctl.profile.SECTIONS (no torch import here)
+DEFAULT_SECTIONS = SECTIONS[:4]
 
 
 @command
@@ -21,7 +22,9 @@ def main(
     set_: SetOpt = None,
     only: Annotated[Optional[str], typer.Option(
         "--only", metavar="SECTIONS",
-        help="Comma-separated sections to run: accounting, kernels, step, trace (default: all).")] = None,
+        help="Comma-separated sections to run: accounting, kernels, step, trace, ops (default: all but ops; "
+             "ops counts the operators a training and a decode step launch, on CPU models of the recipe's "
+             "shape: shrink a large model's width with --set, the count does not depend on it).")] = None,
     plot: Annotated[bool, typer.Option("--plot", help="Write PNGs (kernel time vs sequence length) to run.dir/profile.")] = False,
     repeats: Annotated[Optional[int], typer.Option(
         "--repeats", min=1, help="Timed repeats per kernel / step (default: 5 / 3 on CPU, 20 / 10 on GPU).")] = None,
@@ -44,7 +47,7 @@ def main(
     from ncpctl.errors import UserError
 
     out = Output(json_out)
-    sections = list(SECTIONS)
+    sections = list(DEFAULT_SECTIONS)
     if only:
         sections = [s.strip() for s in only.split(",") if s.strip()]
         bad = [s for s in sections if s not in SECTIONS]

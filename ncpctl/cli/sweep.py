@@ -26,6 +26,13 @@ def main(
     out: Annotated[Optional[str], typer.Option("--out", help="Directory of the points, runs and manifest.json "
                                                "(default: the sweep's out, or runs/sweeps/NAME).",
                                                show_default=False)] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="Check each finished point's final checkpoint against "
+                                         "its manifest's checksums (reads every byte), not its sizes alone.")] = False,
+    rerun_stale: Annotated[bool, typer.Option("--rerun-stale", help="Train stale points again (their old run "
+                                              "directories are moved to OUT/stale/, never deleted).")] = False,
+    break_lock: Annotated[bool, typer.Option("--break-lock", help="Start points whose run directory is locked by "
+                                             "another host (pretrain --break-lock); a live run of this host "
+                                             "is never broken.")] = False,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -35,15 +42,19 @@ def main(
 
     A sweep file names a `base` recipe and `axes` (a grid), `zip` (lists varied together, or a list
     of such groups, each one more axis) and/or `points` (explicit), each a recipe key path with its
-    values. Rerunning skips finished points, resumes killed ones from their checkpoints and never
-    starts a point whose run directory is locked by a live process.
+    values, and `fixed` keys set for every point. Rerunning skips finished points, resumes killed
+    ones from their checkpoints and never starts a point whose run directory is locked by a live
+    process; a finished point whose checkpoint or recipe no longer matches is shown stale.
+    Ctrl-C, SIGTERM and SIGHUP stop the points with their checkpoints saved (a second one kills them).
     """
-    from ncpctl.study.sweep import EXECUTORS, make_executor, read_sweep, resolve, write_plan
+    from ncpctl.study.sweep import EXECUTORS, read_sweep, resolve, write_plan
+    from ncpctl.study.sweep_run import make_executor
 
     o = Output(json_out)
     if executor not in EXECUTORS:
         raise UserError(f"--executor {executor}: unknown executor; choose from {', '.join(EXECUTORS)}")
     sweep, _ = read_sweep(sweep_file, out=out)
+    sweep.verify, sweep.rerun_stale, sweep.break_lock = verify, rerun_stale, break_lock
     resolve(sweep, strict=not dry)
     for note in sweep.notes:
         o.warn(note)
@@ -54,29 +65,60 @@ def main(
     make_executor(executor, sweep, parallel)  # a missing Slurm or a bad slurm: parameter, before anything is written
     write_plan(sweep)
     o.info(f"[dim]{len(sweep.points)} points in {sweep.out} ({executor} executor, {parallel} at a time)[/]")
-    _run_live(o, sweep, executor, parallel)
+    _run_shown(o, sweep, executor, parallel)
     unfinished = [p for p in sweep.points if p.status != "done"]
     data = {"command": "sweep", **sweep.manifest(), "totals": _totals(sweep)}
-    if unfinished:
-        from ncpctl.cli._common import report_failure
+    if sweep.signum:
+        import signal
 
-        lines = [f"{len(unfinished)} of {len(sweep.points)} points did not finish: "
-                 + "; ".join(f"{p.name} ({p.status}{': ' + p.note if p.note else ''})" for p in unfinished)]
-        report_failure(False, lines, "fix what the notes say and rerun the sweep: finished points are skipped, "
-                       "killed ones resume", 1)
-        if json_out:
-            sys.stdout.write(json.dumps({"ok": False, "exit_code": 1, "errors": lines, **data}, default=str) + "\n")
-        raise typer.Exit(1)
+        stopped = [p.name for p in sweep.points if p.status == "interrupted"]
+        _exit(json_out, data, 128 + sweep.signum, f"interrupted by {signal.Signals(sweep.signum).name}: "
+              f"{len(stopped)} running point(s) stopped ({', '.join(stopped) or 'none'}); rerun the sweep to "
+              "resume them from their checkpoints", None)
+    if unfinished:
+        _exit(json_out, data, 1, f"{len(unfinished)} of {len(sweep.points)} points did not finish: "
+              + "; ".join(f"{p.name} ({p.status}{': ' + p.note if p.note else ''})" for p in unfinished),
+              "fix what the notes say and rerun the sweep: finished points are skipped, killed ones resume")
     o.result(data, lambda con: con.print(f"{len(sweep.points)} points done: {sweep.out}/manifest.json"))
 
 
-def _run_live(o: Output, sweep: Any, executor: str, parallel: int) -> None:
+def _exit(json_out: bool, data: dict[str, Any], code: int, line: str, hint: str | None) -> None:
+    from ncpctl.cli._common import report_failure
+
+    report_failure(False, [line], hint, code)
+    if json_out:
+        sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "errors": [line], **data}, default=str) + "\n")
+    raise typer.Exit(code)
+
+
+def _run_shown(o: Output, sweep: Any, executor: str, parallel: int) -> None:
+    """A live table on a terminal; otherwise (a log file: nohup, Slurm, | tee) one plain line per point
+    as it ends, and the table once at the end."""
     from rich.live import Live
 
-    from ncpctl.study.sweep import run
+    from ncpctl.cli._common import print_wide
+    from ncpctl.study.sweep_run import run
 
-    with Live(_table(sweep), console=o.err, refresh_per_second=2, transient=False) as live:
-        run(sweep, executor, parallel, show=lambda s: live.update(_table(s)))
+    if o.err.is_terminal:
+        with Live(_table(sweep), console=o.err, refresh_per_second=2, transient=False) as live:
+            run(sweep, executor, parallel, show=lambda s: live.update(_table(s)))
+        return
+    ran: set[str] = set()  # the points this run started and has not reported yet
+
+    def lines(s: Any) -> None:
+        ended = ("done", "failed", "interrupted", "stale")
+        for p in s.points:
+            if p.status == "running":
+                ran.add(p.name)
+            elif p.name in ran and p.status in ended:
+                ran.discard(p.name)
+                loss = "" if p.val_loss is None else f", val loss {p.val_loss:.4f}"
+                n = sum(q.status in ended for q in s.points)
+                o.err.print(f"point {p.name}: {p.status} at step {p.step}/{p.max_steps}{loss}"
+                            f"{' (' + p.note + ')' if p.note else ''} [{n}/{len(s.points)} ended]", markup=False)
+
+    run(sweep, executor, parallel, show=lines)
+    print_wide(o.err, _table(sweep))
 
 
 def _totals(sweep: Any) -> dict[str, Any]:
@@ -105,7 +147,8 @@ def _table(sweep: Any, dry: bool = False) -> Any:
             t.add_row(p.name, *vals, f"{p.max_steps:,}", f"{p.flops_per_step:.4g}", f"{p.flops_per_step * p.max_steps:.4g}",
                       f"{p.tokens_per_step * p.max_steps:.4g}")
         else:
-            style = {"done": "green", "failed": "red", "locked": "yellow", "running": "cyan"}.get(p.status, "")
+            style = {"done": "green", "failed": "red", "locked": "yellow", "running": "cyan", "stale": "magenta",
+                     "interrupted": "yellow"}.get(p.status, "")
             t.add_row(p.name, *vals, f"[{style}]{p.status}[/]" if style else p.status, f"{p.step}/{p.max_steps}",
                       "" if p.val_loss is None else f"{p.val_loss:.4f}", p.note)
     if dry:

@@ -386,7 +386,10 @@ def _tokenizer(checkpoint: Path):
     from tokenizers import Tokenizer
 
     from ncpctl.checkpoint import TOKENIZER
+    from ncpctl.interop.authors import steerling
 
+    if steerling.detect(checkpoint):  # Steerling's layout: its tiktoken file, converted (issue 43)
+        return steerling.tokenizer_of(checkpoint)
     path = checkpoint / TOKENIZER
     if not path.is_file():
         raise UserError(f"{path}: missing (needed to tokenize the held-out corpora)")

@@ -26,8 +26,12 @@ from ncpctl.errors import UserError
 
 
 def is_hf_dir(path: str | Path) -> bool:
+    """A Hugging Face model directory (not an ncpctl checkpoint, nor a ConceptLM authors' directory,
+    which ``ncpctl.checkpoint`` opens as a checkpoint: authors/conceptlm.py)."""
+    from ncpctl.interop.authors import conceptlm
+
     p = Path(path)
-    return (p / "config.json").is_file() and not (p / "ncpctl.json").is_file()
+    return (p / "config.json").is_file() and not (p / "ncpctl.json").is_file() and not conceptlm.detect(p)
 
 
 def read_hf_state_dict(directory: Path) -> dict[str, Any]:
@@ -81,13 +85,15 @@ def load_hf_pretrained(directory: str | Path, *, cfg: Any = None, concept: dict[
     fields (e.g. ``{"enabled": True, "k": 4, "encoder_layers": 1,
     "copy_concept_layers_from_base": True}``) and ``model_overrides``: other ``ModelConfig``
     fields (``extra_token_layers``, ``max_seq_len``, ``vocab_size``, ...)."""
-    import torch
-
     from ncpctl.model.config import ConfigError
     from ncpctl.model.hf import fresh_keys, load_hf_state_dict
     from ncpctl.model.model import NCPModel
 
+    from ncpctl.interop.authors import steerling
+
     d = Path(directory)
+    if steerling.detect(d):  # Steerling's own layout (issue 43)
+        return steerling.load_pretrained(d, cfg)
     if not (d / "config.json").is_file():
         raise UserError(f"{d}: not a Hugging Face model directory (no config.json)")
     if cfg is None:
@@ -104,11 +110,5 @@ def load_hf_pretrained(directory: str | Path, *, cfg: Any = None, concept: dict[
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     if zero_concept_output and model.concept is not None:
-        with torch.no_grad():
-            cb = model.concept.codebook
-            if cb.transform is not None:
-                cb.transform[-1].weight.zero_()
-                cb.transform[-1].bias.zero_()
-            else:
-                cb.base.zero_()
+        model.concept.codebook.zero_output()
     return model

@@ -284,8 +284,8 @@ def bottleneck_report(model, ids: torch.Tensor, names: Sequence[str] | None, *, 
     """Steerling's exact attribution for ``ids`` (1, T) on a model with ``model.bottleneck``: at each
     position the logit of the token it scores (the next token of ``ids`` from ``target_start`` on,
     else the argmax) split into known + unknown + residual, the ``top`` known concepts by the size
-    of their term k_c (K_c . W_y), the concept share, and per label chunk the ``top`` concepts the
-    known head detects (the OR over the chunk's tokens). ``attribution_error``: the largest
+    of their term k_c (K_c . W_y) (and the ``top`` unknown ones), the concept share, and per label
+    chunk the ``top`` concepts the known head detects (the OR over the chunk's tokens). ``attribution_error``: the largest
     |known + unknown + residual - logit| over positions (exact up to float rounding)."""
     from ncpctl.model.bottleneck import chunk_probs
 
@@ -308,7 +308,8 @@ def bottleneck_report(model, ids: torch.Tensor, names: Sequence[str] | None, *, 
                           "known": float(att.known[0, t]), "unknown": float(att.unknown[0, t]),
                           "residual": float(att.residual[0, t]), "share": float(att.share[0, t]),
                           "concepts": [{"concept": label(int(c)), "term": float(terms[c]),
-                                        "activation": float(parts.k[0, t, c])} for c in order]})
+                                        "activation": float(parts.k[0, t, c])} for c in order],
+                          "unknown_concepts": _unknown_terms(att, parts, t, top)})
     chunk = b.bcfg.chunk
     probs = chunk_probs(parts.k_logits.float(), chunk)[0]  # (chunks, n)
     chunks = []
@@ -318,3 +319,12 @@ def bottleneck_report(model, ids: torch.Tensor, names: Sequence[str] | None, *, 
                        "concepts": [{"concept": label(int(c)), "probability": float(probs[j, c])} for c in order]})
     return {"attribution_error": error, "mean_share": float(att.share[0].mean()), "positions": positions,
             "chunks": chunks}
+
+
+def _unknown_terms(att, parts, t: int, top: int) -> list[dict[str, Any]]:
+    """Position t's ``top`` unknown concepts by the size of their term u_j (U_j . W_y) (Steerling's
+    "discovered" concepts; a top-k head's are among its top-k), with their activations."""
+    terms, index = att.per_unknown[0, t], att.unknown_index[0, t]
+    act = parts.u_value[0, t] if parts.u is None else parts.u[0, t, index]
+    order = terms.abs().argsort(descending=True)[:top]
+    return [{"concept": int(index[j]), "term": float(terms[j]), "activation": float(act[j])} for j in order]

@@ -122,15 +122,11 @@ def replay(model, trace: Trace, g: int):
     return ids, model(ids, interventions=ivs, return_bottleneck=getattr(model, "bottleneck", None) is not None)
 
 
-def _unknown_terms(bn, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Each unknown concept's term u_j (U_j . W_y) (P, m) of activations u (P, m), W_y (P, d)."""
-    return u.float() * ((w.float() @ bn.B.float().t()) @ bn.A.float().t())  # (P, r) -> (P, m)
-
-
-def _named(values: torch.Tensor, acts: torch.Tensor, top: int, name: Callable[[int], str]) -> list[dict]:
-    order = values.abs().argsort(descending=True)[:top]
-    return [{"concept": int(c), "name": name(int(c)), "activation": float(acts[c]), "term": float(values[c])}
-            for c in order]
+def _named(idx: torch.Tensor, terms: torch.Tensor, acts: torch.Tensor, top: int, name: Callable[[int], str]) -> list[dict]:
+    """The ``top`` concepts ``idx`` (J,) by |term| (J,), with their activations (J,)."""
+    order = terms.abs().argsort(descending=True)[:top]
+    return [{"concept": int(idx[j]), "name": name(int(idx[j])), "activation": float(acts[j]), "term": float(terms[j])}
+            for j in order]
 
 
 @torch.no_grad()
@@ -159,7 +155,7 @@ def concept_attribution(model, trace: Trace, names: Sequence[str] | None = None,
                                    "step": grp.step, "committed_before": grp.committed, "logit": float(logit[i]),
                                    "sampled_logit": grp.logits[i]}
             if att is not None:
-                rec.update(_parts(model, bn, parts, att, i, grp.tokens[i], top, label, keep_terms))
+                rec.update(_parts(parts, att, i, top, label, keep_terms))
             out.append(rec)
     out.sort(key=lambda r: r["position"])
     summary: dict[str, Any] = {"replay_error": err, "tokens": len(out), "groups": len(trace.groups)}
@@ -177,19 +173,32 @@ def _at(parts, pos: torch.Tensor):
     return dataclasses.replace(parts, **take)
 
 
-def _parts(model, bn, parts, att, p: int, token: int, top: int, label, keep_terms: bool) -> dict:
-    """One committed token's decomposition at index ``p`` of the committed positions (``concept_attribution``)."""
-    known, unknown, residual = float(att.known[0, p]), float(att.unknown[0, p]), float(att.residual[0, p])
-    w = model.logit_weight[token][None]  # (1, d)
-    uterms = _unknown_terms(bn, parts.u[0, p][None], w)[0]  # (m,)
+def _terms(parts, att, i: int) -> tuple:
+    """Committed token i's (known concepts, their terms, activations, unknown concepts, terms,
+    activations), each (J,): over all concepts of a dense head, over its top-k of a sparse one
+    (ncpctl/model/bottleneck_sparse.py); a top-k head's other concepts have no term."""
+    if att.known_index is None:
+        k_idx = torch.arange(att.per_concept.shape[-1])
+        k_act = parts.k[0, i]
+    else:
+        k_idx, k_act = att.known_index[0, i], parts.k_value[0, i]
+    u_idx = att.unknown_index[0, i]
+    u_act = parts.u_value[0, i] if parts.u is None else parts.u[0, i, u_idx]
+    return k_idx, att.per_concept[0, i].float(), k_act.float(), u_idx, att.per_unknown[0, i].float(), u_act.float()
+
+
+def _parts(parts, att, i: int, top: int, label, keep_terms: bool) -> dict:
+    """Committed token i's decomposition (``concept_attribution``)."""
+    known, unknown, residual = float(att.known[0, i]), float(att.unknown[0, i]), float(att.residual[0, i])
+    k_idx, k_terms, k_act, u_idx, u_terms, u_act = _terms(parts, att, i)
     mass = abs(known) + abs(unknown) + abs(residual)
-    rec = {"known": known, "unknown": unknown, "residual": residual, "steering": float(att.steering[0, p]),
+    rec = {"known": known, "unknown": unknown, "residual": residual, "steering": float(att.steering[0, i]),
            "shares": {k: abs(v) / mass if mass else 0.0 for k, v in (("known", known), ("unknown", unknown),
                                                                       ("residual", residual))},
-           "concepts": _named(att.per_concept[0, p], parts.k[0, p], top, label),
-           "unknown_concepts": _named(uterms, parts.u[0, p], top, lambda j: f"unknown #{j}")}
+           "concepts": _named(k_idx, k_terms, k_act, top, label),
+           "unknown_concepts": _named(u_idx, u_terms, u_act, top, lambda j: f"unknown #{j}")}
     if keep_terms:
-        rec["_terms"] = (att.per_concept[0, p].detach().clone(), uterms.detach().clone())
+        rec["_terms"] = (k_idx.clone(), k_terms.clone(), u_idx.clone(), u_terms.clone())
     return rec
 
 
@@ -204,18 +213,19 @@ def chunk_attribution(records: list[dict], chunk: int, start: int, names: Sequen
     out = []
     for j in sorted(by):
         rows = by[j]
-        kn = torch.stack([r["_terms"][0] for r in rows])  # (T', n)
-        un = torch.stack([r["_terms"][1] for r in rows])  # (T', m)
-        res = torch.tensor([r["residual"] for r in rows])
-        total = (kn.abs().sum(-1) + un.abs().sum(-1) + res.abs()).clamp_min(1e-8)  # (T',)
-        k_mass, u_mass = (kn / total[:, None]).mean(0), (un / total[:, None]).mean(0)
-        entries = [("known", int(c), float(k_mass[c])) for c in range(kn.shape[1])] + \
-                  [("unknown", int(c), float(u_mass[c])) for c in range(un.shape[1])]
-        entries.sort(key=lambda e: -abs(e[2]))
-        out.append({"chunk": j, "span": [max(j * chunk, start), rows[-1]["position"] + 1],
-                    "residual_share": float((res / total).mean()),
+        mass: dict[tuple[str, int], float] = {}
+        res = 0.0
+        for r in rows:  # each token votes equally: its terms over its total magnitude
+            k_idx, k_terms, u_idx, u_terms = r["_terms"]
+            total = max(float(k_terms.abs().sum() + u_terms.abs().sum()) + abs(r["residual"]), 1e-8)
+            for kind, idx, terms in (("known", k_idx, k_terms), ("unknown", u_idx, u_terms)):
+                for c, v in zip(idx.tolist(), (terms / total).tolist()):
+                    mass[(kind, c)] = mass.get((kind, c), 0.0) + v / len(rows)
+            res += r["residual"] / total / len(rows)
+        entries = sorted(mass.items(), key=lambda e: -abs(e[1]))[:top]
+        out.append({"chunk": j, "span": [max(j * chunk, start), rows[-1]["position"] + 1], "residual_share": res,
                     "concepts": [{"type": t, "concept": c, "name": label(c) if t == "known" else f"unknown #{c}",
-                                  "contribution": v} for t, c, v in entries[:top]]})
+                                  "contribution": v} for (t, c), v in entries]})
     return out
 
 

@@ -388,8 +388,9 @@ def exact_flops(cfg: ModelConfig, seq_len: int | None = None, batch_size: int = 
         comps["concept.heads"] = 2 * M * dc * S * N  # fused Linear(d_c, S*N): (B,M,d_c)->(B,M,S*N)
         # einsum (B,M,S,N) x (S,N,d/S) -> (B,M,S,d/S)
         comps["concept.codebook_einsum"] = 2 * M * S * N * ds
-        # codes = Linear(ds,2ds) -> ReLU -> Linear(2ds,ds) on the (S,N,ds) base, once per step
-        comps["concept.codebook_transform"] = 2 * S * N * (ds * 2 * ds) * 2 if c.codebook == "simvq" else 0
+        # codes = transform(base) on the (S,N,ds) base, once per step (an MLP ds -> 2ds -> ds, or ds -> ds)
+        comps["concept.codebook_transform"] = sum(2 * S * N * i * o for i, o, _ in c.transform_layers(ds)) \
+            if c.codebook == "simvq" else 0
         # nearest code per segment of sg(c): (B,M,S,ds) x (S,N,ds) distances, forward only
         training_only["concept.vq_quantise"] = 2 * M * S * N * ds
 

@@ -129,10 +129,11 @@ class Backward:
                 or self.trains("concept.norm.")
             w = self.linear("concept.heads", "concept.heads", comps["concept.heads"], M, u)
             codes = "concept.codebook.base" in self.numel
-            if c.codebook == "simvq":  # base -> Linear(ds, 2ds) -> ReLU -> Linear(2ds, ds), once per step
-                half = comps["concept.codebook_transform"] // 2
-                t0 = self.linear("concept.codebook_transform", "concept.codebook.transform.0", half, 0, codes)
-                codes = self.linear("concept.codebook_transform", "concept.codebook.transform.2", half, 0, t0)
+            if c.codebook == "simvq":  # base -> its transform's linears (at indices 0, 2), once per step
+                S, N = cfg.n_segments, c.codes
+                for j, (i, o, _) in enumerate(c.transform_layers(cfg.segment_dim)):
+                    codes = self.linear("concept.codebook_transform", f"concept.codebook.transform.{2 * j}",
+                                        2 * S * N * i * o, 0, codes)
             self.add("concept.codebook_einsum", comps["concept.codebook_einsum"] * (w + codes))
             pred = (w or codes) and not c.detach_added_concept
             coupling = costs.get(SLOTS["coupling"])

@@ -130,12 +130,12 @@ def _stack_shape(cfg: ModelConfig, stack: str, T: int, M: int) -> tuple[int, int
 
 def _crc_flops(cfg: ModelConfig, link: str, T: int, M: int, vector: bool = False) -> int:
     """One CRC connection: per target layer (once, on the target's input, with ``crc_mode:
-    input``), MLP(T) d -> h -> K, the K sources' sum and D * M (``vector``: these two, the
-    elementwise part, alone)."""
+    input``), MLP(T) d -> h -> K, the K sources' sum (a batched matmul, ``residual.DepthMix``) and
+    D * M (``vector``: this last, the elementwise part, alone)."""
     d, h = cfg.d_model, cfg.crc_hidden
     source, target = link.split("-")
     K = _stack_shape(cfg, source, T, M)[0] + 1
     n, P = _stack_shape(cfg, target, T, M)
     n = min(n, 1) if cfg.crc_mode == "input" else n
-    sums = 2 * P * K * d + 2 * P * d
-    return n * sums if vector else n * (2 * P * (d * h + h * K) + sums)
+    scale = 2 * P * d
+    return n * scale if vector else n * (2 * P * (d * h + h * K) + 2 * P * K * d + scale)

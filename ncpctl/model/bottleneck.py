@@ -102,7 +102,9 @@ class BottleneckOutput:
     so that h_bar = k_hat + u_hat + e + steer holds in every mode, ``steer`` (B, T, d) the readout
     steering added after the bottleneck (``AddToReadout``; None without); ``k`` the known
     activations k_hat is made of (after top-k and teacher forcing), ``k_logits`` f(h) (dense,
-    before top-k)."""
+    before top-k). A forward without gradients on a top-k head keeps that head sparse
+    (bottleneck_sparse.py): ``k``, ``k_logits`` (or ``u``) None, and ``k_index`` / ``k_value`` (or
+    ``u_index`` / ``u_value``) (B, T, top-k) its selected concepts and their activations instead."""
 
     h_bar: torch.Tensor
     k: torch.Tensor  # (B, T, n)
@@ -113,6 +115,10 @@ class BottleneckOutput:
     e: torch.Tensor  # (B, T, d)
     steer: torch.Tensor | None = None  # (B, T, d): readout steering (NCPModel.forward sets it)
     positions: torch.Tensor | None = None  # (B, T) bool: where the concept readout is scored (None: everywhere)
+    k_index: torch.Tensor | None = None  # (B, T, top_k_known) long: a sparse known head's concepts
+    k_value: torch.Tensor | None = None  # (B, T, top_k_known): their activations
+    u_index: torch.Tensor | None = None  # (B, T, top_k_unknown) long: a sparse unknown head's concepts
+    u_value: torch.Tensor | None = None  # (B, T, top_k_unknown): their activations
     losses: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
 
@@ -128,6 +134,10 @@ class Attribution:
     residual: torch.Tensor  # (B, T)  e . W_y
     per_concept: torch.Tensor | None  # (B, T, n)
     steering: torch.Tensor | None = None  # (B, T)  steer . W_y: readout steering (zeros without)
+    # a sparse known head's per_concept is (B, T, top_k) over these concepts (None: dense, over all n)
+    known_index: torch.Tensor | None = None  # (B, T, top_k_known)
+    unknown_index: torch.Tensor | None = None  # (B, T, k_u): the unknown concepts of per_unknown
+    per_unknown: torch.Tensor | None = None  # (B, T, k_u)  u_j (U_j . W_y), U = A B (the top-k_u; all m if dense)
 
     @property
     def share(self) -> torch.Tensor:
@@ -144,11 +154,11 @@ class ConceptBottleneck(nn.Module):
         b = self.bcfg = cfg.bottleneck
         d, n, m, r = cfg.d_model, b.concepts, cfg.bottleneck_unknown, cfg.bottleneck_rank
         self.n, self.m, self.init_std, self.vocab_size = n, m, cfg.init_std, cfg.vocab_size
-        self.known = nn.Linear(d, n)  # f
+        self.known = nn.Linear(d, n, bias=b.bias)  # f
         self.K = nn.Parameter(torch.empty(n, d))
         # g: dense, or factorised through the rank r of U (unknown_head: low_rank)
-        self.unknown = nn.Linear(d, m) if b.unknown_head == "dense" else \
-            nn.Sequential(nn.Linear(d, r, bias=False), nn.Linear(r, m))
+        self.unknown = nn.Linear(d, m, bias=b.bias) if b.unknown_head == "dense" else \
+            nn.Sequential(nn.Linear(d, r, bias=False), nn.Linear(r, m, bias=b.bias))
         self.A = nn.Parameter(torch.empty(m, r))
         self.B = nn.Parameter(torch.empty(r, d))
         self.alpha = float(b.teacher_forcing_start)  # the teacher-forcing probability of this step
@@ -165,8 +175,10 @@ class ConceptBottleneck(nn.Module):
         # known prior: each token's k = ln2 / chunk, so a chunk's OR starts near 1/2 (a bias of 0,
         # k = 1/2 per token, would start every chunk at 1 - 2^-chunk: a huge loss on the negatives)
         q = math.log(2) / self.bcfg.chunk
-        nn.init.constant_(self.known.bias, math.log(q / (1 - q)))
-        nn.init.zeros_(unknown[-1].bias)
+        if self.known.bias is not None:
+            nn.init.constant_(self.known.bias, math.log(q / (1 - q)))
+        if unknown[-1].bias is not None:
+            nn.init.zeros_(unknown[-1].bias)
 
     # ---- the schedule and what the loop logs ----
 
@@ -256,18 +268,19 @@ class ConceptBottleneck(nn.Module):
     # ---- the decomposition ----
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, *, losses: bool = False,
-                positions: torch.Tensor | None = None, feed=None) -> dict:
+                positions: torch.Tensor | None = None, feed=None, dense: bool = False) -> dict:
         """Final-norm states h (B, T, d), labels (B, T, n) or None -> the parts as a dict of
         ``BottleneckOutput``'s fields (``parts``); ``losses``: the loss terms too (labels-free ones
         only without labels). A dict, not the dataclass: ZeRO-3 finds the tensors a module returns
         (to gather K, A and B again for their backward) in tuples, lists and dicts only. ``positions``
         (B, T) bool: where the concept loss reads (None: all); ``feed(labels, chunk)``: teacher
-        forcing's labels (None: ``fed_labels``): the objective's hooks (module docstring)."""
-        out = self.parts(h, labels, losses=losses, positions=positions, feed=feed)
+        forcing's labels (None: ``fed_labels``): the objective's hooks (module docstring); ``dense``: keep
+        the known head dense (its logits for a report) in a forward without gradients."""
+        out = self.parts(h, labels, losses=losses, positions=positions, feed=feed, dense=dense)
         return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
 
     def parts(self, h: torch.Tensor, labels: torch.Tensor | None = None, *, losses: bool = False,
-              positions: torch.Tensor | None = None, feed=None) -> BottleneckOutput:
+              positions: torch.Tensor | None = None, feed=None, dense: bool = False) -> BottleneckOutput:
         """``forward``'s computation, as a ``BottleneckOutput`` (call the module, not this, in a
         training forward: ZeRO-3's hooks are on the module call)."""
         b = self.bcfg
@@ -276,28 +289,51 @@ class ConceptBottleneck(nn.Module):
             if labels.shape != (*h.shape[:2], self.n):
                 raise ValueError(f"concept_labels must be (B, T, n) = {(*h.shape[:2], self.n)}, got {tuple(labels.shape)}")
             causal = causal_labels(labels, b.chunk).to(h.dtype)
-        z = self.known(h)  # (B, T, n)
-        k = top_k(torch.sigmoid(z), b.top_k_known)
-        if self.training and causal is not None and self.alpha > 0:  # never a label decided at or after t
-            fed = (feed or fed_labels)(labels, b.chunk).to(h.dtype)
-            k = torch.where(chunk_mask(h.shape[0], h.shape[1], b.chunk, self.alpha, h.device), fed, k)
-        k_hat = k @ self.K  # (B, T, d)
+        # without gradients a top-k head streams its concepts and keeps the top-k (bottleneck_sparse.py);
+        # the known head stays dense where its logits are read (labels: the concept loss; ``dense``)
+        sparse = not torch.is_grad_enabled()
+        kn = self._known_part(h, labels, causal, feed, sparse and not dense and labels is None)
         hd = h.detach()
-        u = top_k(torch.sigmoid(self.unknown(hd)), b.top_k_unknown)  # (B, T, m)
-        u_hat = (u @ self.A) @ self.B  # (B, T, d)
+        un = self._unknown_part(hd, sparse)
+        k_hat, u_hat = kn["k_hat"], un["u_hat"]
         e = h - k_hat - u_hat.detach()
         if self.training and b.dropout > 0:
             dropped = F.dropout(e, b.dropout, training=True)
             h_bar = h + (dropped - e)  # = k_hat + sg(u_hat) + dropped
         else:
             dropped, h_bar = e, h  # exactly h: the decomposition is exact by construction
-        out = BottleneckOutput(h_bar=h_bar, k=k, k_logits=z, u=u, k_hat=k_hat, u_hat=u_hat, e=dropped,
-                               positions=positions)
+        out = BottleneckOutput(h_bar=h_bar, e=dropped, positions=positions, **kn, **un)
         if self.training:
             out.metrics["teacher_forcing"] = h.new_tensor(self.alpha if causal is not None else 0.0)
         if losses:
-            self._losses(out, z, hd, labels, causal)
+            self._losses(out, out.k_logits, hd, labels, causal)
         return out
+
+    def _known_part(self, h: torch.Tensor, labels, causal, feed, sparse: bool) -> dict:
+        """The known head's fields of ``BottleneckOutput``: k = sigmoid(f(h)) (top-k), k_hat = k K."""
+        from .bottleneck_sparse import clamped, known_top
+
+        b = self.bcfg
+        if sparse and b.top_k_known is not None:
+            k_hat, idx, act = known_top(h, self.known, self.K, b.top_k_known, b.logit_clamp)
+            return {"k": None, "k_logits": None, "k_hat": k_hat, "k_index": idx, "k_value": act}
+        z = clamped(self.known(h), b.logit_clamp)  # (B, T, n)
+        k = top_k(torch.sigmoid(z), b.top_k_known)
+        if self.training and causal is not None and self.alpha > 0:  # never a label decided at or after t
+            fed = (feed or fed_labels)(labels, b.chunk).to(h.dtype)
+            k = torch.where(chunk_mask(h.shape[0], h.shape[1], b.chunk, self.alpha, h.device), fed, k)
+        return {"k": k, "k_logits": z, "k_hat": k @ self.K}  # k_hat (B, T, d)
+
+    def _unknown_part(self, hd: torch.Tensor, sparse: bool) -> dict:
+        """The unknown head's fields: u = sigmoid(g(sg(h))) (top-k), u_hat = (u A) B."""
+        from .bottleneck_sparse import clamped, unknown_top
+
+        b = self.bcfg
+        if sparse and b.top_k_unknown is not None:
+            u_hat, idx, act = unknown_top(hd, self.unknown, self.A, self.B, b.top_k_unknown, b.logit_clamp)
+            return {"u": None, "u_hat": u_hat, "u_index": idx, "u_value": act}
+        u = top_k(torch.sigmoid(clamped(self.unknown(hd), b.logit_clamp)), b.top_k_unknown)  # (B, T, m)
+        return {"u": u, "u_hat": (u @ self.A) @ self.B}  # u_hat (B, T, d)
 
     def _losses(self, out: BottleneckOutput, z, hd, labels, causal) -> None:
         from .bottleneck_positions import chunk_bce_at
@@ -327,18 +363,11 @@ class ConceptBottleneck(nn.Module):
         Computed in fp32 whatever the forward's dtype (k_hat = k K again in fp32): the residual is
         e = h_bar - k_hat - u_hat - steer of the h_bar the head read, so the terms sum to W_y . h_bar
         in fp32 (1e-5 relative); a bf16 forward's own logit differs from that by its rounding to
-        bf16 (2^-8 relative)."""
-        w = lm_head_weight[token_ids].float()  # (B, T, d) W_y
-        dot = lambda x: (x * w).sum(-1)  # noqa: E731
-        steer = parts.steer.float() if parts.steer is not None else torch.zeros_like(w)
-        k, K, u_hat = parts.k.float(), self.K.float(), parts.u_hat.float()
-        # (B, T, d): with per-concept terms k K again in fp32, so that they sum to known in any dtype
-        k_hat = k @ K if per_concept else parts.k_hat.float()
-        e = parts.h_bar.float() - k_hat - u_hat - steer  # == parts.e in an fp32 evaluation
-        known, unknown, residual, steering = dot(k_hat), dot(u_hat), dot(e), dot(steer)
-        terms = k * torch.einsum("btd,nd->btn", w, K) if per_concept else None
-        return Attribution(logit=known + unknown + residual + steering, known=known, unknown=unknown,
-                           residual=residual, per_concept=terms, steering=steering)
+        bf16 (2^-8 relative). ``per_unknown``: the same terms of the top unknown concepts (u_j (U_j . W_y));
+        a sparse head's terms are over its top-k concepts (``known_index``, ``unknown_index``)."""
+        from .bottleneck_sparse import attribute
+
+        return attribute(self, parts, lm_head_weight, token_ids, per_concept)
 
     @torch.no_grad()
     def share(self, parts: BottleneckOutput, lm_head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ sequence, the S heads, the product-quantised codebook and the NCP/VQ losses.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -24,22 +25,49 @@ from .outputs import LogKey
 from .segment import Segmenter, Segments, shift_blocks  # noqa: F401  (shift_blocks: re-exported)
 
 
+class SegmentLinear(nn.Module):
+    """S independent linears, one per codebook segment: x (S, N, i) -> (S, N, o); ``weight`` (S, o, i),
+    ``bias`` (S, o). Each is initialised like ``nn.Linear``."""
+
+    def __init__(self, S: int, i: int, o: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(S, o, i))
+        self.bias = nn.Parameter(torch.empty(S, o)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for s in range(self.weight.shape[0]):  # nn.Linear's init, per segment (fan_in = i)
+            nn.init.kaiming_uniform_(self.weight[s], a=math.sqrt(5))
+            if self.bias is not None:
+                nn.init.uniform_(self.bias[s], -self.weight.shape[2] ** -0.5, self.weight.shape[2] ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight.transpose(1, 2))  # (S, N, o)
+        return y if self.bias is None else y + self.bias[:, None]
+
+
 class Codebook(nn.Module):
     """Product-quantised SimVQ codebook: codes = transform(base), (S, N, ds).
 
     ``base`` is a frozen Gaussian (std ds**-0.5), kept as a non-trainable Parameter so it is
-    counted and saved; only ``transform`` (shared across segments) trains. With
-    ``codebook: learned`` the base itself is the trainable codebook and there is no transform.
+    counted and saved; only ``transform`` trains: an MLP or a bias-free Linear
+    (``concept.codebook_transform``), one shared by the segments or one per segment
+    (``concept.codebook_per_segment``: ``SegmentLinear``s, the authors' one SimVQ per segment), its
+    linears at ``nn.Sequential`` indices 0 and 2 either way. With ``codebook: learned`` the base
+    itself is the trainable codebook and there is no transform.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        S, N, ds = cfg.n_segments, cfg.concept.codes, cfg.segment_dim
-        learned = cfg.concept.codebook == "learned"
+        c = cfg.concept
+        S, N, ds = cfg.n_segments, c.codes, cfg.segment_dim
+        learned = c.codebook == "learned"
         self.base = nn.Parameter(torch.empty(S, N, ds), requires_grad=learned)
         self.transform = None
         if not learned:
-            self.transform = nn.Sequential(nn.Linear(ds, 2 * ds), nn.ReLU(), nn.Linear(2 * ds, ds))
+            make = (lambda i, o, b: SegmentLinear(S, i, o, b)) if c.codebook_per_segment else nn.Linear
+            layers = [make(i, o, b) for i, o, b in c.transform_layers(ds)]
+            self.transform = nn.Sequential(*[m for lin in layers for m in (lin, nn.ReLU())][:-1])
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -47,8 +75,15 @@ class Codebook(nn.Module):
         nn.init.normal_(self.base, std=self.base.shape[-1] ** -0.5)
         if self.transform is not None:
             for m in self.transform:
-                if isinstance(m, nn.Linear):
+                if not isinstance(m, nn.ReLU):
                     m.reset_parameters()
+
+    @torch.no_grad()
+    def zero_output(self) -> None:
+        """Every code 0 (so the predicted concept is 0): the transform's last layer, or the base."""
+        last = self.base if self.transform is None else self.transform[-1]
+        for p in ([last] if isinstance(last, nn.Parameter) else last.parameters()):
+            p.zero_()
 
     def forward(self) -> torch.Tensor:
         return self.base if self.transform is None else self.transform(self.base)  # (S, N, ds)
@@ -115,9 +150,10 @@ class ConceptModule(nn.Module):
         dc = ccfg.d_model
         self.up = nn.Linear(cfg.d_model, dc, bias=cfg.bias) if dc != cfg.d_model else None
         self.layers = Stack(ccfg, cfg.concept_windows)
-        self.norm = make_norm(ccfg, dc)
+        # the norm before the heads (concept.head_norm; None: the heads read u itself)
+        self.norm = make_norm(ccfg, dc) if c.head_norm else None
         # S per-segment heads fused into one matmul: (B, M, d_c) -> (B, M, S*N).
-        self.heads = nn.Linear(dc, self.S * self.N, bias=cfg.bias)
+        self.heads = nn.Linear(dc, self.S * self.N, bias=cfg.bias if c.head_bias is None else c.head_bias)
         self.codebook = Codebook(cfg)
         self.coupling = _build("coupling", c.coupling, Coupling, cfg)
         # checkpoints before the coupling existed kept its norms here (concept.norm_h, .norm_pred)
@@ -132,7 +168,7 @@ class ConceptModule(nn.Module):
     def code_weights(self, u: torch.Tensor) -> torch.Tensor:
         """Concept-transformer output u (B, M, d_c) -> code weights w (B, M, S, N)."""
         B, M, _ = u.shape
-        w = self.heads(self.norm(u)).view(B, M, self.S, self.N)
+        w = self.heads(u if self.norm is None else self.norm(u)).view(B, M, self.S, self.N)
         if self.cfg.concept.code_weights == "softmax":  # pred in the convex hull of each segment
             w = w.softmax(dim=-1)
         return w
@@ -146,12 +182,14 @@ class ConceptModule(nn.Module):
         """Concept-transformer output u (B, M, d_c) -> pred (B, M, d) as a mix of codes."""
         return self.mix(self.code_weights(u), codes)
 
-    def context(self, positions: torch.Tensor, dtype: torch.dtype, docs: torch.Tensor | None = None) -> Context:
-        """The concept stack's context for concepts at RoPE ``positions`` (B|1, M), unpadded; with
-        ``docs`` (B, M) (packed documents) attention stays inside each concept's document."""
+    def context(self, positions: torch.Tensor, dtype: torch.dtype, docs: torch.Tensor | None = None,
+                limit: int | None = None) -> Context:
+        """The concept stack's context for concepts at RoPE ``positions`` (B|1, M), unpadded, all
+        below ``limit`` (the token count); with ``docs`` (B, M) (packed documents) attention stays
+        inside each concept's document."""
         if docs is None:
-            return Context.causal(self.ccfg, positions, self.cfg.concept_windows, dtype)
-        cos, sin = rope(positions, self.ccfg, dtype)
+            return Context.causal(self.ccfg, positions, self.cfg.concept_windows, dtype, limit=limit)
+        cos, sin = rope(positions, self.ccfg, dtype, limit=limit)
         # boolean masks: M changes between batches under a data-dependent segmentation, and the
         # (B, 1, M, M) mask is small (M = T / k)
         return Context(cos, sin, document_masks(set(self.cfg.concept_windows), docs, flex=False))
@@ -180,7 +218,7 @@ class ConceptModule(nn.Module):
                 zero = h.new_zeros(())
                 out.losses.update(ncp_loss=zero, vq_loss=zero, commitment_loss=zero)
             return out
-        ctx = self.context(seg.positions, h.dtype, seg.docs)
+        ctx = self.context(seg.positions, h.dtype, seg.docs, limit=h.shape[1])
         if pooled is not None:
             ctx = crc.attach(ctx, [("encoder-concept", pooled)])
         if states:
@@ -188,7 +226,9 @@ class ConceptModule(nn.Module):
         else:
             u = self.layers(self.lift(seg.concepts), ctx)
         codes = self.codebook()  # (S, N, ds)
-        w = edit_code_weights(interventions, self.code_weights(u), torch.arange(M, device=h.device)[None])
+        w = self.code_weights(u)
+        if interventions:
+            w = edit_code_weights(interventions, w, torch.arange(M, device=h.device)[None])
         pred = self.mix(w, codes)  # (B, M, d); pred[j] predicts c[j+1]
         out.pred, out.weights = pred, w
         out.z = self.coupling(h, pred, seg, self.segmenter)
@@ -230,15 +270,19 @@ class ConceptModule(nn.Module):
         c, valid = seg.concepts, seg.valid
         B, M, d = c.shape
         # NCP: predict the continuous pooled state of the next concept; the target is detached.
-        if M >= 2:
+        pair = seg.pairs() if M >= 2 else None  # (B, M-1): both real, one document
+        if M >= 2 and pair is None and cfg.ncp_reduction == "mean":  # the element mean: one kernel
+            out.losses["ncp_loss"] = F.mse_loss(pred[:, :-1], c[:, 1:].detach())
+        elif M >= 2:
             err = (pred[:, :-1] - c[:, 1:].detach()).pow(2)  # (B, M-1, d)
-            pair = seg.pairs()  # (B, M-1): both real, one document
             out.losses["ncp_loss"] = self._reduce(err, pair, cfg.ncp_reduction)
         else:
             out.losses["ncp_loss"] = c.new_zeros(())
         # VQ on sg(c): trains only the codebook (the learned codes, or SimVQ's transform).
+        # The nearest codes of c (the VQ target) and of pred (the next-code accuracy) in one search.
         cs = c.detach()
-        idx = nearest_code(cs, codes.detach())  # (B, M, S)
+        both = nearest_code(torch.cat([cs, pred[:, :-1].detach()], 1), codes.detach())  # (B, 2M-1, S)
+        idx, pred_idx = both[:, :M], both[:, M:]
         q = codes[torch.arange(self.S, device=c.device), idx].reshape(B, M, d)  # (B, M, d), grad -> codes
         if cfg.vq_reduction == "sum_segment":  # Eq. 21: 1/(M S) sum_m sum_s ||sg(c_m^s) - q_m^s||^2
             vq = self._reduce((q - cs).pow(2), valid, "sum_segment")
@@ -252,7 +296,7 @@ class ConceptModule(nn.Module):
         # input, so it equals commitment x vq_loss exactly and has no gradient (Eq. 21 has none).
         out.losses["commitment_loss"] = cfg.commitment * vq.detach()
         with torch.no_grad():  # metrics as tensors: no host sync on the hot path
-            self._code_metrics(idx, pred, codes, valid, out.metrics, seg.pairs())
+            self._code_metrics(idx, pred_idx, valid, out.metrics, pair)
 
     def _reduce(self, err: torch.Tensor, mask: torch.Tensor | None, how: str) -> torch.Tensor:
         """Squared errors err (B, M, d) -> one loss value: per concept the mean over d (``mean``),
@@ -268,7 +312,9 @@ class ConceptModule(nn.Module):
             return per.mean()
         return (per * mask).sum() / mask.sum().clamp_min(1)
 
-    def _code_metrics(self, idx, pred, codes, valid, metrics: dict, pair=None) -> None:
+    def _code_metrics(self, idx, pred_idx, valid, metrics: dict, pair=None) -> None:
+        """Code usage and perplexity of the concepts' nearest codes idx (B, M, S), and how often
+        pred's nearest code pred_idx (B, M-1, S) is the next concept's."""
         S, N = self.S, self.N
         counts = torch.zeros(S, N, device=idx.device)
         flat = idx.reshape(-1, S).t()  # (S, B*M)
@@ -276,15 +322,16 @@ class ConceptModule(nn.Module):
         if valid is not None:
             ones = ones * valid.reshape(1, -1).to(counts.dtype)
         counts.scatter_add_(1, flat, ones)  # (S, N) hits per code
-        metrics["code_usage"] = (counts > 0).float().mean(-1)
+        metrics["code_usage"] = counts.count_nonzero(-1) / N
         total = counts.sum(-1, keepdim=True)
         p = counts / (total if valid is None else total.clamp_min(1))
-        metrics["code_perplexity"] = torch.exp(-(p * p.clamp_min(1e-12).log()).sum(-1))
+        metrics["code_perplexity"] = torch.special.entr(p).sum(-1).exp()  # exp(-sum p log p), 0 log 0 = 0
         if idx.shape[1] >= 2:
-            hit = (nearest_code(pred[:, :-1].detach(), codes.detach()) == idx[:, 1:]).float()  # (B, M-1, S)
+            hit = pred_idx == idx[:, 1:]  # (B, M-1, S)
             if pair is None:
-                metrics["ncp_code_acc"] = hit.mean(dim=(0, 1))
+                metrics["ncp_code_acc"] = hit.mean(dim=(0, 1), dtype=torch.float32)
             else:
+                hit = hit.float()
                 pair = pair[..., None].float()
                 metrics["ncp_code_acc"] = (hit * pair).sum((0, 1)) / pair.sum((0, 1)).clamp_min(1)
 

@@ -31,6 +31,7 @@ from .config_base import (  # noqa: F401
     ConfigError, SegmentationLaw, is_positive_int, option, section_problems, section_seq_len, section_settle, section_tokens,
 )
 from .config_bottleneck import BOTTLENECK_INDEPENDENCE, BottleneckConfig, BottleneckSection, steer_site  # noqa: F401
+from .config_concept_head import ConceptHeadSection
 from .config_coupling import CrossAttentionSection
 from .config_diffusion import DiffusionConfig, DiffusionSection  # noqa: F401
 from .config_dynamic import BALANCES, BOUNDARY_MODES, DYNAMIC, DynamicSection  # noqa: F401
@@ -69,9 +70,10 @@ _f = option  # a documented dataclass field (config_base.option)
 
 
 @dataclass
-class ConceptConfig(DynamicSection, CrossAttentionSection):
+class ConceptConfig(DynamicSection, CrossAttentionSection, ConceptHeadSection):
     """The concept path (spec sections 1-3). Defaults follow ConceptLM (Pythia). The keys of one
-    segmentation or coupling are its section (config_dynamic.py, config_coupling.py)."""
+    segmentation or coupling are its section (config_dynamic.py, config_coupling.py); those of the
+    heads and the codebook transform, config_concept_head.py."""
 
     enabled: bool = _f(False, "Turn the concept path on (ConceptLM); off = exactly the HF backbone.")
     segmentation: str = _f(
@@ -89,7 +91,10 @@ class ConceptConfig(DynamicSection, CrossAttentionSection):
         "simvq", "simvq = frozen Gaussian codes through a trained MLP transform; learned = plain trained codes.")
     code_weights: Literal["linear", "softmax"] = _f(
         "linear", "linear = raw head outputs weight the codes (ConceptLM); softmax = per segment (NCP-ArchPreview).")
-    add: Literal["raw", "normed"] = _f("raw", "raw = h + pred; normed = norm(h) + norm(pred) (GPT-2 variant).")
+    add: Literal["raw", "normed", "final_norm"] = _f(
+        "raw", "raw = h + pred; normed = norm(h) + norm(pred) with norms of their own, the zero slots before the "
+        "first concept left 0 (GPT-2 variant); final_norm = the model's final norm on both, the zero slots included "
+        "(they become its bias: the authors' GPT-2 code).")
     detach_added_concept: bool = _f(False, "Stop next-token gradients at the added prediction (ConceptLM Llama variant).")
     ncp_reduction: Literal["mean", "sum_dim", "sum_segment"] = _f(
         "mean", "NCP loss ||pred_m - sg(c_m)||^2 over predicted blocks m: mean = mean over all elements "
@@ -297,7 +302,7 @@ class ModelConfig(DiffusionSection, BottleneckSection, MupSection, MtpSection, A
         for name, allowed in (
             ("codebook", ("simvq", "learned")),
             ("code_weights", ("linear", "softmax")),
-            ("add", ("raw", "normed")),
+            ("add", ("raw", "normed", "final_norm")),
             ("ncp_reduction", ("mean", "sum_dim", "sum_segment")),
             ("vq_reduction", ("mean", "sum_segment")),
         ):

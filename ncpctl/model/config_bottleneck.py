@@ -52,6 +52,12 @@ class BottleneckConfig:
         "dense", "g, the unknown head's predictor: dense = Linear(d, m); low_rank = Linear(d, r) then Linear(r, m) "
         "with the rank r of U (Steerling's released code factorises it so; at 8B it cuts the module's parameters "
         "about in half).")
+    bias: bool = option(
+        True, "Biases on the concept heads' logits (f, and g's last layer): ncpctl's default, the known bias starting at "
+        "a prior (each chunk's OR near 1/2); false = Steerling's released code (steerling 0.2.0: no bias in either head).")
+    logit_clamp: float | None = option(
+        None, "Clamp both heads' logits to [-c, c] before the sigmoid and the top-k (Steerling's released code: 15, "
+        "its ConceptHead); null = no clamp.")
     top_k_known: int | None = option(None, "Keep the top-k known activations per token; null = dense (Steerling "
                                        "mid-training: 32).")
     top_k_unknown: int | None = option(None, "Keep the top-k unknown activations per token; null = dense (Steerling "
@@ -133,6 +139,10 @@ def _check_bottleneck(b: BottleneckConfig, d: int) -> tuple[list[tuple[str, str]
     if steer_site(b.steer_at) is None:
         problems.append(("bottleneck.steer_at", f"must be decoder_input, readout, encoder.L or decoder.L, "
                                                 f"got {b.steer_at!r}"))
+    if not isinstance(b.bias, bool):
+        problems.append(("bottleneck.bias", f"must be true or false, got {b.bias!r}"))
+    if b.logit_clamp is not None and (not num(b.logit_clamp) or not b.logit_clamp > 0):
+        problems.append(("bottleneck.logit_clamp", f"must be a number > 0 or null, got {b.logit_clamp!r}"))
     if b.unknown_head not in ("dense", "low_rank"):
         problems.append(("bottleneck.unknown_head", f"must be dense or low_rank, got {b.unknown_head!r}"))
     if b.independence not in BOTTLENECK_INDEPENDENCE:

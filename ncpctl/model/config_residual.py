@@ -107,9 +107,9 @@ class IrcCost:
 
     @staticmethod
     def vector(cfg: Any, stack: str, shape: dict[str, tuple[int, int]]) -> int:
-        """The part of ``flops`` that is not a GEMM: the weighted sums (elementwise multiply-adds)."""
-        n, P = shape[stack]
-        return sum(2 * P * (i + 2) * cfg.d_model for i in range(n))
+        """The part of ``flops`` that is not a GEMM: none (the weighted sums are one batched matmul
+        per layer, forward and backward: ``residual.DepthMix``)."""
+        return 0
 
 
 class AttnResCost:
@@ -137,5 +137,6 @@ class AttnResCost:
 
     @classmethod
     def vector(cls, cfg: Any, stack: str, shape: dict[str, tuple[int, int]]) -> int:
-        """All of it: the logits are matrix-vector products (one pseudo-query), the sums elementwise."""
-        return cls.flops(cfg, stack, shape)
+        """Half of it: the logits are matrix-vector products (one pseudo-query); the weighted sums are
+        a batched matmul (``residual.DepthMix``)."""
+        return cls.flops(cfg, stack, shape) // 2

@@ -49,6 +49,10 @@ class Coupling(nn.Module):
     def decoder_context(self, ctx, pred, seg, segmenter):
         return ctx
 
+    def bind(self, model: nn.Module) -> None:
+        """Called once the model is built (``NCPModel.__init__``): a coupling that uses one of the
+        model's own modules (``add: final_norm``: the final norm) keeps it here."""
+
     @classmethod
     def document_refusal(cls, cfg: ModelConfig) -> str | None:
         """Why this coupling cannot keep packed documents apart (``data.document_mask``), or None."""
@@ -59,23 +63,37 @@ class Coupling(nn.Module):
 
 
 class AddCoupling(Coupling):
+    """``add: raw``: z = h + spread(pred); ``normed``: norm_h(h) + spread(norm_pred(pred)), norms of
+    its own, the zero slots left 0; ``final_norm``: f(h) + f(spread(pred)) with the model's final
+    norm f (``bind``), the zero slots normed too (they become f's bias: the authors' GPT-2 code,
+    ``ln_f(enc) + ln_f(concept)``)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.normed = cfg.concept.add == "normed"
+        self.normed = cfg.concept.add != "raw"
+        self.shared = cfg.concept.add == "final_norm"  # the final norm, bound by the model: no weights here
         self.detach = cfg.concept.detach_added_concept
-        if self.normed:  # GPT-2 variant: norm(h) + norm(pred)
+        if self.normed and not self.shared:  # GPT-2 variant: norm(h) + norm(pred)
             self.norm_h = make_norm(cfg, cfg.d_model)
             self.norm_pred = make_norm(cfg, cfg.d_model)
+        self._final: tuple = ()
+
+    def bind(self, model: nn.Module) -> None:
+        if self.shared:  # a tuple: the final norm stays the model's module (one set of weights, one key)
+            self._final = (model.final_norm,)
 
     def added_term(self, pred: torch.Tensor) -> torch.Tensor:
         """What is added per concept (normed once per concept, so the zero-shifted slots stay 0)."""
-        return self.norm_pred(pred) if self.normed else pred
+        return self.norm_pred(pred) if self.normed and not self.shared else pred
 
     def combine(self, h: torch.Tensor, added: torch.Tensor) -> torch.Tensor:
-        """Decoder input z = h + added (or norm(h) + norm(pred)), both (B, T, d)."""
-        if self.detach:
-            added = added.detach()
-        return (self.norm_h(h) if self.normed else h) + added
+        """Decoder input z = h + added (or norm(h) + norm(pred)), both (B, T, d); with the shared
+        final norm, ``added`` is the per-token term before it (zeros where no concept closed)."""
+        if self.shared:
+            h, added = self._final[0](h), self._final[0](added)
+        elif self.normed:
+            h = self.norm_h(h)
+        return h + (added.detach() if self.detach else added)
 
     def forward(self, h, pred, seg, segmenter) -> torch.Tensor:
         if pred is None:  # no concept yet (T shorter than one segment): nothing added

@@ -122,7 +122,7 @@ def prefill(model, tokens: torch.Tensor, lengths, max_len: int | None, ivs: list
     valid = slots[None] >= st.pad_t[:, None]  # (B, Tp) real tokens
     positions = (slots[None] - st.pad_t[:, None]).clamp_min(0)  # (B, Tp)
     x = model.embed_tokens(tokens, positions)  # (B, Tp, d)
-    cos, sin = rope(positions, cfg, x.dtype)
+    cos, sin = rope(positions, cfg, x.dtype, limit=Tp)
     # each layer's declared pattern over the rows' own positions (padding: negative, never visible)
     slot_pos = slots[None] - st.pad_t[:, None]  # (B, Tp)
     masks = step_masks(model.token_patterns, slot_pos, slot_pos, valid)
@@ -180,7 +180,7 @@ def _concept_prefill(model, st: DecodeState, h: torch.Tensor, lengths: list[int]
     if M > 0:
         # Right padding: a row's junk concepts come after its real ones, so the causal mask
         # keeps them out of every real concept's output.
-        ctx = cm.context(seg.positions, h.dtype).with_(caches=st.con, at=0, length=M)
+        ctx = cm.context(seg.positions, h.dtype, limit=h.shape[1]).with_(caches=st.con, at=0, length=M)
         if pooled is not None:
             ctx = model.crc.attach(ctx, [("encoder-concept", pooled)])
         c_in = cm.lift(seg.concepts)  # (B, M, d_c)
@@ -257,7 +257,7 @@ def step_many(model, st: DecodeState, tokens: torch.Tensor, snapshots: list | No
     # a speculative round may feed a finished row's throw-away tokens past the window: learned
     # position tables (gpt2) end there, and those tokens' outputs are never used
     x = model.embed_tokens(tokens, pos.clamp_max(model.cfg.max_seq_len - 1))  # (B, n, d)
-    cos, sin = rope(pos, model.cfg, x.dtype)
+    cos, sin = rope(pos, model.cfg, x.dtype, limit=s + n)  # positions are below their slots
     keys = torch.arange(s + n, device=dev)
     valid = keys[None] >= st.pad_t[:, None]  # (B, s+n)
     masks = step_masks(model.token_patterns, pos, keys[None] - st.pad_t[:, None], valid)
@@ -320,7 +320,7 @@ def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, po
         concept = pick(closing.concept)
         pooled = None if pooled_depths is None else [c[:, None] for c in concept.chunk(len(pooled_depths), -1)]
         c_in = cm.lift(concept[:, None] if pooled is None else pooled[-1])  # (R, 1, d_c)
-        cos, sin = rope(pick(closing.position)[:, None], cm.ccfg, h.dtype)
+        cos, sin = rope(pick(closing.position)[:, None], cm.ccfg, h.dtype, limit=max(pos_host) + 1)  # closed by now
         keys = torch.arange(n, device=h.device)
         masks = {w: attn_mask(j[:, None], keys[None], w) for w in cm.layers.windows}
         caches = [c.rows(rows) for c in st.con] if sub else st.con

@@ -76,6 +76,8 @@ class NCPModel(nn.Module):
         if self.crc is None and hasattr(mixer, "cross_modules"):
             self.crc = mixer.cross_modules(cfg)
         self.final_norm = make_norm(cfg, d)
+        if self.concept is not None:  # a coupling may use the model's own modules (add: final_norm)
+            self.concept.coupling.bind(self)
         self.lm_head = LMHead(d, cfg.padded_vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -196,16 +198,17 @@ class NCPModel(nn.Module):
         return self.final_norm(self.decoder(z, ctx))
 
     def readout(self, h: torch.Tensor, concept_labels: torch.Tensor | None = None, losses: bool = False,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, BottleneckOutput | None]:
+                positions: torch.Tensor | None = None, dense: bool = False) -> tuple[torch.Tensor, BottleneckOutput | None]:
         """Final-norm states h (B, T, d) -> (what the LM head reads, the bottleneck's parts): h
         itself without a bottleneck; with one, h_bar = k_hat + u_hat + e (== h outside training).
-        ``positions`` (B, T) bool: where the concept loss reads (``objective.concept_positions``)."""
+        ``positions`` (B, T) bool: where the concept loss reads (``objective.concept_positions``);
+        ``dense``: the known head's dense logits even without gradients (bottleneck_sparse.py)."""
         if self.bottleneck is None:
             if concept_labels is not None:
                 raise ValueError("concept_labels given, but this model has no concept bottleneck (model.bottleneck)")
             return h, None
         parts = BottleneckOutput(**self.bottleneck(h, concept_labels, losses=losses, positions=positions,
-                                                   feed=self.objective.fed_labels))
+                                                   feed=self.objective.fed_labels, dense=dense))
         return parts.h_bar, parts
 
     def head(self, h: torch.Tensor, targets: torch.Tensor | None = None, top1: bool = False):
@@ -262,7 +265,8 @@ class NCPModel(nn.Module):
         ``return_hidden``: the final-norm states; ``return_states``: every stack's per-depth states.
         ``concept_labels`` (B, T, n) bool/float: token t carries evidence of labelled concept c
         (the bottleneck's concept loss and teacher forcing); ``return_bottleneck``: its parts
-        (k, u, k_hat, u_hat, e) as ``out.bottleneck``, for attribution; ``sample_ids`` (B,) each
+        (k, u, k_hat, u_hat, e) as ``out.bottleneck``, for attribution (the known head dense; without
+        gradients a top-k unknown head is sparse, bottleneck_sparse.py); ``sample_ids`` (B,) each
         row's global sample index (the training loop's: the key of a segmenter's sampling noise,
         so every rank count draws the same boundaries); ``doc_ids`` (B, T) long, non-decreasing per
         row: the document of each position of a packed window (``data.document_mask``; documents.py):
@@ -293,7 +297,8 @@ class NCPModel(nn.Module):
             states = {"encoder": enc_states, "concept": co.states, "decoder": dec_states}
         out = NCPOutput(logits=None, concept=co if self.concept is not None else None, states=states,
                         hidden=hN if return_hidden else None, metrics=dict(co.metrics), stats=dict(co.stats))
-        h_bar, parts = self.readout(hN, concept_labels, losses=targets is not None, positions=keep)
+        h_bar, parts = self.readout(hN, concept_labels, losses=targets is not None, positions=keep,
+                                    dense=return_bottleneck)
         steer = readout_vector(ivs, h_bar, positions)  # (B, T, d) or None: AddToReadout (steering at the head)
         h_bar = h_bar if steer is None else h_bar + steer
         if parts is not None:  # steering is an attributed part of what the head reads: h_bar = kK + uU + e + steer

@@ -74,21 +74,65 @@ def _weight_mlp(d: int, hidden: int, out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d, hidden), nn.SiLU(), nn.Linear(hidden, out))
 
 
+class DepthMix(torch.autograd.Function):
+    """out = sum_j w[..., j] * values[j]: a per-token weighted sum over n depths in one batched
+    matmul, forward and backward, instead of n multiply-adds (each a kernel on a GPU, and about
+    four more in the backward); the depth mixers' host overhead (issue "Fast where users train").
+
+    ``apply(w, stacked, *values)``: w (B, T, n), stacked (B, T, n, d) = stack(values, -2), values
+    n tensors (B, T, d). The gradient flows to ``stacked`` (one (B, T, n, d) tensor, so a mixer that
+    grows its stack by concatenation accumulates one tensor per layer, not n); ``values`` are given
+    only to be saved: they are alive anyway as the stack's candidates, whereas saving ``stacked``
+    would keep an n-deep copy per layer (quadratic memory in depth). The backward re-stacks them.
+    """
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, stacked: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(w, *values)
+        return (w.to(stacked.dtype).unsqueeze(-2) @ stacked).squeeze(-2)  # (B, T, 1, n) @ (B, T, n, d)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        w, *values = ctx.saved_tensors
+        g = grad.unsqueeze(-2)  # (B, T, 1, d)
+        grad_w = grad_s = None
+        if ctx.needs_input_grad[0]:
+            grad_w = (g @ torch.stack(values, -2).transpose(-1, -2)).squeeze(-2).to(w.dtype)  # (B, T, n)
+        if ctx.needs_input_grad[1]:  # an outer product, as a batched GEMM of inner size 1: the mix's
+            # backward is twice its forward in GEMMs, as every layer's (ncpctl.model.accounting)
+            grad_s = w.to(grad.dtype).unsqueeze(-1) @ g  # (B, T, n, 1) @ (B, T, 1, d) -> (B, T, n, d)
+        return (grad_w, grad_s, *(None for _ in values))
+
+
+def mix_depths(w: torch.Tensor, values: list, stacked: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j w[..., j] values[j] (``DepthMix``): w (B, T, n), values n of (B, T, d) -> (B, T, d);
+    ``stacked`` their stack along dim -2 when the caller keeps one."""
+    if stacked is None:
+        stacked = torch.stack(values, -2)
+    return DepthMix.apply(w, stacked, *values)
+
+
 @dataclass
 class IRCState:
-    """A stack's IRC candidates: the stack input and every layer's plain output so far, each (B, T, d)."""
+    """A stack's IRC candidates: the stack input and every layer's plain output so far, each (B, T, d),
+    and their stack (B, T, n, d), grown by one candidate per layer."""
 
     seen: list
+    stacked: torch.Tensor | None = None
 
 
 class IRC(Residual):
     owns_init = True
+    compile_region = True  # train.compile compiles its forward (ncpctl.train.compiled)
 
     def __init__(self, cfg: ModelConfig, n_layers: int):
         super().__init__(cfg, n_layers)
         self.softmax = cfg.irc_normalize == "softmax"
         # layer i (0-based) mixes i + 2 candidates: the stack input and the outputs of layers 0..i
         self.mlps = nn.ModuleList(_weight_mlp(cfg.d_model, cfg.irc_hidden, i + 2) for i in range(n_layers))
+        # (0, ..., 0, 1): its last n entries are layer n-2's one-hot on the newest candidate (a view,
+        # no kernel); not saved (a constant of the design)
+        self.register_buffer("newest", F.one_hot(torch.tensor(n_layers + 1), n_layers + 2).float(), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -98,23 +142,19 @@ class IRC(Residual):
             nn.init.zeros_(mlp[2].bias)
 
     def begin(self, x0: torch.Tensor) -> "IRCState":
-        return IRCState([x0])
+        return IRCState([x0], x0.unsqueeze(-2))
 
     def forward(self, layer: int, x: torch.Tensor, update: torch.Tensor, st: "IRCState") -> torch.Tensor:
         # the candidates live in a record, not a bare list: ZeRO-3's module hooks rebuild list
         # arguments (deepspeed apply_to_tensors_only), so appending to one was lost under ZeRO-3
-        seen = st.seen
-        seen.append(update + x)  # H_l + R_l: the plain output of this layer
+        new = update + x  # H_l + R_l: the plain output of this layer
+        st.seen.append(new)
+        st.stacked = torch.cat([st.stacked, new.unsqueeze(-2)], dim=-2)  # (B, T, layer + 2, d)
         w = self.mlps[layer](update)  # (B, T, layer + 2), zero at init
-        newest = torch.zeros(layer + 2, dtype=w.dtype, device=w.device)
-        newest[-1] = 1.0
-        w = w + newest
-        if self.softmax:
-            w = w.softmax(-1)
-        out = w[..., :1] * seen[0]
-        for j in range(1, layer + 2):  # one fused multiply-add per candidate
-            out = torch.addcmul(out, w[..., j : j + 1], seen[j])
-        return out
+        if self.softmax:  # the constant one-hot on the newest candidate, then the per-stage softmax
+            return mix_depths((w + self.newest[-(layer + 2):]).softmax(-1), st.seen, st.stacked)
+        # w + one-hot(newest): the one-hot's share is the newest candidate itself
+        return mix_depths(w, st.seen, st.stacked) + new
 
 
 class CrossModule(nn.Module):
@@ -123,6 +163,7 @@ class CrossModule(nn.Module):
 
     no_weight_decay = True
     owns_init = True  # D = crc_init (0: the plain network); NCPModel.init_weights leaves it alone
+    compile_region = True  # train.compile compiles its forward (ncpctl.train.compiled)
 
     def __init__(self, cfg: ModelConfig, n_target: int, K: int):
         super().__init__()
@@ -144,16 +185,15 @@ class CrossModule(nn.Module):
             n.reset_parameters()
         nn.init.constant_(self.scale, self.init)
 
-    def sources(self, depths: list[torch.Tensor]) -> list[torch.Tensor]:
-        """LN(S_j) of each source depth (each aligned to the target: (B, T_target, d))."""
-        return [norm(s) for norm, s in zip(self.norms, depths)]
+    def sources(self, depths: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """LN(S_j) of each source depth (each aligned to the target: (B, T_target, d)) and their
+        stack (B, T_target, K, d), made once for all target layers (``DepthMix``)."""
+        normed = [norm(s) for norm, s in zip(self.norms, depths)]
+        return normed, torch.stack(normed, -2)
 
-    def forward(self, layer: int, x: torch.Tensor, normed: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor, normed: tuple[list[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         alpha = F.softmax(self.mlps[layer](x), dim=-1)  # (B, T, K)
-        m = alpha[..., :1] * normed[0]
-        for j in range(1, self.K):
-            m = torch.addcmul(m, alpha[..., j : j + 1], normed[j])
-        return torch.addcmul(x, self.scale[layer], m)
+        return torch.addcmul(x, self.scale[layer], mix_depths(alpha, *normed))
 
 
 class CrossModules(nn.Module):
@@ -189,7 +229,7 @@ class CrossHook:
     """``post(layer, x)`` of a target stack: every connection into it, with its normed sources.
     The stack calls it with layer -1 on its input (``crc_mode: input`` applies there only)."""
 
-    def __init__(self, applied: list[tuple[CrossModule, list[torch.Tensor]]]):
+    def __init__(self, applied: list[tuple[CrossModule, tuple[list[torch.Tensor], torch.Tensor]]]):
         self.applied = applied
 
     def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -227,6 +267,7 @@ class BlockAttnRes(Residual):
 
     owns_init = True
     reads_sources = True  # Stack passes Context.sources (cross-module block states) to begin
+    compile_region = True  # train.compile compiles its forward (ncpctl.train.compiled)
 
     @classmethod
     def cross_modules(cls, cfg: ModelConfig) -> "BlockSources | None":
@@ -253,12 +294,8 @@ class BlockAttnRes(Residual):
         if st.partial is not None:
             values, keys = [*values, st.partial], [*keys, st.partial_key]
         w = self.query[i] * self.key_weight[i]  # w . (g * RMSNorm(v)) = (w * g) . RMSNorm(v)
-        logits = torch.stack([k @ w.to(k.dtype) for k in keys], dim=-1)  # (B, T, n)
-        alpha = logits.softmax(-1).to(values[0].dtype)
-        out = alpha[..., :1] * values[0]
-        for j in range(1, len(values)):
-            out = torch.addcmul(out, alpha[..., j : j + 1], values[j])
-        return out
+        logits = torch.stack(keys, -2) @ w.to(keys[0].dtype)  # (B, T, n, d) @ (d,) -> (B, T, n)
+        return mix_depths(logits.softmax(-1).to(values[0].dtype), values)
 
     def begin(self, x0: torch.Tensor, sources: list | None = None) -> AttnResState:
         done = [*(sources or ()), x0]

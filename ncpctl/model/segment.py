@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import FIXED_BLOCKS, ModelConfig, SegmentationLaw
@@ -270,8 +271,10 @@ class FixedBlocks(Segmenter):
 def shift_blocks(pred: torch.Tensor, k: int, T: int) -> torch.Tensor:
     """Causal shift (spec 1): position p gets pred[(p+1)//k - 1], zeros for p < k-1.
 
-    repeat_interleave(cat(0, pred), k), drop the first position, cut to T: (B, M, d) -> (B, T, d).
+    Each pred repeated k times (B, M k, d), then k-1 zero positions in front and cut (or padded) to
+    T: (B, M, d) -> (B, T, d). One pad does both (a negative pad crops), so the shift is two kernels
+    forward and two backward.
     """
     B, M, d = pred.shape
-    z = torch.cat((pred.new_zeros(B, 1, d), pred), dim=1)  # (B, M+1, d)
-    return z[:, :, None].expand(B, M + 1, k, d).reshape(B, (M + 1) * k, d)[:, 1 : T + 1]
+    rep = pred[:, :, None].expand(B, M, k, d).reshape(B, M * k, d)
+    return F.pad(rep, (0, 0, k - 1, T - (k - 1) - M * k))

@@ -70,6 +70,9 @@ def render(con: Any, res: dict[str, Any]) -> None:
             s["recipe_vs_pm"]["paper"], s["recipe_vs_pm"]["exact"],
             s["recipe_vs_base"]["paper"], s["recipe_vs_base"]["exact"]))
 
+    if "ops" in res:
+        _render_ops(con, res["ops"])
+
     if "device" in res:
         d = res["device"]
         con.print(f"device: {d['name']} ({d['type']}), {d['threads']} threads, torch {d['torch']}")
@@ -131,6 +134,25 @@ def render(con: Any, res: dict[str, Any]) -> None:
         for r in tr["top_ops"]:
             t.add_row(r["name"][:70], str(r["calls"]), _ms(r["self_s"]), f"{r['share']:.1%}")
         con.print(t)
+
+
+def _render_ops(con: Any, o: dict[str, Any]) -> None:
+    """Operators per training step and per decode step, recipe vs its plain sibling, per layer."""
+    from rich.table import Table
+
+    t = Table(title=f"ops: {o['kind']}, batch {o['batch_size']} x {o['seq_len']}", title_justify="left")
+    for col in ("model", "layers", "train step", "per layer", "decode step", "per layer"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for key in ("recipe", "sibling"):
+        if key in o:
+            e, tr = o[key], o[key]["train_step"]
+            dec = e.get("decode_step")
+            t.add_row(e["name"], str(tr["layers"]), str(tr["total"]), f"{tr['per_layer']:.1f}",
+                      str(dec["total"]) if dec else "-", f"{dec['per_layer']:.1f}" if dec else "-")
+    con.print(t)
+    for step, c in o.get("comparison", {}).items():
+        con.print(f"{step.replace('_', ' ')}: {c['ratio']:.3f}x the plain sibling's operators, "
+                  f"{c['per_layer_ratio']:.3f}x per layer (+{c['overhead_per_layer']:.1f} per layer of the design)")
 
 
 def plot_kernels(k: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from ncpctl.profile import SECTIONS
+from ncpctl.profile import DEFAULT_SECTIONS
 from ncpctl.profile.kernels import CPU_GRID, GPU_GRID, QUICK_GRID
 
 
@@ -27,14 +27,14 @@ def profile(
     out_dir: Path | None = None,
     log: Callable[[str], None] = lambda msg: None,
 ) -> dict[str, Any]:
-    """Run ``only`` (default: every section) for ``recipe``; results keyed by section.
+    """Run ``only`` (default: every section but ``ops``) for ``recipe``; results keyed by section.
 
     ``quick``: the smallest grid, one repeat, no warm-up beyond one call (tests, smoke runs).
     ``realised_ratio``: the accounting of a dynamic segmentation at this measured tokens per concept.
     """
     from ncpctl.profile.accounting import accounting_section, config_summary
 
-    sections = list(only or SECTIONS)
+    sections = list(only or DEFAULT_SECTIONS)
     cfg = recipe.model_config
     T, B = recipe.seq_len, recipe.train.micro_batch_size
     out_dir = Path(out_dir) if out_dir is not None else recipe.run_dir / "profile"
@@ -83,6 +83,12 @@ def profile(
 
         log(f"step: fwd+bwd+AdamW, batch {B} x {T} on {dev} ({step_reps} repeats)")
         result["step"] = step_section(cfg, T, B, dev, dtype, warmup, step_reps, peak_reps)
+    if "ops" in sections:
+        from ncpctl.profile.ops import ops_section
+
+        T = min(T, 128)  # the count does not depend on the length past a few concepts
+        log(f"ops: operators per training step and per decode step (CPU, batch 2 x {T}), recipe vs plain sibling")
+        result["ops"] = ops_section(cfg, T, 2)
     if "trace" in sections:
         from ncpctl.profile.trace import trace_section
 

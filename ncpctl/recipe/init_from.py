@@ -48,6 +48,10 @@ def hf_init_config(model: Any, directory: str, problems: list[Problem]) -> Model
     recipe's explicit ``model`` keys, and the concept path of the recipe (``model.size``'s
     concept defaults + ``model.concept``); ``vocab_size`` is the HF model's. Problems are
     reported like any recipe problem, at load time; None when the config is impossible."""
+    from ncpctl.interop.authors import steerling
+
+    if steerling.detect(directory):  # Steerling's own layout (issue 43)
+        return steerling.init_config(model, directory, problems)
     cfg_file = Path(directory) / "config.json"
     try:
         preset = build_config(model.size)  # the size's concept defaults

@@ -199,6 +199,24 @@ def _load_tree(path: Path, problems: list[str], origin: dict[str, str], stack: t
     return deep_merge(merged, doc, on_leaf=lambda key, v: _record(v, origin, src, ".".join(map(str, key))))
 
 
+def set_keys(path: str | os.PathLike[str]) -> list[str]:
+    """The key paths a recipe file sets itself or through what it ``extends`` (a mapping is walked
+    into, any other value, a list too, is one key), in file order: what ``ncpctl sweep`` compares
+    with the recipe a finished point's run recorded."""
+    tree = _load_tree(Path(path), [], {})
+    out: list[str] = []
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict) and v:
+                walk(v, f"{prefix}{k}.")
+            else:
+                out.append(f"{prefix}{k}")
+
+    walk(tree, "")
+    return out
+
+
 def parse_set(item: str) -> tuple[list[str], Any]:
     """``a.b.c=value`` -> (["a","b","c"], YAML-parsed value)."""
     key, sep, raw = item.partition("=")

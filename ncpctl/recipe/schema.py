@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
@@ -305,10 +305,12 @@ class TrainSection(Section):
         "block (about one more forward per step, the least activation memory); `selective` keeps the block "
         "outputs and recomputes the attention and MLP internals (q, k, v, attention output, MLP hidden); "
         "`none` keeps everything. Losses and gradients are unchanged.")
-    compile: bool = Field(False, description="torch.compile each block's forward in every stack (inductor; the "
-                          "parts between blocks stay eager; at ZeRO-3 each block gathers its weights at once). Where it "
-                          "cannot (a CPU without a C++ compiler) the run goes on eagerly with one warning line saying why. "
-                          "The loss equals eager mode's to float rounding.")
+    compile: Union[bool, Literal["auto"]] = Field(
+        "auto", description="torch.compile each block's forward in every stack, and the depth mixers between them "
+        "(IRC, CRC, Block AttnRes) (inductor; the rest stays eager; at ZeRO-3 each block gathers its weights at "
+        "once). `auto` = on a GPU, off on a CPU (where inductor's kernels are about as fast as eager ones and "
+        "compiling costs a minute). Where it cannot (a CPU without a C++ compiler) the run goes on eagerly with one "
+        "warning line saying why. The loss equals eager mode's to float rounding.")
     eval_every: int = Field(50, ge=0, description="Validation every N steps (0 = only at the end).")
     eval_batches: int = Field(8, gt=0, description="Validation batches per evaluation.")
     eval_tasks: list[str] = Field(

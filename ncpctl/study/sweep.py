@@ -15,26 +15,23 @@ The sweep file (YAML)::
                                      # or a list of such mappings: each one more axis (lr x width)
     points:                          # explicit points, added to the grid's (optional `name` each)
       - {name: extra, model.d_model: 512, train.max_steps: 100}
+    fixed:                           # keys set for every point (they do not name points)
+      train.max_steps: null          # e.g. the base's step count left out for a train.max_flops axis
     slurm:                           # --executor slurm: submitit's parameters (partition, time, nodes, ...)
       partition: gpu
       timeout_min: 1440
       gpus_per_node: 8
 
-Every key is a recipe key path; a point sets its keys over the base. At least one of ``axes``,
+Every key is a recipe key path; a point sets the ``fixed`` keys and its own over the base, and each
+point is checked whole (all its keys together, as pretrain will load it). At least one of ``axes``,
 ``zip`` and ``points`` is needed. Each point is written as ``OUT/points/NAME.yaml``, a recipe that
-``extends:`` the base (by a relative path) and sets the point's keys and ``run.dir:
-OUT/runs/NAME``, so ``ncpctl pretrain OUT/points/NAME.yaml`` reruns it by hand; ``OUT/manifest.json``
-lists the points, their keys, recipes, run directories, FLOPs, tokens and status. A point's name is
-its values (``d_model=768,target_ratio=2``, the last part of each key; a zip row's or a point's
-``name`` stands for its keys; an axis of one value is left out), so names are stable when points are
-added.
-
-Running goes through submitit, one code path for both executors: ``local`` (its LocalExecutor, at most
-``parallel`` points at a time on this machine) and ``slurm`` (its AutoExecutor, one job array, at most
-``parallel`` array tasks at a time). Each job runs ``ncpctl pretrain OUT/points/NAME.yaml`` as a
-subprocess. A point is finished when its run directory's newest complete checkpoint is at the recipe's
-``train.max_steps``; a rerun skips those, resumes the others from their checkpoints (pretrain's
-``train.resume: auto``) and never starts a point whose run directory is locked by a live process.
+``extends:`` the base (by a relative path) and sets the point's keys and ``run.dir: OUT/runs/NAME``, so
+``ncpctl pretrain OUT/points/NAME.yaml`` reruns it by hand; ``OUT/manifest.json`` lists the points,
+their keys, recipes, run directories, FLOPs, tokens and status. A point's name is its values
+(``d_model=768+target_ratio=2``; ``ncpctl.study.sweep_names``: the last part of each key, a zip row's
+or a point's ``name`` for its keys, an axis of one value left out), so names are stable when points
+are added. Running and resuming: ``ncpctl.study.sweep_run``; when a point counts as done:
+``ncpctl.study.sweep_state``.
 """
 
 from __future__ import annotations
@@ -43,19 +40,16 @@ import itertools
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import yaml
 
 from ncpctl.errors import UserError
+from ncpctl.study.sweep_names import Part, label, legacy_name, name_of
 
-TOP_KEYS = ("name", "base", "out", "ranks", "axes", "zip", "points", "slurm", "timeout_min")
+TOP_KEYS = ("name", "base", "out", "ranks", "axes", "zip", "points", "fixed", "slurm", "timeout_min")
 EXECUTORS = ("local", "slurm")
 MANIFEST = "manifest.json"
 RUNS = "runs"  # OUT/runs/NAME: a point's run directory
@@ -70,10 +64,14 @@ class SweepPoint:
     max_steps: int = 0
     flops_per_step: float = 0.0
     tokens_per_step: int = 0
-    status: str = "pending"
+    status: str = "pending"  # pending, running, done, stale, locked, failed, interrupted
     step: int = 0
     val_loss: float | None = None
     note: str = ""
+    legacy: str = ""  # the name an older ncpctl gave the point (sweep_names.legacy_name)
+    # the keys the base and the point set (run.dir aside), each at its resolved value (JSON): what
+    # the run of a finished point must have recorded (sweep_state.stale_reason)
+    expect: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "params": self.params, "recipe": str(self.recipe), "run_dir": str(self.run_dir),
@@ -92,13 +90,22 @@ class Sweep:
     ranks: int
     keys: list[str]
     points: list[SweepPoint]
+    fixed: dict[str, Any] = field(default_factory=dict)
     slurm: dict[str, Any] = field(default_factory=dict)
     timeout_min: float = 60 * 24 * 7
     notes: list[str] = field(default_factory=list)
+    # how this invocation runs it (the command's flags), and how it ended
+    verify: bool = False  # full checksums of each finished point's final checkpoint, not sizes alone
+    break_lock: bool = False  # start points locked by another host (pretrain --break-lock)
+    rerun_stale: bool = False  # move a stale point's run aside and train it again
+    state: str = "planned"  # running, interrupted, done, incomplete
+    signum: int = 0  # the signal that interrupted the run (0: none)
+    verdicts: dict[str, str | None] = field(default_factory=dict)  # final checkpoint -> why stale (None: done)
 
     def manifest(self) -> dict[str, Any]:
         return {"sweep": str(self.path), "name": self.name, "base": str(self.base), "out": str(self.out),
-                "ranks": self.ranks, "keys": self.keys, "points": [p.to_dict() for p in self.points]}
+                "ranks": self.ranks, "keys": self.keys, "fixed": self.fixed, "state": self.state,
+                "points": [p.to_dict() for p in self.points]}
 
 
 # ----------------------------------------------------------------------------- reading the sweep file
@@ -119,22 +126,6 @@ def _key_list(path: Path, section: str, raw: Any) -> dict[str, list[Any]]:
     return raw
 
 
-def _label(key: str, keys: Iterable[str]) -> str:
-    """The short name of ``key`` in point names: its last part, unless another key ends the same."""
-    last = key.rsplit(".", 1)[-1]
-    return key if sum(k.rsplit(".", 1)[-1] == last for k in keys) > 1 else last
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float) and v.is_integer() and abs(v) < 1e15:
-        v = int(v)
-    return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, dict)) else str(v)
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._=,+-]+", "_", text).strip("_") or "point"
-
-
 def _zips(path: Path, raw: Any) -> list[dict[str, list[Any]]]:
     """``zip``: one mapping of lists varied together, or a list of them (each one more axis of the grid:
     a learning rate with its min_lr x a width with its heads)."""
@@ -151,28 +142,28 @@ def _zips(path: Path, raw: Any) -> list[dict[str, list[Any]]]:
     return out
 
 
-def _rows(path: Path, doc: dict[str, Any]) -> list[tuple[list[str], dict[str, Any]]]:
+def _rows(path: Path, doc: dict[str, Any]) -> list[tuple[list[Part], dict[str, Any]]]:
     """(name parts, params) of every point: the grid of ``axes`` x ``zip`` rows, then ``points``."""
     axes = _key_list(path, "axes", doc["axes"]) if doc.get("axes") is not None else {}
-    factors: list[list[tuple[list[str], dict[str, Any]]]] = []
+    factors: list[list[tuple[list[Part], dict[str, Any]]]] = []
     all_keys = list(axes)
     zips = _zips(path, doc["zip"]) if doc.get("zip") is not None else []
     for zipped in zips:
         all_keys += [k for k in zipped if k != "name"]
     for key, values in axes.items():
         # a key with one value is the same for every point: it does not name them
-        factors.append([([f"{_label(key, all_keys)}={_fmt(v)}"] if len(values) > 1 else [], {key: v}) for v in values])
+        factors.append([([(label(key, all_keys), v)] if len(values) > 1 else [], {key: v}) for v in values])
     for j, zipped in enumerate(zips):  # zip rows first (in their order), then the axes
         names = zipped.get("name")
         keys = [k for k in zipped if k != "name"]
         n = len(next(iter(zipped.values())))
-        factors.insert(j, [([str(names[i])] if names else [f"{_label(k, all_keys)}={_fmt(zipped[k][i])}" for k in keys],
+        factors.insert(j, [([(None, names[i])] if names else [(label(k, all_keys), zipped[k][i]) for k in keys],
                             {k: zipped[k][i] for k in keys}) for i in range(n)])
     rows = []
     if factors:
         for combo in itertools.product(*factors):
             params = {k: v for c in combo for k, v in c[1].items()}
-            parts = [p for c in combo for p in c[0]] or [f"{_label(k, params)}={_fmt(v)}" for k, v in params.items()]
+            parts = [p for c in combo for p in c[0]] or [(label(k, params), v) for k, v in params.items()]
             rows.append((parts, params))
     explicit = doc.get("points")
     if explicit is not None:
@@ -181,11 +172,24 @@ def _rows(path: Path, doc: dict[str, Any]) -> list[tuple[list[str], dict[str, An
         for i, p in enumerate(explicit):
             params = {k: v for k, v in p.items() if k != "name"}
             _key_list(path, f"points[{i}]", {k: [v] for k, v in params.items()} or None)
-            name = [str(p["name"])] if "name" in p else [f"{_label(k, params)}={_fmt(v)}" for k, v in params.items()]
-            rows.append((name, params))
+            named: list[Part] = [(None, p["name"])] if "name" in p else \
+                [(label(k, params), v) for k, v in params.items()]
+            rows.append((named, params))
     if not rows:
         raise _fail(path, "no points: give axes, zip or points (each a recipe key path with a non-empty list of values)")
     return rows
+
+
+def _fixed(path: Path, doc: dict[str, Any], rows: list[tuple[list[Part], dict[str, Any]]]) -> dict[str, Any]:
+    """``fixed``: keys every point sets, a value each (not a list): they name no point."""
+    raw = doc.get("fixed")
+    if raw is None:
+        return {}
+    _key_list(path, "fixed", {k: [v] for k, v in raw.items()} if isinstance(raw, dict) and raw else None)
+    varied = next((k for k in raw for _, params in rows if k in params), None)
+    if varied is not None:
+        raise _fail(path, f"fixed: {varied} is also varied (axes, zip or points); give it in one place")
+    return dict(raw)
 
 
 def read_sweep(path: str | os.PathLike[str], *, out: str | None = None) -> tuple[Sweep, dict[str, Any]]:
@@ -223,18 +227,19 @@ def read_sweep(path: str | os.PathLike[str], *, out: str | None = None) -> tuple
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise _fail(path, f"timeout_min: must be a positive number of minutes, got {timeout!r}")
     rows = _rows(path, doc)
+    fixed = _fixed(path, doc, rows)
     points, seen = [], {}
     keys: list[str] = []
     for parts, params in rows:
-        pname = _slug(",".join(parts))
+        pname = name_of(parts)
         if pname in seen:
             raise _fail(path, f"two points are both named {pname!r} (the same values); give them distinct names")
         seen[pname] = params
-        points.append(SweepPoint(name=pname, params=params))
+        points.append(SweepPoint(name=pname, params=params, legacy=legacy_name(parts)))
         keys += [k for k in params if k not in keys]
     o = Path(os.path.expanduser(out or str(doc.get("out") or f"runs/sweeps/{name}")))
-    return Sweep(path=path, name=name, base=base, out=o, ranks=ranks, keys=keys, points=points, slurm=slurm,
-                 timeout_min=float(timeout)), doc
+    return Sweep(path=path, name=name, base=base, out=o, ranks=ranks, keys=keys, points=points, fixed=fixed,
+                 slurm=slurm, timeout_min=float(timeout)), doc
 
 
 # ----------------------------------------------------------------------------- validation and accounting
@@ -244,37 +249,46 @@ def _sets(params: dict[str, Any]) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in params.items()]
 
 
-def _check_keys(sweep: Sweep) -> None:
-    """Each key once against the base recipe (its first value): an unknown key names the axis."""
-    from ncpctl.profile.load import load_for_profile
+def _problems(sweep: Sweep, p: SweepPoint, e: UserError) -> list[str]:
+    """A point's load errors as the sweep's: an unknown key names the key (its axis or ``fixed``), whatever
+    value it has; anything else names the point (load_recipe names a key the point sets ``--set``)."""
+    lines: list[str] = []
+    for line in e.problems:
+        where, _, msg = line.removeprefix("--set: ").partition(": ")
+        key = next((k for k in [*sweep.fixed, *p.params] if k == where or k.startswith(where + ".")), None)
+        if line.startswith("--set: ") and key is not None and msg.startswith(("unknown key", "unknown section")):
+            section = "fixed" if key in sweep.fixed else "axis"
+            lines.append(f"{sweep.path}: {section} {key}: " + (msg if where == key else f"{where}: {msg}"))
+        else:
+            lines.append(f"{sweep.path}: point {p.name}: {line.removeprefix('--set: ')}")
+    return list(dict.fromkeys(lines))
 
-    first: dict[str, Any] = {}
-    for p in sweep.points:
-        for k, v in p.params.items():
-            first.setdefault(k, v)
-    for key, value in first.items():
-        try:
-            load_for_profile(str(sweep.base), _sets({key: value}), drop_missing_sets=True)
-        except UserError as e:
-            for line in e.problems:  # load_recipe names the key (or the part of it that fails) after --set:
-                where, _, msg = line.removeprefix("--set: ").partition(": ")
-                if line.startswith("--set: ") and (key == where or key.startswith(where + ".")):
-                    raise UserError(f"{sweep.path}: axis {key}: " + (msg if where == key else f"{where}: {msg}"),
-                                    hint=f"a sweep key is a key path of the recipe {sweep.base}") from None
+
+MISSING = "<not set>"  # a key the resolved recipe does not have
+
+
+def value_at(tree: Any, key: str) -> Any:
+    """The value at key path ``key`` of a resolved recipe dict (MISSING: none)."""
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return MISSING
+        tree = tree[part]
+    return tree
 
 
 def resolve(sweep: Sweep, *, strict: bool) -> None:
-    """Load every point's recipe (``strict``: as pretrain will, data files included; else as
-    profile-kernels does, placeholder data paths tolerated) and fill its steps, FLOPs and tokens."""
+    """Load every point's recipe whole (``strict``: as pretrain will, data files included; else as
+    profile-kernels does, placeholder data paths tolerated), the first that fails in one error naming
+    it, and fill each point's steps, FLOPs, tokens and the values its run must record."""
     from ncpctl.profile.load import load_for_profile
     from ncpctl.recipe import load_recipe
+    from ncpctl.recipe.load import set_keys
 
-    _check_keys(sweep)
+    adopt_legacy_names(sweep)
+    base_keys = [k for k in set_keys(sweep.base) if k != "run.dir"]  # where a run is does not change it
     notes: set[str] = set()
     for p in sweep.points:
-        p.run_dir = sweep.out / RUNS / p.name
-        p.recipe = sweep.out / "points" / f"{p.name}.yaml"
-        sets = _sets(p.params) + [f"run.dir={json.dumps(str(p.run_dir))}"]
+        sets = _sets(sweep.fixed) + _sets(p.params) + [f"run.dir={json.dumps(str(p.run_dir))}"]
         try:
             if strict:
                 r = load_recipe(sweep.base, sets, world_size=sweep.ranks)
@@ -282,13 +296,27 @@ def resolve(sweep: Sweep, *, strict: bool) -> None:
                 r, found = load_for_profile(str(sweep.base), sets, world_size=sweep.ranks, drop_missing_sets=True)
                 notes.update(found)
         except UserError as e:
-            # a key the point sets reads as the sweep's (load_recipe names it --set)
-            raise UserError(*(f"{sweep.path}: point {p.name}: {line.removeprefix('--set: ')}" for line in e.problems),
-                            hint=e.hint) from None
+            raise UserError(*_problems(sweep, p, e), hint=e.hint) from None
         p.max_steps = int(r.train.max_steps)
         p.flops_per_step = float(r.flops_per_step())
         p.tokens_per_step = int(r.seq_len) * int(r.global_batch_size)
+        resolved = json.loads(json.dumps(r.to_dict(), default=str))
+        p.expect = {k: value_at(resolved, k) for k in dict.fromkeys([*base_keys, *sweep.fixed, *p.params])}
     sweep.notes = sorted(notes)
+
+
+def adopt_legacy_names(sweep: Sweep) -> None:
+    """A point keeps the name an older ncpctl gave it (commas, numbers in full) when its run directory
+    is there under that name and not under the new one: a finished study is recognised, not rerun."""
+    for p in sweep.points:
+        new = sweep.out / RUNS / p.name
+        old = sweep.out / RUNS / p.legacy
+        # (an old name could be ".." or too long for a file name: never one of those)
+        ok = p.legacy not in (".", "..") and len(p.legacy.encode()) < 256
+        if ok and p.legacy != p.name and old.is_dir() and not new.exists():
+            p.name = p.legacy
+        p.run_dir = sweep.out / RUNS / p.name
+        p.recipe = sweep.out / "points" / f"{p.name}.yaml"
 
 
 # ----------------------------------------------------------------------------- writing and state
@@ -297,7 +325,7 @@ def resolve(sweep: Sweep, *, strict: bool) -> None:
 def child_recipe(sweep: Sweep, p: SweepPoint) -> str:
     """The point's recipe: ``extends:`` the base (relative to points/) plus the point's keys."""
     tree: dict[str, Any] = {}
-    for key, value in {**p.params, "run.dir": str(p.run_dir)}.items():
+    for key, value in {**sweep.fixed, **p.params, "run.dir": str(p.run_dir)}.items():
         *parents, leaf = key.split(".")
         node = tree
         for part in parents:
@@ -324,201 +352,3 @@ def write_manifest(sweep: Sweep) -> None:
     from ncpctl.fsutil import atomic_write
 
     atomic_write(sweep.out / MANIFEST, json.dumps(sweep.manifest(), indent=1, default=str) + "\n")
-
-
-def finished_step(run_dir: Path) -> int:
-    """The step of the run's newest complete checkpoint (0: none)."""
-    from ncpctl.checkpoint import CHECKPOINTS, is_complete
-
-    best = 0
-    for cand in (run_dir / CHECKPOINTS).glob("step_*"):
-        m = re.fullmatch(r"step_(\d+)", cand.name)
-        if m and int(m.group(1)) > best and cand.is_dir() and is_complete(cand):
-            best = int(m.group(1))
-    return best
-
-
-def lock_holder(run_dir: Path) -> str | None:
-    """Who holds the run directory's lock (a live process), or None."""
-    from ncpctl.runlock import holder
-
-    return holder(run_dir)
-
-
-def _progress(p: SweepPoint) -> None:
-    """The point's step and last validation loss from its metrics.jsonl."""
-    path = p.run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if rec.get("split") == "train" and isinstance(rec.get("step"), int):
-            p.step = max(p.step, rec["step"])
-        elif rec.get("split") == "val" and isinstance(rec.get("loss"), (int, float)):
-            p.val_loss = float(rec["loss"])
-
-
-def refresh(sweep: Sweep, running: Iterable[str] = ()) -> None:
-    """Each point's status from its run directory (and the jobs this sweep runs)."""
-    running = set(running)
-    for p in sweep.points:
-        _progress(p)
-        done_at = finished_step(p.run_dir)
-        p.step = max(p.step, done_at)
-        if p.name in running:
-            p.status = "running"
-        elif p.max_steps and done_at >= p.max_steps:
-            p.status, p.step = "done", max(p.step, p.max_steps)
-        elif (who := lock_holder(p.run_dir)) is not None:
-            p.status, p.note = "locked", f"run directory in use by {who}"
-        elif p.status not in ("failed",):
-            p.status = "pending"
-
-
-# ----------------------------------------------------------------------------- running
-
-
-def point_command(recipe: Path, ranks: int) -> list[str]:
-    """``ncpctl pretrain RECIPE --json``, under ``deepspeed --num_gpus N`` when the sweep has ranks > 1."""
-    script = Path(sys.executable).parent / "ncpctl"
-    ncpctl = [str(script)] if script.exists() else [sys.executable, "-m", "ncpctl"]
-    if ranks > 1:
-        launcher = Path(sys.executable).parent / "deepspeed"
-        if not script.exists():
-            raise UserError("ranks > 1 needs the installed ncpctl script next to the interpreter (the launcher runs it)")
-        # --master_port 0: run_point picks a free port, so points sharing a machine do not collide
-        return [str(launcher if launcher.exists() else "deepspeed"), "--num_gpus", str(ranks), "--master_port", "0",
-                str(script), "pretrain", str(recipe), "--json"]
-    return [*ncpctl, "pretrain", str(recipe), "--json"]
-
-
-def run_point(command: list[str], cwd: str, log: str) -> dict[str, Any]:
-    """The job submitit runs: the point's pretrain as a subprocess; its exit code and summary.
-    An interrupt (submitit's cancel, Ctrl-C) goes on to pretrain, which saves and exits."""
-    import signal
-    import socket
-
-    if "--master_port" in command and command[command.index("--master_port") + 1] == "0":
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            command = [*command]
-            command[command.index("--master_port") + 1] = str(sock.getsockname()[1])
-    with open(log, "a") as err:
-        proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True)
-        try:
-            stdout, _ = proc.communicate()
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            stdout, _ = proc.communicate()
-    summary = None
-    for line in reversed((stdout or "").splitlines()):
-        if line.startswith("{"):
-            try:
-                summary = json.loads(line)
-            except ValueError:
-                continue
-            break
-    return {"returncode": proc.returncode, "summary": summary}
-
-
-def make_executor(kind: str, sweep: Sweep, parallel: int) -> Any:
-    import submitit
-
-    folder = sweep.out / "submitit"
-    if kind == "local":
-        ex = submitit.LocalExecutor(folder=folder)
-        ex.update_parameters(timeout_min=sweep.timeout_min)
-        return ex
-    missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]
-    if missing:
-        raise UserError(f"--executor slurm: {' and '.join(missing)} not found on PATH (not a Slurm cluster)",
-                        hint="run the sweep on the cluster's login node, or use --executor local")
-    ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    params = dict(sweep.slurm)
-    generic = {"timeout_min", "nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem_gb", "name",
-               "stderr_to_stdout"}
-    kw = {k if k in generic else f"slurm_{k}": v for k, v in params.items()}
-    kw.setdefault("timeout_min", max(1, round(sweep.timeout_min)))
-    kw.setdefault("tasks_per_node", 1)  # the launcher (ranks > 1) starts the ranks itself
-    kw.setdefault("gpus_per_node", sweep.ranks)
-    kw.setdefault("name", f"ncpctl-sweep-{sweep.name}")
-    kw["slurm_array_parallelism"] = parallel
-    try:
-        ex.update_parameters(**kw)
-    except (ValueError, TypeError, NameError, AssertionError) as e:  # submitit asserts the parameters' types
-        raise UserError(f"{sweep.path}: slurm: {str(e).splitlines()[0]}") from None
-    return ex
-
-
-def run(sweep: Sweep, executor: str, parallel: int, show: Callable[[Sweep], None],
-        interval: float = 1.0) -> None:
-    """Run every point that is not done or locked, at most ``parallel`` at a time, through submitit."""
-    ex = make_executor(executor, sweep, parallel)
-    refresh(sweep)
-    for p in sweep.points:
-        if p.status == "done":
-            p.note = "finished before this run: skipped"
-    todo = [p for p in sweep.points if p.status in ("pending", "failed")]
-    for p in todo:
-        p.status, p.note = "pending", ""
-    jobs: dict[str, Any] = {}
-    by_name = {p.name: p for p in sweep.points}
-    cwd = os.getcwd()
-    logs = sweep.out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-
-    def submit(p: SweepPoint) -> Any:
-        return ex.submit(run_point, point_command(p.recipe, sweep.ranks), cwd, str(logs / f"{p.name}.log"))
-
-    try:
-        if executor == "slurm":  # one job array; the array's parallelism throttles it
-            with ex.batch():
-                pending = [(p, submit(p)) for p in todo]
-            jobs = {p.name: j for p, j in pending}
-            todo = []
-        while todo or jobs:
-            while todo and len(jobs) < parallel:
-                p = todo.pop(0)
-                refresh(sweep, jobs)  # a point locked since the sweep started is not started
-                if p.status in ("done", "locked"):
-                    continue
-                jobs[p.name] = submit(p)
-            for name in [n for n, j in jobs.items() if j.done()]:
-                _finish(by_name[name], jobs.pop(name))
-            refresh(sweep, jobs)
-            write_manifest(sweep)
-            show(sweep)
-            if todo or jobs:
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        for j in jobs.values():
-            j.cancel()
-        raise
-    refresh(sweep)
-    write_manifest(sweep)
-    show(sweep)
-
-
-def _finish(p: SweepPoint, job: Any) -> None:
-    try:
-        res = job.result()
-    except Exception as e:  # the job itself failed (submitit reports the worker's error)
-        p.status, p.note = "failed", f"job failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
-        return
-    rc, summary = res["returncode"], res.get("summary") or {}
-    if rc == 0 and summary.get("interrupted"):
-        p.status, p.note = "failed", "interrupted (checkpoint saved); rerun the sweep to resume"
-    elif rc != 0:
-        errs = "; ".join(summary.get("errors") or []) if isinstance(summary, dict) else ""
-        p.status, p.note = "failed", f"pretrain exited {rc}" + (f": {errs}" if errs else "") + \
-            f" (log: {p.run_dir.parents[1] / 'logs' / (p.name + '.log')})"
-    elif summary.get("resumed_from"):
-        p.note = f"resumed from {Path(summary['resumed_from']).name}"
-

@@ -155,6 +155,11 @@ def check_parameters(model: torch.nn.Module) -> None:
                         hint="declare it with shape (1,), e.g. nn.Parameter(torch.ones(1)): it broadcasts the same")
 
 
+def compiles(setting: bool | str, on_gpu: bool) -> bool:
+    """``train.compile``: true, false, or ``auto`` (on a GPU only)."""
+    return on_gpu if setting == "auto" else bool(setting)
+
+
 def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable[[str], None] | None = None,
                  warn: Callable[[str], None] | None = None) -> tuple[Any, bool]:
     """The DeepSpeed engine of ``model`` as the training loop runs it: our AdamW (or Muon + AdamW)
@@ -168,7 +173,7 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable
     optimizer = make_optimizer(model, recipe, on_gpu)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
     apply_activation_checkpointing(model, recipe.train.activation_checkpointing)
-    if recipe.train.compile:
+    if compiles(recipe.train.compile, on_gpu):
         from ncpctl.train.compiled import compile_blocks
 
         compile_blocks(model, recipe.deepspeed.zero_stage, on_gpu, warn or info or (lambda m: None))

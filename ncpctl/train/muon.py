@@ -5,7 +5,7 @@ The update of a Muon matrix W (d_out, d_in) with gradient G is torch.optim.Muon'
 
     B <- mu B + (1 - mu) G                      momentum (torch's lerp form)
     U <- (1 - mu) G + mu B                      Nesterov
-    O <- NS5(U)                                 Newton-Schulz, 5 quintic steps in bf16 (torch's own)
+    O <- NS5(U)                                 Newton-Schulz, 5 quintic steps in bf16 (torch's, batched over same-shape matrices)
     W <- W (1 - lr wd) - lr s O                 s = 0.2 sqrt(max(d_in, d_out))   (match_rms_adamw)
                                                   or sqrt(max(d_in, d_out))      (sqrt_max_dim, Eq. 25)
 
@@ -51,7 +51,6 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
-from torch.optim._muon import _zeropower_via_newtonschulz as newton_schulz  # torch.optim.Muon's own
 
 from ncpctl.errors import UserError
 from ncpctl.train.config import GuardedAdamW
@@ -72,6 +71,39 @@ def row_blocks(shape: torch.Size | tuple[int, ...], rows: tuple[int, ...] | None
     ``rows`` (a fused matrix, ``fused_rows``), or the whole matrix."""
     bounds = [0, *itertools.accumulate(rows)] if rows else [0, shape[0]]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def newton_schulz_batched(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                          eps: float) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz (``_zeropower_via_newtonschulz``) on a batch of same-shape
+    matrices g (n, A, B) at once: one batched matmul chain instead of n (a step's launches grow with
+    the number of shapes, not of matrices). Each matrix is normalised by its own Frobenius norm and
+    transposed alike (one shape): every slice is torch's computation for that matrix, the same bf16
+    ops in the same order (on the CPU the batched GEMM may round an entry one bf16 step apart from
+    the single one; tests/train/test_muon.py keeps the optimizer within 1e-6 of torch's Muon)."""
+    a, b, c = coefficients
+    x = g.bfloat16()
+    wide = g.size(-2) > g.size(-1)
+    if wide:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT  # (n, A, A)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if wide else x
+
+
+def by_shape(items: list, shape_of: Callable[[Any], tuple[int, ...]], cap: int) -> list[list]:
+    """``items`` grouped by the shape ``shape_of`` gives, in first-seen order, each group cut into
+    batches of at most ``cap`` elements (at least one matrix each)."""
+    groups: dict[tuple[int, ...], list] = {}
+    for it in items:
+        groups.setdefault(tuple(shape_of(it)), []).append(it)
+    out = []
+    for shape, its in groups.items():
+        per = max(1, cap // max(1, math.prod(shape)))
+        out += [its[i:i + per] for i in range(0, len(its), per)]
+    return out
 
 
 @dataclass
@@ -209,6 +241,7 @@ class MuonAdamW(GuardedAdamW):
         lr, wd, mu = g["lr"], g["weight_decay"], g["momentum"]
         fused = self._fused[g["name"]]
         assert layout is not None or len(fused) == len(g["params"]), (g["name"], len(fused), len(g["params"]))
+        jobs = []  # (parameter, first row, last row, U of those rows): each logical matrix (b - a, d_in)
         for p, rows in zip(g["params"], fused):
             if p.grad is None:
                 continue
@@ -225,29 +258,36 @@ class MuonAdamW(GuardedAdamW):
             update = p.grad.lerp(buf, mu) if g["nesterov"] else buf
             p.mul_(1 - lr * wd)
             if layout is None:
-                for a, b in row_blocks(p.shape, rows):  # each logical matrix (b - a, d_in) on its own
-                    p[a:b].add_(self._orthogonalise(update[a:b], g), alpha=-muon_lr(lr, g["lr_scale"], p[a:b].shape))
+                jobs += [(p, a, b, update[a:b]) for a, b in row_blocks(p.shape, rows)]
             else:
                 self._apply_flat(p, update, layout, g)
+        for batch in by_shape(jobs, lambda j: j[3].shape, self.gather_bucket):  # same-shape matrices at once
+            o = self._orthogonalise(torch.stack([j[3] for j in batch]), g)  # (n, b - a, d_in)
+            for (p, a, b, _), o_i in zip(batch, o):
+                p[a:b].add_(o_i, alpha=-muon_lr(lr, g["lr_scale"], o_i.shape))
 
     @staticmethod
     def _orthogonalise(update: torch.Tensor, g: dict[str, Any]) -> torch.Tensor:
-        return newton_schulz(update, g["ns_coefficients"], g["ns_steps"], g["ns_eps"])
+        """(n, A, B) same-shape matrices, each orthogonalised as torch's Muon does."""
+        return newton_schulz_batched(update, g["ns_coefficients"], g["ns_steps"], g["ns_eps"])
 
     def _apply_flat(self, part: torch.Tensor, update: torch.Tensor, layout: FlatLayout, g: dict[str, Any]) -> None:
         """part, update (P,): this rank's weights and U. Bucket by bucket, all-gather U, then
-        orthogonalise each logical matrix that overlaps [rank P, (rank+1) P) and apply its slice there."""
+        orthogonalise the logical matrices that overlap [rank P, (rank+1) P), same shapes at once,
+        and apply each one's slice there."""
         own_lo, own_hi = layout.rank * layout.partition, (layout.rank + 1) * layout.partition
         for bucket in layout.buckets():
             lo = layout.offsets[bucket[0]]
             hi = layout.offsets[bucket[-1]] + math.prod(layout.shapes[bucket[-1]])
             full = layout.gather(update, lo, hi)  # (hi - lo,) every rank takes part
-            for i in bucket:
-                shape, off = layout.shapes[i], layout.offsets[i]
-                n = math.prod(shape)
-                a, b = max(off, own_lo), min(off + n, own_hi)
-                if a >= b:  # no element of this matrix is ours
-                    continue
-                o = self._orthogonalise(full[off - lo:off - lo + n].view(shape), g)  # (d_out, d_in)
-                part[a - own_lo:b - own_lo].add_(o.reshape(-1)[a - off:b - off],
-                                                 alpha=-muon_lr(g["lr"], g["lr_scale"], shape))
+            mine = [i for i in bucket if max(layout.offsets[i], own_lo) < min(layout.offsets[i] +
+                                                                           math.prod(layout.shapes[i]), own_hi)]
+            for batch in by_shape(mine, lambda i: layout.shapes[i], layout.bucket):
+                views = [full[layout.offsets[i] - lo:layout.offsets[i] - lo + math.prod(layout.shapes[i])]
+                         .view(layout.shapes[i]) for i in batch]
+                o = self._orthogonalise(torch.stack(views), g)  # (n, d_out, d_in)
+                for i, o_i in zip(batch, o):
+                    off, n = layout.offsets[i], math.prod(layout.shapes[i])
+                    a, b = max(off, own_lo), min(off + n, own_hi)
+                    part[a - own_lo:b - own_lo].add_(o_i.reshape(-1)[a - off:b - off],
+                                                     alpha=-muon_lr(g["lr"], g["lr_scale"], layout.shapes[i]))

@@ -153,6 +153,9 @@ def _build_stage(recipe: Recipe, name: str, lora: Callable[[torch.nn.Module], No
                             "Hugging Face directory (weights only)", hint="use train.load: weights")
         return Stage(name, Path(t.init_from), "weights", freeze=lora, hf=True)
     init = ckpt.resolve(t.init_from, "train.init_from")
+    if t.load == "all" and "authors" in ckpt.read_meta(init):  # a released model: weights, no optimizer state
+        raise UserError(f"{recipe.path}: train.load: all needs an ncpctl checkpoint; {t.init_from} is a released "
+                        "model in its authors' layout (weights only)", hint="use train.load: weights")
     if name == "train-drafter":
         return _drafter_stage(recipe, init)
     if name == "midtrain":

@@ -73,7 +73,8 @@ def test_concept_and_chunk_attribution_are_exact_in_each_commit_state(model, ste
     bn = model.bottleneck
     for r in recs:
         assert r["known"] + r["unknown"] + r["residual"] + r["steering"] == pytest.approx(r["logit"], abs=1e-4)
-        kn, un = r["_terms"]
+        k_idx, kn, u_idx, un = r["_terms"]
+        assert len(k_idx) == bn.n and len(u_idx) == bn.m  # dense heads: every concept's term
         assert float(kn.sum()) == pytest.approx(r["known"], abs=1e-4) and float(un.sum()) == pytest.approx(r["unknown"], abs=1e-4)
         assert sum(r["shares"].values()) == pytest.approx(1.0) and len(r["concepts"]) == 3
         assert abs(r["concepts"][0]["term"]) >= abs(r["concepts"][-1]["term"])
@@ -82,8 +83,8 @@ def test_concept_and_chunk_attribution_are_exact_in_each_commit_state(model, ste
     chunks = TR.chunk_attribution(recs, bn.bcfg.chunk, P, NAMES, top=50)
     assert [c["span"][0] for c in chunks] == [P, 8, 12, 16]
     first = [r for r in recs if r["position"] < 8]
-    kn = torch.stack([r["_terms"][0] for r in first])
-    un = torch.stack([r["_terms"][1] for r in first])
+    kn = torch.stack([r["_terms"][1] for r in first])  # (T', n): dense, concept c at column c
+    un = torch.stack([r["_terms"][3] for r in first])
     total = kn.abs().sum(-1) + un.abs().sum(-1) + torch.tensor([abs(r["residual"]) for r in first])
     want = (kn[:, 1] / total).mean()
     got = next(c for c in chunks[0]["concepts"] if c["type"] == "known" and c["concept"] == 1)

@@ -36,6 +36,14 @@ DESIGNS = {
     "gpt2-conceptlm-l0": tiny("gpt2", tie_embeddings=True, concept=dict(encoder_layers=0, add="normed")),
     "gpt2-conceptlm-l1": tiny("gpt2", tie_embeddings=True, concept=dict(encoder_layers=1, add="normed")),
     "gpt2-base": tiny("gpt2", tie_embeddings=True),
+    # the ConceptLM authors' released computation (issue 43; tests/interop/test_authors_conceptlm.py):
+    # GPT-2 adds the concept through its final norm, slot 0 included; no norm before the biased heads;
+    # one SimVQ transform per segment (GPT-2: a bias-free Linear, Pythia and Llama: an MLP)
+    "gpt2-conceptlm-authors": tiny("gpt2", concept=dict(encoder_layers=0, add="final_norm", head_norm=False,
+                                                        head_bias=True, codebook_transform="linear",
+                                                        codebook_per_segment=True)),
+    "llama-conceptlm-authors": tiny("llama", concept=dict(head_norm=False, head_bias=True, codebook_per_segment=True,
+                                                          rope_scale_by_k=True, detach_added_concept=True)),
     # NCP-ArchPreview's dynamic residuals: IRC in every stack (the encoder has ONE layer: legal,
     # Table 8's 8/1/7 split) and all three CRC connections, at k = 2 and 4
     **{f"archpreview-irc-crc-k{k}": tiny("llama", qk_norm="layer", sliding_window=3, full_attn_every=2,

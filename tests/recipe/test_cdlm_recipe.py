@@ -121,6 +121,8 @@ def test_steerling_8b_recipe_has_the_public_configurations_shape(tmp_path: Path)
                                                                              "gaussian", 4096)
     assert (c.bottleneck.concepts, c.bottleneck.unknown, c.bottleneck.rank) == (33732, 101196, 256)
     assert c.bottleneck.enabled and c.bottleneck.chunk == d.block_size
+    # issue 43: their released ConceptHead (steerling 0.2.0) has no biases and clamps its logits at 15
+    assert (c.bottleneck.bias, c.bottleneck.logit_clamp) == (False, 15.0)
     assert 8.3e9 < count_parameters(c).total < 8.5e9
 
 

@@ -135,7 +135,7 @@ def test_a_transfer_sweep_point_trains_each_group_at_its_rate_over_s() -> None:
     from ncpctl.train.config import make_optimizer
 
     sweep, _ = read_sweep(RECIPES / "sweeps" / "debug-mup-transfer.yaml")
-    point = next(p for p in sweep.points if p.name == "d128,lr9e-3")
+    point = next(p for p in sweep.points if p.name == "d128+lr9e-3")
     r, _ = load_for_profile(str(sweep.base), [f"{k}={json.dumps(v)}" for k, v in point.params.items()],
                             drop_missing_sets=True)  # the shared data is tokenized later
     assert r.model_config.mup_widths == (2.0, 4.0)
