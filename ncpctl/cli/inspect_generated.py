@@ -135,7 +135,7 @@ def find_concept(o: Output, checkpoint: str, query: str, table: str | None, top:
     hits = []
     for c, score in CT.search(concepts, query, limit=10 if top is None else top):
         row = {"concept_id": c.concept_id, "name": c.name, "description": c.description, "score": score,
-               "steerable": c.steerable, "group": c.group}
+               "steerable": c.steerable, "group": CT.group(concepts, c.concept_id)}
         if c.concept_id < loaded.model.bottleneck.n:
             row["promotes"] = [{"token": t, "text": tok.decode([t]) if tok is not None else str(t), "alignment": v}
                                for t, v in CT.top_tokens(loaded.model, c.concept_id)]
@@ -148,7 +148,9 @@ def find_concept(o: Output, checkpoint: str, query: str, table: str | None, top:
             con.print(f"no known concept of {table} matches {query!r}")
         for h in hits:
             promotes = " ".join(repr(p["text"]) for p in h.get("promotes", [])[:8])
+            group = "+".join(f"#{g}" for g in h["group"])
             con.print(f"#{h['concept_id']} {h['name']} (score {h['score']}): {h['description'][:60]}"
-                      + (f"\n    promotes: {promotes}" if promotes else ""))
+                      + (f"\n    promotes: {promotes}" if promotes else "")
+                      + (f"\n    its group: concept={group}" if len(h["group"]) > 1 else ""))
 
     o.result(report, human)

@@ -137,3 +137,15 @@ def names_for(loaded, table: str | None) -> list[str] | None:
         raise UserError(f"--concept-table names a concept bottleneck's concepts; {loaded.path} has none "
                         "(model.bottleneck)")
     return known_names(load(table), loaded.model.bottleneck.n)
+
+
+def group(concepts: list[Concept], concept_id: int) -> list[int]:
+    """The known concepts of ``concept_id``'s group (``public_group_id``), it first (Steerling's
+    ``ConceptCatalog.group``: steer them together with ``concept=#A+#B``)."""
+    known = [c for c in concepts if c.head == "known"]
+    focal = next((c for c in known if c.concept_id == concept_id), None)
+    if focal is None:
+        raise UserError(f"concept #{concept_id} is not a known concept of the table")
+    if focal.group is None:
+        return [concept_id]
+    return [concept_id] + [c.concept_id for c in known if c.group == focal.group and c.concept_id != concept_id]
