@@ -16,7 +16,8 @@ share of replicates within 0.05 of each, the multiplier's relative error, the sh
 Measured (2 busy cores, 200 replicates, 200 resamples, 8 starts): on the default grid α and β within
 0.05 in every replicate (largest errors 0.023, 0.043), E in 84.5% (mean error 0.030, largest 0.17:
 E is the asymptote beyond the grid), the multiplier within 10% in every one (largest 7.9%), 90%
-interval coverage 93.5%, median interval hi/lo 1.11, 1.3 s per replicate. On three decades of N
+interval coverage 93.5%, median interval hi/lo 1.11, 5.9 s per replicate at load 8-9 (each resample
+refitted from its grid starts since issue 40; 1.3 s when refits started from the full fit). On three decades of N
 and D (``--sizes 1e7,1e10 --tokens 1e9,1e12``): α, β within 0.05 in every replicate, E in 99.5%
 (largest error 0.087), the multiplier within 10% in 98.5% (largest 12.8%), coverage 93.0%, median
 hi/lo 1.16.

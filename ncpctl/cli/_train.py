@@ -56,12 +56,14 @@ def _rank() -> int:
 
 
 def _human(con: Any, s: dict[str, Any]) -> None:
+    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+
     state = "interrupted (checkpoint saved)" if s["interrupted"] else "done"
     con.print(f"{s['stage']} {state}: step {s['step']}/{s['max_steps']}, {s['tokens']:,} tokens, "
               f"{s['trainable_parameters']:,} of {s['parameters']:,} parameters trained")
     b = s.get("budget") or {}
     if b.get("kind") in ("tokens", "flops"):
-        con.print(f"budget: max_{b['kind']} {b['value']:g}: {b['flops']:.4g} training FLOPs spent"
+        con.print(f"budget: max_{b['kind']} {b['value']:g}: {b['flops']:.4g} training FLOPs spent ({FLOP_CONVENTION_SHORT})"
                   + (f" ({b['flops_realised']:.4g} at the realised {b['tokens_per_concept']:.3g} tokens per concept)"
                      if "flops_realised" in b else ""))
     val = s["val"]
@@ -86,7 +88,8 @@ def _human(con: Any, s: dict[str, Any]) -> None:
         mfu = ""
         if s.get("mfu") is not None:
             ranks = f"{s['world_size']} ranks, each " if s.get("world_size", 1) > 1 else ""
-            mfu = f", MFU {100 * s['mfu']:.1f}% (mean over {s['steps_run']} steps) of {s['peak_flop_per_s'] / 1e9:,.0f} " \
+            mfu = f", MFU {100 * s['mfu']:.1f}% (mean over {s['steps_run']} steps, {FLOP_CONVENTION_SHORT}) of " \
+                  f"{s['peak_flop_per_s'] / 1e9:,.0f} " \
                   f"GFLOP/s ({ranks}{s['peak_source']})"
         con.print(f"{s['steps_per_s']:.2f} steps/s, {s['tokens_per_s']:,.0f} tokens/s{mfu}"
                   + (f", {s['nonfinite_steps']} non-finite steps skipped" if s["nonfinite_steps"] else ""))

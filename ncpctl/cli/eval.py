@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -23,15 +24,48 @@ NewTokensOpt = Annotated[int, typer.Option("--new-tokens", min=1, help="With --s
 
 LevelOpt = Annotated[float, typer.Option("--level", min=0.5, max=0.999, help="--compare with seed arms: the level "
                                          "of the paired bootstrap's interval.")]
-SamplesOpt = Annotated[Optional[int], typer.Option(
+ResamplesOpt = Annotated[int, typer.Option("--resamples", min=100, help="--compare with seed arms: bootstrap "
+                                           "resamples of the examples (fixed seed 0).")]
+
+TasksOpt = Annotated[Optional[str], typer.Option(
+    "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: eval.tasks of the recipe, or of "
+    "the recipe a checkpoint carries; '' = none, only --heldout). "
+    "Offline: ncp_offline; the ConceptLM paper: conceptlm, conceptlm_downstream, conceptlm_ppl; paper tables with "
+    "their shots and aggregate: conceptlm_table1, conceptlm_8b, dlcm_table2, archpreview_table1, archpreview_general.",
+    show_default=False)]
+HeldoutOpt = Annotated[Optional[list[str]], typer.Option(
+    "--heldout", metavar="SOURCE", help="Held-out text to score (token/word/byte perplexity, bits per byte), "
+    "repeatable: a file, glob, builtin:NAME, or a data.sources entry as YAML, e.g. "
+    "'{path: notes.jsonl, field: body, label: notes}' (default: eval.heldout).", show_default=False)]
+DiffusionSamplesOpt = Annotated[Optional[int], typer.Option(
     "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
     "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)]
 NoisedOpt = Annotated[bool, typer.Option(
     "--noised-context", help="A Causal Diffusion LM: also report, per perplexity set, its loss with every block "
     "noised, the conditions training reads (the bound conditions each block on clean earlier blocks, as the "
     "sampler does; this is no bound).")]
-ResamplesOpt = Annotated[int, typer.Option("--resamples", min=100, help="--compare with seed arms: bootstrap "
-                                           "resamples of the examples (fixed seed 0).")]
+LimitOpt = Annotated[Optional[float], typer.Option(
+    "--limit", help="Examples per task (smoke runs); below 1, a fraction of each task's examples (lm-eval's "
+    "rule: 0.1 = the first ceil(10%)).", show_default=False)]
+BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help="Requests per batch.",
+                                                 show_default=False)]
+ShotsOpt = Annotated[Optional[int], typer.Option(
+    "--num-fewshot", min=0, help="Few-shot examples of every task, 0-shot ones and a paper group's members "
+    "included (the shots each task used are recorded).", show_default=False)]
+SeedOpt = Annotated[Optional[str], typer.Option(
+    "--seed", metavar="N|R,N,T,F", help="lm-eval's seeds: Python random, numpy, torch, few-shot sampler (one "
+    "integer for all four, or four values; None leaves one unset) [default: 0,1234,1234,1234].",
+    show_default=False)]
+GenKwargsOpt = Annotated[Optional[str], typer.Option(
+    "--gen-kwargs", metavar="K=V,...|JSON", help="Generation tasks' settings, merged into each task's own: "
+    "temperature, top_p, top_k, do_sample, max_gen_toks, until (stop strings; a JSON object for those), seed.",
+    show_default=False)]
+LogSamplesOpt = Annotated[bool, typer.Option(
+    "--log-samples", help="Write one JSONL per task beside the results (samples_<checkpoint>/TASK.jsonl): "
+    "document id, prompt, response, target, each metric's score.")]
+NoCacheOpt = Annotated[bool, typer.Option(
+    "--no-cache", help="Score every request anew (default: answers are kept in eval/cache/ as they are scored, "
+    "so an interrupted evaluation resumes; keyed by the checkpoint's manifest).")]
 
 
 @command
@@ -45,23 +79,16 @@ def main(
         "is evaluated first. Writes `compare_<runs>.{json,md,png}` to --out (default: the first run's eval/). "
         "A TARGET 'A1,A2,A3' is an arm of runs that differ only by train.seed: mean ± std per arm and a paired "
         "bootstrap over examples of each arm's difference to the first.")] = False,
-    tasks: Annotated[Optional[str], typer.Option(
-        "--tasks", "-t", help="Comma-separated lm-eval tasks or groups (default: eval.tasks of the recipe, or of "
-        "the recipe a checkpoint carries; '' = none, only --heldout). "
-        "Offline: ncp_offline; the ConceptLM paper: conceptlm, conceptlm_downstream, conceptlm_ppl; paper tables with "
-        "their shots and aggregate: conceptlm_table1, conceptlm_8b, dlcm_table2, archpreview_table1, archpreview_general.",
-        show_default=False)] = None,
-    heldout: Annotated[Optional[list[str]], typer.Option(
-        "--heldout", metavar="SOURCE", help="Held-out text to score (token/word/byte perplexity, bits per byte), "
-        "repeatable: a file, glob, builtin:NAME, or a data.sources entry as YAML, e.g. "
-        "'{path: notes.jsonl, field: body, label: notes}' (default: eval.heldout).", show_default=False)] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Examples per task (smoke runs).",
-                                                 show_default=False)] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help="Requests per batch.",
-                                                      show_default=False)] = None,
-    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples.",
-                                                       show_default=False)] = None,
-    diffusion_samples: SamplesOpt = None,
+    tasks: TasksOpt = None,
+    heldout: HeldoutOpt = None,
+    limit: LimitOpt = None,
+    batch_size: BatchOpt = None,
+    num_fewshot: ShotsOpt = None,
+    seed: SeedOpt = None,
+    gen_kwargs: GenKwargsOpt = None,
+    log_samples: LogSamplesOpt = False,
+    no_cache: NoCacheOpt = False,
+    diffusion_samples: DiffusionSamplesOpt = None,
     noised_context: NoisedOpt = False,
     window: Annotated[int, typer.Option("--window", min=1, help="--compare: train loss mean over the last N steps.")] = 200,
     level: LevelOpt = 0.95,
@@ -123,13 +150,20 @@ def main(
     out_ = Output(json_out)
     names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None
     log = _logger(out_)
+    from ncpctl.evaluate.settings import parse_gen_kwargs, parse_limit, parse_seed
+
+    limit_ = parse_limit(limit)
+    how = dict(seed=parse_seed(seed) if seed is not None else None, gen_kwargs=parse_gen_kwargs(gen_kwargs),
+               log_samples=log_samples, cache=not no_cache)
     if compare:
-        _compare(out_, targets, set_, dict(tasks=names, heldout=heldout, limit=limit, num_fewshot=num_fewshot,
+        _compare(out_, targets, set_, dict(tasks=names, heldout=heldout, limit=limit_, num_fewshot=num_fewshot,
                                      batch_size=batch_size, out=out, window=window, log=log, level=level,
-                                     resamples=resamples))
+                                     resamples=resamples, how=how))
         return
     if speculative is not None:
-        _speculative(out_, targets, speculative, horizon, prompts, limit, new_tokens, batch_size, log)
+        if isinstance(limit_, float):
+            raise UserError(f"--speculative: --limit {limit:g} is a fraction; it counts prompts here")
+        _speculative(out_, targets, speculative, horizon, prompts, limit_, new_tokens, batch_size, log)
         return
     if allow_code_execution:  # the opt-in reaches the code runner through the environment (as lm-eval's HF_ALLOW_CODE_EVAL)
         _allow_code()
@@ -146,14 +180,24 @@ def main(
         return
     from ncpctl.evaluate.run import evaluate, resolve_target, rich_table
 
-    t = resolve_target(targets[0], set_ or [], names, batch_size, limit, num_fewshot, out, heldout=heldout,
-                       diffusion_samples=diffusion_samples)
+    t = resolve_target(targets[0], set_ or [], names, batch_size, limit_, num_fewshot, out, heldout=heldout,
+                       diffusion_samples=diffusion_samples, **how)
     t.allow_code, t.noised_context = allow_code_execution, noised_context
     summary = evaluate(t, log=log)
-    out_.result({"command": "eval", **summary}, lambda con: (
-        print_wide(con, rich_table(summary)),
-        con.print(f"[dim]results: {summary['files']['json']}\nmarkdown: {summary['files']['markdown']}[/]"),
-    ))
+    if summary is not None:  # None: a data-parallel evaluation's rank other than 0 (rank 0 writes and prints)
+        out_.result({"command": "eval", **summary}, lambda con: (print_wide(con, rich_table(summary)),
+                                                                 con.print(f"[dim]{_files_lines(summary)}[/]")))
+
+
+def _files_lines(summary: dict) -> str:
+    """Where the results went, and how many requests the model answered (the rest: the request cache)."""
+    files, here = summary["files"], Path(summary["files"]["json"]).parent
+    text = f"results: {files['json']}\nmarkdown: {files['markdown']}"
+    text += "".join(f"\nsamples: {here / rel}" for rel in (summary.get("samples") or {}).values())
+    n, scored = summary.get("requests"), summary.get("model_requests")
+    if n is not None and scored is not None and summary.get("cache"):
+        text += f"\nrequests: {n:,} ({scored:,} scored by the model, {n - scored:,} from the cache)"
+    return text
 
 
 # eval's modes (one per call), and the flags that only one of them reads

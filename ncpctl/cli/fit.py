@@ -17,7 +17,7 @@ def main(
     inputs: Annotated[list[str], typer.Argument(
         help="A JSON or CSV table of points (columns family, N, D, C, loss, ...; optional name, budget, "
         "tokenizer, val_set; lr and width for --transfer), `ncpctl pretrain` run directories, or directories "
-        "holding runs (a sweep's).",
+        "holding runs (a sweep's, searched at any depth), or a fit's own fit.json.",
         show_default=False, metavar="TABLE|RUN_DIR")],
     metric: Annotated[str, typer.Option("--metric", "-m", help="The metric to fit (a table column, or a key of "
                                         "the runs' validation records); `1-NAME` fits the complement of a metric "
@@ -46,8 +46,9 @@ def main(
         "--out", help="Directory of fit.json, fit.md and the plots (default: ./fit).", show_default=False)] = None,
     dlcm: Annotated[bool, typer.Option(
         "--dlcm", help="Also fit DLCM's Eq. 22, L(N, D, R, P) with the concept share P and the compression R "
-        "(columns R and P). Points with a stable_loss column (the loss before a WSD decay) also get the "
-        "decay-phase law Δ = k L_stable^a R^b N^c.")] = False,
+        "(columns R and P; run directories carry them), at the non-embedding N where every point has it. Points "
+        "with a stable_loss column (the loss before a WSD decay; a decay branch's run directory carries it) also "
+        "get the decay-phase law Δ = k L_stable^a R^b N^c.")] = False,
     transfer: Annotated[bool, typer.Option(
         "--transfer", help="Instead of the scaling laws, the muP learning-rate transfer view (DLCM Fig. 3): "
         "per width, the metric against log2 lr and its optimum, and whether the optimum stays put across widths "
@@ -58,22 +59,27 @@ def main(
     tolerance: Annotated[float, typer.Option(
         "--tolerance", help="--transfer: the optimum stays put when its spread over the widths is within this "
         "many grid steps (the median spacing of the rates in log2).")] = 1.0,
+    exclude_embeddings: Annotated[bool, typer.Option(
+        "--exclude-embeddings", help="N and C without the embeddings and the LM head (columns N_nonembedding and "
+        "C_nonembedding; run directories carry them): the Kaplan et al. convention NCP-ArchPreview's C follows. "
+        "An LM head both families share pulls a multiplier toward 1.")] = False,
     no_plots: Annotated[bool, typer.Option("--no-plots", help="Do not draw the plots.")] = False,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Fit scaling laws to trained runs: IsoFLOP parabolas (N_opt and D_opt per budget, their
-    power laws in C), the joint law L(N, D) = E + A/N^α + B/D^β per family (Huber loss in log
-    space, L-BFGS from a grid, bootstrap 90% intervals), the compute multiplier between two
-    families at equal loss, and an extrapolation check (the largest budget held out, the law's
-    prediction beside the naive log-linear one).
+    """Fit scaling laws to trained runs: IsoFLOP parabolas (N_opt and D_opt per budget, N_opt ∝ C^a,
+    bootstrap intervals), the joint law L(N, D) = E + A/N^α + B/D^β per family (Huber loss in log
+    space, L-BFGS from a grid, bootstrap 90% intervals refitted from the grid), the compute multiplier
+    between two families at equal loss (each shape at its exact cost; the joint law's and the IsoFLOP
+    envelopes'), and an extrapolation check (the largest budget held out, the law's prediction beside
+    the naive log-linear one). What was skipped, and why, is said; a law of few points is cautioned.
 
     Writes fit.json, fit.md and (with matplotlib) fit_frontier.png, fit_residuals.png and
     fit_isoflop.png to --out (--transfer: the transfer view and fit_transfer.png). Runs of different
     tokenizers or validation sets are refused.
     """
     from ncpctl.study.fit import FitOptions, analyse
-    from ncpctl.study.points import read_points
+    from ncpctl.study.points import read_points, where_found
     from ncpctl.study.report import write
 
     out_ = Output(json_out)
@@ -84,7 +90,10 @@ def main(
             raise UserError(f"{name} must be positive, got {v:g}")
     if transfer and dlcm:
         raise UserError("--transfer and --dlcm are alternatives: the transfer view fits no scaling law")
-    points = read_points(inputs, family_from_parent)
+    found: dict = {}
+    points = read_points(inputs, family_from_parent, found)
+    for root, runs in found.items():  # where the run directories were found (any depth)
+        out_.info(f"[dim]{where_found(root, runs)}[/]")
     if transfer:
         from ncpctl.study.transfer import analyse_transfer
 
@@ -93,9 +102,12 @@ def main(
         out_.result({"command": "fit", **report}, lambda con: _human_transfer(con, report))
         return
     opts = FitOptions(metric=metric, resamples=resamples, seed=seed, baseline=baseline, family=family,
-                      at_loss=at_loss, at_budget=at_budget, holdout=tuple(holdout or ()), dlcm=dlcm)
+                      at_loss=at_loss, at_budget=at_budget, holdout=tuple(holdout or ()), dlcm=dlcm,
+                      exclude_embeddings=exclude_embeddings)
     out_.info(f"[dim]fitting {metric} of {len(points)} points ({resamples} bootstrap resamples)[/]")
     report = analyse(points, opts)
+    for line in report["warnings"]:
+        out_.warn(line)
     write(report, points, Path(out) if out else Path("fit"), draw=not no_plots)
     out_.result({"command": "fit", **report}, lambda con: _human(con, report))
 
@@ -103,32 +115,34 @@ def main(
 def _human(con, report: dict) -> None:
     from rich.table import Table
 
-    from ncpctl.study.report import LAW_COLUMNS, dlcm_lines, extrapolation_line, law_rows, multiplier_line
+    from ncpctl.study.report import (ISOFLOP_COLUMNS, LAW_COLUMNS, LAW_NOTE, dlcm_lines, extrapolation_line, header,
+                                     isoflop_rows, law_rows, multiplier_line, notes)
 
-    t = Table(title=f"{report['metric']}: L(N, D) = E + A/N^α + B/D^β (90% bootstrap intervals)", title_justify="left")
-    for col in LAW_COLUMNS:
-        t.add_column(col, justify="left" if col == "family" else "right")
+    con.print(f"[dim]{header(report)}[/]", soft_wrap=True)
+    t = Table(title=f"{report['metric']}: L(N, D) = E + A/N^α + B/D^β (90% bootstrap intervals)", title_justify="left",
+              caption=LAW_NOTE, caption_justify="left")
+    for col in LAW_COLUMNS:  # folded, never cut: an interval's end is a number to read whole
+        t.add_column(col, justify="left" if col == "family" else "right", overflow="fold")
     for row in law_rows(report):
         t.add_row(*row)
     con.print(t)
-    t = Table(title="IsoFLOP parabolas", title_justify="left")
-    for col in ("family", "budget C", "points", "N_opt", "D_opt", "min", "rmse"):
-        t.add_column(col, justify="left" if col == "family" else "right")
+    t = Table(title="IsoFLOP parabolas (* vertex outside the sampled sizes)", title_justify="left")
+    for col in ISOFLOP_COLUMNS:
+        t.add_column(col, justify="left" if col == "family" else "right", overflow="fold")
     for name, fam in report["families"].items():
-        for r in fam["isoflop"]["budgets"]:
-            t.add_row(name, f"{r['budget']:.3g}", str(r["points"]), f"{r['N_opt']:.3g}" + ("" if r["inside"] else "*"),
-                      f"{r['D_opt']:.3g}", f"{r['min']:.4g}", f"{r['rmse']:.2g}")
+        for row in isoflop_rows(name, fam["isoflop"]):
+            t.add_row(*row)
     if t.row_count:
         con.print(t)
+    for line in notes(report)[len(report["warnings"]):]:  # the warnings went to stderr already
+        con.print(line, soft_wrap=True)
     for name, fam in report["families"].items():
-        iso = fam["isoflop"]
-        if "N_opt_exponent" in iso:
-            con.print(f"{name}: N_opt ∝ C^{iso['N_opt_exponent']:.3f}, D_opt ∝ C^{iso['D_opt_exponent']:.3f} (IsoFLOP)")
-        con.print(extrapolation_line(name, fam["extrapolation"]))
+        con.print(extrapolation_line(name, fam["extrapolation"]), soft_wrap=True)
         for line in dlcm_lines(name, fam):
             con.print(line)
-    if "multiplier" in report:
-        con.print(multiplier_line(report["multiplier"]))
+    for key, approach in (("multiplier", "joint law"), ("multiplier_isoflop", "IsoFLOP envelopes")):
+        if key in report:
+            con.print(multiplier_line(report[key], approach), soft_wrap=True)
     if report.get("plots_note"):
         con.print(f"[dim]{report['plots_note']}[/]")
     con.print("[dim]" + "\n".join(report["files"].values()) + "[/]")

@@ -129,7 +129,10 @@ def _totals(sweep: Any) -> dict[str, Any]:
 def _table(sweep: Any, dry: bool = False) -> Any:
     from rich.table import Table
 
-    t = Table(title=f"sweep {sweep.name}: {len(sweep.points)} points (base {sweep.base})", title_justify="left")
+    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+
+    t = Table(title=f"sweep {sweep.name}: {len(sweep.points)} points (base {sweep.base})"
+              + (f"; training FLOPs: {FLOP_CONVENTION_SHORT}" if dry else ""), title_justify="left")
     t.add_column("point", overflow="fold")
     varying = [k for k in sweep.keys if len({json.dumps(p.params.get(k), default=str) for p in sweep.points}) > 1]
     shown = varying if len(varying) <= 3 else []  # more: the point's name says them

@@ -11,7 +11,13 @@
 * ``ncpctl.evaluate.proxy``: capability proxies (``ncpctl eval --proxy``); ``proxy_build`` makes a set.
 * ``ncpctl.evaluate.uncertainty``: tokens-to-reach, window and seed aggregates, paired bootstrap.
 * ``ncpctl.evaluate.tasks/``: task YAMLs (``ncp_offline``; the ConceptLM paper groups; the paper tables).
-* ``ncpctl.evaluate.run``: ``evaluate(...)``, what ``ncpctl eval`` calls.
+* ``ncpctl.evaluate.run``: ``evaluate(...)``, what ``ncpctl eval`` calls (``report``: its markdown and table).
+* ``ncpctl.evaluate.settings``: ``--seed``, ``--gen-kwargs``, fractional ``--limit``; per-task settings.
+* ``ncpctl.evaluate.samples``: logged samples (``--log-samples``), per-example scores read back.
+* ``ncpctl.evaluate.accumulate``: results of several evaluations of one checkpoint, merged by task.
+* ``ncpctl.evaluate.cache``: the resumable request cache, keyed by the checkpoint's manifest.
+* ``ncpctl.evaluate.parallel``: data-parallel scoring under a launcher (torchrun, deepspeed).
+* ``ncpctl.evaluate.hub``: one reachability check of the Hugging Face hub before hub tasks load.
 * ``python -m ncpctl.evaluate ...``: the ``lm_eval`` command line with ``--model ncpctl``
   registered and our task directory included (lm-eval 0.4 has no plugin discovery).
 

@@ -74,6 +74,7 @@ class Entry:
         return self.res.get("perplexity") or {}
     label: str = ""
     notes: list[str] = field(default_factory=list)
+    examples: dict[str, dict[str, list[Any]]] = field(default_factory=dict)  # per-example scores read, by task
 
 
 def _step(tag: str) -> int:
@@ -115,71 +116,6 @@ def locate(target: str) -> Entry:
         e.notes.append(f"{e.results_file.name} is not for the newest checkpoint {e.checkpoint.name} "
                        f"(`ncpctl eval {target}` refreshes it)")
     return e
-
-
-def _safetensors_numel(path: Path) -> int | None:
-    """Parameters stored in a safetensors file, from its header alone (no torch, nothing loaded)."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError):
-        return None
-    total = 0
-    for name, t in header.items():
-        if name != "__metadata__":
-            k = 1
-            for d in t["shape"]:
-                k *= d
-            total += k
-    return total
-
-
-def _scale(e: Entry) -> dict[str, Any]:
-    """The evaluated checkpoint's budget and size: tokens trained, parameters (its safetensors),
-    training FLOPs (what its metadata records the loop spent; for an older checkpoint, the exact
-    accounting per token at its training length x the tokens, as if every weight trained). Empty
-    where the checkpoint is not at hand."""
-    from ncpctl.checkpoint import CHECKPOINTS, META
-
-    ck = e.checkpoint
-    if e.results_file is not None and e.run_dir is not None and (ck is None or e.results_file.stem != f"results_{ck.name}"):
-        ck = e.run_dir / CHECKPOINTS / e.results_file.stem.removeprefix("results_")
-    if ck is None or not (ck / META).is_file():
-        return {}
-    try:
-        meta = json.loads((ck / META).read_text())
-        tokens = int(meta["tokens_seen"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    out: dict[str, Any] = {"tokens": tokens, "parameters": _safetensors_numel(ck / "model.safetensors")}
-    spent = (meta.get("budget") or {}).get("flops")
-    if isinstance(spent, (int, float)):  # the loop's own record (steps x its accounting, frozen stages as run)
-        out["training_flops"] = spent
-        return out
-    try:  # a checkpoint written before the loop recorded it
-        from ncpctl.model.accounting import training_flops_per_step
-        from ncpctl.model.config import ModelConfig
-
-        T = int((meta.get("recipe") or {}).get("train", {}).get("seq_len"))
-        per_sequence = training_flops_per_step(ModelConfig.from_dict(meta["model_config"]), T, 1)
-        out["training_flops"] = per_sequence * tokens / T
-    except Exception:  # an old or foreign checkpoint: tokens and parameters only
-        out["training_flops"] = None
-    return out
-
-
-def _scale_note(runs: list[dict[str, Any]]) -> list[str]:
-    """One note when the runs differ in budget or size: each run's tokens, parameters and FLOPs."""
-    keys = ("tokens", "parameters", "training_flops")
-    if len({tuple(r.get(k) for k in keys) for r in runs}) < 2:
-        return []
-    def fmt(r: dict[str, Any]) -> str:
-        t, p, f = (r.get(k) for k in keys)
-        return (f"{r['label']}: {'?' if t is None else f'{t:,}'} tokens, {'?' if p is None else f'{p:,}'} parameters, "
-                f"{'?' if f is None else f'{f:.3g}'} training FLOPs")
-    return ["the runs differ in budget or size (compare at equal tokens or FLOPs before reading the deltas as "
-            "a design's effect): " + "; ".join(fmt(r) for r in runs)]
 
 
 def _read(f: Path) -> dict[str, Any]:
@@ -236,16 +172,19 @@ def _missing_request(have: list[Entry], tasks: list[str] | None, heldout: list[s
 
 
 def _evaluate_missing(entries: list[Entry], tasks, heldout, limit, num_fewshot, batch_size,
-                      log: Callable[[str], None]) -> None:
+                      log: Callable[[str], None], how: dict[str, Any]) -> None:
     from ncpctl.evaluate.run import evaluate, resolve_target
 
     todo = [e for e in entries if e.results is None]
     if not todo:
         return
-    tasks, heldout, limit, num_fewshot, why = _missing_request(
-        [e for e in entries if e.results is not None], tasks, heldout, limit, num_fewshot)
+    have = [e for e in entries if e.results is not None]
+    tasks, heldout, limit, num_fewshot, why = _missing_request(have, tasks, heldout, limit, num_fewshot)
+    like = _request(have[0].res) if have else {}  # the seeds and generation settings of the first that has results
+    how = {**how, "seed": how.get("seed") or like.get("seed"),
+           "gen_kwargs": how.get("gen_kwargs") if how.get("gen_kwargs") is not None else like.get("gen_kwargs")}
     for e in todo:
-        t = resolve_target(str(e.checkpoint), [], tasks, batch_size, limit, num_fewshot, None, heldout=heldout)
+        t = resolve_target(str(e.checkpoint), [], tasks, batch_size, limit, num_fewshot, None, heldout=heldout, **how)
         names = [*t.tasks, *(h.label or h.path for h in t.heldout)]
         log(f"{e.label}: no eval results; evaluating {e.checkpoint} first on {', '.join(names)} "
             f"({why}), limit {t.limit}")
@@ -277,10 +216,26 @@ def table(entries: list[Entry]) -> tuple[list[dict[str, Any]], dict[str, list[st
     for key, _ in PPL_ROWS:
         vals = {e.label: _finite(e.ppl.get(key)) for e in entries}
         rows.append(_row("perplexity", "perplexity sets", key, vals, first))
+    rows += _aggregate_rows(entries, first)
     tasks_of = {e.label: set(m["tasks"]) | set(m["groups"]) for e, m in zip(entries, per_run)}
     union = list(dict.fromkeys(t for _, t, _ in keys))
     missing = {lab: [t for t in union if t not in have] for lab, have in tasks_of.items()}
     return rows, {lab: ts for lab, ts in missing.items() if ts}
+
+
+def _aggregate_rows(entries: list[Entry], first: str) -> list[dict[str, Any]]:
+    """The paper aggregates of the runs' results (``ncpctl.evaluate.protocol.rows``: the aggregate, its
+    section AVGs and summaries), one row each, section ``aggregates``."""
+    from ncpctl.evaluate.protocol import rows as agg_rows
+
+    aggs = [e.res.get("aggregates") or {} for e in entries]
+    out = []
+    for group in dict.fromkeys(g for a in aggs for g in a):
+        per_run = [agg_rows(a[group]) if group in a else {} for a in aggs]
+        for name in dict.fromkeys(n for r in per_run for n in r):
+            vals = {e.label: _finite(r.get(name)) for e, r in zip(entries, per_run)}
+            out.append(_row("aggregates", group, name, vals, first))
+    return out
 
 
 def _row(section: str, task: str, metric: str, vals: dict[str, float | None], first: str) -> dict[str, Any]:
@@ -307,12 +262,16 @@ def val_curves(entries: list[Entry]) -> dict[str, dict[str, Any]]:
 def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list[str] | None = None,
             limit: int | None = None, num_fewshot: int | None = None, batch_size: int | None = None,
             out: str | None = None, window: int = 200, log: Callable[[str], None] = lambda m: None,
-            level: float = 0.95, resamples: int = 2000) -> dict[str, Any]:
+            level: float = 0.95, resamples: int = 2000, how: dict[str, Any] | None = None) -> dict[str, Any]:
     """Locate (and where needed evaluate) each target's results, build the table, write the files.
-    ``tasks``/``heldout``/``limit``/``num_fewshot``/``batch_size`` only apply to targets evaluated here.
+    ``tasks``/``heldout``/``limit``/``num_fewshot``/``batch_size`` and ``how`` (``seed``, ``gen_kwargs``,
+    ``log_samples``, ``cache`` of ``resolve_target``) only apply to targets evaluated here.
     A comma-separated target is an arm of seeds (``ncpctl.evaluate.compare_arms``; ``level``, ``resamples``)."""
-    from ncpctl.evaluate import compare_arms
+    from ncpctl.evaluate import compare_arms, parallel
 
+    if parallel.launched().world > 1:
+        raise UserError("--compare runs in one process, not under a launcher",
+                        hint="score each run under the launcher first (`ncpctl eval RUN`), then compare without it")
     split = compare_arms.split_arms(targets)
     targets, arm = split if split else (targets, None)
     if len(targets) < 2:
@@ -326,18 +285,18 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
     for e in entries:
         e.results = _read(e.results_file) if e.results_file is not None else None
     _label(entries)
-    from ncpctl.evaluate.compare_curves import check_tokenizers, curve_stats
+    from ncpctl.evaluate.compare_curves import check_tokenizers, curve_stats, scale
 
     check_tokenizers([e.label for e in entries], [e.checkpoint for e in entries])
     if arm is not None:
         compare_arms.check_seeds_only(entries, arm)
-    _evaluate_missing(entries, tasks, heldout, limit, num_fewshot, batch_size, log)
+    _evaluate_missing(entries, tasks, heldout, limit, num_fewshot, batch_size, log, how or {})
     rows, missing = table(entries)
     runs = [{"label": e.label, "target": e.target, "run_dir": _s(e.run_dir), "checkpoint": _s(e.checkpoint),
              "results_file": str(e.results_file), "evaluated": e.evaluated,
              "step": _step(e.results_file.stem) if e.results_file else None,
              "limit": _request(e.res).get("limit"),
-             "perplexity_sets": sorted(e.ppl.get("averaged", e.ppl.get("per_set") or {})), **_scale(e)}
+             "perplexity_sets": sorted(e.ppl.get("averaged", e.ppl.get("per_set") or {})), **scale(e)}
             for e in entries]
     curves = val_curves(entries)
     notes = _notes(entries, runs, missing)
@@ -356,13 +315,16 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
 
 def _notes(entries: list[Entry], runs: list[dict[str, Any]], missing: dict[str, list[str]]) -> list[str]:
     """What a reader of the table must know: stale or fresh results, blanks, unequal set-ups."""
-    notes = _kind_notes(entries) + _scale_note(runs)
+    from ncpctl.evaluate.settings import differences
+
+    from ncpctl.evaluate.compare_curves import scale_note
+
+    notes = _kind_notes(entries) + scale_note(runs)
     notes += [f"{e.label}: {n}" for e in entries for n in e.notes]
     notes += [f"{e.label}: evaluated now (it had no results)" for e in entries if e.evaluated]
     notes += [f"{lab}: no {', '.join(ts)} (blank in the table: the runs were evaluated on different tasks)"
               for lab, ts in missing.items()]
-    if len({r["limit"] for r in runs}) > 1:
-        notes.append("evaluated with different limits: " + ", ".join(f"{r['label']}: {r['limit']}" for r in runs))
+    notes += differences([e.label for e in entries], [e.res for e in entries])  # shots, limits, seeds, ...
     if len({tuple(r["perplexity_sets"]) for r in runs}) > 1:
         notes.append("the perplexity averages are over different sets: "
                      + "; ".join(f"{r['label']}: {', '.join(r['perplexity_sets']) or 'none'}" for r in runs))
@@ -453,8 +415,11 @@ def _shown(path: Any) -> str:
 
 
 def markdown(payload: dict[str, Any]) -> str:
+    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+
     cols = columns(payload)
-    lines = ["# Comparison", "", "| run | results | limit | evaluated now | tokens | parameters | training FLOPs |",
+    lines = ["# Comparison", "", f"| run | results | limit | evaluated now | tokens | parameters | training FLOPs "
+             f"({FLOP_CONVENTION_SHORT}) |",
              "|---|---|---|---|---:|---:|---:|"]
     g = lambda r, k, f: "" if r.get(k) is None else format(r[k], f)  # noqa: E731
     lines += [f"| {r['label']} | {_shown(r['results_file'])} | {r['limit']} | {'yes' if r['evaluated'] else 'no'} | "

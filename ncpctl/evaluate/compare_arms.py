@@ -12,7 +12,13 @@ cannot separate from noise).
   ``ncpctl eval`` writes the per-example scores as ``per_example`` in its results), resampled
   ``resamples`` times with a fixed seed (0), the percentile interval at ``level``. The interval is
   over examples: it says whether the test set separates the arms' seed-averaged models, not how a
-  new seed would land (that is the ± of each arm).
+  new seed would land (that is the ± of each arm). The per-example scores come from each run's
+  logged samples (``--log-samples``: ``samples_<tag>/<task>.jsonl``), else its results' ``per_example``.
+* A paper aggregate ("Avg", the number behind ConceptLM's +0.1/+0.4; its section AVGs and summaries) is
+  bootstrapped stratified (``uncertainty.stratified_bootstrap``): the examples of each leaf task are
+  resampled within it, and the aggregate rebuilt as the protocol builds it from the task means
+  (``protocol.strata``).
+* The p-value is an approximation (the bootstrap's; ``uncertainty``), and printed as one.
 """
 
 from __future__ import annotations
@@ -86,10 +92,45 @@ def check_seeds_only(entries: list[Any], arm: list[int]) -> None:
 
 
 def _per_example(e: Any, task: str, metric: str) -> dict[int, float] | None:
-    pe = ((e.res.get("per_example") or {}).get(task)) or {}
+    from ncpctl.evaluate.samples import per_example_of
+
+    read = getattr(e, "examples", {})  # compare.Entry keeps what it read: a samples file is read once per run
+    if task not in read:
+        read[task] = per_example_of(e.res, getattr(e, "results_file", None), task)
+    pe = read[task]
     if metric not in pe:
         return None
     return {int(d): float(v) for d, v in zip(pe["doc_id"], pe[metric]) if v is not None}
+
+
+def _example_key(metric: str) -> str:
+    """An lm-eval result key (``acc,none``, ``exact_match,flexible-extract``) as a per-example score's name."""
+    name, _, flt = metric.partition(",")
+    return name if flt in ("", "none", "first_identifier") else f"{name}[{flt}]"
+
+
+def _aggregate_diff(base: list[Any], other: list[Any], group: str, row: str, level: float, resamples: int,
+                    d: dict[str, Any]) -> dict[str, Any]:
+    """The stratified paired bootstrap of an aggregate row (None where a leaf has no per-example scores)."""
+    from ncpctl.evaluate.protocol import strata
+    from ncpctl.evaluate.uncertainty import stratified_bootstrap
+
+    agg = (base[0].res.get("aggregates") or {}).get(group)
+    if not agg:
+        return {**d, "bootstrap": None}
+    counts = base[0].res.get("n-samples") or {}  # a size-weighted group weighs its leaves by their examples
+    sizes = {leaf: int((counts.get(leaf) or {}).get("effective") or 0) for ls in agg.get("leaves", {}).values()
+             for leaf in ls}
+    weights = strata(agg, row, sizes)
+    if not weights:
+        return {**d, "bootstrap": None}
+    parts = []
+    for leaf, (metric, w) in weights.items():
+        pair = _paired(base, other, leaf, _example_key(metric))
+        if pair is None:
+            return {**d, "bootstrap": None}
+        parts.append((*pair, w))
+    return {**d, "bootstrap": stratified_bootstrap(parts, iters=resamples, level=level, seed=BOOTSTRAP_SEED)}
 
 
 def report(entries: list[Any], arm: list[int], rows: list[dict[str, Any]], level: float = 0.95,
@@ -112,7 +153,7 @@ def report(entries: list[Any], arm: list[int], rows: list[dict[str, Any]], level
             if st["std"] is not None and math.isnan(st["std"]):  # one run: no spread (null in the JSON, not NaN)
                 st["std"] = None
             stats.append(st)
-        diffs = [_diff(members[0], runs, row["task"], row["metric"], stats[0], s, level, resamples,
+        diffs = [_diff(members[0], runs, row["section"], row["task"], row["metric"], stats[0], s, level, resamples,
                        paired_bootstrap) for runs, s in zip(members[1:], stats[1:])]
         out_rows.append({"section": row["section"], "task": row["task"], "metric": row["metric"],
                          "arms": stats, "diff": diffs})
@@ -120,19 +161,30 @@ def report(entries: list[Any], arm: list[int], rows: list[dict[str, Any]], level
             "rows": out_rows, "level": level, "resamples": resamples, "seed": BOOTSTRAP_SEED}
 
 
-def _diff(base: list[Any], other: list[Any], task: str, metric: str, sa: dict[str, Any], sb: dict[str, Any],
-          level: float, resamples: int, paired_bootstrap: Any) -> dict[str, Any]:
+def _diff(base: list[Any], other: list[Any], section: str, task: str, metric: str, sa: dict[str, Any],
+          sb: dict[str, Any], level: float, resamples: int, paired_bootstrap: Any) -> dict[str, Any]:
     """Arm ``other`` minus arm ``base``: the difference of their means, and the paired bootstrap on
     the per-example scores averaged over each arm's seeds (None where a run has no per-example scores)."""
     d: dict[str, Any] = {"mean_diff": None if sa["mean"] is None or sb["mean"] is None else sb["mean"] - sa["mean"]}
+    if section == "aggregates":
+        return _aggregate_diff(base, other, task, metric, level, resamples, d)
+    pair = _paired(base, other, task, metric)
+    if pair is None or len(pair[0]) < 2:
+        return {**d, "bootstrap": None}
+    return {**d, "bootstrap": paired_bootstrap(*pair, iters=resamples, level=level, seed=BOOTSTRAP_SEED)}
+
+
+def _paired(base: list[Any], other: list[Any], task: str, metric: str) -> tuple[list[float], list[float]] | None:
+    """Each arm's per-example scores (mean over its seeds) on the examples every run scored; None
+    where a run has none."""
     per = [[_per_example(e, task, metric) for e in runs] for runs in (base, other)]
     if any(p is None for arm in per for p in arm):
-        return {**d, "bootstrap": None}
+        return None
     common = sorted(set.intersection(*(set(p) for arm in per for p in arm)))
-    if len(common) < 2:
-        return {**d, "bootstrap": None}
+    if not common:
+        return None
     a, b = ([sum(p[i] for p in arm) / len(arm) for i in common] for arm in per)
-    return {**d, "bootstrap": paired_bootstrap(a, b, iters=resamples, level=level, seed=BOOTSTRAP_SEED)}
+    return a, b
 
 
 def _fmt(v: float | None, signed: bool = False) -> str:
@@ -149,11 +201,15 @@ def lines(arms: dict[str, Any]) -> list[str]:
         for a, d in zip(arms["arms"][1:], row["diff"]):
             text = f"{a['label']} - {arms['arms'][0]['label']} {_fmt(d['mean_diff'], True)}"
             bs = d.get("bootstrap")
-            text += (f", paired bootstrap over {bs['n']} examples {_fmt(bs['diff'], True)} [{pct}: {_fmt(bs['low'], True)}, "
-                     f"{_fmt(bs['high'], True)}], p = {bs['p']:.3f}") if bs else " (no per-example scores: no interval)"
+            over = f"{bs['n']} examples" + (f" in {bs['strata']} tasks, stratified" if bs and "strata" in bs else "")
+            text += (f", paired bootstrap over {over} {_fmt(bs['diff'], True)} [{pct}: {_fmt(bs['low'], True)}, "
+                     f"{_fmt(bs['high'], True)}], p ≈ {bs['p']:.3f} (approximate)") if bs else \
+                " (no per-example scores: no interval)"
             parts.append(text)
         out.append(f"{row['task']} {row['metric']}: " + "; ".join(parts))
     out.append(f"bootstrap: {arms['resamples']} resamples of the examples, seed {arms['seed']}, percentile interval; "
                "an example's score in an arm is its mean over the arm's seeds (the interval is over examples, the ± over "
-               "seeds: with few seeds read both)")
+               "seeds: with few seeds read both); an aggregate resamples each task's examples within the task and "
+               "takes the mean of task means as its protocol does; p ≈: the bootstrap's approximate two-sided "
+               "p-value (coarse below about 1/resamples)")
     return out

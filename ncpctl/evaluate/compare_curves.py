@@ -10,6 +10,9 @@
   tokens per step).
 * window aggregates of the training loss: the mean over the last N steps and over the whole run.
 
+Each run's budget and size (``scale``: tokens trained, parameters, training FLOPs) come from its
+evaluated checkpoint, and a note lists them when the runs differ (``scale_note``).
+
 Per-token metrics of runs with different tokenizers do not compare (a loss per token of one
 vocabulary is not one of another): ``check_tokenizers`` refuses them with one line.
 """
@@ -17,6 +20,7 @@ vocabulary is not one of another): ``check_tokenizers`` refuses them with one li
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +98,8 @@ def curve_stats(runs: list[dict[str, Any]], run_dirs: list[Path | None], curves:
     for r in runs:
         row = out[r["label"]] | {"tokens_to_reach": None, "tokens_ratio": None, "compute_ratio": None}
         c = curves.get(r["label"])
-        if b and c and len(b["steps"]) > 1 and len(c["steps"]) > 1:
+        row["reach_note"] = _why_not(base, b, r["label"], c)
+        if row["reach_note"] is None:
             reach = tokens_to_reach(xs[base], b["values"], xs[r["label"]], c["values"])
             row |= {"target_loss": reach["target_loss"], "tokens_to_reach": reach["tokens"], "tokens_ratio": reach["ratio"]}
             f, t, fb = r.get("training_flops"), r.get("tokens"), runs[0].get("training_flops")
@@ -104,13 +109,100 @@ def curve_stats(runs: list[dict[str, Any]], run_dirs: list[Path | None], curves:
     return out
 
 
+def _why_not(base: str, b: dict[str, Any] | None, label: str, c: dict[str, Any] | None) -> str | None:
+    """Why tokens-to-reach cannot be computed for run ``label`` (None: it can): a crossing needs each
+    curve to have two validation records or more."""
+    for lab, curve in ((base, b), (label, c)):
+        if not curve:
+            return f"{lab} has no validation records in its metrics.jsonl"
+        if len(curve["steps"]) < 2:
+            return (f"{lab} validated once (step {curve['steps'][0]}): a crossing needs two validations or more "
+                    "(train.eval_every)")
+    return None
+
+
 def lines(stats: dict[str, dict[str, Any]], baseline: str) -> list[str]:
-    """The curve columns as text lines (terminal caption and markdown)."""
+    """The curve columns as text lines (terminal caption and markdown); where tokens-to-reach cannot be
+    computed, the reason instead of its numbers."""
     g = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     out = []
     for lab, s in stats.items():
-        out.append(f"{lab}: train loss last {s['window']} steps {g(s['train_loss_last'], '.4f')}, whole run "
-                   f"{g(s['train_loss_all'], '.4f')}; tokens to reach {baseline}'s final val loss "
+        head = (f"{lab}: train loss last {s['window']} steps {g(s['train_loss_last'], '.4f')}, whole run "
+                f"{g(s['train_loss_all'], '.4f')}; ")
+        if s.get("reach_note"):
+            out.append(head + f"tokens to reach {baseline}'s final val loss: not computed ({s['reach_note']})")
+            continue
+        if s.get("tokens_to_reach") is None:
+            out.append(head + f"{baseline}'s final val loss {g(s.get('target_loss'), '.4f')}: not reached in this run")
+            continue
+        out.append(head + f"tokens to reach {baseline}'s final val loss "
                    f"{g(s.get('target_loss'), '.4f')}: {g(s.get('tokens_to_reach'), ',.0f')} "
                    f"(ratio {g(s.get('tokens_ratio'), '.3f')}, compute ratio {g(s.get('compute_ratio'), '.3f')})")
     return out
+
+
+def _safetensors_numel(path: Path) -> int | None:
+    """Parameters stored in a safetensors file, from its header alone (no torch, nothing loaded)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):
+        return None
+    total = 0
+    for name, t in header.items():
+        if name != "__metadata__":
+            k = 1
+            for d in t["shape"]:
+                k *= d
+            total += k
+    return total
+
+
+def scale(e: Any) -> dict[str, Any]:
+    """The evaluated checkpoint's budget and size: tokens trained, parameters (its safetensors),
+    training FLOPs (what its metadata records the loop spent; for an older checkpoint, the exact
+    accounting per token at its training length x the tokens, as if every weight trained). Empty
+    where the checkpoint is not at hand."""
+    from ncpctl.checkpoint import CHECKPOINTS, META
+
+    ck = e.checkpoint
+    if e.results_file is not None and e.run_dir is not None and (ck is None or e.results_file.stem != f"results_{ck.name}"):
+        ck = e.run_dir / CHECKPOINTS / e.results_file.stem.removeprefix("results_")
+    if ck is None or not (ck / META).is_file():
+        return {}
+    try:
+        meta = json.loads((ck / META).read_text())
+        tokens = int(meta["tokens_seen"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    out: dict[str, Any] = {"tokens": tokens, "parameters": _safetensors_numel(ck / "model.safetensors")}
+    spent = (meta.get("budget") or {}).get("flops")
+    if isinstance(spent, (int, float)):  # the loop's own record (steps x its accounting, frozen stages as run)
+        out["training_flops"] = spent
+        return out
+    try:  # a checkpoint written before the loop recorded it
+        from ncpctl.model.accounting import training_flops_per_step
+        from ncpctl.model.config import ModelConfig
+
+        T = int((meta.get("recipe") or {}).get("train", {}).get("seq_len"))
+        per_sequence = training_flops_per_step(ModelConfig.from_dict(meta["model_config"]), T, 1)
+        out["training_flops"] = per_sequence * tokens / T
+    except Exception:  # an old or foreign checkpoint: tokens and parameters only
+        out["training_flops"] = None
+    return out
+
+
+def scale_note(runs: list[dict[str, Any]]) -> list[str]:
+    """One note when the runs differ in budget or size: each run's tokens, parameters and FLOPs."""
+    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+
+    keys = ("tokens", "parameters", "training_flops")
+    if len({tuple(r.get(k) for k in keys) for r in runs}) < 2:
+        return []
+    def fmt(r: dict[str, Any]) -> str:
+        t, p, f = (r.get(k) for k in keys)
+        return (f"{r['label']}: {'?' if t is None else f'{t:,}'} tokens, {'?' if p is None else f'{p:,}'} parameters, "
+                f"{'?' if f is None else f'{f:.3g}'} training FLOPs ({FLOP_CONVENTION_SHORT})")
+    return ["the runs differ in budget or size (compare at equal tokens or FLOPs before reading the deltas as "
+            "a design's effect): " + "; ".join(fmt(r) for r in runs)]

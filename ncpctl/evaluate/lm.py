@@ -25,6 +25,12 @@ log-likelihood is minus the mean of ``diffusion_samples`` estimates of the bound
 the log-likelihood in expectation), keyed by ``diffusion_seed``, and ``token_stats`` also sums the
 estimates' Monte Carlo variance (``mc_var``). ``is_greedy`` is the one-shot check
 (``one_shot_greedy``: every continuation token the argmax with its block's continuation masked).
+
+Answers go through a request cache where ``ncpctl eval`` gives one (``ncpctl.evaluate.cache``:
+resumable, keyed by the checkpoint and the request); ``model_requests`` counts the requests the
+model itself answered. Under a launcher (``ranks``; ``ncpctl.evaluate.parallel``) each rank answers
+lm-eval's share of the documents and the token statistics are summed over the ranks
+(``gather_stats``); a request a rank repeats to even out the batches is counted once.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from ncpctl.errors import UserError
+from ncpctl.evaluate import cache as request_cache
+from ncpctl.evaluate.parallel import Collectives, Ranks, sum_stats
 
 DIFFUSION_SAMPLES = 8  # Monte Carlo samples per request of a bound's estimate (ncpctl eval --diffusion-samples)
 
@@ -55,7 +63,7 @@ def _batch_size(value: int | str) -> int:
 
 
 @register_model("ncpctl")
-class NCPLM(TemplateLM):
+class NCPLM(Collectives, TemplateLM):
     """``lm_eval`` model args: ``checkpoint=DIR`` (checkpoint or run dir), ``batch_size``,
     ``max_length`` (default the model's ``max_seq_len``), ``dtype`` (float32|bfloat16),
     ``device`` (cpu|cuda...), ``data=DIR`` (offline tasks' data, else found from the checkpoint),
@@ -64,13 +72,18 @@ class NCPLM(TemplateLM):
     CDLM's noised-context estimate of each request (training's conditions: every block noised),
     summed per task in ``token_stats`` (``nll_noised``, ``mc_var_noised``). In-process: ``loaded`` (a
     ``LoadedModel``) instead of a checkpoint; ``live=True``: its model is a training run's module, used
-    on its device and in its dtype as it is (``ncpctl.train.downstream``)."""
+    on its device and in its dtype as it is (``ncpctl.train.downstream``); ``cache``: a
+    ``RequestCache``; ``ranks``: this process's place in a data-parallel evaluation."""
 
     def __init__(self, checkpoint: str | None = None, *, loaded=None, batch_size: int | str = 8,
                  max_length: int | None = None, dtype: str = "float32", device: str | None = None,
                  max_gen_toks: int = 256, diffusion_samples: int | str = DIFFUSION_SAMPLES,
-                 diffusion_seed: int | str = 0, live: bool = False, noised_context: bool | str = False, **_: Any):
+                 diffusion_seed: int | str = 0, live: bool = False, cache: Any = None, ranks: Ranks | None = None,
+                 noised_context: bool | str = False, **_: Any):
         super().__init__()
+        self._rank, self._world_size = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
+        self.cache, self.model_requests, self.requests = cache, 0, 0  # answered by the model / asked in all
+        self._dtype = dtype
         if not str(diffusion_samples).isdigit() or int(diffusion_samples) < 1:
             raise UserError(f"diffusion_samples={diffusion_samples!r}: expected a positive integer")
         self.diffusion_samples, self.diffusion_seed = int(diffusion_samples), int(diffusion_seed)
@@ -110,7 +123,33 @@ class NCPLM(TemplateLM):
         self._eot = eot if eot is not None else 0
         self.token_stats: dict[str, dict[str, float]] = {}
         self._mc_var: list[float] = []  # the Monte Carlo variance of each result of the last scoring call
-        self._noised: list[tuple[float, float]] = []  # (noised-context NLL, its variance) of each result, likewise
+        self._noised: list[list[float]] = []  # [noised-context NLL, its variance] of each result, likewise
+
+    @property
+    def cache_settings(self) -> dict[str, Any]:
+        """What, besides the request itself, changes an answer (part of every cache key)."""
+        return {"max_length": self._max_length, "dtype": self._dtype, "max_gen_toks": self._max_gen_toks,
+                "vocab": self.cfg.vocab_size, **({"diffusion_samples": self.diffusion_samples,
+                                                  "diffusion_seed": self.diffusion_seed}
+                                                 if self.model.objective.bound else {}),
+                **({"noised_context": True} if self.noised_context else {})}
+
+    def _answers(self, kind: str, requests, compute, cacheable=lambda r: True) -> list[Any]:
+        """``compute``'s answers to ``requests``, through the request cache where there is one."""
+        out, scored = request_cache.through(self.cache, kind, requests, self.cache_settings, compute,
+                                            request_cache.CHUNK * self._batch_size, cacheable)
+        self.model_requests += scored
+        self.requests += len(requests)
+        return out
+
+    def gather_stats(self) -> None:
+        """Sum ``token_stats`` and the request counts over the ranks of a data-parallel evaluation (a
+        collective: every rank calls it); rank 0 then holds the totals."""
+        if self._world_size > 1:
+            parts = self.gather_object((self.token_stats, self.requests, self.model_requests))
+            if self._rank == 0:
+                self.token_stats = sum_stats([p[0] for p in parts])
+                self.requests, self.model_requests = sum(p[1] for p in parts), sum(p[2] for p in parts)
 
     @property
     def likelihood(self) -> dict[str, Any]:
@@ -155,8 +194,17 @@ class NCPLM(TemplateLM):
         return self.tok.decode(tokens, skip_special_tokens=False)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """TemplateLM's encoding (trailing context spaces move to the continuation; empty
-        context -> the EOT token), with all strings tokenized in one parallel batch."""
+        """(log p(continuation | context), greedy?) per request (through the cache); the per-task
+        token statistics count each request once."""
+        answers = self._answers("loglikelihood", requests, self._loglikelihood_answers)
+        self._account(requests, [(a[0], a[2], a[3], *a[4:6]) for a in answers])
+        return [(float(a[0]), bool(a[1])) for a in answers]
+
+    def _loglikelihood_answers(self, requests) -> list[list[Any]]:
+        """[ll, greedy, continuation tokens, Monte Carlo variance (, noised-context NLL and its variance)]
+        per request. TemplateLM's
+        encoding (trailing context spaces move to the continuation; empty context -> the EOT
+        token), with all strings tokenized in one parallel batch."""
         strings: list[str] = []
         pairs = []
         for req in requests:
@@ -180,27 +228,39 @@ class NCPLM(TemplateLM):
                 whole, ctx_enc = enc[i], enc[i + 1]
                 cont_enc = whole[len(ctx_enc):]
             new.append((req.args, ctx_enc, cont_enc))
-        out = self._loglikelihood_tokens(new, disable_tqdm=disable_tqdm)
+        out = self._loglikelihood_tokens(new)
         var = self._mc_var or [0.0] * len(out)
-        noised = self._noised or [None] * len(out)
-        for req, (ll, _), (_, _, cont), v, nz in zip(requests, out, new, var, noised):
-            self._account(req, ll, len(cont), v, nz)
-        return out
+        noised = self._noised or [[]] * len(out)
+        return [[ll, g, len(cont), v, *z] for (ll, g), (_, _, cont), v, z in zip(out, new, var, noised)]
 
-    def _account(self, req, ll: float, n_tokens: int, mc_var: float = 0.0,
-                 noised: tuple[float, float] | None = None) -> None:
+    def _account(self, requests, answers: list[tuple]) -> None:
         """Per-task NLL and token counts (for token-weighted perplexities across sets); a bound's
-        estimates also their Monte Carlo variance (and the noised-context NLL with its variance)."""
-        st = self.token_stats.setdefault(getattr(req, "task_name", None) or "?", {"nll": 0.0, "tokens": 0})
-        st["nll"] -= ll
-        st["tokens"] += n_tokens
-        if self.model.objective.bound:
-            st["mc_var"] = st.get("mc_var", 0.0) + mc_var
-        if noised is not None:
-            st["nll_noised"] = st.get("nll_noised", 0.0) + noised[0]
-            st["mc_var_noised"] = st.get("mc_var_noised", 0.0) + noised[1]
+        estimates also their Monte Carlo variance. ``answers``: (ll, tokens, variance) per request, with
+        the noised-context NLL and its variance after them under ``noised_context``. A
+        request object seen twice (a data-parallel rank repeats its last request to even out the
+        batches) is counted once."""
+        seen: set[int] = set()
+        for req, (ll, n_tokens, mc_var, *noised) in zip(requests, answers):
+            if id(req) in seen:
+                continue
+            seen.add(id(req))
+            st = self.token_stats.setdefault(getattr(req, "task_name", None) or "?", {"nll": 0.0, "tokens": 0})
+            st["nll"] -= ll
+            st["tokens"] += n_tokens
+            if self.model.objective.bound:
+                st["mc_var"] = st.get("mc_var", 0.0) + mc_var
+            if noised:
+                st["nll_noised"] = st.get("nll_noised", 0.0) + noised[0]
+                st["mc_var_noised"] = st.get("mc_var_noised", 0.0) + noised[1]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        answers = self._answers("loglikelihood_rolling", requests, self._rolling_answers)
+        self._account(requests, [tuple(a) for a in answers])
+        return [float(a[0]) for a in answers]
+
+    def _rolling_answers(self, requests) -> list[list[Any]]:
+        """[ll, tokens, Monte Carlo variance (, noised-context NLL, its variance)] of each whole string,
+        scored in lm-eval's disjoint rolling windows of ``max_length``."""
         from lm_eval import utils
 
         windows, owner = [], []
@@ -211,22 +271,17 @@ class NCPLM(TemplateLM):
                     max_seq_len=self.max_length, context_len=1)):
                 windows.append((None, ctx, cont))
                 owner.append(r)
-        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm, greedy=False)
+        scores = self._loglikelihood_tokens(windows, greedy=False)
         var = self._mc_var or [0.0] * len(scores)
-        noised = self._noised or [None] * len(scores)
-        totals = [0.0] * len(requests)
-        counts = [0] * len(requests)
-        variances = [0.0] * len(requests)
-        nz: list[list[float] | None] = [[0.0, 0.0] if self._noised else None for _ in requests]
+        noised = self._noised or [[]] * len(scores)
+        out = [[0.0, 0, 0.0] + ([0.0, 0.0] if self._noised else []) for _ in requests]
         for r, (ll, _), (_, _, cont), v, z in zip(owner, scores, windows, var, noised):
-            totals[r] += ll
-            counts[r] += len(cont)
-            variances[r] += v
-            if z is not None:
-                nz[r] = [nz[r][0] + z[0], nz[r][1] + z[1]]
-        for req, ll, n, v, z in zip(requests, totals, counts, variances, nz):
-            self._account(req, ll, n, v, None if z is None else (z[0], z[1]))
-        return totals
+            out[r][0] += ll
+            out[r][1] += len(cont)
+            out[r][2] += v
+            for i, x in enumerate(z):
+                out[r][3 + i] += x
+        return out
 
     @torch.no_grad()
     def _bound_tokens(self, requests, greedy: bool) -> list[tuple[float, bool]]:
@@ -234,7 +289,7 @@ class NCPLM(TemplateLM):
         one request at a time (its Monte Carlo samples are the rows of the estimator's forwards);
         identical requests are scored once. Sets ``_mc_var``: each result's Monte Carlo variance."""
         L, dev = self.max_length, self._device
-        done: dict[tuple[tuple[int, ...], int], tuple[float, bool, float, tuple | None]] = {}
+        done: dict[tuple[tuple[int, ...], int], tuple[float, bool, float, list]] = {}
         out, self._mc_var, self._noised = [], [], []
         for _, ctx, cont in requests:
             inp = tuple((list(ctx) + list(cont))[-L:])  # a continuation longer than the window: its last tokens
@@ -247,15 +302,15 @@ class NCPLM(TemplateLM):
                     self.model, x, scored, samples=self.diffusion_samples, seed=self.diffusion_seed, greedy=greedy)
                 S = est.shape[1]
                 var = float(est[0].var()) / S if S > 1 else float("nan")
-                nz = None
-                if self.noised_context:
+                nz = []
+                if self.noised_context:  # beside the bound, the same samples: training's conditions
                     e = self.model.objective.noised_estimates(self.model, x, scored, samples=S, seed=self.diffusion_seed)
-                    nz = (float(e[0].mean()), float(e[0].var()) / S if S > 1 else float("nan"))
+                    nz = [float(e[0].mean()), float(e[0].var()) / S if S > 1 else float("nan")]
                 done[(inp, n)] = (-float(est[0].mean()), bool(hit[0]) if hit is not None else False, var, nz)
             ll, g, var, nz = done[(inp, n)]
             out.append((ll, g))
             self._mc_var.append(var)
-            if nz is not None:
+            if nz:
                 self._noised.append(nz)
         return out
 
@@ -330,6 +385,13 @@ class NCPLM(TemplateLM):
         return [results[w] for w in which]  # type: ignore[misc]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Each request's generation (greedy ones through the cache; a sampled one is drawn anew,
+        every repeat of it too). As lm-eval's Hugging Face model, a temperature samples only with
+        ``do_sample``."""
+        return self._answers("generate_until", requests, self._generate,
+                             cacheable=lambda r: not (r.args[1] or {}).get("do_sample", False))
+
+    def _generate(self, requests) -> list[str]:
         from ncpctl.inference import SamplingParams, generate
 
         groups: dict[str, list[int]] = {}

@@ -345,6 +345,26 @@ class _SplitRows:
         return self
 
 
+def say_mixture(names: list[str], checkpoint: Path, log: Any) -> None:
+    """One line when the ``ncp_*`` tasks score a checkpoint trained on a data.mix of ``sources``: they
+    read the one tokenized corpus ``ncpctl tokenize`` wrote for it, the union of the components'
+    validation documents, not weighted by the mix (a mix of prefixes has no such corpus: ``data_dir_for``
+    refuses it)."""
+    from ncpctl.evaluate.run import leaves, our_tasks
+
+    ours = our_tasks()
+    ncp = list(dict.fromkeys(leaf for n in names for leaf in leaves(n, ours) if leaf in TASKS))
+    if not ncp or mixture_validation(checkpoint) is None:
+        return
+    try:
+        data, _ = data_dir_for(str(checkpoint))
+    except UserError:
+        return  # refused when the task loads, with its own line
+    log(f"{', '.join(ncp)}: {checkpoint} trained on a data.mix; these tasks read one corpus, {data / 'val'}: "
+        "the union of the components' validation documents, not weighted by the mix (conceptlm_val_ppl scores "
+        "each component's split)")
+
+
 def mixture_tasks(names: list[str], checkpoint: Path) -> tuple[list[str], list[Any]]:
     """``names`` without ``conceptlm_val_ppl`` and, in its place, one lm-eval task per data.mix
     component of ``checkpoint`` (``conceptlm_val_ppl_NAME``, configured as ``conceptlm_val_ppl``

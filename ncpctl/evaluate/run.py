@@ -2,7 +2,12 @@
 
 Writes ``results_<tag>.json`` (lm-eval's results object plus our ``perplexity`` summary)
 and ``results_<tag>.md`` (lm-eval's markdown table plus the perplexity summary) into
-``run.dir/eval/`` (a checkpoint outside a run directory: ``CHECKPOINT/eval/``).
+``run.dir/eval/`` (a checkpoint outside a run directory: ``CHECKPOINT/eval/``). The file of a
+checkpoint accumulates the tasks of every evaluation of it (``ncpctl.evaluate.accumulate``; a task
+scored again is replaced, ``scored`` says when and with what settings each was scored:
+``ncpctl.evaluate.settings``); ``--log-samples`` adds one JSONL per task (``ncpctl.evaluate.samples``);
+answers go through a resumable cache (``ncpctl.evaluate.cache``); under a launcher every rank scores
+its share and rank 0 writes (``ncpctl.evaluate.parallel``).
 
 Perplexity across sets (the ``perplexity`` entry; sets = the tasks whose lm-eval metrics
 include a perplexity):
@@ -22,9 +27,11 @@ include a perplexity):
 Held-out corpora (``EvalTarget.heldout``: ``--heldout`` or ``eval.heldout``) are tasks of their
 own, named by their labels (``ncpctl.evaluate.heldout``); they count as perplexity sets.
 The JSON also records what was asked (``request``: tasks, held-out corpora, limit, few-shot,
-batch size, checkpoint), which ``ncpctl eval --compare`` reuses to evaluate a run the same way, and
-each task's numeric per-example scores (``per_example``: ``doc_id`` and one list per metric), which
-its seed arms pair on (``ncpctl.evaluate.compare_arms``).
+batch size, seeds, generation settings, checkpoint), which ``ncpctl eval --compare`` reuses to
+evaluate a run the same way, and each task's numeric per-example scores (``per_example``: ``doc_id``
+and one list per metric; with ``--log-samples`` they are read from the samples files instead), which
+its seed arms pair on (``ncpctl.evaluate.compare_arms``). ``--num-fewshot`` applies to every task,
+0-shot ones included (``set_shots``: lm-eval's own override skips a task whose config says 0).
 
 A checkpoint whose log-likelihoods are bounds (a Causal Diffusion LM: its held-out ELBO,
 ``ncpctl.model.diffusion_elbo``) is scored with ``diffusion_samples`` Monte Carlo samples per
@@ -53,13 +60,13 @@ import yaml
 
 from ncpctl.errors import UserError
 from ncpctl.evaluate import TASKS_DIR
+from ncpctl.evaluate.report import BOUND_METRICS, _ppl_markdown, rich_table  # noqa: F401 (this module's API)
+from ncpctl.evaluate.settings import DEFAULT_SEED
 from ncpctl.fsutil import atomic_write
 
 PPL_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity")  # preference order
 # what each metric is a perplexity of (lm-eval's `perplexity` of loglikelihood tasks: per target
 # continuation, e.g. LAMBADA's last word)
-# lm-eval metrics that a bound on the log-likelihood makes upper bounds (marked in the table)
-BOUND_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
 PPL_UNITS = {"token_perplexity": "token perplexity", "perplexity": "target perplexity",
              "word_perplexity": "word perplexity", "byte_perplexity": "byte perplexity"}
 
@@ -70,24 +77,31 @@ class EvalTarget:
     out_dir: Path
     tasks: list[str]
     batch_size: int
-    limit: int | None
+    limit: int | float | None  # examples per task, or a fraction of each task below 1
     num_fewshot: int | None
     heldout: list[Any] = field(default_factory=list)  # [HeldoutSource], scored as tasks named by their labels
     diffusion_samples: int | None = None  # Monte Carlo samples of a bound's estimates (None: NCPLM's default)
     noised_context: bool = False  # a CDLM: its noised-context estimate beside the bound (--noised-context)
     allow_code: bool = False  # run code tasks: execute sampled programs (sandboxed; --allow-code-execution)
+    seed: tuple[int | None, ...] = DEFAULT_SEED  # lm-eval's random, numpy, torch and few-shot seeds (--seed)
+    gen_kwargs: dict[str, Any] | None = None  # generation tasks' settings (--gen-kwargs)
+    log_samples: bool = False  # one JSONL per task beside the results (--log-samples)
+    cache: bool = True  # the resumable request cache, eval/cache/ (--no-cache: off)
 
 
 def resolve_target(target: str, sets: list[str], tasks: list[str] | None, batch_size: int | None,
-                   limit: int | None, num_fewshot: int | None, out: str | None,
-                   heldout: list[Any] | None = None, diffusion_samples: int | None = None) -> EvalTarget:
+                   limit: int | float | None, num_fewshot: int | None, out: str | None,
+                   heldout: list[Any] | None = None, diffusion_samples: int | None = None,
+                   seed: tuple[int | None, ...] | None = None, gen_kwargs: dict[str, Any] | None = None,
+                   log_samples: bool = False, cache: bool = True) -> EvalTarget:
     """A recipe YAML (its run dir's newest checkpoint) or a checkpoint / run directory.
 
     Defaults come from the recipe's ``eval`` section: the YAML's, or the resolved recipe the
     checkpoint carries (style rule 7: a checkpoint needs nothing else). Flags win over both;
     ``tasks=[]`` (``--tasks ''``) means no lm-eval tasks, only the held-out corpora.
     ``heldout``: ``--heldout`` values (strings for ``ncpctl.evaluate.heldout.parse_spec``, or
-    ``HeldoutSource``s) replacing ``eval.heldout``; ``[]`` means none.
+    ``HeldoutSource``s) replacing ``eval.heldout``; ``[]`` means none. ``seed``, ``gen_kwargs``,
+    ``log_samples``, ``cache``: ``EvalTarget``'s (``ncpctl.evaluate.settings`` parses the flags).
     """
     from ncpctl.evaluate.heldout import parse_spec
 
@@ -112,7 +126,9 @@ def resolve_target(target: str, sets: list[str], tasks: list[str] | None, batch_
                         "or set eval.tasks / eval.heldout in the recipe")
     return EvalTarget(ckpt, Path(out) if out else run_dir / "eval", tasks, batch_size or ev.batch_size,
                       limit if limit is not None else ev.limit,
-                      num_fewshot if num_fewshot is not None else ev.num_fewshot, specs, diffusion_samples)
+                      num_fewshot if num_fewshot is not None else ev.num_fewshot, specs, diffusion_samples,
+                      seed=tuple(seed) if seed is not None else DEFAULT_SEED, gen_kwargs=gen_kwargs,
+                      log_samples=log_samples, cache=cache)
 
 
 def _checkpoint_eval(ckpt: Path):  # -> EvalSection
@@ -144,13 +160,13 @@ def our_tasks(tasks_dir: Path = TASKS_DIR) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _leaves(name: str | dict[str, Any], ours: dict[str, dict[str, Any]]) -> list[str]:
+def leaves(name: str | dict[str, Any], ours: dict[str, dict[str, Any]]) -> list[str]:
     if isinstance(name, dict):  # a group member with overrides: {task: NAME, num_fewshot: N}
         name = name.get("task") or name.get("group")
     d = ours.get(name)
     if d is None or "group" not in d:
         return [name]
-    return [leaf for t in d["task"] for leaf in _leaves(t, ours)]
+    return [leaf for t in d["task"] for leaf in leaves(t, ours)]
 
 
 def unknown_tasks(names: list[str], tasks_dir: Path = TASKS_DIR) -> list[str]:
@@ -182,12 +198,13 @@ def load_tasks(names: list[str], metadata: dict[str, Any], tasks_dir: Path = TAS
     instead skips a member it cannot load with one line through ``skip`` and runs the others.
     ``tm``: a TaskManager from an earlier call with the same names (the training loop's evaluations
     reuse theirs: indexing lm-eval's tasks again would cost its ~10 s at every evaluation)."""
-    from lm_eval.tasks import TaskManager
-
-    from ncpctl.evaluate import protocol
+    from ncpctl.evaluate import hub, protocol
 
     ours = our_tasks(tasks_dir)
-    defaults = any(leaf not in ours for n in names for leaf in _leaves(n, ours))
+    hub.check(names, ours, skip)  # before lm-eval's loaders meet an unreachable hub, task after task
+    from lm_eval.tasks import TaskManager
+
+    defaults = any(leaf not in ours for n in names for leaf in leaves(n, ours))
     tm = tm or TaskManager(include_path=str(tasks_dir), include_defaults=defaults, metadata=metadata)
     known = set(tm.all_tasks) | set(getattr(tm, "all_groups", []))
     problems, objs, protocols = [], [], []
@@ -208,7 +225,7 @@ def load_tasks(names: list[str], metadata: dict[str, Any], tasks_dir: Path = TAS
             raise
         except Exception as e:  # noqa: BLE001 - a task's data loader can raise anything
             failing = []
-            for leaf in _leaves(name, ours):  # name the task(s) whose data is unreachable
+            for leaf in leaves(name, ours):  # name the task(s) whose data is unreachable
                 if leaf == name:
                     continue
                 try:
@@ -221,9 +238,10 @@ def load_tasks(names: list[str], metadata: dict[str, Any], tasks_dir: Path = TAS
         objs += [top] if top is not None else list(loaded["tasks"].values())
     if problems:
         offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
-        raise UserError(*problems, hint="hub datasets need the network or a local datasets cache"
-                        + (" (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE are set)" if offline else "")
-                        + "; the offline tasks are `ncp_offline`")
+        why = " (the hub is unreachable)" if hub.went_offline else \
+            " (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE are set)" if offline else ""
+        raise UserError(*problems, hint=f"hub datasets need the network or a local datasets cache{why}; "
+                        "the offline tasks are `ncp_offline`")
     return tm, objs, protocols
 
 
@@ -269,116 +287,185 @@ def quiet_lm_eval() -> None:
         task_log.addFilter(_DropMetadataAdvice())
 
 
-def score(lm, tm, objs: list[Any], protocols: list[Any], limit: int | None, num_fewshot: int | None,
-          batch_size: int, metadata: dict[str, Any], bootstrap_iters: int = 1000) -> dict[str, Any]:
+def set_shots(objs: list[Any], num_fewshot: int | None) -> None:
+    """``--num-fewshot`` on every leaf task of ``objs``, 0-shot ones included (lm-eval never overrides
+    a task whose config says 0, so a paper group's 0-shot members kept 0 under any override)."""
+    if num_fewshot is None:
+        return
+    for obj in objs:
+        for task in obj.get_all_tasks() if hasattr(obj, "get_all_tasks") else [obj]:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+
+
+def score(lm, tm, objs: list[Any], protocols: list[Any], limit: int | float | None, num_fewshot: int | None,
+          batch_size: int, metadata: dict[str, Any], bootstrap_iters: int = 1000, seed: tuple = DEFAULT_SEED,
+          gen_kwargs: dict[str, Any] | None = None, keep_samples: bool = False) -> dict[str, Any]:
     """lm-eval's results object for ``lm`` on the loaded tasks ``objs`` (``load_tasks``), plus our
-    ``perplexity`` summary, the paper ``aggregates`` and ``per_example`` (``per_example``): what
-    ``ncpctl eval`` writes and the training loop's in-loop evaluation logs (``ncpctl.train.downstream``),
-    one code path for both. ``bootstrap_iters``: lm-eval's bootstrap of the stderr of non-mean metrics
-    (a process pool; the training loop passes 0)."""
+    ``perplexity`` summary, the paper ``aggregates`` and ``per_example``: what ``ncpctl eval`` writes
+    and the training loop's in-loop evaluation logs (``ncpctl.train.downstream``), one code path for
+    both. ``bootstrap_iters``: lm-eval's bootstrap of the stderr of non-mean metrics (a process pool;
+    the training loop passes 0); ``seed``: lm-eval's four seeds; ``keep_samples``: lm-eval's logged
+    samples stay in the result (``samples``). Ranks of a data-parallel evaluation all call it; the
+    others get {}."""
     from lm_eval import simple_evaluate
 
     from ncpctl.evaluate.protocol import aggregate
 
+    set_shots(objs, num_fewshot)
+    r, n, t, f = seed
     with _quiet_git_hash():
-        res = simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
+        res = simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=limit, num_fewshot=None,
                               batch_size=batch_size, log_samples=True, bootstrap_iters=bootstrap_iters,
-                              metadata=metadata)
+                              metadata=metadata, gen_kwargs=gen_kwargs or None, random_seed=r, numpy_random_seed=n,
+                              torch_random_seed=t, fewshot_random_seed=f)
+    if hasattr(lm, "gather_stats"):
+        lm.gather_stats()  # a collective: before the ranks without results leave
     if res is None:  # lm-eval returns the results only where LOCAL_RANK is 0 (an in-loop evaluation's other ranks)
         return {}
-    res["per_example"] = per_example(res.pop("samples", None) or {})
+    samples = res.pop("samples", None) or {}
+    res["per_example"] = per_example(samples)
     res["perplexity"] = perplexity_summary(res["results"], lm.token_stats, res.get("configs"))
-    res["aggregates"] = {p.name: aggregate(p, {**res["results"], **res.get("groups", {})}) for p in protocols}
+    scores = {**res["results"], **res.get("groups", {})}
+    res["aggregates"] = {p.name: aggregate(p, scores, res.get("group_subtasks")) for p in protocols}
+    if keep_samples:
+        res["samples"] = samples
     return res
 
 
 def per_example(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, list[Any]]]:
-    """{task: {"doc_id": [...], metric: [per-example score, ...]}} from lm-eval's logged samples: the
-    numeric per-example scores only (``acc``, ``exact_match``; a perplexity's (loglikelihood, weight)
-    pairs are left out), one list per metric (``metric[filter]`` as in ``metrics``), in doc_id order
-    (what ``ncpctl eval --compare``'s paired bootstrap pairs on)."""
-    out: dict[str, dict[str, list[Any]]] = {}
-    for task, rows in samples.items():
-        by_doc: dict[int, dict[str, float]] = {}
-        for row in rows:
-            flt = row.get("filter", "none")
-            for m in row.get("metrics") or []:
-                v = row.get(m)
-                if isinstance(v, bool) or isinstance(v, (int, float)):
-                    key = m if flt in ("none", "first_identifier") else f"{m}[{flt}]"
-                    by_doc.setdefault(int(row["doc_id"]), {})[key] = float(v)
-        if by_doc:
-            ids = sorted(by_doc)
-            keys = list(dict.fromkeys(k for d in by_doc.values() for k in d))
-            out[task] = {"doc_id": ids, **{k: [by_doc[i].get(k) for i in ids] for k in keys}}
-    return out
+    """{task: {"doc_id": [...], metric: [...]}} from lm-eval's logged samples (``ncpctl.evaluate.samples``)."""
+    from ncpctl.evaluate import samples as logged
+
+    return {task: pe for task, rows in samples.items() if (pe := logged.per_example(rows))}
 
 
-def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None) -> dict[str, Any]:
-    """Run lm-eval on ``t``; write the JSON and markdown; return the summary."""
-    from ncpctl.evaluate import heldout, offline
+def _load_in_turn(lm, load: Callable[[], Any]) -> Any:
+    """``load()`` on rank 0 first (it builds the offline tasks' files), then on the other ranks of a
+    data-parallel evaluation; a failure on any rank is raised on all of them."""
+    got, err = None, None
+    anywhere = getattr(lm, "any", lambda flag: flag)  # one process (an lm-eval LM of a test): itself
+    for first in (True, False):
+        if (lm.rank == 0) == first:
+            try:
+                got = load()
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                err = e
+        if anywhere(err is not None):
+            raise err or UserError("another rank could not load the tasks (see its error)")
+    return got
 
+
+def _open_lm(t: EvalTarget, ranks: Any, log: Callable[[str], None]):
+    """NCPLM on the checkpoint, on this rank's device, with the request cache (``ncpctl.evaluate.cache``)."""
+    from ncpctl.evaluate import cache, parallel
+    from ncpctl.evaluate.lm import NCPLM
+
+    device = parallel.init(ranks) if ranks.world > 1 else None
+    store = None
+    if t.cache:
+        store = cache.RequestCache(t.out_dir / "cache" / f"{t.checkpoint.name}.sqlite",
+                                   cache.checkpoint_identity(t.checkpoint))
+        if len(store):
+            log(f"request cache {store.path}: {len(store)} answers of this checkpoint kept (--no-cache: score anew)")
+    return NCPLM(str(t.checkpoint), batch_size=t.batch_size, device=device, cache=store, ranks=ranks,
+                 noised_context=t.noised_context,
+                 **({"diffusion_samples": t.diffusion_samples} if t.diffusion_samples else {}))
+
+
+def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None) -> dict[str, Any] | None:
+    """Run lm-eval on ``t``; add to the checkpoint's results JSON and markdown; return the summary of
+    what this call scored. Under a launcher every rank scores its share and rank 0 writes (the
+    other ranks return None)."""
+    from ncpctl.evaluate import heldout, offline, parallel
+
+    ranks = parallel.launched() if lm is None else parallel.Ranks()
+    say = log if ranks.rank == 0 else (lambda m: None)
     # held-out corpora first: a corpus with no text is an error before lm-eval and the model load
     corpora = heldout.prepare(t.heldout, t.tasks, lm.tok if lm is not None else _tokenizer(t.checkpoint)) \
         if t.heldout else {}
-    from lm_eval.utils import handle_non_serializable, make_table
-
-    from ncpctl.evaluate.lm import NCPLM
-
     quiet_lm_eval()
     t0 = time.time()
-    if lm is None:
-        lm = NCPLM(str(t.checkpoint), batch_size=t.batch_size, noised_context=t.noised_context,
-                   **({"diffusion_samples": t.diffusion_samples} if t.diffusion_samples else {}))
+    lm = lm if lm is not None else _open_lm(t, ranks, say)
     # a data.mix checkpoint: conceptlm_val_ppl per component (conceptlm_val_ppl_NAME), as training validates
     names, per_component = offline.mixture_tasks(t.tasks, t.checkpoint)
-    tm, objs, protocols = load_tasks(names, {"checkpoint": str(t.checkpoint)}, allow_code=t.allow_code, skip=log)
+    offline.say_mixture(names, t.checkpoint, say)
+    meta = {"checkpoint": str(t.checkpoint)}
+    tm, objs, protocols = _load_in_turn(lm, lambda: load_tasks(names, meta, allow_code=t.allow_code, skip=say))
     objs += per_component + heldout.tasks(corpora)
     if not objs:
         raise UserError(f"none of {', '.join(t.tasks)} can run on this machine (see the skipped lines above)",
                         hint="hub datasets need the network or a local datasets cache")
     names = [*names, *(o.config.task for o in per_component), *corpora]
-    log(f"evaluating {t.checkpoint} on {', '.join(names)}" + (f" (limit {t.limit})" if t.limit else ""))
-    res = score(lm, tm, objs, protocols, t.limit, t.num_fewshot, t.batch_size, {"checkpoint": str(t.checkpoint)})
-    ppl, aggregates = res["perplexity"], res["aggregates"]
-    likelihood = getattr(lm, "likelihood", {"kind": "exact"})
-    res["likelihood"] = likelihood
-    res["request"] = request = {
-        "checkpoint": str(t.checkpoint), "tasks": t.tasks, "limit": t.limit, "batch_size": t.batch_size,
-        "num_fewshot": t.num_fewshot, "diffusion_samples": likelihood.get("samples"),
-        "heldout": [dict(s.model_dump(exclude_defaults=True), label=lab) for s, lab in zip(t.heldout, corpora)]}
+    say(f"evaluating {t.checkpoint} on {', '.join(names)}" + (f" (limit {t.limit})" if t.limit else "")
+        + (f" on {ranks.world} ranks" if ranks.world > 1 else ""))
+    res = score(lm, tm, objs, protocols, t.limit, t.num_fewshot, t.batch_size, meta, seed=t.seed,
+                gen_kwargs=t.gen_kwargs, keep_samples=t.log_samples)
+    if ranks.rank != 0:
+        return None
+    res["likelihood"] = likelihood = getattr(lm, "likelihood", {"kind": "exact"})
+    res["request"] = _request(t, likelihood, corpora, ranks.world)
+    counts = {"requests": getattr(lm, "requests", None), "model_requests": getattr(lm, "model_requests", None)}
+    return _write(t, res, counts, time.time() - t0, say)
+
+
+def _request(t: EvalTarget, likelihood: dict[str, Any], corpora: dict[str, Any], world: int) -> dict[str, Any]:
+    """What was asked (``ncpctl eval --compare`` evaluates a run without results the same way)."""
+    return {"checkpoint": str(t.checkpoint), "tasks": t.tasks, "limit": t.limit, "batch_size": t.batch_size,
+            "num_fewshot": t.num_fewshot, "diffusion_samples": likelihood.get("samples"), "seed": list(t.seed),
+            "gen_kwargs": t.gen_kwargs, "log_samples": t.log_samples, "cache": t.cache, "ranks": world,
+            "heldout": [dict(s.model_dump(exclude_defaults=True), label=lab) for s, lab in zip(t.heldout, corpora)]}
+
+
+def _write(t: EvalTarget, res: dict[str, Any], counts: dict[str, int | None], seconds: float,
+           log: Callable[[str], None]) -> dict[str, Any]:
+    """The results JSON (merged into the checkpoint's earlier results: ``ncpctl.evaluate.accumulate``),
+    the logged samples, the markdown; the summary of this call."""
+    import datetime
+
+    from lm_eval.utils import handle_non_serializable
+
+    from ncpctl.evaluate import accumulate, report, samples, settings
+
     tag = t.checkpoint.name
     t.out_dir.mkdir(parents=True, exist_ok=True)
     js, md = t.out_dir / f"results_{tag}.json", t.out_dir / f"results_{tag}.md"
-    atomic_write(js, json.dumps(res, indent=2, default=handle_non_serializable) + "\n")
-    table = make_table(res) + ("\n" + make_table(res, "groups") if res.get("groups") else "")
-    atomic_write(md, f"# {t.checkpoint}\n\n{_likelihood_line(likelihood)}{table}\n{_ppl_markdown(ppl)}"
-                 f"{_aggregates_markdown(aggregates)}")
+    logged = res.pop("samples", None)
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    res["scored"] = {task: {"date": when, "settings": s} for task, s in settings.task_settings(res, res["request"]).items()}
+    if logged is not None:
+        res["samples"] = samples.write(logged, t.out_dir / f"samples_{tag}", t.out_dir)
+        for task in res["samples"]:  # read back from the files (--compare, seed arms), not kept twice
+            res["per_example"].pop(task, None)
+    old = _read_results(js)
+    merged, kept, dropped = accumulate.merge(old, res)
+    for task, rel in ((old or {}).get("samples") or {}).items():  # a task re-scored without --log-samples
+        if task not in (merged.get("samples") or {}) and (t.out_dir / rel).is_file():
+            (t.out_dir / rel).unlink()
+    if kept:
+        log(f"{js.name} keeps the earlier results of {', '.join(kept)}")
+    if dropped:
+        log(f"{js.name}: dropped {', '.join(dropped)}: some of their members were re-scored alone (score the group "
+            "again for its aggregate)")
+    atomic_write(js, json.dumps(merged, indent=2, default=handle_non_serializable) + "\n")
+    atomic_write(md, report.markdown(merged, str(t.checkpoint)))
     return {
-        **request, "likelihood": likelihood,
-        "results": metrics(res["results"]), "groups": metrics(res.get("groups", {})), "perplexity": ppl,
-        "aggregates": aggregates,
-        "files": {"json": str(js), "markdown": str(md)}, "seconds": round(time.time() - t0, 2),
+        **res["request"], "likelihood": res["likelihood"],
+        "results": metrics(res["results"]), "groups": metrics(res.get("groups", {})), "perplexity": res["perplexity"],
+        "aggregates": res["aggregates"], "kept": kept, "samples": res.get("samples"), **counts,
+        "files": {"json": str(js), "markdown": str(md)}, "seconds": round(seconds, 2),
     }
 
 
-def _aggregates_markdown(aggregates: dict[str, dict[str, Any]]) -> str:
-    """The paper aggregates (``ncpctl.evaluate.protocol``), each with its rule in words."""
-    lines = []
-    for group, a in aggregates.items():
-        lines += ["", f"## {group}: {a['name']}", "", "| task | metric | score |", "|---|---|---:|"]
-        lines += [f"| {k} | {a['metrics'][k]} | {_num(v)} |" for k, v in a["scores"].items()]
-        lines += [f"| {s} AVG | | {_num(v)} |" for s, v in a["sections"].items()]
-        lines += [f"| **{a['name']}** | {a['rule']} | {_num(a['value'])} |", "", f"- rule: {a['rule_text']}", ""]
-    return "\n".join(lines)
-
-
-def _likelihood_line(likelihood: dict[str, Any]) -> str:
-    """A results file's note on a bound (nothing for exact log-likelihoods)."""
-    if likelihood.get("kind") != "bound":
-        return ""
-    return (f"Log-likelihoods are bounds: {likelihood['estimator']}, {likelihood['samples']} samples per request; "
-            "perplexities from them are upper bounds.\n\n")
+def _read_results(path: Path) -> dict[str, Any] | None:
+    """The checkpoint's earlier results (None: none yet); an unreadable file stops before it is replaced."""
+    if not path.is_file():
+        return None
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable earlier results ({e}); new results would replace them",
+                        hint="move the file away to start a new one") from None
+    return old if isinstance(old, dict) and isinstance(old.get("results"), dict) else None
 
 
 def _tokenizer(checkpoint: Path):
@@ -447,6 +534,12 @@ def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict
         if "nll_noised" in st:  # and the CDLM's noised-context estimate (training's conditions; no bound)
             sets[task].update(noised_nll_per_token=st["nll_noised"] / st["tokens"],
                               noised_nll_stderr=math.sqrt(st["mc_var_noised"]) / st["tokens"])
+    return summarize_sets(sets)
+
+
+def summarize_sets(sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Both averages over the held-out sets of ``per_set`` entries, and the rule in words (also what
+    ``ncpctl.evaluate.accumulate`` recomputes when results of several evaluations are merged)."""
     if not sets:
         return {}
     avg = {k: s for k, s in sets.items() if s["averaged"]}
@@ -462,84 +555,5 @@ def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict
     return {"per_set": sets, "mean_of_sets": sum(s["value"] for s in avg.values()) / len(avg) if avg else None,
             "token_weighted": math.exp(nll / n) if avg else None, "averaged": list(avg), "excluded": excluded,
             "rule": rule}
-
-
-def _num(v: float | None) -> str:
-    return "" if v is None else f"{v:.4f}"
-
-
-def _unit(v: dict[str, Any]) -> str:
-    """A set's unit, marked when its perplexity comes from a bound (an upper bound on the perplexity)."""
-    return f"{v['unit']}, bound" if v.get("bound") else v["unit"]
-
-
-def _ppl_markdown(ppl: dict[str, Any]) -> str:
-    if not ppl:
-        return ""
-    lines = ["", "## Perplexity across sets", "",
-             "| set | unit (lm-eval metric) | split | value | averaged | scored tokens | token perplexity |",
-             "|---|---|---|---:|---|---:|---:|"]
-    lines += [f"| {k} | {_unit(v)} ({v['metric']}) | {v['split'] or ''} | {v['value']:.4f} | "
-              f"{'yes' if v['averaged'] else 'no: training split'} | {v['tokens']} | {v['token_perplexity']:.4f} |"
-              for k, v in ppl["per_set"].items()]
-    lines += ["", f"- mean of per-set perplexities (the `value` column of the averaged sets; the ConceptLM paper's "
-              f"Avg PPL): {_num(ppl['mean_of_sets'])}",
-              f"- rule: {ppl['rule']}",
-              f"- token-weighted perplexity (the averaged sets' scored tokens pooled): {_num(ppl['token_weighted'])}",
-              ""]
-    return "\n".join(lines)
-
-
-def rich_table(summary: dict[str, Any]):
-    from rich.table import Table
-    from rich.text import Text
-
-    lik = summary.get("likelihood") or {}
-    note = f" (log-likelihoods: ELBO bound, {lik['samples']} Monte Carlo samples)" if lik.get("kind") == "bound" else ""
-    table = Table(title=f"{summary['checkpoint']}{note}", title_justify="left")
-    for col, just in (("task", "left"), ("metric", "left"), ("value", "right"), ("± stderr", "right")):
-        table.add_column(col, justify=just)
-    for section in ("results", "groups"):
-        for task, m in summary[section].items():
-            for k, v in m.items():
-                if k.endswith("_stderr"):
-                    continue
-                se = m.get(k + "_stderr")
-                shown = f"{k} (upper bound)" if note and k.split("[")[0] in BOUND_METRICS else k
-                table.add_row(task, shown, f"{v:.4f}", f"{se:.4f}" if isinstance(se, float) and not math.isnan(se) else "")
-    ppl = summary.get("perplexity") or {}
-    if ppl:
-        table.add_section()
-        for task, v in ppl["per_set"].items():  # each set's unit, and whether the average takes it
-            table.add_row(task, _unit(v) + ("" if v["averaged"] else " (training split: not averaged)"),
-                          f"{v['value']:.4f}", "")
-            if v.get("bound"):  # the bound itself, nats per token, with its Monte Carlo error
-                table.add_row(task, "NLL bound per token (ELBO, nats)", f"{v['nll_per_token']:.4f}",
-                              f"{v['nll_stderr']:.4f}")
-            if "noised_nll_per_token" in v:
-                table.add_row(task, "noised-context loss per token (training's conditions; no bound)",
-                              f"{v['noised_nll_per_token']:.4f}", f"{v['noised_nll_stderr']:.4f}")
-        table.add_row("perplexity sets", "mean of per-set ppl (paper's average)", _num(ppl["mean_of_sets"]), "")
-        table.add_row("perplexity sets", "token-weighted ppl (tokens pooled)", _num(ppl["token_weighted"]), "")
-        table.caption, table.caption_justify = Text(ppl["rule"]), "left"  # Text: its [unit]s are not markup
-    _aggregate_rows(table, summary.get("aggregates") or {})
-    return table
-
-
-def _aggregate_rows(table, aggregates: dict[str, dict[str, Any]]) -> None:
-    """A paper group's section AVGs and its aggregate, named as the paper names it; the rule goes
-    into the caption (one line per group)."""
-    from rich.text import Text
-
-    rules = []
-    for group, a in aggregates.items():
-        table.add_section()
-        for s, v in a["sections"].items():
-            table.add_row(group, f"{s} AVG ({a['rule']})", _num(v), "")
-        table.add_row(group, f"{a['name']} ({a['rule']})", _num(a["value"]), "")
-        rules.append(f"{group}: {a['rule_text']}")
-    if rules:
-        before = table.caption.plain + "\n" if isinstance(table.caption, Text) else ""
-        table.caption, table.caption_justify = Text(before + "\n".join(rules)), "left"
 
 

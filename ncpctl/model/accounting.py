@@ -48,10 +48,19 @@ __all__ = [
     "parameter_equivalent_layers",
     "at_realised_ratio",
     "PARAM_GROUPS",
+    "FLOP_CONVENTION",
 ]
 
 # Training = forward + backward (2x forward: grads w.r.t. activations and weights).
 TRAIN_MULTIPLIER = 3
+
+# The one FLOP convention of budgets (train.max_flops), fits (`ncpctl fit`'s C) and MFU (the training
+# loop's, profile-kernels' step): attention counted in full, every query against every key it is
+# computed against, none skipped under the causal mask (the PaLM / Megatron MFU convention, which
+# keeps a kernel's skipped blocks from counting as work it did not do). Every output that prints
+# FLOPs or MFU names it; the causal-mask count is printed under its own `*_causal` key.
+FLOP_CONVENTION = "full attention (PaLM/Megatron MFU convention; causal-mask count under *_causal)"
+FLOP_CONVENTION_SHORT = "full-attention FLOPs"
 
 
 def _concept_layers(cfg: ModelConfig) -> int:

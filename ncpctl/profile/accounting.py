@@ -8,10 +8,10 @@ Siblings (spec section 6, ConceptLM's three-way comparison):
               concept layers, default 2), no concept path.
 
 Each gets the paper view (ConceptLM App. C formula, concept layers at their own width
-``d_concept``) and the exact view (real shapes,
-matmul FLOPs; attention counted under the causal mask, as flash kernels skip masked
-blocks, with the full-square count alongside) side by side, plus its share of compute in
-the concept path. Pure arithmetic on the config apart from the parameter count, which
+``d_concept``) and the exact view (real shapes, matmul FLOPs; attention counted in full, the one
+convention of budgets, fits and MFU: ``ncpctl.model.accounting.FLOP_CONVENTION``, with the
+causal-mask count, what flash kernels compute, under ``*_causal`` keys) side by side, plus its
+share of compute in the concept path. Pure arithmetic on the config apart from the parameter count, which
 builds the model on the meta device.
 """
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ncpctl.model.accounting import (at_realised_ratio, count_parameters, exact_flops, paper_flops, saving,
-                                     tokens_per_concept)
+from ncpctl.model.accounting import (FLOP_CONVENTION, at_realised_ratio, count_parameters, exact_flops, paper_flops,
+                                     saving, tokens_per_concept)
 from ncpctl.model.accounting_memory import activation_memory
 from ncpctl.model.config import ConfigError, ModelConfig
 
@@ -75,14 +75,17 @@ def describe_variant(cfg: ModelConfig, seq_len: int, micro_batch: int, global_ba
             "components": exact.components,
             "attention_causal": exact.attention_causal,
             "training_only": exact.training_only,
-            "training_per_token": exact.training_per_token_causal,
-            "training_per_token_full_attention": exact.training_per_token,
+            "flop_convention": FLOP_CONVENTION,
+            "training_per_token": exact.training_per_token,
+            "training_per_token_causal": exact.training_per_token_causal,
             # per optimizer step: micro-batch FLOPs (per-step work like the codebook transform
-            # runs once per micro-batch) times the micro-batches of the step
-            "training_per_step": exact.training_per_step(causal=True) * accum,
-            "training_per_micro_batch": exact.training_per_step(causal=True),
-            "concept_share": exact.concept_share_causal,
-            "concept_share_full_attention": exact.concept_share,
+            # runs once per micro-batch) times the micro-batches of the step; the budget's and MFU's count
+            "training_per_step": exact.training_per_step() * accum,
+            "training_per_step_causal": exact.training_per_step(causal=True) * accum,
+            "training_per_micro_batch": exact.training_per_step(),
+            "training_per_micro_batch_causal": exact.training_per_step(causal=True),
+            "concept_share": exact.concept_share,
+            "concept_share_causal": exact.concept_share_causal,
         },
         # bytes saved for the backward of one micro-batch per train.activation_checkpointing mode,
         # flash-type SDPA (no T x T scores), in the recipe's precision (accounting_memory.py)
@@ -109,10 +112,13 @@ def accounting_section(cfg: ModelConfig, seq_len: int, micro_batch: int = 1, glo
         savings[f"recipe_vs_{other}"] = {
             "paper": saving(variants[other]["paper"]["training_per_token"], variants["recipe"]["paper"]["training_per_token"]),
             "exact": saving(variants[other]["exact"]["training_per_token"], variants["recipe"]["exact"]["training_per_token"]),
+            "exact_causal": saving(variants[other]["exact"]["training_per_token_causal"],
+                                   variants["recipe"]["exact"]["training_per_token_causal"]),
             "flops_ratio_exact": variants["recipe"]["exact"]["training_per_token"] / variants[other]["exact"]["training_per_token"],
             "flops_ratio_paper": variants["recipe"]["paper"]["training_per_token"] / variants[other]["paper"]["training_per_token"],
         }
     return {
+        "flop_convention": FLOP_CONVENTION,
         "seq_len": seq_len,
         "target_ratio": target,  # R of a dynamic segmentation (None otherwise)
         "realised_ratio": realised_ratio,  # the tokens per concept the FLOPs are counted at (None: R)

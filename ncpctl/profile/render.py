@@ -31,8 +31,8 @@ def render(con: Any, res: dict[str, Any]) -> None:
         a = res["accounting"]
         at = f", concepts at {a['realised_ratio']:g} tokens each (target R {a['target_ratio']:g})" \
             if a.get("realised_ratio") else ""
-        t = Table(title=f"accounting: T={a['seq_len']}, {a['tokens_per_step']:,} tokens per optimizer step{at}",
-                  title_justify="left")
+        t = Table(title=f"accounting: T={a['seq_len']}, {a['tokens_per_step']:,} tokens per optimizer step{at}; "
+                        f"exact FLOPs: {a['flop_convention']}", title_justify="left")
         for col in ("", *a["variants"]):
             t.add_column(col, justify="left" if not col else "right")
         v = a["variants"]
@@ -49,9 +49,10 @@ def render(con: Any, res: dict[str, Any]) -> None:
             ("paper: forward formula", lambda x: x["paper"]["formula"]),
             ("paper: train FLOPs/token", lambda x: _si(x["paper"]["training_per_token"])),
             ("exact: train FLOPs/token", lambda x: _si(x["exact"]["training_per_token"])),
-            ("exact (full attn square)", lambda x: _si(x["exact"]["training_per_token_full_attention"])),
+            ("exact, causal mask", lambda x: _si(x["exact"]["training_per_token_causal"])),
             ("paper: train FLOPs/step", lambda x: _si(x["paper"]["training_per_step"])),
             ("exact: train FLOPs/step", lambda x: _si(x["exact"]["training_per_step"])),
+            ("exact, causal mask", lambda x: _si(x["exact"]["training_per_step_causal"])),
             ("concept share (exact)", lambda x: f"{x['exact']['concept_share']:.2%}"),
         ]
         # activations saved per micro-batch (and one recomputed module's internals), per checkpointing mode
@@ -66,9 +67,10 @@ def render(con: Any, res: dict[str, Any]) -> None:
             con.print(f"paper view: concept layers at d_concept={r['d_concept']} (w = {w:g} x d): each counts as "
                       f"w^2/k = {w * w / k:g} token layers in T*d^2, w/k^2 = {w / (k * k):g} in T^2*d")
         s = a["savings"]
-        con.print("saving of recipe vs PM: paper {:.4%}, exact {:.4%};  vs base: paper {:.4%}, exact {:.4%}".format(
-            s["recipe_vs_pm"]["paper"], s["recipe_vs_pm"]["exact"],
-            s["recipe_vs_base"]["paper"], s["recipe_vs_base"]["exact"]))
+        con.print("saving of recipe vs PM: paper {:.4%}, exact {:.4%} (causal {:.4%});  vs base: paper {:.4%}, exact "
+                  "{:.4%} (causal {:.4%})".format(
+                      s["recipe_vs_pm"]["paper"], s["recipe_vs_pm"]["exact"], s["recipe_vs_pm"]["exact_causal"],
+                      s["recipe_vs_base"]["paper"], s["recipe_vs_base"]["exact"], s["recipe_vs_base"]["exact_causal"]))
 
     if "ops" in res:
         _render_ops(con, res["ops"])
@@ -123,7 +125,7 @@ def render(con: Any, res: dict[str, Any]) -> None:
         con.print(f"[bold]step[/]: {s['batch_size']} x {s['seq_len']} {s['dtype']}: {s['median_s']:.3f} s median "
                   f"(spread {s['spread']:.0%}, {s['repeats']} steps), {s['tokens_per_s']:,.0f} tokens/s, "
                   f"{_si(s['achieved_flop_per_s'], 'FLOP/s')}; peak {_si(s['peak']['flop_per_s'], 'FLOP/s')} "
-                  f"({s['peak']['kind']}); {ratio} {s['ratio_to_peak']:.3f}")
+                  f"({s['peak']['kind']}); {ratio} {s['ratio_to_peak']:.3f} ({s['flop_convention']})")
 
     if "trace" in res:
         tr = res["trace"]

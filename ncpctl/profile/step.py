@@ -1,7 +1,8 @@
 """``step`` section: one full training step (fwd + bwd + AdamW) of the recipe's model.
 
-Achieved FLOP/s = exact training FLOPs of the micro-batch (causal attention count, see
-``ncpctl.model.accounting``) / median step time. The denominator of the ratio: on a GPU
+Achieved FLOP/s = exact training FLOPs of the micro-batch (attention counted in full, the MFU
+convention of the training loop: ``ncpctl.model.accounting.FLOP_CONVENTION``; the causal-mask count
+beside it as ``training_flops_causal``) / median step time. The denominator of the ratio: on a GPU
 the known dense bf16 peak of the device (MFU), on a CPU the measured rate of a square fp32
 GEMM on the same threads (what the cores can do on the model's dominant operation).
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ncpctl.model.accounting import exact_flops
+from ncpctl.model.accounting import FLOP_CONVENTION, exact_flops
 from ncpctl.model.config import ModelConfig
 from ncpctl.profile.timing import gemm_peak, known_bf16_peak, measure
 
@@ -122,7 +123,8 @@ def step_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, warm
     dev = torch.device(device)
     _, step = make_step(cfg, batch, seq_len, dev, dtype)
     st = measure(step, dev, warmup, repeats)
-    flops = exact_flops(cfg, seq_len, batch).training_per_step(causal=True)
+    counts = exact_flops(cfg, seq_len, batch)
+    flops = counts.training_per_step()  # FLOP_CONVENTION: the training loop's MFU numerator
     achieved = flops / st.median
     out: dict[str, Any] = {
         "device": str(dev),
@@ -131,7 +133,9 @@ def step_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, warm
         "batch_size": batch,
         "seq_len": seq_len,
         "tokens": batch * seq_len,
+        "flop_convention": FLOP_CONVENTION,
         "training_flops": flops,
+        "training_flops_causal": counts.training_per_step(causal=True),
         **st.to_dict(),
         "tokens_per_s": batch * seq_len / st.median,
         "achieved_flop_per_s": achieved,

@@ -6,6 +6,7 @@ WSD schedule's decay and its decay branches (``train.decay_from``), the learning
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,7 @@ def _resolve_budget(train: Any, cfg: ModelConfig | None, seq: int | None, batch:
         from ncpctl.model.accounting import training_flops_per_step
 
         per = training_flops_per_step(cfg, seq, batch)
-        unit = f" training FLOPs at global_batch_size {batch} x seq_len {seq}"
+        unit = f" training FLOPs, attention counted in full, at global_batch_size {batch} x seq_len {seq}"
     budget = derived["budget"] = Budget(BUDGET_KEYS[key], value, per)
     steps = budget.max_steps
     train.max_steps = max(1, min(steps, 2**53))  # so that the other checks still run
@@ -127,12 +128,13 @@ def _resolve_wsd(train: Any, warm: int, derived: dict[str, Any], run_dir: Path |
         if train.resume != "auto":
             problems.append(("train.resume", f"{train.resume}: a decay branch starts from train.decay_from (and "
                              "continues its own checkpoints); use resume: auto"))
-        step, problem = _stable_checkpoint(train.decay_from, run_dir)
+        start, problem = decay_start(train.decay_from, run_dir)
         if problem is not None:
             problems.append(("train.decay_from", problem))
         if problems:
             return problems
-        train.max_steps = step + train.decay_steps
+        derived["decay_start"] = start
+        train.max_steps = int(start["step"]) + train.decay_steps
         derived["budget"] = Budget("steps", train.max_steps, 1)
         warm = derived["warmup_steps"] = warmup_steps(train.warmup_steps, train.warmup_fraction, train.max_steps)
     decay = train.decay_steps if train.decay_steps is not None else max(1, round(train.decay_fraction * train.max_steps))
@@ -144,21 +146,48 @@ def _resolve_wsd(train: Any, warm: int, derived: dict[str, Any], run_dir: Path |
     return problems
 
 
-def _stable_checkpoint(spec: str, run_dir: Path | None) -> tuple[int, str | None]:
-    """The step of ``train.decay_from``'s checkpoint, or why it cannot start a decay branch: it must be
-    a WSD run's (another run directory's), after its warmup and at or before the step its decay starts."""
-    from ncpctl.checkpoint import CHECKPOINTS, read_meta, resolve, run_dir_of
+def decay_start(spec: str, run_dir: Path | None) -> tuple[dict[str, Any], str | None]:
+    """Where a decay branch starts: ``{"spec", "path", "step", "val"}`` (the concrete checkpoint, its step,
+    its validation losses when it validated at that step: the stable-phase loss), or why not.
 
-    if not Path(spec).exists() and run_dir is not None and (run_dir / CHECKPOINTS).is_dir():
-        try:  # the stable run's checkpoint was pruned since: the branch's own checkpoints recorded its step
-            return int(read_meta(resolve(run_dir, pin_it=False))["decay_from"]["step"]), None
+    Once the branch has checkpoints of its own, the start they recorded, always: a run-directory spec
+    would otherwise resolve to the stable run's newest checkpoint, which moves on as that run goes on,
+    and so would the branch's schedule. A spec that no longer names the recorded start is refused."""
+    from ncpctl.checkpoint import CHECKPOINTS, read_meta, resolve
+
+    if run_dir is not None and (run_dir / CHECKPOINTS).is_dir():
+        try:
+            recorded = read_meta(resolve(run_dir, pin_it=False))["decay_from"]
+            step = int(recorded["step"])
         except (UserError, KeyError, TypeError, ValueError):
-            pass
+            recorded = None  # no checkpoint of its own yet (or one without the record): resolve the spec
+        if recorded is not None:
+            path = str(recorded.get("path"))
+            if not _names(spec, path):
+                return {}, (f"{spec} does not name this branch's start, {path} (step {step}), which its checkpoints "
+                            f"in {run_dir / CHECKPOINTS} continue; set train.decay_from back to it, or start the new "
+                            "branch in a run directory of its own")
+            return {"spec": spec, "path": path, "step": step, "val": recorded.get("val")}, None
+    return _stable_checkpoint(spec, run_dir)
+
+
+def _names(spec: str, path: str) -> bool:
+    """Does ``spec`` (a checkpoint, its ``checkpoints/`` directory or its run directory) name ``path``?"""
+    target = Path(os.path.abspath(path))
+    return os.path.abspath(spec) in {str(target), str(target.parent), str(target.parent.parent)}
+
+
+def _stable_checkpoint(spec: str, run_dir: Path | None) -> tuple[dict[str, Any], str | None]:
+    """The start of a new decay branch: ``train.decay_from`` resolved to one concrete checkpoint (a run
+    directory to its newest), or why it cannot start one: it must be a WSD run's (another run
+    directory's), after its warmup and at or before the step its decay starts."""
+    from ncpctl.checkpoint import read_meta, resolve, run_dir_of
+
     try:
         path = resolve(spec, pin_it=False)
         if run_dir is not None and run_dir_of(path.resolve()) == run_dir.resolve():
-            return 0, (f"{path} is a checkpoint of this recipe's run.dir; a decay branch writes a run directory "
-                       "of its own (set run.dir or run.name)")
+            return {}, (f"{path} is a checkpoint of this recipe's run.dir; a decay branch writes a run directory "
+                        "of its own (set run.dir or run.name)")
         meta = read_meta(path)
         tree = yaml.safe_load((path / "recipe.resolved.yaml").read_text())
         rec = tree["train"]
@@ -166,18 +195,19 @@ def _stable_checkpoint(spec: str, run_dir: Path | None) -> tuple[int, str | None
         total = rec.get("max_steps") or (meta.get("budget") or {}).get("max_steps")
         schedule = rec.get("schedule", "cosine")
         if schedule != "wsd":
-            return 0, f"{path}: a train.schedule: {schedule} run's checkpoint; a decay branch starts from the stable phase of a wsd run"
+            return {}, f"{path}: a train.schedule: {schedule} run's checkpoint; a decay branch starts from the stable phase of a wsd run"
         stable_end, warm = int(total) - int(rec["decay_steps"]), int(rec["warmup_steps"])
     except UserError as e:
-        return 0, e.problems[0]
+        return {}, e.problems[0]
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
-        return 0, f"{spec}: cannot read the checkpoint's step and schedule ({type(e).__name__}: {e})"
+        return {}, f"{spec}: cannot read the checkpoint's step and schedule ({type(e).__name__}: {e})"
     if step > stable_end:
-        return 0, (f"{path}: step {step} is past its run's stable phase (the decay starts at step {stable_end}); "
-                   "branch from a checkpoint at or before it")
+        return {}, (f"{path}: step {step} is past its run's stable phase (the decay starts at step {stable_end}); "
+                    "branch from a checkpoint at or before it")
     if step < warm:
-        return 0, f"{path}: step {step} is inside its run's warmup ({warm} steps); branch from the stable phase"
-    return step, None
+        return {}, f"{path}: step {step} is inside its run's warmup ({warm} steps); branch from the stable phase"
+    val = meta.get("val") if meta.get("val_step") == step else None  # the stable-phase loss, when measured there
+    return {"spec": spec, "path": str(path), "step": step, "val": val or None}, None
 
 
 def check_train(train: Any, cfg: ModelConfig | None, world_size: int, derived: dict[str, Any]) -> list[Problem]:

@@ -66,6 +66,7 @@ class Recipe:
     global_batch_size: int = 1
     warmup_steps: int = 0
     decay_steps: int = 0  # train.schedule: wsd: the decay phase's steps (0 with cosine)
+    decay_start: dict[str, Any] | None = None  # a decay branch's start (recipe.length.decay_start)
     budget: Budget = field(default_factory=Budget)
 
     def set_step_cost(self, per_step: int) -> None:

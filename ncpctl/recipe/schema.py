@@ -289,7 +289,10 @@ class TrainSection(Section):
         "checkpoint (or run directory) of a WSD run. This run, in its own run.dir, takes its weights, optimizer "
         "state, data position and step s and runs only the decay: max_steps = s + train.decay_steps (a max_steps in "
         "the recipe is replaced). Equals the WSD run whose decay starts at s, bit for bit at one thread "
-        "(OMP_NUM_THREADS=1), so one stable run yields many budgets. `train.resume: auto` continues the branch's own checkpoints first.")
+        "(OMP_NUM_THREADS=1), so one stable run yields many budgets. `train.resume: auto` continues the branch's own checkpoints first. "
+        "A run directory is resolved once, to its newest checkpoint when the branch starts; the branch's checkpoints "
+        "record it (with its step and validation losses) and are continued from it however far the stable run goes on; "
+        "a value that no longer names it is refused.")
     warmup_fraction: float = Field(0.01, ge=0, le=1, description="Linear warmup as a fraction of max_steps.")
     warmup_steps: Optional[int] = Field(None, ge=0, description="Linear warmup in steps (overrides warmup_fraction).")
     betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.95], min_length=2, max_length=2,

@@ -1,36 +1,49 @@
 """Scaling-law analyses of a set of runs (``ncpctl fit``): IsoFLOP parabolas, the joint law per
-family with bootstrap intervals, a compute multiplier between two families, an extrapolation check.
+family with bootstrap intervals, compute multipliers between two families, an extrapolation check.
 
-* IsoFLOP (Hoffmann et al.'s approach 2): per budget, the metric against x = ln N as a parabola;
-  its vertex gives N_opt, and D_opt = C / (f · N_opt) with the family's f = C / (N · D) (the
-  exact FLOPs per parameter and token of its runs, their median); then N_opt ∝ C^a and
-  D_opt ∝ C^b by least squares in log-log.
+Compute is counted one way everywhere (``ncpctl.model.accounting.FLOP_CONVENTION``: every
+attention score, as budgets and MFU count it), and each family's shapes at their exact cost per
+token (``ncpctl.study.cost``): C / (N D) is not one constant per family.
+
+* IsoFLOP (Hoffmann et al.'s approach 2, ``ncpctl.study.isoflop``): per budget, the metric against
+  x = ln N as a parabola; its vertex gives N_opt, D_opt = C / c(N_opt); N_opt ∝ C^a over the
+  vertices inside the sampled sizes, with bootstrap intervals; the envelope of the minima.
 * The joint law (approach 3, ``ncpctl.study.law``) per family, with percentile intervals over
-  ``resamples`` bootstrap refits (points drawn with replacement within the family).
+  ``resamples`` bootstrap refits (points drawn with replacement within the family, each refitted
+  from the grid). A law of fewer than twice its 5 parameters' points is refused; one of fewer than
+  three times, or with an estimate at a bound, is reported with a caution.
 * The compute multiplier of ``family`` against ``baseline`` at equal loss: C_baseline(L) /
-  C_family(L), where C_x(L) is the compute at which x's fitted frontier reaches L; L is the
-  ``family``'s frontier at a reference budget (default the geometric middle of its runs' C,
-  ``reference_budget``), or a given loss. Above 1:
-  the baseline needs that many times the compute of ``family`` for the same loss. Its interval
-  pairs the two families' bootstrap laws resample by resample (the reference loss recomputed
-  from each).
+  C_family(L), where C_x(L) is the compute at which x's fitted frontier (minimised over N under its
+  exact per-shape cost) reaches L; L is the ``family``'s frontier at a reference budget (default
+  the geometric middle of its runs' C, ``reference_budget``), or a given loss. Above 1: the baseline
+  needs that many times the compute of ``family`` for the same loss. Its interval pairs the two
+  families' bootstrap laws resample by resample (the reference loss recomputed from each); a
+  resample whose family never reaches L counts as 0, one whose baseline never does as inf, one where
+  neither does is left out (each counted). Beside it, approach 2's multiplier from the envelopes.
 * The extrapolation check: the points of the largest budget (or named points) held out, the law
   fitted on the rest predicts them; beside it, the naive log-linear law of the best loss per
   budget against C (a straight line in log-log through the other budgets).
+* ``exclude_embeddings``: N and C without the embeddings and the LM head (``N_nonembedding``,
+  ``C_nonembedding``: ``ncpctl.study.run_columns``), the Kaplan et al. convention NCP-ArchPreview's
+  C follows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from ncpctl.errors import UserError
-from ncpctl.study.law import Law, bootstrap_laws, fit_law
-from ncpctl.study.points import Point
+from ncpctl.study.cost import Cost
+from ncpctl.study.isoflop import IsoFit, envelope_multiplier, fit_isoflop
+from ncpctl.study.law import EXPONENT_BOUNDS, FIRM_POINTS, N_PARAMS, Law, bootstrap_laws, fit_law
+from ncpctl.study.points import Point, budgets, families, values
 
-BUDGET_TOLERANCE = 0.05  # points whose C differ by under 5% share an IsoFLOP budget (when no budget column)
+__all__ = ["FitOptions", "FamilyFit", "analyse", "budgets", "extrapolation", "families", "fit_family", "isoflop",
+           "multiplier", "values"]
 
 
 @dataclass(frozen=True)
@@ -45,79 +58,12 @@ class FitOptions:
     at_budget: float | None = None
     holdout: tuple[str, ...] = ()  # point names held out by the extrapolation check (default: largest budget)
     dlcm: bool = False  # also fit DLCM's Eq. 22 (columns R and P)
-
-
-def values(points: Sequence[Point], metric: str) -> np.ndarray:
-    """The metric of every point; ``1-NAME`` is the complement of NAME (a metric that rises with
-    scale, an AUC or an alignment, fitted as one that falls, as the law's form needs)."""
-    name = metric[2:] if metric.startswith("1-") else metric
-    missing = [p.name for p in points if name not in p.metrics]
-    if missing:
-        known = sorted({k for p in points for k in p.metrics})
-        raise UserError(f"unknown metric {name!r}: {len(missing)} point(s) lack it (first: {missing[0]})",
-                        hint=f"metrics of these points: {', '.join(known) or 'none'}")
-    v = np.array([p.metrics[name] for p in points], float)
-    return 1.0 - v if name != metric else v
-
-
-def families(points: Sequence[Point]) -> dict[str, list[Point]]:
-    out: dict[str, list[Point]] = {}
-    for p in points:
-        out.setdefault(p.family, []).append(p)
-    return out
-
-
-def flops_factor(points: Sequence[Point]) -> float:
-    """f = C / (N · D), the median over the points (6 for a plain transformer counted as 6ND)."""
-    return float(np.median([p.C / (p.N * p.D) for p in points]))
-
-
-def budgets(points: Sequence[Point]) -> list[tuple[float, list[Point]]]:
-    """The IsoFLOP budgets, smallest first: the ``budget`` column where given, else the points'
-    C clustered within BUDGET_TOLERANCE; each budget is named by its geometric-mean C."""
-    if all(p.budget is not None for p in points):
-        keyed: dict[float, list[Point]] = {}
-        for p in points:
-            keyed.setdefault(float(p.budget), []).append(p)  # type: ignore[arg-type]
-        return sorted(keyed.items())
-    groups: list[list[Point]] = []
-    for p in sorted(points, key=lambda q: q.C):
-        if groups and p.C <= groups[-1][0].C * (1 + BUDGET_TOLERANCE):
-            groups[-1].append(p)
-        else:
-            groups.append([p])
-    return [(float(np.exp(np.mean([np.log(q.C) for q in g]))), g) for g in groups]
+    exclude_embeddings: bool = False  # N and C without the embeddings and LM head
 
 
 def isoflop(points: Sequence[Point], metric: str) -> dict[str, Any]:
-    """Per budget with 3 or more points a parabola of the metric against ln N, its vertex, N_opt,
-    D_opt; the power laws N_opt ∝ C^a, D_opt ∝ C^b when two or more budgets have a minimum."""
-    f = flops_factor(points)
-    rows, skipped = [], []
-    for C, group in budgets(points):
-        if len({p.N for p in group}) < 3:
-            skipped.append({"budget": C, "points": len(group), "why": "fewer than 3 sizes"})
-            continue
-        x = np.log([p.N for p in group])
-        y = values(group, metric)
-        a, b, c = np.polyfit(x, y, 2)
-        resid = y - np.polyval([a, b, c], x)
-        if not a > 0:
-            skipped.append({"budget": C, "points": len(group), "why": "no minimum (the parabola opens downward)"})
-            continue
-        xo = -b / (2 * a)
-        inside = bool(x.min() <= xo <= x.max())
-        rows.append({"budget": C, "points": len(group), "coef": [float(a), float(b), float(c)],
-                     "N_opt": float(np.exp(xo)), "D_opt": float(C / (f * np.exp(xo))),
-                     "min": float(np.polyval([a, b, c], xo)), "rmse": float(np.sqrt(np.mean(resid ** 2))),
-                     "inside": inside, "sizes": [float(v) for v in np.exp(x)], "values": [float(v) for v in y]})
-    out: dict[str, Any] = {"flops_per_param_token": f, "budgets": rows, "skipped": skipped}
-    if len(rows) >= 2:
-        lc = np.log([r["budget"] for r in rows])
-        out["N_opt_exponent"], ln_kn = (float(v) for v in np.polyfit(lc, np.log([r["N_opt"] for r in rows]), 1))
-        out["D_opt_exponent"], ln_kd = (float(v) for v in np.polyfit(lc, np.log([r["D_opt"] for r in rows]), 1))
-        out["N_opt_coef"], out["D_opt_coef"] = float(np.exp(ln_kn)), float(np.exp(ln_kd))
-    return out
+    """The IsoFLOP report of points (no bootstrap): ``ncpctl.study.isoflop.fit_isoflop``."""
+    return fit_isoflop(points, metric).report
 
 
 def _interval(xs: np.ndarray, level: float = 0.90) -> list[float]:
@@ -133,23 +79,52 @@ def _interval(xs: np.ndarray, level: float = 0.90) -> list[float]:
 
 @dataclass
 class FamilyFit:
-    """One family's joint law, its bootstrap laws and the FLOPs factor of its runs."""
+    """One family's joint law, its bootstrap laws and the exact per-shape cost of its runs."""
 
     name: str
     points: list[Point]
     law: Law
     boot: list[Law]
-    f: float
+    cost: Cost
+    metric: str = "loss"
+
+    @property
+    def f(self) -> float:
+        """The median C / (N D) of the shapes (a summary; the frontier uses ``cost``)."""
+        return self.cost.median_factor
 
     def report(self) -> dict[str, Any]:
         ci: dict[str, list[float]] = {}
+        a = self.law.beta / (self.law.alpha + self.law.beta)
+        exps: dict[str, Any] = {"N_opt": a}  # D_opt ∝ C^(1−a) where C ∝ N·D: not a second result
         if self.boot:
             for k in ("E", "A", "B", "alpha", "beta"):
                 ci[k] = _interval(np.array([getattr(b, k) for b in self.boot]))
-        return {"points": len(self.points), "flops_per_param_token": self.f, "law": self.law.to_dict(),
-                "ci90": ci, "resamples": len(self.boot), "exponents": {
-                    "N_opt": self.law.beta / (self.law.alpha + self.law.beta),
-                    "D_opt": self.law.alpha / (self.law.alpha + self.law.beta)}}
+            exps["ci90"] = _interval(np.array([b.beta / (b.alpha + b.beta) for b in self.boot if b.alpha + b.beta > 0]))
+        return {"points": len(self.points), "flops_per_param_token": self.f, "cost": self.cost.to_dict(),
+                "law": self.law.to_dict(), "ci90": ci, "resamples": len(self.boot), "exponents": exps,
+                "cautions": cautions(self.law, ci, len(self.points), float(values(self.points, self.metric).min()))}
+
+
+def cautions(law: Law, ci: dict[str, list[float]], n: int, values_min: float) -> list[str]:
+    """Why a fitted joint law is less sure than its table looks: few points for its parameters, an
+    estimate at a bound (an exponent at 0 or 5, E collapsed to 0), an interval with no width."""
+    out = []
+    if n < FIRM_POINTS:
+        out.append(f"{n} points for the law's {N_PARAMS} parameters (fewer than {FIRM_POINTS}): the law and its "
+                   "intervals are loosely determined")
+    for k, sym in (("alpha", "α"), ("beta", "β")):
+        v = getattr(law, k)
+        bound = next((b for b in EXPONENT_BOUNDS if abs(v - b) < 1e-6), None)
+        if bound is not None:
+            out.append(f"{sym} = {v:.3g} sits at its bound {bound:g}: the data do not determine it")
+    if law.E < 1e-6 * values_min:
+        out.append(f"E = {law.E:.3g} collapsed to 0 (its bound): the fit finds no floor under the loss")
+    flat = [k for k, (lo, hi) in ci.items() if hi - lo <= 1e-9 * max(abs(hi), 1e-300)]
+    if flat:
+        out.append(f"the bootstrap interval of {', '.join(flat)} has no width: the resamples could not move the "
+                   "fit, not a sure estimate")
+    return out
 
 
 def fit_family(name: str, points: list[Point], opts: FitOptions, rng: np.random.Generator) -> FamilyFit:
@@ -159,8 +134,8 @@ def fit_family(name: str, points: list[Point], opts: FitOptions, rng: np.random.
         law = fit_law(N, D, y, starts=opts.starts)
     except UserError as e:
         raise UserError(f"family {name!r}: {e.problems[0]}", hint=e.hint) from None
-    boot = bootstrap_laws(N, D, y, law, opts.resamples, rng) if opts.resamples > 0 else []
-    return FamilyFit(name=name, points=points, law=law, boot=boot, f=flops_factor(points))
+    boot = bootstrap_laws(N, D, y, law, opts.resamples, rng, starts=opts.starts) if opts.resamples > 0 else []
+    return FamilyFit(name=name, points=points, law=law, boot=boot, cost=Cost.of(points), metric=opts.metric)
 
 
 def reference_budget(points: Sequence[Point]) -> float:
@@ -170,34 +145,44 @@ def reference_budget(points: Sequence[Point]) -> float:
     return float(np.sqrt(min(cs) * max(cs)))
 
 
-def _ratio(fam: Law, f_fam: float, base: Law, f_base: float, at_loss: float | None, at_budget: float) -> tuple[float, float]:
-    """(C_base(L) / C_fam(L), L) with L the given loss or fam's frontier at at_budget."""
-    L = at_loss if at_loss is not None else float(fam.frontier(at_budget, f_fam))
-    c_fam = fam.compute_for(L, f_fam)
-    return base.compute_for(L, f_base) / c_fam if np.isfinite(c_fam) else float("nan"), L
+def _computes(fam: Law, fam_cost: Cost, base: Law, base_cost: Cost, at_loss: float | None,
+              at_budget: float) -> tuple[float, float, float]:
+    """(C_fam(L), C_base(L), L) with L the given loss or fam's frontier at at_budget."""
+    L = at_loss if at_loss is not None else fam_cost.frontier(fam, at_budget)
+    return fam_cost.compute_for(fam, L), base_cost.compute_for(base, L), L
 
 
 def multiplier(fam: FamilyFit, base: FamilyFit, at_loss: float | None = None,
                at_budget: float | None = None) -> dict[str, Any]:
     """The compute multiplier of ``fam`` against ``base`` at equal loss, with its 90% bootstrap interval."""
     C_ref = at_budget if at_budget is not None else reference_budget(fam.points)
-    value, L = _ratio(fam.law, fam.f, base.law, base.f, at_loss, C_ref)
-    if not np.isfinite(value):
-        who = base.name if np.isfinite(fam.law.compute_for(L, fam.f)) else fam.name
+    c_fam, c_base, L = _computes(fam.law, fam.cost, base.law, base.cost, at_loss, C_ref)
+    if not (np.isfinite(c_fam) and np.isfinite(c_base)):
+        who = fam.name if not np.isfinite(c_fam) else base.name
         raise UserError(f"the multiplier is undefined: family {who!r}'s fitted law never reaches loss {L:.4g} "
                         f"(its irreducible loss E)", hint="pick a higher --at-loss or a smaller --at-budget")
     out: dict[str, Any] = {"family": fam.name, "baseline": base.name, "loss": L,
-                           "budget": None if at_loss is not None else C_ref, "value": value,
-                           "C_family": fam.law.compute_for(L, fam.f), "C_baseline": base.law.compute_for(L, base.f)}
-    # the same read at each of the family's budgets: a constant multiplier, or one that grows with C
-    out["by_budget"] = [{"budget": c, "value": _ratio(fam.law, fam.f, base.law, base.f, None, c)[0]}
-                        for c, _ in budgets(fam.points)] if at_loss is None else []
+                           "budget": None if at_loss is not None else C_ref, "value": c_base / c_fam,
+                           "C_family": c_fam, "C_baseline": c_base}
+    # the same read at each of the family's IsoFLOP budgets (3 or more points): a constant multiplier, or
+    # one that grows with C
+    out["by_budget"] = [{"budget": c, "value": (lambda cf, cb, _: cb / cf)(*_computes(
+        fam.law, fam.cost, base.law, base.cost, None, c))} for c, g in budgets(fam.points)
+        if len(g) >= 3] if at_loss is None else []
     k = min(len(fam.boot), len(base.boot))
     if k:
-        r = np.array([_ratio(a, fam.f, b, base.f, at_loss, C_ref)[0] for a, b in zip(fam.boot[:k], base.boot[:k])])
-        r = np.where(np.isnan(r), np.inf, r)  # a resample whose law never reaches L: unbounded
-        out["ci90"] = _interval(r)
-        out["resamples"], out["unreachable"] = k, int(np.sum(~np.isfinite(r)))
+        cf, cb = np.array([_computes(a, fam.cost, b, base.cost, at_loss, C_ref)[:2]
+                           for a, b in zip(fam.boot[:k], base.boot[:k])]).T
+        fam_fails, base_fails = ~np.isfinite(cf), ~np.isfinite(cb)
+        # the family never reaches L: infinitely worse (0); the baseline never does: infinitely better
+        # (inf); neither: no comparison, left out
+        r = np.where(fam_fails, 0.0, cb / np.where(fam_fails, 1.0, cf))
+        keep = ~(fam_fails & base_fails)
+        if keep.any():
+            out["ci90"] = _interval(r[keep])
+        out["resamples"] = k
+        out["unreachable"] = {"family": int((fam_fails & ~base_fails).sum()),
+                              "baseline": int((base_fails & ~fam_fails).sum()), "both": int((fam_fails & base_fails).sum())}
     return out
 
 
@@ -254,18 +239,27 @@ def extrapolation(points: list[Point], opts: FitOptions) -> dict[str, Any]:
 
 def analyse(points: list[Point], opts: FitOptions, rng: np.random.Generator | None = None) -> dict[str, Any]:
     """Every analysis the points allow, as one JSON-able report (see the module docstring)."""
+    from ncpctl.model.accounting import FLOP_CONVENTION
+
     rng = rng if rng is not None else np.random.default_rng(opts.seed)
     values(points, opts.metric)  # an unknown metric is refused before any fit
+    if opts.exclude_embeddings:
+        points = nonembedding(points)
     fams = families(points)
     pair = _pair(list(fams), opts)  # a misnamed family or point, or a missing column, is refused before any fit
     check_holdout(points, opts.holdout)
     if opts.dlcm:
         _column(points, "R", "--dlcm"), _column(points, "P", "--dlcm")
     fits = {name: fit_family(name, pts, opts, rng) for name, pts in fams.items()}
-    report: dict[str, Any] = {"metric": opts.metric, "points": len(points), "families": {}}
+    report: dict[str, Any] = {"metric": opts.metric, "points": len(points), "flop_convention": FLOP_CONVENTION,
+                              "N_C": "non-embedding" if opts.exclude_embeddings else "all parameters and FLOPs",
+                              "families": {}, "warnings": repetition(points)}
+    isos: dict[str, IsoFit] = {}
+    iso_rng = np.random.default_rng([opts.seed, 1])  # the joint law's draws stay those of the seed
     for name, ff in fits.items():
         rep = ff.report()
-        rep["isoflop"] = isoflop(ff.points, opts.metric)
+        isos[name] = fit_isoflop(ff.points, opts.metric, ff.cost, opts.resamples, iso_rng)
+        rep["isoflop"] = isos[name].report
         try:
             rep["extrapolation"] = extrapolation(ff.points, opts)
         except UserError as e:  # too few budgets or points for this family: the others still get theirs
@@ -274,20 +268,44 @@ def analyse(points: list[Point], opts: FitOptions, rng: np.random.Generator | No
         report["families"][name] = rep
     if pair is not None:
         fam, base = pair
-        report["multiplier"] = multiplier(fits[fam], fits[base], opts.at_loss, opts.at_budget)
+        m = report["multiplier"] = multiplier(fits[fam], fits[base], opts.at_loss, opts.at_budget)
+        unsure = [n for n in pair if report["families"][n]["cautions"]]
+        if unsure:
+            m["caution"] = (f"the law of {' and '.join(unsure)} comes with a caution (above): the interval is surer "
+                            "than the data")
+        C_ref = opts.at_budget if opts.at_budget is not None else reference_budget(fits[fam].points)
+        report["multiplier_isoflop"] = envelope_multiplier(fam, isos[fam], base, isos[base], opts.at_loss, C_ref)
     return report
 
 
+def nonembedding(points: Sequence[Point]) -> list[Point]:
+    """The points with N and C without the embeddings and the LM head (``--exclude-embeddings``)."""
+    missing = [p.name for p in points if not {"N_nonembedding", "C_nonembedding"} <= set(p.settings)]
+    if missing:
+        raise UserError(f"--exclude-embeddings needs the columns N_nonembedding and C_nonembedding for every point "
+                        f"({missing[0]} has none)", hint="run directories carry them; a table needs the two columns")
+    return [dataclasses.replace(p, N=p.settings["N_nonembedding"], C=p.settings["C_nonembedding"]) for p in points]
+
+
+def repetition(points: Sequence[Point]) -> list[str]:
+    """A warning when points train on their data more than once (``epochs`` above 1)."""
+    over = sorted((p.settings["epochs"], p.name) for p in points if p.settings.get("epochs", 0.0) > 1.0)
+    if not over:
+        return []
+    return [f"{len(over)} point(s) repeat their training data (epochs over the training split up to "
+            f"{over[-1][0]:.2f}, {over[-1][1]}): repeated tokens are worth less than fresh ones, the law assumes fresh"]
+
+
 def _column(points: Sequence[Point], col: str, why: str) -> np.ndarray:
-    missing = [p.name for p in points if col not in p.metrics]
+    missing = [p.name for p in points if p.column(col) is None]
     if missing:
         raise UserError(f"{why} needs the column {col!r} for every point ({missing[0]} has none)")
-    return np.array([p.metrics[col] for p in points], float)
+    return np.array([p.column(col) for p in points], float)
 
 
 def _dlcm_parts(points: Sequence[Point], opts: FitOptions) -> dict[str, Any]:
-    """With opts.dlcm, Eq. 22 (columns R and P); when the points carry ``stable_loss`` (the loss at
-    the end of the WSD stable phase; the metric is then the decayed loss), the decay-phase law."""
+    """With opts.dlcm, Eq. 22 (columns R and P); when the points carry ``stable_METRIC`` (``stable_loss``:
+    the loss at the end of the WSD stable phase; the metric is then the decayed loss), the decay-phase law."""
     from ncpctl.study.dlcm import fit_dlcm, fit_decay
 
     out: dict[str, Any] = {}
@@ -295,11 +313,17 @@ def _dlcm_parts(points: Sequence[Point], opts: FitOptions) -> dict[str, Any]:
     y = values(points, opts.metric)
     if opts.dlcm:
         R, P = _column(points, "R", "--dlcm"), _column(points, "P", "--dlcm")
-        law = fit_dlcm(N, D, R, P, y, starts=opts.starts, seed=opts.seed)
-        out["dlcm"] = {"law": law.to_dict(), "rmse": float(np.sqrt(np.mean((law.loss(N, D, R, P) - y) ** 2)))}
-    if any("stable_loss" in p.metrics for p in points):
-        R = np.array([p.metrics.get("R", 1.0) for p in points])
-        out["decay"] = fit_decay(_column(points, "stable_loss", "the decay-phase law"), y, R, N).to_dict()
+        # DLCM's N leaves out the embeddings, and a run directory's P is a share of that N
+        Nd = N if any(p.column("N_nonembedding") is None for p in points) else _column(points, "N_nonembedding", "")
+        law = fit_dlcm(Nd, D, R, P, y, starts=opts.starts, seed=opts.seed)
+        out["dlcm"] = {"law": law.to_dict(), "rmse": float(np.sqrt(np.mean((law.loss(Nd, D, R, P) - y) ** 2))),
+                       "N": "non-embedding" if Nd is not N else "N"}
+    name = opts.metric[2:] if opts.metric.startswith("1-") else opts.metric
+    col = f"stable_{name}"
+    if any(p.column(col) is not None for p in points):
+        R = np.array([p.column("R") or 1.0 for p in points])
+        stable = _column(points, col, "the decay-phase law")
+        out["decay"] = fit_decay(1.0 - stable if name != opts.metric else stable, y, R, N).to_dict()
     return out
 
 

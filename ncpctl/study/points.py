@@ -20,7 +20,12 @@ Two inputs:
   validation set its source fingerprint and split (``data.val_prefix`` when set). Its settings come
   from the resolved recipe: ``lr`` = train.lr (decoupled muP's eta_base_others), ``lr_token`` /
   ``lr_concept`` the token and concept modules' base rates (``ncpctl.train.config.base_lrs``),
-  ``width`` = model.d_model and ``concept_width`` the concept transformer's d_concept.
+  ``width`` = model.d_model and ``concept_width`` the concept transformer's d_concept. The
+  columns of ``ncpctl.study.run_columns`` come with it: the non-embedding N and C, the epochs over
+  the training split, a concept path's R and P, a decay branch's stable-phase losses.
+
+Every table column a fit reads and does not treat as a metric: REQUIRED, ``family``, ``name``,
+``budget``, IDENTITY and SETTINGS (the last held in ``Point.settings``).
 """
 
 from __future__ import annotations
@@ -29,15 +34,20 @@ import csv
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 from ncpctl.errors import UserError
 
 REQUIRED = ("N", "D", "C")
 IDENTITY = ("tokenizer", "val_set")
-SETTINGS = ("lr", "lr_token", "lr_concept", "width", "concept_width")  # what a run was trained with, not measured
+# what a run was trained with (the rates and widths), and what it cost beyond N, D and C: not metrics
+SETTINGS = ("lr", "lr_token", "lr_concept", "width", "concept_width", "N_nonembedding", "C_nonembedding", "epochs")
+BUDGET_TOLERANCE = 0.05  # points whose C differ by under 5% share an IsoFLOP budget (when no budget column)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,10 @@ class Point:
     budget: float | None = None
     identity: dict[str, str] = field(default_factory=dict)  # tokenizer, val_set
     settings: dict[str, float] = field(default_factory=dict)  # SETTINGS: lr, width, ...
+
+    def column(self, name: str) -> float | None:
+        """A metric or a setting (a table's R, P, stable_loss are metrics; a run directory's, settings)."""
+        return self.metrics.get(name, self.settings.get(name))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "family": self.family, "N": self.N, "D": self.D, "C": self.C,
@@ -96,9 +110,11 @@ def read_table(path: Path) -> list[Point]:
             data = json.loads(text)
         except ValueError as e:
             raise UserError(f"{path}: not JSON ({e})") from None
-        rows = data.get("points") if isinstance(data, dict) else data
+        # a list, {"points": [...]}, or a fit's own fit.json (its points under "input")
+        rows = next((data[k] for k in ("points", "input") if isinstance(data.get(k), list)), None) \
+            if isinstance(data, dict) else data
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise UserError(f"{path}: expected a list of point objects (or {{\"points\": [...]}})")
+            raise UserError(f"{path}: expected a list of point objects (or {{\"points\": [...]}}, or a fit.json)")
     else:
         reader = csv.DictReader(text.splitlines())
         if not reader.fieldnames or not set(REQUIRED) <= set(reader.fieldnames):
@@ -164,6 +180,7 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
     """The point of one ``ncpctl pretrain`` run directory (see the module docstring)."""
     from ncpctl.model.accounting import count_parameters
     from ncpctl.recipe.load import load_recipe
+    from ncpctl.study.run_columns import run_columns
     from ncpctl.train.metrics import METRICS, records
 
     resolved, log = run / "recipe.resolved.yaml", run / METRICS
@@ -174,16 +191,19 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
         raise UserError(f"{run}: {METRICS} has no {'training' if train is None else 'validation'} record",
                         hint="a fit reads the tokens of the last training step and the last validation losses")
     cfg = recipe.model_config
-    per_step = recipe.flops_per_step(realised_ratio=realised_ratio(cfg, recs))
+    ratio = realised_ratio(cfg, recs)
+    per_step = recipe.flops_per_step(realised_ratio=ratio)
     metrics = {k: float(v) for k, v in val.items() if k not in ("split", "step") and isinstance(v, (int, float))}
     family = family_of(run) if family_from_parent else "default"
-    return Point(family=family, name=str(run), N=float(count_parameters(cfg).total), D=float(train["tokens"]),
-                 C=float(per_step) * int(train["step"]), metrics=metrics, identity=_identity(run, recipe),
-                 settings=settings(recipe))
+    steps, params = int(train["step"]), count_parameters(cfg)
+    extra = run_columns(run, recipe, params, steps, float(train["tokens"]), ratio)
+    return Point(family=family, name=str(run), N=float(params.total), D=float(train["tokens"]),
+                 C=float(per_step) * steps, metrics=metrics, identity=_identity(run, recipe),
+                 settings={**settings(recipe), **extra})
 
 
 def settings(recipe: Any) -> dict[str, float]:
-    """The run's SETTINGS from its resolved recipe: the base rates and the widths the transfer view reads."""
+    """The run's rates and widths from its resolved recipe (what the transfer view reads)."""
     from ncpctl.train.config import base_lrs
 
     cfg, lrs = recipe.model_config, base_lrs(recipe.train)
@@ -198,19 +218,37 @@ def is_run(path: Path) -> bool:
     return (path / "recipe.resolved.yaml").is_file() and (path / "metrics.jsonl").is_file()
 
 
-def run_dirs(root: Path, depth: int = 3) -> list[Path]:
-    """``root`` when it is a run directory, else the run directories below it (a sweep's), sorted;
-    a run directory's own subdirectories (checkpoints, data) are not searched."""
-    if is_run(root):
-        return [root]
-    if depth == 0:
-        return []
-    return [r for sub in sorted(p for p in root.iterdir() if p.is_dir()) for r in run_dirs(sub, depth - 1)]
+def run_dirs(root: Path) -> list[Path]:
+    """``root`` when it is a run directory, else the run directories at any depth below it (a sweep's),
+    sorted; a run directory's own subdirectories (checkpoints, data) are not searched, nor a directory
+    twice (a symlink loop)."""
+    out: list[Path] = []
+    seen: set[str] = set()
+
+    def walk(d: Path) -> None:
+        key = os.path.realpath(d)
+        if key in seen:
+            return
+        seen.add(key)
+        if is_run(d):
+            out.append(d)
+            return
+        try:
+            subs = sorted(p for p in d.iterdir() if p.is_dir())
+        except OSError:  # unreadable: nothing found there
+            return
+        for sub in subs:
+            walk(sub)
+
+    walk(root)
+    return out
 
 
-def read_points(inputs: Iterable[str], family_from_parent: bool = False) -> list[Point]:
-    """Points from tables, run directories and directories of runs (a sweep's, searched three levels
-    deep), checked to share one tokenizer and one validation set."""
+def read_points(inputs: Iterable[str], family_from_parent: bool = False,
+                found: dict[str, list[Path]] | None = None) -> list[Point]:
+    """Points from tables, run directories and directories of runs (a sweep's, searched at any depth;
+    ``found``, when given, gets the run directories found under each directory input), checked to
+    share one tokenizer and one validation set."""
     out: list[Point] = []
     for raw in inputs:
         p = Path(raw)
@@ -221,9 +259,22 @@ def read_points(inputs: Iterable[str], family_from_parent: bool = False) -> list
         if not runs:
             raise UserError(f"{p}: not a run directory, and none below it (a run has recipe.resolved.yaml and "
                             "metrics.jsonl)")
+        if found is not None:
+            found[raw] = runs
         out += [read_run(r, family_from_parent) for r in runs]
     check_identity(out)
     return out
+
+
+def where_found(root: str, runs: list[Path]) -> str:
+    """One line: how many run directories were found under ``root``, in which folders."""
+    if runs == [Path(root)]:
+        return f"{root}: a run directory"
+    by: dict[str, int] = {}
+    for r in runs:
+        rel = os.path.relpath(r.parent, root)
+        by[rel] = by.get(rel, 0) + 1
+    return f"{root}: {len(runs)} run directories, in " + ", ".join(f"{k}/ ({v})" for k, v in sorted(by.items()))
 
 
 def check_identity(points: list[Point]) -> None:
@@ -237,3 +288,40 @@ def check_identity(points: list[Point]) -> None:
             a, b = list(seen.values())[:2]
             raise UserError(f"the points mix {len(seen)} {what} ({a} and {b} differ): their losses are not comparable",
                             hint="fit runs of one tokenizer and one validation set together")
+
+
+def values(points: Sequence[Point], metric: str) -> np.ndarray:
+    """The metric of every point; ``1-NAME`` is the complement of NAME (a metric that rises with
+    scale, an AUC or an alignment, fitted as one that falls, as the law's form needs)."""
+    name = metric[2:] if metric.startswith("1-") else metric
+    missing = [p.name for p in points if name not in p.metrics]
+    if missing:
+        known = sorted({k for p in points for k in p.metrics})
+        raise UserError(f"unknown metric {name!r}: {len(missing)} point(s) lack it (first: {missing[0]})",
+                        hint=f"metrics of these points: {', '.join(known) or 'none'}")
+    v = np.array([p.metrics[name] for p in points], float)
+    return 1.0 - v if name != metric else v
+
+
+def families(points: Sequence[Point]) -> dict[str, list[Point]]:
+    out: dict[str, list[Point]] = {}
+    for p in points:
+        out.setdefault(p.family, []).append(p)
+    return out
+
+
+def budgets(points: Sequence[Point]) -> list[tuple[float, list[Point]]]:
+    """The IsoFLOP budgets, smallest first: the ``budget`` column where given, else the points'
+    C clustered within BUDGET_TOLERANCE; each budget is named by its geometric-mean C."""
+    if all(p.budget is not None for p in points):
+        keyed: dict[float, list[Point]] = {}
+        for p in points:
+            keyed.setdefault(float(p.budget), []).append(p)  # type: ignore[arg-type]
+        return sorted(keyed.items())
+    groups: list[list[Point]] = []
+    for p in sorted(points, key=lambda q: q.C):
+        if groups and p.C <= groups[-1][0].C * (1 + BUDGET_TOLERANCE):
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    return [(float(np.exp(np.mean([np.log(q.C) for q in g]))), g) for g in groups]

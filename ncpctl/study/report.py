@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from ncpctl.fsutil import atomic_write
-from ncpctl.study.fit import values
+from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+from ncpctl.study.cost import Cost
 from ncpctl.study.law import Law
-from ncpctl.study.points import Point
+from ncpctl.study.points import Point, values
 
 
 def _g(v: Any, digits: int = 4) -> str:
@@ -31,24 +32,79 @@ def _ci(ci: list[float] | None) -> str:
 
 
 def law_rows(report: dict[str, Any]) -> list[list[str]]:
-    """One row per family: the law's parameters with their 90% intervals and the optimal-allocation exponents."""
+    """One row per family: the law's parameters with their 90% intervals and the allocation exponent a."""
     rows = []
     for name, fam in report["families"].items():
-        law, ci = fam["law"], fam.get("ci90", {})
-        rows.append([name, str(fam["points"]), *(f"{_g(law[k])} {_ci(ci.get(k))}".strip()
-                                                 for k in ("E", "A", "B", "alpha", "beta")),
-                     _g(fam["exponents"]["N_opt"], 3), _g(fam["exponents"]["D_opt"], 3)])
+        law, ci, ex = fam["law"], fam.get("ci90", {}), fam["exponents"]
+        rows.append([name, str(fam["points"]) + (" (!)" if fam.get("cautions") else ""),
+                     *(f"{_g(law[k])} {_ci(ci.get(k))}".strip() for k in ("E", "A", "B", "alpha", "beta")),
+                     f"{_g(ex['N_opt'], 3)} {_ci(ex.get('ci90'))}".strip()])
     return rows
 
 
-LAW_COLUMNS = ["family", "points", "E", "A", "B", "α", "β", "N_opt ∝ C^a", "D_opt ∝ C^b"]
+LAW_COLUMNS = ["family", "points", "E", "A", "B", "α", "β", "N_opt ∝ C^a"]
+LAW_NOTE = ("a = β/(α+β); D_opt ∝ C^(1−a) where C ∝ N·D (b = 1 − a); (!): see the cautions")
 
 
-def multiplier_line(m: dict[str, Any]) -> str:
-    at = f"loss {_g(m['loss'])}" + (f" (the {m['family']} frontier at C = {_g(m['budget'], 3)})" if m["budget"] else "")
-    return (f"compute multiplier of {m['family']} against {m['baseline']}: {_g(m['value'])} "
-            f"{('90% CI ' + _ci(m['ci90'])) if 'ci90' in m else ''} at {at}; "
-            f"{m['baseline']} needs {_g(m['C_baseline'], 3)} FLOPs, {m['family']} {_g(m['C_family'], 3)}")
+def header(report: dict[str, Any]) -> str:
+    """What N and C count: the FLOP convention and whether the embeddings are in."""
+    return (f"C: training FLOPs, {report.get('flop_convention', 'full attention')}; N and C: "
+            f"{report.get('N_C', 'all parameters and FLOPs')}; each shape at its exact cost per token")
+
+
+def _unreachable(m: dict[str, Any]) -> str:
+    u = m.get("unreachable") or {}
+    parts = [f"{u[k]} where {who}" for k, who in (("family", f"{m['family']} never reaches it (counted as 0)"),
+                                                   ("baseline", f"{m['baseline']} never does (inf)"),
+                                                   ("both", "neither does (left out)")) if u.get(k)]
+    return f" (of {m['resamples']} resamples: {'; '.join(parts)})" if parts else ""
+
+
+def multiplier_line(m: dict[str, Any], approach: str = "joint law") -> str:
+    if "skipped" in m:
+        return f"compute multiplier ({approach}) skipped: {m['skipped']}"
+    at = f"loss {_g(m['loss'])}" + (f" (the {m['family']} {'frontier' if approach == 'joint law' else 'envelope'} "
+                                    f"at C = {_g(m['budget'], 3)})" if m["budget"] else "")
+    line = (f"compute multiplier of {m['family']} against {m['baseline']} ({approach}): {_g(m['value'])} "
+            f"{('90% CI ' + _ci(m['ci90'])) if m.get('ci90') else ''} at {at}; "
+            f"{m['baseline']} needs {_g(m['C_baseline'], 3)} FLOPs, {m['family']} {_g(m['C_family'], 3)}"
+            + _unreachable(m))
+    return line + (f"; caution: {m['caution']}" if m.get("caution") else "")
+
+
+def isoflop_rows(name: str, iso: dict[str, Any]) -> list[list[str]]:
+    """The IsoFLOP table's rows of one family: each budget's vertex (its interval; * outside the sizes),
+    the residual RMSE where the parabola has degrees of freedom, the power law, the skipped budgets."""
+    rows = []
+    for r in iso["budgets"]:
+        rows.append([name, _g(r["budget"], 3), str(r["points"]), f"{_g(r['N_opt'], 3)}{'' if r['inside'] else '*'} "
+                     f"{_ci(r.get('N_opt_ci90'))}".strip(), _g(r["D_opt"], 3), _g(r["min"]),
+                     "-" if r["rmse"] is None else _g(r["rmse"], 2)])
+    if "N_opt_exponent" in iso:
+        rows.append([name, "power law", "", f"a = {iso['N_opt_exponent']:.3f} "
+                     f"{_ci((iso.get('ci90') or {}).get('N_opt_exponent'))}".strip(), "b = 1 − a", "", ""])
+    return rows
+
+
+ISOFLOP_COLUMNS = ["family", "budget C", "points", "N_opt", "D_opt", "min", "rmse"]
+
+
+def iso_notes(name: str, iso: dict[str, Any]) -> list[str]:
+    """What the IsoFLOP view skipped or set aside, and why."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in iso["skipped"]:
+        by.setdefault(r["why"], []).append(r)
+    out = [f"{name}: budget {_g(rs[0]['budget'], 3)} ({rs[0]['points']} points) skipped: {why}" if len(rs) == 1 else
+           f"{name}: {len(rs)} budgets ({_g(rs[0]['budget'], 3)} to {_g(rs[-1]['budget'], 3)}) skipped: {why}"
+           for why, rs in by.items()]
+    if iso.get("outside"):
+        out.append(f"{name}: * the vertex at budget(s) {', '.join(_g(c, 3) for c in iso['outside'])} lies outside the "
+                   "sampled sizes (an extrapolation): kept out of the exponent and the envelope")
+    if any(r["rmse"] is None for r in iso["budgets"]):
+        out.append(f"{name}: rmse '-': a parabola through 3 points has no residual degrees of freedom")
+    if iso["budgets"] and "N_opt_exponent" not in iso:
+        out.append(f"{name}: no IsoFLOP exponent (fewer than two budgets with a vertex inside the sizes)")
+    return out
 
 
 def extrapolation_line(name: str, ex: dict[str, Any]) -> str:
@@ -76,29 +132,34 @@ def dlcm_lines(name: str, fam: dict[str, Any]) -> list[str]:
     return out
 
 
+def notes(report: dict[str, Any]) -> list[str]:
+    """Every caution, warning and skip of a report, one line each (the terminal's and fit.md's)."""
+    out = list(report.get("warnings", []))
+    for name, fam in report["families"].items():
+        out += [f"{name}: caution: {c}" for c in fam.get("cautions", [])]
+        out += iso_notes(name, fam["isoflop"])
+    return out
+
+
 def markdown(report: dict[str, Any]) -> str:
-    out = [f"# Scaling fit of {report['metric']} ({report['points']} points)", "",
+    out = [f"# Scaling fit of {report['metric']} ({report['points']} points)", "", header(report), "",
            "## Joint law L(N, D) = E + A/N^α + B/D^β (Huber in log space; 90% bootstrap intervals)", "",
            "| " + " | ".join(LAW_COLUMNS) + " |", "|" + "---|" * len(LAW_COLUMNS)]
-    out += ["| " + " | ".join(r) + " |" for r in law_rows(report)]
+    out += ["| " + " | ".join(r) + " |" for r in law_rows(report)] + ["", LAW_NOTE]
     if "multiplier" in report:
         m = report["multiplier"]
         out += ["", "## Compute multiplier", "", multiplier_line(m)]
         if m.get("by_budget"):
             out += ["", "| budget C | multiplier |", "|---|---|",
                     *(f"| {_g(r['budget'], 3)} | {_g(r['value'])} |" for r in m["by_budget"])]
-    out += ["", "## IsoFLOP parabolas", "", "| family | budget C | points | N_opt | D_opt | min | rmse |",
-            "|---|---|---|---|---|---|---|"]
+        if "multiplier_isoflop" in report:
+            out += ["", multiplier_line(report["multiplier_isoflop"], "IsoFLOP envelopes")]
+    out += ["", "## IsoFLOP parabolas", "", "| " + " | ".join(ISOFLOP_COLUMNS) + " |", "|" + "---|" * len(ISOFLOP_COLUMNS)]
     for name, fam in report["families"].items():
-        iso = fam["isoflop"]
-        for r in iso["budgets"]:
-            out.append(f"| {name} | {_g(r['budget'], 3)} | {r['points']} | {_g(r['N_opt'], 3)}"
-                       f"{'' if r['inside'] else ' (outside the sizes)'} | {_g(r['D_opt'], 3)} | {_g(r['min'])} | "
-                       f"{_g(r['rmse'], 2)} |")
-        if "N_opt_exponent" in iso:
-            out.append(f"| {name} | power laws | | N_opt ∝ C^{iso['N_opt_exponent']:.3f} | "
-                       f"D_opt ∝ C^{iso['D_opt_exponent']:.3f} | | |")
-        out += [f"| {name} | {_g(r['budget'], 3)} | {r['points']} | skipped: {r['why']} | | | |" for r in iso["skipped"]]
+        out += ["| " + " | ".join(r) + " |" for r in isoflop_rows(name, fam["isoflop"])]
+    lines = notes(report)
+    if lines:
+        out += ["", "## Cautions, warnings and what was skipped", "", *(f"- {line}" for line in lines)]
     out += ["", "## Extrapolation check", ""]
     out += [f"- {extrapolation_line(n, f['extrapolation'])}" for n, f in report["families"].items()]
     dl = [line for n, f in report["families"].items() for line in dlcm_lines(n, f)]
@@ -125,11 +186,12 @@ def plots(report: dict[str, Any], points: list[Point], out_dir: Path) -> tuple[l
         pts = [p for p in points if p.family == name]
         colour = f"C{i}"
         ax.scatter([p.C for p in pts], values(pts, metric), s=14, color=colour, alpha=0.6, label=name)
-        law = Law(**fam["law"])
+        law, cost = Law(**fam["law"]), Cost.from_dict(fam["cost"])
         cs = np.geomspace(min(p.C for p in pts) / 2, max(p.C for p in pts) * 4, 100)
-        ax.plot(cs, law.frontier(cs, fam["flops_per_param_token"]), color=colour, lw=1.5,
+        ax.plot(cs, [cost.frontier(law, c) for c in cs], color=colour, lw=1.5,
                 label=f"{name} frontier (α={law.alpha:.2f}, β={law.beta:.2f})")
-    ax.set(xscale="log", xlabel="training FLOPs C", ylabel=metric, title=f"{metric} against compute")
+    ax.set(xscale="log", xlabel=f"training FLOPs C ({FLOP_CONVENTION_SHORT})", ylabel=metric,
+           title=f"{metric} against compute")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "fit_frontier.png", dpi=120)
@@ -142,29 +204,65 @@ def plots(report: dict[str, Any], points: list[Point], out_dir: Path) -> tuple[l
         ax.scatter([p.C for p in pts], values(pts, metric) - pred, s=14, color=f"C{i}",
                    label=name)
     ax.axhline(0.0, color="k", lw=0.8)
-    ax.set(xscale="log", xlabel="training FLOPs C", ylabel=f"{metric} − law", title="residuals of the joint law")
+    ax.set(xscale="log", xlabel=f"training FLOPs C ({FLOP_CONVENTION_SHORT})", ylabel=f"{metric} − law",
+           title="residuals of the joint law")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "fit_residuals.png", dpi=120)
     plt.close(fig)
     names.append("fit_residuals.png")
-    fams = [(n, f) for n, f in report["families"].items() if f["isoflop"]["budgets"]]
-    if fams:
-        fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 4), squeeze=False)
-        for ax, (name, fam) in zip(axes[0], fams):
-            for j, r in enumerate(fam["isoflop"]["budgets"]):
-                x = np.log(r["sizes"])
-                xs = np.linspace(x.min(), x.max(), 50)
-                ax.scatter(r["sizes"], r["values"], s=12, color=f"C{j}")
-                ax.plot(np.exp(xs), np.polyval(r["coef"], xs), color=f"C{j}", lw=1, label=f"C={r['budget']:.2g}")
-                ax.scatter([r["N_opt"]], [r["min"]], marker="*", s=60, color=f"C{j}")
-            ax.set(xscale="log", xlabel="parameters N", ylabel=metric, title=f"{name}: IsoFLOP curves")
-            ax.legend(fontsize=7)
-        fig.tight_layout()
+    fig = isoflop_figure(report)
+    if fig is not None:
         fig.savefig(out_dir / "fit_isoflop.png", dpi=120)
         plt.close(fig)
         names.append("fit_isoflop.png")
     return names, None
+
+
+def isoflop_figure(report: dict[str, Any]) -> Any:
+    """fit_isoflop.png's figure: per family the IsoFLOP curves, their parabolas and vertices (★); None
+    when no family has a parabola."""
+    import matplotlib.pyplot as plt
+
+    fams = [(n, f) for n, f in report["families"].items() if f["isoflop"]["budgets"]]
+    if not fams:
+        return None
+    fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 4), squeeze=False)
+    for ax, (name, fam) in zip(axes[0], fams):
+        for j, r in enumerate(fam["isoflop"]["budgets"]):
+            x = np.log(r["sizes"])
+            xs = np.linspace(x.min(), x.max(), 50)
+            ax.scatter(r["sizes"], r["values"], s=12, color=f"C{j}")
+            ax.plot(np.exp(xs), np.polyval(r["coef"], xs), color=f"C{j}", lw=1, label=f"C={r['budget']:.2g}")
+            ax.scatter([r["N_opt"]], [r["min"]], marker="*", s=60, color=f"C{j}")
+        ax.set(xscale="log", xlabel="parameters N", ylabel=report["metric"], title=f"{name}: IsoFLOP curves (★ vertex)")
+        size_ticks(ax, sorted({n for r in fam["isoflop"]["budgets"] for n in r["sizes"]}))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def size_ticks(ax: Any, sizes: list[float]) -> None:
+    """Ticks at the sampled sizes, written compactly (72k, 1.1M) and slanted, no minor labels: a log
+    axis's default labels (2×10^5, 3×10^5, ...) run into each other over a narrow range of N."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    def short(n: float) -> str:
+        for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+            if n >= div:
+                return f"{n / div:.3g}{unit}"
+        return f"{n:.3g}"
+
+    gap = (np.log(max(sizes)) - np.log(min(sizes))) / 8 if len(sizes) > 1 else 0.0
+    kept: list[float] = []
+    for n in sizes:  # thinned: a tick at least 1/8 of the axis from the last one kept
+        if not kept or np.log(n) - np.log(kept[-1]) >= gap:
+            kept.append(n)
+    sizes = kept
+    ax.xaxis.set_major_locator(FixedLocator(sizes))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(sizes, [short(n) for n in sizes], rotation=45, ha="right", fontsize=8)
 
 
 def transfer_markdown(report: dict[str, Any]) -> str:
@@ -188,6 +286,9 @@ def transfer_markdown(report: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+VERDICT = {True: "stays put", False: "moves", None: "undetermined (an optimum at the grid's edge)"}
+
+
 def transfer_plot(report: dict[str, Any], out_dir: Path) -> tuple[list[str], str | None]:
     """fit_transfer.png: the metric against lr per width (log x), each width's parabola and optimum (Fig. 3)."""
     try:
@@ -209,7 +310,7 @@ def transfer_plot(report: dict[str, Any], out_dir: Path) -> tuple[list[str], str
             ax.plot(2.0 ** xs, np.polyval(r["coef"], xs), color=colour, lw=1.5, ls="--")
         ax.scatter([r["opt_lr"]], [r["opt_value"]], marker="*", s=90, color=colour, zorder=3)
     ax.set(xscale="log", xlabel=t["lr_column"], ylabel=report["metric"],
-           title=f"muP transfer: {'stays put' if t['stays_put'] else 'moves'} (spread {t['spread_steps']:.2f} grid steps)")
+           title=f"muP transfer: {VERDICT[t['stays_put']]} (spread {t['spread_steps']:.2f} grid steps)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "fit_transfer.png", dpi=120)

@@ -14,7 +14,9 @@ modules' base rates). Per width, the metric against x = log2 lr:
 
 The optimum *stays put* when the spread of the optimal log2 lr over the widths (max - min) is within
 ``tolerance`` grid steps (default one); a width whose optimum is more than that from the
-reference's is flagged as moved. Repeated (width, lr) points (seeds) are averaged; a diverged run
+reference's is flagged as moved. When a width's best rate is the smallest or largest of its grid
+(the optimum may lie beyond it: a bound, not a position) and the spread is within the tolerance,
+the verdict is undetermined (``stays_put: null``), never "stays put". Repeated (width, lr) points (seeds) are averaged; a diverged run
 (a loss that is not finite) counts as worse than any other. One family at a time.
 """
 
@@ -105,17 +107,18 @@ def transfer(points: Sequence[Point], metric: str = "loss", lr_column: str = "lr
         r["moved"] = bool(abs(r["shift_steps"]) > tolerance + 1e-9)  # exactly the tolerance is not a move
     opts = [r["opt_log2"] for r in rows]
     spread = float(max(opts) - min(opts))
+    edge = [r["width"] for r in rows if r["at_edge"]]
+    within = bool(spread <= (tolerance + 1e-9) * step)
     return {"metric": metric, "lr_column": lr_column, "reference_width": ref["width"], "grid_step_log2": step,
             "tolerance_steps": tolerance, "tolerance_log2": tolerance * step, "spread_log2": spread,
-            "spread_steps": spread / step, "stays_put": bool(spread <= (tolerance + 1e-9) * step),
-            "moved": [r["width"] for r in rows if r["moved"]],
-            "edge": [r["width"] for r in rows if r["method"] == "argmin-edge"], "widths": rows}
+            "spread_steps": spread / step, "stays_put": None if within and edge else within,
+            "moved": [r["width"] for r in rows if r["moved"]], "edge": edge, "widths": rows}
 
 
 def _row_optimum(x: np.ndarray, v: np.ndarray) -> dict[str, Any]:
-    o = optimum(x, v)
+    o, best = optimum(x, v), int(np.argmin(v))
     return {"method": o["method"], "opt_log2": o["x"], "opt_lr": float(2.0 ** o["x"]), "opt_value": o["value"],
-            "best_lr": float(2.0 ** x[int(np.argmin(v))]), "coef": o["coef"]}
+            "best_lr": float(2.0 ** x[best]), "coef": o["coef"], "at_edge": best in (0, len(x) - 1)}
 
 
 def analyse_transfer(points: list[Point], metric: str, lr_column: str, tolerance: float) -> dict[str, Any]:
@@ -127,7 +130,8 @@ def analyse_transfer(points: list[Point], metric: str, lr_column: str, tolerance
 
 def transfer_verdict(t: dict[str, Any]) -> str:
     """One line: does the optimum stay put, and which widths moved or sit at the grid's edge."""
-    head = (f"optimal {t['lr_column']} {'stays put' if t['stays_put'] else 'moves'} across widths: spread "
+    verdict = {True: "stays put", False: "moves", None: "cannot be said to stay put"}[t["stays_put"]]
+    head = (f"optimal {t['lr_column']} {verdict} across widths: spread "
             f"{t['spread_log2']:.2f} in log2 lr ({t['spread_steps']:.2f} grid steps of {t['grid_step_log2']:.3g}), "
             f"tolerance {t['tolerance_steps']:g} grid step(s)")
     if t["moved"]:

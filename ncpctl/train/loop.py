@@ -41,6 +41,7 @@ import yaml
 
 from ncpctl.checkpoint import elastic_dir
 from ncpctl.errors import UserError
+from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
 from ncpctl.profile.timing import device_peak
 from ncpctl.recipe.load import Recipe
 from ncpctl.train import checkpoint as ckpt, downstream, elastic, tracking
@@ -283,7 +284,7 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     if recipe.budget.kind != "steps":
         b = recipe.budget
         info(f"budget: train.{b.key}={b.value:g} = {recipe.train.max_steps:,} optimizer steps of {b.per_step:,} "
-             f"{'tokens' if b.kind == 'tokens' else 'training FLOPs'}")
+             f"{'tokens' if b.kind == 'tokens' else 'training FLOPs (' + FLOP_CONVENTION_SHORT + ')'}")
     hooks.prepare(model, train_ds=data.train_ds, loader=data.loader, info=info)
     packing = StepPacking.for_model(model, FLAGS, reserved=RECORD_FIELDS)
     n_params = sum(p.numel() for p in model.parameters())
@@ -309,7 +310,7 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: Any,
     if t.resume == "auto":
         resume_from = _resume_checkpoint(recipe, d, warn)
         if resume_from is None and t.decay_from:  # a decay branch's start (its own checkpoints come first)
-            resume_from = ckpt.resolve(t.decay_from, "train.decay_from", pin_it=False)
+            resume_from = ckpt.resolve(recipe.decay_start["path"], "train.decay_from", pin_it=False)  # as resolved
     elif t.resume != "never":
         resume_from = ckpt.resolve(t.resume, "train.resume", pin_it=False)
     if resume_from is not None:
@@ -439,7 +440,7 @@ def _observe(run: _Run, out: Any) -> None:
         run.display = TrainDisplay(out.err, run.stage.name)
         run.info(f"data: {run.data.loader.num_windows:,} train windows of {T} tokens, global batch {G} "
                  f"({t.micro_batch_size} x {r.grad_accum_steps} accum x {d.world} ranks); "
-                 f"unigram entropy {run.entropy:.3f} nats")
+                 f"unigram entropy {run.entropy:.3f} nats; MFU of {FLOP_CONVENTION_SHORT}")
 
 
 def flops_per_step(recipe: Recipe, stage: Stage, model: torch.nn.Module, realised_ratio: float | None = None) -> int:
@@ -576,9 +577,9 @@ def _save(run: _Run) -> None:
             "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
             "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
             "budget": r.budget.record(tot.step, tot.tokens, run.flops_per_step),
-            # a decay branch's start, so that its recipe still loads once the stable checkpoint is pruned
-            "decay_from": {"path": r.train.decay_from, "step": r.train.max_steps - r.decay_steps}
-            if r.train.decay_from else None,
+            # a decay branch's start (the concrete checkpoint, its step, the stable-phase losses): its resumes
+            # and `fit` read it, also once the stable checkpoint is pruned (ncpctl.recipe.length.decay_start)
+            "decay_from": r.decay_start,
             "train_loss_step": tot.train_loss_step, "val_step": tot.val_step,
             "init_from": str(stage.init_from) if stage.init_from else None}
     if r.train.lora is not None and stage.name == "midtrain":

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ncpctl.model.accounting import FLOP_CONVENTION
+
 
 def summary(run: Any, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:
     r, tot, stage = run.recipe, run.tot, run.stage
@@ -24,6 +26,7 @@ def summary(run: Any, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:
         "tokens_per_s": steps * tokens_per_step / compute_s if compute_s else None,
         # the live MFU's definition (training FLOPs / step time / peak) over every step this process ran
         "mfu": run.flops_per_step * steps / compute_s / run.peak if compute_s else None,
+        "flop_convention": FLOP_CONVENTION,  # of the MFU and the budget's FLOPs
         "peak_flop_per_s": run.peak, "peak_source": run.peak_source,
         "nonfinite_steps": tot.nonfinite_total, "interrupted": interrupted,
         "checkpoint": str(tot.last_good) if tot.last_good else None,

@@ -86,7 +86,7 @@ def _bad(tmp_path: Path, name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("name, message", [
-    ("too_few_points", "at least 5 points, got 4"),
+    ("too_few_points", "at least 10 points (twice its parameters), got 4"),
     ("unknown_metric", "unknown metric 'concept_auc'"),
     ("mixed_tokenizers", "mix 2 tokenizers"),
     ("mixed_validation_sets", "mix 2 validation sets"),
@@ -178,3 +178,95 @@ def test_a_dlcm_run_is_costed_at_its_realised_tokens_per_concept(tmp_path: Path)
                                    realised_ratio=ratio).training_per_step()
     assert r.model_config.concept.target_ratio != 3.0 and at(3.0) != at(None)
     assert read_run(run).C == 10 * at(3.0)
+
+
+def test_a_run_directory_gives_nonembedding_costs_epochs_and_its_concept_share(tmp_path: Path) -> None:
+    """Issue 40 items 5b, 7b, 7c: a run directory's point carries N and C without the embeddings and the
+    LM head, its epochs over the training split, and a concept path's R and P (DLCM's, for --dlcm: the
+    realised tokens per concept, the concept transformer's share of the non-embedding parameters)."""
+    from ncpctl.model.accounting import count_parameters, exact_flops
+    from ncpctl.recipe.load import load_recipe
+    from ncpctl.study.points import read_run
+
+    run = _run_dir(tmp_path, "s1", 10, 3.0, "sha-a")
+    meta = json.loads((run / "data" / "meta.json").read_text())
+    (run / "data" / "meta.json").write_text(json.dumps({**meta, "splits": {"train": {"tokens": 1000}}}))
+    r = load_recipe(run / "recipe.resolved.yaml")
+    cfg, G, T = r.model_config, r.global_batch_size, r.seq_len
+    params = count_parameters(cfg).components
+    head = 3 * G * 2 * T * cfg.d_model * cfg.padded_vocab_size  # the LM head's matmul, forward and backward
+    p = read_run(run)
+    n_ne = p.N - params["embeddings"] - params["lm_head"]
+    assert p.settings["N_nonembedding"] == n_ne and p.metrics == {"loss": 3.0, "ncp_loss": 1.0}
+    assert p.settings["C_nonembedding"] == 10 * (exact_flops(cfg, T, G).training_per_step() - head)
+    assert p.settings["epochs"] == 10 * G * T / 1000
+    assert (p.settings["R"], p.settings["P"]) == (cfg.concept.k, params["concept_layers"] / n_ne)
+    dlcm = read_run(_run_dir(tmp_path, "dlcm", 10, 3.0, "sha-a", "debug-dlcm.yaml", tokens_per_concept=3.0))
+    assert dlcm.settings["R"] == 3.0 and 0 < dlcm.settings["P"] < 1
+
+
+def _skips(path: Path, n_points: int = 12) -> Path:
+    """One family of 12 points: a budget of 3 sizes (a parabola without residual degrees of freedom), one
+    of 4 whose parabola opens downward, one of 5 whose vertex lies beyond its sizes."""
+    rows = []
+    for C, sizes, curve in ((1e18, (1e7, 3e7, 1e8), 1.0), (1e19, (3e7, 6e7, 1e8, 2e8), -1.0),
+                            (1e20, (2.5e8, 3e8, 4e8, 5e8, 6e8), 1.0)):
+        n_opt = 2e7 * (C / 1e18) ** 0.5
+        rows += [{"family": "x", "N": n, "D": C / (6 * n), "C": C, "budget": C, "epochs": C / 1e19,
+                  "loss": 2 + 40 * (C ** -0.05) + curve * 0.05 * np.log(n / n_opt) ** 2} for n in sizes]
+    path.write_text(json.dumps(rows[:n_points]))
+    return path
+
+
+def test_fit_says_what_it_skipped_and_how_sure_it_is(tmp_path: Path) -> None:
+    """Issue 46 item 3: on the terminal, the budget skipped and why, what * means, no RMSE for a parabola
+    through 3 points, a caution for a joint law of fewer than 15 points; fewer than 10 are refused.
+    Issue 40 item 7c: points that repeat their training data (epochs above 1) get a warning."""
+    r = CliRunner().invoke(app, ["fit", str(_skips(tmp_path / "p.json")), "--resamples", "0", "--no-plots",
+                                 "--out", str(tmp_path / "out")], env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "x: budget 1e+19 (4 points) skipped: no minimum (the parabola opens downward)" in out
+    assert "(* vertex outside the sampled sizes)" in out and "x: * the vertex at budget(s) 1e+20 lies outside" in out
+    assert "rmse '-': a parabola through 3 points has no residual degrees of freedom" in out
+    row = next(line for line in out.splitlines() if "│ x" in line and "1e+18" in line)
+    assert row.rstrip(" │").endswith("-")  # its rmse column
+    assert "x: caution: 12 points for the law's 5 parameters (fewer than 15)" in out
+    assert "warning: 5 point(s) repeat their training data (epochs over the training split up to 10.00" in r.stderr
+    rep = json.loads((tmp_path / "out" / "fit.json").read_text())
+    assert rep["families"]["x"]["isoflop"]["budgets"][0]["rmse"] is None
+    r = CliRunner().invoke(app, ["fit", str(_skips(tmp_path / "p8.json", 8)), "--resamples", "0", "--no-plots",
+                                 "--out", str(tmp_path / "out8"), "--json"])
+    assert r.exit_code == 2 and "a fit needs at least 10 points (twice its parameters), got 8" in \
+        json.loads(r.stdout)["errors"][0]
+
+
+def test_points_are_found_at_any_depth_and_the_fit_says_where(tmp_path: Path) -> None:
+    """Issue 46 item 3: runs five levels below the given directory are found, and the fit says where."""
+    from ncpctl.study.points import read_points, where_found
+
+    deep = _run_dir(tmp_path / "study" / "a" / "b" / "c" / "runs", "s1", 10, 3.0, "sha-a")
+    near = _run_dir(tmp_path / "study", "s2", 10, 3.0, "sha-a")
+    found: dict = {}
+    assert [p.name for p in read_points([str(tmp_path / "study")], found=found)] == [str(deep), str(near)]
+    assert where_found(str(tmp_path / "study"), found[str(tmp_path / "study")]) == \
+        f"{tmp_path / 'study'}: 2 run directories, in ./ (1), a/b/c/runs/ (1)"
+    r = CliRunner().invoke(app, ["fit", str(tmp_path / "study"), "--no-plots", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "2 run directories, in ./ (1), a/b/c/runs/ (1)" in r.stderr  # then too few points
+
+
+def test_the_isoflop_plot_labels_do_not_overlap(tmp_path: Path) -> None:
+    """Issue 46 item 3: sizes 50k-600k (a log axis labels its minor ticks there, 4x10^5 over 5x10^5): the
+    sampled sizes are the ticks, written compactly, none overlapping another."""
+    pytest.importorskip("matplotlib")
+    from ncpctl.study.fit import FitOptions, analyse
+    from ncpctl.study.points import Point
+    from ncpctl.study.report import isoflop_figure
+
+    pts = [Point("x", N=float(n), D=C / (6 * n), C=C, budget=C, metrics={"loss": 3 + 0.1 * np.log(n / 2e5) ** 2 - k / 10})
+           for k, C in enumerate((1e14, 1e15)) for n in np.geomspace(5e4, 6e5, 6)]
+    fig = isoflop_figure(analyse(pts, FitOptions(resamples=0)))
+    fig.canvas.draw()
+    boxes = sorted((t.get_window_extent().x0, t.get_window_extent().x1) for ax in fig.axes
+                   for t in ax.get_xticklabels(minor=False) + ax.get_xticklabels(minor=True) if t.get_text() and t.get_visible())
+    assert len(boxes) >= 4 and all(a[1] <= b[0] for a, b in zip(boxes, boxes[1:])), boxes

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ncpctl.evaluate import compare_arms
+from ncpctl.evaluate.compare import compare
 
 from ..conftest import run_cli
 
@@ -122,3 +123,60 @@ def test_an_arm_of_one_run_has_no_std_and_the_json_stays_json(tmp_path: Path) ->
     row = next(x for x in got["arms"]["rows"] if (x["task"], x["metric"]) == ("toy", "acc"))
     assert row["arms"][0]["n"] == 1 and row["arms"][0]["std"] is None and row["arms"][1]["std"] is not None
     strict(Path(got["files"]["json"]).read_text())
+
+
+def _agg_run(root: Path, name: str, seed: int, scores: dict[str, np.ndarray]) -> Path:
+    """A run whose results carry two tasks' per-example acc and a paper aggregate over them (built by
+    ``protocol.aggregate``, as ``ncpctl eval`` builds it)."""
+    from ncpctl.evaluate import protocol
+
+    run = _run(root, name, seed, scores["t1"])
+    p = protocol.Protocol("grp", [protocol.Member(t, None, "acc,none") for t in scores], "Avg", "unweighted_mean")
+    results = {t: {"alias": t, "acc,none": float(x.mean())} for t, x in scores.items()}
+    res = {"results": results, "request": {"tasks": ["grp"], "limit": None, "heldout": []},
+           "per_example": {t: {"doc_id": list(range(len(x))), "acc": x.tolist()} for t, x in scores.items()},
+           "n-samples": {t: {"original": len(x), "effective": len(x)} for t, x in scores.items()},
+           "aggregates": {"grp": protocol.aggregate(p, results)}}
+    (run / "eval" / f"results_{TAG}.json").write_text(json.dumps(res))
+    return run
+
+
+def test_a_paper_aggregate_gets_a_row_and_a_stratified_bootstrap(tmp_path: Path) -> None:
+    """ConceptLM's +0.1/+0.4 are differences of an "Avg": the aggregate is a row of --compare, and its
+    seed-arm interval resamples each task's examples within the task and takes the mean of task means
+    (not the pooled mean over all examples: the tasks differ in size); the p-value says it is approximate."""
+    rng = np.random.default_rng(5)
+    sizes, shift = {"t1": 300, "t2": 30}, {"t1": 0.0, "t2": 0.3}
+    base = {t: rng.uniform(0.2, 0.6, n) for t, n in sizes.items()}
+    arms = [[_agg_run(tmp_path, f"{arm}{s}", s, {t: (rng.random(n) < base[t] + (shift[t] if arm == "b" else 0))
+                                                 .astype(float) for t, n in sizes.items()})
+             for s in range(2)] for arm in ("a", "b")]
+    got = compare([",".join(map(str, arm)) for arm in arms], out=str(tmp_path / "out"), resamples=400)
+    row = next(r for r in got["rows"] if r["section"] == "aggregates")
+    assert (row["task"], row["metric"]) == ("grp", "Avg")
+    per = {run.name: json.loads((run / "eval" / f"results_{TAG}.json").read_text()) for arm in arms for run in arm}
+    assert row["values"] == pytest.approx({k: v["aggregates"]["grp"]["value"] for k, v in per.items()})
+    arm_row = next(r for r in got["arms"]["rows"] if r["section"] == "aggregates")
+    bs = arm_row["diff"][0]["bootstrap"]
+    means = {t: [np.mean([per[r.name]["per_example"][t]["acc"] for r in arm], axis=0) for arm in arms] for t in sizes}
+    by_task = np.mean([(b - a).mean() for a, b in means.values()])  # the mean of the task means' differences
+    pooled = np.concatenate([b - a for a, b in means.values()]).mean()
+    assert bs["strata"] == 2 and bs["n"] == 330 and bs["diff"] == pytest.approx(by_task)
+    assert abs(by_task - pooled) > 0.05 and bs["low"] < bs["diff"] < bs["high"]
+    text = "\n".join(compare_arms.lines(got["arms"]))
+    assert "grp Avg:" in text and "in 2 tasks, stratified" in text and "p ≈ " in text and "(approximate)" in text
+
+
+def test_the_stratified_interval_covers_a_known_aggregate_difference() -> None:
+    from ncpctl.evaluate.uncertainty import stratified_bootstrap
+
+    rng = np.random.default_rng(11)
+    true, hits, draws = 0.5 * 0.02 + 0.5 * 0.08, 0, 100
+    for _ in range(draws):
+        strata = []
+        for n, d in ((400, 0.02), (60, 0.08)):
+            a = rng.normal(0.5, 0.1, n)
+            strata.append((a, a + d + rng.normal(0, 0.1, n), 0.5))
+        bs = stratified_bootstrap(strata, iters=300, level=0.9, seed=0)
+        hits += bs["low"] <= true <= bs["high"]
+    assert 0.8 <= hits / draws <= 0.98  # nominal 90%

@@ -35,3 +35,21 @@ def test_tokens_to_reach_between_validations_without_a_train_record(tmp_path):
     assert got["other"]["tokens_to_reach"] == pytest.approx(62_500)
     assert got["other"]["tokens_ratio"] == pytest.approx(0.625)
     assert got["base"]["tokens_to_reach"] == pytest.approx(100_000)
+
+
+def test_a_run_that_validated_once_says_why_there_is_no_tokens_to_reach(tmp_path):
+    """`n/a: n/a (ratio n/a, compute ratio n/a)` said nothing: the line names the run and the reason."""
+    from ncpctl.evaluate.compare_curves import lines
+
+    a, ca = _run(tmp_path, "base", 0.04)
+    once = tmp_path / "once"
+    once.mkdir()
+    (once / "metrics.jsonl").write_text(json.dumps({"split": "val", "step": 40, "ntp_loss": 2.0}) + "\n")
+    runs = [{"label": "base"}, {"label": "once"}, {"label": "none"}]
+    got = curve_stats(runs, [a, once, None], {"base": ca, "once": {"key": "ntp_loss", "steps": [40], "values": [2.0]}},
+                      last=20)
+    text = lines(got, "base")
+    assert "n/a: n/a" not in " ".join(text)
+    assert text[1].endswith("not computed (once validated once (step 40): a crossing needs two validations or more "
+                            "(train.eval_every))")
+    assert text[2].endswith("not computed (none has no validation records in its metrics.jsonl)")

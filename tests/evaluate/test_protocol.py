@@ -160,3 +160,51 @@ def test_evaluate_writes_the_aggregate_with_its_rule(tmp_path: Path, monkeypatch
     md = Path(summary["files"]["markdown"]).read_text()
     assert "## tiny_group: Avg Acc" in md and "unweighted arithmetic mean" in md
     assert json.loads(Path(summary["files"]["json"]).read_text())["aggregates"]["tiny_group"]["value"] == 1.0
+
+
+def test_num_fewshot_overrides_a_zero_shot_member_and_the_shots_are_recorded(tmp_path: Path, monkeypatch) -> None:
+    """lm-eval never overrides a task whose config says 0 shots (conceptlm_table1, dlcm_table2): ncpctl
+    applies --num-fewshot itself, records the shots each task used, and --compare flags a difference."""
+    import functools
+
+    from ncpctl.evaluate import run, settings
+
+    root = _tiny_tasks(tmp_path, "  - {task: tiny_qa, num_fewshot: 0}")
+    monkeypatch.setattr(run, "load_tasks", functools.partial(load_tasks, tasks_dir=root))
+    results = []
+    for shots in (2, None):
+        lm = _Recorder()
+        lm.token_stats = {}
+        t = run.EvalTarget(tmp_path / "ck", tmp_path / f"out{shots}", ["tiny_group"], batch_size=4, limit=3,
+                           num_fewshot=shots)
+        s = run.evaluate(t, lm=lm)
+        assert lm.contexts and all(c.count("Q: ") == (shots or 0) + 1 for c in lm.contexts), lm.contexts[0]
+        res = json.loads(Path(s["files"]["json"]).read_text())
+        assert res["scored"]["tiny_qa"]["settings"]["num_fewshot"] == res["n-shot"]["tiny_qa"] == (shots or 0)
+        results.append(res)
+    notes = settings.differences(["two", "zero"], results)
+    assert any(n.startswith("evaluated with different shots: tiny_qa") and "(two 2, zero 0)" in n for n in notes), notes
+
+
+def test_archpreview_mmlu_is_the_unweighted_mean_of_its_subjects_and_math500_is_marked_assumed() -> None:
+    """NCP-ArchPreview's MMLU is the equal-weight mean over its 57 subjects (the notes), not lm-eval's
+    group score (weighted by each subject's questions); MATH-500's greedy exact match is marked assumed."""
+    ours = our_tasks()
+    subs = {"mmlu": ["mmlu_stem", "mmlu_other"], "mmlu_stem": ["mmlu_anatomy", "mmlu_astronomy"],
+            "mmlu_other": ["mmlu_virology"]}
+    res = {"mmlu_anatomy": {"acc,none": 0.2}, "mmlu_astronomy": {"acc,none": 0.4}, "mmlu_virology": {"acc,none": 0.9},
+           "mmlu": {"acc,none": 0.77}, "mmlu_stem": {"acc,none": 0.35}, "mmlu_other": {"acc,none": 0.9},
+           "arc_easy": {"acc,none": 0.5}, "hellaswag": {"acc_norm,none": 0.6},
+           "nq_open": {"exact_match,remove_whitespace": 0.1}, "sciq": {"acc,none": 0.8}}
+    a = protocol.aggregate(protocol.protocol_of("archpreview_general", ours), res, subs)
+    assert a["scores"]["mmlu"] == pytest.approx(0.5) and a["value"] == pytest.approx((0.5 + 0.5 + 0.6 + 0.1 + 0.8) / 5)
+    pt = protocol.protocol_of("archpreview_table1", ours)
+    domains = {"mmlu_stem": ["s1", "s2", "s3"], "mmlu_humanities": ["h1"], "mmlu_social_sciences": ["c1", "c2"],
+               "mmlu_other": ["o1"]}
+    vals = {"s1": 0.1, "s2": 0.2, "s3": 0.6, "h1": 0.5, "c1": 0.3, "c2": 0.7, "o1": 0.9}
+    res = {leaf: {"acc,none": v} for leaf, v in vals.items()} | {d: {"acc,none": 0.99} for d in domains}
+    a = protocol.aggregate(pt, res, domains)
+    assert a["scores"]["mmlu_stem"] == pytest.approx(0.3) and a["scores"]["mmlu_social_sciences"] == pytest.approx(0.5)
+    assert a["summaries"]["MMLU (57 subjects)"] == pytest.approx(sum(vals.values()) / len(vals))
+    assert "assumed: minerva_math500 (greedy exact match of one completion; the notes score Pass@1 over 32" in \
+        a["rule_text"]

@@ -48,8 +48,9 @@ def test_dlcm_paper_view_counts_concept_layers_at_their_width() -> None:
     concept layer at width d_c on T/k positions costs 12 (T/k) d_c^2 + 2 (T/k)^2 d_c: in the token
     width, w^2/k token layers in the T d^2 term and w/k^2 in the T^2 d term (w = d_c/d = 2). So
     16 + 16 * 4/4 = 32 block-equivalents, PM's 32 token layers: the paper view saves only in the
-    attention term (36 against 64 T^2 d). The exact count (real shapes) saves 10.2%: the issue's
-    10.4% less DLCM's pooling, which is one (M, T) x (T, d) GEMM of the segment indicator
+    attention term (36 against 64 T^2 d). The exact count (real shapes) saves 17.3% with attention
+    counted in full (the one FLOP convention, issue 40 item 3) and 10.2% under the causal mask: the
+    issue's 10.4% less DLCM's pooling, which is one (M, T) x (T, d) GEMM of the segment indicator
     (``segment_means``: 2 M T d, an eighth of an attention layer's 4 T^2 d at R = 4), not
     T d adds."""
     cfg = build_config("dlcm-2.3b")
@@ -65,7 +66,7 @@ def test_dlcm_paper_view_counts_concept_layers_at_their_width() -> None:
                  {"recipe": (be, L + C * w / k**2), "pm": (L + C, L + C)}.items()}
     assert v["recipe"]["paper"]["training_per_token"] == pytest.approx(per_token["recipe"], rel=1e-12)
     assert s["paper"] == pytest.approx(1 - per_token["recipe"] / per_token["pm"], rel=1e-12)
-    assert round(s["exact"], 3) == 0.102
+    assert round(s["exact_causal"], 3) == 0.102 and round(s["exact"], 3) == 0.173
 
 
 @pytest.mark.parametrize("sets,check", [
@@ -110,6 +111,51 @@ def test_gpt2_124m_base_recipe_counts_hfs_parameters(cli):
     v = json.loads(r.stdout)["accounting"]["variants"]
     assert v["recipe"]["params"]["unpadded_total"] == 124_439_808
     assert v["recipe"]["params"]["total"] == 124_439_808 + (50304 - 50257) * 768
-    concept = build_config("gpt2-124m", concept=dict(enabled=True))
+    # the sibling turns on the recipe's own concept settings (gpt2-common.yaml: the authors' code's)
+    from ncpctl.profile.load import load_for_profile
+
+    keys = load_for_profile(RECIPES / "gpt2-124m-base.yaml", [])[0].model_config.to_dict()["concept"]
+    concept = build_config("gpt2-124m", concept={**keys, "enabled": True})
     assert v["conceptlm"]["params"]["total"] == count_parameters(concept).total > v["recipe"]["params"]["total"]
     assert v["pm"]["params"]["unpadded_total"] == 124_439_808 + 2 * 7_087_872  # two GPT-2 blocks
+
+
+def test_one_flop_convention_for_budgets_fits_and_mfu() -> None:
+    """Issue 40 item 3: the tiny study's d16l2 costs 679,477,248 training FLOPs per step with attention
+    counted in full (1471 steps at 1e12, as train.max_flops resolves them) and 579,207,168 under the causal
+    mask; the accounting section and the step's MFU numerator use the full count, the causal one has its
+    own key, and the outputs that print FLOPs or MFU name the convention."""
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from ncpctl.cli._train import _human
+    from ncpctl.profile.load import load_for_profile
+    from ncpctl.profile.render import render
+    from ncpctl.profile.step import step_section
+
+    shape = ["model.d_model=16", "model.n_layers=2", "model.n_heads=2", "tokenizer.vocab_size=2048"]
+    r, _ = load_for_profile(str(RECIPES / "scaling" / "base.yaml"), [*shape, "train.max_flops=1e12"])
+    cfg = r.model_config
+    assert (r.flops_per_step(), r.train.max_steps) == (679_477_248, 1471)
+    a = accounting_section(cfg, seq_len=256, micro_batch=8, global_batch=8, params=False)
+    exact = a["variants"]["recipe"]["exact"]
+    assert (exact["training_per_step"], exact["training_per_step_causal"]) == (679_477_248, 579_207_168)
+    assert exact["flop_convention"].startswith("full attention")
+    step = step_section(cfg, 256, 8, "cpu", torch.float32, warmup=0, repeats=1, peak_repeats=1)
+    assert (step["training_flops"], step["training_flops_causal"]) == (679_477_248, 579_207_168)
+    con = Console(file=io.StringIO(), width=400)
+    render(con, {"recipe": "d16l2", "model": {"name": "d16l2", "backbone": "gpt-neox", "d_model": 16,
+                                              "n_token_layers": 2, "padded_vocab_size": 2048},
+                 "micro_batch_size": 8, "seq_len": 256, "accounting": a, "step": step})
+    text = con.file.getvalue()
+    assert "exact FLOPs: full attention" in text and "ratio to GEMM peak" in text and "(full attention" in text
+    _human(con, {"stage": "pretrain", "interrupted": False, "step": 10, "max_steps": 10, "tokens": 20480,
+                 "trainable_parameters": 72128, "parameters": 72128,
+                 "val": {}, "budget": {"kind": "flops", "value": 1e10, "flops": 6.8e9}, "steps_per_s": 15.0,
+                 "tokens_per_s": 3e4, "mfu": 0.065, "steps_run": 10, "peak_flop_per_s": 1e11,
+                 "peak_source": "measured", "nonfinite_steps": 0, "checkpoint": None})
+    lines = con.file.getvalue().splitlines()
+    assert any("MFU 6.5% (mean over 10 steps, full-attention FLOPs)" in x for x in lines), lines[-3:]
+    assert any("training FLOPs spent (full-attention FLOPs)" in x for x in lines), lines[-3:]

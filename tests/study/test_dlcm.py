@@ -55,3 +55,14 @@ def test_analyse_with_dlcm_needs_r_and_p_and_counts_its_parameters() -> None:
            for a, b, y, r, p in list(zip(N, D, L, R, P))[:10]]
     with pytest.raises(UserError, match="11 parameters: its fit needs at least 11 points, got 10"):
         analyse(few, FitOptions(resamples=0, dlcm=True))
+
+
+def test_eq22_reads_run_directory_columns_at_the_nonembedding_n() -> None:
+    """Issue 40 item 7b: a run directory's R and P (settings, not metrics) feed --dlcm, and Eq. 22 is fitted
+    at the non-embedding N its P is a share of."""
+    N, D, R, P, L = _grid(np.random.default_rng(3))
+    pts = [Point("dlcm", N=a + 5e7, D=b, C=6 * a * b, metrics={"loss": y},
+                 settings={"R": r, "P": p, "N_nonembedding": a, "C_nonembedding": 6 * a * b})
+           for a, b, y, r, p in list(zip(N, D, L, R, P))[::4]]
+    rep = analyse(pts, FitOptions(resamples=0, dlcm=True, starts=2))["families"]["dlcm"]["dlcm"]
+    assert rep["N"] == "non-embedding" and rep["rmse"] < 0.05

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from ncpctl.cli.app import app
 from ncpctl.errors import UserError
 from ncpctl.study.points import Point
-from ncpctl.study.transfer import transfer
+from ncpctl.study.transfer import transfer, transfer_verdict
 
 from ..conftest import RECIPES
 
@@ -49,6 +49,18 @@ def test_an_optimum_at_the_edge_or_between_two_rates_is_the_best_rate() -> None:
     assert t["widths"][1]["opt_lr"] == 2.0 ** -13
     two = transfer(_points({32: -10.0, 64: -10.0}, lrs=np.array([-10.0, -9.0])))
     assert [r["method"] for r in two["widths"]] == ["argmin", "argmin"] and two["widths"][0]["opt_lr"] == 2.0 ** -10
+
+
+def test_an_optimum_at_the_grids_edge_never_stays_put() -> None:
+    """Issue 40 item 7d: width 64's best rate is the grid's smallest (its optimum may lie below): within
+    the tolerance of width 32's, the verdict is undetermined (null), never "stays put"; two rates put
+    every optimum at an edge."""
+    t = transfer(_points({32: -12.3, 64: -13.4}))
+    assert t["edge"] == [64] and t["spread_steps"] < 1 and t["stays_put"] is None
+    assert "cannot be said to stay put" in transfer_verdict(t)
+    two = transfer(_points({32: -10.0, 64: -10.0}, lrs=np.array([-10.0, -9.0])))
+    assert two["stays_put"] is None and two["edge"] == [32, 64]
+    assert transfer(_points({32: -10.3, 64: -10.0}))["stays_put"] is True  # inside the grid: as before
 
 
 def test_a_diverged_run_is_the_worst_and_stops_no_other_width() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,8 +55,9 @@ def test_a_decay_branch_equals_the_straight_run(make_recipe) -> None:
     straight = make_recipe("straight")
     assert result(ncpctl("pretrain", str(straight), *sets("train.max_steps=8", "train.decay_steps=3",
                                                           "train.save_every=0"), "--json"))["step"] == 8
-    stable = make_recipe("stable")
-    ncpctl("pretrain", str(stable), *sets("train.max_steps=6", "train.decay_steps=1", "train.save_every=5"))
+    stable = make_recipe("stable")  # validated at step 5: the stable-phase loss of a branch from there
+    ncpctl("pretrain", str(stable), *sets("train.max_steps=6", "train.decay_steps=1", "train.save_every=5",
+                                          "train.eval_every=5"))
     start = stable.parent / "stable" / "checkpoints" / "step_0000005"
     branch = make_recipe("branch")  # its recipe says max_steps 12: the branch replaces it by 5 + 3
     s = result(ncpctl("pretrain", str(branch), *sets(f"train.decay_from={start}", "train.decay_steps=3"), "--json"))
@@ -71,8 +73,8 @@ def test_a_decay_branch_equals_the_straight_run(make_recipe) -> None:
 
     # the stable run's last checkpoint (step 6) is past its stable phase (its decay starts at 5)
     late = stable.parent / "stable" / "checkpoints" / "step_0000006"
-    with pytest.raises(UserError) as e:
-        load_recipe(branch, ["train.schedule=wsd", f"train.decay_from={late}", "train.decay_steps=3"])
+    with pytest.raises(UserError) as e:  # a new branch (the one above has checkpoints: its start is recorded)
+        load_recipe(make_recipe("late"), ["train.schedule=wsd", f"train.decay_from={late}", "train.decay_steps=3"])
     assert e.value.problems == [f"--set: train.decay_from: {late}: step 6 is past its run's stable phase (the decay "
                                 "starts at step 5); branch from a checkpoint at or before it"]
     with pytest.raises(UserError) as e:  # a branch writes a run directory of its own
@@ -85,6 +87,8 @@ def test_a_decay_branch_equals_the_straight_run(make_recipe) -> None:
     assert [x for x in other.stderr.splitlines() if x.startswith("error")] == [
         f"error: {start}: model.rope_base: 10000.0 in the checkpoint, 500.0 now"]
 
+    _branch_from_a_run_directory(make_recipe, stable.parent / "stable", sets, a)
+
     # the branch's recipe.resolved.yaml (what `ncpctl fit` and a resume load) still loads once the
     # stable run's checkpoint is gone: the branch's own checkpoints recorded where it started
     import shutil
@@ -92,6 +96,33 @@ def test_a_decay_branch_equals_the_straight_run(make_recipe) -> None:
     shutil.rmtree(start)
     again = load_recipe(branch.parent / "branch" / "recipe.resolved.yaml")
     assert (again.train.max_steps, again.decay_steps, again.warmup_steps) == (8, 3, 2)
+
+
+def _branch_from_a_run_directory(make_recipe, stable: Path, sets, straight: list[dict]) -> None:
+    """Issue 40 items 1 and 7a: a branch whose train.decay_from names the stable run's directory starts
+    from its newest checkpoint (step 5) and records it; when the stable run has gone on (its newest is
+    step 6), the branch (a resume, ``fit``) still runs from step 5 to 8, not from the newest checkpoint
+    with its lr back at the stable rate; a spec naming another start is one line; the stable run's
+    validation at step 5 is the branch's stable-phase loss, a column of its point."""
+    from ncpctl.study.points import read_run
+
+    ckpts = stable / "checkpoints"
+    (ckpts / "latest").write_text("step_0000005")  # the stable run as it stood when the branch started
+    branch = make_recipe("dirbranch")
+    s = result(ncpctl("pretrain", str(branch), *sets(f"train.decay_from={stable}", "train.decay_steps=3"), "--json"))
+    assert (s["step"], s["resumed_from"]) == (8, str(ckpts / "step_0000005"))
+    assert [(r["lr"], r["loss"]) for r in metrics(branch.parent / "dirbranch")] == [(r["lr"], r["loss"]) for r in straight[5:]]
+    (ckpts / "latest").write_text("step_0000006")  # the stable run went on
+    again = load_recipe(branch.parent / "dirbranch" / "recipe.resolved.yaml")
+    assert (again.train.max_steps, again.decay_start["path"], again.decay_start["step"]) == (
+        8, str(ckpts / "step_0000005"), 5)
+    stable_val = next(r for r in metrics(stable, "val") if r["step"] == 5)
+    assert again.decay_start["val"]["loss"] == stable_val["loss"]
+    assert read_run(branch.parent / "dirbranch").column("stable_loss") == stable_val["loss"]
+    with pytest.raises(UserError) as e:
+        load_recipe(branch, ["train.schedule=wsd", f"train.decay_from={ckpts / 'step_0000006'}", "train.decay_steps=3"])
+    assert len(e.value.problems) == 1 and "does not name this branch's start" in e.value.problems[0]
+    assert str(ckpts / "step_0000005") in e.value.problems[0]
 
 
 def test_resuming_under_another_schedule_names_it() -> None:
