@@ -87,13 +87,16 @@ def test_noised_context_beside_the_bound_per_task():
     reqs = [SimpleNamespace(args=None, task_name="set"), SimpleNamespace(args=None, task_name="set")]
     data = [([5, 9, 3, 7, 2], [11, 12, 40]), ([8, 4, 4], [9, 6, 6, 6, 7])]
     got = lm._loglikelihood_tokens([(None, c, x) for c, x in data])
-    for req, (ll, _), (ctx, cont), v, nz in zip(reqs, got, data, lm._mc_var, lm._noised):
+    answers = []
+    for (ll, _), (ctx, cont), v, nz in zip(got, data, lm._mc_var, lm._noised):
         x = torch.tensor([ctx + cont])
         scored = torch.zeros_like(x, dtype=torch.bool)
         scored[:, len(ctx):] = True
         est = noised_estimates(lm.model, x, scored, samples=3, seed=0)
         assert abs(nz[0] - float(est.mean())) < 1e-9 and abs(nz[1] - float(est.var()) / 3) < 1e-9
-        lm._account(req, ll, len(cont), v, nz)
+        answers.append((ll, len(cont), v, *nz))  # as the cached answers carry it
+    lm._account(reqs, answers)
+    assert lm.cache_settings["noised_context"] is True  # a cached answer without it is not reused
     st = lm.token_stats["set"]
     results = {"set": {"token_perplexity,none": 1.0}}
     (s,) = perplexity_summary(results, lm.token_stats)["per_set"].values()

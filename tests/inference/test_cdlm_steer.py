@@ -80,6 +80,20 @@ def test_steered_cached_sampling_equals_the_full_recomputation(model, specs):
         assert cached[0] != plain[0] and cached[2] != plain[2]
 
 
+def test_positional_interventions_apply_in_every_forward_cached_or_not(model):
+    """``generate(..., interventions=...)`` on a CDLM (refused before issue 43): an intervention by
+    position applies to every slot each forward computes, so the cached sampler (a finished block's
+    keys and values computed with it) equals the full recomputation."""
+    from ncpctl.model.interventions import AddToDecoderInput, AddToResidual
+
+    v = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(2))
+    ivs = [AddToDecoderInput(start=3, length=6, vector=v), AddToResidual(start=9, vector=-v, layer=1, rows=[1])]
+    ps, p = prompts(5, 11), SamplingParams(max_new_tokens=9, greedy=True)
+    cached = sample_blocks(model, ps, p, vocab_size=V, interventions=ivs)
+    assert cached == sample_blocks(model, ps, p, vocab_size=V, interventions=ivs, cache=False)
+    assert cached != sample_blocks(model, ps, p, vocab_size=V)
+
+
 def test_the_schedule_counts_committed_tokens(model):
     """Steering is on while start <= committed < start + length (Steerling's hard_cutoff: start 0,
     length = cutoff_tokens); a start past the generation never steers; the penalty applies with it."""

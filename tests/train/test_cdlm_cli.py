@@ -85,12 +85,13 @@ def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path, cd
 
 def test_eval_scores_a_cdlm_with_its_elbo_and_says_bound(cdlm_data: Path, cdlm_run: dict) -> None:
     """``ncpctl eval`` on a CDLM checkpoint: held-out perplexity from the ELBO (--diffusion-samples
-    Monte Carlo samples), the table, the results JSON and the markdown saying it is a bound."""
+    Monte Carlo samples), the table, the results JSON and the markdown saying it is a bound; with
+    --noised-context the noised-context estimate beside it."""
     held = cdlm_data / "held.txt"
     held.write_text("def area(r):\n    return 3.14159 * r * r\n\n\nfor r in range(3):\n    print(area(r))\n")
     out = cdlm_data / "eval"
     shown = ncpctl("eval", cdlm_run["checkpoint"], "--tasks", "", "--heldout", f"{{path: {held}, label: held}}",
-                   "--diffusion-samples", "3", "--out", str(out))
+                   "--diffusion-samples", "3", "--noised-context", "--out", str(out))
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "ELBO bound, 3 Monte Carlo samples" in shown.stdout and "token perplexity, bound" in shown.stdout
     (js,) = out.glob("results_*.json")
@@ -100,6 +101,9 @@ def test_eval_scores_a_cdlm_with_its_elbo_and_says_bound(cdlm_data: Path, cdlm_r
     s = got["perplexity"]["per_set"]["held"]
     assert s["bound"] and s["tokens"] > 0 and s["nll_stderr"] > 0 and "upper bound" in got["perplexity"]["rule"]
     assert abs(s["token_perplexity"] - math.exp(s["nll_per_token"])) < 1e-6 * s["token_perplexity"]
+    # issue 43 item 8: beside the bound, the noised-context estimate (training's conditions), marked as no bound
+    assert s["noised_nll_per_token"] > 0 and s["noised_nll_stderr"] > 0 and "noised-context loss" in shown.stdout
+    assert "not a bound" in got["likelihood"]["noised_context"]
     assert "Log-likelihoods are bounds" in js.with_suffix(".md").read_text()
 
 
