@@ -14,11 +14,13 @@ resolves to the newest complete checkpoint through ``checkpoints/latest``).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import re
 import shutil
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,16 +184,44 @@ def _take(cand: Path, *, warn: Any, move_aside: bool, pin_it: bool) -> bool | No
     return False
 
 
+def read_latest(latest: Path) -> str | None:
+    """The tag a ``checkpoints/latest`` file holds (its first 256 bytes, stripped); None when there is
+    none. Anything but a regular file there (a directory, a symbolic link, a FIFO: ncpctl never
+    writes one, and reading it could block or reach anywhere) is one line naming it (issue 42)."""
+    try:
+        fd = os.open(latest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a symbolic link (O_NOFOLLOW); EISDIR cannot happen read-only
+        fd = None
+        if e.errno not in (errno.ELOOP, errno.EMLINK, errno.ENXIO):
+            raise
+    try:
+        mode = os.fstat(fd).st_mode if fd is not None else os.lstat(latest).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
+                    else "not a regular file")
+            raise UserError(f"{latest}: is {kind}, not the one-line file ncpctl writes there",
+                            hint="move it out of the checkpoints directory (ncpctl then uses the newest complete "
+                                 "checkpoint, and training writes it anew)")
+        return os.read(fd, 256).decode(errors="replace").strip()
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def check_latest(base: Path) -> None:
+    """``base/latest`` is absent or a regular file (``read_latest``); before a run writes it."""
+    read_latest(base / "latest")
+
+
 def find_in(base: Path, *, warn: Any = _warn, move_aside: bool = False, pin_it: bool = True) -> Path | None:
     """The checkpoint a ``checkpoints`` directory stands for: the one ``latest`` names, if it is
     complete and verifies; else (a damaged or missing ``latest``, a damaged checkpoint) the newest
     good one, saying so. None when there is none."""
     latest = base / "latest"
     for _ in range(5):  # again only when pruning removed the named checkpoint under us
-        try:
-            tag = latest.read_text(errors="replace").strip()
-        except FileNotFoundError:
-            tag = None
+        tag = read_latest(latest)
         named = base / tag if tag and re.fullmatch(r"step_\d+", tag) else None
         if named is not None and is_complete(named):
             taken = _take(named, warn=warn, move_aside=move_aside, pin_it=pin_it)
@@ -234,7 +264,7 @@ def resolve(path: str | os.PathLike[str], *, warn: Any = _warn, pin_it: bool = T
             raise UserError(f"{p}: {found}", hint="use another checkpoint (or --no-verify to load it anyway)")
         return p
     for base in (p, p / CHECKPOINTS):
-        if (base / "latest").is_file() or any(base.glob("step_*")):
+        if os.path.lexists(base / "latest") or any(base.glob("step_*")):
             good = find_in(base, warn=warn, pin_it=pin_it)
             if good is None:
                 raise UserError(f"{base}: no complete verified checkpoint")

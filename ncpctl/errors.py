@@ -17,15 +17,24 @@ EXIT_USER = 2
 class UserError(Exception):
     """A mistake the user can fix: bad recipe, bad input, missing file.
 
-    ``problems`` holds one line per problem so that every problem is reported at once.
+    ``problems`` holds one line per problem so that every problem is reported at once. A problem
+    that quotes the user's input (a YAML key, a ``--set`` item, a file name) stays one line: its
+    control characters (a newline, a tab, a terminal escape) are shown escaped.
     """
 
     def __init__(self, *problems: str, hint: str | None = None):
         if not problems:
             raise ValueError("UserError needs at least one problem line")
-        self.problems = [p for p in problems]
-        self.hint = hint
+        self.problems = [one_line(p) if isinstance(p, str) else p for p in problems]
+        self.hint = one_line(hint) if isinstance(hint, str) else hint
         super().__init__("\n".join(self.problems))
+
+
+def one_line(text: str) -> str:
+    """``text`` with its non-printable characters escaped (``\\n``, ``\\t``, ``\\x1b``): one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 # What a full, read-only or forbidden disk means, as the one line the user sees (exit 2).

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -70,11 +71,18 @@ def read(directory: Path) -> dict[str, dict[str, Any]] | None:
     try:
         data = json.loads((directory / MANIFEST).read_text())
         files = data["files"]
-        if data.get("algorithm") != ALGORITHM or not isinstance(files, dict):
+        if data.get("algorithm") != ALGORITHM or not isinstance(files, dict) or \
+                not all(isinstance(e, dict) for e in files.values()):
             return None
         return files
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _own(name: str) -> bool:
+    """A name a manifest may list: relative, inside the directory (no ``..``, no ``.``), no NUL."""
+    parts = name.split("/")
+    return bool(name) and "\0" not in name and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts)
 
 
 def verify(directory: Path, *, sizes_only: bool = False) -> str | None:
@@ -85,11 +93,18 @@ def verify(directory: Path, *, sizes_only: bool = False) -> str | None:
         exists = (directory / MANIFEST).exists()
         return f"{MANIFEST} is {'unreadable' if exists else 'missing'}"
     for name, entry in files.items():
+        if not _own(name):
+            return f"{MANIFEST} lists {name[:80]!r}, which is not a file inside the checkpoint"
         path = directory / name
         try:
-            size = path.stat().st_size
+            st = os.lstat(path)
         except FileNotFoundError:
             return f"{name} is missing"
+        except OSError as e:  # ENOTDIR: a part of the name is a file
+            return f"{name} cannot be read ({e.strerror})"
+        if not stat.S_ISREG(st.st_mode):  # a directory, a link, a FIFO: never what ncpctl listed
+            return f"{name} is not a regular file"
+        size = st.st_size
         if size != entry.get("size"):
             return f"{name} has {size:,} bytes, the manifest says {entry.get('size')}"
         if not sizes_only and file_hash(path) != entry.get(ALGORITHM):

@@ -24,6 +24,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -72,11 +73,17 @@ def _alive(owner: dict[str, Any]) -> bool:
 
 
 def _owner(text: str) -> dict[str, Any] | None:
+    """The owner the lock's content names, or None (not JSON, no plausible pid: a stale or foreign file)."""
     try:
         owner = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None
-    return owner if isinstance(owner, dict) and isinstance(owner.get("pid"), int) else None
+    if not isinstance(owner, dict):
+        return None
+    pid = owner.get("pid")
+    if not (type(pid) is int and 0 < pid < 1 << 31):  # os.kill(0 or -1) would signal groups; a huge one overflows
+        return None
+    return owner
 
 
 def _describe(owner: dict[str, Any] | None) -> str:
@@ -105,11 +112,11 @@ class RunLock:
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(20):  # retried only when the file we flocked was unlinked under us
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
-                text = self.path.read_text(errors="replace") if self.path.exists() else ""
+                text = os.pread(fd, 1 << 16, 0).decode(errors="replace")  # the owner's, through our own fd
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
@@ -123,6 +130,25 @@ class RunLock:
             self._write_owner()
             return
         raise UserError(f"{self.path}: could not take the run lock (it keeps changing)")
+
+    def _open(self) -> int:
+        """The lock file, opened (created when absent). Never through a symbolic link, and only a
+        regular file: a directory or a FIFO there is one line naming it (issue 42)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.EMLINK):
+                raise
+            fd = None
+        if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        mode = os.fstat(fd).st_mode if fd is not None else os.lstat(self.path).st_mode
+        if fd is not None:
+            os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
+                else "not a regular file")
+        raise UserError(f"{self.path}: is {kind}, not the lock file ncpctl writes there",
+                        hint="move it out of the run directory (the run creates its own lock file)")
 
     def _stat(self) -> os.stat_result | None:
         try:
@@ -182,10 +208,15 @@ def holder(run_dir: Path, *, break_lock: bool = False) -> str | None:
     another process (its start time differs), is a stale lock.
     """
     path = Path(run_dir) / LOCK
-    try:
-        owner = _owner(path.read_text(errors="replace"))
+    try:  # never through a link, never blocking on a FIFO; a directory there reads as no owner
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            text = os.read(fd, 1 << 16).decode(errors="replace") if stat.S_ISREG(os.fstat(fd).st_mode) else ""
+        finally:
+            os.close(fd)
     except OSError:
         return None
+    owner = _owner(text)
     if owner is None:
         return None
     if owner.get("host") != socket.gethostname():

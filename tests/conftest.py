@@ -17,6 +17,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 
+# Hypothesis (tests/test_properties.py): "ci", the default, is derandomised (the same examples on every
+# run), has no deadline (two loaded cores make any per-example time limit flaky) and no example
+# database (nothing written under .hypothesis/, no example carried from one run to the next: a
+# failure found once is kept in the test as an @example). HYPOTHESIS_PROFILE=dev explores instead.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=60, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", deadline=None, max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
 
 def ncpctl_cmd() -> list[str]:
     """The real entry point: the installed console script next to this interpreter."""

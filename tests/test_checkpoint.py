@@ -3,6 +3,7 @@ defaults that follow from it (eval results, export, the offline tasks' data)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -62,3 +63,38 @@ def test_offline_tasks_find_the_data_of_the_run(placed: dict[str, Path]) -> None
     for name in ("val.bin", "val.idx"):
         (data / name).write_bytes(b"")
     assert data_dir_for(str(placed["inside"])) == (data, placed["run"] / "eval" / "offline")
+
+
+def _latest_as(kind: str, latest: Path, tmp_path: Path) -> None:
+    """Replace ``latest`` (a file naming step_0000020) by a directory, a link or a FIFO."""
+    latest.unlink()
+    if kind == "directory":
+        latest.mkdir()
+    elif kind == "symlink-to-file":  # the tag it reaches is even right: ncpctl never writes a link there
+        (tmp_path / "elsewhere").write_text("step_0000020\n")
+        latest.symlink_to(tmp_path / "elsewhere")
+    elif kind == "symlink-to-dir":
+        latest.symlink_to(tmp_path)
+    else:  # a FIFO: reading it would wait for a writer forever
+        os.mkfifo(latest)
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink-to-file", "symlink-to-dir", "fifo"])
+def test_a_latest_that_is_not_a_regular_file_is_one_line_for_eval_and_export(placed: dict[str, Path], kind: str,
+                                                                             tmp_path: Path) -> None:
+    """Issue 42 item 6: ``checkpoints/latest`` as a directory or a symbolic link (or a FIFO) was an
+    internal IsADirectoryError (or a hang); eval and export of the run directory now stop with one
+    line naming it, exit 2 (through the real command, in-process)."""
+    from typer.testing import CliRunner
+
+    from ncpctl.cli.app import app
+
+    latest = placed["run"] / CHECKPOINTS / "latest"
+    _latest_as(kind, latest, tmp_path)
+    for argv in (["export", str(placed["run"]), "--out", str(tmp_path / "hf"), "--skip-verify"],
+                 ["eval", str(placed["run"]), "--tasks", "ncp_cloze", "--limit", "2"]):
+        r = CliRunner().invoke(app, argv, env={"COLUMNS": "400"})
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.exit_code == 2 and len(errors) == 1, (argv[0], r.stderr)
+        assert errors[0].startswith(f"error: {latest}: is ") and "not the one-line file ncpctl writes" in errors[0]
+    assert not (tmp_path / "hf").exists() and not (placed["run"] / "eval").exists()

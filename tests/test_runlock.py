@@ -70,3 +70,36 @@ def test_holder_names_a_live_or_remote_owner_and_not_a_stale_one(tmp_path: Path)
     assert holder(run) is None  # a dead pid of this host: stale, a run would take it over
     (run / LOCK).write_text(json.dumps({"host": "elsewhere", "pid": int(dead)}))
     assert holder(run) == f"pid {dead} on host elsewhere"
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink", "fifo"])
+def test_a_lock_path_that_is_not_a_regular_file_is_one_line(tmp_path: Path, kind: str) -> None:
+    """Issue 42 item 6: ``ncpctl.lock`` as a directory was an internal IsADirectoryError; a link is
+    not followed (it could point at any file, which the lock would truncate), a FIFO not waited on."""
+    from ncpctl.runlock import holder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("someone's file\n")
+    path = run / LOCK
+    {"directory": path.mkdir, "symlink": lambda: path.symlink_to(target), "fifo": lambda: os.mkfifo(path)}[kind]()
+    with pytest.raises(UserError) as e:
+        _lock(run, []).acquire()
+    what = {"directory": "a directory", "symlink": "a symbolic link", "fifo": "not a regular file"}[kind]
+    assert e.value.problems == [f"{path}: is {what}, not the lock file ncpctl writes there"]
+    assert target.read_text() == "someone's file\n" and os.path.lexists(path)
+    assert holder(run) is None  # and reading it (ncpctl sweep) neither fails nor waits
+
+
+@pytest.mark.parametrize("pid", [0, -1, 1 << 70, True, "12"])
+def test_an_implausible_pid_in_the_lock_is_no_owner(tmp_path: Path, pid) -> None:
+    """os.kill(0 or -1) would signal whole process groups, 2**70 overflows: such a content names no owner."""
+    from ncpctl.runlock import holder
+
+    (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
+    assert holder(tmp_path) is None
+    warnings: list[str] = []
+    with _lock(tmp_path, warnings):
+        pass
+    assert warnings and "a process that left no owner" in warnings[0]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import re
 import sys
 import traceback
 from dataclasses import dataclass
@@ -114,9 +116,42 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
                 traceback.print_exc()
             _fail(json_mode, err.problems, err.hint, EXIT_USER)
         except Exception as e:  # internal bug: say so loudly, traceback with --debug
+            if _peer_lost(e) and not debug:
+                _fail(json_mode, [f"stopped because another rank did: the collective this rank waited in failed "
+                                  f"({_first_line(e)[:160]})"],
+                      "the other rank's own error line (above, or in its log) names the cause", EXIT_USER)
             raise _internal(e, json_mode, debug)
 
     return wrapper
+
+
+# what torch.distributed raises on the ranks that are left when one rank exits or is killed (gloo, NCCL)
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited|Socket Timeout|"
+                        r"Timed out waiting|NCCL communicator was aborted")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def _peer_lost(e: Exception) -> bool:
+    """Whether ``e`` is a collective that failed because another rank of a multi-process run went away
+    (a consequence, not the cause: that rank reports the cause itself)."""
+    return _world() > 1 and isinstance(e, RuntimeError) and _PEER_LOST.search(str(e)) is not None
+
+
+def _world() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def rank_prefix() -> str:
+    """``rank R of N: `` in a multi-process run (the launcher's RANK and WORLD_SIZE; every rank prints
+    its own error, so each line says whose it is), else nothing."""
+    rank = os.environ.get("RANK", "")
+    return f"rank {rank} of {_world()}: " if _world() > 1 and rank.isdigit() else ""
 
 
 def _trust_strategies(targets: list[str] | None) -> None:
@@ -134,8 +169,7 @@ def _trust_strategies(targets: list[str] | None) -> None:
 def _internal(e: Exception, json_mode: bool, debug: bool) -> Exception:
     if debug:
         return e
-    first = (str(e).strip().splitlines() or [""])[0]
-    _fail(json_mode, [f"internal error: {type(e).__name__}: {first}"],
+    _fail(json_mode, [f"internal error: {type(e).__name__}: {_first_line(e)}"],
           "rerun with --debug for the traceback, and please report it", EXIT_INTERNAL)
     return e  # not reached: _fail raises typer.Exit
 
@@ -147,7 +181,9 @@ def _fail(json_mode: bool, lines: list[str], hint: str | None, code: int) -> Non
 
 def report_failure(json_mode: bool, lines: list[str], hint: str | None, code: int) -> None:
     """The documented error style: ``error:`` lines and a ``hint:`` on stderr, and with ``--json``
-    the JSON error document on stdout (the caller exits with ``code``)."""
+    the JSON error document on stdout (the caller exits with ``code``). In a multi-process run each
+    line names its rank (``rank_prefix``)."""
+    lines = [rank_prefix() + line for line in lines]
     for line in lines:
         sys.stderr.write(f"error: {line}\n")
     if hint:

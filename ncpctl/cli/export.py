@@ -21,6 +21,9 @@ def main(
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Shard safetensors above this "
                                                           "size, e.g. 5GB (default export.max_shard_size).",
                                                           show_default=False)] = None,
+    move_aside: Annotated[bool, typer.Option("--move-aside", help="An earlier export at --out that holds files "
+                                             "ncpctl did not write, or changed since it wrote them: move it to "
+                                             "OUT.prev-TIME (kept whole) instead of refusing.")] = False,
     format_: Annotated[str, typer.Option("--format", help="hf: a Hugging Face directory; steerling: Steerling's "
                                          "own layout (their config.json and weight names, loadable by "
                                          "SteerlingGenerator.from_pretrained); conceptlm: the ConceptLM authors' "
@@ -38,7 +41,8 @@ def main(
     Base models become native GPTNeoXForCausalLM / LlamaForCausalLM; ConceptLM models carry their
     own modeling code (load with trust_remote_code=True). The export reloads itself and compares
     logits with the source on a probe batch; above tolerance nothing is written. An existing
-    directory that export did not write (no .ncpctl-export.json) is never replaced.
+    directory that export did not write (no .ncpctl-export.json) is never replaced, nor is an
+    earlier export whose files changed since (their sizes and checksums are in that marker).
     """
     from pathlib import Path
 
@@ -69,13 +73,16 @@ def main(
         import importlib
 
         export = importlib.import_module(f"ncpctl.interop.authors.{formats[format_]}").export
+    extra = {"move_aside": True} if move_aside else {}
     info = export(ck, target, dtype=dtype or section.get("dtype", "fp32"), verify=verify,
                   max_shard_size=max_shard_size or section.get("max_shard_size", "5GB"),
-                  log=lambda m: o.info(f"[dim]{m}[/]"))
+                  log=lambda m: o.info(f"[dim]{m}[/]"), **extra)
 
     def human(con) -> None:
         con.print(f"exported {ck} -> [bold]{info['out']}[/] as {info.get('architecture', info.get('format'))} ({info['dtype']}, "
                   f"{info['parameters']:,} parameters, {info['shards']} shard(s))")
+        if info.get("moved_aside"):
+            con.print(f"  the earlier export (changed since ncpctl wrote it) was moved to {info['moved_aside']}")
         if info.get("remote_code"):
             con.print("  load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
         v = info.get("verify")

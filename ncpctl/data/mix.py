@@ -23,12 +23,15 @@ with its tokens, and they follow the blend (hence resume and rank) like the toke
 from __future__ import annotations
 
 import json
+import math
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from ncpctl.data.indexed import IndexedDataset, IndexedDatasetWriter, paths
+from ncpctl.data.meta import check as check_meta, read as read_meta
 from ncpctl.data.windows import WindowLoader
 from ncpctl.errors import UserError
 
@@ -38,7 +41,13 @@ _RESUME_HINT = ("resume with the same data.mix (names, weights, datasets), train
 
 
 def normalised(weights: list[float]) -> list[float]:
+    """``weights`` / their sum. Weights whose sum is subnormal (5e-324 each) or overflows (1e308 each)
+    are scaled by their largest first, so that the result still sums to 1."""
     total = float(sum(weights))
+    if not sys.float_info.min <= total < math.inf:
+        top = max(float(w) for w in weights)
+        weights = [float(w) / top for w in weights]
+        total = float(sum(weights))
     return [float(w) / total for w in weights]
 
 
@@ -232,9 +241,10 @@ def check_tokenizers(parts: list[tuple[str, float, IndexedDataset]]) -> None:
     seen: tuple[str, str] | None = None
     for name, _, ds in parts:
         meta_path = Path(ds.prefix).parent / "meta.json"
-        if not meta_path.is_file():
+        recorded = read_meta(meta_path)
+        if recorded is None:
             continue  # a dataset made elsewhere: the loaders' vocabulary check still applies
-        sha = (json.loads(meta_path.read_text()).get("tokenizer") or {}).get("sha256")
+        sha = (recorded.get("tokenizer") or {}).get("sha256")
         if seen is None:
             seen = (name, sha)
         elif sha != seen[1]:
@@ -290,7 +300,10 @@ def _component_current(out: Path, cmeta: dict[str, Any]) -> dict[str, Any] | Non
     path = out / "meta.json"
     if not path.is_file():
         return None
-    old = json.loads(path.read_text())
+    try:  # a damaged one is rebuilt like a stale one
+        old = check_meta(path, json.loads(path.read_text()))
+    except (UserError, ValueError, RecursionError):
+        return None
     files = [p for s in ("train", "val") for p in paths(out / s)]
     if "labels" in cmeta:
         from ncpctl.data.labels import labels_path

@@ -42,6 +42,7 @@ import numpy as np
 
 from ncpctl import __version__
 from ncpctl.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
+from ncpctl.data.meta import check as check_meta
 from ncpctl.data.packages import cached_listings, is_packages_source
 from ncpctl.data.pieces import cut_refusal, pieces
 from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents, package_summary, \
@@ -178,21 +179,21 @@ def _up_to_date(data_dir: Path, fp: str) -> dict[str, Any] | None:
     meta_path = data_dir / "meta.json"
     if not meta_path.is_file():
         return None
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError):
+    try:  # a damaged one means: tokenize again
+        meta = check_meta(meta_path, json.loads(meta_path.read_text()))
+    except (OSError, ValueError, RecursionError, UserError):
         return None
     if meta.get("fingerprint") != fp:
         return None
     tok = data_dir / "tokenizer.json"
-    if not tok.is_file() or _sha256(tok) != meta.get("tokenizer", {}).get("sha256"):
+    if not tok.is_file() or _sha256(tok) != (meta.get("tokenizer") or {}).get("sha256"):
         return None
     for split in SPLITS:
         try:
             ds = IndexedDataset(data_dir / split)
         except UserError:
             return None
-        if ds.num_tokens != meta["splits"][split]["tokens"]:
+        if ds.num_tokens != ((meta.get("splits") or {}).get(split) or {}).get("tokens"):
             return None
     return meta
 

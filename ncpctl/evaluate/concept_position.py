@@ -153,16 +153,15 @@ def validation_corpora(target: Any, T: int, max_windows: int, batch: int) -> dic
     """The checkpoint's own validation split as one corpus per ``data.sources`` entry (its
     documents are stored in source order, counted per source in meta.json): ``{source label:
     windows}``, each source's token stream cut like a held-out corpus's."""
-    import json
-
     from ncpctl.data.indexed import IndexedDataset
+    from ncpctl.data.meta import read as read_meta
     from ncpctl.data.windows import SourceMap
     from ncpctl.errors import UserError
     from ncpctl.evaluate.offline import data_dir_for
 
     data, _ = data_dir_for(str(target))
     meta_path = data / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta = read_meta(meta_path) or {}
     counts = ((meta.get("splits") or {}).get("val") or {}).get("documents_per_source")
     if counts is None or meta.get("source_labels") is None:
         raise UserError(f"{meta_path}: no validation documents per source (tokenized by an earlier ncpctl)",

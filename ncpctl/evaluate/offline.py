@@ -137,10 +137,11 @@ def build(data: Path, out: Path, tokenizer=None) -> dict[str, Path]:
 
 
 def _eod_id(data: Path, tokenizer) -> int | None:
-    try:
-        return json.loads((data / "meta.json").read_text())["tokenizer"]["eod_id"]
-    except (OSError, KeyError, json.JSONDecodeError):
-        return tokenizer.token_to_id("<|endoftext|>")
+    from ncpctl.data import meta
+
+    recorded = meta.read(data / "meta.json")  # a damaged one: one line naming it
+    eod = (recorded or {}).get("tokenizer", {}).get("eod_id") if recorded and recorded.get("tokenizer") else None
+    return eod if eod is not None else tokenizer.token_to_id("<|endoftext|>")
 
 
 def _rng(text: str) -> random.Random:

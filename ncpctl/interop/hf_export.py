@@ -25,13 +25,17 @@ conversion errors from rounding; the difference to the fp32 source is reported t
 tokenizer must encode a probe text to the same ids. Above the tolerance nothing is kept.
 
 An export writes only what it owns. Every export carries ``MARKER`` (``.ncpctl-export.json``: the
-names of the files it wrote). An existing ``out`` is replaced only if it is an earlier export
-(its marker lists every entry in it: a file the user added there is not deleted) or filled in
+names of the files it wrote, and each one's size and xxh3-128 checksum as ``ncpctl.manifest``
+records a checkpoint's). An existing ``out`` is replaced only if it is an earlier export whose
+every entry is a file the marker lists, with the size and checksum it lists (a file the user
+added there, or changed, e.g. with ``model.save_pretrained(out)``, is never deleted), or filled in
 place if it is an empty directory (whose mode and owner stay); anything else, a Hugging Face
-model directory with its own ``config.json`` included, is refused. Exports written before the
-marker existed are refused too (with a hint): a native export holds exactly what a downloaded
-HF model holds, so nothing could tell them apart safely. The new directory gets the process's
-umask mode (an earlier export's mode when it replaces one), never mkdtemp's 0700.
+model directory with its own ``config.json`` included, is refused. ``move_aside``: an earlier
+export the user added to or changed is renamed to ``OUT.prev-TIME`` (kept whole) instead. Exports
+written before the marker existed are refused too (with a hint): a native export holds exactly
+what a downloaded HF model holds, so nothing could tell them apart safely; so are exports whose
+marker has no checksums (nothing tells whether their files changed). The new directory gets the
+process's umask mode (an earlier export's mode when it replaces one), never mkdtemp's 0700.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,11 +58,15 @@ MODEL_PACKAGE = Path(__file__).parents[1] / "model"
 _RELATIVE = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.MULTILINE)
 PROBE_TEXT = "def f(x):\n    return x + 1  # probe: ünïcode, tabs\tand  spaces\n"
 TOLERANCE = 1e-4  # max |logit difference| allowed, relative to max(1, max |logit|)
-MARKER = ".ncpctl-export.json"  # in every export: {"written_by", "ncpctl_version", "checkpoint", "files"}
+# in every export: {"written_by", "ncpctl_version", "checkpoint", "files": [NAME], "algorithm": "xxh3_128",
+# "manifest": {NAME: {"size", "xxh3_128"}}}
+MARKER = ".ncpctl-export.json"
+_REFUSE = "choose a new or empty --out directory, or move that directory away yourself"
 
 
 def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", verify: bool = True,
-           max_shard_size: str | int = "5GB", log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+           max_shard_size: str | int = "5GB", log: Callable[[str], None] = lambda m: None,
+           move_aside: bool = False) -> dict[str, Any]:
     import torch
 
     from ncpctl.checkpoint import load_model
@@ -65,7 +74,7 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
     if dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype: {dtype!r} is not one of fp32, bf16")
     out = Path(out)
-    existing(out)  # refuse before the (slow) load
+    existing(out, move_aside)  # refuse before the (slow) load
     loaded = load_model(checkpoint)
     why = loaded.model.objective.refusal("export")
     if why:
@@ -80,45 +89,82 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
         if verify:
             log("verifying: reloading the export with transformers and comparing logits")
             info["verify"] = _verify(loaded, tmp, dtype)
-        files = sorted(p.name for p in tmp.iterdir())
-        (tmp / MARKER).write_text(json.dumps({"written_by": "ncpctl export", "ncpctl_version": __version__,
-                                              "checkpoint": str(loaded.path), "files": files}, indent=2) + "\n")
-        _put_in_place(tmp, out)
+        write_marker(tmp, "ncpctl export", loaded.path)
+        aside = _put_in_place(tmp, out, move_aside)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    if aside is not None:
+        info["moved_aside"] = str(aside)
     info["out"] = str(out)
     info["files"] = sorted(p.name for p in out.iterdir())
     return info
 
 
-def existing(out: Path) -> str:
+def write_marker(tmp: Path, written_by: str, checkpoint: Path) -> None:
+    """``MARKER`` in the finished export ``tmp``: every file's name, size and xxh3-128 checksum."""
+    from ncpctl import manifest
+
+    files = sorted(p.name for p in tmp.iterdir())
+    (tmp / MARKER).write_text(json.dumps({"written_by": written_by, "ncpctl_version": __version__,
+                                          "checkpoint": str(checkpoint), "files": files,
+                                          "algorithm": manifest.ALGORITHM,
+                                          "manifest": manifest.describe(tmp, files)}, indent=2) + "\n")
+
+
+def existing(out: Path, move_aside: bool = False) -> str:
     """What is at ``out``, and so how the export goes there: "new" (nothing: the finished
     directory is renamed into place), "empty" (an empty directory: filled in place, its mode and
-    owner kept) or "ours" (an earlier export whose marker lists every entry: replaced whole).
-    Anything else raises: export never deletes what it did not write."""
-    hint = "choose a new or empty --out directory, or move that directory away yourself"
+    owner kept), "ours" (an earlier export holding only the files its marker lists, as it wrote
+    them: replaced whole) or, with ``move_aside``, "aside" (an earlier export the user added to or
+    changed: renamed, kept whole). Anything else raises: export never deletes what it did not write."""
     if not os.path.lexists(out):
         return "new"
     if out.is_symlink() or not out.is_dir():
         raise UserError(f"{out}: exists and is not a directory that ncpctl export wrote; refusing to replace it",
-                        hint=hint)
+                        hint=_REFUSE)
     entries = list(out.iterdir())
     if not entries:
         return "empty"
     try:
-        files = json.loads((out / MARKER).read_text())["files"]
+        marker = json.loads((out / MARKER).read_text())
+        files = marker["files"]
         if not (isinstance(files, list) and all(isinstance(f, str) for f in files)):
             raise TypeError(files)
     except (OSError, ValueError, KeyError, TypeError):
         raise UserError(f"{out}: not a directory that ncpctl export wrote (no valid {MARKER}); refusing to replace "
-                        "it", hint=hint + " (exports written before ncpctl marked them carry no marker)") from None
+                        "it", hint=_REFUSE + " (exports written before ncpctl marked them carry no marker)") from None
     foreign = sorted(p.name for p in entries if p.name != MARKER and (p.name not in files or _is_real_dir(p)))
-    if foreign:
-        raise UserError(f"{out}: holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which the "
-                        "earlier export did not write; refusing to replace it",
-                        hint="move those out of the directory or choose another --out")
-    return "ours"
+    problem = (f"holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which the earlier export did "
+               "not write") if foreign else _changed(out, marker, [p for p in entries if p.name != MARKER])
+    if problem is None:
+        return "ours"
+    if move_aside:
+        return "aside"
+    raise UserError(f"{out}: {problem}; refusing to replace it",
+                    hint="move those out of the directory, choose another --out, or pass --move-aside to have the "
+                    "earlier export moved to OUT.prev-TIME (kept whole)")
+
+
+def _changed(out: Path, marker: dict[str, Any], entries: list[Path]) -> str | None:
+    """What in the earlier export ``out`` differs from what its marker says export wrote (one
+    phrase naming the files), or None: every entry a regular file of the recorded size and
+    xxh3-128 checksum."""
+    from ncpctl import manifest
+
+    recorded = marker.get("manifest")
+    if marker.get("algorithm") != manifest.ALGORITHM or not isinstance(recorded, dict):
+        return f"its {MARKER} records no checksums (an older ncpctl wrote it): its files may have changed since"
+    changed = []
+    for p in sorted(entries):
+        entry = recorded.get(p.name)
+        if (not isinstance(entry, dict) or p.is_symlink() or not p.is_file() or p.stat().st_size != entry.get("size")
+                or manifest.file_hash(p) != entry.get(manifest.ALGORITHM)):
+            changed.append(p.name)
+    if not changed:
+        return None
+    return (f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} changed since ncpctl export wrote "
+            f"{'it' if len(changed) == 1 else 'them'}")
 
 
 def _is_real_dir(p: Path) -> bool:
@@ -137,30 +183,45 @@ def _new_dir(out: Path) -> Path:
             continue
 
 
-def _put_in_place(tmp: Path, out: Path) -> None:
+def _put_in_place(tmp: Path, out: Path, move_aside: bool = False) -> Path | None:
     """Put the finished export ``tmp`` at ``out`` (checked again: the export took a while). Its
     files are synced first; an earlier export is moved aside (not deleted) until the new one is in
     place; an empty directory is filled in place: the marker first (so that a crash leaves a
-    directory the next export may replace) and ``config.json`` last (nothing loads until then)."""
+    directory the next export may replace) and ``config.json`` last (nothing loads until then).
+    Returns where an earlier export the user changed was moved (``move_aside``), else None."""
     from ncpctl.fsutil import fsync_dir, fsync_tree
 
     fsync_tree(tmp)
-    how = existing(out)
+    how = existing(out, move_aside)
     if how == "empty":
         names = sorted((p.name for p in tmp.iterdir()), key=lambda n: (n != MARKER, n == "config.json", n))
         for name in names:
             shutil.move(tmp / name, out / name)
         fsync_dir(out)
         tmp.rmdir()
-        return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}") if how == "ours" else None
+        return None
+    old = None
+    if how == "ours":
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    elif how == "aside":
+        old = _free_name(out.with_name(f"{out.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}"))
     if old is not None:
         os.chmod(tmp, stat.S_IMODE(out.stat().st_mode))  # the earlier export's mode, if the user changed it
         os.replace(out, old)
     os.replace(tmp, out)
     fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if how == "ours":
+        shutil.rmtree(old, ignore_errors=True)  # only files export wrote, as it wrote them
+    return old if how == "aside" else None
+
+
+def _free_name(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``, ...: the first name nothing holds (never replace a move)."""
+    n, cand = 1, path
+    while os.path.lexists(cand):
+        n += 1
+        cand = path.with_name(f"{path.name}-{n}")
+    return cand
 
 
 def _eod(loaded) -> tuple[str, int]:

@@ -173,8 +173,10 @@ def decay_start(spec: str, run_dir: Path | None) -> tuple[dict[str, Any], str | 
 
 def _names(spec: str, path: str) -> bool:
     """Does ``spec`` (a checkpoint, its ``checkpoints/`` directory or its run directory) name ``path``?"""
+    from ncpctl.checkpoint import run_dir_of
+
     target = Path(os.path.abspath(path))
-    return os.path.abspath(spec) in {str(target), str(target.parent), str(target.parent.parent)}
+    return os.path.abspath(spec) in {str(target), str(target.parent), str(run_dir_of(target))}
 
 
 def _stable_checkpoint(spec: str, run_dir: Path | None) -> tuple[dict[str, Any], str | None]:

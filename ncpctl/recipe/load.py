@@ -25,7 +25,7 @@ from ncpctl.errors import UserError
 from ncpctl.model.config import ConfigError, ModelConfig, build_config, deep_merge
 from ncpctl.recipe.init_from import hf_init_config, init_from_hf, init_from_model
 from ncpctl.recipe.length import Budget, Problem, check_train, warmup_steps
-from ncpctl.recipe.yaml_io import MAX_YAML_VALUES, alias_problem, yaml_load  # noqa: F401  (re-exported)
+from ncpctl.recipe.yaml_io import MAX_YAML_VALUES, alias_problem, yaml_load, yaml_problem  # noqa: F401  (re-exported)
 from ncpctl.recipe.schema import (
     SECTIONS,
     DataSection,
@@ -148,7 +148,7 @@ def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any] | None:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        problems.append(f"{path}{where}: invalid YAML ({getattr(e, 'problem', None) or e})")
+        problems.append(f"{path}{where}: invalid YAML ({yaml_problem(e)})")
         return None
     except RecursionError:
         problems.append(f"{path}: YAML nested too deeply")
@@ -425,9 +425,9 @@ def load_recipe(
     problems: list[Problem] = []
     sections: dict[str, BaseModel] = {}
     for key in tree:
-        if key not in SECTIONS:
-            near = difflib.get_close_matches(key, list(SECTIONS), n=1)
-            problems.append((key, "unknown section" + (f" (did you mean '{near[0]}'?)" if near else
+        if key not in SECTIONS:  # a key YAML read as a number (1:, 0E0:) or null too
+            near = difflib.get_close_matches(str(key), list(SECTIONS), n=1)
+            problems.append((str(key), "unknown section" + (f" (did you mean '{near[0]}'?)" if near else
                                                         f"; sections are {', '.join(SECTIONS)}")))
     for name, cls in SECTIONS.items():
         section, errs = _validate_section(name, cls, tree.get(name))
@@ -445,6 +445,7 @@ def load_recipe(
 
     lines = list(file_problems)
     lines += [f"{_origin_of(key, origin, top)}: {key}: {msg}" for key, msg in problems]
+    lines = list(dict.fromkeys(lines))  # once each (a key pydantic cannot prune is reported every round)
     if lines:
         raise UserError(*lines, hint="fix the recipe (or the --set values) and run again")
     return Recipe(path=path, name=name, sets=sets, world_size=world_size, **sections, **derived)  # type: ignore[arg-type]

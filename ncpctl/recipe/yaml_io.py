@@ -28,6 +28,12 @@ def yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error as one line (its problem; PyYAML's messages span lines: "...\\n  in <unicode
+    string>, position 0")."""
+    return " ".join(str(getattr(e, "problem", None) or e).split())
+
+
 # Values a recipe document may hold with every alias expanded. A real recipe has a few hundred;
 # YAML aliases let a few lines name a billion (the "billion laughs" bomb), which everything after
 # parsing (origin recording, validation, the resolved recipe, the checkpoint's JSON) would expand.

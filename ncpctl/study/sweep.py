@@ -194,7 +194,7 @@ def _fixed(path: Path, doc: dict[str, Any], rows: list[tuple[list[Part], dict[st
 
 def read_sweep(path: str | os.PathLike[str], *, out: str | None = None) -> tuple[Sweep, dict[str, Any]]:
     """The sweep's definition (points named, not yet validated against the base recipe)."""
-    from ncpctl.recipe.yaml_io import alias_problem, yaml_load
+    from ncpctl.recipe.yaml_io import alias_problem, yaml_load, yaml_problem
 
     path = Path(path)
     if not path.is_file():
@@ -203,7 +203,9 @@ def read_sweep(path: str | os.PathLike[str], *, out: str | None = None) -> tuple
         doc = yaml_load(path.read_text())
         bad = alias_problem(doc)
     except yaml.YAMLError as e:
-        raise _fail(path, f"invalid YAML ({getattr(e, 'problem', None) or e})") from None
+        raise _fail(path, f"invalid YAML ({yaml_problem(e)})") from None
+    except RecursionError:
+        raise _fail(path, "YAML nested too deeply") from None
     if bad is not None:
         raise _fail(path, bad)
     if not isinstance(doc, dict):

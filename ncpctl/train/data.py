@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ncpctl.data.indexed import IndexedDataset, paths
-from ncpctl.data.mix import MixLoader, open_parts
+from ncpctl.data.mix import MixLoader, normalised, open_parts
 from ncpctl.data.windows import WindowLoader
 from ncpctl.errors import UserError
 from ncpctl.recipe.load import Recipe
@@ -44,13 +44,13 @@ class TrainData:
         if not self.val_parts:
             return [(None, 1.0, *self.val_loader(recipe, rank, world))]
         t, T, G = recipe.train, recipe.seq_len, recipe.global_batch_size
-        total = sum(w for _, w, _ in self.val_parts)
+        shares = normalised([w for _, w, _ in self.val_parts])  # normalised first: subnormal weights too
         out = []
         args = self.val_part_args or [{} for _ in self.val_parts]
-        for (name, w, ds), extra in zip(self.val_parts, args):
+        for (name, w, ds), extra, share in zip(self.val_parts, args, shares):
             val = WindowLoader(ds, T, G, seed=t.seed, rank=rank, world_size=world,
                                vocab_size=recipe.model_config.vocab_size, vocab_from=vocab_from(recipe)[0], **extra)
-            n = min(max(1, round(t.eval_batches * w / total)), math.ceil(val.num_windows / G))
+            n = min(max(1, round(t.eval_batches * share)), math.ceil(val.num_windows / G))
             out.append((name, w, val, n))
         return out
 
@@ -156,7 +156,7 @@ def vocab_from(recipe: Recipe) -> tuple[str, str]:
 def check_special_tokens(cfg: Any, meta: dict, meta_path: Any) -> None:
     """The special tokens the model's designs need (a [MASK]) must be the data tokenizer's, at
     the ids the model config holds (``tokenize`` records them in meta.json)."""
-    have = meta["tokenizer"].get("special_tokens") or {}
+    have = (meta.get("tokenizer") or {}).get("special_tokens") or {}
     for key, text in cfg.special_tokens().items():
         want = functools.reduce(getattr, key.split("."), cfg)
         if have.get(text) != want:
@@ -170,9 +170,9 @@ def check_vocab(recipe: Recipe, ds: IndexedDataset, vocab: int) -> None:
     """The data's token ids must fit the model's embedding (checked before training from what
     meta.json says; the loaders check every batch as it is read)."""
     origin, hint = vocab_from(recipe)
-    meta_path, meta = dataset_meta(ds)
-    if meta is not None:
-        data_vocab = meta["tokenizer"]["vocab_size"]
+    meta_path, meta = dataset_meta(ds)  # checked: a JSON object whose fields have their types
+    data_vocab = ((meta or {}).get("tokenizer") or {}).get("vocab_size")
+    if meta is not None and data_vocab is not None:
         check_special_tokens(recipe.model_config, meta, meta_path)
         if data_vocab > vocab:
             raise UserError(f"{meta_path}: the data's tokenizer has {data_vocab} tokens but the model's vocabulary "

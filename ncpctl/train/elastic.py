@@ -29,6 +29,7 @@ where Muon is refused anyway), runs under ``deepspeed_loads_safely``.
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -40,6 +41,7 @@ from ncpctl.errors import UserError
 from ncpctl.fsutil import disk_errors
 
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")  # an optimizer state's key: exp_avg, momentum_buffer, step
 HINT = ("resume with the number of ranks that saved it, or from a checkpoint written by ncpctl at ZeRO 1-3 "
         "with all its files")
 
@@ -54,18 +56,19 @@ def _optim_files(src: Path, world: int) -> list[Path]:
     return [by_rank[r] for r in range(world)]
 
 
-def _pieces_stage12(parts: list[dict[str, Any]], pieces: dict[str, dict[str, list[torch.Tensor]]],
-                    steps: dict[str, Any]) -> None:
+def _pieces_stage12(files: list[Path], parts: list[dict[str, Any]], own: set[str],
+                    pieces: dict[str, dict[str, list[torch.Tensor]]], steps: dict[str, Any]) -> None:
     """Stages 1-2: each rank's flat partition per group (fp32 and every state, (P,)); the names'
     fragments (start, numel) from DeepSpeed's ``param_slice_mappings``, in rank order."""
     from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, \
         SINGLE_PARTITION_OF_FP32_GROUPS
 
-    for sd in parts:
+    for f, sd in zip(files, parts):
         state = sd[BASE_OPTIMIZER_STATE]["state"]
         for g, mapping in enumerate(sd[PARAM_SLICE_MAPPINGS]):
-            flat = {"fp32": sd[SINGLE_PARTITION_OF_FP32_GROUPS][g], **state.get(g, {})}
+            flat = {"fp32": sd[SINGLE_PARTITION_OF_FP32_GROUPS][g], **_keys(f, state.get(g, {}))}
             for name, frag in mapping.items():
+                _own(f, name, own)
                 for key, t in flat.items():
                     if key == "step":
                         steps[name] = t
@@ -73,17 +76,17 @@ def _pieces_stage12(parts: list[dict[str, Any]], pieces: dict[str, dict[str, lis
                         pieces.setdefault(name, {}).setdefault(key, []).append(t.narrow(0, frag.start, frag.numel))
 
 
-def _pieces_stage3(parts: list[dict[str, Any]], shapes: list[dict[str, Any]],
+def _pieces_stage3(files: list[Path], parts: list[dict[str, Any]], shapes: list[dict[str, Any]],
                    pieces: dict[str, dict[str, list[torch.Tensor]]], steps: dict[str, Any]) -> None:
     """Stage 3: sub-group g of rank r is the concatenation, in ``param_shapes`` order, of each
     parameter's r-th slice of ceil(numel / N) elements (the last rank's padded)."""
     from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 
     world = len(parts)
-    for r, sd in enumerate(parts):
+    for r, (f, sd) in enumerate(zip(files, parts)):
         state = sd[OPTIMIZER_STATE_DICT]["state"]
         for g, group in enumerate(shapes):
-            flat = {"fp32": sd[FP32_FLAT_GROUPS][g], **state.get(g, {})}
+            flat = {"fp32": sd[FP32_FLAT_GROUPS][g], **_keys(f, state.get(g, {}))}
             offset = 0
             for name, shape in group.items():
                 n = math.prod(shape)
@@ -97,9 +100,69 @@ def _pieces_stage3(parts: list[dict[str, Any]], shapes: list[dict[str, Any]],
                 offset += per
 
 
-def to_universal(src: Path, dst: Path, world: int, zero_stage: int) -> None:
+def _own(file: Path, name: Any, own: set[str]) -> None:
+    """A parameter name read from ``file`` must be one of the model's own: it becomes a directory
+    (``zero/NAME``), so a tampered one (an absolute path, ``..``) would write anywhere."""
+    if not isinstance(name, str) or name not in own:
+        raise UserError(f"{file}: names a parameter {str(name)[:80]!r} that is not one of the model's; refusing "
+                        "to re-partition it (nothing was written)", hint=HINT)
+
+
+def _keys(file: Path, state: Any) -> dict[str, Any]:
+    """One parameter group's optimizer state from ``file``: every key a plain identifier (it becomes
+    the file name ``KEY.pt``: ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ``step``)."""
+    if not isinstance(state, dict):
+        raise UserError(f"{file}: an optimizer state that is not a mapping; refusing to re-partition it", hint=HINT)
+    for key in state:
+        if not (isinstance(key, str) and STATE_KEY.match(key)) or key == "fp32":
+            raise UserError(f"{file}: optimizer state key {str(key)[:80]!r} is not an identifier of at most 64 "
+                            "characters; refusing to re-partition it (nothing was written)", hint=HINT)
+    return state
+
+
+def _inside(root: Path, path: Path, file: Path) -> Path:
+    """``path``, checked to stay inside ``root`` (after ``..`` and absolute parts are resolved)."""
+    top, full = os.path.abspath(root), os.path.abspath(path)
+    if os.path.commonpath([top, full]) != top:
+        raise UserError(f"{file}: would write {full}, outside the conversion directory {top}; refusing "
+                        "(nothing was written)", hint=HINT)
+    return Path(full)
+
+
+def _plan(src: Path, model_file: Path, dst: Path, world: int, shapes: list[dict[str, Any]], own: set[str],
+          pieces: dict[str, dict[str, list[torch.Tensor]]]) -> dict[str, tuple[Any, Path]]:
+    """Every parameter's shape and directory, all checked before the first write: a name of the model's,
+    its slices adding up to the parameter, every file inside ``dst``."""
+    every: dict[str, Any] = {}
+    for group in shapes:
+        for name, shape in group.items():
+            _own(model_file, name, own)
+            every[name] = tuple(int(n) for n in shape)
+    zero = dst / "zero"
+    plan = {}
+    for name, keyed in pieces.items():
+        if name not in every:
+            raise UserError(f"{src}: optimizer state for {name}, which {model_file.name} does not list", hint=HINT)
+        folder = _inside(zero, zero / name, model_file)
+        for key, ps in keyed.items():
+            _inside(zero, folder / f"{key}.pt", model_file)
+            if sum(p.numel() for p in ps) != math.prod(every[name]):
+                raise UserError(f"{src}: the {world} ranks' {key} slices of {name} hold "
+                                f"{sum(p.numel() for p in ps)} elements, the parameter {math.prod(every[name])}",
+                                hint=HINT)
+        plan[name] = (every[name], folder)
+    lacking = sorted(set(every) - set(pieces))
+    if lacking:
+        raise UserError(f"{src}: no optimizer partition holds {lacking[0]}"
+                        + (f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""), hint=HINT)
+    return plan
+
+
+def to_universal(src: Path, dst: Path, world: int, zero_stage: int, own: set[str]) -> None:
     """Write checkpoint ``src`` (saved by ``world`` ranks at ``zero_stage``) into ``dst`` in
-    DeepSpeed's universal layout (the module doc), every optimizer state key included."""
+    DeepSpeed's universal layout (the module doc), every optimizer state key included. ``own``: the
+    model's parameter names; the names and state keys the files hold become paths, so every one is
+    checked (``_plan``) before anything is written."""
     from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT,
                                                 PARAM, PARAM_SHAPES, PARAM_SLICE_MAPPINGS,
                                                 SINGLE_PARTITION_OF_FP32_GROUPS)
@@ -109,7 +172,8 @@ def to_universal(src: Path, dst: Path, world: int, zero_stage: int) -> None:
     models = sorted(src.glob("*model_states.pt"))
     if not models:
         raise UserError(f"{src}: no DeepSpeed model-state file: not a checkpoint the engine wrote", hint=HINT)
-    parts = [load_pt(f, allow=DEEPSPEED_GLOBALS)[OPTIMIZER_STATE_DICT] for f in _optim_files(src, world)]
+    files = _optim_files(src, world)
+    parts = [load_pt(f, allow=DEEPSPEED_GLOBALS)[OPTIMIZER_STATE_DICT] for f in files]
     shapes = load_pt(models[0], allow=DEEPSPEED_GLOBALS, mmap=True)[PARAM_SHAPES]  # [{name: shape}] per group
     pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
     steps: dict[str, Any] = {}
@@ -119,40 +183,31 @@ def to_universal(src: Path, dst: Path, world: int, zero_stage: int) -> None:
                         "layout (per-group lists); ncpctl re-partitions the default layout only", hint=HINT)
     try:
         if zero_stage <= 2:
-            _pieces_stage12(parts, pieces, steps)
+            _pieces_stage12(files, parts, own, pieces, steps)
             common = {k: v for k, v in parts[0].items()
                       if k not in (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)}
             common["param_groups"] = parts[0][BASE_OPTIMIZER_STATE]["param_groups"]
         else:
-            _pieces_stage3(parts, shapes, pieces, steps)
+            _pieces_stage3(files, parts, shapes, pieces, steps)
             inner = parts[0][OPTIMIZER_STATE_DICT]
             common = {k: v for k, v in parts[0].items() if k not in (FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT)}
             common[OPTIMIZER_STATE_DICT] = {"param_groups": inner["param_groups"], "state": {
                 g: {"step": s["step"]} for g, s in inner["state"].items() if "step" in s}}
             common["param_groups"] = inner["param_groups"]
-    except (KeyError, IndexError, AttributeError, TypeError) as e:
-        raise UserError(f"{src}: its ZeRO-{zero_stage} optimizer files lack {e} (not the layout this DeepSpeed "
-                        "writes): its state cannot be re-partitioned", hint=HINT) from None
-    every = {name: shape for group in shapes for name, shape in group.items()}
-    zero = dst / "zero"
-    for name, keyed in pieces.items():
-        (zero / name).mkdir(parents=True, exist_ok=True)
-        for key, ps in keyed.items():
-            full = torch.cat(ps)
-            if full.numel() != math.prod(every[name]):
-                raise UserError(f"{src}: the {world} ranks' {key} slices of {name} hold {full.numel()} elements, "
-                                f"the parameter {math.prod(every[name])}", hint=HINT)
-            torch.save({PARAM: full.view(every[name])}, zero / name / f"{key}.pt")
+        plan = _plan(src, models[0], dst, world, shapes, own, pieces)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError, RuntimeError) as e:
+        what = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"{src}: its ZeRO-{zero_stage} optimizer files are not in the layout this DeepSpeed writes "
+                        f"({type(e).__name__}: {what}): its state cannot be re-partitioned", hint=HINT) from None
+    for name, (shape, folder) in plan.items():
+        folder.mkdir(parents=True, exist_ok=True)
+        for key, ps in pieces[name].items():
+            torch.save({PARAM: torch.cat(ps).view(shape)}, folder / f"{key}.pt")
         if name in steps:
-            torch.save(steps[name], zero / name / "step.pt")
-    lacking = sorted(set(every) - set(pieces))
-    if lacking:
-        raise UserError(f"{src}: no optimizer partition holds {lacking[0]}"
-                        + (f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""), hint=HINT)
-    torch.save(common, zero / "optimizer_state.pt")
+            torch.save(steps[name], folder / "step.pt")
+    torch.save(common, dst / "zero" / "optimizer_state.pt")
     for f in models:
         shutil.copy2(f, dst / f.name)
-
 
 def load(engine: Any, src: Path, saved_world: int, zero_stage: int, work: Path, d: Any,
          info: Callable[[str], None]) -> None:
@@ -177,7 +232,7 @@ def load(engine: Any, src: Path, saved_world: int, zero_stage: int, work: Path, 
         shutil.rmtree(work, ignore_errors=True)
         try:
             with disk_errors(work):  # the copy is the checkpoint's size again: a full disk is one line
-                to_universal(src, target, saved_world, zero_stage)
+                to_universal(src, target, saved_world, zero_stage, {n for n, _ in engine.module.named_parameters()})
         except Exception as e:  # any failure (not only a UserError) must reach the all-reduce below
             problem = e
             shutil.rmtree(work, ignore_errors=True)  # no half-written copy left behind

@@ -28,7 +28,6 @@ in ``ncpctl.train``); ``ncpctl.model`` stays free of I/O.
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -109,8 +108,10 @@ def _classes() -> list[type[DesignHooks]]:
 def dataset_meta(ds: Any) -> tuple[Path, dict[str, Any] | None]:
     """The meta.json ``ncpctl tokenize`` writes beside a dataset's PREFIX.bin/.idx, and its
     contents (None when there is none: a dataset made elsewhere)."""
+    from ncpctl.data import meta
+
     path = Path(str(ds.bin_path)[: -len(".bin")]).parent / "meta.json"
-    return path, json.loads(path.read_text()) if path.is_file() else None
+    return path, meta.read(path)
 
 
 def micro_split(per_token: Any, micro: int) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from ncpctl.checkpoint import elastic_dir
+from ncpctl.checkpoint import check_latest, elastic_dir
 from ncpctl.errors import UserError
 from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
 from ncpctl.profile.timing import device_peak
@@ -52,6 +52,7 @@ from ncpctl.train.hooks import Hooks
 from ncpctl.train.metrics import MetricsLog, unigram_entropy, write_plots
 from ncpctl.train.packing import LOSS, StepPacking
 from ncpctl.train.stages import Stage, build_model
+from ncpctl.train.stopping import Abandoned, Signals, abandon_on_stop, downstream_or_failure
 from ncpctl.train.summary import summary
 from ncpctl.train.validate import validate
 
@@ -185,25 +186,6 @@ class _Step:
     attention: dict[str, float] | None = None  # the stability record's numbers, on the steps it is due
 
 
-class _Signals:
-    """SIGINT / SIGTERM only set ``signum``: the loop finishes the step, saves and exits cleanly."""
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._old: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-
-    def __enter__(self) -> "_Signals":
-        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -212,7 +194,7 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
     Returns the summary (also what ``--json`` prints)."""
     run = _prepare(recipe, stage, out)
     t, tot = recipe.train, run.tot
-    with _Signals() as stop:
+    with Signals() as stop:  # a first SIGINT / SIGTERM stops after a save, a second at once (stopping.py)
         run.engine.train()
         run.started, run.first_step = time.perf_counter(), tot.step
         if run.display is not None:
@@ -231,26 +213,29 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
                 if run.metrics is not None and (tot.step % t.log_every == 0 or tot.step == t.max_steps):
                     _log_step(run, step)
 
-                last = tot.step == t.max_steps
-                # a stopping step saves at once: a preemption's grace period is not spent evaluating
-                if t.eval_every and tot.step % t.eval_every == 0 and not last and not step.stopping:
-                    _evaluate(run)
+                last, stopping = tot.step == t.max_steps, step.stopping
+                # a stopping step saves at once: a preemption's grace period is not spent evaluating,
+                # and a signal during an evaluation abandons it (stopping = True)
+                if t.eval_every and tot.step % t.eval_every == 0 and not last and not stopping:
+                    stopping = _evaluate(run, stop)
                 # before the save: the checkpoint has these weights
-                if downstream.due(t, tot.step, last) and not step.stopping:
-                    _downstream(run)
+                if downstream.due(t, tot.step, last) and not stopping:
+                    stopping = _downstream(run, stop)
                 # no periodic save inside a non-finite streak: if the weights themselves went bad,
                 # the checkpoint before the streak is the one to go back to
                 due = t.save_every and tot.step % t.save_every == 0 and not last and tot.nonfinite_run == 0
-                if due or step.stopping:
-                    _save(run)
-                if step.stopping:
+                if due or stopping:
+                    with stop.save():  # a second signal waits for it
+                        _save(run)
+                if stopping:
                     run.info(f"stopped by signal at step {tot.step}; `train.resume: auto` continues from here")
                     break
             else:  # max_steps reached: the final evaluation and checkpoint, unless already there
                 if tot.last_saved != tot.step or not tot.val:
-                    _evaluate(run, final=True)
+                    _evaluate(run, stop, final=True)
                 if tot.last_saved != tot.step:
-                    _save(run)
+                    with stop.save():
+                        _save(run)
         finally:
             if run.display is not None:
                 run.display.stop()
@@ -306,6 +291,9 @@ def _weights_source(recipe: Recipe, stage: Stage, d: Dist, loader: Any,
     that the checkpoint fits (before any heavy work) and positions the loader when resuming.
     Returns the checkpoint to resume from (or None) and its metadata."""
     t, cfg = recipe.train, recipe.model_config
+    # every rank, before rank 0 alone picks the checkpoint: a ``latest`` the run could not replace
+    # (a directory, a symbolic link) is one line on every rank, not an error on one and a hang on the others
+    check_latest(ckpt.checkpoints_dir(recipe.run_dir))
     resume_from: Path | None = None
     if t.resume == "auto":
         resume_from = _resume_checkpoint(recipe, d, warn)
@@ -455,7 +443,7 @@ def flops_per_step(recipe: Recipe, stage: Stage, model: torch.nn.Module, realise
 # ----------------------------------------------------------------------------- one step
 
 
-def _optimizer_step(run: _Run, stop: _Signals) -> _Step:
+def _optimizer_step(run: _Run, stop: Signals) -> _Step:
     """grad_accum micro-batches of (micro, T) on every rank (DeepSpeed updates at the boundary),
     then ONE all-reduce of the step vector: log keys, statistics, flags (``StepPacking``)."""
     r, d, engine, pk = run.recipe, run.d, run.engine, run.packing
@@ -548,22 +536,37 @@ def _log_step(run: _Run, step: _Step) -> None:
 # ----------------------------------------------------------------------------- evaluate, save, finish
 
 
-def _evaluate(run: _Run, final: bool = False) -> None:
+def _evaluate(run: _Run, stop: Signals, final: bool = False) -> bool:
     """Validation on train.eval_batches fixed batches (per data.mix component when the mixture's
-    components have validation splits; ``ncpctl.train.validate``), logged and shown."""
-    run.tot.val, run.tot.val_step = validate(run, final), run.tot.step
+    components have validation splits; ``ncpctl.train.validate``), logged and shown. Returns whether
+    a stop signal abandoned it (``stopping.abandon_on_stop``: nothing is recorded then)."""
+    try:
+        with abandon_on_stop(run.engine.module, stop, run.d):
+            val = validate(run, final)
+    except Abandoned:
+        run.engine.train()
+        run.info(f"validation at step {run.tot.step} abandoned: a stop signal came; saving now")
+        return True
+    run.tot.val, run.tot.val_step = val, run.tot.step
     if run.metrics is not None:
         run.metrics.write({"split": "val", "step": run.tot.step, **run.tot.val})
     if run.display is not None:
         run.display.validation(run.tot.step, run.tot.val)
+    return False
 
 
-def _downstream(run: _Run) -> None:
-    """train.eval_tasks on the live model, every rank (``ncpctl.train.downstream``); not step time."""
-    rec = run.tot.downstream = downstream.evaluate(run)
+def _downstream(run: _Run, stop: Signals) -> bool:
+    """train.eval_tasks on the live model, every rank; not step time. Returns whether a stop signal
+    abandoned it; a failure is recorded and training goes on (``stopping.downstream_or_failure``)."""
+    rec = downstream_or_failure(run, stop, lambda: _save(run))
+    if rec is None:
+        return True
+    if "error" not in rec:
+        run.tot.downstream = rec
+        run.info(downstream.line(rec))
     if run.metrics is not None:
         run.metrics.write(rec)
-    run.info(downstream.line(rec))
+    return False
 
 
 def _save(run: _Run) -> None:

@@ -13,7 +13,7 @@ element. Stability records (``"split": "stability"``, ``train.attention_stats_ev
 ``attn/max_logit``, ``attn/max_q_norm``, ``attn/max_k_norm`` (over all attention layers) and the
 same per layer as ``attn/{layer}/{quantity}`` (``NCPModel.attention_stats``), and ``seconds``.
 Downstream records (``"split": "downstream"``, ``train.eval_tasks``; ``ncpctl.train.downstream``):
-step, ``seconds`` and ``eval/<task>/<metric>``. The names are the recipe's and the model's (one vocabulary); the code here lists
+step, ``seconds`` and ``eval/<task>/<metric>``; one that failed: step and ``error`` (one line). The names are the recipe's and the model's (one vocabulary); the code here lists
 none of them.
 """
 
@@ -210,7 +210,8 @@ def write_plots(run_dir: Path, code_counts: np.ndarray | None = None, warn: Any 
     if any("tokens_per_concept" in r for r in train + val):
         _compression_plot(plt, run_dir / "compression.png", train, val, target_ratio)
         written.append("compression.png")
-    downstream = [r for r in records if r.get("split") == "downstream"]
+    # a failed in-loop evaluation's record holds an error and no scores (ncpctl.train.stopping)
+    downstream = [r for r in records if r.get("split") == "downstream" and any(k.startswith("eval/") for k in r)]
     if downstream:
         _downstream_plot(plt, run_dir / "downstream.png", downstream)
         written.append("downstream.png")

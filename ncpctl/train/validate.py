@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ncpctl.data.mix import normalised
+
 
 def validate(run: Any, final: bool = False) -> dict[str, float]:
     """The validation record of ``run`` (``_Run``); ``final``: the run's last evaluation."""
@@ -25,9 +27,10 @@ def validate(run: Any, final: bool = False) -> dict[str, float]:
     if len(per) == 1 and per[0][0] is None:
         out = per[0][2]
     else:
-        total = sum(w for _, w, _ in per)
+        # normalised first: raw weights of 5e-324 each are subnormal, and w * loss rounds to a few bits
+        weights = normalised([w for _, w, _ in per])
         keys = [k for k in per[0][2] if all(isinstance(s.get(k), (int, float)) for _, _, s in per)]
-        out = {k: sum(w * s[k] for _, w, s in per) / total for k in keys}
+        out = {k: sum(w * s[k] for w, (_, _, s) in zip(weights, per)) for k in keys}
         out.update({f"{k}/{name}": v for name, _, s in per for k, v in s.items()})
     out.update(hooks.eval_end(d))
     engine.train()

@@ -161,6 +161,35 @@ def test_internal_failure_is_exit_1_and_debug_reraises() -> None:
     assert r.exit_code == 2 and "error: bad input\nerror: another problem\n" in r.output
 
 
+def test_each_rank_of_a_multi_process_run_names_itself_and_a_lost_peer_is_no_internal_error(monkeypatch) -> None:
+    """Issue 42 item 6: a 2-rank failure printed one gloo line (an "internal error") without saying
+    which rank, or why. Under a launcher (RANK, WORLD_SIZE) every error line names its rank; the
+    error a rank gets when another rank went away says so (the cause is that rank's own line), exit 2."""
+    app = typer.Typer()
+
+    @app.command()
+    @command
+    def boom(kind: str, json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+        if kind == "gloo":  # what torch.distributed raises on rank 1 when rank 0 exits
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                               "[127.0.0.1]:17828. This is typically caused by a remote worker crashing.")
+        raise UserError("/run/checkpoints/latest: is a directory")
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    runner = CliRunner()
+    r = runner.invoke(app, ["user"])
+    assert r.exit_code == 2 and "error: rank 1 of 2: /run/checkpoints/latest: is a directory\n" in r.output
+    r = runner.invoke(app, ["gloo", "--json"])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "internal error" not in r.output, r.output
+    assert errors[0].startswith("error: rank 1 of 2: stopped because another rank did") and "Connection closed" in errors[0]
+    assert json.loads(r.stdout)["errors"] == [errors[0].removeprefix("error: ")]
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: no rank in the line, and no peer to have lost
+    r = runner.invoke(app, ["gloo"])
+    assert r.exit_code == 1 and "error: internal error: RuntimeError" in r.output
+
+
 @pytest.mark.parametrize("argv,error,hint", [
     # litgpt's habit: a recipe key as an option
     (["pretrain", "r.yaml", "--train.max_steps", "30"], "--train.max_steps: no such option; recipe keys are set "

@@ -338,14 +338,51 @@ def test_reexport_replaces_its_own_export_and_keeps_modes(tmp_path):
     assert hf_export.MARKER in info["files"] and json.loads((out / hf_export.MARKER).read_text())["files"] == \
         sorted(set(info["files"]) - {hf_export.MARKER})
     out.chmod(0o750)
-    (out / "config.json").write_text("{}")  # an earlier export's file is replaced
+    (out / "config.json").write_text('{"ncp": 1}')  # a file the user changed (issue 42 item 2): kept, export refused
+    before = _tree(out)
+    with pytest.raises(UserError, match="config.json changed since ncpctl export wrote it"):
+        export(FIXTURE, out, verify=False)
+    assert _tree(out) == before
+    (out / "config.json").unlink()  # an earlier export, unchanged but for a file removed: replaced
     export(FIXTURE, out, verify=False)
     assert stat.S_IMODE(out.stat().st_mode) == 0o750 and json.loads((out / "config.json").read_text())["ncp"]
+    assert not list(tmp_path.glob("hf.prev-*"))  # nothing the user wrote was there to keep
     (out / "README.md").write_text("my model card\n")  # a file the export did not write: kept, export refused
     before = _tree(out)
     with pytest.raises(UserError, match="README.md, which the earlier export did not write"):
         export(FIXTURE, out, verify=False)
     assert _tree(out) == before and not list(tmp_path.glob(".hf.*"))
+
+
+def test_reexport_over_save_pretrained_keeps_the_users_weights(tmp_path):
+    """Issue 42 item 2, the tester's sequence: ``model.save_pretrained(export_dir)`` (the user's own
+    weights, under the names the export wrote) then ``ncpctl export ... --out export_dir``: one line
+    naming the file, exit 2, the directory untouched; ``--move-aside`` keeps it whole as
+    ``export_dir.prev-TIME`` and exports."""
+    from typer.testing import CliRunner
+
+    from ncpctl.cli.app import app
+
+    out = tmp_path / "export_dir"
+    export(FIXTURE, out, verify=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(0.5)  # the user's fine-tuned weights
+    hf.save_pretrained(out)
+    before = _tree(out)
+    r = CliRunner().invoke(app, ["export", str(FIXTURE), "--out", str(out), "--skip-verify"], env={"COLUMNS": "400"})
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and str(out) in errors[0], r.stderr
+    assert "config.json, model.safetensors changed since ncpctl export wrote them" in errors[0]
+    assert _tree(out) == before
+    r = CliRunner().invoke(app, ["export", str(FIXTURE), "--out", str(out), "--skip-verify", "--move-aside", "--json"],
+                           env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    (aside,) = tmp_path.glob("export_dir.prev-*")
+    assert json.loads(r.stdout)["moved_aside"] == str(aside)
+    assert _tree(aside) == {**before, ".": before["."]}  # the user's directory, whole
+    assert hf_export.existing(out) == "ours"  # the new export, as written
 
 
 def test_export_fills_an_empty_directory_in_place(tmp_path):

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -43,11 +44,23 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
-def convert(src: Path, dst: Path, world: int, stage: int) -> dict[str, set[str]]:
-    """``ncpctl.train.elastic.to_universal`` of ``src``: the state files written per parameter."""
+def names_of(src: Path) -> set[str]:
+    """The parameter names the checkpoint's model-state file lists (what the model it was saved from has)."""
+    from deepspeed.checkpoint.constants import PARAM_SHAPES
+
+    from ncpctl.safe_load import DEEPSPEED_GLOBALS, load_pt
+
+    first = sorted(src.glob("*model_states.pt"))[0]  # ZeRO-3 writes one per rank (zero_pp_rank_R_mp_rank_00_...)
+    shapes = load_pt(first, allow=DEEPSPEED_GLOBALS)[PARAM_SHAPES]
+    return {name for group in shapes for name in group}
+
+
+def convert(src: Path, dst: Path, world: int, stage: int, own: set[str] | None = None) -> dict[str, set[str]]:
+    """``ncpctl.train.elastic.to_universal`` of ``src`` for a model with parameters ``own`` (default:
+    those ``src`` lists): the state files written per parameter."""
     from ncpctl.train.elastic import to_universal
 
-    to_universal(src, dst, world, stage)
+    to_universal(src, dst, world, stage, names_of(src) if own is None else own)
     return {p.name: {f.stem for f in p.iterdir()} for p in (dst / "zero").iterdir() if p.is_dir()}
 
 
@@ -77,6 +90,7 @@ def check_elastic(make_recipe, stage: str, *sets: str, up: bool = True) -> None:
         with pytest.raises(UserError, match="refused to load"):
             convert(broken, two.parent / f"ue{stage}", 2, int(stage))
         assert not marker.exists()
+        check_tampered(make_recipe, two / "checkpoints" / "step_0000002", int(stage), zero if up else ())
     src = two
     legs = ((f"down{stage}", 0, 2, 2), (f"up{stage}", 2, 1, 4))
     for name, ranks, saved, step in legs if up else legs[:1]:
@@ -90,6 +104,59 @@ def check_elastic(make_recipe, stage: str, *sets: str, up: bool = True) -> None:
         assert data_state(got, 14) == data_state(two, 14)  # the same global position: nothing repeated or skipped
         assert not any(p.name.startswith(".elastic") for p in got.iterdir())  # the conversion is cleaned up
         src = got
+
+
+def tamper(ckpt: Path, victim: Path) -> None:
+    """What the tester did to a 2-rank checkpoint: every parameter name (in the model-state file's
+    shapes and in each rank's slice mappings) set to an absolute path under ``victim``; the
+    manifest rewritten to match, as an attacker would."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SHAPES, PARAM_SLICE_MAPPINGS
+
+    from ncpctl import manifest
+    from ncpctl.safe_load import DEEPSPEED_GLOBALS, load_pt
+
+    def moved(group: dict) -> dict:
+        return type(group)((str(victim / name), v) for name, v in group.items())
+
+    for f in ckpt.glob("*model_states.pt"):  # one file, or one per rank at ZeRO-3
+        model = load_pt(f, allow=DEEPSPEED_GLOBALS)
+        model[PARAM_SHAPES] = [moved(g) for g in model[PARAM_SHAPES]]
+        torch.save(model, f)
+    for f in ckpt.glob("*optim_states.pt"):
+        sd = load_pt(f, allow=DEEPSPEED_GLOBALS)
+        if PARAM_SLICE_MAPPINGS in sd[OPTIMIZER_STATE_DICT]:  # ZeRO 1-2
+            inner = sd[OPTIMIZER_STATE_DICT]
+            inner[PARAM_SLICE_MAPPINGS] = [moved(g) for g in inner[PARAM_SLICE_MAPPINGS]]
+            torch.save(sd, f)
+    manifest.write(ckpt, manifest.describe(ckpt, manifest.files_of(ckpt)))
+
+
+def check_tampered(make_recipe, step2: Path, stage: int, zero: tuple[str, ...]) -> None:
+    """Issue 42 item 1: the 2-rank checkpoint with its names set to absolute paths writes nothing
+    when converted (and, given ``zero``, when resumed on 1 rank through the real entry point: one
+    line naming the file, exit 2)."""
+    root = step2.parents[2]
+    victim = root / f"victim{stage}"  # another run's checkpoint, whose files the names point into
+    victim.mkdir()
+    (victim / "mp_rank_00_model_states.pt").write_bytes(b"another run's weights" * 1000)
+    run_dir = root / f"tampered{stage}"
+    bad = run_dir / "checkpoints" / "step_0000002"
+    shutil.copytree(step2, bad)
+    tamper(bad, victim)
+
+    def outside() -> dict[Path, bytes]:  # every file but the run's own logs (and the recipe make_recipe writes)
+        return {p: p.read_bytes() for p in root.rglob("*")
+                if p.is_file() and (not p.is_relative_to(run_dir) or p.is_relative_to(bad)) and p.suffix != ".yaml"}
+
+    before = outside()
+    with pytest.raises(UserError, match="not one of the model's.*nothing was written"):
+        convert(bad, root / f"ut{stage}", 2, stage, own=names_of(step2))
+    if zero:
+        proc = ncpctl("pretrain", str(make_recipe(f"tampered{stage}")), *SETS, *zero, "--set", f"train.resume={bad}")
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and str(bad) in errors[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and not (run_dir / ".elastic-resume").exists()
+    assert outside() == before
 
 
 @pytest.mark.slow  # about 2 minutes on a busy 2-core machine (two 2-rank launches and one 1-rank run)
@@ -153,8 +220,9 @@ def test_a_conversion_that_fails_on_rank_0_is_reported_to_every_rank_not_left_ha
 
     monkeypatch.setattr(elastic, "to_universal", full)
     d = _Ranks(0)
+    engine = SimpleNamespace(module=torch.nn.Linear(2, 2))  # its parameter names: what the conversion accepts
     with pytest.raises(UserError, match="space|full") as e:
-        elastic.load(object(), src, 2, 2, tmp_path / ".elastic-resume", d, lambda m: None)
+        elastic.load(engine, src, 2, 2, tmp_path / ".elastic-resume", d, lambda m: None)
     assert d.calls == ["sum"], "rank 0 raised before the collective the other ranks wait in"
     assert "Traceback" not in str(e.value)
 
@@ -179,4 +247,57 @@ def test_deepspeeds_elastic_checkpoint_layout_is_one_line(tmp_path) -> None:
                                            PARAM_SLICE_MAPPINGS: [OrderedDict()]}},
                    src / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
     with pytest.raises(UserError, match="elastic_checkpoint"):
-        to_universal(src, tmp_path / "out", 2, 2)
+        to_universal(src, tmp_path / "out", 2, 2, {"w"})
+
+
+def _fake_zero2(src: Path, name: str, key: str = "exp_avg") -> None:
+    """A ZeRO-2 checkpoint of 2 ranks in DeepSpeed's layout for one parameter of 4 elements called
+    ``name`` (each rank holding 2), its state ``key`` and ``exp_avg_sq``: the fields the conversion reads."""
+    from collections import OrderedDict
+
+    from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT, PARAM_SHAPES,
+                                                PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    src.mkdir(parents=True)
+    torch.save({PARAM_SHAPES: [OrderedDict([(name, torch.Size([4]))])]}, src / "mp_rank_00_model_states.pt")
+    for r in range(2):
+        state = {0: {key: torch.full((2,), float(r)), "exp_avg_sq": torch.ones(2), "step": torch.tensor(3.0)}}
+        torch.save({OPTIMIZER_STATE_DICT: {
+            BASE_OPTIMIZER_STATE: {"state": state, "param_groups": [{"lr": 1e-3, "params": [0]}]},
+            SINGLE_PARTITION_OF_FP32_GROUPS: [torch.zeros(2)],
+            PARAM_SLICE_MAPPINGS: [OrderedDict([(name, fragment_address(numel=2, start=0))])]}},
+            src / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("tamper", ["absolute-name", "unknown-name", "dotdot-key", "slash-key"])
+def test_a_tampered_checkpoint_writes_nothing_when_re_partitioned(tmp_path, tamper) -> None:
+    """Issue 42 item 1: the parameter names and optimizer-state keys of a checkpoint saved by 2 ranks
+    become paths when it is re-partitioned for 1 (``zero/NAME/KEY.pt``). Names set to an absolute
+    path (the tester's: another run's files overwritten, new files outside the run) or not the
+    model's, and keys that are not identifiers, are one line naming the file, and nothing is written:
+    neither outside the conversion directory nor inside it."""
+    from ncpctl.train.elastic import to_universal
+
+    other = tmp_path / "other_run" / "checkpoints" / "step_0000004"  # another run's checkpoint: the victim
+    other.mkdir(parents=True)
+    (other / "exp_avg.pt").write_bytes(b"another run's file" * 100)
+    name, key = {"absolute-name": (str(other), "exp_avg"), "unknown-name": ("blocks.9.w", "exp_avg"),
+                 "dotdot-key": ("w", "../../../../other_run/x"), "slash-key": ("w", "a/b")}[tamper]
+    src, dst = tmp_path / "run" / "checkpoints" / "step_0000002", tmp_path / "run" / ".elastic-resume" / "step_0000002"
+    _fake_zero2(src, name, key)
+    before = _tree(tmp_path)
+    with pytest.raises(UserError) as e:
+        to_universal(src, dst, 2, 2, {"w"})
+    assert len(e.value.problems) == 1 and str(src) in e.value.problems[0], e.value.problems
+    assert "nothing was written" in e.value.problems[0]
+    assert _tree(tmp_path) == before and not dst.exists()
+    clean = tmp_path / "clean"  # the same files with the model's own name and keys convert
+    _fake_zero2(clean, "w")
+    to_universal(clean, tmp_path / "u", 2, 2, {"w"})
+    assert sorted(p.name for p in (tmp_path / "u" / "zero" / "w").iterdir()) == \
+        ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]

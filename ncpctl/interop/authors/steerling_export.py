@@ -139,16 +139,16 @@ def state(model) -> dict[str, Any]:
 
 
 def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", max_shard_size: str | int = "5GB",
-           verify: bool = True, log=lambda m: None) -> dict[str, Any]:
+           verify: bool = True, log=lambda m: None, move_aside: bool = False) -> dict[str, Any]:
     import torch
 
     from ncpctl.checkpoint import load_model
-    from ncpctl.interop.hf_export import MARKER, _new_dir, _put_in_place, _save_weights, existing
+    from ncpctl.interop.hf_export import _new_dir, _put_in_place, _save_weights, existing, write_marker
 
     if dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype: {dtype!r} is not one of fp32, bf16")
     out = Path(out)
-    existing(out)
+    existing(out, move_aside)
     from .steerling import detect
 
     loaded = load_model(checkpoint, with_tokenizer=not detect(checkpoint))  # an ncpctl checkpoint's, if it has one
@@ -168,14 +168,13 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", max_
         if verify:
             log("verifying: importing the export back and comparing logits")
             info["verify"] = _verify(loaded, tmp, torch_dtype)
-        (tmp / MARKER).write_text(json.dumps({"written_by": "ncpctl export --format steerling",
-                                              "checkpoint": str(loaded.path),
-                                              "files": sorted(p.name for p in tmp.iterdir())}, indent=2) + "\n")
-        _put_in_place(tmp, out)
+        write_marker(tmp, "ncpctl export --format steerling", loaded.path)  # sizes and checksums: issue 42
+        aside = _put_in_place(tmp, out, move_aside)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return {**info, "out": str(out), "files": sorted(p.name for p in out.iterdir())}
+    return {**info, "out": str(out), "files": sorted(p.name for p in out.iterdir()),
+            **({"moved_aside": str(aside)} if aside is not None else {})}
 
 
 def _tokenizer_files(loaded, d: Path) -> None:
