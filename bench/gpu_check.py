@@ -1,19 +1,26 @@
-"""One-shot GPU check: bf16 training step and MFU, SDPA backend, ZeRO-1/2, cached decoding,
-ConceptLM/PM step ratio. A script, not a test; run it once when a GPU is lent and paste its
-output into the report.
+"""One-shot GPU check: bf16 training step and MFU next to a plain-PyTorch reference, SDPA backend,
+ZeRO-1/2, cached decoding (eager and CUDA graphs), ConceptLM/PM step ratio, NCP-ArchPreview, DLCM,
+CDLM, real runs, Liger's fused loss, and issue 45's goals. A script, not a test; run it once when a
+GPU is lent and paste its output into the report (the call and the wheels it carries:
+docs/gpu/README.md, "Issue 45's check").
 
-    python bench/gpu_check.py --json gpu_check.json     # on one H100/H200-class GPU, ~4.5 min
-    python bench/gpu_check.py --dry --json -            # CPU smoke run of the same code (~15 s)
+    python bench/gpu_check.py --json gpu_check.json     # on one H100/H200-class GPU, ~5 min
+    python bench/gpu_check.py --only train_step,decode  # some sections (in this process)
+    python bench/gpu_check.py --dry --json -            # CPU smoke run of the same code (~25 s)
 
-Runtime on one H200 (2026-12-04, docs/gpu/README.md): 192 s of sections 1-8 (decode and DLCM's
-decode the longest) plus imports; section 9 (added after that run, not yet timed on a GPU) is
-sized for about 60-90 s, so about 4.5 minutes in all, under the 5 minutes it is sized for. The
+Runtime on one H200 (2026-12-04, docs/gpu/README.md): 127 s of sections 1-8 in run 5 plus imports;
+section 9, the reference's compile, section 4's own process and section 10 were added after it
+and are not timed on a GPU yet; the shapes were trimmed so that the whole is about 4.5-5 minutes
+(a rerun must fit a session's 15 minutes of device time). The
 JSON is rewritten after every section, so a run cut short still leaves what it measured;
 a section that fails is recorded under ``errors`` (message and traceback) and the others
 still run. ``checks`` holds the correctness verdicts (finite losses, flash attention, equal
-ZeRO-1/2 first losses, cached decode == full forward); exit code 0 when every section ran and
+ZeRO-1/2 first losses, cached decode == full forward, Liger == ours); ``goals`` issue 45's speed
+goals (value, goal, met: not checks). Exit code 0 when every section ran and
 every check holds, 1 otherwise. Without CUDA (and without ``--dry``) it exits with code 2
 and one line. ``--precision bf16|fp32`` overrides the precision (default: bf16 on a GPU).
+Every MFU counts attention FLOPs in full (``exact_flops(...).training_per_step()``, issue 40's
+convention; ``mfu_causal`` is the causal count).
 
 Everything trains the way ``ncpctl pretrain`` trains on a GPU: a recipe (``recipes/debug.yaml``
 with ``--set``-style overrides for the size, shape, precision and ZeRO stage), then
@@ -28,13 +35,16 @@ How to read each section (JSON keys in brackets):
 
 1. train step [train_step]: pythia-160m, T=2048, micro batch 8, ZeRO-1 (as
    ``recipes/pythia160m.yaml``), for ``base`` (concept off), ``concept`` (ConceptLM, the
-   size's defaults E=1, C=2, k=4, N=64, S=n_heads) and ``pm`` (base + 2 token layers).
-   After ``warmup`` untimed steps the models are timed in alternating order for ``rounds``
-   rounds. ``median_s`` is the step time, ``tokens_per_s`` = B*T / median_s, ``mfu`` = exact
-   training FLOPs per step with the causal attention count
-   (``exact_flops(cfg, T, B).training_per_step(causal=True)``) / median_s / ``peak`` (the
+   size's defaults E=1, C=2, k=4, N=64, S=n_heads) and ``pm`` (base + 2 token layers), and
+   ``reference``: the base model as a plain PyTorch loop (``ncpctl.profile.reference``: the same
+   function and initial weights, autocast bf16, SDPA ``is_causal``, blocks compiled with
+   ``reference_compile``, fused AdamW, no DeepSpeed). After ``warmup`` untimed steps the models
+   are timed in alternating order for ``rounds`` rounds. ``median_s`` is the step time,
+   ``tokens_per_s`` = B*T / median_s, ``mfu`` = exact training FLOPs per step with attention
+   counted in full (``exact_flops(cfg, T, B).training_per_step()``) / median_s / ``peak`` (the
    device's dense bf16 peak from ``ncpctl.profile.timing.device_peak``; ``peak_source`` says
-   which). ``mfu_full_attention`` uses the full (non-causal) count, as metrics.jsonl does.
+   which); ``mfu_causal`` with the causal count. ``ours_over_reference``: paired median of the
+   base engine's step time over the reference's (issue 45's goal <= 1.0).
    A well-fed 160M model at T=2048 typically reaches tens of percent; single digits would
    mean something (kernel choice, syncs, the optimizer) is off.
 2. SDPA backend [sdpa]: one profiled training step of ``base`` and ``concept``
@@ -54,9 +64,18 @@ How to read each section (JSON keys in brackets):
    ``optimizer`` is DeepSpeed's wrapper class. On one GPU ZeRO partitions over a world of one,
    so the two stages differ in their gradient buffers only, not by a factor.
    Both stages start from the same weights, so ``first_loss_diff`` must be within
-   ``first_loss_tol`` (1e-2 in bf16, 1e-4 in fp32); losses must be finite and fall.
-4. decode [decode]: the ConceptLM pythia-160m in bf16 weights, ``torch.no_grad()``, greedy,
-   ``prefill`` of 128-token prompts then 256 ``decode_step`` calls, batch 1 and 8.
+   ``first_loss_tol`` (1e-2 in bf16, 1e-4 in fp32); losses must be finite and fall. In bf16 ZeRO-1
+   runs DeepSpeed's ``BF16_Optimizer`` (``ncpctl.train.config.bf16_optimizer``), and
+   ``zero1_zero_optimizer`` is stage 1 on the ZeRO optimizer beside it (``deepspeed.extra``
+   ``data_types.grad_accum_dtype: bf16``): ``bf16_optimizer_over_zero_optimizer`` is their
+   step-time ratio (what skipping the per-tensor overflow pass gives).
+4. decode [decode]: run first, in a process of its own (this script with ``--only decode``;
+   ``process``): the ConceptLM pythia-160m in bf16 weights, ``torch.no_grad()``, greedy,
+   ``prefill`` of 128-token prompts then 256 steps, batch 1 and 8, each twice: the steps generation
+   takes on this device (``path``: on a GPU the static step captured as one CUDA graph and replayed,
+   ``cuda_graphs.GraphedSteps``; on the CPU that step eagerly) and, under ``eager``, ``decode_step``.
+   ``over_eager``: the speed-up; ``eager_reason``: None when the graph ran, else why it fell back;
+   ``tokens_same_as_eager``: the share of identical greedy tokens (bf16 near-ties may flip).
    ``tokens_per_s`` = batch * new tokens / decode seconds (prefill timed apart). ``max_abs_diff``
    compares the logits of the last cached step with a full forward of the whole sequence at
    that position (padded-vocab rows excluded); ``ok`` when it is within ``tol_rel`` of the
@@ -74,7 +93,9 @@ How to read each section (JSON keys in brackets):
    matrices) widened to ``archpreview`` = (d, heads, FFN, E + D layers), T and batch as section 1,
    ZeRO-2, as three engines: ``plain`` (no IRC/CRC/MTP), ``irc_crc`` and ``irc_crc_mtp``, timed
    in alternating order after one warm-up step. ``irc_crc_over_plain`` is the IRC+CRC step-time
-   overhead next to ``residual_flops_share`` (bench/train_step.py's goal: <= 1.05); NTP losses must be
+   overhead next to ``residual_flops_share`` (bench/train_step.py's goal: <= 1.05; issue 45's <= 1.10);
+   ``split`` times forward + backward and ``engine.step`` apart for plain and irc_crc, and
+   ``muon_share`` is the optimizer's share of the IRC+CRC step (issue 45's goal <= 10%); NTP losses must be
    finite and fall with Muon bound to the ZeRO-2 partitions (``optimizer``: MuonAdamW inside
    DeepSpeed's wrapper). ``decode``: the irc_crc model's cached decode against a full forward in
    the section's dtype (tolerance as section 4).
@@ -115,8 +136,17 @@ How to read each section (JSON keys in brackets):
    ratio, first-loss difference (tolerance as section 3), graphs made after the warm-up.
    About 60-90 s on an H200 (two inductor compiles: FlexAttention's and the blocks').
 
+10. fused loss [fused_ce]: the LM head's differentiated loss as ncpctl's own fused head and as Liger
+   Kernel's fused linear cross-entropy (what ``LMHead`` uses on a GPU when installed) at
+   ``fused_ce`` = (tokens, d, V) in the section's dtype: loss and gradient differences (``ok`` within
+   ``tol``), median forward + backward time, peak memory above the inputs. ``--dry``: the second is
+   ``F.cross_entropy`` of the full logits; a GPU without Liger records ``liger_installed`` False.
+
+goals [goals]: issue 45's table (``GOALS``), each measure's value, goal and whether it is met.
+
 ``--profile`` replaces the check by a diagnosis: where the time of section 4's decode step
-(batch 1, concept path on and off) and of sections 1 and 6's training steps goes (wall vs
+(batch 1, concept path on and off, and ``concept_graphed``: the CUDA-graph replay generation uses)
+and of sections 1 and 6's training steps goes (wall vs
 kernel time per call, launches, host syncs, top ops and kernels). The first H200 run measured a
 decode step of ~79 ms at batch 1 and an IRC+CRC step 1.58x the plain one; this is how to see why.
 
@@ -155,7 +185,16 @@ _T_PROCESS = time.perf_counter()  # process_s counts from here (before torch and
 
 REPO = _HERE.parent
 BASE_RECIPE = REPO / "recipes" / "debug.yaml"
-SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview", "dlcm", "cdlm", "real_runs")
+SECTIONS = ("train_step", "sdpa", "zero", "decode", "concept_vs_pm", "archpreview", "dlcm", "cdlm", "real_runs",
+            "fused_ce")
+# issue 45's goals, judged in ``goals`` from the sections' numbers: (what, section, goal, direction)
+GOALS = {"mfu_base": ("pythia-160m bf16 step MFU (full-attention FLOPs)", "train_step", 0.40, ">="),
+         "ours_over_reference": ("ours / plain-PyTorch reference step time", "train_step", 1.0, "<="),
+         "concept_pm_difference": ("ConceptLM/PM time ratio - FLOPs ratio", "concept_vs_pm", 0.03, "<="),
+         "irc_crc_over_plain": ("IRC+CRC / plain step", "archpreview", 1.10, "<="),
+         "muon_share": ("optimizer (MuonAdamW) share of the IRC+CRC ArchPreview step", "archpreview", 0.10, "<="),
+         "decode_b1_tokens_per_s": ("ConceptLM cached decode, batch 1, tok/s (own process)", "decode", 400.0, ">="),
+         "decode_b8_tokens_per_s": ("ConceptLM cached decode, batch 8, tok/s (own process)", "decode", 2500.0, ">=")}
 ARCHPREVIEW_RECIPE = REPO / "recipes" / "debug-archpreview.yaml"
 DLCM_RECIPE = REPO / "recipes" / "debug-dlcm.yaml"  # section 7's decode models (as bench/dlcm_decode.py)
 FLASH_CLASS = ("flash", "cudnn")  # section 2: fused flash-style SDPA kernels (cuDNN's is preferred on Hopper)
@@ -191,11 +230,18 @@ class Shapes:
     cdlm_rounds: int = 2  # section 8: timed rounds per model / attention form
     cdlm_heads: int = 2  # section 8: heads of the FlexAttention vs SDPA comparison (head dim 64)
     cdlm_flex_T: tuple[int, ...] = (64,)  # section 8: sequence lengths of that comparison
+    dlcm_new_tokens: int = 8  # section 7: decode steps per timed DLCM run
+    reference_compile: str = "eager"  # section 1: torch.compile backend of the plain-PyTorch reference's blocks
+    fused_ce: tuple[int, int, int] = (128, 64, 512)  # section 10: tokens N, width d, vocabulary V
+    fused_ce_rounds: int = 2  # section 10: timed forward + backward passes per implementation
 
 
-GPU_SHAPES = Shapes("pythia-160m", 2048, 8, 3, 12, "pythia-70m", 6, "pythia-160m", 128, 256, (1, 8),
-                    (1024, 16, 2816, 12), 8, ((2048, 8192), (1024, 2048), 128), 1024, 64, 6, 12, (2048, 8192))
+GPU_SHAPES = Shapes("pythia-160m", 2048, 8, 2, 8, "pythia-70m", 6, "pythia-160m", 128, 256, (1, 8),
+                    (1024, 16, 2816, 12), 6, ((2048, 8192), (1024, 2048), 128), 1024, 64, 4, 12, (2048,), 64,
+                    "inductor", (16384, 768, 50304), 5)
 DRY_SHAPES = Shapes("debug", 64, 2, 1, 2, "debug", 3, "debug", 16, 8, (1, 4), (64, 4, 176, 4), 3)
+# sections that build DeepSpeed engines (the decode process of its own imports none)
+ENGINE_SECTIONS = {"train_step", "sdpa", "concept_vs_pm", "zero", "archpreview", "cdlm", "real_runs", "profile_train"}
 
 
 @dataclass
@@ -291,9 +337,9 @@ def _mem(env: Env, what: str) -> int | None:
 
 
 def train_section(sh: Shapes, env: Env) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Base, ConceptLM and PM at one shape, timed in alternating order. Returns (result, steps)
-    with the step functions kept for the profiler (section 2)."""
-    from ncpctl.model.accounting import exact_flops
+    """Base, ConceptLM, PM and the plain-PyTorch reference at one shape, timed in alternating order.
+    Returns (result, steps) with the step functions kept for the profiler (section 2)."""
+    from ncpctl.model.accounting import FLOP_CONVENTION, exact_flops
     from ncpctl.profile.step import engine_step
 
     T, B = sh.seq_len, sh.batch
@@ -303,6 +349,7 @@ def train_section(sh: Shapes, env: Env) -> tuple[dict[str, Any], dict[str, Any]]
         engines[name], cfgs[name] = build_engine(recipe, env), recipe.model_config
     x, y = _batch(cfgs["base"], B, T, env)
     steps = {n: engine_step(e, x, y) for n, e in engines.items()}
+    steps["reference"] = reference(cfgs["base"], x, y, sh, env)
     first = {n: [timed(fn, env)[1] for _ in range(sh.warmup)][0] for n, fn in steps.items()}
     secs: dict[str, list[float]] = {n: [] for n in steps}
     losses: dict[str, list[float]] = {n: [] for n in steps}
@@ -314,24 +361,48 @@ def train_section(sh: Shapes, env: Env) -> tuple[dict[str, Any], dict[str, Any]]
             losses[name].append(loss)
     models: dict[str, Any] = {}
     for name, s in secs.items():
-        fl = exact_flops(cfgs[name], T, B)
+        cfg = cfgs.get(name, cfgs["base"])  # the reference is the base model
+        fl = exact_flops(cfg, T, B)
         causal, full = fl.training_per_step(causal=True), fl.training_per_step(causal=False)
         med = statistics.median(s)
+        engine = engines.get(name)
         models[name] = {
-            "concept_enabled": cfgs[name].concept.enabled, "extra_token_layers": cfgs[name].extra_token_layers,
-            "parameters": sum(p.numel() for p in engines[name].module.parameters()),
-            "optimizer": type(engines[name].optimizer).__name__,
+            "concept_enabled": cfg.concept.enabled, "extra_token_layers": cfg.extra_token_layers,
+            "parameters": sum(p.numel() for p in (engine.module if engine else steps[name].model).parameters()),
+            "optimizer": type(engine.optimizer).__name__ if engine else "torch AdamW (fused)",
             "median_s": med, "best_s": min(s), "seconds": s, "tokens_per_s": B * T / med,
-            "training_flops_causal": causal, "training_flops_full": full,
-            "mfu": causal / med / env.peak, "mfu_full_attention": full / med / env.peak,
+            "training_flops_full": full, "training_flops_causal": causal,
+            # MFU counts attention in full (FLOP_CONVENTION, the training loop's); the causal count apart
+            "mfu": full / med / env.peak, "mfu_causal": causal / med / env.peak,
             "first_loss": first[name], "last_loss": losses[name][-1],
             "finite": all(math.isfinite(v) for v in [first[name], *losses[name]]),
         }
     result = {"size": sh.train_size, "seq_len": T, "batch": B, "zero_stage": 1, "warmup": sh.warmup,
               "rounds": sh.rounds, "precision": "bf16 (DeepSpeed)" if env.bf16 else "fp32 (DeepSpeed)",
               "peak": env.peak, "peak_source": env.peak_source, "max_memory_allocated_bytes": _mem(env, "max_memory_allocated"),
+              "flops_convention": FLOP_CONVENTION,
+              "reference": {"what": "plain PyTorch: RefGPT (ncpctl/profile/reference.py) with the base model's weights, "
+                                    f"{'autocast bf16' if env.bf16 else 'fp32'}, SDPA is_causal, blocks compiled "
+                                    f"({sh.reference_compile}), fused AdamW, no DeepSpeed",
+                            "compile_backend": sh.reference_compile},
+              "ours_over_reference": paired_ratios(secs["base"], secs["reference"])["paired_median"],
               "models": models}
     return result, {"steps": steps, "engines": engines}
+
+
+def reference(cfg: Any, x: Any, y: Any, sh: Shapes, env: Env) -> Callable[[], Any]:
+    """Section 1's plain-PyTorch reference step (``ncpctl.profile.reference``) of the base model, with
+    the weights a base engine starts from (seed 0) and its lr and clipping; ``.model`` holds the model."""
+    import torch
+
+    from ncpctl.model.model import NCPModel
+    from ncpctl.profile.reference import RefGPT, reference_step
+
+    torch.manual_seed(0)
+    model = RefGPT.from_ncp(NCPModel(cfg)).to(env.device).train()
+    step = reference_step(model, x, y, lr=6e-4, clip=1.0, bf16=env.bf16, compile_backend=sh.reference_compile)
+    step.model = model  # type: ignore[attr-defined]
+    return step
 
 
 def concept_vs_pm(train: dict[str, Any]) -> dict[str, Any]:
@@ -452,19 +523,23 @@ def zero_section(sh: Shapes, env: Env) -> dict[str, Any]:
 
     T, B = sh.seq_len, sh.batch
     out: dict[str, Any] = {"size": sh.zero_size, "seq_len": T, "batch": B, "variant": "concept", "steps": sh.zero_steps}
-    for stage in (1, 2):
+    # zero1: bf16's BF16_Optimizer (ncpctl.train.config.bf16_optimizer); zero1_zero_optimizer: DeepSpeed's
+    # ZeRO optimizer at stage 1 (its per-tensor overflow pass), the wrapper bf16 ZeRO-1 ran before issue 45
+    runs_of = {"zero1": (1, ()), "zero1_zero_optimizer": (1, ("deepspeed.extra={data_types: {grad_accum_dtype: bf16}}",)),
+               "zero2": (2, ())} if env.bf16 else {"zero1": (1, ()), "zero2": (2, ())}
+    for key, (stage, extra) in runs_of.items():
         _free(env)
         if env.on_gpu:
             torch.cuda.reset_peak_memory_stats()
         before = _mem(env, "memory_allocated")
-        recipe = make_recipe(sh.zero_size, T, B, "concept", stage, env, sh.zero_steps)
+        recipe = make_recipe(sh.zero_size, T, B, "concept", stage, env, sh.zero_steps, extra)
         engine = build_engine(recipe, env)
         built = _mem(env, "memory_allocated")
         x, y = _batch(recipe.model_config, B, T, env)
         step = engine_step(engine, x, y)
         runs = [timed(step, env) for _ in range(sh.zero_steps)]
         losses = [loss for _, loss in runs]
-        out[f"zero{stage}"] = {
+        out[key] = {
             "optimizer": type(engine.optimizer).__name__, "stage": engine.zero_optimization_stage(),
             "losses": losses, "first_loss": losses[0],
             "median_s": statistics.median(dt for dt, _ in runs[1:]), "first_step_s": runs[0][0],
@@ -472,11 +547,13 @@ def zero_section(sh: Shapes, env: Env) -> dict[str, Any]:
             "allocated_before_bytes": before, "allocated_after_build_bytes": built,
             "peak_bytes": _mem(env, "max_memory_allocated"),
         }
-        q = out[f"zero{stage}"]
+        q = out[key]
         q["peak_above_before_bytes"] = None if before is None else q["peak_bytes"] - before
         release(engine)
         del engine, step, x, y
     z1, z2 = out["zero1"], out["zero2"]
+    if "zero1_zero_optimizer" in out:  # the step-time effect of the wrapper (the same first loss: one forward)
+        out["bf16_optimizer_over_zero_optimizer"] = z1["median_s"] / out["zero1_zero_optimizer"]["median_s"]
     out["first_loss_diff"] = abs(z1["first_loss"] - z2["first_loss"])
     out["first_loss_tol"] = 1e-2 if env.bf16 else 1e-4
     out["first_loss_match"] = out["first_loss_diff"] <= out["first_loss_tol"]
@@ -488,28 +565,58 @@ def zero_section(sh: Shapes, env: Env) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- 4: cached decode
 
 
-def _greedy(model: Any, prompts: Any, n_new: int, vocab: int, env: Env) -> dict[str, Any]:
-    """prefill + n_new decode steps, greedy over the real vocabulary; tokens and timings."""
+def _greedy(model: Any, prompts: Any, n_new: int, vocab: int, env: Env, static: bool = False) -> dict[str, Any]:
+    """prefill + n_new decode steps, greedy over the real vocabulary; tokens and timings. ``static``:
+    the steps generation takes on CUDA (``cuda_graphs.GraphedSteps``: the static step, captured at
+    the second step and replayed); on the CPU the same static step eagerly (``StaticDecoder``)."""
     import torch
+
+    from ncpctl.inference.cuda_graphs import GraphedSteps
+    from ncpctl.model.decode_static import StaticDecoder
 
     B, Tp = prompts.shape
     env.sync()
     t0 = time.perf_counter()
     logits, state = model.prefill(prompts, [Tp] * B, max_len=Tp + n_new)  # (B, Tp, V)
+    stepper: Any = None
+    if static:
+        stepper = GraphedSteps(model, state) if env.on_gpu else StaticDecoder(model, state)
+    step = stepper.step if stepper is not None else (lambda t: model.decode_step(state, t))
     env.sync()
     t1 = time.perf_counter()
     nxt = logits[:, -1, :vocab].argmax(-1)  # (B,)
     new, last = [], None
     for _ in range(n_new):
         new.append(nxt)
-        last = model.decode_step(state, nxt)  # (B, V): logits after feeding nxt
+        last = step(nxt)  # (B, V): logits after feeding nxt
         nxt = last[:, :vocab].argmax(-1)
     env.sync()
     t2 = time.perf_counter()
-    return {"tokens": torch.stack(new, 1), "last": last, "prefill_s": t1 - t0, "decode_s": t2 - t1}
+    return {"tokens": torch.stack(new, 1), "last": last, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+            "eager_reason": getattr(stepper, "eager_reason", None)}
+
+
+def _decode_run(model: Any, prompts: Any, sh: Shapes, env: Env, static: bool, tol_rel: float) -> dict[str, Any]:
+    """One timed greedy run (after a short warm-up run) and its last logits against the full forward."""
+    import torch
+
+    V, B = model.cfg.vocab_size, prompts.shape[0]
+    _greedy(model, prompts, min(8, sh.new_tokens), V, env, static)  # warm-up: kernels, allocator, the capture
+    r = _greedy(model, prompts, sh.new_tokens, V, env, static)
+    seq = torch.cat([prompts, r["tokens"]], 1)  # (B, Tp + n_new): everything fed
+    full = model(seq).logits[:, -1, :V].float()  # (B, V) full forward at the last position
+    cached = r["last"][:, :V].float()
+    diff, scale = (full - cached).abs().max().item(), full.abs().max().item()
+    return {"tokens_per_s": B * sh.new_tokens / r["decode_s"], "decode_s": r["decode_s"],
+            "prefill_s": r["prefill_s"], "max_abs_diff": diff, "logit_scale": scale,
+            "ok": diff <= tol_rel * max(scale, 1.0), "argmax_match": bool((full.argmax(-1) == cached.argmax(-1)).all()),
+            "eager_reason": r["eager_reason"], "tokens": r["tokens"]}
 
 
 def decode_section(sh: Shapes, env: Env) -> dict[str, Any]:
+    """Section 4 in this process: each batch decoded the way generation decodes on this device
+    (``static``: CUDA graphs of the static step on a GPU, that step eagerly on the CPU) and the
+    eager ``decode_step`` beside it, both against the full forward."""
     import torch
 
     from ncpctl.model.config import build_config
@@ -521,27 +628,45 @@ def decode_section(sh: Shapes, env: Env) -> dict[str, Any]:
     model = NCPModel(cfg).to(env.device, dtype=dtype).eval()
     V, tol_rel = cfg.vocab_size, (5e-2 if env.bf16 else 1e-4)
     out: dict[str, Any] = {"size": sh.decode_size, "dtype": str(dtype).removeprefix("torch."),
-                           "prompt_len": sh.prompt_len, "new_tokens": sh.new_tokens, "tol_rel": tol_rel, "batches": {}}
+                           "prompt_len": sh.prompt_len, "new_tokens": sh.new_tokens, "tol_rel": tol_rel,
+                           "path": "CUDA graph of the static step" if env.on_gpu else "static step, eager (no CUDA)",
+                           "batches": {}}
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for B in sh.decode_batches:
             prompts = torch.randint(0, V, (B, sh.prompt_len), generator=g).to(env.device)
-            _greedy(model, prompts, min(8, sh.new_tokens), V, env)  # warm-up: kernels, allocator
-            r = _greedy(model, prompts, sh.new_tokens, V, env)
-            seq = torch.cat([prompts, r["tokens"]], 1)  # (B, Tp + n_new): everything fed
-            full = model(seq).logits[:, -1, :V].float()  # (B, V) full forward at the last position
-            cached = r["last"][:, :V].float()
-            diff, scale = (full - cached).abs().max().item(), full.abs().max().item()
-            out["batches"][str(B)] = {
-                "tokens_per_s": B * sh.new_tokens / r["decode_s"], "decode_s": r["decode_s"],
-                "prefill_s": r["prefill_s"], "max_abs_diff": diff, "logit_scale": scale,
-                "ok": diff <= tol_rel * max(scale, 1.0),
-                "argmax_match": bool((full.argmax(-1) == cached.argmax(-1)).all()),
-            }
-    out["ok"] = all(b["ok"] for b in out["batches"].values())
+            eager = _decode_run(model, prompts, sh, env, False, tol_rel)
+            static = _decode_run(model, prompts, sh, env, True, tol_rel)
+            same = (eager.pop("tokens") == static.pop("tokens")).float().mean().item()
+            eager.pop("eager_reason")
+            out["batches"][str(B)] = {**static, "eager": eager, "over_eager": static["tokens_per_s"] / eager["tokens_per_s"],
+                                      "tokens_same_as_eager": same}
+    out["ok"] = all(b["ok"] and b["eager"]["ok"] and b["eager_reason"] is None for b in out["batches"].values())
     del model
     _free(env)
     return out
+
+
+def decode_own_process(args: argparse.Namespace) -> dict[str, Any]:
+    """Section 4 in a process of its own (issue 45's goal is measured so: inside the full check the
+    first H200 run decoded at half the speed of a process of its own): this script with ``--only
+    decode``, its JSON read back; the child's section time and errors come along."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "decode.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--only", "decode", "--json", str(path),
+               "--precision", args.precision, *(["--dry"] if args.dry else [])]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if not path.is_file():
+            raise RuntimeError(f"the decode process wrote no JSON (exit {proc.returncode}): {proc.stderr[-1500:]}")
+        child = json.loads(path.read_text())
+    if "decode" not in child:
+        raise RuntimeError(f"the decode process failed: {json.dumps(child.get('errors'))[:1500]}")
+    return {**child["decode"], "process": {"own": True, "seconds": round(time.perf_counter() - t0, 2),
+                                           "section_s": child["section_s"].get("decode")}}
 
 
 # ----------------------------------------------------------------------------- 7: DLCM
@@ -574,10 +699,10 @@ def dlcm_section(sh: Shapes, env: Env) -> dict[str, Any]:
         for B in sh.decode_batches:
             prompts = torch.randint(0, cfg.vocab_size, (B, sh.prompt_len), generator=g).to(env.device)
             best = {k: float("inf") for k in models}
-            for _ in range(3):
+            for _ in range(2):
                 for k, m in models.items():
-                    r = _greedy(m, prompts, sh.new_tokens, cfg.vocab_size, env)
-                    best[k] = min(best[k], r["decode_s"] / sh.new_tokens)
+                    r = _greedy(m, prompts, sh.dlcm_new_tokens, cfg.vocab_size, env)
+                    best[k] = min(best[k], r["decode_s"] / sh.dlcm_new_tokens)
             batches[str(B)] = {**{f"{k}_ms": v * 1e3 for k, v in best.items()},
                                "ratio_matched": best["dlcm"] / best["base_matched"],
                                "ratio_token": best["dlcm"] / best["base_token"]}
@@ -632,12 +757,15 @@ def archpreview_section(sh: Shapes, env: Env) -> dict[str, Any]:
                   "optimizer": f"{type(getattr(engines[n].optimizer, 'optimizer', engines[n].optimizer)).__name__} in "
                                f"{type(engines[n].optimizer).__name__}"}
               for n in steps}
+    for n in ("plain", "irc_crc"):  # where the step's time goes: the optimizer (Muon's Newton-Schulz) apart
+        models[n]["split"] = split_step(engines[n], x, y, env, 2)
     ratio = paired_ratios(secs["irc_crc"], secs["plain"])
     out: dict[str, Any] = {"shape": dict(zip(("d_model", "n_heads", "ffn_dim", "n_layers"), sh.archpreview)),
                            "seq_len": T, "batch": B, "zero_stage": 2, "models": models,
                            "irc_crc_over_plain": ratio["paired_median"],
                            "residual_flops_share": exact_flops(cfgs["irc_crc"], T, B).residual_share,
-                           "mtp_over_irc_crc": paired_ratios(secs["irc_crc_mtp"], secs["irc_crc"])["paired_median"]}
+                           "mtp_over_irc_crc": paired_ratios(secs["irc_crc_mtp"], secs["irc_crc"])["paired_median"],
+                           "muon_share": models["irc_crc"]["split"]["optimizer_share"]}
     model = engines["irc_crc"].module.eval()
     V, tol_rel = cfgs["irc_crc"].vocab_size, (5e-2 if env.bf16 else 1e-4)
     with torch.no_grad():
@@ -652,6 +780,25 @@ def archpreview_section(sh: Shapes, env: Env) -> dict[str, Any]:
         release(engine)
     _free(env)
     return out
+
+
+def split_step(engine: Any, x: Any, y: Any, env: Env, n: int) -> dict[str, Any]:
+    """``n`` steps of ``engine`` timed in two parts, synchronised between them: forward + backward
+    (with ZeRO's gradient reduction) and ``engine.step`` (the optimizer: Muon's Newton-Schulz, AdamW,
+    the masters' copy back); medians and the optimizer's share of their sum."""
+    fb, opt = [], []
+    for _ in range(n):
+        env.sync()
+        t0 = time.perf_counter()
+        engine.backward(engine(x, y).loss)
+        env.sync()
+        t1 = time.perf_counter()
+        engine.step()
+        env.sync()
+        fb.append(t1 - t0)
+        opt.append(time.perf_counter() - t1)
+    f, o = statistics.median(fb), statistics.median(opt)
+    return {"forward_backward_s": f, "optimizer_s": o, "optimizer_share": o / (f + o)}
 
 
 # ----------------------------------------------------------------------------- 8: CDLM
@@ -786,6 +933,82 @@ def cdlm_section(sh: Shapes, env: Env) -> dict[str, Any]:
     _free(env)
     out["flex"] = [flex_vs_sdpa(t, sh.cdlm_block, sh, env) for t in sh.cdlm_flex_T]
     out["ok"] = out["finite"] and out["decreased"] and parity["ok"] and all(f["ok"] for f in out["flex"])
+    return out
+
+
+# ----------------------------------------------------------------------------- 10: fused LM head + loss
+
+
+def fused_ce_section(sh: Shapes, env: Env) -> dict[str, Any]:
+    """The LM head's differentiated loss two ways on one (N, d) x (V, d) problem in the section's dtype:
+    ncpctl's own (``LMHead``'s ``_HeadLoss``, what the CPU runs) and Liger Kernel's fused linear
+    cross-entropy (what ``LMHead`` takes on a GPU when installed; ``head.liger_loss``). The loss and
+    both gradients compared (``ok``: within 1e-2 of the loss and of each gradient's largest entry in
+    bf16, 1e-5 in fp32), then forward + backward timed alternately and each one's peak memory above
+    its inputs. Without CUDA (``--dry``) the second is ``F.cross_entropy`` of the full logits (the code
+    path, not Liger); on a GPU without Liger the section says so and compares nothing."""
+    import torch
+    import torch.nn.functional as F
+
+    from ncpctl.model import head as head_mod
+
+    N, d, V = sh.fused_ce
+    dtype = torch.bfloat16 if env.bf16 else torch.float32
+    liger = head_mod.liger_loss()
+    out: dict[str, Any] = {"tokens": N, "d_model": d, "vocab": V, "dtype": str(dtype).removeprefix("torch."),
+                           "liger_installed": liger is not None}
+    if env.on_gpu and liger is None:
+        out["other"] = "none: liger-kernel is not installed (carry its wheel, docs/gpu/README.md)"
+        return out
+    g = torch.Generator(device=env.device).manual_seed(0)
+    h = (torch.randn(N, d, device=env.device, generator=g) / 2).to(dtype)
+    w = (torch.randn(V, d, device=env.device, generator=g) / d ** 0.5).to(dtype)
+    t = torch.randint(0, V, (N,), device=env.device, generator=g)
+    t[::97] = -100  # a few ignored targets, as the last position of every window
+    lm = head_mod.LMHead(d, V).to(env.device, dtype)
+    lm.weight.data.copy_(w)
+    other: Callable[[Any, Any, Any], Any] = (
+        (lambda hh, ww, tt: liger(hh, ww, tt, ignore_index=-100, accum_dtype=torch.float32)) if env.on_gpu
+        else (lambda hh, ww, tt: F.cross_entropy((hh @ ww.t()).float(), tt, ignore_index=-100)))
+    out["other"] = "Liger Kernel liger_fused_linear_cross_entropy" if env.on_gpu else "F.cross_entropy (no Liger on the CPU)"
+
+    def ours() -> tuple[Any, Any, Any]:
+        hh = h.detach().requires_grad_()
+        lm.weight.grad = None
+        loss = head_mod._HeadLoss.apply(hh, lm.weight, t, lm)
+        loss.backward()
+        return loss.detach(), hh.grad, lm.weight.grad
+
+    def theirs() -> tuple[Any, Any, Any]:
+        hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+        loss = other(hh, ww, t)
+        loss.backward()
+        return loss.detach(), hh.grad, ww.grad
+
+    runs = {"ours": ours, "other": theirs}
+    res = {k: fn() for k, fn in runs.items()}  # warm-up (Triton compiles) and the values compared
+    tol = 1e-2 if env.bf16 else 1e-5
+    (la, ha, wa), (lb, hb, wb) = res["ours"], res["other"]
+    out["loss"] = {"ours": float(la), "other": float(lb)}
+    out["loss_diff"] = abs(float(la) - float(lb))
+    out["grad_h_diff"] = float((ha.float() - hb.float()).abs().max() / hb.float().abs().max())
+    out["grad_w_diff"] = float((wa.float() - wb.float()).abs().max() / wb.float().abs().max())
+    out["tol"] = tol
+    out["ok"] = out["loss_diff"] <= tol * max(1.0, abs(float(lb))) and out["grad_h_diff"] <= tol and out["grad_w_diff"] <= tol
+    del res
+    secs: dict[str, list[float]] = {k: [] for k in runs}
+    peak: dict[str, Any] = {}
+    for r in range(sh.fused_ce_rounds):
+        for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            _free(env)
+            if env.on_gpu:
+                torch.cuda.reset_peak_memory_stats()
+            before = _mem(env, "memory_allocated")
+            secs[k].append(timed(lambda: runs[k]()[0], env)[0])
+            peak[k] = None if before is None else _mem(env, "max_memory_allocated") - before
+    out["median_ms"] = {k: 1e3 * statistics.median(v) for k, v in secs.items()}
+    out["peak_above_inputs_bytes"] = peak
+    out["other_over_ours"] = paired_ratios(secs["other"], secs["ours"])["paired_median"]
     return out
 
 
@@ -1263,6 +1486,16 @@ def profile_decode(sh: Shapes, env: Env) -> dict[str, Any]:
             out[name] = where_time_goes(step, 16, env)
             g = _greedy(model, prompts, 64, cfg.vocab_size, env)  # section 4's loop, for comparison
             out[name]["greedy_ms_per_token"] = 1e3 * g["decode_s"] / 64
+            if on:  # the step generation takes on CUDA: one replayed graph of the static step
+                from ncpctl.inference.cuda_graphs import GraphedSteps
+                from ncpctl.model.decode_static import StaticDecoder
+
+                _, state = model.prefill(prompts, [sh.prompt_len], max_len=sh.prompt_len + 48)
+                gs = GraphedSteps(model, state) if env.on_gpu else StaticDecoder(model, state)
+                for _ in range(8):  # warm-up and the capture
+                    gs.step(nxt)
+                out["concept_graphed"] = where_time_goes(lambda: gs.step(nxt), 16, env)
+                out["concept_graphed"]["eager_reason"] = getattr(gs, "eager_reason", "no CUDA: the static step, eager")
         del model, state
         _free(env)
     return out
@@ -1304,9 +1537,11 @@ def summary(res: dict[str, Any]) -> str:
         lines.append(f"[1] train step {t['size']} T={t['seq_len']} B={t['batch']} ZeRO-{t['zero_stage']} {t['precision']}, "
                      f"peak {t['peak'] / 1e12:.1f} TFLOP/s ({t['peak_source']})")
         for n, m in t["models"].items():
-            lines.append(f"    {n:8} {m['median_s'] * 1e3:9.2f} ms  {m['tokens_per_s']:12,.0f} tok/s  MFU {100 * m['mfu']:5.1f}% "
-                         f"(full-attn count {100 * m['mfu_full_attention']:5.1f}%)  loss {m['first_loss']:.3f} -> "
+            lines.append(f"    {n:9} {m['median_s'] * 1e3:9.2f} ms  {m['tokens_per_s']:12,.0f} tok/s  MFU {100 * m['mfu']:5.1f}% "
+                         f"(full-attention FLOPs; causal count {100 * m['mfu_causal']:5.1f}%)  loss {m['first_loss']:.3f} -> "
                          f"{m['last_loss']:.3f}  {m['optimizer']}")
+        lines.append(f"    ours (base) / plain-PyTorch reference: {t['ours_over_reference']:.3f} (paired median; reference: "
+                     f"{t['reference']['what']})")
     s = res.get("sdpa")
     if s:
         lines.append(f"[2] SDPA flags {s['sdp_flags']}" + (f"; fused flash-class kernel as expected: {s['expected_flash']}" if "expected_flash" in s else ""))
@@ -1317,16 +1552,26 @@ def summary(res: dict[str, Any]) -> str:
     if z:
         lines.append(f"[3] ZeRO {z['size']} ({z['variant']}) T={z['seq_len']} B={z['batch']}, {z['steps']} steps: "
                      f"first-loss diff {z['first_loss_diff']:.2e} (tol {z['first_loss_tol']:g}); ok {z['ok']}")
-        for st in ("zero1", "zero2"):
+        for st in ("zero1", "zero1_zero_optimizer", "zero2"):
+            if st not in z:
+                continue
             q = z[st]
-            lines.append(f"    {st}    {q['median_s'] * 1e3:9.2f} ms  peak {_gb(q['peak_bytes'])}  loss {q['losses'][0]:.4f} -> "
+            lines.append(f"    {st:20} {q['median_s'] * 1e3:9.2f} ms  peak {_gb(q['peak_bytes'])}  loss {q['losses'][0]:.4f} -> "
                          f"{q['losses'][-1]:.4f}  {q['optimizer']}")
+        if "bf16_optimizer_over_zero_optimizer" in z:
+            lines.append(f"    ZeRO-1 step, BF16_Optimizer / ZeRO optimizer: {z['bf16_optimizer_over_zero_optimizer']:.3f}")
     d = res.get("decode")
     if d:
-        lines.append(f"[4] decode {d['size']} ConceptLM {d['dtype']}, prompt {d['prompt_len']} + {d['new_tokens']} greedy; ok {d['ok']}")
+        own = " (a process of its own)" if d.get("process", {}).get("own") else ""
+        lines.append(f"[4] decode {d['size']} ConceptLM {d['dtype']}, prompt {d['prompt_len']} + {d['new_tokens']} greedy{own}, "
+                     f"{d['path']} vs eager decode_step; ok {d['ok']}")
         for B, b in d["batches"].items():
-            lines.append(f"    batch {B:3} {b['tokens_per_s']:10,.0f} tok/s  (prefill {b['prefill_s'] * 1e3:.1f} ms)  "
-                         f"cached vs full max|diff| {b['max_abs_diff']:.2e} of {b['logit_scale']:.2f}; argmax same {b['argmax_match']}")
+            e = b["eager"]
+            lines.append(f"    batch {B:3} {b['tokens_per_s']:10,.0f} tok/s (eager {e['tokens_per_s']:,.0f}: {b['over_eager']:.2f}x)  "
+                         f"(prefill {b['prefill_s'] * 1e3:.1f} ms)  cached vs full max|diff| {b['max_abs_diff']:.2e} "
+                         f"(eager {e['max_abs_diff']:.2e}) of {b['logit_scale']:.2f}; argmax same {b['argmax_match']}; "
+                         f"tokens as eager {100 * b['tokens_same_as_eager']:.0f}%" + (f"; EAGER: {b['eager_reason']}"
+                                                                                        if b["eager_reason"] else ""))
     c = res.get("concept_vs_pm")
     if c:
         lines.append(f"[5] ConceptLM/PM {c['size']}: time ratio {c['time_ratio']:.3f} (best rounds {c['time_ratio_best_rounds']:.3f}) "
@@ -1338,8 +1583,10 @@ def summary(res: dict[str, Any]) -> str:
                      f"{a['irc_crc_over_plain']:.3f} (FLOPs share {100 * a['residual_flops_share']:.2f}%; goal <= 1.05), "
                      f"+MTP {a['mtp_over_irc_crc']:.3f}; cached decode max|diff| {a['decode']['max_abs_diff']:.2e}; ok {a['ok']}")
         for n, m in a["models"].items():
+            sp = m.get("split")
             lines.append(f"    {n:12} {m['median_s'] * 1e3:9.2f} ms  loss {m['losses'][0]:.3f} -> {m['losses'][-1]:.3f}  "
-                         f"{m['optimizer']}")
+                         f"{m['optimizer']}" + (f"; optimizer step {sp['optimizer_s'] * 1e3:.1f} ms = "
+                                                f"{100 * sp['optimizer_share']:.1f}% of the step" if sp else ""))
     if "dlcm" in res:
         a, dd = res["dlcm"]["attention"], res["dlcm"]["decode"]
         lines.append(f"[7] DLCM attention ({a['dtype']}): faster {a['faster_form']} (replicated / per_concept "
@@ -1364,11 +1611,32 @@ def summary(res: dict[str, Any]) -> str:
                          f"max|diff| {f['max_abs_diff']:.2e} of {f['scale']:.2f}")
     if "real_runs" in res:
         lines += runs_summary_lines(res["real_runs"])
+    f = res.get("fused_ce")
+    if f:
+        lines.append(f"[10] fused LM head + loss N={f['tokens']} d={f['d_model']} V={f['vocab']} {f['dtype']}: ours vs {f['other']}"
+                     + ("" if "ok" not in f else
+                        f": loss diff {f['loss_diff']:.2e}, grad h {f['grad_h_diff']:.2e}, grad W {f['grad_w_diff']:.2e} "
+                        f"(tol {f['tol']:g}); ok {f['ok']}; {f['median_ms']['ours']:.2f} vs {f['median_ms']['other']:.2f} ms "
+                        f"({f['other_over_ours']:.2f}x), peak above inputs {_gb(f['peak_above_inputs_bytes']['ours'])} vs "
+                        f"{_gb(f['peak_above_inputs_bytes']['other'])}"))
+    lines += goal_lines(res.get("goals", {}))
     failed = [k for k, v in res.get("checks", {}).items() if not v]
     lines.append(f"checks: {'all passed' if not failed else 'FAILED ' + ', '.join(failed)} ({len(res.get('checks', {}))} run)")
     for name, err in res["errors"].items():
         lines.append(f"ERROR in {name}: {err['error']}")
     return "\n".join(lines)
+
+
+def goal_lines(g: dict[str, Any]) -> list[str]:
+    """Issue 45's goal table."""
+    if not g:
+        return []
+    lines = ["goals (issue 45; speed, not checks):"]
+    for v in g.values():
+        val = "not measured" if v["value"] is None else f"{v['value']:.3f}"
+        verdict = "" if v["met"] is None else ("MET" if v["met"] else "MISSED")
+        lines.append(f"    {v['what']:62} {val:>12}  goal {v['goal']:>9}  {verdict}")
+    return lines
 
 
 def profile_summary(res: dict[str, Any]) -> str:
@@ -1403,15 +1671,40 @@ def checks(res: dict[str, Any]) -> dict[str, bool]:
         out["cdlm_trains_and_flex_matches"] = res["cdlm"]["ok"]
     if "real_runs" in res:
         out.update(runs_checks(res["real_runs"]))
+    if "ok" in res.get("fused_ce", {}):
+        out["fused_ce_matches_ours"] = res["fused_ce"]["ok"]
+    return out
+
+
+def goals(res: dict[str, Any]) -> dict[str, Any]:
+    """Issue 45's goals (``GOALS``) from the sections that ran: value, goal, met. Speed, not checks:
+    a missed goal does not fail the run (``--dry``'s values mean nothing)."""
+    t, d = res.get("train_step"), res.get("decode", {}).get("batches", {})
+    values = {
+        "mfu_base": t and t["models"]["base"]["mfu"],
+        "ours_over_reference": t and t["ours_over_reference"],
+        "concept_pm_difference": res.get("concept_vs_pm", {}).get("difference"),
+        "irc_crc_over_plain": res.get("archpreview", {}).get("irc_crc_over_plain"),
+        "muon_share": res.get("archpreview", {}).get("muon_share"),
+        "decode_b1_tokens_per_s": d.get("1", {}).get("tokens_per_s"),
+        "decode_b8_tokens_per_s": d.get("8", {}).get("tokens_per_s"),
+    }
+    out = {}
+    for key, (what, section, goal, sense) in GOALS.items():
+        v = values[key]
+        out[key] = {"what": what, "section": section, "goal": f"{sense} {goal:g}", "value": v,
+                    "met": None if v is None else (v >= goal if sense == ">=" else v <= goal)}
     return out
 
 
 def _env_info(env: Env) -> dict[str, Any]:
-    import deepspeed
     import torch
 
+    from ncpctl.profile.timing import package_version as _version  # the decode process imports no DeepSpeed
+
     info: dict[str, Any] = {"device": str(env.device), "torch": torch.__version__, "cuda": torch.version.cuda,
-                            "deepspeed": deepspeed.__version__, "cpu_cores": os.cpu_count(),
+                            "deepspeed": _version("deepspeed"), "liger_kernel": _version("liger-kernel"),
+                            "triton": _version("triton"), "cpu_cores": os.cpu_count(),
                             "loadavg_1min": round(os.getloadavg()[0], 2), "threads": torch.get_num_threads()}
     if env.on_gpu:
         p = torch.cuda.get_device_properties(env.device)
@@ -1430,21 +1723,38 @@ def _write(res: dict[str, Any], path: str | None) -> None:
         os.replace(tmp, path)
 
 
-def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
-    from ncpctl.profile.timing import device_peak
-    from ncpctl.train.engine import init_distributed
+def _env(args: argparse.Namespace, selected: list[str]) -> Env:
+    """The device and precision; the distributed world of one (DeepSpeed imported) only when a
+    selected section builds engines."""
+    import torch
 
-    t_start = time.perf_counter()
-    d = init_distributed()  # a world of one on localhost, as `ncpctl pretrain` without a launcher
-    on_gpu = d.device.type == "cuda"
+    from ncpctl.profile.timing import device_peak
+
+    d = None
+    if ENGINE_SECTIONS & set(selected):
+        from ncpctl.train.engine import init_distributed
+
+        d = init_distributed()  # a world of one on localhost, as `ncpctl pretrain` without a launcher
+        device = d.device
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    on_gpu = device.type == "cuda"
     peak, source = device_peak(on_gpu)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and on_gpu)  # train.precision's rule
-    env = Env(d.device, on_gpu, bf16=bf16, peak=peak, peak_source=source, dist=d)
+    return Env(device, on_gpu, bf16=bf16, peak=peak, peak_source=source, dist=d)
+
+
+def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    selected = ["profile_decode", "profile_train"] if args.profile else args.only.split(",") if args.only else list(SECTIONS)
+    env = _env(args, selected)
     res: dict[str, Any] = {"ok": False, "dry": args.dry, "env": _env_info(env), "shapes": dict(vars(sh)),
-                           "errors": {}, "section_s": {}, "wall_s": 0.0}
+                           "sections": selected, "errors": {}, "section_s": {}, "wall_s": 0.0}
     held: dict[str, Any] = {}  # section 1's engines and step functions, for sections 2 and 5
 
     def section(name: str, fn: Callable[[], Any]) -> None:
+        if name not in selected:
+            return
         _say(f"gpu_check: {name} ...")
         t0 = time.perf_counter()
         try:
@@ -1473,7 +1783,7 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
     def needs_train(fn: Callable[[], Any]) -> Callable[[], Any]:
         def call() -> Any:
             if "train_step" not in res:
-                raise RuntimeError("needs section train_step, which failed")
+                raise RuntimeError("needs section train_step, which failed or was not selected")
             return fn()
 
         return call
@@ -1484,6 +1794,8 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
         res["ok"] = not res["errors"]
         _write(res, args.json)
         return res
+    # decoding first and in a process of its own (issue 45 measures it so), unless it is this process's only job
+    section("decode", (lambda: decode_section(sh, env)) if args.only else (lambda: decode_own_process(args)))
     section("train_step", train)
     section("sdpa", needs_train(lambda: sdpa_section(held, env)))
     section("concept_vs_pm", needs_train(lambda: concept_vs_pm(res["train_step"])))
@@ -1491,8 +1803,8 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
         release(engine)
     held.clear()
     _free(env)
+    section("fused_ce", lambda: fused_ce_section(sh, env))
     section("zero", lambda: zero_section(sh, env))
-    section("decode", lambda: decode_section(sh, env))
     section("archpreview", lambda: archpreview_section(sh, env))
     section("dlcm", lambda: dlcm_section(sh, env))
     section("cdlm", lambda: cdlm_section(sh, env))
@@ -1501,6 +1813,7 @@ def run(args: argparse.Namespace, sh: Shapes) -> dict[str, Any]:
         res["errors"][f"real_runs.{part}"] = err
     res["process_s"] = round(time.perf_counter() - _T_PROCESS, 2)
     res["checks"] = checks(res)
+    res["goals"] = goals(res)
     res["ok"] = not res["errors"] and all(res["checks"].values())
     res["wall_s"] = round(time.perf_counter() - t_start, 2)
     _write(res, args.json)  # the verdicts too: the sections' writes came before them
@@ -1517,7 +1830,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="diagnosis instead of the check: profile decode and training steps (where the time goes)")
     ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                     help="as train.precision: auto = bf16 on a GPU, fp32 on the CPU")
+    ap.add_argument("--only", metavar="SECTIONS",
+                    help=f"comma-separated sections to run, in this process (default: all; {', '.join(SECTIONS)})")
     args = ap.parse_args(argv)
+    unknown = set(args.only.split(",")) - set(SECTIONS) if args.only else set()
+    if unknown:
+        print(f"error: --only: unknown section(s) {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})",
+              file=sys.stderr)
+        return 2
 
     import torch
 

@@ -44,6 +44,11 @@ TiktokenOpt = Annotated[Optional[str], typer.Option(
     "(cl100k_base.tiktoken), when the directory holds none.", show_default=False)]
 NoVerifyOpt = Annotated[bool, typer.Option(
     "--no-verify", help="Do not check the checkpoint's files against its manifest (sizes and xxh3-128 checksums).")]
+ConceptTableOpt = Annotated[Optional[str], typer.Option(
+    "--concept-table", help="A concept bottleneck's labels: a table with concept_id, concept_name (and "
+    "concept_description, head, is_steerable), .parquet/.csv/.jsonl/.json, such as Steerling's "
+    "concept_labels.parquet. Names the known concepts (steer by name, reports) instead of the checkpoint's own "
+    "names.", show_default=False)]
 
 
 @dataclass

@@ -40,6 +40,10 @@ HeldoutOpt = Annotated[Optional[list[str]], typer.Option(
 DiffusionSamplesOpt = Annotated[Optional[int], typer.Option(
     "--diffusion-samples", min=1, help="A Causal Diffusion LM: Monte Carlo samples per request of its "
     "log-likelihood bound (the ELBO; default 8); the output says 'bound'.", show_default=False)]
+NoisedOpt = Annotated[bool, typer.Option(
+    "--noised-context", help="A Causal Diffusion LM: also report, per perplexity set, its loss with every block "
+    "noised, the conditions training reads (the bound conditions each block on clean earlier blocks, as the "
+    "sampler does; this is no bound).")]
 LimitOpt = Annotated[Optional[float], typer.Option(
     "--limit", help="Examples per task (smoke runs); below 1, a fraction of each task's examples (lm-eval's "
     "rule: 0.1 = the first ceil(10%)).", show_default=False)]
@@ -85,6 +89,7 @@ def main(
     log_samples: LogSamplesOpt = False,
     no_cache: NoCacheOpt = False,
     diffusion_samples: DiffusionSamplesOpt = None,
+    noised_context: NoisedOpt = False,
     window: Annotated[int, typer.Option("--window", min=1, help="--compare: train loss mean over the last N steps.")] = 200,
     level: LevelOpt = 0.95,
     resamples: ResamplesOpt = 2000,
@@ -177,7 +182,7 @@ def main(
 
     t = resolve_target(targets[0], set_ or [], names, batch_size, limit_, num_fewshot, out, heldout=heldout,
                        diffusion_samples=diffusion_samples, **how)
-    t.allow_code = allow_code_execution
+    t.allow_code, t.noised_context = allow_code_execution, noised_context
     summary = evaluate(t, log=log)
     if summary is not None:  # None: a data-parallel evaluation's rank other than 0 (rank 0 writes and prints)
         out_.result({"command": "eval", **summary}, lambda con: (print_wide(con, rich_table(summary)),

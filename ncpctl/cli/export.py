@@ -73,8 +73,6 @@ def main(
         import importlib
 
         export = importlib.import_module(f"ncpctl.interop.authors.{formats[format_]}").export
-    if move_aside and format_ == "conceptlm":
-        raise UserError("--move-aside: the conceptlm format keeps no marker of what it wrote; choose a new --out")
     extra = {"move_aside": True} if move_aside else {}
     info = export(ck, target, dtype=dtype or section.get("dtype", "fp32"), verify=verify,
                   max_shard_size=max_shard_size or section.get("max_shard_size", "5GB"),

@@ -7,7 +7,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command
+from ncpctl.cli._common import (ConceptTableOpt, DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt,
+                                TiktokenOpt, command)
+
+SteerOpt = Annotated[Optional[list[str]], typer.Option(
+    "--steer", help="Steer every prompt (repeatable): inline key=value,... (code=S/N, mix=S:N=W+... or "
+    "concept=NAME|#N|A+B, strength=6logit | 2norm, at=decoder_input | readout | decoder.L | decoder.L+ | encoder.L, "
+    "start, length, penalty) or a spec file (.json/.yaml). A --prompts-file JSON line may carry its own \"steer\". "
+    "A Causal Diffusion LM: added at the [MASK] positions while start <= committed tokens < start + length.",
+    show_default=False)]
 
 
 @command
@@ -36,12 +44,7 @@ def main(
                                                            "block's [MASK]s spread evenly over its steps).",
                                                            show_default=False)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompts decoded together.")] = 8,
-    steer: Annotated[Optional[list[str]], typer.Option("--steer", help="Steer every prompt (repeatable): inline "
-                                                       "key=value,... (code=S/N, mix=S:N=W+... or concept=NAME, strength=6logit "
-                                                       "| 2norm, at=decoder_input | readout | decoder.L | encoder.L, start, "
-                                                       "length, penalty) or a spec file (.json/.yaml). A "
-                                                       "--prompts-file JSON line may carry its own \"steer\".",
-                                                       show_default=False)] = None,
+    steer: SteerOpt = None,
     save_steer: Annotated[Optional[str], typer.Option("--save-steer", help="Write the (one) --steer spec to this "
                                                       "file, units and schedule explicit.", show_default=False)] = None,
     draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: a drafter checkpoint with the "
@@ -50,6 +53,7 @@ def main(
                                                  show_default=False)] = None,
     draft_tokens: Annotated[int, typer.Option("--draft-tokens", help="Speculative decoding: tokens drafted per "
                                               "verification round (K; the MTP drafter: at most its depth).")] = 4,
+    concept_table: ConceptTableOpt = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -61,7 +65,7 @@ def main(
 
     A single prompt streams to the terminal; --prompts-file decodes prompts in batches. A Causal
     Diffusion LM samples block by block (--steps-per-block, --commit-per-step) and streams each
-    committed block.
+    committed block; --steer there adds its direction at the [MASK] positions (Steerling's steering).
     """
     import sys
 
@@ -104,11 +108,13 @@ def main(
         common[0].save(save_steer)
     per_prompt = [common + specs_from(st, f"{prompts_file} prompt {i + 1}") for i, st in enumerate(own)]
     loaded = load_model(checkpoint)
-    blocks = _sampling(loaded, params, any(per_prompt))
+    blocks = _sampling(loaded, params)
     spec, spec_info = _speculative(loaded, draft, draft_tokens, o)
     steering = None
     if any(per_prompt):
-        names = loaded.meta.get("concept_names")
+        from ncpctl.interpret.concept_table import names_for
+
+        names = names_for(loaded, concept_table)
         steering = [[resolve(loaded.model, sp, names) for sp in specs] for specs in per_prompt]
     if seed is not None:
         torch.manual_seed(seed)
@@ -159,9 +165,9 @@ def _human(results: list[dict], stream: bool, spec, o: Output):
     return human
 
 
-def _sampling(loaded, params, steered: bool) -> dict:
-    """Check that the checkpoint's objective can generate with ``params`` (and steering, if
-    ``steered``); the block-wise sampling settings for the output ({} for token-by-token)."""
+def _sampling(loaded, params) -> dict:
+    """Check that the checkpoint's objective can generate with ``params``; the block-wise sampling
+    settings for the output ({} for token-by-token)."""
     from ncpctl.errors import UserError
 
     ob = loaded.model.objective
@@ -173,7 +179,4 @@ def _sampling(loaded, params, steered: bool) -> dict:
             raise UserError(f"--steps-per-block / --commit-per-step apply to a Causal Diffusion LM; {loaded.path} is "
                             f"objective: {loaded.config.objective}")
         return {}
-    if steered:
-        raise UserError(f"{loaded.path}: steering is not implemented yet for a Causal Diffusion LM's block-wise "
-                        "sampling")
     return {"steps_per_block": params.steps_per_block or ob.block, "commit_per_step": params.commit_per_step}

@@ -9,7 +9,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command
+from ncpctl.cli._common import ConceptTableOpt, DebugOpt, JsonOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command
+from ncpctl.cli.inspect_generated import FindOpt, GenerateOpt, SeedOpt, SteerOpt, StepsOpt, TemperatureOpt
 
 TopOpt = Annotated[Optional[int], typer.Option("--top", min=1, help="Codes shown per segment (the rest as a "
                                                "remainder; default 3); --attribute-inputs: inputs shown (default 10).",
@@ -69,6 +70,13 @@ def main(
     block_tokens: BlockTokensOpt = None,
     ig_steps: IgStepsOpt = None,
     baseline: BaselineOpt = None,
+    generate: GenerateOpt = None,
+    seed: SeedOpt = None,
+    temperature: TemperatureOpt = 1.0,
+    steps_per_block: StepsOpt = None,
+    steer: SteerOpt = None,
+    concept_table: ConceptTableOpt = None,
+    find_concept: FindOpt = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -78,20 +86,43 @@ def main(
     """Read a checkpoint's concepts: per block the codes each segment mixes (exact decomposition
     of the predicted concept), attribution of a continuation to codes by ablation, and code
     dictionaries (usage, strongest blocks, lift tokens) over a corpus; or (--attribute-inputs)
-    each prompt token's contribution to one output, against the [MASK] baseline."""
+    each prompt token's contribution to one output, against the [MASK] baseline; or (--generate, a
+    Causal Diffusion LM) each generated token explained in the state it was committed in; or
+    (--find-concept) a concept table searched by name."""
+    from ncpctl.cli import inspect_generated as G
     from ncpctl.errors import UserError
 
     o = Output(json_out)
+    if find_concept is not None:
+        return G.find_concept(o, checkpoint, find_concept, concept_table, top)
+    sampling = dict(seed=seed, steps_per_block=steps_per_block, steer=steer)
+    if generate is None and (any(v for v in sampling.values()) or temperature != 1.0):
+        raise UserError("--seed, --temperature, --steps-per-block and --steer apply with --generate")
     prompts = _checked_prompts(checkpoint, prompt, prompts_file, corpus, target, set_)
+    if generate is not None:
+        if corpus or target is not None or plot:
+            raise UserError("--generate explains its own generation: --corpus, --target and --plot do not apply")
+        return G.generated(o, checkpoint, prompts, generate, top=top, attribute_inputs=attribute_inputs,
+                           ig_steps=ig_steps, temperature=temperature, concept_table=concept_table, **sampling)
     attr = dict(concept=concept, unit=unit, block_tokens=block_tokens, ig_steps=ig_steps, baseline=baseline)
     if attribute_inputs or any(v is not None for v in attr.values()):
-        return _attribute_inputs(o, checkpoint, prompts, target, corpus, top, plot, attribute_inputs, **attr)
-    top = 3 if top is None else top
+        return _attribute_inputs(o, checkpoint, prompts, target, corpus, top, plot, attribute_inputs, concept_table,
+                                 **attr)
+    _read_concepts(o, checkpoint, prompts, target, 3 if top is None else top, ablate_codes, corpus, windows, seq_len,
+                   lift_windows, plot, concept_table)
 
+
+def _read_concepts(o: Output, checkpoint: str, prompts: list[str], target: str | None, top: int, ablate_codes: int,
+                   corpus: list[str] | None, windows: int, seq_len: int | None, lift_windows: int, plot: str | None,
+                   concept_table: str | None) -> None:
+    """The decomposition, ablations and code dictionaries of the prompts (and corpus): ``main`` without
+    --attribute-inputs, --generate or --find-concept."""
     import torch
 
     from ncpctl.checkpoint import load_model
     from ncpctl.interpret import concepts as C, plots
+    from ncpctl.errors import UserError
+    from ncpctl.interpret.concept_table import names_for
 
     loaded = load_model(checkpoint)
     model, tok = loaded.model, loaded.tokenizer
@@ -121,7 +152,7 @@ def main(
         x = torch.tensor(ids, dtype=torch.long)[None]
         entry: dict[str, Any] = {"prompt": text, "tokens": len(ids)}
         if has_bottleneck:
-            rep = C.bottleneck_report(model, x, loaded.meta.get("concept_names"), top=top,
+            rep = C.bottleneck_report(model, x, names_for(loaded, concept_table), top=top,
                                       target_start=n_prompt if target is not None else None)
             for pos in rep["positions"]:
                 pos["text"] = decode([pos["token"]])
@@ -259,7 +290,7 @@ def _checked_prompts(checkpoint: str, prompt: list[str] | None, prompts_file: st
 
 
 def _attribute_inputs(o: Output, checkpoint: str, prompts: list[str], target: str | None,
-                      corpus: list[str] | None, top: int | None, plot: str | None, asked: bool, *,
+                      corpus: list[str] | None, top: int | None, plot: str | None, asked: bool, table: str | None, *,
                       concept: str | None, unit: str | None, block_tokens: int | None, ig_steps: int | None,
                       baseline: str | None) -> None:
     """``--attribute-inputs``: checks, then per prompt ``inputs.attribute_prompt``; JSON, table, heat map."""
@@ -303,7 +334,9 @@ def _attribute_inputs(o: Output, checkpoint: str, prompts: list[str], target: st
         if getattr(model, "bottleneck", None) is None:
             raise UserError("--concept reads the concept bottleneck's known concepts; this checkpoint has none "
                             "(model.bottleneck)")
-        c_index = inputs.concept_index(loaded.meta.get("concept_names"), concept, model.bottleneck.n)
+        from ncpctl.interpret.concept_table import names_for
+
+        c_index = inputs.concept_index(names_for(loaded, table), concept, model.bottleneck.n)
     size = block_tokens or (model.objective.block if inputs.is_cdlm(model) else 16)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
     encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731

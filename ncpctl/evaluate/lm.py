@@ -68,7 +68,9 @@ class NCPLM(Collectives, TemplateLM):
     ``max_length`` (default the model's ``max_seq_len``), ``dtype`` (float32|bfloat16),
     ``device`` (cpu|cuda...), ``data=DIR`` (offline tasks' data, else found from the checkpoint),
     ``diffusion_samples`` / ``diffusion_seed``: the Monte Carlo samples and key of a bound's estimates
-    (an objective whose log-likelihoods are bounds: the CDLM's ELBO). In-process: ``loaded`` (a
+    (an objective whose log-likelihoods are bounds: the CDLM's ELBO); ``noised_context``: also the
+    CDLM's noised-context estimate of each request (training's conditions: every block noised),
+    summed per task in ``token_stats`` (``nll_noised``, ``mc_var_noised``). In-process: ``loaded`` (a
     ``LoadedModel``) instead of a checkpoint; ``live=True``: its model is a training run's module, used
     on its device and in its dtype as it is (``ncpctl.train.downstream``); ``cache``: a
     ``RequestCache``; ``ranks``: this process's place in a data-parallel evaluation."""
@@ -77,7 +79,7 @@ class NCPLM(Collectives, TemplateLM):
                  max_length: int | None = None, dtype: str = "float32", device: str | None = None,
                  max_gen_toks: int = 256, diffusion_samples: int | str = DIFFUSION_SAMPLES,
                  diffusion_seed: int | str = 0, live: bool = False, cache: Any = None, ranks: Ranks | None = None,
-                 **_: Any):
+                 noised_context: bool | str = False, **_: Any):
         super().__init__()
         self._rank, self._world_size = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
         self.cache, self.model_requests, self.requests = cache, 0, 0  # answered by the model / asked in all
@@ -97,6 +99,10 @@ class NCPLM(Collectives, TemplateLM):
         why = loaded.model.objective.refusal("eval")
         if why:
             raise UserError(f"{loaded.path}: {why}")
+        self.noised_context = str(noised_context).lower() in ("1", "true", "yes")
+        if self.noised_context and not hasattr(loaded.model.objective, "noised_estimates"):
+            raise UserError(f"{loaded.path}: --noised-context applies to a Causal Diffusion LM (objective: "
+                            f"{loaded.config.objective} has no noised context)")
         if loaded.tokenizer is None:
             raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint (needed for evaluation)")
         dev = torch.device(device or "cpu")
@@ -117,6 +123,7 @@ class NCPLM(Collectives, TemplateLM):
         self._eot = eot if eot is not None else 0
         self.token_stats: dict[str, dict[str, float]] = {}
         self._mc_var: list[float] = []  # the Monte Carlo variance of each result of the last scoring call
+        self._noised: list[list[float]] = []  # [noised-context NLL, its variance] of each result, likewise
 
     @property
     def cache_settings(self) -> dict[str, Any]:
@@ -124,7 +131,8 @@ class NCPLM(Collectives, TemplateLM):
         return {"max_length": self._max_length, "dtype": self._dtype, "max_gen_toks": self._max_gen_toks,
                 "vocab": self.cfg.vocab_size, **({"diffusion_samples": self.diffusion_samples,
                                                   "diffusion_seed": self.diffusion_seed}
-                                                 if self.model.objective.bound else {})}
+                                                 if self.model.objective.bound else {}),
+                **({"noised_context": True} if self.noised_context else {})}
 
     def _answers(self, kind: str, requests, compute, cacheable=lambda r: True) -> list[Any]:
         """``compute``'s answers to ``requests``, through the request cache where there is one."""
@@ -149,7 +157,9 @@ class NCPLM(Collectives, TemplateLM):
         if not self.model.objective.bound:
             return {"kind": "exact"}
         return {"kind": "bound", "estimator": "ELBO (an upper bound on the NLL; Monte Carlo over the masks)",
-                "samples": self.diffusion_samples, "seed": self.diffusion_seed}
+                "samples": self.diffusion_samples, "seed": self.diffusion_seed,
+                **({"noised_context": "every block noised (training's conditions): not a bound on the model as "
+                                      "sampled"} if self.noised_context else {})}
 
     # ---- what lm-eval asks of a model ----
 
@@ -187,11 +197,12 @@ class NCPLM(Collectives, TemplateLM):
         """(log p(continuation | context), greedy?) per request (through the cache); the per-task
         token statistics count each request once."""
         answers = self._answers("loglikelihood", requests, self._loglikelihood_answers)
-        self._account(requests, [(a[0], a[2], a[3]) for a in answers])
+        self._account(requests, [(a[0], a[2], a[3], *a[4:6]) for a in answers])
         return [(float(a[0]), bool(a[1])) for a in answers]
 
     def _loglikelihood_answers(self, requests) -> list[list[Any]]:
-        """[ll, greedy, continuation tokens, Monte Carlo variance] per request. TemplateLM's
+        """[ll, greedy, continuation tokens, Monte Carlo variance (, noised-context NLL and its variance)]
+        per request. TemplateLM's
         encoding (trailing context spaces move to the continuation; empty context -> the EOT
         token), with all strings tokenized in one parallel batch."""
         strings: list[str] = []
@@ -219,15 +230,17 @@ class NCPLM(Collectives, TemplateLM):
             new.append((req.args, ctx_enc, cont_enc))
         out = self._loglikelihood_tokens(new)
         var = self._mc_var or [0.0] * len(out)
-        return [[ll, g, len(cont), v] for (ll, g), (_, _, cont), v in zip(out, new, var)]
+        noised = self._noised or [[]] * len(out)
+        return [[ll, g, len(cont), v, *z] for (ll, g), (_, _, cont), v, z in zip(out, new, var, noised)]
 
-    def _account(self, requests, answers: list[tuple[float, int, float]]) -> None:
+    def _account(self, requests, answers: list[tuple]) -> None:
         """Per-task NLL and token counts (for token-weighted perplexities across sets); a bound's
-        estimates also their Monte Carlo variance. ``answers``: (ll, tokens, variance) per request. A
+        estimates also their Monte Carlo variance. ``answers``: (ll, tokens, variance) per request, with
+        the noised-context NLL and its variance after them under ``noised_context``. A
         request object seen twice (a data-parallel rank repeats its last request to even out the
         batches) is counted once."""
         seen: set[int] = set()
-        for req, (ll, n_tokens, mc_var) in zip(requests, answers):
+        for req, (ll, n_tokens, mc_var, *noised) in zip(requests, answers):
             if id(req) in seen:
                 continue
             seen.add(id(req))
@@ -236,15 +249,18 @@ class NCPLM(Collectives, TemplateLM):
             st["tokens"] += n_tokens
             if self.model.objective.bound:
                 st["mc_var"] = st.get("mc_var", 0.0) + mc_var
+            if noised:
+                st["nll_noised"] = st.get("nll_noised", 0.0) + noised[0]
+                st["mc_var_noised"] = st.get("mc_var_noised", 0.0) + noised[1]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         answers = self._answers("loglikelihood_rolling", requests, self._rolling_answers)
-        self._account(requests, [(a[0], a[1], a[2]) for a in answers])
+        self._account(requests, [tuple(a) for a in answers])
         return [float(a[0]) for a in answers]
 
     def _rolling_answers(self, requests) -> list[list[Any]]:
-        """[ll, tokens, Monte Carlo variance] of each whole string, scored in lm-eval's disjoint
-        rolling windows of ``max_length``."""
+        """[ll, tokens, Monte Carlo variance (, noised-context NLL, its variance)] of each whole string,
+        scored in lm-eval's disjoint rolling windows of ``max_length``."""
         from lm_eval import utils
 
         windows, owner = [], []
@@ -257,11 +273,14 @@ class NCPLM(Collectives, TemplateLM):
                 owner.append(r)
         scores = self._loglikelihood_tokens(windows, greedy=False)
         var = self._mc_var or [0.0] * len(scores)
-        out = [[0.0, 0, 0.0] for _ in requests]
-        for r, (ll, _), (_, _, cont), v in zip(owner, scores, windows, var):
+        noised = self._noised or [[]] * len(scores)
+        out = [[0.0, 0, 0.0] + ([0.0, 0.0] if self._noised else []) for _ in requests]
+        for r, (ll, _), (_, _, cont), v, z in zip(owner, scores, windows, var, noised):
             out[r][0] += ll
             out[r][1] += len(cont)
             out[r][2] += v
+            for i, x in enumerate(z):
+                out[r][3 + i] += x
         return out
 
     @torch.no_grad()
@@ -270,8 +289,8 @@ class NCPLM(Collectives, TemplateLM):
         one request at a time (its Monte Carlo samples are the rows of the estimator's forwards);
         identical requests are scored once. Sets ``_mc_var``: each result's Monte Carlo variance."""
         L, dev = self.max_length, self._device
-        done: dict[tuple[tuple[int, ...], int], tuple[float, bool, float]] = {}
-        out, self._mc_var = [], []
+        done: dict[tuple[tuple[int, ...], int], tuple[float, bool, float, list]] = {}
+        out, self._mc_var, self._noised = [], [], []
         for _, ctx, cont in requests:
             inp = tuple((list(ctx) + list(cont))[-L:])  # a continuation longer than the window: its last tokens
             n = min(len(cont), len(inp))
@@ -283,10 +302,16 @@ class NCPLM(Collectives, TemplateLM):
                     self.model, x, scored, samples=self.diffusion_samples, seed=self.diffusion_seed, greedy=greedy)
                 S = est.shape[1]
                 var = float(est[0].var()) / S if S > 1 else float("nan")
-                done[(inp, n)] = (-float(est[0].mean()), bool(hit[0]) if hit is not None else False, var)
-            ll, g, var = done[(inp, n)]
+                nz = []
+                if self.noised_context:  # beside the bound, the same samples: training's conditions
+                    e = self.model.objective.noised_estimates(self.model, x, scored, samples=S, seed=self.diffusion_seed)
+                    nz = [float(e[0].mean()), float(e[0].var()) / S if S > 1 else float("nan")]
+                done[(inp, n)] = (-float(est[0].mean()), bool(hit[0]) if hit is not None else False, var, nz)
+            ll, g, var, nz = done[(inp, n)]
             out.append((ll, g))
             self._mc_var.append(var)
+            if nz:
+                self._noised.append(nz)
         return out
 
     @torch.no_grad()

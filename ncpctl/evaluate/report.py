@@ -93,6 +93,9 @@ def rich_table(summary: dict[str, Any]):
             if v.get("bound"):  # the bound itself, nats per token, with its Monte Carlo error
                 table.add_row(task, "NLL bound per token (ELBO, nats)", f"{v['nll_per_token']:.4f}",
                               f"{v['nll_stderr']:.4f}")
+            if "noised_nll_per_token" in v:  # a CDLM's noised-context estimate (--noised-context)
+                table.add_row(task, "noised-context loss per token (training's conditions; no bound)",
+                              f"{v['noised_nll_per_token']:.4f}", f"{v['noised_nll_stderr']:.4f}")
         table.add_row("perplexity sets", "mean of per-set ppl (paper's average)", _num(ppl["mean_of_sets"]), "")
         table.add_row("perplexity sets", "token-weighted ppl (tokens pooled)", _num(ppl["token_weighted"]), "")
         table.caption, table.caption_justify = Text(ppl["rule"]), "left"  # Text: its [unit]s are not markup

@@ -81,6 +81,7 @@ class EvalTarget:
     num_fewshot: int | None
     heldout: list[Any] = field(default_factory=list)  # [HeldoutSource], scored as tasks named by their labels
     diffusion_samples: int | None = None  # Monte Carlo samples of a bound's estimates (None: NCPLM's default)
+    noised_context: bool = False  # a CDLM: its noised-context estimate beside the bound (--noised-context)
     allow_code: bool = False  # run code tasks: execute sampled programs (sandboxed; --allow-code-execution)
     seed: tuple[int | None, ...] = DEFAULT_SEED  # lm-eval's random, numpy, torch and few-shot seeds (--seed)
     gen_kwargs: dict[str, Any] | None = None  # generation tasks' settings (--gen-kwargs)
@@ -368,6 +369,7 @@ def _open_lm(t: EvalTarget, ranks: Any, log: Callable[[str], None]):
         if len(store):
             log(f"request cache {store.path}: {len(store)} answers of this checkpoint kept (--no-cache: score anew)")
     return NCPLM(str(t.checkpoint), batch_size=t.batch_size, device=device, cache=store, ranks=ranks,
+                 noised_context=t.noised_context,
                  **({"diffusion_samples": t.diffusion_samples} if t.diffusion_samples else {}))
 
 
@@ -530,6 +532,9 @@ def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict
         if "mc_var" in st:  # a bound's Monte Carlo estimates (NCPLM: the CDLM's ELBO)
             sets[task].update(bound=True, nll_per_token=st["nll"] / st["tokens"],
                               nll_stderr=math.sqrt(st["mc_var"]) / st["tokens"])
+        if "nll_noised" in st:  # and the CDLM's noised-context estimate (training's conditions; no bound)
+            sets[task].update(noised_nll_per_token=st["nll_noised"] / st["tokens"],
+                              noised_nll_stderr=math.sqrt(st["mc_var_noised"]) / st["tokens"])
     return summarize_sets(sets)
 
 

@@ -3,7 +3,8 @@
 Prompts are left-padded into one batch; the objective's ``Decoding`` gives each row's logits of
 its next token and is fed the picked tokens. Next-token prediction runs the prompts once through
 ``model.prefill`` and then one token per step through ``model.decode_step`` (KV caches, per-row
-concept-block phase), so a ConceptLM sees exactly the tokens a full forward would. Each row samples with its own
+concept-block phase), so a ConceptLM sees exactly the tokens a full forward would; on CUDA those
+steps replay one captured CUDA graph (cuda_graphs.py). Each row samples with its own
 ``torch.Generator`` seeded ``seed + row``: a prompt's output does not depend on which other
 prompts share its batch, and the same seed gives the same text.
 
@@ -21,6 +22,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
+
+from ncpctl.model.block_sampler import filter_logits  # noqa: F401  (next-token sampling shares it)
+from ncpctl.model.objective import CachedDecoding
+
+from . import cuda_graphs
 
 
 @dataclass
@@ -64,22 +70,6 @@ class Completion:
     finish_reason: str  # "stop" (stop string), "eod" (end of document), "length"
 
 
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p on logits (B, V); removed entries become -inf."""
-    logits = logits.float() / p.temperature
-    V = logits.shape[-1]
-    if p.top_k and p.top_k < V:
-        kth = logits.topk(p.top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p is not None and p.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # mass before this token already >= top_p
-        drop[:, 0] = False  # always keep the most likely token
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    return logits
-
-
 def _pick(logits: torch.Tensor, p: SamplingParams, gens: list[torch.Generator | None]) -> torch.Tensor:
     """Next token per row (B,) from logits (B, V)."""
     if p.is_greedy:
@@ -116,6 +106,7 @@ def generate(
     interventions: Sequence[Any] | None = None,
     logit_adjust: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     speculative: Any = None,
+    steer: Any = None,
 ) -> list[Completion]:
     """Continue each prompt (token ids, at least one each). ``decode`` turns ids into text
     (for stop strings and streaming); ``vocab_size`` hides padded-vocab rows; ``max_len``
@@ -124,7 +115,8 @@ def generate(
     rows are this batch's rows, positions each row's own) apply to the prompt and every new token;
     ``logit_adjust(step, logits (B, V))`` edits the logits that pick new token ``step`` (0-based);
     ``speculative`` (a ``speculative.Speculative``): a drafter proposes tokens that the model
-    verifies several at a time, with the same output distribution (greedy: the same tokens)."""
+    verifies several at a time, with the same output distribution (greedy: the same tokens);
+    ``steer``: a block-sampling objective's steering (``ncpctl.interpret.steer.BlockSteering``)."""
     B = len(prompts)
     if B == 0:
         return []
@@ -137,7 +129,9 @@ def generate(
         from .causal_diffusion import generate_blocks
 
         return generate_blocks(model, prompts, params, decode, eod_id=eod_id, vocab_size=vocab_size, max_len=max_len,
-                               on_text=on_text, interventions=interventions, logit_adjust=logit_adjust)
+                               on_text=on_text, interventions=interventions, logit_adjust=logit_adjust, steer=steer)
+    if steer is not None:
+        raise ValueError("steer is block-wise sampling's; next-token decoding takes interventions and logit_adjust")
     if params.steps_per_block is not None or params.commit_per_step is not None:
         raise ValueError(f"steps_per_block / commit_per_step apply to block-wise sampling (objective: "
                          f"causal_diffusion), not to objective {model.cfg.objective}")
@@ -164,6 +158,8 @@ def generate(
                   interventions=interventions, logit_adjust=logit_adjust)
         return rows.finish()
     dec = model.objective.decoding(model, x, lengths, Tp + n_new, interventions)
+    if isinstance(dec, CachedDecoding) and cuda_graphs.wanted(x.device):  # one CUDA graph per decode step
+        dec = cuda_graphs.GraphedDecoding(dec)
     last = dec.logits  # (B, V): each row's next token
     for step in range(n_new):
         if vocab_size is not None:
@@ -269,8 +265,12 @@ def generate_texts(loaded, prompts: Sequence[str], params: SamplingParams, *, ba
         # prompt i samples with seed + i whatever the batch size (generate seeds row b with seed + b)
         p = params if params.seed is None else replace(params, seed=params.seed + s)
         batch = fit_prompts(encoded[s : s + batch_size], loaded.config.max_seq_len, params.max_new_tokens)
-        ivs = adjust = None
-        if steer is not None:  # positions count from each (fitted) prompt's first token
+        ivs = adjust = blocks = None
+        if steer is not None and getattr(loaded.model.objective, "block_sampling", False):
+            from ncpctl.interpret.steer import block_steering  # at the [MASK] positions, by committed tokens
+
+            blocks = block_steering(steer[s : s + batch_size])
+        elif steer is not None:  # positions count from each (fitted) prompt's first token
             from ncpctl.interpret.steer import interventions_for, logit_adjuster
 
             ivs = interventions_for(steer[s : s + batch_size], [len(t) for t in batch])
@@ -278,5 +278,5 @@ def generate_texts(loaded, prompts: Sequence[str], params: SamplingParams, *, ba
         out += generate(loaded.model, batch, p,
                         lambda ids: tok.decode(ids, skip_special_tokens=False), eod_id=eod,
                         vocab_size=loaded.config.vocab_size, max_len=loaded.config.max_seq_len, on_text=cb,
-                        interventions=ivs, logit_adjust=adjust, speculative=speculative)
+                        interventions=ivs, logit_adjust=adjust, speculative=speculative, steer=blocks)
     return out

@@ -254,6 +254,9 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
             "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
             "bos_token_id": eod, "eos_token_id": eod, "dtype": dtype_name,
         }
+        mask = _mask_token(loaded)
+        if mask is not None:  # where transformers' diffusion LMs look for it (a CDLM's [MASK])
+            config["mask_token_id"] = mask[1]
         (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _check_builtin(cfg)
         for src in remote_files():
@@ -280,11 +283,27 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
     shards = _save_weights(state, d, torch_dtype, max_shard_size)
     GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod, do_sample=False,
                      max_new_tokens=min(256, cfg.max_seq_len)).save_pretrained(d)
+    mask = _mask_token(loaded)
+    if mask is not None and mask[1] not in loaded.tokenizer.get_added_tokens_decoder():
+        mask = None  # an ordinary BPE piece (a model built without a recipe): a special mask_token would split text
     tok = PreTrainedTokenizerFast(tokenizer_object=loaded.tokenizer, bos_token=eod_token, eos_token=eod_token,
-                                  unk_token=eod_token, pad_token=eod_token, model_max_length=cfg.max_seq_len)
+                                  unk_token=eod_token, pad_token=eod_token, model_max_length=cfg.max_seq_len,
+                                  **({"mask_token": mask[0]} if mask is not None else {}))
     tok.save_pretrained(d)
     return {"architecture": arch, "remote_code": arch == "NCPForCausalLM", "shards": shards,
+            "mask_token": None if mask is None else mask[0],
             "parameters": sum(t.numel() for t in state.values())}
+
+
+def _mask_token(loaded) -> tuple[str, int] | None:
+    """The [MASK] token (text, id) of an objective that has one (a CDLM's), as its tokenizer holds it."""
+    mask_id = getattr(loaded.model.objective, "mask_id", None)
+    if mask_id is None:
+        return None
+    text = loaded.tokenizer.id_to_token(mask_id) if loaded.tokenizer is not None else None
+    if text is None:
+        raise UserError(f"{loaded.path}: the tokenizer has no token with the [MASK] id {mask_id}")
+    return text, mask_id
 
 
 def _remote(model) -> bool:

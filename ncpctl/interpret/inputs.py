@@ -54,6 +54,8 @@ class Output:
     positions: tuple[int, ...]
     token: int | None = None
     concept: int | None = None
+    # steer(rows) -> the interventions of a forward of ``rows`` rows (a steered CDLM step's, replayed)
+    steer: Callable[[int], list] | None = None
 
     def value(self, out) -> torch.Tensor:
         """One forward's output per row (R,) float32."""
@@ -63,7 +65,8 @@ class Output:
         return out.bottleneck.k_logits[:, pos, self.concept].float().sum(-1)
 
     def forward(self, model, idx: torch.Tensor):
-        return model(idx, return_bottleneck=self.kind == "concept")
+        ivs = self.steer(idx.shape[0]) if self.steer is not None else None
+        return model(idx, return_bottleneck=self.kind == "concept", interventions=ivs)
 
 
 def is_cdlm(model) -> bool:

@@ -6,11 +6,15 @@ A ``SteerSpec`` names
 * ``direction``: ``code:S/N`` (codebook code N of segment S, placed in segment S's slice of d),
   ``mix:S:N1=W1+N2=W2...`` (a mix of segment S's codes with those weights: what a block's
   prediction puts in that segment) or ``concept:NAME`` (a labelled concept of the concept
-  bottleneck, ``model.bottleneck``: its embedding K_c, Steerling's e_c = K_c / ||K_c||);
-* ``at``: ``decoder_input`` (default), ``encoder.L`` / ``decoder.L`` (after layer L, 0-based) or
-  ``readout`` (what the LM head reads: after the final norm and the concept bottleneck, where
-  adding gamma * K_c/||K_c|| raises known concept c's activation, Steerling's intervention; there
-  the logit units are exact, not nominal);
+  bottleneck, ``model.bottleneck``: its embedding K_c, Steerling's e_c = K_c / ||K_c||; ``#N`` names
+  known concept N by index; ``A+B`` steers along the normalised sum K_A + K_B, Steerling's group
+  direction; names come from the checkpoint or a ``--concept-table``);
+* ``at``: ``decoder_input`` (default), ``encoder.L`` / ``decoder.L`` (after layer L, 0-based),
+  ``decoder.L+`` (after layer L and every later one: Steerling's injection, whose ``inject_layer``
+  k is ``decoder.(k-1)+`` on a model without a concept path) or ``readout`` (what the LM head
+  reads: after the final norm and the concept bottleneck, where adding gamma * K_c/||K_c|| raises
+  known concept c's activation, Steerling's intervention; there the logit units are exact, not
+  nominal);
 * ``strength`` with its units: ``logit`` (nominal logit units, Steerling's: gamma = strength /
   peak(W_lm . e/||e||), so that the direction alone, read straight through the LM head, would
   raise the most-promoted token's logit by ``strength``; nominal because the decoder layers and
@@ -24,6 +28,13 @@ A ``SteerSpec`` names
 
 The vector is added at the positions whose logits pick the steered tokens: to steer generated
 tokens start .. start+length-1 of a prompt of P tokens, positions P-1+start .. P-2+start+length.
+A Causal Diffusion LM picks each token at its own [MASK] position, in confidence order
+(``BlockSteering``, Steerling's ``generate_full``): the vector is added at every still-[MASK]
+position of each forward while the row has committed c tokens with start <= c < start + length
+(Steerling's ``hard_cutoff`` schedule is start 0, length ``cutoff_tokens``; its ``fixed`` one no
+length), and the penalty is subtracted from the logits it samples from at those steps (Steerling's
+``relu_logit_mask``, whose strength s is penalty = s ||K_c|| peak here); ``start: prompt`` is refused
+there (the prompt is never [MASK]).
 Written inline as comma-separated ``key=value`` (``code=2/5,at=decoder.1,strength=6logit,length=16``)
 or as a JSON/YAML file with the same keys (``SteerSpec.save`` writes one, ``units`` explicit).
 """
@@ -168,9 +179,9 @@ def parse_direction(text: str) -> tuple[str, int, dict[int, float]]:
 def parse_site(text: str) -> tuple[str, int | None]:
     if text in ("decoder_input", "readout"):
         return text, None
-    m = re.fullmatch(r"(encoder|decoder)\.(\d+)", text)
+    m = re.fullmatch(r"(encoder|decoder)\.(\d+)\+?", text)
     if m is None:
-        raise UserError(f"steer: at {text!r}: expected decoder_input, readout, encoder.L or decoder.L")
+        raise UserError(f"steer: at {text!r}: expected decoder_input, readout, encoder.L, decoder.L or decoder.L+")
     return m.group(1), int(m.group(2))
 
 
@@ -185,21 +196,14 @@ def direction_vector(model, spec: SteerSpec, names: Sequence[str] | None = None)
 
     kind, _, weights = parse_direction(spec.direction)
     if kind == "concept":
-        (name,) = weights
+        (group,) = weights
         if getattr(model, "bottleneck", None) is None:
             raise UserError(f"steer: direction {spec.direction!r}: this checkpoint has no concept bottleneck "
                             f"(model.bottleneck), so no labelled concepts to steer with")
-        if not names:
-            raise UserError(f"steer: direction {spec.direction!r}: the checkpoint records no concept names "
-                            f"(train it on a dataset with data.labels)")
-        if name not in names:
-            import difflib
-
-            near = difflib.get_close_matches(name, list(names), n=1)
-            raise UserError(f"steer: direction {spec.direction!r}: unknown concept {name!r}"
-                            + (f" (did you mean {near[0]!r}?)" if near else "")
-                            + f"; the {len(names)} known: {', '.join(names)}")
-        return model.bottleneck.concept_direction(list(names).index(name)).detach().float()
+        idx = [_concept_index(spec.direction, name.strip(), names, model.bottleneck) for name in group.split("+")]
+        if len(idx) == 1:
+            return model.bottleneck.concept_direction(idx[0]).detach().float()
+        return model.bottleneck.K.detach()[idx].float().sum(0)  # Steerling's group: the summed embeddings
     if model.concept is None:
         raise UserError("steer: this checkpoint has no concept path, so no codebook to steer with")
     codes = model.concept.codebook().detach().float()  # (S, N, ds)
@@ -216,6 +220,26 @@ def direction_vector(model, spec: SteerSpec, names: Sequence[str] | None = None)
     if float(e.norm()) == 0.0:
         raise UserError(f"steer: direction {spec.direction!r} is the zero vector")
     return e
+
+
+def _concept_index(direction: str, name: str, names: Sequence[str] | None, bottleneck) -> int:
+    """Known concept ``name`` (or ``#N``) of ``bottleneck`` whose known concepts are named ``names``."""
+    if re.fullmatch(r"#\d+", name):
+        if int(name[1:]) >= bottleneck.n:
+            raise UserError(f"steer: direction {direction!r}: {name} is not a known concept (the model has "
+                            f"{bottleneck.n})")
+        return int(name[1:])
+    if not names:
+        raise UserError(f"steer: direction {direction!r}: the checkpoint records no concept names (train it on a "
+                        f"dataset with data.labels, or name a --concept-table, or give #N)")
+    if name not in names:
+        import difflib
+
+        near = difflib.get_close_matches(name, list(names), n=1)
+        listed = ", ".join(names) if len(names) <= 64 else "search them with inspect --find-concept"
+        raise UserError(f"steer: direction {direction!r}: unknown concept {name!r}"
+                        + (f" (did you mean {near[0]!r}?)" if near else "") + f"; the {len(names)} known: {listed}")
+    return list(names).index(name)
 
 
 def _head_response(model, e):
@@ -262,8 +286,6 @@ def resolve(model, spec: SteerSpec, names: Sequence[str] | None = None) -> Resol
 
 def interventions_for(resolved: Sequence[Sequence[Resolved]], prompt_lengths: Sequence[int]) -> list:
     """One intervention per (row, spec): rows are batch rows, positions each row's own."""
-    from ncpctl.model.interventions import AddToDecoderInput, AddToReadout, AddToResidual
-
     out = []
     for row, (specs, P) in enumerate(zip(resolved, prompt_lengths)):
         for r in specs:
@@ -272,15 +294,66 @@ def interventions_for(resolved: Sequence[Sequence[Resolved]], prompt_lengths: Se
                 start, length = 0, None if s.length is None else P - 1 + s.length
             else:
                 start, length = P - 1 + s.start, s.length
-            kind, layer = parse_site(s.at)
-            if kind == "readout":
-                out.append(AddToReadout(start=start, length=length, rows=[row], vector=r.vector))
-            elif layer is None:
-                out.append(AddToDecoderInput(start=start, length=length, rows=[row], vector=r.vector))
-            else:
-                out.append(AddToResidual(start=start, length=length, rows=[row], vector=r.vector, stack=kind,
-                                         layer=layer))
+            out.append(_addition(r, start=start, length=length, rows=[row]))
     return out
+
+
+def _addition(r: Resolved, **where: Any):
+    """The intervention adding ``r``'s vector at its site, applying where ``where`` says."""
+    from ncpctl.model.interventions import AddToDecoderInput, AddToReadout, AddToResidual
+
+    kind, layer = parse_site(r.spec.at)
+    if kind == "readout":
+        return AddToReadout(vector=r.vector, **where)
+    if layer is None:
+        return AddToDecoderInput(vector=r.vector, **where)
+    return AddToResidual(vector=r.vector, stack=kind, layer=layer, onward=r.spec.at.endswith("+"), **where)
+
+
+@dataclass
+class BlockSteering:
+    """Steering of a Causal Diffusion LM's block-wise sampling (the block sampler's ``steer`` hook;
+    the module docstring): ``rows[b]``, row b's resolved specs."""
+
+    rows: Sequence[Sequence[Resolved]]
+
+    @staticmethod
+    def active(spec: SteerSpec, committed: int) -> bool:
+        """Whether a row that has committed ``committed`` tokens is steered by ``spec`` now."""
+        first = int(spec.start)
+        return committed >= first and (spec.length is None or committed < first + spec.length)
+
+    def interventions(self, where, committed: Sequence[int]) -> list:
+        """The additions of one forward: each active spec of row b at its still-[MASK] slots ``where`` (B, n)."""
+        out = []
+        for b, specs in enumerate(self.rows):
+            for r in specs:
+                if self.active(r.spec, committed[b]):
+                    own = where.clone()
+                    own[:b] = False
+                    own[b + 1:] = False
+                    out.append(_addition(r, where=own))
+        return out
+
+    def adjust(self, row: int, committed: int, logits):
+        """Row ``row``'s logits (n, V) less the penalties of its active specs."""
+        for r in self.rows[row]:
+            if r.penalty is not None and self.active(r.spec, committed):
+                V = r.penalty.shape[0]
+                logits = logits.clone()
+                logits[:, :V] -= r.penalty.to(logits)
+        return logits
+
+
+def block_steering(resolved: Sequence[Sequence[Resolved]]) -> BlockSteering:
+    """``BlockSteering`` of per-row specs (a UserError for a schedule block-wise sampling has not)."""
+    for specs in resolved:
+        for r in specs:
+            if r.spec.start == "prompt":
+                raise UserError("steer: start=prompt steers the prompt's positions, which a Causal Diffusion LM never "
+                                "samples (it steers its [MASK] positions); give start=N, the committed tokens after "
+                                "which steering begins")
+    return BlockSteering(list(resolved))
 
 
 def logit_adjuster(resolved: Sequence[Sequence[Resolved]]):

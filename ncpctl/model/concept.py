@@ -42,8 +42,9 @@ class SegmentLinear(nn.Module):
                 nn.init.uniform_(self.bias[s], -self.weight.shape[2] ** -0.5, self.weight.shape[2] ** -0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.weight.transpose(1, 2))  # (S, N, o)
-        return y if self.bias is None else y + self.bias[:, None]
+        if self.bias is None:
+            return torch.matmul(x, self.weight.transpose(1, 2))  # (S, N, o)
+        return torch.baddbmm(self.bias[:, None], x, self.weight.transpose(1, 2))  # bias + x W^T: one kernel
 
 
 class Codebook(nn.Module):
@@ -93,10 +94,11 @@ def nearest_code(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """Index (B, M, S) of the nearest code per segment for x (B, M, d), codes (S, N, ds)."""
     B, M, _ = x.shape
     S, N, ds = codes.shape
-    xs = x.reshape(B, M, S, ds)
-    # ||x - e||^2 = ||x||^2 - 2 x.e + ||e||^2; ||x||^2 does not change the argmin.
-    dist = codes.pow(2).sum(-1) - 2 * torch.einsum("bmsd,snd->bmsn", xs, codes)  # (B, M, S, N)
-    return dist.argmin(-1)
+    xs = x.reshape(B * M, S, ds).transpose(0, 1)  # (S, B M, ds), a view
+    # ||x - e||^2 = ||x||^2 - 2 x.e + ||e||^2; ||x||^2 does not change the argmin. One batched GEMM
+    # per segment adds the codes' norms and -2 x.e together.
+    dist = torch.baddbmm(codes.pow(2).sum(-1)[:, None], xs, codes.transpose(1, 2), alpha=-2)  # (S, B M, N)
+    return dist.argmin(-1).t().reshape(B, M, S)  # a view
 
 
 @dataclass
@@ -144,6 +146,9 @@ class ConceptModule(nn.Module):
         c = cfg.concept
         self.cfg = cfg
         self.S, self.N = cfg.n_segments, c.codes
+        # 0..S-1, the segment axis of a (S, N, ds) codebook lookup: made once (a kernel per step
+        # otherwise), not saved (a constant of the shape)
+        self.register_buffer("segment_index", torch.arange(self.S), persistent=False)
         self.segmenter = _build("segmentation", c.segmentation, Segmenter, cfg)
         # the concept transformer at its own width d_c (DLCM): W_up lifts the pooled (B, M, d) concepts
         self.ccfg = ccfg = cfg.concept_cfg
@@ -284,7 +289,7 @@ class ConceptModule(nn.Module):
         cs = c.detach()
         both = nearest_code(torch.cat([cs, pred[:, :-1].detach()], 1), codes.detach())  # (B, 2M-1, S)
         idx, pred_idx = both[:, :M], both[:, M:]
-        q = codes[torch.arange(self.S, device=c.device), idx].reshape(B, M, d)  # (B, M, d), grad -> codes
+        q = codes[self.segment_index, idx].reshape(B, M, d)  # (B, M, d), grad -> codes
         if M >= 2:
             with torch.no_grad():  # ncp_rel: the term over the next concepts' own nearest codes' (same reduction)
                 reach = self._reduce((q[:, 1:] - cs[:, 1:]).pow(2), pair, cfg.ncp_reduction).clamp_min(1e-12)

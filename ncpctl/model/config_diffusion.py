@@ -13,7 +13,8 @@ from .config_base import Section, is_number, is_positive_int, option
 
 NAME = "causal_diffusion"  # the objective's registered name (registry.py)
 SCHEDULES = ("uniform", "gaussian")
-WEIGHTINGS = ("masked_mean", "elbo")
+WEIGHTINGS = ("masked_mean", "inverse_t")
+OLD_WEIGHTINGS = {"elbo": "inverse_t"}  # a checkpoint or recipe written before the rename reads as the new name
 
 
 @dataclass
@@ -41,16 +42,21 @@ class DiffusionConfig:
     gaussian_std: float = option(0.15, "schedule: gaussian: the standard deviation of t_b (the paper gives none).")
     gaussian_steps: int = option(1000, "schedule: gaussian: optimizer steps of the linear move of the mean.")
     min_t: float = option(
-        1e-3, "The smallest mask rate drawn (t_b in [min_t, 1]): bounds the elbo weighting's 1/t (MDLM's eps).")
-    weighting: Literal["masked_mean", "elbo"] = option(
+        1e-3, "The smallest mask rate drawn (t_b in [min_t, 1]): bounds the inverse_t weighting's 1/t (MDLM's "
+        "eps).")
+    weighting: Literal["masked_mean", "inverse_t"] = option(
         "masked_mean", "The training loss over the masked tokens M of a batch: masked_mean = the mean of "
-        "-log p(x_i | x_t) over M (Steerling's L = E_t[1/|M| sum_{i in M} -log p]); elbo = each masked token's "
-        "cross-entropy weighted by 1/t_b of its block, summed and divided by the number of tokens (the MDLM "
-        "bound on the NLL per token).")
+        "-log p(x_i | x_t) over M (Steerling's L = E_t[1/|M| sum_{i in M} -log p]; the mean is over the masked "
+        "tokens of the whole micro-batch, so a block weighs in proportion to its rate t_b); inverse_t = each "
+        "masked token's cross-entropy weighted by 1/t_b of its block, summed and divided by the number of tokens "
+        "(MDLM's weighting; with one noisy copy each block conditions on NOISED earlier blocks, so it is a "
+        "training loss, not a bound on the model as sampled: the bound is validation's diffusion_elbo). "
+        "schedule: uniform only (under gaussian, 1/t without a 1/q(t) importance weight bounds nothing). "
+        "Formerly named elbo (still read as inverse_t).")
     eval_samples: int = option(
-        2, "Monte Carlo samples of the held-out ELBO at each validation (diffusion_elbo.py): the validation "
+        4, "Monte Carlo samples of the held-out ELBO at each validation (diffusion_elbo.py): the validation "
         "record's diffusion_elbo (the bound on the NLL per token, each block scored on the clean earlier ones) and "
-        "diffusion_elbo_stderr (its Monte Carlo standard error over the samples; needs 2). Each sample costs about "
+        "diffusion_elbo_stderr (its Monte Carlo standard error over the samples: at least 4, since 2 give an interval with one degree of freedom). Each sample costs about "
         "(blocks + 1) / 2 forwards of a validation window; 0 = no ELBO at validation. ncpctl eval takes its own "
         "count (--diffusion-samples).")
     mask_token: str = option(
@@ -69,6 +75,10 @@ def _check(d: DiffusionConfig, cfg: Any) -> list[tuple[str, str]]:
         out.append(("diffusion.schedule", f"must be one of {', '.join(SCHEDULES)}, got {d.schedule!r}"))
     if d.weighting not in WEIGHTINGS:
         out.append(("diffusion.weighting", f"must be one of {', '.join(WEIGHTINGS)}, got {d.weighting!r}"))
+    elif d.weighting == "inverse_t" and d.schedule == "gaussian":
+        out.append(("diffusion.weighting", "inverse_t with schedule: gaussian weights by 1/t without the Gaussian "
+                                           "curriculum's 1/q(t) importance weight, which is no bound: use masked_mean "
+                                           "(Steerling's) or schedule: uniform"))
     if not is_number(d.min_t) or not 0 < d.min_t < 1:
         out.append(("diffusion.min_t", f"must be in (0, 1), got {d.min_t!r}"))
     for key in ("gaussian_mean_start", "gaussian_mean_end"):
@@ -108,6 +118,8 @@ class DiffusionSection(Section):
     def section_check(self, cfg: Any, law: Any) -> list[tuple[str, str]]:
         if isinstance(self.diffusion, dict):  # from a recipe or a checkpoint
             self.diffusion = DiffusionConfig(**self.diffusion)
+        d = self.diffusion
+        d.weighting = OLD_WEIGHTINGS.get(d.weighting, d.weighting) if isinstance(d.weighting, str) else d.weighting
         return _check(self.diffusion, cfg) if self.objective == NAME else []
 
     def section_tokens(self, cfg: Any) -> dict[str, str]:

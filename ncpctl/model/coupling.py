@@ -22,6 +22,9 @@ Interface (shapes: B batch, T tokens, M concepts, d width):
   pred (B, d) of the concept at ``closing.index``); ``decode_input(h, state)`` -> z (B, 1, d) of
   the new token; ``decode_context(ctx, state, positions)`` -> the decoder's Context, for the
   prefill (positions (B, Tp) of the slots) or a step (positions (B, 1), after the update).
+  ``static_decode``: those three make no host sync and keep their state's shapes once the state
+  holds ``closing.length`` concepts (the static decode step, decode_static.py, replays them as a
+  CUDA graph; a coupling that does not say so decodes eagerly).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from .layers import RMSNorm, make_norm
 
 class Coupling(nn.Module):
     owns_init = False
+    static_decode = False  # see the module docstring
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -67,6 +71,8 @@ class AddCoupling(Coupling):
     its own, the zero slots left 0; ``final_norm``: f(h) + f(spread(pred)) with the model's final
     norm f (``bind``), the zero slots normed too (they become f's bias: the authors' GPT-2 code,
     ``ln_f(enc) + ln_f(concept)``)."""
+
+    static_decode = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -212,6 +218,8 @@ class CrossAttentionCoupling(Coupling):
     init (no smoothing). Concept j-1 closed before concept j, so z~_j is visible exactly when z_j
     is; it reads no boundary probability, so the LM loss still cannot reach the predictor.
     """
+
+    static_decode = True  # its key/value store grows to closing.length once, then keeps its shape
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

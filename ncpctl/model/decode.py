@@ -23,7 +23,7 @@ The codebook is computed once at prefill.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -296,15 +296,19 @@ def _context_per_step(model) -> bool:
     return cm is not None and type(cm.coupling).decode_context is not Coupling.decode_context
 
 
-def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, pos_host: list[int], ivs: list,
+def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, pos_host: list[int] | None, ivs: list,
                   depths: list | None) -> tuple[torch.Tensor, list | None]:
-    """h (B, 1, d) of the new token at positions ``pos`` (B,) (``pos_host``: the same on the host)
-    -> decoder input z (B, 1, d) and, for a concept-decoder CRC, each row's latest concept depths
-    as K tensors (B, 1, d)."""
+    """h (B, 1, d) of the new token at positions ``pos`` (B,) (``pos_host``: the same on the host;
+    None in the static step, decode_static.py: every row steps over the whole concept cache, the
+    RoPE table up to the token capacity) -> decoder input z (B, 1, d) and, for a concept-decoder
+    CRC, each row's latest concept depths as K tensors (B, 1, d)."""
     cm = model.concept
     pooled_depths = depths if model._crc_has("encoder-concept") else None
     h_in = h[:, 0] if pooled_depths is None else torch.cat(pooled_depths, dim=-1)[:, 0]
     closing = cm.segmenter.decode_step(st.seg, h_in, pos, pos_host)
+    if closing.length is None:  # static: the concept cache's capacity bounds it (prefill allocated it)
+        closing = replace(closing, length=cm.segmenter.max_concepts(st.capacity) + 1)
+    limit = st.capacity if pos_host is None else max(pos_host) + 1  # positions closed by now are below it
     want = model._crc_has("concept-decoder")
     if closing.any is not False:  # some row may have closed a concept: one concept step
         B = h.shape[0]
@@ -320,7 +324,7 @@ def _concept_step(model, st: DecodeState, h: torch.Tensor, pos: torch.Tensor, po
         concept = pick(closing.concept)
         pooled = None if pooled_depths is None else [c[:, None] for c in concept.chunk(len(pooled_depths), -1)]
         c_in = cm.lift(concept[:, None] if pooled is None else pooled[-1])  # (R, 1, d_c)
-        cos, sin = rope(pick(closing.position)[:, None], cm.ccfg, h.dtype, limit=max(pos_host) + 1)  # closed by now
+        cos, sin = rope(pick(closing.position)[:, None], cm.ccfg, h.dtype, limit=limit)
         keys = torch.arange(n, device=h.device)
         masks = {w: attn_mask(j[:, None], keys[None], w) for w in cm.layers.windows}
         caches = [c.rows(rows) for c in st.con] if sub else st.con

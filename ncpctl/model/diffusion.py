@@ -15,10 +15,15 @@ Diffusion, Fig. 15).
   only (``keyed_uniform``, as DLCM's boundary noise): one rank or two, a resumed run and any batch
   composition draw the same masks for a sample. The loop hands the sample indices through
   ``keyed_batch`` (training and validation alike); ``batch`` alone keys on the row index.
-* The loss (``weighting``): masked_mean = the mean cross-entropy over the masked tokens (the fused
-  head, as next-token prediction); elbo = each masked token's cross-entropy over its block's t_b,
-  summed and divided by the number of tokens (MDLM's bound on the NLL per token). The elbo weighting
-  needs t_b in the loss: its targets carry it (``target = token + padded_vocab * q_b``, q_b the
+* The loss (``weighting``): masked_mean = the mean cross-entropy over the masked tokens of the
+  micro-batch (the fused head, as next-token prediction; a block weighs in proportion to its rate
+  t_b, the number of its masked tokens); inverse_t = each masked token's cross-entropy over its
+  block's t_b, summed and divided by the number of tokens (MDLM's 1/t weighting; formerly named
+  elbo). Neither bounds the NLL of the model as sampled: with ONE noisy copy, each block is
+  conditioned on noised earlier blocks, while the sampler and the held-out bound (diffusion_elbo.py)
+  condition on clean ones; and under ``schedule: gaussian`` 1/t without the curriculum's 1/q(t)
+  importance weight is no bound at all (config_diffusion.py refuses inverse_t there). The inverse_t
+  weighting needs t_b in the loss: its targets carry it (``target = token + padded_vocab * q_b``, q_b the
   block's rate in 1/2^24 units, the same quantised rate that drew the masks), which ``loss`` decodes;
   its logits are computed unfused (the fused head computes a plain mean). A micro-batch with no
   masked token has loss 0 under either weighting.
@@ -48,7 +53,7 @@ from .patterns import BlockCausal, Pattern
 
 _TOKEN_SALT = 0x85EBCA6B  # the per-token draws (mask or not)
 _BLOCK_SALT = 0xC2B2AE35  # the per-block draws (the mask rate)
-_UNITS = 1 << 24  # resolution of every draw and of the rates the elbo targets carry
+_UNITS = 1 << 24  # resolution of every draw and of the rates the inverse_t targets carry
 
 
 def keyed_bits(sample_ids: torch.Tensor, n: int, salt: int) -> torch.Tensor:
@@ -112,7 +117,7 @@ class CausalDiffusion(Objective):
         x = window[:, :-1]  # (B, T): the window's first T tokens; no shift
         masked, rate = self.noise(window, sample_ids)
         y = torch.where(masked, x, torch.full_like(x, -100))
-        if self.d.weighting == "elbo":
+        if self.d.weighting == "inverse_t":
             y = torch.where(masked, y + self.vocab * rate, y)  # carry t_b to the loss
         return x.masked_fill(masked, self.mask_id), y
 
@@ -121,7 +126,7 @@ class CausalDiffusion(Objective):
         return self.keyed_batch(window, torch.arange(window.shape[0], device=window.device))
 
     def loss(self, model, h: torch.Tensor, targets: torch.Tensor):
-        if self.d.weighting != "elbo":  # the mean cross-entropy over the masked tokens
+        if self.d.weighting != "inverse_t":  # the mean cross-entropy over the masked tokens
             logits, loss = model.head(h, targets)
             # none masked (a short, lightly noised micro-batch): 0, not the empty mean's NaN (no host sync)
             return logits, torch.where((targets != -100).any(), loss, torch.zeros_like(loss))
@@ -160,6 +165,13 @@ class CausalDiffusion(Objective):
         est = estimates(model, tokens, scored, samples=samples, seed=seed)
         return est, (one_shot_greedy(model, tokens, scored) if greedy else None)
 
+    def noised_estimates(self, model, tokens, scored, *, samples, seed):
+        """The noised-context estimates (B, samples) beside the bound (``ncpctl eval --noised-context``):
+        every block noised, as training conditions each block (diffusion_elbo.noised_estimates)."""
+        from .diffusion_elbo import noised_estimates
+
+        return noised_estimates(model, tokens, scored, samples=samples, seed=seed)
+
     # ---- the concept bottleneck on a CDLM (bottleneck.py's docstring) ----
 
     def concept_positions(self, idx, targets):
@@ -169,7 +181,7 @@ class CausalDiffusion(Objective):
         return block_labels(labels, self.block)  # the own block's label: the block is generated jointly
 
     def target_tokens(self, targets):
-        return torch.where(targets >= 0, targets % self.vocab, targets)  # elbo targets carry t_b
+        return torch.where(targets >= 0, targets % self.vocab, targets)  # inverse_t targets carry t_b
 
     def score(self, context, continuation, max_len):
         raise ValueError(f"objective {NAME}: log-likelihoods are ELBO estimates (loglikelihood_bounds), "

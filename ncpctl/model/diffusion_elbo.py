@@ -31,10 +31,16 @@ block or position, ``seed``): the same rows give the same estimate on any device
 composition or rank count. The training loop keys its validation rows on their global sample
 indices, so every evaluation scores the same masks.
 
-Cost: one forward per block that holds scored tokens, over the clean prefix and the noised block
-((j + 1) * block tokens: later blocks are invisible to block j, so they are left out), the samples
-of a block as rows of one batch: about (n_blocks + 1) / 2 forwards of the whole window per sample.
-Log-probabilities are normalised over the tokenizer's vocabulary (``cfg.vocab_size``), not the
+Cost (``method``): ``two_copy`` (the default) runs ONE forward per sample, BD3-LM's two-copy
+layout: the noised copies of the blocks that hold scored tokens, then the clean prefix up to the
+last of them, in one sequence (at most 2L - block tokens); each noised block attends to itself and
+to the clean blocks before it, each clean block to the clean blocks up to it, so every noised
+block's states are exactly those of a forward over [its clean prefix, itself]. ``per_block`` (the
+reference it is tested against) runs one forward per block that holds scored tokens, over the clean
+prefix and the noised block ((j + 1) * block tokens): about (n_blocks + 1) / 2 forwards of the
+window per sample. The two agree to float rounding (1e-6 nats on a debug model: tests/model/
+test_diffusion_elbo.py); the speed-up is measured by bench/cdlm_bound.py (README). The samples are
+rows of one batch either way (``max_rows`` per forward). Log-probabilities are normalised over the tokenizer's vocabulary (``cfg.vocab_size``), not the
 padded rows of the embedding. No I/O.
 """
 
@@ -47,6 +53,8 @@ import torch
 
 from .diffusion import keyed_bits
 from .dynamic import _M32, _mix32
+from .patterns import as_pattern
+from .slots import slot_states
 
 _K_SALT = 0x27D4EB2F  # how many positions of a block are masked
 _P_SALT = 0x165667B1  # which ones
@@ -77,43 +85,106 @@ def _draws(keys: torch.Tensor, samples: int, n: int, seed: int, base: int) -> to
 
 @torch.no_grad()
 def estimates(model, tokens: torch.Tensor, scored: torch.Tensor | None = None, *, samples: int, seed: int = 0,
-              keys: torch.Tensor | None = None, max_rows: int = 64) -> torch.Tensor:
+              keys: torch.Tensor | None = None, max_rows: int = 64, method: str = "two_copy") -> torch.Tensor:
     """Each row's estimate of its NLL bound (nats, summed over its scored tokens) per Monte Carlo
     sample, (B, samples) float64. ``model``: an NCPModel whose objective is the CDLM's (``block``,
     ``mask_id``); ``tokens`` (B, L) clean ids, every row starting at position 0 (no padding);
     ``scored`` (B, L) bool: the positions whose likelihood is bounded (None: all); ``keys`` (B,)
-    int: each row's noise key (None: the row index); ``max_rows``: rows per forward."""
-    ob = model.objective
-    b, mask_id, V = ob.block, ob.mask_id, model.cfg.vocab_size
-    B, L = tokens.shape
-    dev = tokens.device
+    int: each row's noise key (None: the row index); ``max_rows``: rows per forward; ``method``:
+    two_copy or per_block (the module docstring: the same masks, the same estimate)."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    scored = torch.ones_like(tokens, dtype=torch.bool) if scored is None else scored.to(dev, torch.bool)
-    keys = (torch.arange(B) if keys is None else keys).to(dev, torch.int64)
+    if method not in ("two_copy", "per_block"):
+        raise ValueError(f"method must be two_copy or per_block, got {method!r}")
+    B, L = tokens.shape
+    scored = torch.ones_like(tokens, dtype=torch.bool) if scored is None else scored.to(tokens.device, torch.bool)
+    keys = (torch.arange(B) if keys is None else keys).to(tokens.device, torch.int64)
+    masked, weight, blocks = draw_masks(model.objective.block, scored, samples, seed, keys)
+    if method == "two_copy":
+        nll = two_copy_nll(model, tokens, masked, blocks, max_rows)  # (B, S, L)
+        return (nll * weight).sum(-1)
+    b, out = model.objective.block, torch.zeros(B, samples, dtype=torch.float64, device=tokens.device)
+    for j in blocks:
+        lo, hi = j * b, min(L, (j + 1) * b)
+        nll = _masked_nll(model, tokens[:, :hi], masked[:, :, lo:hi], lo, max_rows)  # (B, S)
+        out += nll * weight[:, :, lo]
+    return out
+
+
+def draw_masks(b: int, scored: torch.Tensor, samples: int, seed: int,
+               keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The keyed masks of every sample: (masked (B, S, L) bool, each position's block weight n/k
+    (B, S, L) float64 (0 in a row's blocks without scored tokens), the blocks that hold a scored
+    token in some row). Block j of row b masks k uniform in 1..n of its n scored positions."""
+    B, L = scored.shape
     nb = -(-L // b)
     kbits = _draws(keys, samples, nb, seed, _K_SALT)  # (B, S, nb)
     pbits = _draws(keys, samples, L, seed, _P_SALT)  # (B, S, L)
-    out = torch.zeros(B, samples, dtype=torch.float64, device=dev)
+    masked = torch.zeros(B, samples, L, dtype=torch.bool, device=scored.device)
+    weight = torch.zeros(B, samples, L, dtype=torch.float64, device=scored.device)
+    blocks = []
     for j in range(nb):
         lo, hi = j * b, min(L, (j + 1) * b)
         sc = scored[:, lo:hi]  # (B, w)
         n = sc.sum(1)  # (B,) scored positions of the block
         if not bool(n.any()):
             continue
+        blocks.append(j)
         k = ((kbits[:, :, j] * n[:, None]) >> 24) + 1  # (B, S) uniform in 1..n
         r = pbits[:, :, lo:hi].masked_fill(~sc[:, None], _UNITS)  # (B, S, w): unscored positions last
         place = torch.sort(r, dim=-1, stable=True).indices.argsort(-1)  # each position's place in the random order
-        masked = (place < k[..., None]) & sc[:, None]  # (B, S, w): k uniform positions of the scored ones
-        nll = _masked_nll(model, tokens[:, :hi], masked, lo, mask_id, V, max_rows)  # (B, S)
-        out += torch.where(n[:, None] > 0, nll * n[:, None] / k, torch.zeros_like(nll))
+        masked[:, :, lo:hi] = (place < k[..., None]) & sc[:, None]  # k uniform positions of the scored ones
+        w = torch.where(n[:, None] > 0, n[:, None] / k, torch.zeros_like(k, dtype=torch.float64))  # (B, S)
+        weight[:, :, lo:hi] = w[..., None]
+    return masked, weight, blocks
+
+
+def two_copy_masks(model, positions: torch.Tensor, noisy: torch.Tensor) -> dict:
+    """Attention masks (1, 1, n, n) of a two-copy sequence, one per pattern key: slot i at position
+    ``positions[i]`` (n,), of the noisy copy where ``noisy[i]``. A noisy query sees its own noised
+    block and the clean blocks before it; a clean query the clean slots its pattern lets it see
+    (block-causal: its block and earlier ones); the pattern's window holds on positions throughout."""
+    blk = positions // model.objective.block
+    same = blk[:, None] == blk[None, :]
+    earlier = blk[None, :] < blk[:, None]
+    nq, nk = noisy[:, None], noisy[None, :]
+    copies = (nq & nk & same) | (nq & ~nk & earlier) | (~nq & ~nk)  # (n, n)
+    return {p.key: p.mask(positions[None], positions[None]) & copies for p in map(as_pattern, model.token_patterns)}
+
+
+def two_copy_nll(model, tokens: torch.Tensor, masked: torch.Tensor, blocks: list[int], max_rows: int) -> torch.Tensor:
+    """-log p(x_i | the clean earlier blocks, x_i's block with ``masked`` replaced by [MASK]) at every
+    masked position, 0 elsewhere, (B, S, L) float64, from one two-copy forward per (row, sample)."""
+    ob, V = model.objective, model.cfg.vocab_size
+    B, S, L = masked.shape
+    dev = tokens.device
+    out = torch.zeros(B, S, L, dtype=torch.float64, device=dev)
+    if not blocks:
+        return out
+    noisy_at = torch.cat([torch.arange(j * ob.block, min(L, (j + 1) * ob.block), device=dev) for j in blocks])
+    c = blocks[-1] * ob.block  # the clean prefix that a noised block can see
+    pos = torch.cat([noisy_at, torch.arange(c, device=dev)])  # (n,)
+    masks = two_copy_masks(model, pos, torch.arange(len(pos), device=dev) < len(noisy_at))
+    m = masked[:, :, noisy_at]  # (B, S, n1)
+    x = torch.cat([tokens[:, None, noisy_at].expand(B, S, -1).masked_fill(m, ob.mask_id),
+                   tokens[:, None, :c].expand(B, S, c)], -1).reshape(B * S, -1)  # (B*S, n)
+    m, target = m.reshape(B * S, -1), tokens[:, None, noisy_at].expand(B, S, -1).reshape(B * S, -1)
+    nll = torch.zeros(B * S, len(noisy_at), dtype=torch.float64, device=dev)
+    for s in range(0, B * S, max_rows):
+        rows = slice(s, s + max_rows)
+        h = slot_states(model, x[rows], pos[None], masks)[:, : len(noisy_at)]  # (R, n1, d)
+        sel = m[rows]
+        logp = model.head(h[sel])[:, :V].float().log_softmax(-1)  # (N, V): the masked positions only
+        nll[rows][sel] = -logp.gather(1, target[rows][sel][:, None])[:, 0].double()
+    out[:, :, noisy_at] = nll.view(B, S, -1)
     return out
 
 
-def _masked_nll(model, prefix: torch.Tensor, masked: torch.Tensor, lo: int, mask_id: int, V: int,
-                max_rows: int) -> torch.Tensor:
+def _masked_nll(model, prefix: torch.Tensor, masked: torch.Tensor, lo: int, max_rows: int) -> torch.Tensor:
     """sum over the masked positions of -log p(x_i | the clean prefix[:, :lo], the block with
-    ``masked`` (B, S, w) replaced by [MASK]) per (row, sample), (B, S) float64."""
+    ``masked`` (B, S, w) replaced by [MASK]) per (row, sample), (B, S) float64: one forward of the
+    prefix and the block (``per_block``)."""
+    mask_id, V = model.objective.mask_id, model.cfg.vocab_size
     B, S, w = masked.shape
     x = prefix[:, None].expand(B, S, prefix.shape[1]).clone()
     x[:, :, lo:] = x[:, :, lo:].masked_fill(masked, mask_id)
@@ -129,6 +200,39 @@ def _masked_nll(model, prefix: torch.Tensor, masked: torch.Tensor, lo: int, mask
         out[rows] = torch.zeros(sel.shape[0], dtype=torch.float64, device=out.device).index_add_(
             0, sel.nonzero()[:, 0], nll)
     return out.view(B, S)
+
+
+@torch.no_grad()
+def noised_estimates(model, tokens: torch.Tensor, scored: torch.Tensor | None = None, *, samples: int,
+                     seed: int = 0, keys: torch.Tensor | None = None, max_rows: int = 64) -> torch.Tensor:
+    """The noised-context estimate (B, samples) float64: the conditions training reads (one noisy
+    copy, diffusion.py). Every block of a row is noised at once, each as ``estimates`` noises a
+    scored block (k uniform in 1..n of its n positions masked: Bernoulli(t) masks with t ~ U(0, 1)
+    integrated out, the empty mask left out), in ONE forward per sample, and the masked scored
+    tokens' -log p are weighted n/k. A block is conditioned on NOISED earlier blocks, so this is not a
+    bound on the model as sampled (``estimates`` is: clean earlier blocks); it is what the model is
+    trained on. The masks are ``estimates``'s own (the same keys and seed) wherever every position is
+    scored, so the two differ only in the earlier blocks' noise: a paired comparison (validation's
+    windows, perplexity sets). On the first block the two are equal."""
+    ob, V = model.objective, model.cfg.vocab_size
+    B, L = tokens.shape
+    scored = torch.ones_like(tokens, dtype=torch.bool) if scored is None else scored.to(tokens.device, torch.bool)
+    keys = (torch.arange(B) if keys is None else keys).to(tokens.device, torch.int64)
+    masked, weight, _ = draw_masks(ob.block, torch.ones_like(scored), samples, seed, keys)  # (B, S, L) each
+    x = tokens[:, None].expand(B, samples, L).masked_fill(masked, ob.mask_id).reshape(B * samples, L)
+    m = (masked & scored[:, None]).reshape(B * samples, L)
+    w = weight.reshape(B * samples, L)
+    target = tokens[:, None].expand(B, samples, L).reshape(B * samples, L)
+    out = torch.zeros(B * samples, dtype=torch.float64, device=tokens.device)
+    for s in range(0, B * samples, max_rows):
+        rows = slice(s, s + max_rows)
+        h = model(x[rows], return_hidden=True, compute_logits=False).hidden  # (R, L, d)
+        sel = m[rows]
+        logp = model.head(h[sel])[:, :V].float().log_softmax(-1)  # (N, V): the masked scored positions
+        nll = -logp.gather(1, target[rows][sel][:, None])[:, 0].double() * w[rows][sel]
+        out[rows] = torch.zeros(sel.shape[0], dtype=torch.float64, device=out.device).index_add_(
+            0, sel.nonzero()[:, 0], nll)
+    return out.view(B, samples)
 
 
 def summarise(est: torch.Tensor, tokens: int) -> Bound:

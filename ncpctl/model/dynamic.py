@@ -113,6 +113,7 @@ class DynamicSegmenter(Segmenter):
     owns_init = True  # W_q = W_k = I is the design, not NCPModel's normal init
     keyed = True  # forward takes the global sample indices (the sampling noise's key)
     documents = True  # packed documents: every document's first token starts a segment (p = b = 1)
+    static_decode = True  # decode_step(pos_host=None) skips its one host sync (decode_static.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -288,6 +289,8 @@ class DynamicSegmenter(Segmenter):
         state["count"] = torch.where(start[:, None], torch.ones_like(state["count"]), state["count"] + 1)
         state["n"] = state["n"] + closed.long()
         state["prev"] = q[:, 0]
+        if pos_host is None:  # the static step (decode_static.py): no sync, every row steps
+            return Closing(closed, concept, index, index, None, None)
         # One host sync per step (a sampling loop syncs for its token anyway): which rows closed a
         # segment (the concept step runs on those rows only, and is skipped when none did: the base
         # model's cost on those steps) and the concepts closed so far, which bound the concept cache

@@ -26,18 +26,29 @@ checked (a check is a host sync per step) and count as class 0.
 The price is that the logits are not returned when a loss that will be differentiated is
 computed (``forward`` gives ``logits=None``), as Liger-style fused heads do; without targets,
 or under ``torch.no_grad()``, the head is a plain Linear and the logits are returned.
+
+On a GPU with Liger Kernel installed (``pip install liger-kernel``, an optional dependency) the
+differentiated loss is Liger's fused linear cross-entropy instead (``liger_loss``): Triton kernels
+over chunks of rows, which never hold the (N, V) logits, with the weight gradient accumulated in
+fp32 (``accum_dtype``) as ours is. Same loss and gradients to bf16 rounding (bench/gpu_check.py's
+``fused_ce`` section checks and times both); the CPU, and a GPU without it, keep ours.
+``USE_LIGER = False`` turns it off. The count of top-1 hits (``top1``) reads the logits: ours.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import weakref
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+USE_LIGER = True  # a differentiated loss on a GPU uses Liger Kernel's fused linear cross-entropy when installed
 CPU_BLOCK = 32  # rows: 32 x 50304 fp32 = 6.4 MB stays in cache between a block's passes
 ACCEL_BLOCK_BYTES = 256 * 2**20  # fp32 scratch per block elsewhere
 
@@ -97,6 +108,24 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = targets.flatten()
         picked, _ = _picked_and_lse(logits.flatten(0, -2), targets.clamp_min(0)[:, None])
         return _mean_nll(picked, targets != -100)[0]
+
+
+@functools.cache
+def liger_loss() -> Callable | None:
+    """Liger Kernel's ``liger_fused_linear_cross_entropy(input (N, d), weight (V, d), target (N,),
+    ...)``, or None where it is not installed or does not import (no Triton, a version without it)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except Exception:  # an optional speed-up: a broken install must not stop training
+        return None
+    return liger_fused_linear_cross_entropy
+
+
+def external_loss(h: torch.Tensor) -> Callable | None:
+    """The library loss the head uses for ``h`` (a GPU tensor, ``USE_LIGER``, Liger installed), or None: ours."""
+    return liger_loss() if USE_LIGER and h.is_cuda else None
 
 
 class _HeadLoss(torch.autograd.Function):
@@ -185,6 +214,9 @@ class LMHead(nn.Linear):
             h, w = h.to(dt), w.to(dt)  # differentiable casts: an fp32 weight gets an fp32 gradient
             amp = torch.autocast(dev, enabled=False)  # the op's own mm(out=) is not autocast-aware
         with amp:
+            fused = None if self._count_top1 else external_loss(h)  # top1 reads logits that Liger never makes
+            if fused is not None:  # mean over the non-ignored targets, as ours; weight gradient summed in fp32
+                return None, fused(h.flatten(0, -2), w, targets.flatten(), ignore_index=-100, accum_dtype=torch.float32)
             return None, _HeadLoss.apply(h.flatten(0, -2), w, targets.flatten(), self)
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half(): drop the scratch with the old layout

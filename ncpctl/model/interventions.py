@@ -12,7 +12,9 @@ optionally to some batch ``rows`` only:
 * ``AddToDecoderInput``: z[t] += vector at token positions t in range (steering at the decoder
   input; ``vector`` (d,) or per row (B, d)).
 * ``AddToResidual``: the same, added to the residual stream after layer ``layer`` (0-based)
-  of the ``encoder`` or ``decoder`` stack.
+  of the ``encoder`` or ``decoder`` stack; with ``onward``, after that layer and after every later
+  layer of the stack (Steerling's injection at every layer from ``inject_layer`` on: its
+  ``inject_layer`` k is ``layer`` k - 1 here).
 * ``AddToReadout``: the same, added to what the LM head reads (after the final norm and the
   concept bottleneck: h_bar). On a bottleneck model adding gamma * K_c there is exactly raising
   known concept c's activation by gamma / ||K_c|| (Steerling's concept intervention).
@@ -93,6 +95,7 @@ class AddToDecoderInput(Intervention):
 class AddToResidual(AddToDecoderInput):
     stack: str = "decoder"  # "encoder" | "decoder"
     layer: int = 0  # after this layer (0-based in its stack)
+    onward: bool = False  # and after every later layer of the stack too
 
 
 @dataclass
@@ -150,7 +153,8 @@ def residual_additions(ivs: Sequence[Intervention], stack: str, n_layers: int, p
     out: dict[int, torch.Tensor] = {}
     for iv in ivs:
         if isinstance(iv, AddToResidual) and iv.stack == stack:
-            layer = iv.layer % n_layers
             add = iv.addition(positions, like)
-            out[layer] = out[layer] + add if layer in out else add
+            first = iv.layer % n_layers
+            for layer in range(first, n_layers if iv.onward else first + 1):
+                out[layer] = out[layer] + add if layer in out else add
     return out

@@ -17,6 +17,9 @@ also say, from host integers, whether any row can have closed (fixed blocks know
 the positions), which lets the decoder skip the concept step without a device sync; a
 data-dependent segmenter answers ``None`` and the step runs for every row (rows that closed
 nothing write a throw-away entry at their next concept index, overwritten when it closes).
+A segmenter that sets ``static_decode`` also takes ``pos_host=None`` (the static-shape step of
+decode_static.py, replayed as a CUDA graph): then it reads nothing on the host, syncs nothing, and
+answers ``any``, ``rows`` and ``length`` None (every row steps; the caller bounds the cache).
 
 ``FixedBlocks`` is ConceptLM's segmentation; its reshape is the fast path, and nothing outside
 it assumes a fixed k (accounting and cache sizes read its ``law``).
@@ -91,7 +94,8 @@ class Closing:
     """What one decoding step closed, per row: ``closed`` (B,) bool, the pooled ``concept``
     (B, d) and its ``index`` (B,) long and RoPE ``position`` (B,) (rows that closed nothing:
     their next index, where a throw-away entry may be written); ``length``: a host bound on
-    the concept cache length after this step; ``any``: host knowledge whether a row closed
+    the concept cache length after this step (None: unknown, ``pos_host`` was None: the cache's
+    capacity); ``any``: host knowledge whether a row closed
     (None: unknown without a device sync); ``rows``: host knowledge of which rows closed
     (None: unknown), so the concept step can run on those rows only."""
 
@@ -99,7 +103,7 @@ class Closing:
     concept: torch.Tensor
     index: torch.Tensor
     position: torch.Tensor
-    length: int
+    length: int | None
     any: bool | None
     rows: list[int] | None = None
 
@@ -115,6 +119,8 @@ class Segmenter(nn.Module):
     # True: ``forward(h, sample_ids=...)`` also receives each row's global sample index (B,) or None,
     # the key of sampling noise that must not depend on the rank or the batch position (DLCM)
     keyed = False
+    # True: ``decode_step`` takes ``pos_host=None`` and then makes no host sync (the static decode step)
+    static_decode = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -169,8 +175,9 @@ class Segmenter(nn.Module):
         slots with ``n_closed`` set; leaves ``state`` ready for the token after each prompt."""
         raise NotImplementedError
 
-    def decode_step(self, state: dict, h: torch.Tensor, pos: torch.Tensor, pos_host: list[int]) -> Closing:
-        """The new token of each row: h (B, d) at positions ``pos`` (B,) (also as host ints)."""
+    def decode_step(self, state: dict, h: torch.Tensor, pos: torch.Tensor, pos_host: list[int] | None) -> Closing:
+        """The new token of each row: h (B, d) at positions ``pos`` (B,) (also as host ints; None:
+        not known on the host, only with ``static_decode``)."""
         raise NotImplementedError
 
 
@@ -194,6 +201,7 @@ class FixedBlocks(Segmenter):
 
     law = FIXED_BLOCKS
     documents = True
+    static_decode = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -209,7 +217,8 @@ class FixedBlocks(Segmenter):
         B, T, d = h.shape
         k, M = self.k, T // self.k
         c = h[:, : M * k].reshape(B, M, k, d).mean(dim=2)  # (B, M, d)
-        return Segments(c, self.positions(torch.arange(M, device=h.device))[None])
+        step = k if self.scale_positions else 1  # self.positions(arange(M)) in one kernel
+        return Segments(c, torch.arange(0, M * step, step, device=h.device)[None])
 
     def _documents(self, h: torch.Tensor, doc: torch.Tensor) -> Segments:
         """Packed documents ``doc`` (B, T): blocks of k tokens counted from each document's start. A
@@ -263,6 +272,8 @@ class FixedBlocks(Segmenter):
         c = (state["sum"] / k).to(h.dtype)  # (B, d) the pooled block (junk where not done)
         state["sum"] = state["sum"].masked_fill(done[:, None], 0.0)
         j = pos // k
+        if pos_host is None:  # the static step: every row steps, the caller bounds the cache
+            return Closing(done, c, j, self.positions(j), None, None)
         # host ints tell whether any row completes a block: no device sync
         rows = [b for b, p in enumerate(pos_host) if p % k == k - 1]
         return Closing(done, c, j, self.positions(j), max(p // k for p in pos_host) + 1, bool(rows), rows)

@@ -233,3 +233,14 @@ def paired_ratios(a: list[float], b: list[float]) -> dict[str, float]:
     same load; the value the benchmarks judge)."""
     return {"best": min(a) / min(b), "median": statistics.median(a) / statistics.median(b),
             "paired_median": statistics.median(x / y for x, y in zip(a, b))}
+
+
+def package_version(package: str) -> str | None:
+    """An installed distribution's version without importing it (a benchmark's environment record:
+    DeepSpeed takes seconds to import), or None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None

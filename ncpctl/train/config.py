@@ -67,9 +67,28 @@ def deepspeed_config(recipe: Recipe, on_gpu: bool) -> dict[str, Any]:
         "steps_per_print": 2**62,  # we log ourselves
         "wall_clock_breakdown": False,
     }
-    if bf16:  # ZeRO skips a step on a non-finite gradient only when asked to under bf16
-        cfg["bf16"]["check_grad_overflow"] = True
+    if bf16:
+        cfg["bf16"]["check_grad_overflow"] = True  # ZeRO-2/3: what skips a non-finite step under bf16
+        if bf16_optimizer(ds.zero_stage, ds.offload_optimizer):
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}  # -> DeepSpeed's BF16_Optimizer
     return deep_merge(cfg, ds.extra)
+
+
+def bf16_optimizer(zero_stage: int, offload: bool) -> bool:
+    """Whether bf16 training at this ZeRO stage runs DeepSpeed's ``BF16_Optimizer`` (``data_types.
+    grad_accum_dtype: fp32`` at ZeRO-1 without offload) instead of its ZeRO optimizer.
+
+    Why (issue 45, the first H200 profile: ~300 ``isfinite`` per pythia-160m step and a host sync):
+    under bf16 DeepSpeed 0.19's ZeRO optimizer skips a non-finite step only through
+    ``bf16.check_grad_overflow``, a reduction and test per gradient tensor plus a sync, before it
+    computes the global norm that clipping needs anyway; switched off, a non-finite gradient is
+    applied (the weights become NaN) because that flag also gates the norm's own test. The
+    ``BF16_Optimizer`` has no per-tensor pass: the one global norm decides (a non-finite norm skips
+    the step and clears the gradients), and it keeps fp32 master weights and accumulates gradients
+    in fp32 (what ZeRO-1 reduces in bf16). Its checkpoints (``bf16_zero_pp_rank_*``) resume exactly
+    and re-partition like ZeRO-1's. DeepSpeed builds it for stage 1 only; ``deepspeed.extra:
+    {data_types: {grad_accum_dtype: bf16}}`` selects the ZeRO optimizer again."""
+    return zero_stage == 1 and not offload
 
 
 # Linears that stay on AdamW under ``train.optimizer: muon`` although they are 2-D, and why.

@@ -67,3 +67,41 @@ def test_a_cdlm_answers_with_its_elbo_on_the_continuation_after_a_clean_context(
     # a context edited inside the continuation's block changes the estimate (it is read, clean)
     other = lm._loglikelihood_tokens([(None, [5, 9, 3, 7, 3], [11, 12, 40])])
     assert other[0][0] != got[0][0]
+
+
+def test_noised_context_beside_the_bound_per_task():
+    """Issue 43 item 8: ``noised_context`` (``ncpctl eval --noised-context``) also sums, per task, the
+    CDLM's noised-context estimate of each request (``diffusion_elbo.noised_estimates``: every block
+    noised, training's conditions) with its Monte Carlo variance; the perplexity summary reports it
+    per set beside the bound. Refused for an objective without one."""
+    import pytest
+
+    from ncpctl.errors import UserError
+    from ncpctl.evaluate.run import perplexity_summary
+    from ncpctl.model.diffusion_elbo import noised_estimates
+
+    cfg = tiny("llama", objective="causal_diffusion", diffusion=dict(block_size=4, mask_id=1))
+    loaded = SimpleNamespace(model=build(cfg, scale=0.3), config=cfg, tokenizer=_Tok(), meta={}, path=Path("toy"))
+    lm = NCPLM(loaded=loaded, batch_size=3, diffusion_samples=3, noised_context="true")
+    assert "noised_context" in lm.likelihood
+    reqs = [SimpleNamespace(args=None, task_name="set"), SimpleNamespace(args=None, task_name="set")]
+    data = [([5, 9, 3, 7, 2], [11, 12, 40]), ([8, 4, 4], [9, 6, 6, 6, 7])]
+    got = lm._loglikelihood_tokens([(None, c, x) for c, x in data])
+    answers = []
+    for (ll, _), (ctx, cont), v, nz in zip(got, data, lm._mc_var, lm._noised):
+        x = torch.tensor([ctx + cont])
+        scored = torch.zeros_like(x, dtype=torch.bool)
+        scored[:, len(ctx):] = True
+        est = noised_estimates(lm.model, x, scored, samples=3, seed=0)
+        assert abs(nz[0] - float(est.mean())) < 1e-9 and abs(nz[1] - float(est.var()) / 3) < 1e-9
+        answers.append((ll, len(cont), v, *nz))  # as the cached answers carry it
+    lm._account(reqs, answers)
+    assert lm.cache_settings["noised_context"] is True  # a cached answer without it is not reused
+    st = lm.token_stats["set"]
+    results = {"set": {"token_perplexity,none": 1.0}}
+    (s,) = perplexity_summary(results, lm.token_stats)["per_set"].values()
+    assert s["noised_nll_per_token"] == pytest.approx(st["nll_noised"] / 8) and s["noised_nll_stderr"] > 0
+    plain = SimpleNamespace(model=build(tiny("llama"), scale=0.3), config=tiny("llama"), tokenizer=_Tok(), meta={},
+                            path=Path("ar"))
+    with pytest.raises(UserError, match="applies to a Causal Diffusion LM"):
+        NCPLM(loaded=plain, noised_context=True)

@@ -87,21 +87,22 @@ def test_one_token_per_step_when_steps_equal_the_block_size(model):
     ps = prompts(6)  # 2 prompt tokens in its last block: 2 + 4 + 4 new tokens over 3 blocks
     ps[0][5] = MASK
     calls, commits = [], []
-    import ncpctl.inference.causal_diffusion as cd
+    import ncpctl.model.block_sampler as bs  # the sampler (ncpctl.inference.causal_diffusion re-exports it)
 
-    real = cd._commit
+    real = bs._commit
 
     def counting(blk, open_, *a):
         before = int(open_.sum())
-        real(blk, open_, *a)
+        done = real(blk, open_, *a)
         commits.append(before - int(open_.sum()))
+        return done
 
-    cd._commit = counting
+    bs._commit = counting
     try:
         out = sample_blocks(model, ps, SamplingParams(max_new_tokens=10, greedy=True), vocab_size=V,
                             on_forward=lambda: calls.append(1))
     finally:
-        cd._commit = real
+        bs._commit = real
     assert len(out[0]) == 10 and len(calls) == 10 and commits == [1] * 10
     assert schedule(8, 3, None) == [3, 3, 2] and schedule(8, 3, 2) == [2, 2, 4] and schedule(2, 4, None) == [1, 1, 0, 0]
 
@@ -146,8 +147,9 @@ def test_cli_generate_samples_a_cdlm_checkpoint(tmp_path):
     out = json.loads(r.stdout)
     assert [c["tokens"] for c in out["completions"]] == [9, 9]
     assert out["sampling"]["steps_per_block"] == 2 and out["sampling"]["commit_per_step"] == 3
+    # steering a CDLM is built (issue 43 item 4: tests/inference/test_cdlm_steer.py); a code direction needs a codebook
     steer = run_cli("generate", ck, "-p", "x", "--steer", "code=0/0,strength=6logit")
-    assert steer.returncode == 2 and "steering is not implemented yet" in steer.stderr
+    assert steer.returncode == 2 and "no concept path, so no codebook to steer with" in steer.stderr
     assert len(steer.stderr.strip().splitlines()) == 1, steer.stderr
 
 

@@ -203,3 +203,21 @@ def test_the_cli_reads_their_directory(tmp_path):
     assert ev["perplexity"]["per_set"]
     back = _invoke("export", str(d), "--format", "conceptlm", "--out", str(tmp_path / "back"))
     assert back["verify"]["max_abs_diff"] == 0.0 and (tmp_path / "back" / "tokenizer.json").is_file()
+
+
+def test_export_back_replaces_its_own_export_and_refuses_a_changed_one(tmp_path):
+    """Issue 42 item 2 for this layout too: the export carries the marker (sizes and checksums), so a
+    second export replaces the first, while one whose weights the user changed is refused in one line
+    (``move_aside`` moves it aside whole; nothing is deleted)."""
+    from ncpctl.errors import UserError
+
+    out = tmp_path / "back"
+    io.export(FIXTURES / "gpt2", out, verify=False)
+    assert (out / ".ncpctl-export.json").is_file()
+    io.export(FIXTURES / "gpt2", out, verify=False)  # its own earlier export: replaced
+    (out / "model.safetensors").write_bytes(b"the user's weights")
+    with pytest.raises(UserError, match="model.safetensors"):
+        io.export(FIXTURES / "gpt2", out, verify=False)
+    assert (out / "model.safetensors").read_bytes() == b"the user's weights"
+    info = io.export(FIXTURES / "gpt2", out, verify=False, move_aside=True)
+    assert (Path(info["moved_aside"]) / "model.safetensors").read_bytes() == b"the user's weights"

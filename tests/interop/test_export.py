@@ -400,16 +400,19 @@ def test_cdlm_exports_through_remote_code_with_its_block_causal_forward(tmp_path
     """Issue 23 item 8: a Causal Diffusion LM exports with ncpctl's modeling code; the export's own
     check passes, the reloaded model's logits are ncpctl's (a later block never reaches an earlier
     one; a left-padded row computes what it would alone), ``labels`` score the masked positions
-    unshifted, and transformers' token-by-token generate and caches are refused in one line."""
-    tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
-    cfg = tiny("llama", vocab_size=320, objective="causal_diffusion", diffusion=dict(block_size=4, mask_id=1))
+    unshifted, and caches are refused in one line; its generate samples block by block without ncpctl
+    (issue 43 item 7: ``_generates_block_by_block_without_ncpctl``)."""
+    from ..inference.test_attribute_inputs import _mask_tokenizer
+
+    tok, mask = _mask_tokenizer(tmp_path)  # the fixture's 320 tokens and <|mask|>
+    cfg = tiny("llama", vocab_size=321, objective="causal_diffusion", diffusion=dict(block_size=4, mask_id=mask))
     model = build(cfg, seed=5)
     save_model_files(tmp_path / "ck", model, step=0, tokens_seen=0, recipe=None, tokenizer_path=tok)
     info = export(tmp_path / "ck", tmp_path / "hf")
     assert info["remote_code"] and info["architecture"] == "NCPForCausalLM" and info["verify"]["max_abs_diff"] <= 1e-5
-    assert (tmp_path / "hf" / "diffusion.py").is_file()
+    assert (tmp_path / "hf" / "diffusion.py").is_file() and info["mask_token"] == "<|mask|>"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
-    w = torch.randint(2, 320, (2, 15), generator=torch.Generator().manual_seed(6))
+    w = torch.randint(2, 320, (2, 15), generator=torch.Generator().manual_seed(6))  # never <|mask|> (320)
     x, y = model.objective.keyed_batch(w, torch.tensor([3, 9]))  # [MASK]s in the input, targets where masked
     with torch.no_grad():
         ref = model(x)
@@ -422,9 +425,49 @@ def test_cdlm_exports_through_remote_code_with_its_block_causal_forward(tmp_path
         padded = hf(input_ids=xp, attention_mask=am).logits
         assert (padded[1, 5:] - model(x[1:, :9]).logits[0]).abs().max() <= 1e-5
         assert (padded[0] - model(x[:1, :14]).logits[0]).abs().max() <= 1e-5
-    with pytest.raises(ValueError, match="not autoregressive.*ncpctl generate"):
-        hf.generate(x[:, :4], max_new_tokens=2)
     with pytest.raises(ValueError, match="no incremental decoding"):
         hf(input_ids=x, use_cache=True)
     with pytest.raises(ValueError, match="pad on the left: a right-padded slot would sit inside a real token"):
         hf(input_ids=x, attention_mask=(torch.arange(15) < 12).long().expand(2, 15))
+    _generates_block_by_block_without_ncpctl(model, tmp_path / "hf", mask, tmp_path)
+
+
+def _generates_block_by_block_without_ncpctl(model, hf_dir: Path, mask: int, tmp_path: Path) -> None:
+    """Issue 43 item 7: the export names its [MASK] where transformers looks (``config.mask_token_id``,
+    the tokenizer's ``mask_token``) and its ``generate`` is ncpctl's block sampler, shipped in the
+    remote code: with ncpctl hidden, greedy and seeded generation of ragged, left-padded prompts give
+    ncpctl's tokens; a row stops at the end of the block where it produced EOS, padded after it."""
+    from ncpctl.inference import SamplingParams
+    from ncpctl.model.block_sampler import sample_blocks
+
+    assert (hf_dir / "block_sampler.py").is_file()
+    ps = [torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 6)]
+    want = {k: sample_blocks(model, ps, SamplingParams(max_new_tokens=7, **kw), vocab_size=321)
+            for k, kw in (("greedy", dict(greedy=True)), ("seeded", dict(seed=3, top_k=50)))}
+    xp = torch.zeros(2, 9, dtype=torch.long)
+    xp[0], xp[1, 3:] = torch.tensor(ps[0]), torch.tensor(ps[1])
+    eos = want["greedy"][1][2]  # row 1's third new token as EOS: it stops at the end of that block
+    torch.save({"xp": xp, "am": (xp != 0) | (torch.arange(9) >= torch.tensor([[0], [3]])), "want": want, "eos": eos},
+               tmp_path / "probe.pt")
+    stdout = run_without_ncpctl(f"""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        d = {str(hf_dir)!r}
+        m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()
+        t = AutoTokenizer.from_pretrained(d)
+        p = torch.load({str(tmp_path / "probe.pt")!r})
+        am = p["am"].long()
+        assert t.mask_token == "<|mask|>" and t.mask_token_id == m.config.mask_token_id == {mask}, t.mask_token
+        g = m.generate(p["xp"], attention_mask=am, max_new_tokens=7, do_sample=False, eos_token_id=None)
+        assert g.shape == (2, 16) and torch.equal(g[:, :9], p["xp"]), g
+        assert g[:, 9:].tolist() == p["want"]["greedy"], (g[:, 9:].tolist(), p["want"]["greedy"])
+        s = m.generate(p["xp"], attention_mask=am, max_new_tokens=7, do_sample=True, top_k=50, seed=3)
+        assert s[:, 9:].tolist() == p["want"]["seeded"], (s[:, 9:].tolist(), p["want"]["seeded"])
+        e = m.generate(p["xp"], attention_mask=am, max_new_tokens=7, do_sample=False, eos_token_id=p["eos"],
+                       pad_token_id=0)
+        row = e[1, 9:].tolist()
+        cut = row.index(p["eos"]) + 1
+        assert row[:cut] == p["want"]["greedy"][1][:cut] and set(row[cut:]) <= {{0}}, row
+        print("OK")
+    """, tmp_path, timeout=240)
+    assert "OK" in stdout

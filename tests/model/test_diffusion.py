@@ -67,7 +67,7 @@ def test_the_loss_counts_the_masked_positions_only():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("weighting", ["masked_mean", "elbo"])
+@pytest.mark.parametrize("weighting", ["masked_mean", "inverse_t"])
 def test_a_micro_batch_without_masked_tokens_has_loss_zero_not_nan(weighting):
     model = build(cdlm(weighting=weighting)).train()
     x = tokens(model.cfg, 2, 8)
@@ -78,7 +78,7 @@ def test_a_micro_batch_without_masked_tokens_has_loss_zero_not_nan(weighting):
 
 
 def test_elbo_weighting_is_each_masked_tokens_cross_entropy_over_its_blocks_rate():
-    model = build(cdlm(weighting="elbo")).train()
+    model = build(cdlm(weighting="inverse_t")).train()
     ob, w, ids = model.objective, tokens(model.cfg, 3, 17), torch.tensor([2, 5, 9])
     x, y = ob.keyed_batch(w, ids)
     masked, rate = ob.noise(w, ids)
@@ -209,3 +209,22 @@ def test_flexattention_that_cannot_run_falls_back_to_the_boolean_mask(monkeypatc
     assert torch.equal(out, ref) and patterns._FLEX_OFF is not None
     (p,) = model.token_patterns
     assert not patterns.is_block_mask(patterns.kernel_masks([p], 16, x.device)[p.key])
+
+
+def test_the_1_over_t_weighting_is_named_for_what_it_is_and_refused_under_the_gaussian_curriculum():
+    """Issue 41 item 4: ``weighting: elbo`` was no bound on the model as sampled (one noisy copy: each
+    block conditions on noised earlier blocks) and, under ``schedule: gaussian``, no ELBO at all (1/t
+    without the curriculum's 1/q(t)). It is ``inverse_t`` now (a checkpoint's old name reads as it),
+    refused with gaussian by key; the validation bound defaults to 4 Monte Carlo samples (2 give an
+    interval with one degree of freedom)."""
+    from ncpctl.model.config_diffusion import DiffusionConfig
+
+    assert cdlm(weighting="elbo").diffusion.weighting == "inverse_t"
+    with pytest.raises(ConfigError) as e:
+        cdlm(weighting="inverse_t", schedule="gaussian")
+    (key, why), = e.value.problems
+    assert key == "diffusion.weighting" and "1/q(t)" in why
+    with pytest.raises(ConfigError):
+        cdlm(weighting="elbo", schedule="gaussian")
+    assert cdlm(schedule="gaussian").diffusion.weighting == "masked_mean"  # Steerling's pairing stays
+    assert DiffusionConfig().eval_samples >= 4

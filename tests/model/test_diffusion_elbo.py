@@ -117,15 +117,15 @@ def test_eval_samples_is_checked_by_key_and_zero_turns_validation_off(model, bad
     assert [k for k, _ in e.value.problems] == ["diffusion.eval_samples"]
     w = torch.randint(2, V, (2, L + 1), generator=torch.Generator().manual_seed(6))
     ob = model.objective
-    sums = ob.validation(model, w, torch.tensor([4, 9]))  # eval_samples: 2 (the default)
-    assert sums["diffusion_elbo"].shape == (3,) and sums["diffusion_elbo"][-1] == 2 * L
+    sums = ob.validation(model, w, torch.tensor([4, 9]))  # eval_samples: 4 (the default)
+    assert sums["diffusion_elbo"].shape == (5,) and sums["diffusion_elbo"][-1] == 2 * L
     rec = ob.validation_record(sums)
     assert set(rec) == {"diffusion_elbo", "diffusion_elbo_stderr"} and rec["diffusion_elbo"] > 0
     ob.d.eval_samples = 0
     try:
         assert ob.validation(model, w, torch.tensor([4, 9])) == {} and ob.validation_record({}) == {}
     finally:
-        ob.d.eval_samples = 2
+        ob.d.eval_samples = 4
 
 
 @torch.no_grad()
@@ -155,3 +155,57 @@ def test_the_bound_is_above_the_models_nll_of_any_order_unmasking(model):
     assert nll < bound - 1e-3, (nll, bound)
     est = summarise(estimates(model, x[None], samples=200, seed=0), 1)
     assert abs(est.nll - bound) < 3 * est.stderr
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_two_copy_forward_gives_the_per_block_estimate_with_the_same_masks(window):
+    """Issue 43 item 6: one forward over [noised blocks; clean prefix] per sample (BD3-LM's two-copy
+    mask) gives each noised block the states of a forward over its clean prefix and itself, so the
+    estimate equals the per-block estimator's with the same keyed masks, in fp32 (a sliding window
+    too): whole windows, a continuation that starts inside a block, rows scored in different blocks."""
+    cfg = tiny("llama", objective="causal_diffusion", sliding_window=window, diffusion=dict(block_size=4, mask_id=MASK))
+    m = build(cfg, scale=0.3)
+    x = torch.randint(2, 200, (3, 18), generator=torch.Generator().manual_seed(5))
+    scored = torch.zeros_like(x, dtype=torch.bool)
+    scored[0] = True
+    scored[1, 9:] = True  # a continuation from inside block 2
+    scored[2, 5:7] = True  # one block only
+    for sc in (None, scored):
+        a = estimates(m, x, sc, samples=3, seed=2, keys=torch.tensor([7, 8, 9]), max_rows=4)
+        b = estimates(m, x, sc, samples=3, seed=2, keys=torch.tensor([7, 8, 9]), method="per_block")
+        assert a.shape == (3, 3) and (a > 0).any(1).all() and (a - b).abs().max() < 1e-5 * max(1.0, b.abs().max())
+
+
+def test_the_bound_bench_runs_at_its_smallest_size(capsys):
+    """bench/cdlm_bound.py (the README's speed-up) at one short window, in process: the two methods
+    agree."""
+    import importlib.util
+    import json
+
+    from ..conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_cdlm_bound", REPO / "bench" / "cdlm_bound.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--seq-len", "32", "--samples", "2", "--repeats", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["seq_len"] == 32 and row["max_abs_diff_per_token"] < 1e-5 and row["per_block_s"] > 0
+
+
+@torch.no_grad()
+def test_the_noised_context_estimate_conditions_later_blocks_on_noised_ones(model):
+    """Issue 43 item 8: every block noised at once with the bound's own keyed masks (training's
+    conditions). On the first block (no earlier block) it IS the bound, sample by sample; on later
+    blocks it conditions on noised earlier blocks, so it differs from the clean-context bound (here
+    by more than 3 standard errors of the paired difference)."""
+    from ncpctl.model.diffusion_elbo import noised_estimates
+
+    x = torch.randint(2, V, (2, L), generator=torch.Generator().manual_seed(9))
+    first = torch.zeros_like(x, dtype=torch.bool)
+    first[:, :BLOCK] = True
+    a, b = noised_estimates(model, x, first, samples=6, seed=1), estimates(model, x, first, samples=6, seed=1)
+    assert (a - b).abs().max() < 1e-9
+    a, b = noised_estimates(model, x, samples=200, seed=1), estimates(model, x, samples=200, seed=1)
+    gap = (a - b).sum(0)  # (S,) the paired difference of each sample
+    assert abs(float(gap.mean())) > 3 * float(gap.std()) / math.sqrt(200)

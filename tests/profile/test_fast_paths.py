@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import sys
 
 import pytest
 import torch
@@ -165,3 +166,45 @@ def test_model_loss_and_grads_match_reference_loss() -> None:
         ev = model(x, y)
     torch.testing.assert_close(ev.ntp_loss, out.ntp_loss, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ev.logits, model(x).logits)
+
+
+def test_liger_loss_is_optional_and_used_only_on_a_gpu(monkeypatch, request) -> None:
+    """Liger Kernel's fused linear cross-entropy is an optional GPU speed-up (issue 45): absent or
+    broken it is None; on the CPU the head's own loss runs even where it is installed; a GPU tensor
+    gets it, unless ``USE_LIGER`` is off or the caller counts top-1 hits (which read the logits)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from ncpctl.model import head as head_mod
+
+    real = head_mod.liger_loss
+    request.addfinalizer(real.cache_clear)  # the cached answer of this process, not this test's fakes
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    head_mod.liger_loss.cache_clear()
+    assert head_mod.liger_loss() is None  # not installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: SimpleNamespace(name=name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", None)  # installed but broken
+    head_mod.liger_loss.cache_clear()
+    assert head_mod.liger_loss() is None
+    calls = []
+
+    def fake(h, w, t, **kw):
+        calls.append(kw)
+        return (h @ w.t()).float().logsumexp(-1).mean()
+
+    monkeypatch.setattr(head_mod, "liger_loss", lambda: fake)
+    gpu = SimpleNamespace(is_cuda=True)
+    assert head_mod.external_loss(gpu) is fake and head_mod.external_loss(torch.zeros(1)) is None
+    monkeypatch.setattr(head_mod, "USE_LIGER", False)
+    assert head_mod.external_loss(gpu) is None
+    monkeypatch.setattr(head_mod, "USE_LIGER", True)
+    head = LMHead(16, 300)
+    h = torch.randn(2, 5, 16, requires_grad=True)
+    t = torch.randint(0, 300, (2, 5))
+    ref = torch.nn.functional.cross_entropy(head(h).flatten(0, 1).float(), t.flatten())
+    assert torch.allclose(head(h, t)[1], ref, atol=1e-6) and calls == []  # the CPU: ours
+    monkeypatch.setattr(head_mod, "external_loss", lambda x: fake)  # as a GPU tensor would get it
+    head(h, t)
+    assert calls == [{"ignore_index": -100, "accum_dtype": torch.float32}]
+    _, loss, hits = head(h, t, top1=True)
+    assert len(calls) == 1 and torch.allclose(loss, ref, atol=1e-6)  # top-1 counting: ours

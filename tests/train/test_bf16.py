@@ -17,20 +17,44 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ..conftest import RECIPES
 from .conftest import ENV, metrics, ncpctl, result
 
 
-def test_bf16_keeps_fp32_masters_and_adamw_first_step_at_every_zero_stage() -> None:
-    proc = subprocess.run([sys.executable, "-m", "tests.train.bf16_step", "--stages", "0", "1", "2", "3"],
-                          capture_output=True, text=True, env=ENV, timeout=300)
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> list[dict]:
+    """One process for every engine below (importing torch and DeepSpeed is most of a process's time)."""
+    ckpt = tmp_path_factory.mktemp("bf16") / "ckpt"
+    proc = subprocess.run([sys.executable, "-m", "tests.train.bf16_step", "--stages", "0", "1", "2", "3",
+                           "--resume", str(ckpt)], capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_bf16_keeps_fp32_masters_and_adamw_first_step_at_every_zero_stage(engines) -> None:
+    rows = [r for r in engines if "stage" in r]
     assert [r["stage"] for r in rows] == [0, 1, 2, 3]
+    # ZeRO-1 runs DeepSpeed's BF16_Optimizer (no per-tensor overflow pass: ncpctl.train.config.bf16_optimizer)
+    assert [r["wrapper"] for r in rows][:3] == ["FP16_UnfusedOptimizer", "BF16_Optimizer", "DeepSpeedZeroOptimizer"]
     for r in rows:
         assert r["model"] == ["torch.bfloat16"] and r["masters"] == ["torch.float32"], r
         assert r["adam_steps"] == [1.0], r  # one real step: no hidden step before it
         assert abs(r["bias_step_over_lr"] - 1.0) < 0.01, r  # bf16 resolves 3e-3 to 0.4 %
+
+
+def test_bf16_zero1_skips_a_nonfinite_step_and_resumes_exactly(engines) -> None:
+    """bf16 at ZeRO-1 is DeepSpeed's BF16_Optimizer (no per-tensor overflow pass; issue 45): the
+    README's promise holds (a NaN loss's step is not applied, the weights and fp32 masters stay
+    finite), and a checkpoint it wrote resumes bit for bit (weights, masters, the next losses), also
+    through the universal checkpoint that a resume on another number of ranks converts it to.
+    The switch it replaces, ``bf16.check_grad_overflow: false`` on the ZeRO optimizer, applies the
+    NaN step (DeepSpeed 0.19 gates the global norm's own test on it too)."""
+    (r,) = [r for r in engines if r.get("resume")]
+    assert r["wrapper"] == "BF16_Optimizer" and "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in r["files"]
+    assert r["applied"] == [True, False, True] and r["finite"]
+    assert r["losses"][0] == r["losses"][1] == r["losses"][2] and r["identical"] and r["identical_universal"]
 
 
 def _run(tiny_data: Path, run_dir: Path, precision: str) -> dict:

@@ -69,7 +69,7 @@ def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path, cd
             for mb, mb_ids in zip(windows.split(4), ids.split(4)):
                 keyed.append(model(*model.objective.keyed_batch(mb, mb_ids)).loss.item())
                 by_row.append(model(*model.objective.batch(mb)).loss.item())
-            elbo.append(estimates(model, windows[:, :-1], samples=2, keys=ids))  # diffusion.eval_samples: 2
+            elbo.append(estimates(model, windows[:, :-1], samples=4, keys=ids))  # diffusion.eval_samples: 4
     assert abs(sum(keyed) / len(keyed) - logged) < 1e-5
     assert abs(sum(by_row) / len(by_row) - logged) > 1e-4  # the row index is not the key
     # the held-out ELBO (issue 23 item 4), beside the masked training loss, with its Monte Carlo error
@@ -85,12 +85,13 @@ def test_cdlm_pretrains_with_masks_keyed_on_the_sample_index(cdlm_data: Path, cd
 
 def test_eval_scores_a_cdlm_with_its_elbo_and_says_bound(cdlm_data: Path, cdlm_run: dict) -> None:
     """``ncpctl eval`` on a CDLM checkpoint: held-out perplexity from the ELBO (--diffusion-samples
-    Monte Carlo samples), the table, the results JSON and the markdown saying it is a bound."""
+    Monte Carlo samples), the table, the results JSON and the markdown saying it is a bound; with
+    --noised-context the noised-context estimate beside it."""
     held = cdlm_data / "held.txt"
     held.write_text("def area(r):\n    return 3.14159 * r * r\n\n\nfor r in range(3):\n    print(area(r))\n")
     out = cdlm_data / "eval"
     shown = ncpctl("eval", cdlm_run["checkpoint"], "--tasks", "", "--heldout", f"{{path: {held}, label: held}}",
-                   "--diffusion-samples", "3", "--out", str(out))
+                   "--diffusion-samples", "3", "--noised-context", "--out", str(out))
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "ELBO bound, 3 Monte Carlo samples" in shown.stdout and "token perplexity, bound" in shown.stdout
     (js,) = out.glob("results_*.json")
@@ -100,6 +101,9 @@ def test_eval_scores_a_cdlm_with_its_elbo_and_says_bound(cdlm_data: Path, cdlm_r
     s = got["perplexity"]["per_set"]["held"]
     assert s["bound"] and s["tokens"] > 0 and s["nll_stderr"] > 0 and "upper bound" in got["perplexity"]["rule"]
     assert abs(s["token_perplexity"] - math.exp(s["nll_per_token"])) < 1e-6 * s["token_perplexity"]
+    # issue 43 item 8: beside the bound, the noised-context estimate (training's conditions), marked as no bound
+    assert s["noised_nll_per_token"] > 0 and s["noised_nll_stderr"] > 0 and "noised-context loss" in shown.stdout
+    assert "not a bound" in got["likelihood"]["noised_context"]
     assert "Log-likelihoods are bounds" in js.with_suffix(".md").read_text()
 
 
@@ -110,7 +114,7 @@ def test_two_ranks_draw_the_masks_of_one_process(cdlm_data: Path, tmp_path: Path
     rank and micro-batch it lands in (rows keyed by their place in the micro-batch would differ).
     The elbo weighting averages over every token, so the loss does not depend on the micro-batch."""
     data = cdlm_data / "run" / "data"
-    sets = ["train.max_steps=3", "train.eval_every=0", "train.save_every=0", "model.diffusion.weighting=elbo",
+    sets = ["train.max_steps=3", "train.eval_every=0", "train.save_every=0", "model.diffusion.weighting=inverse_t",
             f"data.train_prefix={data / 'train'}", f"data.val_prefix={data / 'val'}"]
     runs = {}
     for ranks, micro in ((0, 4), (2, 2)):

@@ -36,6 +36,20 @@ def test_precision_and_stage0_clipping() -> None:
     assert cfg["gradient_clipping"] == 0.0
 
 
+def test_bf16_runs_deepspeeds_bf16_optimizer_at_zero1_only() -> None:
+    """ZeRO-1 bf16: fp32 gradient accumulation, which is DeepSpeed's BF16_Optimizer (one global norm
+    decides a skip, no per-tensor overflow pass); other stages keep the ZeRO optimizer and its
+    check; ``deepspeed.extra`` can select the ZeRO optimizer back."""
+    cfgs = {z: deepspeed_config(recipe("train.precision=bf16", f"deepspeed.zero_stage={z}"), on_gpu=True)
+            for z in (0, 1, 2, 3)}
+    assert cfgs[1]["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert all("data_types" not in cfgs[z] for z in (0, 2, 3))
+    assert all(c["bf16"] == {"enabled": True, "check_grad_overflow": True} for c in cfgs.values())
+    assert "data_types" not in deepspeed_config(recipe("deepspeed.zero_stage=1"), on_gpu=False)  # fp32
+    back = recipe("train.precision=bf16", "deepspeed.zero_stage=1", "deepspeed.extra={data_types: {grad_accum_dtype: bf16}}")
+    assert deepspeed_config(back, on_gpu=True)["data_types"] == {"grad_accum_dtype": "bf16"}
+
+
 def test_extra_is_merged_last() -> None:
     r = recipe("deepspeed.zero_stage=1", "deepspeed.extra={zero_optimization: {reduce_bucket_size: 1000}, "
                "steps_per_print: 7}")

@@ -135,45 +135,55 @@ TOLERANCE = 1e-5  # max |logit difference| of the reloaded export, relative to m
 
 
 def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", verify: bool = True,
-           max_shard_size: str | int = "5GB", log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """``ncpctl export --format conceptlm``: the model of ``checkpoint`` in their layout in the new or
-    empty directory ``out``: config.json, one model.safetensors (fp32: ``max_shard_size`` is not
-    used) and the checkpoint's tokenizer.json when it has one; with ``verify`` reloaded through the
-    importer and compared on a probe batch (above the tolerance the files are removed)."""
+           max_shard_size: str | int = "5GB", log: Callable[[str], None] = lambda m: None,
+           move_aside: bool = False) -> dict[str, Any]:
+    """``ncpctl export --format conceptlm``: the model of ``checkpoint`` in their layout at ``out``:
+    config.json, one model.safetensors (fp32: ``max_shard_size`` is not used) and the checkpoint's
+    tokenizer.json when it has one. Written beside ``out`` and put in place whole, with the export
+    marker (sizes and checksums) the other formats write: a directory export did not write, or an
+    earlier export the user changed, is refused (``move_aside``: moved aside, never deleted). With
+    ``verify`` it is reloaded through the importer and compared on a probe batch first."""
     from safetensors.torch import save_file
 
     from ncpctl.checkpoint import load_model
+    from ncpctl.interop.hf_export import _new_dir, _put_in_place, existing, write_marker
 
     if dtype != "fp32":
         raise UserError(f"--dtype {dtype}: the ConceptLM layout is written in fp32")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out}: exists and is not empty; the ConceptLM layout is written into a new or empty "
-                        "directory", hint="choose another --out")
+    existing(out, move_aside)  # refuse before the (slow) load
     loaded = load_model(checkpoint)
     cfg = loaded.config
     problems = export_problems(cfg)
     if problems:
         raise UserError(*(f"{loaded.path}: cannot be written in the ConceptLM layout: {p}" for p in problems))
     sd = to_authors(loaded.model)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(their_config(cfg), indent=2, sort_keys=True) + "\n")
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tok = Path(loaded.path) / "tokenizer.json"
-    if tok.is_file():
-        shutil.copyfile(tok, out / "tokenizer.json")
-    arch = _backbone_of(cfg).architecture
-    log(f"wrote {len(sd)} tensors in the ConceptLM layout ({arch})")
-    info = {"format": LAYOUT, "architecture": arch, "dtype": "fp32", "shards": 1,
-            "parameters": int(sum(v.numel() for v in sd.values()))}
-    if verify:
-        info["verify"] = _verify(loaded, out)
-    return {**info, "out": str(out), "files": sorted(p.name for p in out.iterdir())}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _new_dir(out)
+    try:
+        (tmp / "config.json").write_text(json.dumps(their_config(cfg), indent=2, sort_keys=True) + "\n")
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok = Path(loaded.path) / "tokenizer.json"
+        if tok.is_file():
+            shutil.copyfile(tok, tmp / "tokenizer.json")
+        arch = _backbone_of(cfg).architecture
+        log(f"wrote {len(sd)} tensors in the ConceptLM layout ({arch})")
+        info = {"format": LAYOUT, "architecture": arch, "dtype": "fp32", "shards": 1,
+                "parameters": int(sum(v.numel() for v in sd.values()))}
+        if verify:
+            info["verify"] = _verify(loaded, tmp, out)
+        write_marker(tmp, "ncpctl export --format conceptlm", loaded.path)
+        aside = _put_in_place(tmp, out, move_aside)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {**info, "out": str(out), "files": sorted(p.name for p in out.iterdir()),
+            **({"moved_aside": str(aside)} if aside is not None else {})}
 
 
-def _verify(loaded, out: Path) -> dict:
-    """Reload the export ``out`` through the importer and compare its logits with ``loaded.model``'s on
-    a probe batch (2 rows of 3 chunks and an unfinished one)."""
+def _verify(loaded, written: Path, out: Path) -> dict:
+    """Reload the export ``written`` (not yet in place at ``out``) through the importer and compare its
+    logits with ``loaded.model``'s on a probe batch (2 rows of 3 chunks and an unfinished one)."""
     import torch
 
     from ncpctl.checkpoint import load_model
@@ -183,11 +193,9 @@ def _verify(loaded, out: Path) -> dict:
     x = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = loaded.model(x).logits[..., : cfg.vocab_size]
-        got = load_model(out, with_tokenizer=False).model(x).logits[..., : cfg.vocab_size]
+        got = load_model(written, with_tokenizer=False).model(x).logits[..., : cfg.vocab_size]
     diff, tol = float((got - want).abs().max()), TOLERANCE * max(float(want.abs().max()), 1.0)
-    if not diff <= tol:
-        for f in ("config.json", "model.safetensors", "tokenizer.json"):
-            (out / f).unlink(missing_ok=True)
+    if not diff <= tol:  # the temporary directory goes; nothing reaches out
         raise UserError(f"{out}: the export gives other logits than {loaded.path} (max |diff| {diff:.3g}); "
                         "nothing kept")
     return {"max_abs_diff": diff, "tolerance": tol, "probe_tokens": list(x.shape)}

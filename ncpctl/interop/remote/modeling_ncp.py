@@ -22,18 +22,27 @@ hold). Without a cache every forward recomputes the whole sequence.
 A Causal Diffusion LM (``objective: causal_diffusion``) exports through this adapter too: the
 forward is the model's, with its block-causal attention (a position sees its whole block), so
 its logits are ncpctl's; ``labels`` are aligned with ``input_ids`` (the original tokens at the
-[MASK] positions, -100 elsewhere: no shift). Its generation is block-wise sampling, which
-``ncpctl generate`` does: transformers' ``generate`` (one token at a time) and an incremental
-cache are refused, and so is right padding (a padded slot would sit inside a real token's block).
+[MASK] positions, -100 elsewhere: no shift). Its ``generate`` is block-wise sampling, ncpctl's own
+sampler (``block_sampler.py``, copied with the model package): ``model.generate(input_ids,
+attention_mask=..., max_new_tokens=..., do_sample=..., temperature=..., top_k=..., top_p=...)`` plus
+``steps_per_block``, ``commit_per_step`` and ``seed`` (row b samples with seed + b), left padding
+allowed, each row ending at the end of the block where it produced ``eos_token_id`` (the tokens after
+it are ``pad_token_id``), returning the prompts followed by the new tokens as transformers does.
+``config.mask_token_id`` and the tokenizer's ``mask_token`` name the [MASK] token. An incremental
+cache is refused, and so is right padding (a padded slot would sit inside a real token's block).
 """
 
 from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .block_sampler import sample_blocks
 from .config import ModelConfig
 from .configuration_ncp import NCPConfig
 from .model import NCPModel
@@ -148,8 +157,40 @@ class NCPForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
 
     def generate(self, *args, **kwargs):
-        if not self.core.objective.causal:  # transformers would sample it one token at a time
-            raise ValueError(f"objective {self.core.cfg.objective}: this model is not autoregressive; transformers' "
-                             "generate would sample it one token at a time. Its block-wise sampling is "
-                             "`ncpctl generate` on the ncpctl checkpoint")
+        if not self.core.objective.causal:  # transformers would sample it one token at a time: block by block instead
+            return self._generate_blocks(*args, **kwargs)
         return super().generate(*args, **kwargs)
+
+    @torch.no_grad()
+    def _generate_blocks(self, input_ids, attention_mask=None, generation_config=None, **kwargs):
+        """A block-sampling objective's ``generate`` (the module docstring): (B, T + max_new_tokens)."""
+        own = {k: kwargs.pop(k) for k in ("steps_per_block", "commit_per_step", "seed") if k in kwargs}
+        gc = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
+        unused = gc.update(**kwargs)
+        if unused:
+            raise ValueError(f"generate of a block-sampling model does not take {sorted(unused)}")
+        n = gc.max_new_tokens if gc.max_new_tokens is not None else 64
+        B, T = input_ids.shape
+        pad = [0] * B
+        if attention_mask is not None and not bool(attention_mask.all()):
+            pad = left_padding(attention_mask, allow_right=False, why="pad on the left: a right-padded slot would "
+                               "sit inside a real token's block")
+        prompts = [input_ids[b, p:].tolist() for b, p in enumerate(pad)]
+        if T - min(pad) + n > self.core.cfg.max_seq_len:
+            raise ValueError(f"a prompt of {T - min(pad)} tokens and {n} new tokens pass max_seq_len="
+                             f"{self.core.cfg.max_seq_len}")
+        greedy = not gc.do_sample or gc.temperature == 0  # temperature None: transformers' default, 1
+        params = SimpleNamespace(max_new_tokens=n, temperature=gc.temperature or 1.0, top_k=gc.top_k, top_p=gc.top_p,
+                                 is_greedy=greedy, steps_per_block=own.get("steps_per_block"),
+                                 commit_per_step=own.get("commit_per_step"), seed=own.get("seed"))
+        eos = gc.eos_token_id
+        eos = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
+        new = sample_blocks(self.core, prompts, params, vocab_size=self.core.cfg.vocab_size,
+                            on_block=lambda blk: [any(t in eos for t in toks) for toks in blk])
+        fill = gc.pad_token_id if gc.pad_token_id is not None else (min(eos) if eos else 0)
+        out = torch.full((B, T + n), fill, dtype=input_ids.dtype, device=input_ids.device)
+        out[:, :T] = input_ids
+        for b, toks in enumerate(new):
+            end = next((i + 1 for i, t in enumerate(toks) if t in eos), len(toks))  # up to and with the first EOS
+            out[b, T : T + end] = torch.tensor(toks[:end], dtype=input_ids.dtype)
+        return out
