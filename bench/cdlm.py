@@ -76,7 +76,12 @@ def two_copy(model, T: int):
     cos, sin = rope(pos, model.cfg, model.embed.weight.dtype)
     mask = two_copy_mask(T, model.cfg.diffusion.block_size)
     ctx = Context(cos, sin, {p.key: mask for p in model.token_patterns})
-    model.token_context = lambda n, device, dtype: (ctx, pos)  # instance attribute: this model only
+
+    def token_context(n, device, dtype, doc_ids=None):  # NCPModel.token_context's signature
+        assert doc_ids is None, "the two-copy step has no document masks"
+        return ctx, pos
+
+    model.token_context = token_context  # instance attribute: this model only
     return model
 
 

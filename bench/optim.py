@@ -80,8 +80,10 @@ def _ns_probe(opt) -> Callable[[], None]:
     from ncpctl.train.muon import row_blocks
 
     (group,) = [g for g in opt.param_groups if g.get("muon")]
-    inputs = [torch.randn(b - a, p.shape[1]) for p, rows in zip(group["params"], opt._fused[group["name"]])
+    shapes = [(b - a, p.shape[1]) for p, rows in zip(group["params"], opt._fused[group["name"]])
               for a, b in row_blocks(p.shape, rows)]
+    # the matrices of one shape in one batch (n, A, B), as the step orthogonalises them
+    inputs = [torch.randn(shapes.count(s), *s) for s in dict.fromkeys(shapes)]
 
     def run() -> None:
         for u in inputs:

@@ -55,17 +55,18 @@ def write(d: Path) -> int:
     (d / "config.json").write_text(json.dumps({**ARCH, "concept": CONCEPT}))
     D, L, F, V = ARCH["n_embd"], ARCH["n_layers"], 4 * ARCH["n_embd"], ARCH["vocab_size"]
     kv = D // ARCH["n_head"] * ARCH["n_kv_heads"]
-    pad = lambda n: -(-n // 16) * 16  # noqa: E731
+    n, m, r = CONCEPT["n_concepts"], CONCEPT["n_unknown_concepts"], CONCEPT["factorize_rank"]
+    pad = lambda k: -(-k // CONCEPT["pad_multiple"]) * CONCEPT["pad_multiple"]  # noqa: E731
     shapes = {"transformer.tok_emb.weight": (V, D), "transformer.ln_f.weight": (D,),
-              "known_head.concept_predictor.weight": (pad(33732), D),
-              "known_head.concept_embedding.weight": (pad(33732), D),
-              "unknown_head.predictor_down.weight": (256, D), "unknown_head.predictor_up.weight": (pad(101196), 256),
-              "unknown_head.embedding_coef.weight": (pad(101196), 256), "unknown_head.embedding_basis.weight": (D, 256)}
+              "known_head.concept_predictor.weight": (pad(n), D),
+              "known_head.concept_embedding.weight": (pad(n), D),
+              "unknown_head.predictor_down.weight": (r, D), "unknown_head.predictor_up.weight": (pad(m), r),
+              "unknown_head.embedding_coef.weight": (pad(m), r), "unknown_head.embedding_basis.weight": (D, r)}
     for i in range(L):
         p = f"transformer.blocks.{i}."
         shapes.update({p + "ln_1.weight": (D,), p + "ln_2.weight": (D,), p + "attn.c_attn.weight": (D + 2 * kv, D),
-                       p + "attn.c_proj.weight": (D, D), p + "attn.q_norm.weight": (D // 16,),
-                       p + "attn.k_norm.weight": (D // 16,), p + "mlp.c_fc.weight": (2 * F, D),
+                       p + "attn.c_proj.weight": (D, D), p + "attn.q_norm.weight": (D // ARCH["n_head"],),
+                       p + "attn.k_norm.weight": (D // ARCH["n_head"],), p + "mlp.c_fc.weight": (2 * F, D),
                        p + "mlp.c_proj.weight": (D, F)})
     g = torch.Generator().manual_seed(0)
     shard, size, n, total, weight_map = {}, 0, 0, 0, {}
@@ -96,7 +97,7 @@ def child(d: Path) -> dict:
     base = _rss_kb()
     model = load_model(d, with_tokenizer=False).model
     loaded_kb = _rss_kb() - base
-    x = torch.randint(0, 100000, (1, 64))
+    x = torch.randint(0, model.cfg.vocab_size - 1, (1, 64))  # below the [MASK] (the last id)
     with torch.no_grad():
         model(x)
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base

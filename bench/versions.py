@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 MODELS = {"ours": {}, "conceptlm": {"concept": {"enabled": True, "k": 4, "encoder_layers": 1, "concept_layers": 2}}}
-BATCH = {"pythia-70m": 4, "pythia-160m": 2}
+BATCH = {"debug": 4, "pythia-70m": 4, "pythia-160m": 2}  # debug: the smoke test's size (tests/test_bench_smoke.py)
 
 
 def worker(tree: str, model: str, size: str, T: int, B: int, repeats: int = 1) -> None:

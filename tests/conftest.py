@@ -41,6 +41,26 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, **kw) -> 
                           timeout=timeout, **kw)
 
 
+def run_cli_piped(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """The real entry point as from a user's shell with stdout piped (``ncpctl ... | head``): stdin an
+    80-column terminal (a pty), stdout and stderr pipes, ``TERM=xterm`` and no ``COLUMNS``."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    terminal, user = pty.openpty()
+    fcntl.ioctl(user, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env.update(TERM="xterm", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    try:
+        return subprocess.run([*ncpctl_cmd(), *args], stdin=user, capture_output=True, text=True, cwd=cwd, env=env,
+                              timeout=timeout)
+    finally:
+        os.close(user)
+        os.close(terminal)
+
+
 # prepended to the code run_without_ncpctl runs: the venv has ncpctl installed, so it is hidden
 HIDE_NCPCTL = """\
 import importlib.abc, sys

@@ -193,11 +193,18 @@ def report_failure(json_mode: bool, lines: list[str], hint: str | None, code: in
 
 
 def print_wide(con: Any, renderable: Any) -> None:
-    """Print a table whole: piped or redirected (no terminal, 80 columns) a table would be squeezed
-    and its names cut; there it gets the width it needs."""
-    if not con.is_terminal:
-        from rich.measure import Measurement
-
-        con.print(renderable, width=max(con.width, Measurement.get(con, con.options, renderable).maximum))
-    else:
+    """Print a table whole: piped or redirected, a table would be squeezed to the console's width
+    (the terminal's that stdin or stderr still is, or 80 columns) and its names cut; there it gets
+    the width it needs. rich caps both a measurement and ``print(width=)`` at the console's width,
+    so the table is measured against an unbounded width and printed with the console widened."""
+    if con.is_terminal:
         con.print(renderable)
+        return
+    from rich.measure import Measurement
+
+    width = con.width
+    con.width = max(width, Measurement.get(con, con.options.update_width(1 << 16), renderable).maximum)
+    try:
+        con.print(renderable)
+    finally:
+        con.width = width

@@ -68,10 +68,10 @@ def _human(con: Any, s: dict[str, Any]) -> None:
                      if "flops_realised" in b else ""))
     val = s["val"]
     if val.get("loss") is not None:
-        from ncpctl.train.display import estimate_terms, loss_terms
+        from ncpctl.train.display import estimate_terms, loss_terms, term_text
 
         # the objective's term first (comparable across models), then the others, then the total
-        terms = [f"{k.removesuffix('_loss')} {val[k]:.4f}" for k in loss_terms(val)]
+        terms = [term_text(val, k) for k in loss_terms(val)]
         line = f"val at step {s['val_step']}: " if s.get("val_step") is not None else "val: "
         line += ", ".join([*terms, f"total {val['loss']:.4f}"] if len(terms) > 1 else [f"loss {val['loss']:.4f}"])
         line += "".join(", " + t for t in estimate_terms(val))  # e.g. the CDLM's held-out ELBO
@@ -85,14 +85,14 @@ def _human(con: Any, s: dict[str, Any]) -> None:
     if s.get("train_loss") is not None and s.get("train_loss_step") is not None:
         con.print(f"train loss at step {s['train_loss_step']}: {s['train_loss']:.4f}")
     if s.get("steps_per_s"):
-        mfu = ""
+        mfu, compiled = "", s.get("compile_s") is not None  # train.compile: the first step is compilation
         if s.get("mfu") is not None:
             ranks = f"{s['world_size']} ranks, each " if s.get("world_size", 1) > 1 else ""
-            mfu = f", MFU {100 * s['mfu']:.1f}% (mean over {s['steps_run']} steps, {FLOP_CONVENTION_SHORT}) of " \
-                  f"{s['peak_flop_per_s'] / 1e9:,.0f} " \
-                  f"GFLOP/s ({ranks}{s['peak_source']})"
+            mfu = f", MFU {100 * s['mfu']:.1f}% (mean over {s['steps_run'] - compiled} steps, {FLOP_CONVENTION_SHORT}) " \
+                  f"of {s['peak_flop_per_s'] / 1e9:,.0f} GFLOP/s ({ranks}{s['peak_source']})"
         con.print(f"{s['steps_per_s']:.2f} steps/s, {s['tokens_per_s']:,.0f} tokens/s{mfu}"
-                  + (f", {s['nonfinite_steps']} non-finite steps skipped" if s["nonfinite_steps"] else ""))
+                  + (f", {s['nonfinite_steps']} non-finite steps skipped" if s["nonfinite_steps"] else "")
+                  + (f"; compilation {s['compile_s']:.1f} s (the first step, not in these rates)" if compiled else ""))
     if s["checkpoint"]:
         con.print(f"checkpoint: {s['checkpoint']}")
     for p in s.get("plots") or []:

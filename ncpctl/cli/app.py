@@ -6,14 +6,38 @@ and calls library code. Nothing here imports torch or DeepSpeed, so `ncpctl --he
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
-import typer
+from ncpctl.threads import prefer_passive_waiting
 
-from ncpctl import __version__
+prefer_passive_waiting()  # before anything imports torch: its OpenMP runtime reads it once (ncpctl.threads)
+
+import typer  # noqa: E402
+
+from ncpctl import __version__  # noqa: E402
 from ncpctl.cli import adapt_vq, eval as eval_cmd, export, fit, generate, inspect_cmd, midtrain, pretrain, profile_kernels, \
-    sweep, tokenize, train_drafter
-from ncpctl.cli._common import STATE, report_failure
+    sweep, tokenize, train_drafter  # noqa: E402
+from ncpctl.cli._common import STATE, report_failure  # noqa: E402
+
+
+
+def _flags_without_a_type() -> None:
+    """typer 0.29's rich help prints ``<bool>`` in the type column of every flag (``--json``,
+    ``--help``, ...), which takes no value (issue 46 item 10): flags show no type there."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)  # typer before 0.2x: no type column to fix
+    if shown is None or getattr(shown, "ncpctl", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    display_type_rich.ncpctl = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_without_a_type()
 
 app = typer.Typer(
     name="ncpctl",

@@ -84,7 +84,8 @@ def main(
         if info.get("moved_aside"):
             con.print(f"  the earlier export (changed since ncpctl wrote it) was moved to {info['moved_aside']}")
         if info.get("remote_code"):
-            con.print("  load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
+            con.print("  load with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True); the tokenizer "
+                      "with PreTrainedTokenizerFast.from_pretrained(DIR)")
         v = info.get("verify")
         same = "; tokenizer identical" if info.get("format", "hf") == "hf" else " (imported back)"
         con.print(f"  verified: max |logit diff| {v['max_abs_diff']:.3g} <= {v['tolerance']:.3g}{same}"

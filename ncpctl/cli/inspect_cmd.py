@@ -176,7 +176,7 @@ def _read_concepts(o: Output, checkpoint: str, prompts: list[str], target: str |
             base, rows = C.ablate(model, x, n_prompt, abl, view)
             entry["target"] = {"text": target, "logprob": base, "ablations": rows}
         if plot_dir is not None:
-            out = plots.weight_heatmap(view.weights.numpy(), [f"{b['block']}: {b['text'][:14]!r}" for b in blocks],
+            out = plots.weight_heatmap(view.weights.numpy(), [f"{b['block']}: {clip(b['text'], 14)!r}" for b in blocks],
                                            plot_dir / f"weights_prompt{i}.png", o.info)
             files += [out] if out else []
         report["prompts"].append(entry)
@@ -202,7 +202,7 @@ def _human(con, report: dict[str, Any]) -> None:
             _human_bottleneck(con, p)
         if "blocks" not in p:
             continue
-        text = f"{p['prompt'][:60]!r}" + (f" + target {p['target']['text'][:30]!r}" if "target" in p else "")
+        text = f"{clip(p['prompt'], 60)!r}" + (f" + target {clip(p['target']['text'], 30)!r}" if "target" in p else "")
         t = Table(title=f"{text}: each block's predicted concept as codes per segment"
                         + (" (pred before the coupling's norm)" if normed else ""), title_justify="left")
         t.add_column("block")
@@ -212,11 +212,11 @@ def _human(con, report: dict[str, Any]) -> None:
             segs = "; ".join(
                 f"s{s['segment']}: " + ", ".join(f"{c['code']} ({c['weight']:.2f})" for c in s["top"])
                 + f", rest {s['remainder']['weight']:+.2f}" for s in b["segments"])
-            t.add_row(str(b["block"]), repr(b["text"])[:24], segs)
+            t.add_row(str(b["block"]), repr(clip(b["text"], 22)), segs)
         con.print(t)
         tail = p.get("unpooled_tail", {})
         if tail.get("tokens"):
-            con.print(f"the last {tail['tokens']} token(s) {tail['text'][:30]!r} close no concept yet (a partial "
+            con.print(f"the last {tail['tokens']} token(s) {clip(tail['text'], 30)!r} close no concept yet (a partial "
                       "block): not shown")
         con.print(f"reconstruction of pred from the codes: max error {p['max_reconstruction_error']:.2e}")
         if "target" in p:
@@ -232,17 +232,23 @@ def _human(con, report: dict[str, Any]) -> None:
         for c in sorted(d["codes"], key=lambda c: -c["usage"])[:20]:
             blk = c["top_blocks"][0]["text"] if c["top_blocks"] else ""
             lifts = " ".join(repr(x["token"]) for x in c.get("lift_tokens", [])[:5])
-            t.add_row(f"s{c['segment']}/{c['code']}", f"{c['usage']:.3f}", repr(blk)[:30], lifts)
+            t.add_row(f"s{c['segment']}/{c['code']}", f"{c['usage']:.3f}", repr(clip(blk, 28)), lifts)
         con.print(t)
     for f in report["files"]:
         con.print(f"wrote {f}")
+
+
+def clip(text: str, n: int) -> str:
+    """``text`` cut to ``n`` characters, the cut marked with an ellipsis (issue 46 item 10: a prompt
+    cut in a header read as the whole prompt)."""
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def _human_bottleneck(con, p: dict[str, Any]) -> None:
     from rich.table import Table
 
     rep = p["bottleneck"]
-    t = Table(title=f"{p['prompt'][:60]!r}: each logit = known + unknown + residual (exact; error "
+    t = Table(title=f"{clip(p['prompt'], 60)!r}: each logit = known + unknown + residual (exact; error "
                     f"{rep['attribution_error']:.1e}), concept share {rep['mean_share']:.2f}", title_justify="left")
     for col in ("pos", "scores", "logit", "known", "unknown", "residual", "top known concepts (term)"):
         t.add_column(col)
@@ -251,7 +257,7 @@ def _human_bottleneck(con, p: dict[str, Any]) -> None:
                   f"{q['residual']:.2f}", ", ".join(f"{c['concept']} ({c['term']:+.2f})" for c in q["concepts"][:3]))
     con.print(t)
     for ch in rep["chunks"]:
-        con.print(f"chunk {ch['chunk']} {ch['text'][:40]!r}: "
+        con.print(f"chunk {ch['chunk']} {clip(ch['text'], 40)!r}: "
                   + ", ".join(f"{c['concept']} {c['probability']:.2f}" for c in ch["concepts"][:4]))
 
 
@@ -359,7 +365,7 @@ def _human_inputs(con, report: dict[str, Any], top: int) -> None:
 
     for r in report["attributions"]:
         out, block = r["output"], r["unit"] == "block"
-        con.print(f"{r['prompt'][:60]!r}: output = {out['definition']}"
+        con.print(f"{clip(r['prompt'], 60)!r}: output = {out['definition']}"
                   + (f" {out['token_text']!r}" if out["token_text"] is not None else f" ({out.get('concept_name')})")
                   + f" = {out['value']:.4f}; baseline {r['baseline']['text']!r}")
         rows = r["blocks"] if block else r["tokens"]
@@ -368,7 +374,7 @@ def _human_inputs(con, report: dict[str, Any], top: int) -> None:
         for col in ("span" if block else "pos", "text", "occlusion", "IG"):
             t.add_column(col)
         for x in sorted(rows, key=lambda x: -abs(x["occlusion"]))[:top]:
-            t.add_row(str(x["span"] if block else x["position"]), repr(x["text"])[:30], f"{x['occlusion']:+.4f}",
+            t.add_row(str(x["span"] if block else x["position"]), repr(clip(x["text"], 28)), f"{x['occlusion']:+.4f}",
                       "" if x["ig"] is None else f"{x['ig']:+.4f}")
         con.print(t)
         if "ig" in r:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, Output, command
+from ncpctl.cli._common import DebugOpt, JsonOpt, Output, command, print_wide
 from ncpctl.errors import UserError
 
 
@@ -60,7 +60,7 @@ def main(
         o.warn(note)
     if dry:
         o.result({"command": "sweep", "dry": True, **sweep.manifest(), "totals": _totals(sweep), "notes": sweep.notes},
-                 lambda con: con.print(_table(sweep, dry=True)))
+                 lambda con: print_wide(con, _table(sweep, dry=True)))
         return
     make_executor(executor, sweep, parallel)  # a missing Slurm or a bad slurm: parameter, before anything is written
     write_plan(sweep)

@@ -310,10 +310,11 @@ def score(lm, tm, objs: list[Any], protocols: list[Any], limit: int | float | No
     from lm_eval import simple_evaluate
 
     from ncpctl.evaluate.protocol import aggregate
+    from ncpctl.evaluate.quiet import no_progress_bars
 
     set_shots(objs, num_fewshot)
     r, n, t, f = seed
-    with _quiet_git_hash():
+    with _quiet_git_hash(), no_progress_bars():
         res = simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=limit, num_fewshot=None,
                               batch_size=batch_size, log_samples=True, bootstrap_iters=bootstrap_iters,
                               metadata=metadata, gen_kwargs=gen_kwargs or None, random_seed=r, numpy_random_seed=n,

@@ -264,7 +264,8 @@ class ConceptModule(nn.Module):
     def log_keys(self) -> list[LogKey]:
         S = self.S
         keys = [LogKey("ncp_loss"), LogKey("vq_loss"), LogKey("commitment_loss"), *self.segmenter.log_keys()]
-        return keys + [LogKey("code_perplexity", S), LogKey("ncp_code_acc", S), LogKey("code_usage", S, per="segment")]
+        return keys + [LogKey("ncp_rel"), LogKey("code_perplexity", S), LogKey("ncp_code_acc", S),
+                       LogKey("code_usage", S, per="segment")]
 
     def _losses(self, seg: Segments, pred: torch.Tensor, codes: torch.Tensor, out: ConceptOutput) -> None:
         """NCP and VQ terms (ncp-model.md section 3), reduced as ``ncp_reduction`` / ``vq_reduction``
@@ -289,6 +290,10 @@ class ConceptModule(nn.Module):
         both = nearest_code(torch.cat([cs, pred[:, :-1].detach()], 1), codes.detach())  # (B, 2M-1, S)
         idx, pred_idx = both[:, :M], both[:, M:]
         q = codes[self.segment_index, idx].reshape(B, M, d)  # (B, M, d), grad -> codes
+        if M >= 2:
+            with torch.no_grad():  # ncp_rel: the term over the next concepts' own nearest codes' (same reduction)
+                reach = self._reduce((q[:, 1:] - cs[:, 1:]).pow(2), pair, cfg.ncp_reduction).clamp_min(1e-12)
+                out.metrics["ncp_rel"] = out.losses["ncp_loss"].detach() / reach
         if cfg.vq_reduction == "sum_segment":  # Eq. 21: 1/(M S) sum_m sum_s ||sg(c_m^s) - q_m^s||^2
             vq = self._reduce((q - cs).pow(2), valid, "sum_segment")
         elif valid is None:  # mean: the element mean (as F.mse_loss), ConceptLM

@@ -25,6 +25,7 @@ from ncpctl.errors import UserError
 from ncpctl.model.config import ConfigError, ModelConfig, build_config, deep_merge
 from ncpctl.recipe.init_from import hf_init_config, init_from_hf, init_from_model
 from ncpctl.recipe.length import Budget, Problem, check_train, warmup_steps
+from ncpctl.recipe.reuse import expand_from_run
 from ncpctl.recipe.yaml_io import MAX_YAML_VALUES, alias_problem, yaml_load, yaml_problem  # noqa: F401  (re-exported)
 from ncpctl.recipe.schema import (
     SECTIONS,
@@ -513,6 +514,7 @@ def _check_combinations(
         derived["run_dir"] = run_dir
         if run_dir.exists() and not run_dir.is_dir():
             problems.append(("run.dir", f"{run_dir} exists and is not a directory"))
+    problems += expand_from_run(data, tok)  # data.from_run: before the data and tokenizer checks below
 
     vocab: int | None = None
     cfg: ModelConfig | None = None

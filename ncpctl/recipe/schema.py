@@ -104,6 +104,10 @@ class DataSection(Section):
         "type hints, string formatting, tests, ...), `field` = each JSON record's `labels_field`.")
     labels_field: str = Field("concepts", description="With `labels: field`: the record field holding a list of "
                               "names (document labels) or {concept, start, end} character spans.")
+    from_run: Optional[str] = Field(None, description="Train on another run's tokenized data: its run directory "
+                                    "(or its data/ directory). Sets data.train_prefix, data.val_prefix and "
+                                    "tokenizer.path to that data's train, val and tokenizer.json; nothing to tokenize. "
+                                    "E.g. `--set data.from_run=runs/debug`.")
     train_prefix: Optional[str] = Field(None, description="Use an existing Megatron dataset (PREFIX.bin/.idx, "
                                         "e.g. the pre-tokenized Pile) for training instead of `run.dir/data/train`.")
     val_prefix: Optional[str] = Field(None, description="Existing Megatron dataset for validation.")

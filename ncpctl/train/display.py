@@ -24,6 +24,14 @@ def _short(key: str) -> str:
     return key.removesuffix("_loss")
 
 
+def term_text(rec: dict[str, Any], key: str, fmt: str = ".4f") -> str:
+    """``ncp 184.1000 (rel 1.012)``: a loss term, with its relative figure when the record has one
+    (``{term}_rel``, e.g. the NCP term over its targets' nearest codes': the term's level is the
+    codebook's reach, which grows with the targets' norm; ``ncpctl.model.concept``)."""
+    rel = rec.get(_short(key) + "_rel")
+    return f"{_short(key)} {rec[key]:{fmt}}" + (f" (rel {rel:.3f})" if isinstance(rel, (int, float)) else "")
+
+
 def loss_terms(rec: dict[str, Any]) -> list[str]:
     """The record's loss terms besides the total ``loss``, in record order (``ntp_loss`` first)."""
     return [k for k, v in rec.items() if k.endswith("_loss") and isinstance(v, (int, float))]
@@ -92,7 +100,7 @@ class TrainDisplay:
     def step(self, rec: dict[str, Any]) -> None:
         terms = f"loss {rec['loss']:.4f}"
         for key in loss_terms(rec):
-            terms += f"  {_short(key)} {rec[key]:.4f}"
+            terms += "  " + term_text(rec, key)
         for key, label in PERCENT.items():
             if rec.get(key) is not None:
                 terms += f"  {label} {100 * rec[key]:.0f}%"
@@ -110,7 +118,7 @@ class TrainDisplay:
         loss, comparable across models), and with learned segments the tokens per concept (per
         data.sources entry when there are several); with data.mix each component's loss."""
         parts = loss_terms(val)
-        first = f" ({_short(parts[0])} {val[parts[0]]:.4f})" if len(parts) > 1 else ""
+        first = f" ({term_text(val, parts[0])})" if len(parts) > 1 else ""
         extra = ""
         if isinstance(val.get("tokens_per_concept"), (int, float)):  # learned segments: the realised compression
             extra = f", {val['tokens_per_concept']:.2f} tokens per concept"

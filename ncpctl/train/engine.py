@@ -28,6 +28,7 @@ each under ZeRO-3. The engine names no component: it asks every module.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -182,6 +183,7 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable
     # stage 0 bf16: the fp32 weights, before DeepSpeed casts the model (its masters then come from bf16)
     fp32_init = ({id(p): p.detach().clone() for p in model.parameters() if p.requires_grad}
                  if bf16 and recipe.deepspeed.zero_stage == 0 else None)
+    quiet_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
     if fp32_init is not None:
@@ -199,6 +201,27 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable
     if on_gpu and info is not None and liger_loss() is not None:
         info("LM head loss: Liger Kernel's fused linear cross-entropy (ncpctl.model.head.USE_LIGER)")
     return engine, bf16
+
+
+class _DropUntested(logging.Filter):
+    """DeepSpeed's "You are using ZeRO with an untested optimizer": ncpctl's optimizers (GuardedAdamW,
+    MuonAdamW) are not on DeepSpeed's list, and ncpctl's tests run them under ZeRO (issue 46 item 10)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "untested optimizer" not in record.getMessage()
+
+
+def quiet_deepspeed() -> None:
+    """Drop the lines a user can do nothing about (issue 46 item 10): the untested-optimizer warning,
+    and torch's FutureWarning on the collectives DeepSpeed's ZeRO calls (``all_gather_into_tensor``,
+    ``reduce_scatter_tensor``: deprecated in torch, DeepSpeed's to change), once per call site."""
+    import warnings
+
+    from deepspeed.utils import logger
+
+    if not any(isinstance(f, _DropUntested) for f in logger.filters):
+        logger.addFilter(_DropUntested())
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 @torch.no_grad()
@@ -235,3 +258,24 @@ def reset_hyperparameters(engine: Any, recipe: Recipe) -> None:
         if g.get("muon"):
             g.update(momentum=t.muon_momentum, lr_scale=t.muon_lr_scale)
     engine.lr_scheduler.base_lrs = [g["initial_lr"] for g in opt.param_groups]  # our LambdaLR (kept by deepspeed)
+
+
+def follow_schedule(engine: Any, recipe: Recipe) -> int:
+    """A resumed run's lr (issue 46 item 6): this recipe's schedule on this recipe's base rates, from
+    the step the scheduler is about to take (its ``last_epoch``: skipped steps do not advance it),
+    which it returns. The loaded param groups carry the lr the checkpoint's schedule set for that
+    step and LambdaLR's state the checkpoint's base rates (its lambdas are this recipe's: plain
+    functions are not saved), so under a changed schedule the first resumed step took the old lr
+    and, with another train.lr, every later one the old peak. An unchanged schedule gives the same
+    numbers bit for bit (LambdaLR computes ``base * lambda(last_epoch)`` as here)."""
+    t, schedule, base = recipe.train, lr_schedule(recipe), base_lrs(recipe.train)
+    sched = engine.lr_scheduler  # our LambdaLR (kept by deepspeed), over the inner torch optimizer
+    mults = {g["name"]: g for g in param_groups(engine.module, t.weight_decay, muon=t.optimizer == "muon")}
+    rates = []
+    for g in sched.optimizer.param_groups:
+        mine = mults.get(g.get("name"), {})
+        rates.append(base.get(mine.get("mup"), t.lr) * mine.get("lr_mult", 1.0))
+        g.update(initial_lr=rates[-1], lr=rates[-1] * schedule(sched.last_epoch))
+    sched.base_lrs = rates
+    sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]  # what get_last_lr() reports
+    return sched.last_epoch

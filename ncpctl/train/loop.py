@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
+from ncpctl import threads
 from ncpctl.checkpoint import check_latest, elastic_dir
 from ncpctl.errors import UserError
 from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
@@ -47,10 +48,11 @@ from ncpctl.recipe.load import Recipe
 from ncpctl.train import checkpoint as ckpt, downstream, elastic, tracking
 from ncpctl.train.config import schedule_change
 from ncpctl.train.data import TrainData, open_data
-from ncpctl.train.engine import Dist, build_engine, init_distributed, reset_hyperparameters
+from ncpctl.train.engine import Dist, build_engine, follow_schedule, init_distributed, reset_hyperparameters
 from ncpctl.train.hooks import Hooks
 from ncpctl.train.metrics import MetricsLog, unigram_entropy, write_plots
 from ncpctl.train.packing import LOSS, StepPacking
+from ncpctl.train.rates import Rates
 from ncpctl.train.stages import Stage, build_model
 from ncpctl.train.stopping import Abandoned, Signals, abandon_on_stop, downstream_or_failure
 from ncpctl.train.summary import summary
@@ -165,7 +167,7 @@ class _Run:
     # ---- this invocation's clock (the summary's rates) ----
     started: float = 0.0
     first_step: int = 0
-    compute_s: float = 0.0
+    rates: Rates = field(default_factory=Rates)  # this process's step seconds (a compiling first step apart)
 
     @property
     def root(self) -> Path:
@@ -197,12 +199,13 @@ def train(recipe: Recipe, stage: Stage, out: Any) -> dict[str, Any]:
     with Signals() as stop:  # a first SIGINT / SIGTERM stops after a save, a second at once (stopping.py)
         run.engine.train()
         run.started, run.first_step = time.perf_counter(), tot.step
+        run.rates = Rates.for_run(recipe, run.d.device.type != "cpu", t.max_steps - tot.step, run.info, run.warn)
         if run.display is not None:
             run.display.start(t.max_steps, tot.step)
         try:
             while tot.step < t.max_steps:
                 step = _optimizer_step(run, stop)
-                run.compute_s += step.seconds
+                run.rates.add(step.seconds, step.attention["seconds"] if step.attention else 0.0)
                 if run.metrics is not None and step.attention is not None:  # also when the step is skipped
                     run.metrics.write({"split": "stability", "step": tot.step, **step.attention})
                 if run.faults.sleep:
@@ -274,7 +277,7 @@ def _prepare(recipe: Recipe, stage: Stage, out: Any) -> _Run:
     packing = StepPacking.for_model(model, FLAGS, reserved=RECORD_FIELDS)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    info(f"model {recipe.model_config.name}: {n_params:,} parameters, {n_trainable:,} trainable")
+    info(f"model {recipe.model_config.name}: {n_params:,} parameters, {n_trainable:,} trainable; {threads.describe()}")
     engine, bf16 = build_engine(recipe, model, d, info, warn)
 
     run = _Run(recipe, stage, d, faults, info, warn, data, hooks, engine, packing, resume_from,
@@ -392,7 +395,7 @@ def _restore(run: _Run, meta: dict[str, Any]) -> None:
         recorded = _recorded_train(src)
         if recorded.get("max_steps") is None and isinstance(meta.get("budget"), dict):  # a budget's run
             recorded["max_steps"] = meta["budget"].get("max_steps")
-        changed = schedule_change(recorded, run.recipe, tot.step)
+        changed = schedule_change(recorded, run.recipe, follow_schedule(engine, run.recipe))  # the log agrees
         if t.decay_from and src.parent != run.root:  # a decay branch: the schedule changes by design
             run.info(f"decay branch from {src}: {run.recipe.decay_steps} decay steps ({t.decay_shape}) from step "
                      f"{tot.step} to {t.max_steps}")
@@ -579,6 +582,7 @@ def _save(run: _Run) -> None:
                      "train_prefix": None if r.data.mix and not r.data.train_prefix else str(run.data.train_ds.bin_path)[:-4]},
             "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage,
             "nonfinite_total": tot.nonfinite_total, "train_loss": tot.train_loss, "val": tot.val,
+            "threads": threads.record(),  # the intra-op count changes the numerics (ncpctl.threads)
             "budget": r.budget.record(tot.step, tot.tokens, run.flops_per_step),
             # a decay branch's start (the concrete checkpoint, its step, the stable-phase losses): its resumes
             # and `fit` read it, also once the stable checkpoint is pruned (ncpctl.recipe.length.decay_start)
@@ -593,6 +597,3 @@ def _save(run: _Run) -> None:
                               keep_last=r.train.keep_last, barrier=run.d.barrier, fault=run.faults)
     tot.last_saved = tot.step
     run.info(f"[dim]saved {tot.last_good}[/]")
-
-
-

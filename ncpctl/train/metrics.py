@@ -6,8 +6,8 @@ loop's step, lr, tokens, grad_norm, step_time, tokens_per_s, mfu, nonfinite (ski
 far), then the model's log keys (``NCPModel.log_keys()``; per-segment vectors as their mean,
 and for keys logged per element also ``{name}_per_{per}``) and its step statistics
 (``stat_keys()``, totals). For the shipped models: loss, ntp_loss, ncp_loss, vq_loss,
-commitment_loss, code_perplexity, ncp_code_acc, code_usage (mean over segments),
-code_usage_per_segment.
+commitment_loss, ncp_rel (the NCP term over its targets' nearest codes'), code_perplexity,
+ncp_code_acc, code_usage (mean over segments), code_usage_per_segment.
 Validation records (``"split": "val"``): step and the means of the log keys not logged per
 element. Stability records (``"split": "stability"``, ``train.attention_stats_every``): step,
 ``attn/max_logit``, ``attn/max_q_norm``, ``attn/max_k_norm`` (over all attention layers) and the

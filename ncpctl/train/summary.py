@@ -7,13 +7,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ncpctl import threads
 from ncpctl.model.accounting import FLOP_CONVENTION
 
 
 def summary(run: Any, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:
     r, tot, stage = run.recipe, run.tot, run.stage
     elapsed = time.perf_counter() - run.started
-    steps, compute_s = tot.step - run.first_step, run.compute_s
+    steps, compute_s = run.rates.steps, run.rates.compute_s  # without a compiling first step (train.compile)
     tokens_per_step = r.global_batch_size * r.seq_len
     return {
         "stage": stage.name, "run_dir": str(r.run_dir), "step": tot.step, "max_steps": r.train.max_steps,
@@ -21,7 +22,8 @@ def summary(run: Any, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:
         "val": tot.val, "val_step": tot.val_step,
         "downstream": tot.downstream or None,  # train.eval_tasks: the last in-loop record
         "unigram_entropy": run.entropy, "parameters": run.n_params, "trainable_parameters": run.n_trainable,
-        "steps_run": steps, "seconds": round(elapsed, 2),
+        "steps_run": tot.step - run.first_step, "seconds": round(elapsed, 2),
+        "compile_s": run.rates.compile_s,  # train.compile: the first step, compilation included
         "steps_per_s": steps / compute_s if compute_s else None,
         "tokens_per_s": steps * tokens_per_step / compute_s if compute_s else None,
         # the live MFU's definition (training FLOPs / step time / peak) over every step this process ran
@@ -33,6 +35,7 @@ def summary(run: Any, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:
         "resumed_from": str(run.resume_from) if run.resume_from else None,
         "init_from": str(stage.init_from) if stage.init_from else None,
         "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage, "bf16": run.bf16,
+        "threads": threads.record(),  # the intra-op count changes the numerics (ncpctl.threads)
         "budget": _budget(run),
         "plots": plots,
     }

@@ -17,7 +17,7 @@ import pytest
 from ncpctl.evaluate.compare import compare, newest_results
 from ncpctl.evaluate.run import evaluate, resolve_target
 
-from ..conftest import run_cli
+from ..conftest import run_cli, run_cli_piped
 
 TAG = "results_step_0000200.json"  # the runs fixture's checkpoints are step_0000200
 HELD = "def area(r):\n    return 3.14159 * r * r\n\n\nfor r in range(3):\n    print(area(r))\n"
@@ -234,9 +234,11 @@ def test_compare_states_each_runs_budget_and_size_and_prints_whole_when_piped(fi
     assert runs["concept"]["parameters"] > runs["base"]["parameters"] > 0  # the concept path's layers
     note = next(n for n in got["notes"] if n.startswith("the runs differ in budget or size"))
     assert f"{runs['base']['parameters']:,} parameters" in note
-    r = run_cli("eval", "--compare", str(a), str(b), "--out", str(tmp_path / "p"))  # stdout is a pipe here
+    # issue 46 item 4: as from a user's shell (no COLUMNS, TERM=xterm, stdout a pipe)
+    r = run_cli_piped("eval", "--compare", str(a), str(b), "--out", str(tmp_path / "p"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ncp_heldout_ppl" in r.stdout and "ncp_last_ident" in r.stdout and "±" in r.stdout
+    assert "…" not in r.stdout and max(len(line) for line in r.stdout.splitlines()) > 80, r.stdout
 
 
 def test_compare_reads_the_flops_a_checkpoint_records_it_spent(finished, tmp_path):

@@ -111,6 +111,7 @@ def test_cli_eval_recipe_json(runs):
     """The real entry point with a recipe: its eval section (tasks: [ncp_offline], limit 8)."""
     r = run_cli("eval", str(runs["recipe"]), "--limit", "4", "--json")
     assert r.returncode == 0, r.stderr
+    assert "it/s]" not in r.stderr and "%|" not in r.stderr, r.stderr  # issue 46 item 10: no lm-eval bars
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["ok"] and out["command"] == "eval" and out["limit"] == 4
     assert "ncp_cloze" in out["results"] and out["perplexity"]["token_weighted"] > 1

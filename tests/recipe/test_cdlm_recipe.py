@@ -145,15 +145,9 @@ def test_the_four_families_differ_only_in_objective_and_concept_module(tmp_path:
     assert len({r.run_dir for r in got.values()}) == 4 and all(r.data.labels == "python-ast" for r in got.values())
 
 
-def test_steerling_midtraining_is_a_labelled_mixture_from_the_pretrained_run(tmp_path: Path) -> None:
-    """recipes/steerling-8b-midtrain.yaml: Steerling's mid-training (uniform masking, dropout 0.3,
-    teacher forcing 0.5 -> 0, 150B tokens) from the pre-training run, on a data.mix of three labelled
-    components (placeholder prefixes and weights: the notes give none); only stage keys of the model
-    change (a new stage may change them: STAGE_KEYS)."""
-    import yaml
-
+def _resolved_steerling(tmp_path: Path):
+    """recipes/steerling-8b.yaml and its mid-training, resolved on stand-in data and tokenizer."""
     from ncpctl.data.indexed import IndexedDatasetWriter
-    from ncpctl.train.checkpoint import STAGE_KEYS, config_differences
 
     vocab = {f"t{i}": i for i in range(100280)} | {"<|mask|>": 100280}
     Tokenizer(models.WordLevel(vocab, unk_token="t1")).save(str(tmp_path / "tok.json"))
@@ -164,7 +158,33 @@ def test_steerling_midtraining_is_a_labelled_mixture_from_the_pretrained_run(tmp
     sets = [f"tokenizer.path={tmp_path / 'tok.json'}"]
     base = load_recipe(RECIPES / "steerling-8b.yaml", [*sets, f"data.train_prefix={tmp_path / 'train'}",
                                                        f"data.val_prefix={tmp_path / 'val'}"])
-    r = load_recipe(RECIPES / "steerling-8b-midtrain.yaml", [*sets, f"train.init_from={tmp_path / 'pre'}"])
+    mid = load_recipe(RECIPES / "steerling-8b-midtrain.yaml", [*sets, f"train.init_from={tmp_path / 'pre'}"])
+    return base, mid
+
+
+def test_steerling_budget_and_sparsity_follow_the_notes(tmp_path: Path) -> None:
+    """Issue 41 items 1-2: pre-training trains on the notes' ~1.2T tokens (not 105B) with the
+    Gaussian curriculum's move spanning it, its concept heads dense; mid-training (150B tokens) is
+    shorter and turns top-k on (known 32, unknown 128)."""
+    base, mid = _resolved_steerling(tmp_path)
+    tokens = base.train.max_steps * base.global_batch_size * base.seq_len
+    assert tokens >= 1.1e12
+    assert base.model_config.diffusion.gaussian_steps == base.train.max_steps
+    assert (base.model_config.bottleneck.top_k_known, base.model_config.bottleneck.top_k_unknown) == (None, None)
+    assert (mid.model_config.bottleneck.top_k_known, mid.model_config.bottleneck.top_k_unknown) == (32, 128)
+    assert mid.train.max_steps * mid.global_batch_size * mid.seq_len < tokens
+
+
+def test_steerling_midtraining_is_a_labelled_mixture_from_the_pretrained_run(tmp_path: Path) -> None:
+    """recipes/steerling-8b-midtrain.yaml: Steerling's mid-training (uniform masking, dropout 0.3,
+    teacher forcing 0.5 -> 0, 150B tokens) from the pre-training run, on a data.mix of three labelled
+    components (placeholder prefixes and weights: the notes give none); only stage keys of the model
+    change (a new stage may change them: STAGE_KEYS)."""
+    import yaml
+
+    from ncpctl.train.checkpoint import STAGE_KEYS, config_differences
+
+    base, r = _resolved_steerling(tmp_path)
     assert r.data.train_prefix is None and r.data.val_prefix is None
     assert [(c.name, c.weight) for c in r.data.mix] == [("general", 0.5), ("math", 0.25), ("code", 0.25)]
     assert all(c.prefix and c.val_prefix for c in r.data.mix)

@@ -92,8 +92,8 @@ def test_shipped_models_log_what_they_always_did(concept: bool) -> None:
     rec = pk.record(terms)
     want = ["loss", "ntp_loss"]
     if concept:
-        want += ["ncp_loss", "vq_loss", "commitment_loss", "code_perplexity", "ncp_code_acc", "code_usage",
-                 "code_usage_per_segment"]
+        want += ["ncp_loss", "vq_loss", "commitment_loss", "ncp_rel", "code_perplexity", "ncp_code_acc", "code_usage",
+                 "code_usage_per_segment"]  # ncp_rel: issue 46 item 8
         assert rec["code_usage"] == pytest.approx(o.code_usage.double().mean().item())
         assert rec["code_perplexity"] == pytest.approx(o.code_perplexity.double().mean().item())
         assert len(rec["code_usage_per_segment"]) == model.cfg.n_segments
