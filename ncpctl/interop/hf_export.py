@@ -254,11 +254,11 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
             "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
             "bos_token_id": eod, "eos_token_id": eod, "dtype": dtype_name,
         }
+        _check_builtin(cfg)  # first: a strategy that cannot travel is the root of any later refusal
         mask = _mask_token(loaded)
         if mask is not None:  # where transformers' diffusion LMs look for it (a CDLM's [MASK])
             config["mask_token_id"] = mask[1]
         (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _check_builtin(cfg)
         for src in remote_files():
             shutil.copyfile(src, d / src.name)
         state = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}  # MTP: training only

@@ -90,6 +90,29 @@ class Codebook(nn.Module):
         return self.base if self.transform is None else self.transform(self.base)  # (S, N, ds)
 
 
+_ARANGES: dict = {}  # (n, device) -> 0..n-1
+
+
+def constant_arange(n: int, device: torch.device) -> torch.Tensor:
+    """0..n-1 on ``device``, made once per (n, device) and reused (a kernel per step otherwise). Not a
+    buffer: a model built on the meta device and then loaded has no data for an unsaved buffer."""
+    key = (n, str(device))
+    if key not in _ARANGES:
+        _ARANGES[key] = torch.arange(n, device=device)
+    return _ARANGES[key]
+
+
+_ONES: dict = {}  # (device, dtype) -> 1
+
+
+def constant_one(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A scalar 1 on ``device``, made once (``expand`` it: a tensor of ones without a kernel)."""
+    key = (str(device), dtype)
+    if key not in _ONES:
+        _ONES[key] = torch.ones((), device=device, dtype=dtype)
+    return _ONES[key]
+
+
 def nearest_code(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """Index (B, M, S) of the nearest code per segment for x (B, M, d), codes (S, N, ds)."""
     B, M, _ = x.shape
@@ -146,9 +169,6 @@ class ConceptModule(nn.Module):
         c = cfg.concept
         self.cfg = cfg
         self.S, self.N = cfg.n_segments, c.codes
-        # 0..S-1, the segment axis of a (S, N, ds) codebook lookup: made once (a kernel per step
-        # otherwise), not saved (a constant of the shape)
-        self.register_buffer("segment_index", torch.arange(self.S), persistent=False)
         self.segmenter = _build("segmentation", c.segmentation, Segmenter, cfg)
         # the concept transformer at its own width d_c (DLCM): W_up lifts the pooled (B, M, d) concepts
         self.ccfg = ccfg = cfg.concept_cfg
@@ -289,10 +309,14 @@ class ConceptModule(nn.Module):
         cs = c.detach()
         both = nearest_code(torch.cat([cs, pred[:, :-1].detach()], 1), codes.detach())  # (B, 2M-1, S)
         idx, pred_idx = both[:, :M], both[:, M:]
-        q = codes[self.segment_index, idx].reshape(B, M, d)  # (B, M, d), grad -> codes
+        q = codes[constant_arange(self.S, c.device), idx].reshape(B, M, d)  # (B, M, d), grad -> codes
         if M >= 2:
             with torch.no_grad():  # ncp_rel: the term over the next concepts' own nearest codes' (same reduction)
-                reach = self._reduce((q[:, 1:] - cs[:, 1:]).pow(2), pair, cfg.ncp_reduction).clamp_min(1e-12)
+                if pair is None and cfg.ncp_reduction == "mean":  # the element mean: one kernel
+                    reach = F.mse_loss(q[:, 1:], cs[:, 1:])
+                else:
+                    reach = self._reduce((q[:, 1:] - cs[:, 1:]).pow(2), pair, cfg.ncp_reduction)
+                # reach is 0 only if every next concept were exactly a code (it never is: inf then)
                 out.metrics["ncp_rel"] = out.losses["ncp_loss"].detach() / reach
         if cfg.vq_reduction == "sum_segment":  # Eq. 21: 1/(M S) sum_m sum_s ||sg(c_m^s) - q_m^s||^2
             vq = self._reduce((q - cs).pow(2), valid, "sum_segment")
@@ -328,13 +352,13 @@ class ConceptModule(nn.Module):
         S, N = self.S, self.N
         counts = torch.zeros(S, N, device=idx.device)
         flat = idx.reshape(-1, S).t()  # (S, B*M)
-        ones = torch.ones_like(flat, dtype=counts.dtype)
+        ones = constant_one(idx.device, counts.dtype).expand(flat.shape)  # a view: no kernel
         if valid is not None:
             ones = ones * valid.reshape(1, -1).to(counts.dtype)
         counts.scatter_add_(1, flat, ones)  # (S, N) hits per code
         metrics["code_usage"] = counts.count_nonzero(-1) / N
-        total = counts.sum(-1, keepdim=True)
-        p = counts / (total if valid is None else total.clamp_min(1))
+        # every concept hits one code per segment: without padding the total is known here
+        p = counts / (flat.shape[1] if valid is None else counts.sum(-1, keepdim=True).clamp_min(1))
         metrics["code_perplexity"] = torch.special.entr(p).sum(-1).exp()  # exp(-sum p log p), 0 log 0 = 0
         if idx.shape[1] >= 2:
             hit = pred_idx == idx[:, 1:]  # (B, M-1, S)

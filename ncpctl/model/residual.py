@@ -121,6 +121,19 @@ class IRCState:
     stacked: torch.Tensor | None = None
 
 
+_ONE_HOTS: dict = {}  # (n, device, dtype) -> (0, ..., 0, 1)
+
+
+def _newest(n: int, like: torch.Tensor) -> torch.Tensor:
+    """The constant one-hot (n,) on the newest of n candidates, made once per (n, device, dtype): a
+    step adds it without making it (not a buffer: a model built on the meta device and then loaded
+    has no data for an unsaved one)."""
+    key = (n, str(like.device), like.dtype)
+    if key not in _ONE_HOTS:
+        _ONE_HOTS[key] = F.one_hot(torch.tensor(n - 1, device=like.device), n).to(like.dtype)
+    return _ONE_HOTS[key]
+
+
 class IRC(Residual):
     owns_init = True
     compile_region = True  # train.compile compiles its forward (ncpctl.train.compiled)
@@ -130,9 +143,6 @@ class IRC(Residual):
         self.softmax = cfg.irc_normalize == "softmax"
         # layer i (0-based) mixes i + 2 candidates: the stack input and the outputs of layers 0..i
         self.mlps = nn.ModuleList(_weight_mlp(cfg.d_model, cfg.irc_hidden, i + 2) for i in range(n_layers))
-        # (0, ..., 0, 1): its last n entries are layer n-2's one-hot on the newest candidate (a view,
-        # no kernel); not saved (a constant of the design)
-        self.register_buffer("newest", F.one_hot(torch.tensor(n_layers + 1), n_layers + 2).float(), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -152,7 +162,7 @@ class IRC(Residual):
         st.stacked = torch.cat([st.stacked, new.unsqueeze(-2)], dim=-2)  # (B, T, layer + 2, d)
         w = self.mlps[layer](update)  # (B, T, layer + 2), zero at init
         if self.softmax:  # the constant one-hot on the newest candidate, then the per-stage softmax
-            return mix_depths((w + self.newest[-(layer + 2):]).softmax(-1), st.seen, st.stacked)
+            return mix_depths((w + _newest(layer + 2, w)).softmax(-1), st.seen, st.stacked)
         # w + one-hot(newest): the one-hot's share is the newest candidate itself
         return mix_depths(w, st.seen, st.stacked) + new
 

@@ -19,6 +19,8 @@ The depth mixers between the blocks (IRC, CRC's connections, Block AttnRes: modu
 ``compile_region``) are compiled the same way: each is a few small elementwise kernels per layer
 eagerly (the H200's IRC+CRC step cost 1.49x the plain one for 0.5% of its FLOPs), which inductor
 fuses. Their ``forward(layer, ...)`` takes the layer index, so dynamo keeps one graph per layer.
+Below ZeRO-3 only: a ZeRO-3 leaf gathers its weights around its ``forward``, and CRC normalises
+its sources (``CrossModule.sources``) outside it, so at ZeRO-3 the mixers stay eager.
 
 Where it cannot compile (on a CPU, no C++ compiler for inductor's kernels), the run goes on
 eagerly with one warning line saying why.
@@ -54,7 +56,8 @@ def compile_blocks(model: nn.Module, zero_stage: int, on_gpu: bool, warn: Callab
         warn(f"train.compile: running eagerly: {reason}")
         return 0
     blocks = [blk for stack in model.modules() if isinstance(stack, Stack) for blk in stack]
-    blocks += [m for m in model.modules() if getattr(m, "compile_region", False)]
+    if zero_stage < 3:  # a mixer is not a ZeRO-3 leaf: CRC normalises its sources outside its forward
+        blocks += [m for m in model.modules() if getattr(m, "compile_region", False)]
     for blk in blocks:
         if zero_stage == 3:
             from deepspeed.utils import set_z3_leaf_module

@@ -75,10 +75,10 @@ PPL_SETS = {"conceptlm_val_ppl", "wikitext", "lambada_openai", "lambada_standard
 
 def eval_leaves(r) -> set[str]:
     """The lm-eval tasks a recipe's ``eval.tasks`` expand to (our groups opened)."""
-    from ncpctl.evaluate.run import _leaves, our_tasks
+    from ncpctl.evaluate.run import leaves, our_tasks
 
     ours = our_tasks()
-    return {leaf for t in r.eval.tasks for leaf in _leaves(t, ours)}
+    return {leaf for t in r.eval.tasks for leaf in leaves(t, ours)}
 
 
 def _stand_ins(root: Path, vocab: int, dtype: str = "uint16") -> list[str]:
