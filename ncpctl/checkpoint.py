@@ -22,20 +22,18 @@ import re
 import shutil
 import stat
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ncpctl.checkpoint_files import FORMAT, META, TOKENIZER, VERSION, WEIGHTS, LoadedModel  # noqa: F401 (this module's API)
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write, atomic_write_with
+from ncpctl.interop.authors import conceptlm, conceptlm_io, steerling
+from ncpctl import manifest
 from ncpctl.manifest import MANIFEST
 from ncpctl.model.config import ConfigError, ModelConfig, from_checkpoint
+from ncpctl.safe_load import load_safetensors
 
-FORMAT = "ncpctl-checkpoint"
-VERSION = 1
-META = "ncpctl.json"
-WEIGHTS = "model.safetensors"
-TOKENIZER = "tokenizer.json"
 CHECKPOINTS = "checkpoints"  # run.dir/checkpoints/step_NNNNNNN/
 ELASTIC = ".elastic-resume"  # run.dir/.elastic-resume/: a checkpoint re-partitioned for another world size, while it loads
 WANDB_ID = "wandb-run-id"  # run.dir/wandb-run-id: the W&B run the run directory logs to (train.wandb)
@@ -51,15 +49,6 @@ def set_verify(on: bool) -> None:
 
 def verifying() -> bool:
     return _VERIFY[0]
-
-
-@dataclass
-class LoadedModel:
-    model: Any  # NCPModel, eval mode, on CPU
-    config: ModelConfig
-    tokenizer: Any | None  # tokenizers.Tokenizer
-    meta: dict[str, Any]
-    path: Path
 
 
 def save_model_files(directory: Path, model: Any, *, step: int, tokens_seen: int, recipe: dict[str, Any] | None,
@@ -139,8 +128,6 @@ def problem(directory: Path) -> str | None:
     manifests, and every checkpoint under ``--no-verify``, pass unchecked."""
     if not verifying() or directory in _VERIFIED or not (directory / MANIFEST).exists() and is_complete(directory):
         return None
-    from ncpctl import manifest
-
     found = manifest.verify(directory)
     if found is None:
         _VERIFIED.add(directory)
@@ -249,8 +236,6 @@ def resolve(path: str | os.PathLike[str], *, warn: Any = _warn, pin_it: bool = T
     """A checkpoint directory from a checkpoint dir, a ``checkpoints/`` dir or a run dir (then the
     one ``latest`` names, or the newest good one: ``find_in``). The checkpoint is verified against
     its manifest (unless ``--no-verify``) and pinned against pruning for the rest of the process."""
-    from ncpctl.interop.authors import steerling
-
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p}: no such checkpoint or run directory")
@@ -298,19 +283,13 @@ def wandb_id_file(run_dir: Path) -> Path:
 def _authors(directory: Path) -> bool:
     """``directory`` holds a model in the ConceptLM authors' layout (ncpctl/interop/authors/conceptlm.py),
     read through ``read_meta`` and ``read_weights`` (Steerling's has its own ``load``)."""
-    from ncpctl.interop.authors import conceptlm
-
     return conceptlm.detect(directory)
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
-    from ncpctl.interop.authors import steerling
-
     if steerling.detect(directory):
         return steerling.meta(directory)
     if _authors(directory):  # ConceptLM's: what ncpctl.json would say, the model config read from their config.json
-        from ncpctl.interop.authors import conceptlm_io
-
         return conceptlm_io.meta(Path(directory))
     try:
         meta = json.loads((directory / META).read_text())
@@ -326,11 +305,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
 
 def read_weights(directory: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """The full fp32 state dict of checkpoint ``directory`` (tied lm_head restored)."""
-    from ncpctl.safe_load import load_safetensors
-
     if _authors(directory):  # their weights, converted to ours
-        from ncpctl.interop.authors import conceptlm_io
-
         return conceptlm_io.state(Path(directory))
     state = load_safetensors(directory / WEIGHTS)  # a missing or damaged file: one line naming it
     if (meta or read_meta(directory)).get("model_config", {}).get("tie_embeddings") and "embed.weight" in state:
@@ -343,7 +318,6 @@ def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> 
     model directory in the authors' layout (Steerling: the files' dtype, the weights mapped)."""
     import torch
 
-    from ncpctl.interop.authors import steerling
     from ncpctl.model.model import NCPModel
 
     directory = resolve(path)

@@ -66,7 +66,7 @@ def main(
         o.warn(escape(f"the checkpoint's recipe sets export.out={section['out']}, which export follows only from "
                       f"--out; writing to {target}"))
     verify = not skip_verify and section.get("verify", True)
-    formats = {"steerling": "steerling_export", "conceptlm": "conceptlm_io"}  # the authors' layouts (issue 43)
+    formats = {"steerling": "steerling_export", "conceptlm": "conceptlm_export"}  # the authors' layouts (issue 43)
     if format_ != "hf" and format_ not in formats:
         raise UserError(f"--format: {format_!r} is not one of hf, {', '.join(formats)}")
     if format_ in formats:  # ncpctl/interop/authors/<module>.py

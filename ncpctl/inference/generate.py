@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ncpctl.checkpoint_files import eod_token  # noqa: F401  (this package's API)
 from ncpctl.model.block_sampler import filter_logits  # noqa: F401  (next-token sampling shares it)
 from ncpctl.model.objective import CachedDecoding
 
@@ -232,13 +233,6 @@ def fit_prompts(prompts: Sequence[Sequence[int]], max_len: int, n_new: int) -> l
     new tokens fit ``max_len``."""
     keep = max(1, max_len - n_new)
     return [list(t)[-keep:] for t in prompts]
-
-
-def eod_token(loaded) -> tuple[str, int | None]:
-    """The end-of-document token of a loaded checkpoint (its recipe's ``tokenizer.eod_token``,
-    default ``<|endoftext|>``) and its id in the checkpoint's tokenizer (None if absent)."""
-    token = ((loaded.meta.get("recipe") or {}).get("tokenizer") or {}).get("eod_token", "<|endoftext|>")
-    return token, (loaded.tokenizer.token_to_id(token) if loaded.tokenizer is not None else None)
 
 
 def generate_texts(loaded, prompts: Sequence[str], params: SamplingParams, *, batch_size: int = 8,

@@ -51,6 +51,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ncpctl import __version__
+from ncpctl.checkpoint import load_model
+from ncpctl.checkpoint_files import eod_token
 from ncpctl.errors import UserError
 
 REMOTE = Path(__file__).parent / "remote"
@@ -69,8 +71,6 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
            move_aside: bool = False) -> dict[str, Any]:
     import torch
 
-    from ncpctl.checkpoint import load_model
-
     if dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype: {dtype!r} is not one of fp32, bf16")
     out = Path(out)
@@ -82,7 +82,7 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint; an export needs one")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_dir(out)
+    tmp = new_dir(out)
     try:
         info = _write(loaded, tmp, getattr(torch, "bfloat16" if dtype == "bf16" else "float32"), max_shard_size)
         info["dtype"] = dtype
@@ -90,7 +90,7 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
             log("verifying: reloading the export with transformers and comparing logits")
             info["verify"] = _verify(loaded, tmp, dtype)
         write_marker(tmp, "ncpctl export", loaded.path)
-        aside = _put_in_place(tmp, out, move_aside)
+        aside = put_in_place(tmp, out, move_aside)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -171,7 +171,7 @@ def _is_real_dir(p: Path) -> bool:
     return p.is_dir() and not p.is_symlink()
 
 
-def _new_dir(out: Path) -> Path:
+def new_dir(out: Path) -> Path:
     """A fresh hidden directory next to ``out`` (``.NAME.tmp-PID-RANDOM``), created with the
     umask's mode like any directory the user makes (mkdtemp's 0700 would carry over to ``out``)."""
     while True:
@@ -183,7 +183,7 @@ def _new_dir(out: Path) -> Path:
             continue
 
 
-def _put_in_place(tmp: Path, out: Path, move_aside: bool = False) -> Path | None:
+def put_in_place(tmp: Path, out: Path, move_aside: bool = False) -> Path | None:
     """Put the finished export ``tmp`` at ``out`` (checked again: the export took a while). Its
     files are synced first; an earlier export is moved aside (not deleted) until the new one is in
     place; an empty directory is filled in place: the marker first (so that a crash leaves a
@@ -225,8 +225,6 @@ def _free_name(path: Path) -> Path:
 
 
 def _eod(loaded) -> tuple[str, int]:
-    from ncpctl.inference import eod_token
-
     token, tid = eod_token(loaded)
     if tid is None:
         raise UserError(f"{loaded.path}: the tokenizer has no end-of-document token {token!r}")
@@ -280,7 +278,7 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
         state = to_hf_state_dict(model)
         if cfg.tie_embeddings:
             state.pop("lm_head.weight", None)
-    shards = _save_weights(state, d, torch_dtype, max_shard_size)
+    shards = save_weights(state, d, torch_dtype, max_shard_size)
     GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod, do_sample=False,
                      max_new_tokens=min(256, cfg.max_seq_len)).save_pretrained(d)
     mask = _mask_token(loaded)
@@ -353,7 +351,7 @@ def _derived(cfg) -> dict[str, Any]:
     return {n: getattr(cfg, n) for n in names}
 
 
-def _save_weights(state: dict[str, Any], d: Path, torch_dtype, max_shard_size) -> int:
+def save_weights(state: dict[str, Any], d: Path, torch_dtype, max_shard_size) -> int:
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from ncpctl.checkpoint import load_model
 from ncpctl.errors import UserError
 from ncpctl.interop.authors import conceptlm_io as io
+from ncpctl.interop.authors.conceptlm_export import export
 
 from ..conftest import REPO, run_cli
 
@@ -82,7 +83,7 @@ def _their_weights(directory: Path) -> dict:
 @pytest.mark.parametrize("name", NAMES)
 def test_export_back_to_their_layout(name, tmp_path):
     loaded = _run(name)[0]
-    info = io.export(FIXTURES / name, tmp_path / name)
+    info = export(FIXTURES / name, tmp_path / name)
     assert info["verify"]["max_abs_diff"] == 0.0
     mine, theirs = _their_weights(tmp_path / name), _their_weights(FIXTURES / name)
     assert set(mine) == set(theirs) and info["architecture"] in (FIXTURES / name / "config.json").read_text()
@@ -212,12 +213,12 @@ def test_export_back_replaces_its_own_export_and_refuses_a_changed_one(tmp_path)
     from ncpctl.errors import UserError
 
     out = tmp_path / "back"
-    io.export(FIXTURES / "gpt2", out, verify=False)
+    export(FIXTURES / "gpt2", out, verify=False)
     assert (out / ".ncpctl-export.json").is_file()
-    io.export(FIXTURES / "gpt2", out, verify=False)  # its own earlier export: replaced
+    export(FIXTURES / "gpt2", out, verify=False)  # its own earlier export: replaced
     (out / "model.safetensors").write_bytes(b"the user's weights")
     with pytest.raises(UserError, match="model.safetensors"):
-        io.export(FIXTURES / "gpt2", out, verify=False)
+        export(FIXTURES / "gpt2", out, verify=False)
     assert (out / "model.safetensors").read_bytes() == b"the user's weights"
-    info = io.export(FIXTURES / "gpt2", out, verify=False, move_aside=True)
+    info = export(FIXTURES / "gpt2", out, verify=False, move_aside=True)
     assert (Path(info["moved_aside"]) / "model.safetensors").read_bytes() == b"the user's weights"

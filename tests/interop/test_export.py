@@ -93,7 +93,7 @@ def test_bf16_export_verifies(runs, tmp_path):
 
 
 def test_wrong_conversion_is_caught_and_nothing_kept(runs, tmp_path, monkeypatch):
-    real = hf_export._save_weights
+    real = hf_export.save_weights
 
     def broken(state, d, dtype, shard):
         state = dict(state)
@@ -101,7 +101,7 @@ def test_wrong_conversion_is_caught_and_nothing_kept(runs, tmp_path, monkeypatch
         state[k] = state[k] + 0.01
         return real(state, d, dtype, shard)
 
-    monkeypatch.setattr(hf_export, "_save_weights", broken)
+    monkeypatch.setattr(hf_export, "save_weights", broken)
     with pytest.raises(UserError, match="export check failed"):
         export(runs["base"], tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.*"))

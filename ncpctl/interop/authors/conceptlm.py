@@ -268,7 +268,7 @@ def model_config(directory: str | Path):
 
 def their_config(cfg) -> dict:
     """Their config.json for the ncpctl config ``cfg`` (``export_problems`` must be empty)."""
-    bb = _backbone_of(cfg)
+    bb = backbone_of(cfg)
     c, S, H = cfg.concept, cfg.n_segments, cfg.n_heads
     out = dict(architectures=[bb.architecture], model_type=bb.model_type, vocab_size=cfg.padded_vocab_size,
                **bb.config(cfg), chunk_size=c.k,
@@ -279,7 +279,7 @@ def their_config(cfg) -> dict:
     return out
 
 
-def _backbone_of(cfg) -> Backbone:
+def backbone_of(cfg) -> Backbone:
     by_family = {"neox": Pythia.model_type, "gpt2": GPT2.model_type, "llama": Llama.model_type}
     if cfg.backbone not in by_family:
         raise UserError(f"backbone {cfg.backbone!r}: the ConceptLM code exists for Pythia, GPT-2 and Llama only")
@@ -299,7 +299,7 @@ def export_problems(cfg) -> list[str]:
     from ncpctl.model.config import ModelConfig
 
     try:
-        bb = _backbone_of(cfg)
+        bb = backbone_of(cfg)
     except UserError as e:
         return e.problems
     if not cfg.concept.enabled:

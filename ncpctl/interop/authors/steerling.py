@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ncpctl.checkpoint_files import LoadedModel
 from ncpctl.errors import UserError
 
 MODEL_TYPES = ("causal_diffusion", "steerling")  # their config.json's model_type (package, Hugging Face)
@@ -260,7 +261,6 @@ def load(path: str | Path, *, with_tokenizer: bool = True):
     """``ncpctl.checkpoint.load_model`` of a Steerling directory: the model (eval mode, CPU, the
     files' dtype, mapped), its tokenizer (tiktoken_bpe.py; with_tokenizer: refused with one line when
     it has none) and its ``meta``."""
-    from ncpctl.checkpoint import LoadedModel
     from ncpctl.model.config import ModelConfig
 
     path = Path(path)

@@ -20,9 +20,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ncpctl.checkpoint import load_model
 from ncpctl.errors import UserError
+from ncpctl.interop.hf_export import existing, new_dir, put_in_place, save_weights, write_marker
 
-from .steerling import CLAMP, LAYER_NAMES
+from .steerling import CLAMP, LAYER_NAMES, detect, load_into, model_config
 
 TOLERANCE = 1e-5  # max |logit difference| of the re-import, relative to max |logit|
 PAD = 16  # their ConceptHead pads its rows to a multiple of pad_multiple (16)
@@ -142,25 +144,20 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", max_
            verify: bool = True, log=lambda m: None, move_aside: bool = False) -> dict[str, Any]:
     import torch
 
-    from ncpctl.checkpoint import load_model
-    from ncpctl.interop.hf_export import _new_dir, _put_in_place, _save_weights, existing, write_marker
-
     if dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype: {dtype!r} is not one of fp32, bf16")
     out = Path(out)
     existing(out, move_aside)
-    from .steerling import detect
-
     loaded = load_model(checkpoint, with_tokenizer=not detect(checkpoint))  # an ncpctl checkpoint's, if it has one
     why = refusals(loaded.model)
     if why:
         raise UserError(*(f"{loaded.path}: cannot export in Steerling's layout: {w}" for w in why))
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_dir(out)
+    tmp = new_dir(out)
     try:
         sd = state(loaded.model)  # their names; shards named as their converter names them (model-0000i-of-0000n)
-        shards = _save_weights(sd, tmp, torch_dtype, max_shard_size)
+        shards = save_weights(sd, tmp, torch_dtype, max_shard_size)
         (tmp / "config.json").write_text(json.dumps(_config(loaded), indent=2) + "\n")
         _tokenizer_files(loaded, tmp)
         info = {"format": "steerling", "dtype": dtype, "shards": shards,
@@ -169,7 +166,7 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", max_
             log("verifying: importing the export back and comparing logits")
             info["verify"] = _verify(loaded, tmp, torch_dtype)
         write_marker(tmp, "ncpctl export --format steerling", loaded.path)  # sizes and checksums: issue 42
-        aside = _put_in_place(tmp, out, move_aside)
+        aside = put_in_place(tmp, out, move_aside)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -189,8 +186,6 @@ def _tokenizer_files(loaded, d: Path) -> None:
 def _verify(loaded, d: Path, torch_dtype) -> dict[str, float]:
     """The export imported back (steerling.py) against the source, on a probe batch with [MASK]s."""
     import torch
-
-    from .steerling import load_into, model_config
 
     cfg = loaded.config
     g = torch.Generator().manual_seed(0)
