@@ -24,7 +24,6 @@
 Nothing heavy is imported here (``ncpctl --help`` stays fast).
 """
 
-from pathlib import Path
+from ncpctl.task_registry import TASKS_DIR  # noqa: F401 (where our task YAMLs are)
 
-TASKS_DIR = Path(__file__).parent / "tasks"
 OFFLINE_TASKS = ("ncp_offline", "ncp_heldout_ppl", "ncp_cloze", "ncp_last_ident")

@@ -15,6 +15,7 @@ samples). ``scored`` says when and with what settings each task was last scored
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # lm-eval's (and our) per-task sections of a results file, each {task or group: entry}
@@ -48,8 +49,6 @@ def merge(old: dict[str, Any] | None, new: dict[str, Any]) -> tuple[dict[str, An
     because some of their members were re-scored without them)."""
     if not old:
         return new, [], []
-    from ncpctl.evaluate.run import summarize_sets
-
     fresh = tasks_of(new)
     # groups with scores of their own (a group without metrics, ncp_offline, is just a list of tasks)
     scored = {t for key in ("results", "groups") for t, row in (old.get(key) or {}).items()
@@ -75,3 +74,24 @@ def _request(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     tasks = list(dict.fromkeys([*(old.get("tasks") or []), *(new.get("tasks") or [])]))
     heldout = {h.get("label"): h for h in [*(old.get("heldout") or []), *(new.get("heldout") or [])]}
     return {**new, "tasks": tasks, "heldout": list(heldout.values())}
+
+
+def summarize_sets(sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Both averages over the held-out sets of ``per_set`` entries, and the rule in words (what
+    ``ncpctl.evaluate.run`` writes, and what ``merge`` recomputes when results of several evaluations
+    are merged)."""
+    if not sets:
+        return {}
+    avg = {k: s for k, s in sets.items() if s["averaged"]}
+    nll, n = sum(s["nll"] for s in avg.values()), sum(s["tokens"] for s in avg.values())
+    excluded = [k for k in sets if k not in avg]
+    terms = " + ".join(f"{k} [{s['unit']}]" for k, s in avg.items())
+    rule = (f"mean_of_sets = ({terms}) / {len(avg)}: each held-out set's own perplexity in its own unit "
+            "(the ConceptLM paper's Avg PPL)" if avg else "mean_of_sets: no held-out set")
+    if excluded:
+        rule += "; not averaged (scored on a training split): " + ", ".join(excluded)
+    if any(s.get("bound") for s in sets.values()):
+        rule += "; from ELBO bounds on the log-likelihood: every perplexity is an upper bound"
+    return {"per_set": sets, "mean_of_sets": sum(s["value"] for s in avg.values()) / len(avg) if avg else None,
+            "token_weighted": math.exp(nll / n) if avg else None, "averaged": list(avg), "excluded": excluded,
+            "rule": rule}

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ncpctl.errors import UserError
+from ncpctl.task_registry import our_tasks
 
 if TYPE_CHECKING:
     from ncpctl.recipe.schema import HeldoutSource
@@ -149,7 +150,6 @@ def tasks(prepared: dict[str, _Rows]) -> list[Any]:
     from lm_eval.api.task import ConfigurableTask
 
     from ncpctl.evaluate.offline import ppl_results
-    from ncpctl.evaluate.run import our_tasks
 
     base = our_tasks()["ncp_heldout_ppl"]
     out = []

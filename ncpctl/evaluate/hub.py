@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Any, Callable
 
+from ncpctl.task_registry import leaves
+
 TIMEOUT_S = 5.0
 _answered = False  # the hub answered once in this process: not asked again
 went_offline = False  # this process went offline because the hub did not answer
@@ -28,8 +30,6 @@ def offline() -> bool:
 def needs_hub(names: list[str], ours: dict[str, dict[str, Any]]) -> bool:
     """Whether a leaf task of ``names`` reads a hub dataset (ours that build their data locally,
     ``custom_dataset``, do not)."""
-    from ncpctl.evaluate.run import leaves
-
     return any(leaf not in ours or "custom_dataset" not in ours[leaf] for n in names for leaf in leaves(n, ours))
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write
+from ncpctl.task_registry import leaves, our_tasks
 
 FORMAT_VERSION = 2
 TASKS = ("ncp_heldout_ppl", "ncp_cloze", "ncp_last_ident")
@@ -351,8 +352,6 @@ def say_mixture(names: list[str], checkpoint: Path, log: Any) -> None:
     read the one tokenized corpus ``ncpctl tokenize`` wrote for it, the union of the components'
     validation documents, not weighted by the mix (a mix of prefixes has no such corpus: ``data_dir_for``
     refuses it)."""
-    from ncpctl.evaluate.run import leaves, our_tasks
-
     ours = our_tasks()
     ncp = list(dict.fromkeys(leaf for n in names for leaf in leaves(n, ours) if leaf in TASKS))
     if not ncp or mixture_validation(checkpoint) is None:
@@ -378,8 +377,6 @@ def mixture_tasks(names: list[str], checkpoint: Path) -> tuple[list[str], list[A
     from tokenizers import Tokenizer
 
     from ncpctl.checkpoint import TOKENIZER, resolve
-    from ncpctl.evaluate.run import our_tasks
-
     tok_path = resolve(checkpoint, pin_it=False) / TOKENIZER
     if not tok_path.is_file():
         raise UserError(f"{tok_path}: missing (needed to decode the validation splits)")

@@ -23,7 +23,7 @@ import json
 import random
 from pathlib import Path
 
-from ncpctl.data.packages import listing
+from ncpctl.corpora.packages import listing
 
 DEFAULT_PACKAGES = ("networkx", "mpmath")
 MAX_CHARS = 800  # prompt and body each

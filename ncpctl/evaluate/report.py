@@ -16,7 +16,7 @@ def markdown(res: dict[str, Any], checkpoint: str) -> str:
 
     table = make_table(res) + ("\n" + make_table(res, "groups") if res.get("groups") else "")
     return (f"# {checkpoint}\n\n{_likelihood_line(res.get('likelihood') or {})}{table}\n"
-            f"{_ppl_markdown(res.get('perplexity') or {})}{_aggregates_markdown(res.get('aggregates') or {})}")
+            f"{ppl_markdown(res.get('perplexity') or {})}{_aggregates_markdown(res.get('aggregates') or {})}")
 
 
 def _aggregates_markdown(aggregates: dict[str, dict[str, Any]]) -> str:
@@ -50,7 +50,7 @@ def _unit(v: dict[str, Any]) -> str:
     return f"{v['unit']}, bound" if v.get("bound") else v["unit"]
 
 
-def _ppl_markdown(ppl: dict[str, Any]) -> str:
+def ppl_markdown(ppl: dict[str, Any]) -> str:
     if not ppl:
         return ""
     lines = ["", "## Perplexity across sets", "",

@@ -56,13 +56,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
-
 from ncpctl.errors import UserError
-from ncpctl.evaluate import TASKS_DIR
-from ncpctl.evaluate.report import BOUND_METRICS, _ppl_markdown, rich_table  # noqa: F401 (this module's API)
+from ncpctl.evaluate.accumulate import summarize_sets
+from ncpctl.evaluate.report import BOUND_METRICS, ppl_markdown, rich_table  # noqa: F401 (this module's API)
 from ncpctl.evaluate.settings import DEFAULT_SEED
 from ncpctl.fsutil import atomic_write
+from ncpctl.task_registry import TASKS_DIR, leaves, our_tasks, unknown_tasks  # noqa: F401 (this module's API)
 
 PPL_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity")  # preference order
 # what each metric is a perplexity of (lm-eval's `perplexity` of loglikelihood tasks: per target
@@ -145,44 +144,6 @@ def _checkpoint_eval(ckpt: Path):  # -> EvalSection
     except ValidationError as e:
         raise UserError(*(f"{ckpt / META}: recipe eval.{'.'.join(map(str, err['loc']))}: {err['msg']}"
                           for err in e.errors()), hint="pass --tasks/--limit/--batch-size/--num-fewshot") from None
-
-
-def our_tasks(tasks_dir: Path = TASKS_DIR) -> dict[str, dict[str, Any]]:
-    """Our task and group YAMLs by name (a loader that ignores ``!function`` tags)."""
-    class _L(yaml.SafeLoader):
-        pass
-
-    _L.add_constructor("!function", lambda loader, node: None)
-    out = {}
-    for f in sorted(tasks_dir.glob("*.yaml")):
-        d = yaml.load(f.read_text(), Loader=_L)  # noqa: S506 - SafeLoader subclass
-        out[d.get("group") or d.get("task")] = d
-    return out
-
-
-def leaves(name: str | dict[str, Any], ours: dict[str, dict[str, Any]]) -> list[str]:
-    if isinstance(name, dict):  # a group member with overrides: {task: NAME, num_fewshot: N}
-        name = name.get("task") or name.get("group")
-    d = ours.get(name)
-    if d is None or "group" not in d:
-        return [name]
-    return [leaf for t in d["task"] for leaf in leaves(t, ours)]
-
-
-def unknown_tasks(names: list[str], tasks_dir: Path = TASKS_DIR) -> list[str]:
-    """The names in ``names`` that are neither ours (``ncpctl/evaluate/tasks``) nor lm-eval's, each as
-    one line (a recipe's ``train.eval_tasks`` is checked with it before training starts). lm-eval's
-    own index (~10 s) is read only when a name is not one of ours."""
-    ours = our_tasks(tasks_dir)
-    rest = [n for n in names if n not in ours]
-    if not rest:
-        return []
-    from lm_eval.tasks import TaskManager
-
-    tm = TaskManager(include_path=str(tasks_dir), include_defaults=True)
-    known = set(tm.all_tasks) | set(getattr(tm, "all_groups", []))
-    return [f"task {n}: unknown to lm-eval" + (f" (did you mean {', '.join(near)}?)" if near else "")
-            for n in rest if n not in known for near in [[k for k in known if n in k][:3]]]
 
 
 def _first_line(e: BaseException) -> str:
@@ -536,25 +497,3 @@ def perplexity_summary(results: dict[str, dict[str, Any]], stats: dict[str, dict
             sets[task].update(noised_nll_per_token=st["nll_noised"] / st["tokens"],
                               noised_nll_stderr=math.sqrt(st["mc_var_noised"]) / st["tokens"])
     return summarize_sets(sets)
-
-
-def summarize_sets(sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Both averages over the held-out sets of ``per_set`` entries, and the rule in words (also what
-    ``ncpctl.evaluate.accumulate`` recomputes when results of several evaluations are merged)."""
-    if not sets:
-        return {}
-    avg = {k: s for k, s in sets.items() if s["averaged"]}
-    nll, n = sum(s["nll"] for s in avg.values()), sum(s["tokens"] for s in avg.values())
-    excluded = [k for k in sets if k not in avg]
-    terms = " + ".join(f"{k} [{s['unit']}]" for k, s in avg.items())
-    rule = (f"mean_of_sets = ({terms}) / {len(avg)}: each held-out set's own perplexity in its own unit "
-            "(the ConceptLM paper's Avg PPL)" if avg else "mean_of_sets: no held-out set")
-    if excluded:
-        rule += "; not averaged (scored on a training split): " + ", ".join(excluded)
-    if any(s.get("bound") for s in sets.values()):
-        rule += "; from ELBO bounds on the log-likelihood: every perplexity is an upper bound"
-    return {"per_set": sets, "mean_of_sets": sum(s["value"] for s in avg.values()) / len(avg) if avg else None,
-            "token_weighted": math.exp(nll / n) if avg else None, "averaged": list(avg), "excluded": excluded,
-            "rule": rule}
-
-

@@ -15,6 +15,7 @@ import yaml
 
 from ncpctl.errors import UserError
 from ncpctl.model.config import ModelConfig
+from ncpctl.task_registry import unknown_tasks
 
 Problem = tuple[str, str]  # (key path, message)
 
@@ -256,7 +257,5 @@ def check_train(train: Any, cfg: ModelConfig | None, world_size: int, derived: d
     if train.init_from and not Path(train.init_from).exists():
         problems.append(("train.init_from", f"checkpoint not found: {train.init_from}"))
     if train.eval_tasks:  # before training starts, not at the first in-loop evaluation
-        from ncpctl.evaluate.run import unknown_tasks
-
         problems += [("train.eval_tasks", line) for line in unknown_tasks(list(train.eval_tasks))]
     return problems

@@ -21,6 +21,7 @@ from typing import Any, Iterable
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from ncpctl.corpora.builtin import BUILTIN_STDLIB, builtin_problem, source_kind  # noqa: F401 (this module's API)
 from ncpctl.errors import UserError
 from ncpctl.model.config import ConfigError, ModelConfig, build_config, deep_merge
 from ncpctl.recipe.init_from import hf_init_config, init_from_hf, init_from_model
@@ -39,7 +40,6 @@ from ncpctl.recipe.schema import (
     TrainSection,
 )
 
-BUILTIN_STDLIB = "builtin:python-stdlib"
 UINT16_LIMIT = 65536  # ids 0..65535 fit in uint16
 
 
@@ -346,18 +346,7 @@ def tokenizer_vocab_size(tok: TokenizerSection) -> int:
     return tok.vocab_size
 
 
-def source_kind(path: str, declared: str) -> str:
-    if declared != "auto":
-        return declared
-    if path.startswith("builtin:"):
-        return "builtin"
-    if path.startswith("hf:"):
-        return "hf"
-    lower = path.lower()
-    for ext, kind in ((".jsonl", "json"), (".json", "json"), (".jsonl.gz", "json"), (".parquet", "parquet")):
-        if lower.endswith(ext):
-            return kind
-    return "text"
+
 
 
 def _check_sources(data: DataSection) -> list[Problem]:
@@ -373,9 +362,7 @@ def _check_sources(data: DataSection) -> list[Problem]:
     for key, src in listed:
         kind = source_kind(src.path, src.type)
         if kind == "builtin":
-            from ncpctl.data.sources import source_problem  # here: that module imports this one
-
-            if (problem := source_problem(src)) is not None:
+            if (problem := builtin_problem(src.path, src.include_tests)) is not None:
                 problems.append((f"{key}.path", problem))
         elif kind == "hf":
             if not src.path.removeprefix("hf:"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ncpctl.data import packages
+from ncpctl.corpora import packages
 from ncpctl.data.sources import ReadStats, fingerprint, iter_documents, package_listing, source_problem
 from ncpctl.data.tokenize import tokenize
 from ncpctl.errors import UserError

@@ -88,7 +88,7 @@ def test_avg_ppl_follows_the_printed_rule_and_skips_training_splits() -> None:
 
     from rich.console import Console
 
-    from ncpctl.evaluate.run import _ppl_markdown, perplexity_summary, rich_table
+    from ncpctl.evaluate.run import ppl_markdown, perplexity_summary, rich_table
 
     results = {"conceptlm_val_ppl": {"token_perplexity,none": 12.0, "word_perplexity,none": 40.0},
                "wikitext": {"word_perplexity,none": 30.0, "byte_perplexity,none": 1.9},
@@ -111,7 +111,7 @@ def test_avg_ppl_follows_the_printed_rule_and_skips_training_splits() -> None:
     assert p["mean_of_sets"] == pytest.approx((12 + 30 + 20 + 70) / 4)
     held = [stats[k] for k in HELD]
     assert p["token_weighted"] == pytest.approx(math.exp(sum(s["nll"] for s in held) / sum(s["tokens"] for s in held)))
-    md = _ppl_markdown(p)
+    md = ppl_markdown(p)
     assert f"- rule: {p['rule']}" in md and all(f"| {k} | {u} (" in md for k, u in HELD.items())
     assert "| pile_10k | word perplexity (word_perplexity) | train | 1000.0000 | no: training split |" in md
     con = Console(record=True, width=200)
