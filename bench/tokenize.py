@@ -93,10 +93,9 @@ def _tokenizer_file(args: argparse.Namespace, work: Path) -> tuple[str, float]:
 
 def _documents(recipe: Recipe) -> list[str]:
     """The exact texts ours encodes (same sources, order, min_chars/max_documents filtering)."""
-    from ncpctl.data.sources import ReadStats
-    from ncpctl.data.tokenize import _documents as batches
+    from ncpctl.data.sources import ReadStats, documents
 
-    return [text for _, texts in batches(recipe, ReadStats()) for text in texts]
+    return [text for _, texts in documents(recipe.data, ReadStats()) for text in texts]
 
 
 @contextlib.contextmanager

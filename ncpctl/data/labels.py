@@ -37,6 +37,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from ncpctl.data.indexed import IndexedDataset
+from ncpctl.data.sources import ReadStats, documents
 from ncpctl.errors import UserError
 
 SUFFIX = ".labels.npy"
@@ -232,15 +234,13 @@ def token_spans(offsets: list[tuple[int, int]], spans: Iterable[tuple[int, int, 
 
 
 def labelled_documents(recipe, stats) -> Iterator[tuple[np.ndarray, list[str], list[Any]]]:
-    """(document indices, texts, raw labels) in the token pass's order (``tokenize._documents``,
+    """(document indices, texts, raw labels) in the token pass's order (``sources.documents``,
     the same reader and filters); raw labels are None for python-ast."""
-    from ncpctl.data.tokenize import _documents
-
     d = recipe.data
     if d.labels == "field":
-        yield from _documents(recipe, stats, extra_field=d.labels_field)
+        yield from documents(recipe.data, stats, extra_field=d.labels_field)
         return
-    for idx, texts in _documents(recipe, stats):
+    for idx, texts in documents(recipe.data, stats):
         yield idx, texts, [None] * len(texts)
 
 
@@ -248,9 +248,6 @@ def write_labels(recipe, out: Path, split, log) -> dict[str, Any]:
     """The labels pass (after the token pass wrote ``out``): ``{split}.labels.npy`` per split and
     the ``labels`` entry of meta.json."""
     from tokenizers import Tokenizer
-
-    from ncpctl.data.indexed import IndexedDataset
-    from ncpctl.data.sources import ReadStats
 
     d = recipe.data
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))

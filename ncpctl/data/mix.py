@@ -31,9 +31,11 @@ from typing import Any, Callable
 import numpy as np
 
 from ncpctl.data.indexed import IndexedDataset, IndexedDatasetWriter, paths
+from ncpctl.data.labels import labels_path
 from ncpctl.data.meta import check as check_meta, read as read_meta
 from ncpctl.data.windows import WindowLoader
 from ncpctl.errors import UserError
+from ncpctl.fsutil import atomic_write, atomic_write_with
 
 STATE_VERSION = 1
 _RESUME_HINT = ("resume with the same data.mix (names, weights, datasets), train.seq_len, train.global_batch_size "
@@ -306,8 +308,6 @@ def _component_current(out: Path, cmeta: dict[str, Any]) -> dict[str, Any] | Non
         return None
     files = [p for s in ("train", "val") for p in paths(out / s)]
     if "labels" in cmeta:
-        from ncpctl.data.labels import labels_path
-
         files += [labels_path(out / s) for s in ("train", "val")]
     same = (old.get("fingerprint") == cmeta["fingerprint"] and old.get("sources") == cmeta["sources"]
             and all(p.is_file() for p in files))
@@ -317,8 +317,6 @@ def _component_current(out: Path, cmeta: dict[str, Any]) -> dict[str, Any] | Non
 def _write_component(data_dir: Path, out: Path, meta: dict[str, Any], first: int, n: int,
                      cmeta: dict[str, Any]) -> None:
     """Copy sequences of sources ``first .. first+n-1`` of the union's splits into ``out``."""
-    from ncpctl.fsutil import atomic_write
-
     for split in ("train", "val"):
         ds = IndexedDataset(data_dir / split)
         per = np.asarray(meta["splits"][split]["documents_per_source"], dtype=np.int64)
@@ -337,9 +335,6 @@ def _write_component(data_dir: Path, out: Path, meta: dict[str, Any], first: int
 def _write_component_labels(union: Path, out: Path, start: int, end: int) -> int:
     """``union``'s label spans (K, 3) [a, b, label] of tokens ``start .. end-1`` (spans never cross a
     document, so none crosses a component) as ``out``'s, in the component's token positions."""
-    from ncpctl.data.labels import labels_path
-    from ncpctl.fsutil import atomic_write_with
-
     arr = np.load(labels_path(union))
     mine = arr[(arr[:, 0] >= start) & (arr[:, 0] < end)].copy()
     mine[:, :2] -= start

@@ -26,7 +26,7 @@ sources a recipe names, e.g. evaluation on held-out text), stable:
   skipped by the reader), the document count per included package, the held-out packages,
   and the number of duplicate files dropped. ``meta.json`` stores its summary
   (``package_summary``) under ``packages``.
-- ``packages.cached_listings()``: a context manager; inside it each ``builtin:python-packages``
+- ``packages.cached_listings()`` (``ncpctl.corpora.packages``): a context manager; inside it each ``builtin:python-packages``
   selection walks site-packages once however often it is read (``tokenize`` uses it).
 """
 
@@ -38,20 +38,17 @@ import json
 import os
 import re
 import sys
-import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from ncpctl.data import packages
+import numpy as np
+
+from ncpctl.corpora import packages
+from ncpctl.corpora.builtin import BUILTIN_PACKAGES, BUILTIN_STDLIB, BUILTINS, builtin_files, source_kind, stdlib_files  # noqa: F401 (this module's API)
 from ncpctl.errors import UserError
-from ncpctl.recipe.load import BUILTIN_STDLIB, source_kind
 from ncpctl.recipe.schema import SourceSpec
 
-BUILTIN_PACKAGES = packages.SOURCE
-BUILTINS = (BUILTIN_STDLIB, BUILTIN_PACKAGES)
-# Directories of the stdlib that are not stdlib source (test suites: packages.TEST_DIRS).
-_NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
 
 
 @dataclass
@@ -61,17 +58,6 @@ class ReadStats:
     undecodable: int = 0  # documents (files) skipped for invalid UTF-8
     undecodable_examples: list[str] = field(default_factory=list)
     too_short: int = 0  # documents under data.min_chars
-
-
-def stdlib_files(include_tests: bool = False) -> list[Path]:
-    """The ``.py`` files of the running interpreter's standard library, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = _NOT_STDLIB if include_tests else _NOT_STDLIB | packages.TEST_DIRS
-    out: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip)
-        out.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
-    return sorted(out)
 
 
 def package_listing(src: SourceSpec) -> packages.Listing:
@@ -87,16 +73,6 @@ def package_summary(src: SourceSpec) -> dict[str, Any]:
     lst = package_listing(src)
     return {"included": lst.included, "held_out": lst.held_out, "duplicates_dropped": lst.duplicates,
             "site_packages": [str(r) for r in lst.roots]}
-
-
-def _builtin_files(src: SourceSpec) -> list[Path]:
-    if src.path == BUILTIN_STDLIB:
-        return stdlib_files(src.include_tests)
-    if packages.is_packages_source(src.path):
-        return [f.path for f in package_listing(src).files]
-    if src.path.startswith((BUILTIN_STDLIB + ":", BUILTIN_STDLIB + "?")):
-        raise UserError(f"{src.path}: {BUILTIN_STDLIB} takes no selection (only {BUILTIN_PACKAGES} does)")
-    raise UserError(f"unknown builtin corpus {src.path!r}; available: {', '.join(BUILTINS)}")
 
 
 def source_problem(src: SourceSpec) -> str | None:
@@ -116,7 +92,7 @@ def source_files(src: SourceSpec) -> list[Path]:
     """Local files a file-based source refers to (sorted, deterministic)."""
     kind = source_kind(src.path, src.type)
     if kind == "builtin":
-        return _builtin_files(src)
+        return builtin_files(src.path, src.include_tests)
     if kind == "hf":
         return []
     files = sorted(Path(p) for p in glob.glob(os.path.expanduser(src.path), recursive=True) if Path(p).is_file())
@@ -247,3 +223,30 @@ def iter_documents(src: SourceSpec, stats: ReadStats, batch: int = 1024,
             yield texts
         else:
             yield list(zip(texts, rows[extra] if extra else [None] * len(texts)))
+
+
+def documents(data: Any, stats: ReadStats, extra_field: str | None = None,
+               starts: list[int] | None = None) -> Iterator[tuple[Any, ...]]:
+    """(global document indices, texts) batches over all sources of the data section ``data``, honouring min_chars/max_documents;
+    with ``extra_field`` (concept labels) (indices, texts, each record's value of that field).
+    ``starts``: gets each source's first global index appended as its reading begins (the
+    sources are read in order, so document i is from source ``searchsorted(starts, i, 'right') - 1``)."""
+    d = data  # a recipe's data section (DataSection)
+    index = 0
+    for src in d.sources:
+        if starts is not None:
+            starts.append(index)
+        for items in iter_documents(src, stats, batch=d.batch_documents, extra_field=extra_field):
+            if d.max_documents is not None:
+                items = items[: max(0, d.max_documents - index)]
+            texts = items if extra_field is None else [t for t, _ in items]
+            idx = np.arange(index, index + len(texts))
+            index += len(texts)
+            keep = [i for i, t in enumerate(texts) if len(t) >= max(d.min_chars, 1)]
+            stats.too_short += len(texts) - len(keep)
+            if len(keep) != len(texts):
+                idx, texts, items = idx[keep], [texts[i] for i in keep], [items[i] for i in keep]
+            if texts:
+                yield (idx, texts) if extra_field is None else (idx, texts, [v for _, v in items])
+            if d.max_documents is not None and index >= d.max_documents:
+                return

@@ -10,7 +10,7 @@ from pathlib import Path
 from ncpctl.fsutil import fsync_dir, fsync_tree
 
 
-def _swap_in(tmp: Path, data_dir: Path) -> None:
+def swap_in(tmp: Path, data_dir: Path) -> None:
     """Replace ``data_dir`` with the complete ``tmp`` using renames (never a half state that
     looks complete: meta.json only exists in a whole directory). Every file of ``tmp`` is
     fsynced before the rename and the parent directory after it, so a power cut cannot leave
@@ -27,7 +27,7 @@ def _swap_in(tmp: Path, data_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _remove_stale_tmp(run_dir: Path) -> None:
+def remove_stale_tmp(run_dir: Path) -> None:
     """Leftovers of killed runs (.data.tmp-PID / .data.old-PID whose PID is gone)."""
     for p in run_dir.glob(".data.*-*"):
         try:

@@ -42,12 +42,14 @@ import numpy as np
 
 from ncpctl import __version__
 from ncpctl.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
+from ncpctl.data.labels import write_labels
 from ncpctl.data.meta import check as check_meta
-from ncpctl.data.packages import cached_listings, is_packages_source
+from ncpctl.data.mix import tokenize_mix
+from ncpctl.corpora.packages import cached_listings, is_packages_source
 from ncpctl.data.pieces import cut_refusal, pieces
-from ncpctl.data.sources import ReadStats, count_documents, fingerprint, iter_documents, package_summary, \
+from ncpctl.data.sources import ReadStats, count_documents, documents, fingerprint, iter_documents, package_summary, \
     source_labels
-from ncpctl.data.swap import _pid_alive, _remove_stale_tmp, _swap_in  # noqa: F401  (moved out: module length)
+from ncpctl.data.swap import remove_stale_tmp, swap_in
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write, disk_errors
 from ncpctl.recipe.load import Recipe
@@ -198,33 +200,6 @@ def _up_to_date(data_dir: Path, fp: str) -> dict[str, Any] | None:
     return meta
 
 
-def _documents(recipe: Recipe, stats: ReadStats, extra_field: str | None = None,
-               starts: list[int] | None = None) -> Iterator[tuple[Any, ...]]:
-    """(global document indices, texts) batches over all sources, honouring min_chars/max_documents;
-    with ``extra_field`` (concept labels) (indices, texts, each record's value of that field).
-    ``starts``: gets each source's first global index appended as its reading begins (the
-    sources are read in order, so document i is from source ``searchsorted(starts, i, 'right') - 1``)."""
-    d = recipe.data
-    index = 0
-    for src in d.sources:
-        if starts is not None:
-            starts.append(index)
-        for items in iter_documents(src, stats, batch=d.batch_documents, extra_field=extra_field):
-            if d.max_documents is not None:
-                items = items[: max(0, d.max_documents - index)]
-            texts = items if extra_field is None else [t for t, _ in items]
-            idx = np.arange(index, index + len(texts))
-            index += len(texts)
-            keep = [i for i, t in enumerate(texts) if len(t) >= max(d.min_chars, 1)]
-            stats.too_short += len(texts) - len(keep)
-            if len(keep) != len(texts):
-                idx, texts, items = idx[keep], [texts[i] for i in keep], [items[i] for i in keep]
-            if texts:
-                yield (idx, texts) if extra_field is None else (idx, texts, [v for _, v in items])
-            if d.max_documents is not None and index >= d.max_documents:
-                return
-
-
 def specials(recipe: Recipe) -> list[str]:
     """The special tokens the model's designs need (``ModelConfig.special_tokens``), added after EOD."""
     return list(recipe.model_config.special_tokens().values()) if recipe.model_config is not None else []
@@ -252,7 +227,7 @@ def train_bpe(recipe: Recipe, stats: ReadStats, split: Split | None = None):  # 
 
     def texts() -> Iterator[str]:
         budget = t.train_max_bytes
-        for idx, batch in _documents(recipe, stats):
+        for idx, batch in documents(recipe.data, stats):
             val = split.is_val(idx)
             for text, v in zip(batch, val):
                 if v:
@@ -391,8 +366,6 @@ def tokenize(
     """
     with cached_listings():  # builtin:python-packages: walk site-packages once per run, not per pass
         if recipe.data.mix:  # every component with sources, then a prefix per component (ncpctl.data.mix)
-            from ncpctl.data.mix import tokenize_mix
-
             return tokenize_mix(recipe, lambda r: _tokenize(r, force, on_progress, on_total, log), force)
         return _tokenize(recipe, force, on_progress, on_total, log)
 
@@ -406,13 +379,13 @@ def _tokenize(recipe: Recipe, force: bool, on_progress: Any, on_total: Any, log:
     tmp = run_dir / f".data.tmp-{os.getpid()}"
     with disk_errors(tmp):  # a full or read-only disk: one line naming the file (else this directory)
         run_dir.mkdir(parents=True, exist_ok=True)
-        _remove_stale_tmp(run_dir)
+        remove_stale_tmp(run_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
             meta = _tokenize_into(recipe, tmp, fp, on_progress, on_total, log)
             recipe.write_resolved(tmp)
-            _swap_in(tmp, data_dir)
+            swap_in(tmp, data_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         recipe.write_resolved(run_dir)
@@ -460,8 +433,6 @@ def _tokenize_into(recipe: Recipe, out: Path, fp: str, on_progress: Any, on_tota
     stats = res.stats
     labels = None
     if d.labels != "none":
-        from ncpctl.data.labels import write_labels
-
         labels = write_labels(recipe, out, split, log)
     meta = {
         "format_version": FORMAT_VERSION,
@@ -536,7 +507,7 @@ def _encode_corpus(recipe: Recipe, out: Path, split: Split, on_progress: Any, on
         in_flight: deque[tuple[_Chunk, Future[Any]]] = deque()
         sink = _Sink({"train": w_train, "val": w_val}, split, [], {n: np.zeros(len(d.sources), np.int64)
                                                                    for n in SPLITS}, _Extremes())
-        chunks = _chunks(_documents(recipe, stats, starts=sink.starts), cut_refusal(tok), log)
+        chunks = _chunks(documents(recipe.data, stats, starts=sink.starts), cut_refusal(tok), log)
         while True:
             while len(in_flight) < ENCODE_DEPTH and (chunk := next(chunks, None)) is not None:
                 in_flight.append((chunk, pool.submit(encode, chunk.texts, add_special_tokens=False)))
