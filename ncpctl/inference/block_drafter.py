@@ -1,5 +1,5 @@
 """The block-parallel drafter (``ncpctl.model.drafter``) on a target: what it reads, in training
-and in speculative decoding alike, and its ``Drafter`` (drafters.py) for ``generate --draft``.
+and in speculative decoding alike, and its ``Drafter`` (speculative.py) for ``generate --draft``.
 
 ``TargetTap`` records, by forward hooks on the target's two token stacks, the residual stream
 after each chosen token layer and the encoder's output h (the concept module's input), for every
@@ -14,7 +14,7 @@ import torch
 
 from ncpctl.model.drafter import BlockDrafter, DrafterConfig
 
-from .drafters import Drafter, _draw_rows
+from .speculative import Drafter, Speculative, draw_rows
 
 
 class TargetTap:
@@ -175,7 +175,7 @@ class BlockDraftRunner(Drafter):
         x_emb = self.model.embed_tokens(x[:, None], x_pos.clamp_max(self.model.cfg.max_seq_len - 1))[:, 0]
         hN = self.drafter.block(ctx_kv, valid, x_pos, x_emb, self._concept(last))  # (B, k, d)
         logits = self.model.head(hN[:, :K])  # (B, K, V)
-        ds, qs = zip(*(_draw_rows(logits[:, i], params, gens, vocab_size) for i in range(K)))
+        ds, qs = zip(*(draw_rows(logits[:, i], params, gens, vocab_size) for i in range(K)))
         return torch.stack(ds, 1), torch.stack(qs, 1)
 
     @torch.no_grad()

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from ncpctl.model.block_sampler import Commit, _Cached, _commit, _Recompute, sample_blocks, schedule
 
-from .generate import Completion, SamplingParams, _cut, finish_rows, fit_prompts, releasable
+from .sampling import Completion, SamplingParams, cut_at_stop, finish_rows, fit_prompts, releasable
 
 __all__ = ["Commit", "_Cached", "_Recompute", "_commit", "generate_blocks", "sample_blocks", "schedule"]
 
@@ -52,7 +52,7 @@ def generate_blocks(model, prompts: Sequence[Sequence[int]], params: SamplingPar
                 return
             toks[b].append(t)
             eod = eod_id is not None and t == eod_id
-            texts[b], hit = _cut(decode(toks[b][:-1] if eod else toks[b]), params.stop)
+            texts[b], hit = cut_at_stop(decode(toks[b][:-1] if eod else toks[b]), params.stop)
             done[b] = "eod" if eod else "stop" if hit else None
 
     def on_block(new: list[list[int]]) -> list[bool]:

@@ -1,4 +1,4 @@
-"""Drafters for speculative decoding (speculative.py), behind one small interface.
+"""Drafters for speculative decoding (speculative.py), behind one small interface (``speculative.Drafter``).
 
 A drafter follows the committed tokens of a batch (the same left-padded slot layout as the
 target) and proposes K tokens a round with the distributions it drew them from:
@@ -31,32 +31,8 @@ import torch
 from ncpctl.model.layers import Context, KVCache, rope
 from ncpctl.model.patterns import step_masks
 
-from .speculative import Cursor, draw, probs
-
-
-class Drafter:
-    max_tokens: int | None = None
-
-    def attach(self, target_model) -> None:
-        """Before the target's prefill of a ``speculate`` call (a drafter that reads its states)."""
-
-    def detach(self) -> None:
-        """After the call."""
-
-    def start(self, target: Cursor, tokens: torch.Tensor, lengths: list[int], max_len: int) -> None:
-        raise NotImplementedError
-
-    def propose(self, x: torch.Tensor, K: int, params, gens: list, vocab_size: int | None):
-        raise NotImplementedError
-
-    def commit(self, keep: list[int]) -> None:
-        raise NotImplementedError
-
-
-def _draw_rows(logits: torch.Tensor, params, gens: list, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (B, V) -> (one drawn token per row (B,), the distribution it came from (B, V))."""
-    q = probs(logits if vocab_size is None else logits[:, :vocab_size], params)
-    return torch.tensor([draw(q[b], params, g) for b, g in enumerate(gens)], device=logits.device), q
+from .block_drafter import load_block_drafter
+from .speculative import Cursor, Drafter, Speculative, draw_rows
 
 
 class ModelDrafter(Drafter):
@@ -72,7 +48,7 @@ class ModelDrafter(Drafter):
         logits = self.cur.feed(x[:, None])[:, 0]
         ds, qs = [], []
         for i in range(K):
-            d, q = _draw_rows(logits, params, gens, vocab_size)
+            d, q = draw_rows(logits, params, gens, vocab_size)
             ds.append(d)
             qs.append(q)
             if i < K - 1:
@@ -137,7 +113,7 @@ class MtpDrafter(Drafter):
             out = m.mtp.depths[k - 1](self.H[k - 1][:, f : top + 1], emb, ctx)  # (B, n, d)
             self.H[k][:, f : top + 1] = out
             last = out[rows, L_t - f][:, None]  # (B, 1, d) each row's last fed slot
-            d, q = _draw_rows(m.head(m.final_norm(last))[:, 0], params, gens, vocab_size)
+            d, q = draw_rows(m.head(m.final_norm(last))[:, 0], params, gens, vocab_size)
             self.tok[rows, L_t + 1 + k] = d
             ds.append(d)
             qs.append(q)
@@ -175,8 +151,6 @@ def _load(loaded, draft: str, k: int):
     from ncpctl.checkpoint import load_model
     from ncpctl.errors import UserError
 
-    from .speculative import Speculative
-
     if k < 1:
         raise UserError(f"--draft-tokens must be >= 1, got {k}")
     refuse = _no_verify(loaded)
@@ -190,8 +164,6 @@ def _load(loaded, draft: str, k: int):
 
     meta = read_meta(resolve(draft))
     if "drafter" in meta:  # a block-parallel drafter (``ncpctl train-drafter``): it reads the target's states
-        from .block_drafter import load_block_drafter
-
         return load_block_drafter(loaded, resolve(draft), meta, k)
     d = load_model(draft)
     why = _no_verify(d)

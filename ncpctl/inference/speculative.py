@@ -35,9 +35,10 @@ from typing import Any, Callable
 
 import torch
 
+from ncpctl.model.block_sampler import filter_logits
 from ncpctl.model.decode import restore, snapshot, step_many
 
-from .generate import Rows, SamplingParams, filter_logits
+from .sampling import Rows, SamplingParams
 
 
 @dataclass
@@ -116,6 +117,31 @@ class Cursor:
         if any(k < self.fed for k in keep):
             restore(self.state, [self.snaps[k] for k in keep], [b + k for b, k in zip(self.base, keep)])
         self._mark()
+
+
+class Drafter:
+    max_tokens: int | None = None
+
+    def attach(self, target_model) -> None:
+        """Before the target's prefill of a ``speculate`` call (a drafter that reads its states)."""
+
+    def detach(self) -> None:
+        """After the call."""
+
+    def start(self, target: Cursor, tokens: torch.Tensor, lengths: list[int], max_len: int) -> None:
+        raise NotImplementedError
+
+    def propose(self, x: torch.Tensor, K: int, params, gens: list, vocab_size: int | None):
+        raise NotImplementedError
+
+    def commit(self, keep: list[int]) -> None:
+        raise NotImplementedError
+
+
+def draw_rows(logits: torch.Tensor, params, gens: list, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (B, V) -> (one drawn token per row (B,), the distribution it came from (B, V))."""
+    q = probs(logits if vocab_size is None else logits[:, :vocab_size], params)
+    return torch.tensor([draw(q[b], params, g) for b, g in enumerate(gens)], device=logits.device), q
 
 
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
