@@ -246,7 +246,7 @@ def _row(section: str, task: str, metric: str, vals: dict[str, float | None], fi
 
 def val_curves(entries: list[Entry]) -> dict[str, dict[str, Any]]:
     """{label: {key, steps, values}} from each run's metrics.jsonl (``"split": "val"`` records)."""
-    from ncpctl.train.metrics import read_metrics
+    from ncpctl.run_metrics import read_metrics
 
     out = {}
     for e in entries:

@@ -44,7 +44,7 @@ def check_tokenizers(labels: list[str], checkpoints: list[Path | None]) -> None:
 
 
 def _records(run_dir: Path | None) -> list[dict[str, Any]]:
-    from ncpctl.train.metrics import read_metrics
+    from ncpctl.run_metrics import read_metrics
 
     return read_metrics(run_dir) if run_dir is not None else []
 

@@ -42,6 +42,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from ncpctl.errors import UserError
+from ncpctl.run_metrics import METRICS, realised_ratio, records  # noqa: F401 (this module's API)
 
 REQUIRED = ("N", "D", "C")
 IDENTITY = ("tokenizer", "val_set")
@@ -154,17 +155,6 @@ def _identity(run: Path, recipe: Any) -> dict[str, str]:
     return {"tokenizer": tok, "val_set": val}
 
 
-def realised_ratio(cfg: Any, recs: list[dict[str, Any]]) -> float | None:
-    """A dynamic segmentation's (DLCM's) tokens per concept over its training records, their mean: its
-    FLOPs are those of the concepts it made, not of the target R (None: fixed blocks, or not logged)."""
-    if not (cfg.concept.enabled and cfg.law.variable_length):
-        return None
-    seen = [float(r["tokens_per_concept"]) for r in recs
-            if r.get("split") == "train" and isinstance(r.get("tokens_per_concept"), (int, float))]
-    ratio = sum(seen) / len(seen) if seen else None
-    return ratio if ratio is not None and ratio > 1 else None
-
-
 def family_of(run: Path) -> str:
     """A run directory's family: its parent's name; a sweep point's (``OUT/runs/NAME``, OUT holding the
     sweep's manifest) the sweep's, OUT's name: every sweep's points sit in a directory named ``runs``."""
@@ -181,7 +171,6 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
     from ncpctl.model.accounting import count_parameters
     from ncpctl.recipe.load import load_recipe
     from ncpctl.study.run_columns import run_columns
-    from ncpctl.train.metrics import METRICS, records
 
     resolved, log = run / "recipe.resolved.yaml", run / METRICS
     recipe = load_recipe(resolved)

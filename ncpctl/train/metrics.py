@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from ncpctl.fsutil import atomic_write, atomic_write_with, disk_errors
+from ncpctl.run_metrics import METRICS, read_metrics, records  # noqa: F401 (this module's API)
 
-METRICS = "metrics.jsonl"
 
 def unigram_entropy(tokens: np.ndarray | list[tuple[float, np.ndarray]], vocab_size: int,
                     limit: int = 200_000_000) -> float:
@@ -107,40 +107,6 @@ class MetricsLog:
         if self.tracker is not None:
             self.tracker.finish(images)
             self.tracker = None
-
-
-def records(path: Path, warn: Any = None) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl. A torn last line (what a crash in the middle of a write
-    leaves) is dropped, with a warning naming the file when ``warn`` is given; a bad line before
-    the last is an error naming the file and line."""
-    from ncpctl.errors import UserError
-
-    lines = path.read_text(errors="replace").splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("not an object")
-        except ValueError as e:
-            if any(rest.strip() for rest in lines[i + 1:]):
-                raise UserError(f"{path}:{i + 1}: not a metrics record ({e})",
-                                hint="the log was edited or damaged; fix or remove that line") from None
-            if warn is not None:
-                warn(f"{path}: cut its torn last line {i + 1} ({len(line)} characters; "
-                     "a crash in the middle of writing it)")
-            break
-        out.append(rec)
-    return out
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / METRICS
-    if not path.exists():
-        return []
-    return records(path)
 
 
 def write_plots(run_dir: Path, code_counts: np.ndarray | None = None, warn: Any = None,

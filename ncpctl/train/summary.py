@@ -9,6 +9,7 @@ from typing import Any
 
 from ncpctl import threads
 from ncpctl.model.accounting import FLOP_CONVENTION
+from ncpctl.run_metrics import METRICS, realised_ratio, records
 
 
 def summary(run: Any, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:
@@ -49,9 +50,6 @@ def _budget(run: Any) -> dict[str, Any]:
     out = r.budget.record(tot.step, tot.tokens, run.flops_per_step)
     cfg = r.model_config
     if run.d.rank == 0 and cfg.concept.enabled and cfg.law.variable_length:
-        from ncpctl.study.points import realised_ratio
-        from ncpctl.train.metrics import METRICS, records
-
         ratio = realised_ratio(cfg, records(r.run_dir / METRICS)) if (r.run_dir / METRICS).is_file() else None
         if ratio is not None:
             out["tokens_per_concept"] = ratio
