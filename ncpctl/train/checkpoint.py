@@ -116,7 +116,7 @@ STAGE_KEYS += tuple(f"diffusion.{k}" for k in ("schedule", "gaussian_mean_start"
                                                 "gaussian_std", "gaussian_steps"))
 
 
-def _tokenizer_file(recipe: Any) -> Path:
+def tokenizer_file(recipe: Any) -> Path:
     """The tokenizer the run's data was made with: tokenizer.path, else the one `ncpctl tokenize`
     wrote next to the data (the run's data/, or beside data.train_prefix when that is given, or
     beside the first data.mix component's prefix: the components share one tokenizer)."""
@@ -232,7 +232,7 @@ def save(engine: Any, root: Path, step: int, meta: dict[str, Any], recipe: Any, 
         barrier()  # every rank's share of the manifest is written
         if rank == 0:
             recipe.write_resolved(path)
-            tok = _tokenizer_file(recipe)
+            tok = tokenizer_file(recipe)
             # weights, then ncpctl.json (atomically), then the manifest: a directory with both is complete
             save_model_files(path, weights, step=step, tokens_seen=meta["tokens_seen"], recipe=recipe.to_dict(),
                              tokenizer_path=tok if tok.is_file() else None,

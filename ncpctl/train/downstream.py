@@ -104,10 +104,10 @@ def _live_lm(run: Any):
 
     from ncpctl.checkpoint import LoadedModel
     from ncpctl.evaluate.lm import NCPLM
-    from ncpctl.train.checkpoint import _tokenizer_file
+    from ncpctl.train.checkpoint import tokenizer_file
 
     r = run.recipe
-    tok_file = _tokenizer_file(r)
+    tok_file = tokenizer_file(r)
     if not tok_file.is_file():
         raise UserError(f"train.eval_tasks: {tok_file}: no tokenizer (needed to score lm-eval requests)")
     loaded = LoadedModel(model=run.engine.module, config=r.model_config, tokenizer=Tokenizer.from_file(str(tok_file)),

@@ -25,12 +25,12 @@ def test_mixture_resumes_after_kill9_to_the_same_sequence(make_recipe, tiny_data
 
 def test_a_prefix_mixture_finds_its_tokenizer_beside_its_first_component(tmp_path: Path) -> None:
     from ncpctl.recipe import load_recipe
-    from ncpctl.train.checkpoint import _tokenizer_file
+    from ncpctl.train.checkpoint import tokenizer_file
 
     p = tmp_path / "r.yaml"
     p.write_text(f"run: {{dir: {tmp_path / 'run'}}}\ndata:\n  mix: [{{name: a, weight: 1, prefix: {tmp_path}/d/a}}, "
                  f"{{name: b, weight: 1, prefix: {tmp_path}/e/b}}]\n")
-    assert _tokenizer_file(load_recipe(p)) == tmp_path / "d" / "tokenizer.json"
+    assert tokenizer_file(load_recipe(p)) == tmp_path / "d" / "tokenizer.json"
 
 
 def test_the_unigram_entropy_of_a_mixture_is_that_of_its_weighted_unigrams() -> None:
