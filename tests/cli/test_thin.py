@@ -17,12 +17,14 @@ names its module and body import:
   (``Output``, the sink the command hands the library: stderr for people, stdout for the result)
   count as none.
 
-Exactly one library call per command, followed helpers included.
+Exactly one library call per command, followed helpers included; a call of a name that is bound
+nowhere (an import forgotten in a move) is reported too.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import dataclasses
 import importlib
 import inspect
@@ -95,12 +97,22 @@ def _callee(call: ast.Call, local: dict[str, str], globals_: dict[str, Any]) -> 
     elif f.id in globals_:
         obj = globals_[f.id]
     else:
-        return None
+        return _UNBOUND if f.id not in dir(builtins) else None
     for attr in reversed(chain):
         if not isinstance(obj, ModuleType):
             return None  # a method of an object, not a library entry point
         obj = getattr(obj, attr, None)
     return obj
+
+
+_UNBOUND = object()
+
+
+def _bound(node: ast.FunctionDef) -> set[str]:
+    """Names the function binds itself: its parameters, assignments and nested definitions."""
+    names = {a.arg for a in (*node.args.args, *node.args.kwonlyargs, *node.args.posonlyargs)}
+    names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return names | {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
 
 def _home(obj: Any) -> str:
@@ -115,6 +127,13 @@ def library_calls(fn: Callable[..., Any], seen: set | None = None) -> list[str]:
     local, found = _local_imports(node), []
     for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
         obj = _callee(call, local, fn.__globals__)
+        if obj is _UNBOUND:
+            root = call.func
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if root.id not in _bound(node):
+                found.append(f"unbound name {root.id}")  # a NameError the first time the command runs
+            continue
         home = _home(obj)
         if obj is None or not home.startswith("ncpctl.") or home == "ncpctl.output":
             continue
@@ -157,6 +176,7 @@ def test_the_check_fails_on_a_command_that_does_work() -> None:
             from ncpctl.recipe import load_recipe
             r = load_recipe(path, [])
             helper(path)
+            Output(path)
             raise UserError("x")
     ''')
     import linecache
@@ -167,5 +187,5 @@ def test_the_check_fails_on_a_command_that_does_work() -> None:
     ns["helper"].__module__ = ns["main"].__module__ = "ncpctl.cli.example"
     calls = library_calls(ns["main"])
     assert sorted(calls) == ["ncpctl.checkpoint.resolve", "ncpctl.fsutil.atomic_write",
-                             "ncpctl.recipe.load.load_recipe"], calls
-    assert body_lines(ns["main"]) == 4
+                             "ncpctl.recipe.load.load_recipe", "unbound name Output"], calls
+    assert body_lines(ns["main"]) == 5
