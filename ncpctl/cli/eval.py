@@ -1,7 +1,7 @@
 """`ncpctl eval`: evaluation through lm-evaluation-harness (ncpctl.evaluate), and `--compare`.
 
 Parses the flags (two modes at once, or a mode's flag without its mode, is refused here) and calls
-``ncpctl.evaluate.entry.run``: one library entry point per mode."""
+``ncpctl.evaluate.entry.run_eval``: one library entry point per mode."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def main(
 
     With --compare: one table of several runs, from the results they already have.
     """
-    from ncpctl.evaluate.entry import EvalRequest, run
+    from ncpctl.evaluate.entry import EvalRequest, run_eval
 
     _check_flags(ctx)
     req = EvalRequest(
@@ -155,7 +155,7 @@ def main(
         resamples=resamples, out=out, concepts=concepts, base=base, proxy=proxy, against=against,
         code_task=code_task, samples=samples, allow_code_execution=allow_code_execution, speculative=speculative,
         horizon=horizon, prompts=prompts, new_tokens=new_tokens, set_=set_, verify=not no_verify)
-    run(req, Output(json_out))
+    run_eval(req, Output(json_out))
 
 
 # eval's modes (one per call), and the flags that only one of them reads

@@ -89,7 +89,7 @@ def main(
     each prompt token's contribution to one output, against the [MASK] baseline; or (--generate, a
     Causal Diffusion LM) each generated token explained in the state it was committed in; or
     (--find-concept) a concept table searched by name."""
-    from ncpctl.interpret.report import InspectRequest, inspect
+    from ncpctl.interpret.report import InspectRequest, inspect_checkpoint
 
     req = InspectRequest(
         checkpoint, prompt=prompt, prompts_file=prompts_file, target=target, top=top, ablate_codes=ablate_codes,
@@ -97,4 +97,4 @@ def main(
         attribute_inputs=attribute_inputs, concept=concept, unit=unit, block_tokens=block_tokens, ig_steps=ig_steps,
         baseline=baseline, generate=generate, seed=seed, temperature=temperature, steps_per_block=steps_per_block,
         steer=steer, concept_table=concept_table, find_concept=find_concept, set_=set_)
-    inspect(req, Output(json_out))
+    inspect_checkpoint(req, Output(json_out))

@@ -8,7 +8,7 @@ mode, each a function of the request and the command's ``Output`` (``ncpctl.outp
 * ``proxy``: ``--proxy``, capability proxies (``proxy``);
 * ``concepts``: ``--concepts``, DLCM tokens per concept and loss by position (``concept_position``).
 
-``run(request, out)`` picks the mode the request names. Nothing heavy is imported at module level
+``run_eval(request, out)`` picks the mode the request names. Nothing heavy is imported at module level
 (``ncpctl --help`` stays fast).
 """
 
@@ -88,7 +88,7 @@ class EvalRequest:
         return "tasks"
 
 
-def run(req: EvalRequest, out: Output) -> None:
+def run_eval(req: EvalRequest, out: Output) -> None:
     """``ncpctl eval``: the request's mode, its result reported through ``out``."""
     from ncpctl.checkpoint import set_verify
 

@@ -1,4 +1,4 @@
-"""What ``ncpctl inspect`` calls: one ``InspectRequest`` (the command line, parsed) and ``inspect(request,
+"""What ``ncpctl inspect`` calls: one ``InspectRequest`` (the command line, parsed) and ``inspect_checkpoint(request,
 out)``, which reads a checkpoint's concepts (decomposition, ablation attribution, code dictionaries:
 ``read_concepts``), attributes an output to the prompt's tokens (``attribute_inputs``), or, in
 ``report_generated``, explains a Causal Diffusion LM's generation or searches a concept table.
@@ -49,7 +49,7 @@ class InspectRequest:
     set_: list[str] | None = None
 
 
-def inspect(req: InspectRequest, o: Output) -> None:
+def inspect_checkpoint(req: InspectRequest, o: Output) -> None:
     """``ncpctl inspect``: the checks that need no model, then the mode the request names."""
     from ncpctl.interpret import report_generated as G
 
