@@ -109,8 +109,10 @@ _UNBOUND = object()
 
 
 def _bound(node: ast.FunctionDef) -> set[str]:
-    """Names the function binds itself: its parameters, assignments and nested definitions."""
-    names = {a.arg for a in (*node.args.args, *node.args.kwonlyargs, *node.args.posonlyargs)}
+    """Names the function binds itself: its (and its nested functions' and lambdas') parameters,
+    assignments and nested definitions."""
+    names = {a.arg for f in ast.walk(node) if isinstance(f, (ast.FunctionDef, ast.Lambda))
+             for a in (*f.args.args, *f.args.kwonlyargs, *f.args.posonlyargs, f.args.vararg, f.args.kwarg) if a}
     names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     return names | {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
