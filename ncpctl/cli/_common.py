@@ -1,7 +1,8 @@
 """What every subcommand shares: options (defined once), output, and error handling.
 
-Output contract: human-readable progress and messages go to stderr; the command's result
-goes to stdout — as one JSON object with ``--json``, as a human summary otherwise — so
+Output contract (``ncpctl.output.Output``, which each command hands its library entry point):
+human-readable progress and messages go to stderr; the command's result goes to stdout — as one
+JSON object with ``--json``, as a human summary otherwise — so
 ``ncpctl tokenize r.yaml --json | jq .tokens.train`` works in CI pipelines.
 Exit codes: 0 success, 2 user error (bad recipe, bad input), 1 internal failure.
 This module must stay light: ``ncpctl --help`` may not import torch or DeepSpeed.
@@ -21,7 +22,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from ncpctl.errors import EXIT_INTERNAL, EXIT_USER, UserError, disk_error
-from ncpctl.output import Output, print_wide  # noqa: F401 (the commands' output, defined below the CLI)
+from ncpctl.output import Output  # noqa: F401 (the commands build it; defined below the CLI, where the library reports through it)
 
 RecipeArg = Annotated[str, typer.Argument(help="Recipe YAML file (see recipes/).", show_default=False)]
 SetOpt = Annotated[
