@@ -189,8 +189,9 @@ def test_every_command_shown_is_run_by_a_test_or_marked() -> None:
     marked = sum(len(bash_blocks(p.read_text())) for p in SITE)
     assert marked >= 30
     # the check can fail: a bare block, a mark naming a test that is not there, a mark that says nothing known
-    sample = "text\n\n```bash\nncpctl pretrain recipes/debug.yaml\n```\n<!-- docs: run by tests/test_docs_site.py::nope -->" \
-             "\n```bash\nncpctl eval runs/debug\n```\n<!-- docs: needs patience -->\n```bash\nncpctl eval runs/x\n```\n"
+    sample = ("text\n\n```bash\nncpctl pretrain recipes/debug.yaml\n```\n"
+              "<!-- docs: run by tests/test_docs_site.py::nope -->\n```bash\nncpctl eval runs/debug\n```\n"
+              "<!-- docs: needs patience -->\n```bash\nncpctl eval runs/x\n```\n")
     said = [b.split(": ", 1)[1] for b in unmarked_blocks(sample, "x")]
     assert [s.split(" ")[0] for s in said] == ["no", "tests/test_docs_site.py::nope", "no"], said
 

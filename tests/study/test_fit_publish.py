@@ -1,7 +1,7 @@
 """Issue 40, "Scaling fits you can publish": intervals that count a family that never reaches the
 loss as worse, bootstrap refits from the grid, the exact per-shape cost, non-embedding N and C, a
 fit reading its own fit.json, approach 2's multiplier, IsoFLOP intervals, vertices outside the
-sizes; and the tiny study's README numbers refitted from the stored points."""
+sizes; and the tiny study's numbers in docs/scaling.md refitted from the stored points."""
 
 from __future__ import annotations
 
