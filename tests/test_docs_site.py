@@ -209,3 +209,45 @@ def test_every_ncpctl_command_shown_exists_with_its_options_and_files() -> None:
         "ncpctl eval runs/x --tasks a --limt 3: eval has no option --limt",
         "ncpctl generate CKPT --steerr X: generate has no option --steerr",
         "recipes/nope.yaml does not exist"]
+
+
+PATH_NAMED = re.compile(r"(?<![\w./-])((?:ncpctl|tests|bench|recipes|examples|tools|docs)/[\w./-]*[\w/])")
+OUTPUTS = ("bench/results/",)  # what a command shown writes, not a file of the repository
+
+
+def stale_paths(text: str, name: str) -> list[str]:
+    """Repository paths the prose and the bash blocks name that do not exist, and ``tests/x.py::name`` (or a
+    following ``::name``, of the last file named) that names no test or class. Output blocks (no language)
+    are left out: they show what a command printed, paths of the machine it ran on included."""
+    kept, fence = [], None
+    for line in text.split("\n"):
+        if line.strip().startswith("```"):
+            fence = line.strip()[3:] if fence is None else None
+        elif fence in (None, "bash"):
+            kept.append(line)
+    kept, bad = "\n".join(kept), []
+    for m in PATH_NAMED.finditer(kept):
+        path, after = m.group(1).rstrip("."), kept[m.end():m.end() + 1]
+        if after in "-{*[" and after or path.startswith(OUTPUTS) or (REPO / path).exists():
+            continue
+        bad.append(f"{name}: {path} does not exist")
+    last = None
+    for m in re.finditer(r"`(tests/[\w/]+\.py)?::(\w+)(\*?)[^`]*`", kept):
+        last = m.group(1) or last
+        src, tail = (REPO / last if last else None), (r"\w*" if m.group(3) else r"\b")  # test_x_* : a prefix
+        if src is None or not src.is_file() or not re.search(rf"^\s*(def|class) {m.group(2)}{tail}", src.read_text(), re.M):
+            bad.append(f"{name}: {m.group(0)} names no test in {last}")
+    return bad
+
+
+def test_every_path_and_test_the_docs_name_exists() -> None:
+    """The reliability promises name the tests that prove them, and every page names files: when a move
+    leaves one stale, this lists it (page, path)."""
+    bad = [b for page in SITE for b in stale_paths(page.read_text(), str(page.relative_to(REPO)))]
+    assert bad == [], "\n".join(bad)
+    promises = (DOCS / "reliability.md").read_text()
+    assert promises.startswith("# Reliability: what ncpctl promises on disk") and promises.count("::test_") >= 30
+    sample = "See `ncpctl/nowhere.py` and `tests/test_docs_site.py::test_every_page_is_in_the_nav`, `::nope`.\n" \
+             "```\nncpctl/printed/by/a/command.py\n```\n"
+    assert stale_paths(sample, "x") == ["x: ncpctl/nowhere.py does not exist",
+                                        "x: `::nope` names no test in tests/test_docs_site.py"]
