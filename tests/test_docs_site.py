@@ -235,7 +235,8 @@ def stale_paths(text: str, name: str) -> list[str]:
     for m in re.finditer(r"`(tests/[\w/]+\.py)?::(\w+)(\*?)[^`]*`", kept):
         last = m.group(1) or last
         src, tail = (REPO / last if last else None), (r"\w*" if m.group(3) else r"\b")  # test_x_* : a prefix
-        if src is None or not src.is_file() or not re.search(rf"^\s*(def|class) {m.group(2)}{tail}", src.read_text(), re.M):
+        found = src is not None and src.is_file() and re.search(rf"^\s*(def|class) {m.group(2)}{tail}", src.read_text(), re.M)
+        if not found:
             bad.append(f"{name}: {m.group(0)} names no test in {last}")
     return bad
 
