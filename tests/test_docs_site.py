@@ -108,8 +108,11 @@ def bad_invocations(text: str, name: str, tree) -> list[str]:
             if sub is None:
                 bad.append(f"{name}: ncpctl {' '.join(args)}: no subcommand {words[0]!r}")
                 continue
-            cmd, known = sub, known | _options(sub)
-        for w in words[1:] if cmd is not tree else words:
+            cmd, known, words = sub, known | _options(sub), words[1:]
+            while words and hasattr(cmd, "commands") and words[0] in cmd.commands:  # a command group's own subcommands
+                cmd, words = cmd.commands[words[0]], words[1:]
+                known |= _options(cmd)
+        for w in words:
             flag = w.split("=")[0].rstrip(":,")
             if re.fullmatch(r"--?[A-Za-z][\w-]*", flag) and flag not in known:
                 bad.append(f"{name}: ncpctl {' '.join(args)}: {cmd.name} has no option {flag}")
@@ -235,8 +238,8 @@ def stale_paths(text: str, name: str) -> list[str]:
     for m in re.finditer(r"`(tests/[\w/]+\.py)?::(\w+)(\*?)[^`]*`", kept):
         last = m.group(1) or last
         src, tail = (REPO / last if last else None), (r"\w*" if m.group(3) else r"\b")  # test_x_* : a prefix
-        found = src is not None and src.is_file() and re.search(rf"^\s*(def|class) {m.group(2)}{tail}", src.read_text(), re.M)
-        if not found:
+        defined = rf"^\s*(def|class) {m.group(2)}{tail}"
+        if not (src is not None and src.is_file() and re.search(defined, src.read_text(), re.M)):
             bad.append(f"{name}: {m.group(0)} names no test in {last}")
     return bad
 
