@@ -2,7 +2,8 @@
 every link resolves); the manual is a MkDocs Material site (mkdocs.yml, docs/) that builds with
 ``--strict`` and has every page in its nav; and every command shown in a ``bash`` block anywhere in the
 docs is run by a named test or marked as needing a GPU or data, while every ``ncpctl`` command shown
-(in a block or inline) names a real subcommand with real options and shipped files that exist."""
+(in a block or inline) names a real subcommand with real options, real recipe keys and shipped files that
+exist."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ MARK = re.compile(r"<!-- docs: (.+?) -->")
 CLAUSE = re.compile(r"run by (?P<tests>\S.*)|needs (?:gpu|data): \S.*")
 COMMAND = re.compile(r"^\s*(?:\w+=\S*\s+)*(?:ncpctl|deepspeed|torchrun|python3?|\.venv/bin/\S+|\./dev\.sh|examples/\S+"
                      r"|bash|for|P=)\b")
+# every recipe key, from the generated reference (tests/recipe/test_reference.py keeps it equal to the schema)
+RECIPE_KEYS = set(re.findall(r"^\| `([\w.]+)` \|", (REPO / "docs" / "recipes.md").read_text(), re.M))
 FILES = re.compile(r"(?<![\w./-])((?:bench/)?recipes/[\w./-]+\.yaml|examples/[\w./-]+|bench/[\w-]+\.py)")
 
 
@@ -89,7 +92,7 @@ def ncpctl_invocations(text: str) -> list[list[str]]:
             first = next((i for i, w in enumerate(words) if not re.match(r"\w+=", w)), len(words))
             # ncpctl itself, or under a launcher: `deepspeed ... $(which ncpctl)`, `torchrun ... -m ncpctl`
             at = next((i for i, w in enumerate(words) if (w == "ncpctl" or w.endswith("/ncpctl"))
-                       and (i == first or words[i - 1] == "-m") or w == "ncpctl)"), None)
+                       and (i == first or words[i - 1] in ("-m", "do", "then")) or w == "ncpctl)"), None)
             if at is not None:
                 out.append([w.strip("[]") for w in words[at + 1:] if w.strip("[]")])
     return out
@@ -112,10 +115,13 @@ def bad_invocations(text: str, name: str, tree) -> list[str]:
             while words and hasattr(cmd, "commands") and words[0] in cmd.commands:  # a command group's own subcommands
                 cmd, words = cmd.commands[words[0]], words[1:]
                 known |= _options(cmd)
-        for w in words:
+        for w, value in zip(words, [*words[1:], ""]):
             flag = w.split("=")[0].rstrip(":,")
             if re.fullmatch(r"--?[A-Za-z][\w-]*", flag) and flag not in known:
                 bad.append(f"{name}: ncpctl {' '.join(args)}: {cmd.name} has no option {flag}")
+            key = value.split("=")[0]
+            if flag == "--set" and key not in RECIPE_KEYS and not key.startswith("model.options."):
+                bad.append(f"{name}: ncpctl {' '.join(args)}: --set {key}: no such recipe key")
     return bad
 
 
@@ -206,11 +212,13 @@ def test_every_ncpctl_command_shown_exists_with_its_options_and_files() -> None:
     assert bad == [], "\n".join(bad)
     assert sum(len(ncpctl_invocations(p.read_text())) for p in SITE) > 150
     sample = "```bash\nncpctl pretrian recipes/debug.yaml\nncpctl eval runs/x --tasks a --limt 3\n" \
-             "ncpctl tokenize recipes/nope.yaml\n```\nthen `ncpctl generate CKPT --steerr X`"
+             "ncpctl tokenize recipes/nope.yaml\n```\nthen `ncpctl generate CKPT --steerr X` or `ncpctl pretrain R " \
+             "--set train.max_stpes=3`"
     assert [b.split(": ", 1)[1] for b in bad_invocations(sample, "x", tree) + missing_files(sample, "x")] == [
         "ncpctl pretrian recipes/debug.yaml: no subcommand 'pretrian'",
         "ncpctl eval runs/x --tasks a --limt 3: eval has no option --limt",
         "ncpctl generate CKPT --steerr X: generate has no option --steerr",
+        "ncpctl pretrain R --set train.max_stpes=3: --set train.max_stpes: no such recipe key",
         "recipes/nope.yaml does not exist"]
 
 
