@@ -8,7 +8,8 @@ names its module and body import:
 * the body: the statements after the signature and the docstring, first to last line, at most
   ``MAX_BODY`` lines;
 * a library call: a call of a name imported from ``ncpctl.*`` outside ``ncpctl.cli`` (a function,
-  or an attribute of an imported module). A ``*Request`` class is the request being built (a
+  or an attribute of an imported module; a name imported inside the command is read from its
+  module's source, so this check imports no entry module and no torch). A ``*Request`` class is the request being built (a
   dataclass: data, not work) and does not count, nor does an exception class (``raise UserError(...)``
   for a flag that cannot be parsed is parsing);
 * a call of a helper defined in ``ncpctl.cli`` (the command's own module or another, except
@@ -29,6 +30,7 @@ import dataclasses
 import importlib
 import inspect
 import textwrap
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
@@ -75,8 +77,41 @@ def _local_imports(node: ast.FunctionDef) -> dict[str, str]:
     return names
 
 
+PACKAGE = Path(__file__).resolve().parents[2] / "ncpctl"
+
+
+class Declared:
+    """A library name read from its module's source rather than imported (importing a command's
+    entry module may import torch: seconds this check need not spend)."""
+
+    def __init__(self, module: str, name: str, request: bool, exception: bool):
+        self.__module__, self.__name__ = module, name
+        self.request = request  # a ``@dataclass`` named ``*Request``
+        self.exception = exception  # a class whose base is named ``*Error`` or ``*Exception``
+
+
+def _declared(target: str) -> Declared | None:
+    """``ncpctl.pkg.mod.name`` (outside cli) as declared at the top level of ``ncpctl/pkg/mod.py``."""
+    mod, _, attr = target.rpartition(".")
+    path = PACKAGE.joinpath(*mod.split(".")[1:]).with_suffix(".py")
+    if not mod.startswith("ncpctl.") or mod.startswith("ncpctl.cli") or not path.is_file():
+        return None
+    for n in ast.parse(path.read_text()).body:
+        if isinstance(n, ast.FunctionDef) and n.name == attr:
+            return Declared(mod, attr, False, False)
+        if isinstance(n, ast.ClassDef) and n.name == attr:
+            decorators = {ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in n.decorator_list}
+            bases = [ast.unparse(b) for b in n.bases]
+            return Declared(mod, attr, attr.endswith("Request") and bool(decorators & {"dataclass", "dataclasses.dataclass"}),
+                            any(b.endswith(("Error", "Exception")) for b in bases))
+    return None  # a re-exported name: imported below
+
+
 def _resolve(target: str) -> Any:
-    """``pkg.mod.name`` -> the object (a module, or an attribute of one)."""
+    """``pkg.mod.name`` -> the object (a module, or an attribute of one), or its ``Declared`` stand-in."""
+    declared = _declared(target)
+    if declared is not None:
+        return declared
     try:
         return importlib.import_module(target)
     except ImportError:
@@ -142,6 +177,8 @@ def library_calls(fn: Callable[..., Any], seen: set | None = None) -> list[str]:
         if home.startswith("ncpctl.cli"):
             if home != "ncpctl.cli._common" and inspect.isfunction(obj) and obj not in seen:
                 found += library_calls(inspect.unwrap(obj), seen)
+            continue
+        if isinstance(obj, Declared) and (obj.request or obj.exception):
             continue
         if inspect.isclass(obj) and (issubclass(obj, BaseException)
                                      or obj.__name__.endswith("Request") and dataclasses.is_dataclass(obj)):
