@@ -1,7 +1,7 @@
 """`ncpctl inspect`: a checkpoint's concepts, read (decomposition), attributed (ablation) and
 summarised over a corpus (code dictionaries); ``--attribute-inputs``: one output attributed to the
-prompt's tokens against the [MASK] baseline. The work: ``ncpctl.interpret.report`` (the CLI parses and
-calls ``inspect``)."""
+prompt's tokens against the [MASK] baseline. The work: ``ncpctl.inference.inspect_command`` (the CLI parses and
+calls ``inspect_checkpoint``), whose reports are ``ncpctl.interpret.report``'s."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def main(
     each prompt token's contribution to one output, against the [MASK] baseline; or (--generate, a
     Causal Diffusion LM) each generated token explained in the state it was committed in; or
     (--find-concept) a concept table searched by name."""
-    from ncpctl.interpret.report import InspectRequest, inspect_checkpoint
+    from ncpctl.inference.inspect_command import InspectRequest, inspect_checkpoint
 
     req = InspectRequest(
         checkpoint, prompt=prompt, prompts_file=prompts_file, target=target, top=top, ablate_codes=ablate_codes,

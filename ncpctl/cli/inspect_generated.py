@@ -1,5 +1,5 @@
 """The options of ``ncpctl inspect --generate N`` and ``--find-concept`` (the work:
-``ncpctl.interpret.report_generated``): the parts of ``inspect`` that Steerling's
+``ncpctl.inference.inspect_command.generated``, ``ncpctl.interpret.report.find_concept``): the parts of ``inspect`` that Steerling's
 notebooks do on a Causal Diffusion LM (library: ``ncpctl.interpret.trace`` and
 ``ncpctl.interpret.concept_table``). ``--generate`` samples each prompt block by block and explains
 every generated token in the state in which it was committed (per-token logit contribution and

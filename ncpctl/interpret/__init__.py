@@ -1,3 +1,3 @@
 """Reading and acting on a model's concepts: ``concepts`` (decomposition, ablation attribution,
-code dictionaries), and ``report`` (what ``ncpctl inspect`` calls: ``inspect_checkpoint(InspectRequest, out)``;
-``report_generated``: --generate and --find-concept; ``report_human``: its tables)."""
+code dictionaries), and ``report`` (``ncpctl inspect``'s reports, picked by
+``ncpctl.inference.inspect_command``; ``report_human``: their tables)."""

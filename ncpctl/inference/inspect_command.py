@@ -1,19 +1,104 @@
-"""``ncpctl inspect --generate N`` and ``--find-concept`` (``ncpctl.interpret.report.inspect`` calls
-them): the parts of ``inspect`` that Steerling's notebooks do on a Causal Diffusion LM (library:
-``ncpctl.interpret.trace`` and ``ncpctl.interpret.concept_table``). ``generated`` samples each prompt
-block by block and explains every generated token in the state in which it was committed (per-token
-logit contribution and concept attribution, chunk-level attribution, and with ``--attribute-inputs``
-input attribution); ``find_concept`` searches a ``--concept-table`` by name and shows what each hit
-promotes."""
+"""What ``ncpctl inspect`` calls: one ``InspectRequest`` (the command line, parsed) and
+``inspect_checkpoint(request, out)``: the checks that need no model, then the report the request
+names: ``ncpctl.interpret.report`` reads concepts, attributes inputs or searches a concept table;
+``generated`` (here, on the sampler: ``--generate``) samples each prompt block by block and explains
+every generated token in the state in which it was committed (per-token logit contribution and
+concept attribution, chunk-level attribution, and with ``--attribute-inputs`` input attribution).
+It sits on the inference floor because prompts files and sampling are inference's; the reports
+below it are interpret's. Nothing heavy is imported at module level."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ncpctl.errors import UserError
 
 if TYPE_CHECKING:
     from ncpctl.output import Output
+
+
+@dataclass
+class InspectRequest:
+    """``ncpctl inspect``'s arguments as typed (``ncpctl/cli/inspect_cmd.py`` documents each flag)."""
+
+    checkpoint: str
+    prompt: list[str] | None = None
+    prompts_file: str | None = None
+    target: str | None = None
+    top: int | None = None
+    ablate_codes: int = 3
+    corpus: list[str] | None = None
+    windows: int = 64
+    seq_len: int | None = None
+    lift_windows: int = 2
+    plot: str | None = None
+    attribute_inputs: bool = False
+    concept: str | None = None
+    unit: str | None = None
+    block_tokens: int | None = None
+    ig_steps: int | None = None
+    baseline: str | None = None
+    generate: int | None = None
+    seed: int | None = None
+    temperature: float = 1.0
+    steps_per_block: int | None = None
+    steer: list[str] | None = None
+    concept_table: str | None = None
+    find_concept: str | None = None
+    set_: list[str] | None = None
+
+
+def inspect_checkpoint(req: InspectRequest, o: Output) -> None:
+    """``ncpctl inspect``: the checks that need no model, then the mode the request names."""
+    from ncpctl.interpret.report import attribute_inputs, find_concept, read_concepts
+
+    if req.find_concept is not None:
+        return find_concept(o, req.checkpoint, req.find_concept, req.concept_table, req.top)
+    sampling = dict(seed=req.seed, steps_per_block=req.steps_per_block, steer=req.steer)
+    if req.generate is None and (any(v for v in sampling.values()) or req.temperature != 1.0):
+        raise UserError("--seed, --temperature, --steps-per-block and --steer apply with --generate")
+    prompts = _checked_prompts(req.checkpoint, req.prompt, req.prompts_file, req.corpus, req.target, req.set_)
+    if req.generate is not None:
+        if req.corpus or req.target is not None or req.plot:
+            raise UserError("--generate explains its own generation: --corpus, --target and --plot do not apply")
+        return generated(o, req.checkpoint, prompts, req.generate, top=req.top, attribute_inputs=req.attribute_inputs,
+                           ig_steps=req.ig_steps, temperature=req.temperature, concept_table=req.concept_table,
+                           **sampling)
+    attr = dict(concept=req.concept, unit=req.unit, block_tokens=req.block_tokens, ig_steps=req.ig_steps,
+                baseline=req.baseline)
+    if req.attribute_inputs or any(v is not None for v in attr.values()):
+        return attribute_inputs(o, req.checkpoint, prompts, req.target, req.corpus, req.top, req.plot,
+                                req.attribute_inputs, req.concept_table, **attr)
+    read_concepts(o, req.checkpoint, prompts, req.target, 3 if req.top is None else req.top, req.ablate_codes,
+                  req.corpus, req.windows, req.seq_len, req.lift_windows, req.plot, req.concept_table)
+
+
+def _checked_prompts(checkpoint: str, prompt: list[str] | None, prompts_file: str | None,
+                     corpus: list[str] | None, target: str | None, set_: list[str] | None) -> list[str]:
+    """The prompts to inspect (--prompt, then --prompts-file), after the checks that need no
+    model: a missing checkpoint and an empty request are reported together."""
+    from ncpctl.checkpoint import resolve
+
+    if set_:
+        raise UserError("--set does not apply to inspect", hint="use the options (see --help)")
+    prompts = list(prompt or [])
+    if prompts_file:
+        from ncpctl.inference.prompts import read_prompts
+
+        prompts += read_prompts(prompts_file)
+    problems = []
+    try:
+        resolve(checkpoint)
+    except UserError as e:
+        problems += e.problems
+    if not prompts and not corpus:
+        problems.append("nothing to inspect: pass --prompt TEXT, --prompts-file FILE or --corpus SOURCE")
+    if problems:
+        raise UserError(*problems)
+    if target is not None and len(prompts) != 1:
+        raise UserError(f"--target needs exactly one prompt, got {len(prompts)}")
+    return prompts
 
 
 def generated(o: Output, checkpoint: str, prompts: list[str], n: int, *, top: int | None, attribute_inputs: bool,
@@ -101,40 +186,3 @@ def _human(con, report: dict[str, Any]) -> None:
         for ch in g.get("chunks", []):
             con.print(f"chunk {ch['span']} {ch['text'][:40]!r} (residual {ch['residual_share']:.0%}): "
                       + ", ".join(f"{c['name']} {c['contribution']:+.2%}" for c in ch["concepts"][:5]))
-
-
-def find_concept(o: Output, checkpoint: str, query: str, table: str | None, top: int | None) -> None:
-    """``--find-concept``: the table's best matches with the tokens each promotes in the checkpoint."""
-    from ncpctl.checkpoint import load_model
-    from ncpctl.interpret import concept_table as CT
-
-    if table is None:
-        raise UserError("--find-concept searches a concept table: pass --concept-table FILE (Steerling's is "
-                        "concept_labels.parquet on its hub page)")
-    concepts = CT.load(table)
-    loaded = load_model(checkpoint)
-    if getattr(loaded.model, "bottleneck", None) is None:
-        raise UserError(f"{loaded.path}: no concept bottleneck (model.bottleneck), so no concepts to find")
-    tok = loaded.tokenizer
-    hits = []
-    for c, score in CT.search(concepts, query, limit=10 if top is None else top):
-        row = {"concept_id": c.concept_id, "name": c.name, "description": c.description, "score": score,
-               "steerable": c.steerable, "group": CT.group(concepts, c.concept_id)}
-        if c.concept_id < loaded.model.bottleneck.n:
-            row["promotes"] = [{"token": t, "text": tok.decode([t]) if tok is not None else str(t), "alignment": v}
-                               for t, v in CT.top_tokens(loaded.model, c.concept_id)]
-        hits.append(row)
-    report = {"command": "inspect", "checkpoint": str(loaded.path), "query": query, "table": table,
-              "concepts_in_table": len(concepts), "hits": hits}
-
-    def human(con) -> None:
-        if not hits:
-            con.print(f"no known concept of {table} matches {query!r}")
-        for h in hits:
-            promotes = " ".join(repr(p["text"]) for p in h.get("promotes", [])[:8])
-            group = "+".join(f"#{g}" for g in h["group"])
-            con.print(f"#{h['concept_id']} {h['name']} (score {h['score']}): {h['description'][:60]}"
-                      + (f"\n    promotes: {promotes}" if promotes else "")
-                      + (f"\n    its group: concept={group}" if len(h["group"]) > 1 else ""))
-
-    o.result(report, human)
