@@ -1,4 +1,4 @@
-"""`ncpctl.model.config.deep_merge`: the one deep merge (model sizes, recipe `extends:`,
+"""`ncpctl.model.core.config.deep_merge`: the one deep merge (model sizes, recipe `extends:`,
 `deepspeed.extra`), its copy semantics and origin hook, and that nobody keeps a second one."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import ncpctl.recipe.load
 import ncpctl.train.config
-from ncpctl.model import config as model_config
-from ncpctl.model.config import SIZES, build_config, deep_merge
+from ncpctl.model.core import config as model_config
+from ncpctl.model.core.config import SIZES, build_config, deep_merge
 
 PKG = Path(model_config.__file__).resolve().parents[1]
 
@@ -50,10 +50,10 @@ def test_one_merge_everywhere() -> None:
     """recipe/load.py and train/config.py use this function and define no merge of their own."""
     assert ncpctl.recipe.load.deep_merge is deep_merge
     assert ncpctl.train.config.deep_merge is deep_merge
-    for rel in ("recipe/load.py", "train/config.py", "model/config.py"):
+    for rel in ("recipe/load.py", "train/config.py", "model/core/config.py"):
         tree = ast.parse((PKG / rel).read_text())
         merges = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and "merge" in n.name.lower()]
-        assert merges == (["deep_merge", "merge_into"] if rel == "model/config.py" else []), (rel, merges)
+        assert merges == (["deep_merge", "merge_into"] if rel == "model/core/config.py" else []), (rel, merges)
 
 
 def test_model_config_imports_only_the_standard_library() -> None:
