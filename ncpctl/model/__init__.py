@@ -3,6 +3,13 @@
 ``import ncpctl.model`` or ``ncpctl.model.core.config`` does not import torch; ``NCPModel`` and
 friends load on first access.
 
+Rooms: ``core/`` (the config, layers, attention patterns, RoPE, the staged model, its concept path,
+outputs and decoding), ``families/`` (the backbone families, one module each, and the HF mapping),
+``designs/NAME/`` (one room per built-in design: its module, its config section with its cost and
+law, and ``spec.py``, the ``DesignSpec`` that ``registry.DESIGNS`` registers by one line; the
+strategy table, laws, costs, training hooks and config sections are derived from these records),
+``accounting/`` (exact FLOPs, backward, memory and parameter counts), ``registry.py``.
+
 Extension points (docs/architecture.md): a segmentation (subclass ``Segmenter``), a coupling
 (``Coupling``), a depth mixer (``Residual``), a training objective (``Objective``, declaring
 its attention ``Pattern``: ``Causal``, ``BlockCausal``, ...) or a backbone family (``Family``:
