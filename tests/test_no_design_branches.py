@@ -16,6 +16,7 @@ model types the families import belong to the family modules.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import ncpctl
@@ -23,6 +24,12 @@ from ncpctl.model.families import hf
 
 PKG = Path(ncpctl.__file__).parent
 MODEL = PKG / "model"
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(text: str) -> ast.AST:
+    """A source text's syntax tree, parsed once per text (the checks read the same files again)."""
+    return ast.parse(text)
 
 
 def _module_file(target: str) -> str:
@@ -43,7 +50,7 @@ def records(model: Path = MODEL) -> list[tuple[str, dict]]:
     """(file, keyword literals) of every ``DesignSpec(...)`` call in the model package's source."""
     out = []
     for path in sorted(model.rglob("*.py")):
-        for n in ast.walk(ast.parse(path.read_text())):
+        for n in ast.walk(_tree(path.read_text())):
             if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "DesignSpec":
                 kw = {k.arg: _literal(k.value) for k in n.keywords}
                 kw["name"] = _literal(n.args[0]) if n.args else kw.get("name")
@@ -102,7 +109,7 @@ def test_no_central_module_branches_on_a_built_in_name():
     bad = []
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG).as_posix()
-        for line, src, found in _branches(ast.parse(path.read_text())):
+        for line, src, found in _branches(_tree(path.read_text())):
             names = [s for s in found if s in owners and not _owns(owners[s], rel)]
             if names:
                 bad.append(f"ncpctl/{rel}:{line}: {src[:100]}  ({', '.join(names)})")
@@ -146,7 +153,7 @@ def room_problems(model: Path = MODEL) -> list[str]:
     rooms = _rooms(model)
     registry = (model / "registry.py").read_text().splitlines()
     every = set().union(*rooms.values())
-    strings = {path.relative_to(model).as_posix(): _named(ast.parse(path.read_text()), every)
+    strings = {path.relative_to(model).as_posix(): _named(_tree(path.read_text()), every)
                for path in sorted(model.rglob("*.py"))}
     bad = []
     for room, names in rooms.items():
