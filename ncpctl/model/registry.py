@@ -184,6 +184,24 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(module, package=__package__ if module.startswith(".") else None), attr)
 
 
+_FAMILIES: dict[Any, Any] = {}
+
+
+def family(name: str) -> Any:
+    """The backbone family ``name`` (a ``Family``, families/base.py): a registered name or
+    ``package.module:Class`` (one instance per class). A ``ConfigError`` names an unknown family or a
+    class that is not a ``Family``. Here, below the families and the layers that ask it, so that
+    neither imports the other's module to find one."""
+    if not isinstance(name, str):
+        raise ConfigError([("backbone", f"must be a name, got {name!r}")])
+    cls = strategy("backbone", name)
+    if cls not in _FAMILIES:
+        if not (isinstance(cls, type) and getattr(cls, "is_family", False) is True):
+            raise ConfigError([("backbone", f"{name!r}: {cls!r} is not a Family subclass (ncpctl.model.families.base)")])
+        _FAMILIES[cls] = cls()
+    return _FAMILIES[cls]
+
+
 def segmentation_law(name: str) -> SegmentationLaw:
     """The law of segmentation ``name`` (a class named by import path declares it as ``law``)."""
     if name not in LAWS:

@@ -108,7 +108,7 @@ def test_old_configs_keep_their_backbone_values():
 @pytest.mark.parametrize("name", ["neox", "llama", "gpt2", "relu2"])
 def test_mlp_matrices_counts_the_mlp_weights(name):
     """The torch-free count the cost model reads is the built MLP's (d x ffn_dim matrices)."""
-    from ncpctl.model.families.base import family
+    from ncpctl.model.registry import family
 
     cfg = tiny(name)
     mlp = build(cfg).decoder[0].mlp

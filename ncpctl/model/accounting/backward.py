@@ -12,7 +12,7 @@ from ncpctl.model.accounting.parts import (SLOTS, _concept_costs, _crc_flops, _c
 from ncpctl.model.core.config import ModelConfig
 from ncpctl.model.designs.bottleneck.config import BottleneckCost
 from ncpctl.model.designs.mtp.config import MtpCost
-from ncpctl.model.families.base import family
+from ncpctl.model.registry import family
 from ncpctl.model.registry import design_cost
 
 __all__ = ["Backward"]

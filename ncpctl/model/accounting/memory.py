@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ncpctl.model.core.config import ModelConfig
-from ncpctl.model.families.base import family
+from ncpctl.model.registry import family
 
 __all__ = ["ActivationMemory", "activation_memory", "DTYPE_BYTES", "ATTENTION_KERNELS", "MODES"]
 

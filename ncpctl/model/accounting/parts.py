@@ -10,7 +10,7 @@ from typing import Any
 from ncpctl.model.core.config import ModelConfig
 from ncpctl.model.designs.bottleneck.config import BottleneckCost
 from ncpctl.model.designs.mtp.config import MtpCost
-from ncpctl.model.families.base import family
+from ncpctl.model.registry import family
 from ncpctl.model.registry import design_cost
 
 def _keys_full(n: int, window: int | None) -> int:

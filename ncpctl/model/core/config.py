@@ -31,7 +31,7 @@ from ncpctl.model.core.config_base import (  # noqa: F401
     ConfigError, SegmentationLaw, is_positive_int, option, section_problems, section_seq_len, section_settle, section_tokens,
 )
 from ncpctl.model.registry import (  # noqa: F401  (the registry's names, as before it had its own module)
-    LAWS, OPTIONS, STRATEGIES, UNTRUSTED, sections, _check_options, from_checkpoint, register, segmentation_law,
+    LAWS, OPTIONS, STRATEGIES, UNTRUSTED, family, sections, _check_options, from_checkpoint, register, segmentation_law,
     strategy, trust, unregister,
 )
 
@@ -379,9 +379,6 @@ class ModelConfig(*sections("model")):  # the built-in designs' sections (their 
 
     def _backbone_defaults(self) -> list[tuple[str, str]]:
         """The backbone family's values of the keys left null (family.py); its own checks."""
-        # families/base.py's lookup, imported lazily (it imports this module; torch-free until a family loads)
-        from ncpctl.model.families.base import family
-
         fam = family(self.backbone)  # ConfigError if unknown
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads

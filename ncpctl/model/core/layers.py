@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ncpctl.model.core.config import ModelConfig, strategy
 from ncpctl.model.core.rope import apply_rope, inv_freq, rope  # noqa: F401  (re-exported: the blocks' RoPE)
-from ncpctl.model.families.base import family
+from ncpctl.model.registry import family
 from ncpctl.model.core.patterns import (Pattern, as_pattern, attn_mask, dense_mask, document_masks,  # noqa: F401  (attn_mask: re-exported)
                        document_positions, is_block_mask, kernel_masks)
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ncpctl.model.core.config import ConfigError, strategy
+from ncpctl.model.core.config_base import ConfigError
+from ncpctl.model.registry import STRATEGIES, family
 
 Problems = list[tuple[str, str]]
 
@@ -40,6 +41,7 @@ Problems = list[tuple[str, str]]
 class Family:
     """A backbone family (see the module docstring). Subclass it and override what differs."""
 
+    is_family = True  # what registry.family checks (it cannot import this class: it is below it)
     learned_positions = False
     # d x ffn_dim matrices of its MLP (GELU: up, down = 2; SwiGLU: gate, up, down = 3), for the
     # torch-free cost model (accounting.py)
@@ -105,26 +107,8 @@ class Family:
         raise self._no_hf(cfg)
 
 
-_INSTANCES: dict[Any, Family] = {}
-
-
-def family(name: str) -> Family:
-    """The backbone family ``name``: a registered name or ``package.module:Class`` (one instance
-    per class). A ``ConfigError`` names an unknown family or a class that is not a ``Family``."""
-    if not isinstance(name, str):
-        raise ConfigError([("backbone", f"must be a name, got {name!r}")])
-    cls = strategy("backbone", name)
-    if cls not in _INSTANCES:
-        if not (isinstance(cls, type) and issubclass(cls, Family)):
-            raise ConfigError([("backbone", f"{name!r}: {cls!r} is not a Family subclass (ncpctl.model.families.base)")])
-        _INSTANCES[cls] = cls()
-    return _INSTANCES[cls]
-
-
 def registered() -> dict[str, Family]:
     """Every registered family by name (the built-ins and those ``register`` added)."""
-    from ncpctl.model.core.config import STRATEGIES
-
     return {name: family(name) for name in STRATEGIES["backbone"]}
 
 

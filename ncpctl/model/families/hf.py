@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ncpctl.model.core.config import ConfigError, ModelConfig
-from ncpctl.model.families.base import Family, family, registered
+from ncpctl.model.families.base import Family, registered
+from ncpctl.model.registry import family
 
 # the default depth mixer, x + f(x): the only one an HF model has
 _PLAIN = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "residual")
