@@ -135,7 +135,7 @@ def _trust_strategies(targets: list[str] | None) -> None:
     """``--strategy`` values: the import paths the user names, which a checkpoint may then use."""
     if not targets:
         return
-    from ncpctl.model.config import trust  # pure Python: no torch
+    from ncpctl.model.core.config import trust  # pure Python: no torch
 
     bad = [t for t in targets if t.count(":") != 1 or not all(t.split(":"))]
     if bad:

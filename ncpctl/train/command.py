@@ -69,7 +69,7 @@ def _rank() -> int:
 
 def human(con: Any, s: dict[str, Any]) -> None:
     """The stage's summary for people (the JSON result is the summary itself)."""
-    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+    from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 
     state = "interrupted (checkpoint saved)" if s["interrupted"] else "done"
     con.print(f"{s['stage']} {state}: step {s['step']}/{s['max_steps']}, {s['tokens']:,} tokens, "

@@ -112,7 +112,7 @@ def test_code_dictionary(lm):
     with torch.no_grad():
         ids = torch.cat(wins[4:])
         e = C.code_direction(model.concept.codebook(), s, n)
-        from ncpctl.model.interventions import AddToDecoderInput
+        from ncpctl.model.core.interventions import AddToDecoderInput
 
         plus = torch.log_softmax(model(ids, interventions=[AddToDecoderInput(vector=e)]).logits, -1).mean((0, 1))
         gain = plus - torch.log_softmax(model(ids).logits, -1).mean((0, 1))

@@ -21,9 +21,9 @@ from ..conftest import RECIPES
 
 
 def test_ncp_rel_is_the_term_over_the_nearest_codes() -> None:
-    from ncpctl.model.concept import nearest_code
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.concept import nearest_code
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     cfg = build_config("llama-debug", n_layers=4, max_seq_len=32, concept=dict(
         enabled=True, k=4, encoder_layers=2, concept_layers=1, segments=4, codes=16, codebook="learned",
@@ -49,7 +49,7 @@ def test_on_debug_archpreview_the_relative_figure_falls(tiny_data: Path) -> None
     steps of 4 x 32 tokens): ``ncp_rel`` falls from ~1.15 toward 1. The full run (docs/designs/archpreview.md): 1.146
     at step 1, 1.012 at step 150, while the raw term went 105 -> 406 (step 100) -> 184."""
     from ncpctl.data.indexed import IndexedDataset
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe import load_recipe
     from ncpctl.train.config import lr_schedule, make_optimizer
 

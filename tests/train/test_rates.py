@@ -68,7 +68,7 @@ def test_the_summary_reports_compilation_apart_from_the_rates() -> None:
          "nonfinite_steps": 0, "checkpoint": None, "compile_s": 52.25}
     buf = io.StringIO()
     _human(Console(file=buf, width=400, force_terminal=False), s)
-    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+    from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 
     assert (f"4.00 steps/s, 8,000 tokens/s, MFU 10.0% (mean over 19 steps, {FLOP_CONVENTION_SHORT}) of 100 GFLOP/s "
             "(x); compilation 52.2 s (the first step, not in these rates)") in buf.getvalue()
