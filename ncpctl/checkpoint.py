@@ -31,7 +31,7 @@ from ncpctl.fsutil import atomic_write, atomic_write_with
 from ncpctl.interop.authors import conceptlm, conceptlm_io, steerling
 from ncpctl import manifest
 from ncpctl.manifest import MANIFEST
-from ncpctl.model.config import ConfigError, ModelConfig, from_checkpoint
+from ncpctl.model.core.config import ConfigError, ModelConfig, from_checkpoint
 from ncpctl.safe_load import load_safetensors
 
 CHECKPOINTS = "checkpoints"  # run.dir/checkpoints/step_NNNNNNN/
@@ -318,7 +318,7 @@ def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> 
     model directory in the authors' layout (Steerling: the files' dtype, the weights mapped)."""
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     directory = resolve(path)
     if steerling.detect(directory):  # the authors' layout (ncpctl/interop/authors/steerling.py)

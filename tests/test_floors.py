@@ -2,8 +2,9 @@
 contracts in pyproject.toml), no two files import each other in a loop, no module takes another's
 private names, and imports inside functions are only the declared heavy or optional libraries.
 
-``ncpctl/model/`` is one floor here while its rooms are built; ``NOT_YET`` names it, and a
-folder leaves that tuple once its own files pass (the checks then look inside it).
+Circles are looked for between every two files, ncpctl/model/'s rooms included. The private-name
+and in-function checks do not look inside the folders ``NOT_YET`` names (ncpctl/model/ takes
+private names between its own rooms today); a folder leaves that tuple once its files pass.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from importlinter.application.use_cases import lint_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ncpctl"
-NOT_YET = ("model",)  # folders of ncpctl/ drawn as one room (their insides: not checked yet)
+NOT_YET = ("model",)  # folders of ncpctl/ whose files the private-name and in-function checks skip
 
 # Circles that another step of issue 44 takes apart (the training loop's callbacks, item 5, and
 # train/config.py becoming the optimizer); a circle not listed here fails, and so does a listed
@@ -35,7 +36,31 @@ WAITING_ON_MODEL = {
 }
 # Imports inside functions of ncpctl modules and of the standard library still to move to the
 # top (per file, at most this many); a file that needs fewer is fine, one that needs more fails.
-NOT_MOVED_YET: dict[str, int] = {}
+NOT_MOVED_YET: dict[str, int] = {
+    "checkpoint.py": 1, "cli/_common.py": 2, "cli/adapt_vq.py": 1, "cli/app.py": 2, "cli/eval.py": 1,
+    "cli/export.py": 1, "cli/fit.py": 1, "cli/generate.py": 1, "cli/inspect_cmd.py": 1, "cli/midtrain.py": 1,
+    "cli/pretrain.py": 1, "cli/profile_kernels.py": 1, "cli/sweep.py": 2, "cli/tokenize.py": 1,
+    "cli/train_drafter.py": 1, "data/mix.py": 1, "data/tokenize_command.py": 2, "evaluate/__main__.py": 3,
+    "evaluate/cache.py": 1, "evaluate/code_exec.py": 4, "evaluate/compare.py": 18, "evaluate/compare_arms.py": 5,
+    "evaluate/compare_curves.py": 7, "evaluate/concept_position.py": 8, "evaluate/entry.py": 14,
+    "evaluate/heldout.py": 8, "evaluate/lm.py": 3, "evaluate/offline.py": 9, "evaluate/proxy.py": 3,
+    "evaluate/run.py": 17, "evaluate/speculative.py": 6, "inference/block_drafter.py": 5, "inference/drafters.py": 3,
+    "inference/generate.py": 3, "inference/generate_command.py": 8, "inference/inspect_command.py": 9,
+    "interop/authors/conceptlm.py": 2, "interop/authors/conceptlm_io.py": 2, "interop/authors/steerling.py": 5,
+    "interop/authors/steerling_export.py": 2, "interop/export_command.py": 3, "interop/hf_export.py": 7,
+    "interop/hf_import.py": 8, "interpret/concept_table.py": 1, "interpret/concepts.py": 3, "interpret/report.py": 8,
+    "interpret/steer.py": 5, "interpret/trace.py": 5, "profile/command.py": 4, "profile/dlcm.py": 2,
+    "profile/kernels.py": 5, "profile/load.py": 2, "profile/ops.py": 3, "profile/reference.py": 2,
+    "profile/run.py": 6, "profile/step.py": 1, "profile/timing.py": 7, "recipe/init_from.py": 5,
+    "recipe/length.py": 6, "recipe/load.py": 3, "recipe/reference.py": 4, "recipe/schema.py": 1, "safe_load.py": 1,
+    "study/fit.py": 2, "study/fit_command.py": 6, "study/law.py": 1, "study/points.py": 5, "study/report.py": 1,
+    "study/run_columns.py": 3, "study/sweep.py": 6, "study/sweep_command.py": 5, "study/sweep_run.py": 2,
+    "study/sweep_state.py": 6, "train/checkpoint.py": 5, "train/command.py": 8, "train/compiled.py": 1,
+    "train/config.py": 3, "train/data.py": 1, "train/designs/bottleneck.py": 5, "train/designs/codebook.py": 1,
+    "train/designs/documents.py": 1, "train/designs/drafter.py": 1, "train/designs/dynamic.py": 1,
+    "train/downstream.py": 7, "train/elastic.py": 2, "train/engine.py": 2, "train/hooks.py": 1, "train/loop.py": 3,
+    "train/rates.py": 2, "train/recompute.py": 2, "train/stages.py": 8, "train/stopping.py": 3, "train/summary.py": 1,
+}
 
 
 def _files() -> list[Path]:
@@ -79,16 +104,7 @@ def test_the_import_contracts_hold() -> None:
 def test_no_two_files_import_each_other_in_a_loop() -> None:
     """Every import counts (inside functions too): a circle hidden in a function is still a circle."""
     graph = grimp.build_graph("ncpctl", cache_dir=None)
-
-    def room(m: str) -> str:
-        parts = m.split(".")
-        return ".".join(parts[:2]) if len(parts) > 1 and parts[1] in NOT_YET else m
-
-    edges: dict[str, set[str]] = {}
-    for m in graph.modules:
-        for i in graph.find_modules_directly_imported_by(m):
-            if room(m) != room(i):
-                edges.setdefault(room(m), set()).add(room(i))
+    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
     circles = {frozenset(c) for c in _strongly_connected(edges) if len(c) > 1}
     assert circles - KNOWN_CIRCLES == set(), "files that import each other in a loop"
     assert KNOWN_CIRCLES - circles == set(), "a known circle is gone: take it off KNOWN_CIRCLES"

@@ -35,8 +35,8 @@ from typing import Any, Callable
 
 import torch
 
-from ncpctl.model.block_sampler import filter_logits
-from ncpctl.model.decode import restore, snapshot, step_many
+from ncpctl.model.designs.causal_diffusion.sampler import filter_logits
+from ncpctl.model.core.decode import restore, snapshot, step_many
 
 from .sampling import Rows, SamplingParams
 
