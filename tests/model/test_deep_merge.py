@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import ncpctl.recipe.load
-import ncpctl.train.config
+import ncpctl.train.zero
 from ncpctl.model import config as model_config
 from ncpctl.model.config import SIZES, build_config, deep_merge
 
@@ -47,10 +47,10 @@ def test_on_leaf_sees_every_value_taken_from_over() -> None:
 
 
 def test_one_merge_everywhere() -> None:
-    """recipe/load.py and train/config.py use this function and define no merge of their own."""
+    """recipe/load.py and train/zero.py (the DeepSpeed config) use this function and define no merge of their own."""
     assert ncpctl.recipe.load.deep_merge is deep_merge
-    assert ncpctl.train.config.deep_merge is deep_merge
-    for rel in ("recipe/load.py", "train/config.py", "model/config.py"):
+    assert ncpctl.train.zero.deep_merge is deep_merge
+    for rel in ("recipe/load.py", "train/zero.py", "model/config.py"):
         tree = ast.parse((PKG / rel).read_text())
         merges = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and "merge" in n.name.lower()]
         assert merges == (["deep_merge", "merge_into"] if rel == "model/config.py" else []), (rel, merges)
