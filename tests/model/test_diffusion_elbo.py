@@ -178,7 +178,7 @@ def test_the_two_copy_forward_gives_the_per_block_estimate_with_the_same_masks(w
 
 
 def test_the_bound_bench_runs_at_its_smallest_size(capsys):
-    """bench/cdlm_bound.py (the README's speed-up) at one short window, in process: the two methods
+    """bench/cdlm_bound.py (the speed-up in docs/designs/steerling.md) at one short window, in process: the two methods
     agree."""
     import importlib.util
     import json

@@ -1,6 +1,6 @@
 """The run's clock (``ncpctl.train.rates``, issue 46 items 1 and 6): a compiling first step is said
 out loud and kept out of steps/s; a run whose steps slow far below its own first ones says so once.
-The thread policy itself (``ncpctl.threads``) is measured in the README, not here: it depends on
+The thread policy itself (``ncpctl.threads``) is measured in docs/getting-started.md, not here: it depends on
 what else the machine runs."""
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ What ncpctl builds computes their function (tests/interop/test_steerling.py, aga
 code made: tools/reference/steerling.py): a ``llama`` backbone with post-norm, per-head QK-norm,
 ``clip_qkv``, full RoPE, ``objective: causal_diffusion``; the concept bottleneck without biases, logits
 clamped to +-15, their top-k, the factorised unknown head; no vocabulary padding (their logits have
-exactly ``vocab_size`` columns). The differences kept on purpose are listed in the README ("Using the
-released models").
+exactly ``vocab_size`` columns). The differences kept on purpose are listed in docs/released-models.md
+("Using the released models").
 """
 
 from __future__ import annotations
