@@ -204,11 +204,10 @@ def _train_record(run: Run, step: Step) -> dict[str, Any]:
     """The train record (rank 0): the loop's numbers, then the model's log keys and the step
     statistics, by name."""
     r, tot = run.recipe, run.tot
-    rec = {"split": "train", "step": tot.step, "lr": step.lr, "tokens": tot.tokens, "grad_norm": step.grad_norm,
-           "step_time": step.seconds, "tokens_per_s": r.global_batch_size * r.seq_len / step.seconds,
-           "mfu": run.flops_per_step / step.seconds / run.peak, "nonfinite": tot.nonfinite_total,
-           **run.packing.record(step.terms), **step.stats}
-    return rec
+    return {"split": "train", "step": tot.step, "lr": step.lr, "tokens": tot.tokens, "grad_norm": step.grad_norm,
+            "step_time": step.seconds, "tokens_per_s": r.global_batch_size * r.seq_len / step.seconds,
+            "mfu": run.flops_per_step / step.seconds / run.peak, "nonfinite": tot.nonfinite_total,
+            **run.packing.record(step.terms), **step.stats}
 
 
 # ----------------------------------------------------------------------------- evaluate, save, finish
@@ -216,8 +215,9 @@ def _train_record(run: Run, step: Step) -> dict[str, Any]:
 
 def _evaluate(run: Run, stop: Signals, final: bool = False) -> bool:
     """Validation on train.eval_batches fixed batches (per data.mix component when the mixture's
-    components have validation splits; ``ncpctl.train.validate``), logged and shown. Returns whether
-    a stop signal abandoned it (``stopping.abandon_on_stop``: nothing is recorded then)."""
+    components have validation splits; ``ncpctl.train.validate``), recorded (the callbacks write and
+    show it). Returns whether a stop signal abandoned it (``stopping.abandon_on_stop``: nothing is
+    recorded then)."""
     try:
         with abandon_on_stop(run.engine.module, stop, run.d):
             val = validate(run, final)
