@@ -1841,7 +1841,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ncpctl.cli._train import stdout_to_stderr  # DeepSpeed's stdout kept off the JSON
+    from ncpctl.train.command import stdout_to_stderr  # DeepSpeed's stdout kept off the JSON
 
     if not args.dry and not torch.cuda.is_available():
         print("error: no CUDA device (torch.cuda.is_available() is False); run this on a GPU, "

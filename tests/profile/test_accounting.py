@@ -130,7 +130,7 @@ def test_one_flop_convention_for_budgets_fits_and_mfu() -> None:
     import torch
     from rich.console import Console
 
-    from ncpctl.cli._train import _human
+    from ncpctl.train.command import human as _human
     from ncpctl.profile.load import load_for_profile
     from ncpctl.profile.render import render
     from ncpctl.profile.step import step_section

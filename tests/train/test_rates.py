@@ -60,7 +60,7 @@ def test_the_summary_reports_compilation_apart_from_the_rates() -> None:
 
     from rich.console import Console
 
-    from ncpctl.cli._train import _human
+    from ncpctl.train.command import human as _human
 
     s = {"stage": "pretrain", "interrupted": False, "step": 20, "max_steps": 20, "tokens": 1000,
          "trainable_parameters": 10, "parameters": 10, "val": {}, "steps_per_s": 4.0, "tokens_per_s": 8000.0,

@@ -1,4 +1,5 @@
-"""What `pretrain`, `midtrain` and `adapt-vq` share: load the recipe, run the stage, report.
+"""What `pretrain`, `midtrain`, `adapt-vq` and `train-drafter` call: ``run_stage(StageRequest, out)``
+loads the recipe, holds the run directory's lock, runs the stage and reports its summary.
 
 Kept light (no torch import at module level) so `ncpctl --help` stays fast.
 """
@@ -8,9 +9,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ncpctl.cli._common import Output
+from ncpctl.output import Output
 
 
 @contextlib.contextmanager
@@ -29,33 +31,44 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def run_stage(stage_name: str, recipe_path: str, sets: list[str], json_out: bool, *, break_lock: bool = False,
-              verify: bool = True) -> None:
+@dataclass
+class StageRequest:
+    """A training command's arguments: the stage, the recipe file and its ``--set`` overrides."""
+
+    stage: str  # pretrain, midtrain, adapt-vq, train-drafter
+    recipe: str
+    sets: list[str] = field(default_factory=list)
+    break_lock: bool = False
+    verify: bool = True
+
+
+def run_stage(req: StageRequest, out: Output) -> None:
+    """Train the request's stage; rank 0 reports the summary through ``out``."""
     from ncpctl.recipe import load_recipe
     from ncpctl.runlock import RunLock
 
-    out = Output(json_out)
-    r = load_recipe(recipe_path, sets)
+    stage_name, r = req.stage, load_recipe(req.recipe, req.sets)
     # one writer per run.dir: rank 0 holds its lock (the launcher's other ranks run under it)
-    lock = RunLock(r.run_dir, stage_name, warn=out.warn, break_lock=break_lock) if _rank() == 0 else None
+    lock = RunLock(r.run_dir, stage_name, warn=out.warn, break_lock=req.break_lock) if _rank() == 0 else None
     with lock or contextlib.nullcontext(), stdout_to_stderr():
         from ncpctl.checkpoint import set_verify
         from ncpctl.train.loop import train
         from ncpctl.train.stages import make_stage
 
-        set_verify(verify)
+        set_verify(req.verify)
         stage = make_stage(r, stage_name)
         summary = train(r, stage, out)
     if _rank() != 0:  # under a launcher only rank 0 reports
         return
-    out.result({"command": stage_name, **summary}, lambda con: _human(con, summary))
+    out.result({"command": stage_name, **summary}, lambda con: human(con, summary))
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
-def _human(con: Any, s: dict[str, Any]) -> None:
+def human(con: Any, s: dict[str, Any]) -> None:
+    """The stage's summary for people (the JSON result is the summary itself)."""
     from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
 
     state = "interrupted (checkpoint saved)" if s["interrupted"] else "done"
