@@ -65,7 +65,7 @@ How to read each section (JSON keys in brackets):
    so the two stages differ in their gradient buffers only, not by a factor.
    Both stages start from the same weights, so ``first_loss_diff`` must be within
    ``first_loss_tol`` (1e-2 in bf16, 1e-4 in fp32); losses must be finite and fall. In bf16 ZeRO-1
-   runs DeepSpeed's ``BF16_Optimizer`` (``ncpctl.train.config.bf16_optimizer``), and
+   runs DeepSpeed's ``BF16_Optimizer`` (``ncpctl.train.zero.Zero.bf16_optimizer``), and
    ``zero1_zero_optimizer`` is stage 1 on the ZeRO optimizer beside it (``deepspeed.extra``
    ``data_types.grad_accum_dtype: bf16``): ``bf16_optimizer_over_zero_optimizer`` is their
    step-time ratio (what skipping the per-tensor overflow pass gives).
@@ -523,7 +523,7 @@ def zero_section(sh: Shapes, env: Env) -> dict[str, Any]:
 
     T, B = sh.seq_len, sh.batch
     out: dict[str, Any] = {"size": sh.zero_size, "seq_len": T, "batch": B, "variant": "concept", "steps": sh.zero_steps}
-    # zero1: bf16's BF16_Optimizer (ncpctl.train.config.bf16_optimizer); zero1_zero_optimizer: DeepSpeed's
+    # zero1: bf16's BF16_Optimizer (ncpctl.train.zero.Zero.bf16_optimizer); zero1_zero_optimizer: DeepSpeed's
     # ZeRO optimizer at stage 1 (its per-tensor overflow pass), the wrapper bf16 ZeRO-1 ran before issue 45
     runs_of = {"zero1": (1, ()), "zero1_zero_optimizer": (1, ("deepspeed.extra={data_types: {grad_accum_dtype: bf16}}",)),
                "zero2": (2, ())} if env.bf16 else {"zero1": (1, ()), "zero2": (2, ())}

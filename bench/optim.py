@@ -1,6 +1,6 @@
 """Optimizer cost: a training step with ``train.optimizer: muon`` over the same step with AdamW.
 
-A script, not a test. Both optimizers come from ``ncpctl.train.config.make_optimizer`` (the
+A script, not a test. Both optimizers come from ``ncpctl.train.optimizer.make_optimizer`` (the
 recipe's groups: Muon on the hidden matrices, AdamW on the rest, vs AdamW on everything), on
 the same model, batch and threads, fp32, no DeepSpeed (stage 0: the engine hands the optimizer
 the parameters as they are). One step = forward + backward + optimizer step + zero_grad.
@@ -62,7 +62,7 @@ def _stepper(args: argparse.Namespace, optimizer: str) -> tuple[Callable[[], flo
 
     from ncpctl.model.core.model import NCPModel
     from ncpctl.profile.step import random_windows, training_step
-    from ncpctl.train.config import make_optimizer
+    from ncpctl.train.optimizer import make_optimizer
 
     r = _recipe(args, optimizer)
     torch.manual_seed(0)

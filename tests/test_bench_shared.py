@@ -63,7 +63,7 @@ def test_the_peak_table_knows_each_h100() -> None:
 def test_the_training_loop_uses_that_table(monkeypatch) -> None:
     import torch
 
-    from ncpctl.train import loop
+    from ncpctl.train import prepare
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 PCIe")
-    assert loop.device_peak(True) == (756e12, "NVIDIA H100 PCIe bf16 peak")
+    assert prepare.device_peak(True) == (756e12, "NVIDIA H100 PCIe bf16 peak")

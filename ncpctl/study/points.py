@@ -19,7 +19,7 @@ Two inputs:
   sweeps are two families). The tokenizer is ``data/meta.json``'s tokenizer sha256, the
   validation set its source fingerprint and split (``data.val_prefix`` when set). Its settings come
   from the resolved recipe: ``lr`` = train.lr (decoupled muP's eta_base_others), ``lr_token`` /
-  ``lr_concept`` the token and concept modules' base rates (``ncpctl.train.config.base_lrs``),
+  ``lr_concept`` the token and concept modules' base rates (``ncpctl.train.optimizer.base_lrs``),
   ``width`` = model.d_model and ``concept_width`` the concept transformer's d_concept. The
   columns of ``ncpctl.study.run_columns`` come with it: the non-embedding N and C, the epochs over
   the training split, a concept path's R and P, a decay branch's stable-phase losses.
@@ -193,7 +193,7 @@ def read_run(run: Path, family_from_parent: bool = False) -> Point:
 
 def settings(recipe: Any) -> dict[str, float]:
     """The run's rates and widths from its resolved recipe (what the transfer view reads)."""
-    from ncpctl.train.config import base_lrs
+    from ncpctl.train.optimizer import base_lrs
 
     cfg, lrs = recipe.model_config, base_lrs(recipe.train)
     out = {"lr": float(recipe.train.lr), "lr_token": float(lrs["token"]), "lr_concept": float(lrs["concept"]),

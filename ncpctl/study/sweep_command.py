@@ -116,7 +116,7 @@ def _totals(sweep: Any) -> dict[str, Any]:
 def _table(sweep: Any, dry: bool = False) -> Any:
     from rich.table import Table
 
-    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+    from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 
     t = Table(title=f"sweep {sweep.name}: {len(sweep.points)} points (base {sweep.base})"
               + (f"; training FLOPs: {FLOP_CONVENTION_SHORT}" if dry else ""), title_justify="left")

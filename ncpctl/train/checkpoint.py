@@ -42,6 +42,7 @@ from ncpctl import manifest
 from ncpctl.checkpoint import CHECKPOINTS, META, find_in, is_complete, read_meta, read_weights  # noqa: F401
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write, disk_errors, fsync_tree
+from ncpctl.train.zero import Zero
 
 LATEST = "latest"
 META_VERSION = 1
@@ -185,7 +186,7 @@ def consolidated_weights(engine: Any, zero_stage: int, tie_embeddings: bool) -> 
     """The full state dict as fp32 on rank 0 (collective under ZeRO-3, None on the other ranks
     there; bf16 runs save their bf16 module weights upcast), under the plain model's names (LoRA
     adapters merged into their weights, ``ncpctl.train.lora``)."""
-    if zero_stage == 3:
+    if Zero(zero_stage).partitioned:
         state = engine._zero3_consolidated_16bit_state_dict()  # what save_16bit_model uses; rank 0 only
     else:
         state = engine.module.state_dict()
@@ -208,7 +209,7 @@ def save(engine: Any, root: Path, step: int, meta: dict[str, Any], recipe: Any, 
     """Write checkpoint ``step`` on every rank (collective), then point ``latest`` at it.
 
     ``meta`` is the training state ncpctl.json records (step, tokens_seen, data state, ...);
-    ``barrier()`` syncs ranks; ``fault(where, step)`` is the test hook (see loop.Faults).
+    ``barrier()`` syncs ranks; ``fault(where, step)`` is the test hook (``ncpctl.train.faults.Faults``).
     """
     from ncpctl.checkpoint import save_model_files
 

@@ -35,6 +35,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ncpctl.train.zero import Zero
+
 
 def why_not(on_gpu: bool, backend: str = "inductor") -> str | None:
     """Why the blocks cannot be compiled here, or None."""
@@ -55,11 +57,12 @@ def compile_blocks(model: nn.Module, zero_stage: int, on_gpu: bool, warn: Callab
     if reason is not None:
         warn(f"train.compile: running eagerly: {reason}")
         return 0
+    partitioned = Zero(zero_stage).partitioned
     blocks = [blk for stack in model.modules() if isinstance(stack, Stack) for blk in stack]
-    if zero_stage < 3:  # a mixer is not a ZeRO-3 leaf: CRC normalises its sources outside its forward
+    if not partitioned:  # a mixer is not a ZeRO-3 leaf: CRC normalises its sources outside its forward
         blocks += [m for m in model.modules() if getattr(m, "compile_region", False)]
     for blk in blocks:
-        if zero_stage == 3:
+        if partitioned:
             from deepspeed.utils import set_z3_leaf_module
 
             set_z3_leaf_module(blk, True)

@@ -39,6 +39,7 @@ import torch
 
 from ncpctl.errors import UserError
 from ncpctl.fsutil import disk_errors
+from ncpctl.train.zero import Zero
 
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")  # an optimizer state's key: exp_avg, momentum_buffer, step
@@ -177,12 +178,13 @@ def to_universal(src: Path, dst: Path, world: int, zero_stage: int, own: set[str
     shapes = load_pt(models[0], allow=DEEPSPEED_GLOBALS, mmap=True)[PARAM_SHAPES]  # [{name: shape}] per group
     pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
     steps: dict[str, Any] = {}
-    if zero_stage <= 2 and not all(isinstance(sd.get(BASE_OPTIMIZER_STATE), dict) for sd in parts):
+    flat = Zero(zero_stage).flat_optimizer_state
+    if flat and not all(isinstance(sd.get(BASE_OPTIMIZER_STATE), dict) for sd in parts):
         # DeepSpeed's zero_optimization.elastic_checkpoint: a list of per-group states, no param_groups
         raise UserError(f"{src}: its ZeRO-{zero_stage} optimizer state was saved in DeepSpeed's elastic_checkpoint "
                         "layout (per-group lists); ncpctl re-partitions the default layout only", hint=HINT)
     try:
-        if zero_stage <= 2:
+        if flat:
             _pieces_stage12(files, parts, own, pieces, steps)
             common = {k: v for k, v in parts[0].items()
                       if k not in (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)}

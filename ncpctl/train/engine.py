@@ -44,7 +44,8 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
 from ncpctl.errors import UserError
 from ncpctl.model.core.head import liger_loss
 from ncpctl.recipe.load import Recipe
-from ncpctl.train.config import base_lrs, deepspeed_config, lr_schedule, make_optimizer, param_groups, use_bf16
+from ncpctl.train.optimizer import base_lrs, lr_schedule, make_optimizer, param_groups
+from ncpctl.train.zero import Zero, deepspeed_config, use_bf16
 from ncpctl.train.recompute import apply_activation_checkpointing
 
 
@@ -170,7 +171,7 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable
     import deepspeed
 
     check_parameters(model)
-    on_gpu = d.device.type != "cpu"
+    on_gpu, zero = d.device.type != "cpu", Zero.of(recipe)
     ds_config = deepspeed_config(recipe, on_gpu)
     optimizer = make_optimizer(model, recipe, on_gpu)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
@@ -178,11 +179,11 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable
     if compiles(recipe.train.compile, on_gpu):
         from ncpctl.train.compiled import compile_blocks
 
-        compile_blocks(model, recipe.deepspeed.zero_stage, on_gpu, warn or info or (lambda m: None))
+        compile_blocks(model, zero.stage, on_gpu, warn or info or (lambda m: None))
     bf16 = use_bf16(recipe, on_gpu)
     # stage 0 bf16: the fp32 weights, before DeepSpeed casts the model (its masters then come from bf16)
     fp32_init = ({id(p): p.detach().clone() for p in model.parameters() if p.requires_grad}
-                 if bf16 and recipe.deepspeed.zero_stage == 0 else None)
+                 if bf16 and not zero.wraps_optimizer else None)
     quiet_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
@@ -190,7 +191,7 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable
         _undo_init_step(engine.optimizer, fp32_init)
     if hasattr(optimizer, "bind"):  # Muon: where its matrices lie in the flat ZeRO partitions
         optimizer.bind(engine.optimizer)
-    if recipe.deepspeed.zero_stage == 3:
+    if zero.partitioned:
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
         for p in external_parameters(model):

@@ -11,7 +11,7 @@ The update of a Muon matrix W (d_out, d_in) with gradient G is torch.optim.Muon'
 
 Per logical matrix, as per-matrix Muon: a fused Linear stacks several matrices along its rows
 (``attn.qkv`` = [q (H hd); k (Hkv hd); v (Hkv hd)], a SwiGLU ``mlp.fc`` = [gate; up], DLCM's
-``wkv`` = [k; v]; the modules declare them, ``ncpctl.train.config.fused_rows``). Each block of
+``wkv`` = [k; v]; the modules declare them, ``ncpctl.train.optimizer.fused_rows``). Each block of
 rows gets its own O and its own s from its own shape, e.g. k's (Hkv hd, d): exactly
 torch.optim.Muon applied to the split matrices. Orthogonalising the fused matrix instead would
 couple them (one block's update depends on the others' gradients: a block with a 10x smaller
@@ -21,7 +21,7 @@ and weight decay are elementwise, so they are the same either way; the weights s
 One lr (the schedule's) serves Muon and AdamW; weight decay is decoupled and uses the
 unadjusted lr, as torch's Muon does. The other groups are torch AdamW, unchanged. Each group's
 lr is read per group (``g["lr"]``): under decoupled muP the groups ``muon_token`` /
-``muon_concept`` hold train.lr / s of their module (``ncpctl.train.config.param_groups``). The
+``muon_concept`` hold train.lr / s of their module (``ncpctl.train.optimizer.param_groups``). The
 multiplier is AdamW's: with match_rms_adamw a Muon step has AdamW's per-entry size, so the
 1/s that keeps AdamW's hidden updates width-independent applies unchanged (sqrt_max_dim only
 rescales every matrix by the same constant 5).
@@ -53,7 +53,7 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 
 from ncpctl.errors import UserError
-from ncpctl.train.config import GuardedAdamW
+from ncpctl.train.optimizer import GuardedAdamW
 
 LR_SCALES = {
     "match_rms_adamw": 0.2,  # Moonlight: the update's RMS matches AdamW's (torch: adjust_lr_fn="match_rms_adamw")

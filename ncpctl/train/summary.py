@@ -1,6 +1,6 @@
 """The ``--json`` summary of a training run (``train`` returns it; ``ncpctl pretrain`` prints it):
 what ran, every figure with the step it was measured at, the rates and MFU over a stated peak, the
-budget and what was spent. ``run`` is the loop's ``_Run``."""
+budget and what was spent. ``run`` is the prepared ``ncpctl.train.prepare.Run``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from ncpctl import threads
 from ncpctl.model.accounting.flops import FLOP_CONVENTION
 from ncpctl.run_metrics import METRICS, realised_ratio, records
+from ncpctl.train.prepare import flops_per_step
 
 
 def summary(run: Any, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:
@@ -35,7 +36,7 @@ def summary(run: Any, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:
         "checkpoint": str(tot.last_good) if tot.last_good else None,
         "resumed_from": str(run.resume_from) if run.resume_from else None,
         "init_from": str(stage.init_from) if stage.init_from else None,
-        "world_size": run.d.world, "zero_stage": r.deepspeed.zero_stage, "bf16": run.bf16,
+        "world_size": run.d.world, "zero_stage": run.zero.stage, "bf16": run.bf16,
         "threads": threads.record(),  # the intra-op count changes the numerics (ncpctl.threads)
         "budget": _budget(run),
         "plots": plots,
@@ -53,7 +54,5 @@ def _budget(run: Any) -> dict[str, Any]:
         ratio = realised_ratio(cfg, records(r.run_dir / METRICS)) if (r.run_dir / METRICS).is_file() else None
         if ratio is not None:
             out["tokens_per_concept"] = ratio
-            from ncpctl.train.loop import flops_per_step
-
             out["flops_realised"] = tot.step * flops_per_step(r, run.stage, run.engine.module, realised_ratio=ratio)
     return out

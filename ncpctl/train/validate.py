@@ -18,7 +18,7 @@ from ncpctl.data.mix import normalised
 
 
 def validate(run: Any, final: bool = False) -> dict[str, float]:
-    """The validation record of ``run`` (``_Run``); ``final``: the run's last evaluation."""
+    """The validation record of ``run`` (``ncpctl.train.prepare.Run``); ``final``: the run's last evaluation."""
     r, d, engine, hooks = run.recipe, run.d, run.engine, run.hooks
     engine.eval()
     hooks.eval_begin(engine.module, final)

@@ -15,7 +15,7 @@ from ncpctl.errors import UserError
 from ncpctl.model.core.config import ConfigError, build_config
 from ncpctl.model.core.model import NCPModel
 from ncpctl.recipe.load import load_recipe
-from ncpctl.train.config import apply_mup, lr_schedule, make_optimizer, param_groups
+from ncpctl.train.optimizer import apply_mup, lr_schedule, make_optimizer, param_groups
 
 from ..conftest import REPO
 from ._helpers import build, tiny, tokens

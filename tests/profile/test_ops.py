@@ -99,7 +99,7 @@ def test_on_a_gpu_adamw_is_one_fused_kernel_and_steps_as_the_loop_does() -> None
 
     from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe import load_recipe
-    from ncpctl.train.config import make_optimizer
+    from ncpctl.train.optimizer import make_optimizer
 
     r = load_recipe(RECIPES / "debug.yaml", ["deepspeed.zero_stage=0", "train.grad_clip=0"])
     torch.manual_seed(0)

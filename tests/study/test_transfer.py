@@ -144,7 +144,7 @@ def test_a_transfer_sweep_point_trains_each_group_at_its_rate_over_s() -> None:
     from ncpctl.model.core.model import NCPModel
     from ncpctl.profile.load import load_for_profile
     from ncpctl.study.sweep import read_sweep
-    from ncpctl.train.config import make_optimizer
+    from ncpctl.train.optimizer import make_optimizer
 
     sweep, _ = read_sweep(RECIPES / "sweeps" / "debug-mup-transfer.yaml")
     point = next(p for p in sweep.points if p.name == "d128+lr9e-3")

@@ -5,7 +5,7 @@ biases, over lr (AdamW's first step moves an entry by lr * g / (|g| + eps), ~lr 
 the biases start at 0, where bf16 resolves 3e-3 to 0.4 %, so the bf16 model weights show it).
 
 ``--resume DIR``: then bf16 at ZeRO-1 (DeepSpeed's ``BF16_Optimizer``,
-``ncpctl.train.config.bf16_optimizer``, at its default clipping): a NaN loss at step 2 of 3 is
+``ncpctl.train.zero.Zero.bf16_optimizer``, at its default clipping): a NaN loss at step 2 of 3 is
 skipped (the step not applied, the weights finite), the engine saves a checkpoint into DIR and
 takes two more steps, and a second engine built from the same seed loads that checkpoint (through
 ``deepspeed_loads_safely``, as a resume does) and takes the same two, a third through

@@ -3,7 +3,7 @@ worker), tiny recipes (debug size, seq_len 32, global batch 8), and helpers to r
 ``ncpctl`` entry point (optionally under the ``deepspeed`` launcher) and read what a run wrote.
 
 Faults (NaN losses, a SIGKILL inside a checkpoint write, a pause per step) are injected through
-``$NCPCTL_FAULT``, parsed strictly by ``ncpctl.train.loop.Faults``; only these tests set it.
+``$NCPCTL_FAULT``, parsed strictly by ``ncpctl.train.faults.Faults``; only these tests set it.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class SplitMuon:
 def reference_optimizers(model: torch.nn.Module, recipe) -> list:
     """torch.optim.Muon on the logical matrices (``SplitMuon``) + torch.optim.AdamW, over the
     groups ``param_groups`` assigns."""
-    from ncpctl.train.config import param_groups
+    from ncpctl.train.optimizer import param_groups
 
     t = recipe.train
     groups = param_groups(model, t.weight_decay, muon=True)

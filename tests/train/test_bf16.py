@@ -36,7 +36,7 @@ def engines(tmp_path_factory) -> list[dict]:
 def test_bf16_keeps_fp32_masters_and_adamw_first_step_at_every_zero_stage(engines) -> None:
     rows = [r for r in engines if "stage" in r]
     assert [r["stage"] for r in rows] == [0, 1, 2, 3]
-    # ZeRO-1 runs DeepSpeed's BF16_Optimizer (no per-tensor overflow pass: ncpctl.train.config.bf16_optimizer)
+    # ZeRO-1 runs DeepSpeed's BF16_Optimizer (no per-tensor overflow pass: ncpctl.train.zero.Zero.bf16_optimizer)
     assert [r["wrapper"] for r in rows][:3] == ["FP16_UnfusedOptimizer", "BF16_Optimizer", "DeepSpeedZeroOptimizer"]
     for r in rows:
         assert r["model"] == ["torch.bfloat16"] and r["masters"] == ["torch.float32"], r

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ncpctl.recipe import load_recipe
-from ncpctl.train.config import deepspeed_config, lr_schedule, make_optimizer, param_groups
+from ncpctl.train.optimizer import lr_schedule, make_optimizer, param_groups
+from ncpctl.train.zero import deepspeed_config
 from ncpctl.train.stages import freeze_all_but_codebook
 
 from ..conftest import RECIPES
@@ -126,10 +127,10 @@ def test_extra_may_not_override_what_the_recipe_owns() -> None:
 
 
 def test_fault_hook_is_strict_and_inert_when_unset() -> None:
-    """$NCPCTL_FAULT (loop.Faults) is a test hook: unset it does nothing, and anything but the
+    """$NCPCTL_FAULT (faults.Faults) is a test hook: unset it does nothing, and anything but the
     documented forms is an error, so a stray value can never silently alter a real run."""
     from ncpctl.errors import UserError
-    from ncpctl.train.loop import Faults
+    from ncpctl.train.faults import Faults
 
     none = Faults("")
     assert not none.items and none.sleep == 0 and not none.nan(1)
@@ -178,7 +179,7 @@ def test_a_resume_under_another_schedule_is_described():
     """Issue 28 item 4: resuming with another max_steps (or warmup, lr, min_lr) silently reshaped the
     learning-rate schedule; ``schedule_change`` names what changed and the lr at the resumed step
     under both schedules, and says nothing when the schedule is the same."""
-    from ncpctl.train.config import schedule_change
+    from ncpctl.train.optimizer import schedule_change
 
     r = recipe("train.max_steps=500", "train.warmup_fraction=0.05", "train.lr=3e-3", "train.min_lr=3e-4")
     same = {"max_steps": 500, "warmup_fraction": 0.05, "warmup_steps": None, "lr": 3e-3, "min_lr": 3e-4}

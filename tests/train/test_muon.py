@@ -19,7 +19,7 @@ import torch
 
 from ncpctl.errors import UserError
 from ncpctl.recipe import load_recipe
-from ncpctl.train.config import GuardedAdamW, make_optimizer, muon_matrices, param_groups
+from ncpctl.train.optimizer import GuardedAdamW, make_optimizer, muon_matrices, param_groups
 from ncpctl.train.muon import MuonAdamW
 
 from ..conftest import RECIPES
@@ -115,7 +115,7 @@ def test_fused_matrices_are_split_into_their_logical_matrices() -> None:
     """Per-matrix Muon: the row blocks of each fused Linear, by name. GQA's qkv = [q (4 x 16);
     k (2 x 16); v (2 x 16)], SwiGLU's fc = [gate (ffn); up (ffn)], DLCM's cross-attention wkv = [k; v]."""
     from ncpctl.model.core.model import NCPModel
-    from ncpctl.train.config import fused_rows
+    from ncpctl.train.optimizer import fused_rows
 
     r = recipe(*GQA)
     ffn = r.model_config.ffn_dim

@@ -51,7 +51,7 @@ def test_on_debug_archpreview_the_relative_figure_falls(tiny_data: Path) -> None
     from ncpctl.data.indexed import IndexedDataset
     from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe import load_recipe
-    from ncpctl.train.config import lr_schedule, make_optimizer
+    from ncpctl.train.optimizer import lr_schedule, make_optimizer
 
     torch.set_num_threads(1)
     steps = 24

@@ -80,7 +80,7 @@ def test_shipped_models_log_what_they_always_did(concept: bool) -> None:
     """The debug model's keys give today's train and val records, with values from its forward."""
     from ncpctl.model.core.config import build_config
     from ncpctl.model.core.model import NCPModel
-    from ncpctl.train.loop import FLAGS, RECORD_FIELDS
+    from ncpctl.train.prepare import FLAGS, RECORD_FIELDS
 
     torch.manual_seed(0)
     model = NCPModel(build_config("debug", vocab_size=128, max_seq_len=32, concept={"enabled": concept}))

@@ -10,7 +10,7 @@ import pytest
 from ncpctl.errors import UserError
 from ncpctl.model.accounting.flops import exact_flops
 from ncpctl.recipe import load_recipe
-from ncpctl.train.loop import flops_per_step
+from ncpctl.train.prepare import flops_per_step
 from ncpctl.train.stages import Stage, freeze_all_but_codebook, make_stage
 
 from ..conftest import RECIPES

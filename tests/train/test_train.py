@@ -41,7 +41,7 @@ def test_pretrain_outputs(reference: Path) -> None:
     assert recs[0]["lr"] == pytest.approx(1.5e-3) and recs[1]["lr"] == pytest.approx(3e-3)  # warmup 2
     # the whole logged lr sequence is the recipe's warmup + cosine schedule
     from ncpctl.recipe import load_recipe
-    from ncpctl.train.config import lr_schedule
+    from ncpctl.train.optimizer import lr_schedule
 
     f = lr_schedule(load_recipe(reference.parent / "ref.yaml"))
     assert [r["lr"] for r in recs] == pytest.approx([3e-3 * f(s - 1) for s in range(1, 13)], rel=1e-12)
@@ -327,7 +327,7 @@ def test_a_resume_under_a_new_schedule_follows_it_from_its_first_step(reference:
     the new shape on the old peak (LambdaLR's loaded base rates). Now the log, the warning and the
     schedule agree from the first step. The run records its threads (issue 46 item 1)."""
     from ncpctl.recipe import load_recipe
-    from ncpctl.train.config import lr_schedule
+    from ncpctl.train.optimizer import lr_schedule
 
     run = copy_run(reference, tmp_path / "longer")
     sets = ["--set", "train.max_steps=14", "--set", "train.lr=2e-3", "--set", "train.eval_every=0"]

@@ -11,7 +11,7 @@ import torch
 
 from ncpctl.errors import UserError
 from ncpctl.recipe import load_recipe
-from ncpctl.train.config import lr_schedule
+from ncpctl.train.optimizer import lr_schedule
 
 from ..conftest import RECIPES
 from .conftest import metrics, ncpctl, result, weights
@@ -127,7 +127,7 @@ def _branch_from_a_run_directory(make_recipe, stable: Path, sets, straight: list
 
 def test_resuming_under_another_schedule_names_it() -> None:
     """``schedule_change`` (a resume that reshapes the lr) also compares the schedule and the WSD decay."""
-    from ncpctl.train.config import schedule_change
+    from ncpctl.train.optimizer import schedule_change
 
     r = load_recipe(RECIPES / "debug.yaml", WSD)
     cosine = {"max_steps": 100, "warmup_steps": 10, "lr": 1.0, "min_lr": 0.1}

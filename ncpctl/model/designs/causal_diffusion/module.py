@@ -82,7 +82,7 @@ block's states are exactly those of a forward over [its clean prefix, itself]. `
 reference it is tested against) runs one forward per block that holds scored tokens, over the clean
 prefix and the noised block ((j + 1) * block tokens): about (n_blocks + 1) / 2 forwards of the
 window per sample. The two agree to float rounding (1e-6 nats on a debug model: tests/model/
-test_diffusion_elbo.py); the speed-up is measured by bench/cdlm_bound.py (README). The samples are
+test_diffusion_elbo.py); the speed-up is measured by bench/cdlm_bound.py (docs/designs/steerling.md). The samples are
 rows of one batch either way (``max_rows`` per forward). Log-probabilities are normalised over the tokenizer's vocabulary (``cfg.vocab_size``), not the
 padded rows of the embedding. No I/O.
 """

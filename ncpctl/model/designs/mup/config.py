@@ -16,7 +16,7 @@ class MupSection(Section):
         None, "Decoupled muP (DLCM Sec. 6.1): the base width d_base the hyperparameters were tuned at; null = off "
         "(standard parametrization). s_token = d_model / d_base: token-module hidden matrices get init variance "
         "and AdamW lr and epsilon / s_token, the logits are divided by s_token; embeddings, norms, biases and the "
-        "LM head keep the base init and lr; which matrix is hidden: README, Decoupled muP.")
+        "LM head keep the base init and lr; which matrix is hidden: docs/designs/dlcm.md, Decoupled muP.")
     mup_base_concept_width: int | None = option(
         None, "Decoupled muP: the concept transformer's base width; s_concept = d_concept / it scales the concept "
         "module's hidden matrices the same way; null = mup_base_width.")

@@ -25,7 +25,7 @@ are divided by s_token instead, ``NCPModel.head``: the output multiplier of muP'
 depth mixers (IRC / CRC / Block AttnRes: ``no_weight_decay`` modules), the codebook (its own init)
 and the bottleneck's K, A B (fan-in n, r).
 
-Shared by ``NCPModel.init_weights`` and the optimizer groups (``ncpctl.train.config``).
+Shared by ``NCPModel.init_weights`` and the optimizer groups (``ncpctl.train.optimizer``).
 """
 
 from __future__ import annotations

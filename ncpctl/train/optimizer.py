@@ -1,6 +1,6 @@
-"""What DeepSpeed is given, all derived from the recipe (one source of truth for batch sizes).
+"""The optimizer and its learning-rate schedule, all derived from the recipe (the DeepSpeed config
+that carries them is ``ncpctl.train.zero``).
 
-* ``deepspeed_config(recipe, on_gpu)``: the DeepSpeed JSON config; ``deepspeed.extra`` merged last.
 * ``param_groups(model, weight_decay, muon)``: optimizer groups. No weight decay on 1-D
   parameters (norm weights, biases) nor on the token embedding (GPT-NeoX / nanoGPT practice);
   frozen parameters (the SimVQ codebook base, everything adapt-vq freezes) are left out
@@ -31,64 +31,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ncpctl.errors import UserError
-from ncpctl.model.core.config import deep_merge
 from ncpctl.recipe.length import warmup_steps
 from ncpctl.recipe.load import Recipe
-
-
-def use_bf16(recipe: Recipe, on_gpu: bool) -> bool:
-    """``train.precision``: auto = bf16 on GPU, fp32 on CPU."""
-    p = recipe.train.precision
-    return p == "bf16" or (p == "auto" and on_gpu)
-
-
-def guard_in_optimizer(recipe: Recipe, on_gpu: bool) -> bool:
-    """Stage 0 fp32: DeepSpeed hands our optimizer the raw gradients, so it must guard them."""
-    return recipe.deepspeed.zero_stage == 0 and not use_bf16(recipe, on_gpu)
-
-
-def deepspeed_config(recipe: Recipe, on_gpu: bool) -> dict[str, Any]:
-    """The DeepSpeed config for ``recipe``; ``deepspeed.extra`` is merged in last."""
-    t, ds = recipe.train, recipe.deepspeed
-    zero: dict[str, Any] = {"stage": ds.zero_stage}
-    if ds.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
-    bf16 = use_bf16(recipe, on_gpu)
-    cfg: dict[str, Any] = {
-        "train_batch_size": recipe.global_batch_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": recipe.grad_accum_steps,
-        # stage 0 fp32: GuardedAdamW clips (and reports the pre-clip norm); see the module doc
-        "gradient_clipping": 0.0 if guard_in_optimizer(recipe, on_gpu) else t.grad_clip,
-        "zero_optimization": zero,
-        "bf16": {"enabled": bf16},
-        "fp16": {"enabled": False},
-        "zero_allow_untested_optimizer": True,  # our torch AdamW (subclass) under ZeRO
-        "steps_per_print": 2**62,  # we log ourselves
-        "wall_clock_breakdown": False,
-    }
-    if bf16:
-        cfg["bf16"]["check_grad_overflow"] = True  # ZeRO-2/3: what skips a non-finite step under bf16
-        if bf16_optimizer(ds.zero_stage, ds.offload_optimizer):
-            cfg["data_types"] = {"grad_accum_dtype": "fp32"}  # -> DeepSpeed's BF16_Optimizer
-    return deep_merge(cfg, ds.extra)
-
-
-def bf16_optimizer(zero_stage: int, offload: bool) -> bool:
-    """Whether bf16 training at this ZeRO stage runs DeepSpeed's ``BF16_Optimizer`` (``data_types.
-    grad_accum_dtype: fp32`` at ZeRO-1 without offload) instead of its ZeRO optimizer.
-
-    Why (issue 45, the first H200 profile: ~300 ``isfinite`` per pythia-160m step and a host sync):
-    under bf16 DeepSpeed 0.19's ZeRO optimizer skips a non-finite step only through
-    ``bf16.check_grad_overflow``, a reduction and test per gradient tensor plus a sync, before it
-    computes the global norm that clipping needs anyway; switched off, a non-finite gradient is
-    applied (the weights become NaN) because that flag also gates the norm's own test. The
-    ``BF16_Optimizer`` has no per-tensor pass: the one global norm decides (a non-finite norm skips
-    the step and clears the gradients), and it keeps fp32 master weights and accumulates gradients
-    in fp32 (what ZeRO-1 reduces in bf16). Its checkpoints (``bf16_zero_pp_rank_*``) resume exactly
-    and re-partition like ZeRO-1's. DeepSpeed builds it for stage 1 only; ``deepspeed.extra:
-    {data_types: {grad_accum_dtype: bf16}}`` selects the ZeRO optimizer again."""
-    return zero_stage == 1 and not offload
+from ncpctl.train.zero import guard_in_optimizer
 
 
 # Linears that stay on AdamW under ``train.optimizer: muon`` although they are 2-D, and why.
