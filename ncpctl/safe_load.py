@@ -16,6 +16,7 @@ one line naming the file and the problem (exit 2), never an internal error.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import pickle
 import warnings
@@ -44,8 +45,6 @@ DEEPSPEED_GLOBALS = (
 def _resolve(names: tuple[str, ...]) -> list[Any]:
     """The objects an allow-list names (``module:attr``); names that do not import (numpy 1.x
     has no ``numpy._core``) are left out, which only refuses more."""
-    import importlib
-
     out = []
     for name in names:
         module, _, attr = name.partition(":")

@@ -22,6 +22,7 @@ with its tokens, and they follow the blend (hence resume and rank) like the toke
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -264,8 +265,6 @@ def tokenize_mix(recipe: Any, tokenize: Callable[[Any], dict[str, Any]], force: 
     split of them all, and meta.json counting documents per source), then each component's
     documents (a contiguous range of sources, hence of sequences) are copied into its own
     run.dir/mix/NAME/data/{train,val} with a meta.json of its own."""
-    import dataclasses
-
     comps = [c for c in recipe.data.mix if c.sources]
     union = dataclasses.replace(recipe, data=recipe.data.model_copy(
         update={"sources": [s for c in comps for s in c.sources], "mix": []}))

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import sys
 
+from ncpctl.errors import EXIT_USER, UserError
+from ncpctl.evaluate import TASKS_DIR
+import ncpctl.evaluate.lm
+
 
 def main(argv: list[str] | None = None) -> int | None:
-    import ncpctl.evaluate.lm  # noqa: F401  (registers the `ncpctl` model)
     from lm_eval.__main__ import cli_evaluate
-
-    from ncpctl.evaluate import TASKS_DIR
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--tasks" or a.startswith("--tasks=") for a in args):
@@ -26,7 +27,6 @@ def main(argv: list[str] | None = None) -> int | None:
         else:
             args += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm_eval", *args]
-    from ncpctl.errors import EXIT_USER, UserError
 
     try:
         return cli_evaluate()

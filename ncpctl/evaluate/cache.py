@@ -24,6 +24,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ncpctl import manifest
+
 FORMAT = 1  # bump when what a cached value means changes
 CHUNK = 4  # batches of requests scored between two commits
 
@@ -31,8 +33,6 @@ CHUNK = 4  # batches of requests scored between two commits
 def checkpoint_identity(checkpoint: Path) -> str:
     """sha256 of the checkpoint's manifest entries (sizes and xxh3-128 of every file); computed from
     the files themselves when it has no manifest."""
-    from ncpctl import manifest
-
     files = manifest.read(checkpoint)
     if files is None:
         files = manifest.describe(checkpoint, manifest.files_of(checkpoint))

@@ -22,7 +22,10 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from ncpctl.checkpoint import resolve, run_dir_of
 from ncpctl.errors import UserError
+from ncpctl.evaluate.proxy import jsonl_records
+from ncpctl.fsutil import atomic_write
 
 from .sandbox import Limits, containment, run_sandboxed
 
@@ -52,8 +55,6 @@ def run_program(program: str, lim: Limits = Limits(), test: str = "") -> tuple[b
 
 def read_problems(path: Path) -> list[dict[str, str]]:
     """The problems of a code task file; a missing field or bad line is one line each, exit 2."""
-    from ncpctl.evaluate.proxy import jsonl_records
-
     probs: list[dict[str, str]] = []
     records, bad = jsonl_records(path)
     for i, d in records:
@@ -101,9 +102,7 @@ def run_code_task(target: str, path: str, n: int, ks: tuple[int, ...], out: str 
                   batch_size: int = 8, log: Callable[[str], None] = lambda m: None) -> dict[str, object]:
     """``ncpctl eval CKPT --code-task FILE --allow-code-execution``: pass@k of the checkpoint on a code
     task file; writes ``code_<checkpoint name>.json`` to ``out`` (default the run's ``eval/``)."""
-    from ncpctl.checkpoint import resolve, run_dir_of
     from ncpctl.evaluate.lm import NCPLM
-    from ncpctl.fsutil import atomic_write
 
     problems = read_problems(Path(path))  # before the model loads: a bad file is one line per problem
     if os.environ.get(ALLOW_ENV) != "1":

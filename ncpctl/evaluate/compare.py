@@ -35,13 +35,23 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ncpctl.checkpoint import META, resolve, run_dir_of
 from ncpctl.errors import UserError
+from ncpctl.evaluate import compare_arms, parallel
+from ncpctl.evaluate.compare_arms import lines as arm_lines
+from ncpctl.evaluate.compare_curves import check_tokenizers, curve_stats, lines as curve_lines, scale, scale_note
+from ncpctl.evaluate.protocol import rows as agg_rows
+from ncpctl.evaluate.run import evaluate, metrics, resolve_target
+from ncpctl.evaluate.settings import differences
 from ncpctl.fsutil import atomic_write, atomic_write_with
+from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
+from ncpctl.run_metrics import read_metrics
 
 PPL_ROWS = (("mean_of_sets", "mean of per-set perplexities (paper's average)"),
             ("token_weighted", "token-weighted perplexity (tokens pooled)"))
@@ -90,8 +100,6 @@ def newest_results(eval_dir: Path) -> Path | None:
 
 def locate(target: str) -> Entry:
     """Where ``target``'s results and checkpoint are (nothing is evaluated or loaded here)."""
-    from ncpctl.checkpoint import META, resolve, run_dir_of
-
     p = Path(target)
     if p.suffix in (".yaml", ".yml") and p.is_file():
         from ncpctl.recipe import load_recipe
@@ -147,7 +155,6 @@ def _request(res: dict[str, Any]) -> dict[str, Any]:
     req = res.get("request")
     if isinstance(req, dict):
         return req
-    from ncpctl.evaluate.run import metrics
 
     return {"tasks": list(metrics(res["results"])), "heldout": [], "limit": (res.get("config") or {}).get("limit"),
             "num_fewshot": None}
@@ -173,8 +180,6 @@ def _missing_request(have: list[Entry], tasks: list[str] | None, heldout: list[s
 
 def _evaluate_missing(entries: list[Entry], tasks, heldout, limit, num_fewshot, batch_size,
                       log: Callable[[str], None], how: dict[str, Any]) -> None:
-    from ncpctl.evaluate.run import evaluate, resolve_target
-
     todo = [e for e in entries if e.results is None]
     if not todo:
         return
@@ -199,8 +204,6 @@ def _finite(v: Any) -> float | None:
 
 def table(entries: list[Entry]) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
     """(rows, {label: tasks it lacks}). A row: section, task, metric, values/stderr/delta by label."""
-    from ncpctl.evaluate.run import metrics
-
     per_run = [{"tasks": metrics(e.res["results"]), "groups": metrics(e.res.get("groups") or {})} for e in entries]
     keys: dict[tuple[str, str, str], None] = {}
     for m in per_run:
@@ -226,8 +229,6 @@ def table(entries: list[Entry]) -> tuple[list[dict[str, Any]], dict[str, list[st
 def _aggregate_rows(entries: list[Entry], first: str) -> list[dict[str, Any]]:
     """The paper aggregates of the runs' results (``ncpctl.evaluate.protocol.rows``: the aggregate, its
     section AVGs and summaries), one row each, section ``aggregates``."""
-    from ncpctl.evaluate.protocol import rows as agg_rows
-
     aggs = [e.res.get("aggregates") or {} for e in entries]
     out = []
     for group in dict.fromkeys(g for a in aggs for g in a):
@@ -246,8 +247,6 @@ def _row(section: str, task: str, metric: str, vals: dict[str, float | None], fi
 
 def val_curves(entries: list[Entry]) -> dict[str, dict[str, Any]]:
     """{label: {key, steps, values}} from each run's metrics.jsonl (``"split": "val"`` records)."""
-    from ncpctl.run_metrics import read_metrics
-
     out = {}
     for e in entries:
         recs = [r for r in read_metrics(e.run_dir) if r.get("split") == "val"] if e.run_dir else []
@@ -267,8 +266,6 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
     ``tasks``/``heldout``/``limit``/``num_fewshot``/``batch_size`` and ``how`` (``seed``, ``gen_kwargs``,
     ``log_samples``, ``cache`` of ``resolve_target``) only apply to targets evaluated here.
     A comma-separated target is an arm of seeds (``ncpctl.evaluate.compare_arms``; ``level``, ``resamples``)."""
-    from ncpctl.evaluate import compare_arms, parallel
-
     if parallel.launched().world > 1:
         raise UserError("--compare runs in one process, not under a launcher",
                         hint="score each run under the launcher first (`ncpctl eval RUN`), then compare without it")
@@ -285,7 +282,6 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
     for e in entries:
         e.results = _read(e.results_file) if e.results_file is not None else None
     _label(entries)
-    from ncpctl.evaluate.compare_curves import check_tokenizers, curve_stats, scale
 
     check_tokenizers([e.label for e in entries], [e.checkpoint for e in entries])
     if arm is not None:
@@ -315,10 +311,6 @@ def compare(targets: list[str], *, tasks: list[str] | None = None, heldout: list
 
 def _notes(entries: list[Entry], runs: list[dict[str, Any]], missing: dict[str, list[str]]) -> list[str]:
     """What a reader of the table must know: stale or fresh results, blanks, unequal set-ups."""
-    from ncpctl.evaluate.settings import differences
-
-    from ncpctl.evaluate.compare_curves import scale_note
-
     notes = _kind_notes(entries) + scale_note(runs)
     notes += [f"{e.label}: {n}" for e in entries for n in e.notes]
     notes += [f"{e.label}: evaluated now (it had no results)" for e in entries if e.evaluated]
@@ -407,16 +399,12 @@ def cells(payload: dict[str, Any], row: dict[str, Any]) -> list[str]:
 def _shown(path: Any) -> str:
     """A results file as a report names it: relative to the working directory when inside it (a
     table pasted into a document must not carry the machine's absolute paths), else as given."""
-    import os
-
     p = os.path.abspath(str(path))
     rel = os.path.relpath(p)
     return str(path) if rel.startswith("..") else rel
 
 
 def markdown(payload: dict[str, Any]) -> str:
-    from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
-
     cols = columns(payload)
     lines = ["# Comparison", "", f"| run | results | limit | evaluated now | tokens | parameters | training FLOPs "
              f"({FLOP_CONVENTION_SHORT}) |",
@@ -428,13 +416,10 @@ def markdown(payload: dict[str, Any]) -> str:
     lines += ["", f"Δ = value - {payload['baseline']}'s value.", "",
               "| " + " | ".join(cols) + " |", "|" + "---|" * 2 + "---:|" * (len(cols) - 2)]
     lines += ["| " + " | ".join(cells(payload, row)) + " |" for row in payload["rows"]]
-    from ncpctl.evaluate.compare_curves import lines as curve_lines
 
     if payload.get("curves"):
         lines += ["", "Training curves:", "", *(f"- {n}" for n in curve_lines(payload["curves"], payload["baseline"]))]
     if payload.get("arms"):
-        from ncpctl.evaluate.compare_arms import lines as arm_lines
-
         lines += ["", "Seed arms (mean ± std over seeds; paired bootstrap over examples):", "",
                   *(f"- {n}" for n in arm_lines(payload["arms"]))]
     if payload["notes"]:
@@ -462,9 +447,6 @@ def rich_table(payload: dict[str, Any]):
 
 
 def _curve_text(payload: dict[str, Any]) -> list[str]:
-    from ncpctl.evaluate.compare_arms import lines as arm_lines
-    from ncpctl.evaluate.compare_curves import lines as curve_lines
-
     return (curve_lines(payload["curves"], payload["baseline"]) if payload.get("curves") else []) + \
         (arm_lines(payload["arms"]) if payload.get("arms") else [])
 

@@ -26,7 +26,11 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from ncpctl.checkpoint import CHECKPOINTS, META, read_meta
 from ncpctl.errors import UserError
+from ncpctl.evaluate.protocol import strata
+from ncpctl.evaluate.samples import per_example_of
+from ncpctl.evaluate.uncertainty import paired_bootstrap, seeds, stratified_bootstrap
 
 FREE_KEYS = ("run.", "train.seed")  # what runs of one arm may differ in
 BOOTSTRAP_SEED = 0
@@ -55,8 +59,6 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def _recipe(e: Any) -> dict[str, Any] | None:
     """The resolved recipe the evaluated checkpoint of entry ``e`` (``compare.Entry``) carries."""
-    from ncpctl.checkpoint import CHECKPOINTS, META, read_meta
-
     ck = e.checkpoint
     if e.results_file is not None and e.run_dir is not None:
         named = e.run_dir / CHECKPOINTS / e.results_file.stem.removeprefix("results_")
@@ -92,8 +94,6 @@ def check_seeds_only(entries: list[Any], arm: list[int]) -> None:
 
 
 def _per_example(e: Any, task: str, metric: str) -> dict[int, float] | None:
-    from ncpctl.evaluate.samples import per_example_of
-
     read = getattr(e, "examples", {})  # compare.Entry keeps what it read: a samples file is read once per run
     if task not in read:
         read[task] = per_example_of(e.res, getattr(e, "results_file", None), task)
@@ -112,9 +112,6 @@ def _example_key(metric: str) -> str:
 def _aggregate_diff(base: list[Any], other: list[Any], group: str, row: str, level: float, resamples: int,
                     d: dict[str, Any]) -> dict[str, Any]:
     """The stratified paired bootstrap of an aggregate row (None where a leaf has no per-example scores)."""
-    from ncpctl.evaluate.protocol import strata
-    from ncpctl.evaluate.uncertainty import stratified_bootstrap
-
     agg = (base[0].res.get("aggregates") or {}).get(group)
     if not agg:
         return {**d, "bootstrap": None}
@@ -137,8 +134,6 @@ def report(entries: list[Any], arm: list[int], rows: list[dict[str, Any]], level
            resamples: int = 2000) -> dict[str, Any]:
     """{"arms": [{label, runs}], "rows": [{task, metric, arms: [{mean, std, n}], diff: [...]}], level,
     resamples, seed}; ``rows``: the comparison's rows (``compare.table``), by run label."""
-    from ncpctl.evaluate.uncertainty import paired_bootstrap, seeds
-
     n_arms = max(arm) + 1
     members = [[e for e, a in zip(entries, arm) if a == i] for i in range(n_arms)]
     out_rows = []

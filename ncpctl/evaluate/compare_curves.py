@@ -24,14 +24,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ncpctl.checkpoint import CHECKPOINTS, META, TOKENIZER
 from ncpctl.errors import UserError
 from ncpctl.evaluate.uncertainty import tokens_to_reach, window
+from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
+from ncpctl.run_metrics import read_metrics
 
 
 def tokenizer_id(checkpoint: Path | None) -> str | None:
     """sha256 of the checkpoint's tokenizer.json (None where it has none)."""
-    from ncpctl.checkpoint import TOKENIZER
-
     f = checkpoint / TOKENIZER if checkpoint is not None else None
     return hashlib.sha256(f.read_bytes()).hexdigest()[:12] if f is not None and f.is_file() else None
 
@@ -44,8 +45,6 @@ def check_tokenizers(labels: list[str], checkpoints: list[Path | None]) -> None:
 
 
 def _records(run_dir: Path | None) -> list[dict[str, Any]]:
-    from ncpctl.run_metrics import read_metrics
-
     return read_metrics(run_dir) if run_dir is not None else []
 
 
@@ -164,8 +163,6 @@ def scale(e: Any) -> dict[str, Any]:
     training FLOPs (what its metadata records the loop spent; for an older checkpoint, the exact
     accounting per token at its training length x the tokens, as if every weight trained). Empty
     where the checkpoint is not at hand."""
-    from ncpctl.checkpoint import CHECKPOINTS, META
-
     ck = e.checkpoint
     if e.results_file is not None and e.run_dir is not None and (ck is None or e.results_file.stem != f"results_{ck.name}"):
         ck = e.run_dir / CHECKPOINTS / e.results_file.stem.removeprefix("results_")
@@ -195,8 +192,6 @@ def scale(e: Any) -> dict[str, Any]:
 
 def scale_note(runs: list[dict[str, Any]]) -> list[str]:
     """One note when the runs differ in budget or size: each run's tokens, parameters and FLOPs."""
-    from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
-
     keys = ("tokens", "parameters", "training_flops")
     if len({tuple(r.get(k) for k in keys) for r in runs}) < 2:
         return []

@@ -26,6 +26,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ncpctl.checkpoint import load_model
+from ncpctl.data.meta import read as read_meta
+from ncpctl.data.windows import SourceMap
+from ncpctl.errors import UserError
+from ncpctl.evaluate.heldout import check_labels, documents
+from ncpctl.evaluate.offline import data_dir_for
+
 __all__ = ["positions_in_concept", "loss_by_concept_position", "compression_by_source", "PositionLoss"]
 
 
@@ -154,10 +161,6 @@ def validation_corpora(target: Any, T: int, max_windows: int, batch: int) -> dic
     documents are stored in source order, counted per source in meta.json): ``{source label:
     windows}``, each source's token stream cut like a held-out corpus's."""
     from ncpctl.data.indexed import IndexedDataset
-    from ncpctl.data.meta import read as read_meta
-    from ncpctl.data.windows import SourceMap
-    from ncpctl.errors import UserError
-    from ncpctl.evaluate.offline import data_dir_for
 
     data, _ = data_dir_for(str(target))
     meta_path = data / "meta.json"
@@ -181,10 +184,6 @@ def concept_report(target: Any, specs: list[Any], *, base: Any = None, seq_len: 
     joined by the end-of-document token, cut into at most ``max_windows`` windows of ``seq_len``
     (default: the model's max_seq_len; the paper: 600 validation samples). No ``specs``: the
     checkpoint's validation split, one corpus per ``data.sources`` entry (``validation_corpora``)."""
-    from ncpctl.checkpoint import load_model
-    from ncpctl.errors import UserError
-    from ncpctl.evaluate.heldout import check_labels, documents
-
     lm = load_model(target)
     c, law = lm.config.concept, lm.config.law
     if not (law is not None and law.variable_length):  # learned boundaries: DLCM's dynamic segmentation

@@ -14,11 +14,21 @@ mode, each a function of the request and the command's ``Output`` (``ncpctl.outp
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ncpctl.checkpoint import resolve, run_dir_of, set_verify
 from ncpctl.errors import UserError
+from ncpctl.evaluate.code_exec import ALLOW_ENV, run_code_task
+from ncpctl.evaluate.compare import compare as run_compare, rich_table as compare_table
+from ncpctl.evaluate.heldout import parse_spec
+from ncpctl.evaluate.proxy import evaluate_proxy, rich_tables
+from ncpctl.evaluate.run import evaluate, resolve_target, rich_table
+from ncpctl.evaluate.settings import parse_gen_kwargs, parse_limit, parse_seed
+from ncpctl.fsutil import atomic_write
 from ncpctl.output import Output, print_wide
 
 
@@ -62,8 +72,6 @@ class EvalRequest:
 
     def parse(self) -> EvalRequest:
         """Read --limit, --seed and --gen-kwargs (every mode checks them, whether it reads them or not)."""
-        from ncpctl.evaluate.settings import parse_gen_kwargs, parse_limit, parse_seed
-
         if not self.how:
             self.limit_ = parse_limit(self.limit)
             self.how = dict(seed=parse_seed(self.seed) if self.seed is not None else None,
@@ -90,8 +98,6 @@ class EvalRequest:
 
 def run_eval(req: EvalRequest, out: Output) -> None:
     """``ncpctl eval``: the request's mode, its result reported through ``out``."""
-    from ncpctl.checkpoint import set_verify
-
     set_verify(req.verify)
     req.parse()
     if req.allow_code_execution and req.mode in ("code_task", "proxy", "tasks", "concepts"):
@@ -105,8 +111,6 @@ def _names(req: EvalRequest) -> list[str] | None:
 
 def evaluate_tasks(req: EvalRequest, out: Output) -> None:
     """lm-eval tasks and --heldout perplexity of one TARGET: ncpctl.evaluate.run.evaluate."""
-    from ncpctl.evaluate.run import evaluate, resolve_target, rich_table
-
     req.parse()
     if len(req.targets) != 1:
         raise UserError(f"eval takes one TARGET, got {len(req.targets)}", hint="to compare runs: ncpctl eval --compare A B")
@@ -132,8 +136,6 @@ def files_lines(summary: dict) -> str:
 
 def compare_runs(req: EvalRequest, out: Output) -> None:
     """``--compare``: ncpctl.evaluate.compare.compare, one table (seed arms and curves in its caption)."""
-    from ncpctl.evaluate.compare import compare as run_compare, rich_table as compare_table
-
     req.parse()
     if req.set_:
         raise UserError("--set does not apply to --compare", hint="each checkpoint carries its own recipe")
@@ -147,10 +149,6 @@ def compare_runs(req: EvalRequest, out: Output) -> None:
 
 
 def _allow_code() -> None:
-    import os
-
-    from ncpctl.evaluate.code_exec import ALLOW_ENV
-
     os.environ[ALLOW_ENV] = "1"
 
 
@@ -170,8 +168,6 @@ def speculative(req: EvalRequest, out: Output) -> None:
 
 def code_task(req: EvalRequest, out: Output) -> None:
     """``--code-task``: ncpctl.evaluate.code_exec.run_code_task on one checkpoint."""
-    from ncpctl.evaluate.code_exec import run_code_task
-
     req.parse()  # checked as in every mode, though pass@k reads none of them
     if len(req.targets) != 1:
         raise UserError(f"--code-task takes one TARGET, got {len(req.targets)}")
@@ -194,8 +190,6 @@ def code_task(req: EvalRequest, out: Output) -> None:
 def proxy(req: EvalRequest, out: Output) -> None:
     """``--proxy``: ncpctl.evaluate.proxy.evaluate_proxy on each TARGET, one table; the correlation view
     with --against."""
-    from ncpctl.evaluate.proxy import evaluate_proxy, rich_tables
-
     req.parse()  # checked as in every mode
     payload = evaluate_proxy(req.targets, req.proxy, against=req.against, out=req.out, batch_size=req.batch_size or 8,
                              log=out.log)
@@ -205,12 +199,7 @@ def proxy(req: EvalRequest, out: Output) -> None:
 def concepts(req: EvalRequest, out: Output) -> None:
     """``--concepts``: ncpctl.evaluate.concept_position.concept_report on the --heldout corpora, or
     without them on the checkpoint's validation split, one corpus per data.sources entry."""
-    import json
-
-    from ncpctl.checkpoint import resolve, run_dir_of
     from ncpctl.evaluate.concept_position import concept_report
-    from ncpctl.evaluate.heldout import parse_spec
-    from ncpctl.fsutil import atomic_write
 
     req.parse()  # checked as in every mode
     if len(req.targets) != 1:

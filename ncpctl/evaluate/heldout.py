@@ -20,12 +20,15 @@ the model loads. ``--limit`` takes the first documents, as for every task.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ncpctl.errors import UserError
+from ncpctl.evaluate.offline import ppl_results
 from ncpctl.task_registry import our_tasks
 
 if TYPE_CHECKING:
@@ -85,9 +88,6 @@ def check_labels(specs: list["HeldoutSource"], tasks: list[str]) -> list[str]:
 def documents(spec: "HeldoutSource", tokenizer) -> list[dict[str, Any]]:
     """``[{"text", "n_tokens"}]``: the corpus's non-empty documents and their token counts (the
     tokens ``loglikelihood_rolling`` scores: the text encoded without special tokens)."""
-    import glob
-    import os
-
     from ncpctl.data.sources import ReadStats, iter_documents
     from ncpctl.recipe.load import source_kind
 
@@ -148,8 +148,6 @@ def prepare(specs: list["HeldoutSource"], tasks: list[str], tokenizer) -> dict[s
 def tasks(prepared: dict[str, _Rows]) -> list[Any]:
     """One lm-eval ``ConfigurableTask`` per corpus, configured as ``ncp_heldout_ppl``."""
     from lm_eval.api.task import ConfigurableTask
-
-    from ncpctl.evaluate.offline import ppl_results
 
     base = our_tasks()["ncp_heldout_ppl"]
     out = []

@@ -43,9 +43,11 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from ncpctl.checkpoint import load_model
 from ncpctl.errors import UserError
 from ncpctl.evaluate import cache as request_cache
 from ncpctl.evaluate.parallel import Collectives, Ranks, sum_stats
+from ncpctl.inference import SamplingParams, eod_token, generate
 
 DIFFUSION_SAMPLES = 8  # Monte Carlo samples per request of a bound's estimate (ncpctl eval --diffusion-samples)
 
@@ -93,7 +95,6 @@ class NCPLM(Collectives, TemplateLM):
         if loaded is None:
             if checkpoint is None:
                 raise UserError("the ncpctl lm-eval model needs checkpoint=DIR")
-            from ncpctl.checkpoint import load_model
 
             loaded = load_model(checkpoint)
         why = loaded.model.objective.refusal("eval")
@@ -117,7 +118,6 @@ class NCPLM(Collectives, TemplateLM):
         self._device = dev
         self._max_length = int(max_length or self.cfg.max_seq_len)
         self._max_gen_toks = int(max_gen_toks)
-        from ncpctl.inference import eod_token
 
         eot = eod_token(loaded)[1]
         self._eot = eot if eot is not None else 0
@@ -392,8 +392,6 @@ class NCPLM(Collectives, TemplateLM):
                              cacheable=lambda r: not (r.args[1] or {}).get("do_sample", False))
 
     def _generate(self, requests) -> list[str]:
-        from ncpctl.inference import SamplingParams, generate
-
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)

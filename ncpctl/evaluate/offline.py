@@ -32,6 +32,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ncpctl.checkpoint import TOKENIZER, read_meta, resolve, run_dir_of
+from ncpctl.data.indexed import paths
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write
 from ncpctl.task_registry import leaves, our_tasks
@@ -60,7 +62,6 @@ def data_dir_for(checkpoint: str | None = None, data: str | None = None) -> tupl
     if not checkpoint:
         raise UserError("offline ncp_* tasks need the tokenized validation split: pass checkpoint=DIR or data=DIR "
                         "(lm-eval: --model_args or --metadata)")
-    from ncpctl.checkpoint import read_meta, resolve, run_dir_of
 
     ckpt = resolve(checkpoint)
     meta = read_meta(ckpt)
@@ -239,9 +240,6 @@ def validation_prefix(checkpoint: str) -> tuple[Path, Path]:
     validated on, i.e. the recipe's ``data.val_prefix`` (the Pythia recipes: the Pile's validation
     set), else ``run.dir/data/val`` (``ncpctl tokenize``'s held-out documents: the GPT-2 recipes'
     OpenWebText), looked for in the checkpoint's own run directory, then the recipe's ``run.dir``."""
-    from ncpctl.checkpoint import TOKENIZER, read_meta, resolve, run_dir_of
-    from ncpctl.data.indexed import paths
-
     ckpt = resolve(checkpoint)
     recipe = read_meta(ckpt).get("recipe") or {}
     given = (recipe.get("data") or {}).get("val_prefix")
@@ -306,9 +304,6 @@ def mixture_validation(checkpoint: str | Path) -> list[tuple[str, Path]] | None:
     split, as training validated it (``ncpctl.train.validate``): a prefix component's ``val_prefix``,
     a sources component's run.dir/mix/NAME/data/val (the checkpoint's run directory, then the
     recipe's). None for any other checkpoint; [] when no component has one (then the run's one split)."""
-    from ncpctl.checkpoint import read_meta, resolve, run_dir_of
-    from ncpctl.data.indexed import paths
-
     ckpt = resolve(checkpoint, pin_it=False)
     recipe = read_meta(ckpt).get("recipe") or {}
     data = recipe.get("data") or {}
@@ -376,7 +371,6 @@ def mixture_tasks(names: list[str], checkpoint: Path) -> tuple[list[str], list[A
     from lm_eval.api.task import ConfigurableTask
     from tokenizers import Tokenizer
 
-    from ncpctl.checkpoint import TOKENIZER, resolve
     tok_path = resolve(checkpoint, pin_it=False) / TOKENIZER
     if not tok_path.is_file():
         raise UserError(f"{tok_path}: missing (needed to decode the validation splits)")

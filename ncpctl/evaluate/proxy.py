@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ncpctl.checkpoint import run_dir_of
+from ncpctl.checkpoint import resolve, run_dir_of
 from ncpctl.errors import UserError
+from ncpctl.fsutil import atomic_write
 
 FIELDS = ("prompt", "suffix", "source", "capability")
 # (context, continuation) pairs -> [(sum log p(continuation), continuation tokens)]
@@ -195,9 +196,7 @@ def evaluate_proxy(targets: list[str], spec: str, against: str | None = None, ou
     """Score each checkpoint on the proxy set; write ``proxy_<tag>.json`` to its eval dir (or ``out``);
     with several checkpoints and ``against`` (``TASK:METRIC``), the correlation of each capability's
     -NLL (and the margin) with that downstream score over the checkpoints that have one."""
-    from ncpctl.checkpoint import resolve, run_dir_of
     from ncpctl.evaluate.lm import NCPLM
-    from ncpctl.fsutil import atomic_write
 
     if against is not None and ":" not in against:
         raise UserError(f"--against {against!r}: expected TASK:METRIC, e.g. hellaswag:acc_norm")

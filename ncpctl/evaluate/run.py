@@ -47,10 +47,12 @@ fail before any model work, with one line per task or corpus naming it.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import math
 import os
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +64,13 @@ from ncpctl.evaluate.report import BOUND_METRICS, ppl_markdown, rich_table  # no
 from ncpctl.evaluate.settings import DEFAULT_SEED
 from ncpctl.fsutil import atomic_write
 from ncpctl.task_registry import TASKS_DIR, leaves, our_tasks, unknown_tasks  # noqa: F401 (this module's API)
+from ncpctl.checkpoint import META, TOKENIZER, read_meta, resolve, run_dir_of
+from ncpctl.evaluate import (accumulate, cache, heldout, hub, offline, parallel, protocol, report, samples,
+                             samples as logged, settings)
+from ncpctl.evaluate.heldout import parse_spec
+from ncpctl.evaluate.protocol import aggregate
+from ncpctl.evaluate.quiet import no_progress_bars
+from ncpctl.interop.authors import steerling
 
 PPL_METRICS = ("token_perplexity", "perplexity", "word_perplexity", "byte_perplexity")  # preference order
 # what each metric is a perplexity of (lm-eval's `perplexity` of loglikelihood tasks: per target
@@ -102,10 +111,6 @@ def resolve_target(target: str, sets: list[str], tasks: list[str] | None, batch_
     ``HeldoutSource``s) replacing ``eval.heldout``; ``[]`` means none. ``seed``, ``gen_kwargs``,
     ``log_samples``, ``cache``: ``EvalTarget``'s (``ncpctl.evaluate.settings`` parses the flags).
     """
-    from ncpctl.evaluate.heldout import parse_spec
-
-    from ncpctl.checkpoint import resolve, run_dir_of
-
     p = Path(target)
     if p.suffix in (".yaml", ".yml") and p.is_file():
         from ncpctl.recipe import load_recipe
@@ -135,7 +140,6 @@ def _checkpoint_eval(ckpt: Path):  # -> EvalSection
     defaults when it carries no recipe, e.g. a checkpoint written by a script)."""
     from pydantic import ValidationError
 
-    from ncpctl.checkpoint import META, read_meta
     from ncpctl.recipe.schema import EvalSection
 
     raw = (read_meta(ckpt).get("recipe") or {}).get("eval") or {}
@@ -159,8 +163,6 @@ def load_tasks(names: list[str], metadata: dict[str, Any], tasks_dir: Path = TAS
     instead skips a member it cannot load with one line through ``skip`` and runs the others.
     ``tm``: a TaskManager from an earlier call with the same names (the training loop's evaluations
     reuse theirs: indexing lm-eval's tasks again would cost its ~10 s at every evaluation)."""
-    from ncpctl.evaluate import hub, protocol
-
     ours = our_tasks(tasks_dir)
     hub.check(names, ours, skip)  # before lm-eval's loaders meet an unreachable hub, task after task
     from lm_eval.tasks import TaskManager
@@ -216,8 +218,6 @@ def _quiet_git_hash():
     """lm-eval records ``git describe`` of the working directory and lets git's stderr through:
     outside a repository every eval printed ``fatal: not a git repository``. The same lookup with
     git's stderr discarded (the results' ``git_hash`` is unchanged: None outside a repository)."""
-    import subprocess
-
     from lm_eval import evaluator
     from lm_eval.loggers import utils as log_utils
 
@@ -270,9 +270,6 @@ def score(lm, tm, objs: list[Any], protocols: list[Any], limit: int | float | No
     others get {}."""
     from lm_eval import simple_evaluate
 
-    from ncpctl.evaluate.protocol import aggregate
-    from ncpctl.evaluate.quiet import no_progress_bars
-
     set_shots(objs, num_fewshot)
     r, n, t, f = seed
     with _quiet_git_hash(), no_progress_bars():
@@ -296,8 +293,6 @@ def score(lm, tm, objs: list[Any], protocols: list[Any], limit: int | float | No
 
 def per_example(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, list[Any]]]:
     """{task: {"doc_id": [...], metric: [...]}} from lm-eval's logged samples (``ncpctl.evaluate.samples``)."""
-    from ncpctl.evaluate import samples as logged
-
     return {task: pe for task, rows in samples.items() if (pe := logged.per_example(rows))}
 
 
@@ -319,7 +314,6 @@ def _load_in_turn(lm, load: Callable[[], Any]) -> Any:
 
 def _open_lm(t: EvalTarget, ranks: Any, log: Callable[[str], None]):
     """NCPLM on the checkpoint, on this rank's device, with the request cache (``ncpctl.evaluate.cache``)."""
-    from ncpctl.evaluate import cache, parallel
     from ncpctl.evaluate.lm import NCPLM
 
     device = parallel.init(ranks) if ranks.world > 1 else None
@@ -338,8 +332,6 @@ def evaluate(t: EvalTarget, log: Callable[[str], None] = lambda m: None, lm=None
     """Run lm-eval on ``t``; add to the checkpoint's results JSON and markdown; return the summary of
     what this call scored. Under a launcher every rank scores its share and rank 0 writes (the
     other ranks return None)."""
-    from ncpctl.evaluate import heldout, offline, parallel
-
     ranks = parallel.launched() if lm is None else parallel.Ranks()
     say = log if ranks.rank == 0 else (lambda m: None)
     # held-out corpora first: a corpus with no text is an error before lm-eval and the model load
@@ -382,11 +374,7 @@ def _write(t: EvalTarget, res: dict[str, Any], counts: dict[str, int | None], se
            log: Callable[[str], None]) -> dict[str, Any]:
     """The results JSON (merged into the checkpoint's earlier results: ``ncpctl.evaluate.accumulate``),
     the logged samples, the markdown; the summary of this call."""
-    import datetime
-
     from lm_eval.utils import handle_non_serializable
-
-    from ncpctl.evaluate import accumulate, report, samples, settings
 
     tag = t.checkpoint.name
     t.out_dir.mkdir(parents=True, exist_ok=True)
@@ -433,9 +421,6 @@ def _read_results(path: Path) -> dict[str, Any] | None:
 def _tokenizer(checkpoint: Path):
     """The checkpoint's tokenizer alone (cheap), to read held-out corpora before the model loads."""
     from tokenizers import Tokenizer
-
-    from ncpctl.checkpoint import TOKENIZER
-    from ncpctl.interop.authors import steerling
 
     if steerling.detect(checkpoint):  # Steerling's layout: its tiktoken file, converted (issue 43)
         return steerling.tokenizer_of(checkpoint)

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from ncpctl.checkpoint import load_model
 from ncpctl.errors import UserError
 
 
@@ -78,7 +79,6 @@ def speculative_mal(target: str, draft: str, *, horizon: int = 16, prompts: str 
     checkpoint ``target``, per task and over all tasks (rounds pooled)."""
     import torch
 
-    from ncpctl.checkpoint import load_model
     from ncpctl.inference.drafters import load_speculative
     from ncpctl.inference.generate import SamplingParams, eod_token, generate
     from ncpctl.inference.speculative import SpecStats

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from ncpctl.checkpoint import TOKENIZER, read_weights
+from ncpctl.errors import UserError
+from ncpctl.model.core.segment import FixedBlocks
 from ncpctl.model.designs.drafter.module import BlockDrafter, DrafterConfig
 
 from .speculative import Drafter, Speculative, draw_rows
@@ -96,8 +99,6 @@ def check_target(model, cfg: DrafterConfig, where: str) -> str | None:
     if diff:
         return f"{where} was trained for another target: {', '.join(diff)}"
     if cfg.concept_injection:
-        from ncpctl.model.core.segment import FixedBlocks
-
         if model.concept is None or not isinstance(model.concept.segmenter, FixedBlocks) \
                 or model.concept.segmenter.k != cfg.concept_k:
             return f"{where} injects concepts of fixed blocks of {cfg.concept_k} tokens; the target has none"
@@ -199,8 +200,6 @@ class BlockDraftRunner(Drafter):
 def read_drafter(meta: dict, weights: dict, where: str = "the drafter checkpoint") -> BlockDrafter:
     """The drafter of a drafter checkpoint (its ``ncpctl.json`` ``drafter`` entry and weights); weights
     that do not fit the recorded config (an edited or mixed-up checkpoint) are one ``UserError``."""
-    from ncpctl.errors import UserError
-
     drafter = BlockDrafter(DrafterConfig.from_dict(meta["drafter"]["config"]))
     try:
         drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in weights.items()})
@@ -215,11 +214,6 @@ def load_block_drafter(loaded, directory, meta: dict, k: int):
     """``--draft CKPT`` where CKPT is a drafter checkpoint (``ncpctl train-drafter``) for the target
     ``loaded`` (a ``LoadedModel``): a ``Speculative`` and the drafter's description, or a one-line
     ``UserError`` (another target's shape, tokenizer or vocabulary; no concept blocks to inject)."""
-    from ncpctl.checkpoint import TOKENIZER, read_weights
-    from ncpctl.errors import UserError
-
-    from .speculative import Speculative
-
     drafter = read_drafter(meta, read_weights(directory, meta), str(directory))
     why = check_target(loaded.model, drafter.cfg, f"drafter {directory}")
     if why:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from ncpctl.checkpoint import load_model, read_meta, resolve
+from ncpctl.errors import UserError
 from ncpctl.model.core.layers import Context, KVCache, rope
 from ncpctl.model.core.patterns import step_masks
 
@@ -148,9 +150,6 @@ def load_speculative(loaded, draft: str, k: int):
 
 def _load(loaded, draft: str, k: int):
     """``load_speculative`` before the cut of K."""
-    from ncpctl.checkpoint import load_model
-    from ncpctl.errors import UserError
-
     if k < 1:
         raise UserError(f"--draft-tokens must be >= 1, got {k}")
     refuse = _no_verify(loaded)
@@ -160,7 +159,6 @@ def _load(loaded, draft: str, k: int):
         if loaded.model.mtp is None:
             raise UserError(f"{loaded.path} has no MTP head (model.mtp_depth is null): --draft mtp needs one")
         return Speculative(MtpDrafter(loaded.model), k), {"draft": MTP, "mtp_depth": len(loaded.model.mtp.depths)}
-    from ncpctl.checkpoint import read_meta, resolve
 
     meta = read_meta(resolve(draft))
     if "drafter" in meta:  # a block-parallel drafter (``ncpctl train-drafter``): it reads the target's states

@@ -25,6 +25,8 @@ import torch
 
 from ncpctl.checkpoint_files import eod_token  # noqa: F401  (this package's API)
 from ncpctl.model.designs.causal_diffusion.sampler import filter_logits  # noqa: F401  (next-token sampling shares it)
+from ncpctl.errors import UserError
+from ncpctl.interpret.steer import block_steering, interventions_for, logit_adjuster
 from ncpctl.model.core.objective import CachedDecoding
 
 from . import cuda_graphs
@@ -131,8 +133,6 @@ def generate_texts(loaded, prompts: Sequence[str], params: SamplingParams, *, ba
     does not depend on the batch size; ``on_text(i, delta)`` streams prompt i's text;
     ``steer[i]``: prompt i's ``ncpctl.interpret.steer.Resolved`` specs; ``speculative``: draft and
     verify (``speculative.Speculative``, its statistics summed over the batches)."""
-    from ncpctl.errors import UserError
-
     tok = loaded.tokenizer
     if tok is None:
         raise UserError(f"{loaded.path}: no tokenizer.json in the checkpoint")
@@ -148,11 +148,8 @@ def generate_texts(loaded, prompts: Sequence[str], params: SamplingParams, *, ba
         batch = fit_prompts(encoded[s : s + batch_size], loaded.config.max_seq_len, params.max_new_tokens)
         ivs = adjust = blocks = None
         if steer is not None and getattr(loaded.model.objective, "block_sampling", False):
-            from ncpctl.interpret.steer import block_steering  # at the [MASK] positions, by committed tokens
-
             blocks = block_steering(steer[s : s + batch_size])
         elif steer is not None:  # positions count from each (fitted) prompt's first token
-            from ncpctl.interpret.steer import interventions_for, logit_adjuster
 
             ivs = interventions_for(steer[s : s + batch_size], [len(t) for t in batch])
             adjust = logit_adjuster(steer[s : s + batch_size])

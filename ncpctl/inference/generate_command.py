@@ -5,10 +5,17 @@ the result (completions, settings, MAL) through ``out``. torch is imported when 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ncpctl.checkpoint import load_model, set_verify
 from ncpctl.errors import UserError
+from ncpctl.inference import SamplingParams, generate_texts
+from ncpctl.inference.drafters import load_speculative
+from ncpctl.inference.prompts import read_prompt_records
+from ncpctl.interpret.concept_table import names_for
+from ncpctl.interpret.steer import SteerSpec, resolve, specs_from
 
 if TYPE_CHECKING:
     from ncpctl.output import Output
@@ -42,10 +49,6 @@ class GenerateRequest:
 
 def run_generate(req: GenerateRequest, o: Output) -> None:
     """Generate from ``req.checkpoint`` for each prompt; the completions through ``o``."""
-    import sys
-
-    from ncpctl.checkpoint import set_verify
-
     r = req
     prompt, prompts_file, max_tokens, temperature, top_k, top_p = r.prompt, r.prompts_file, r.max_tokens, r.temperature, \
         r.top_k, r.top_p
@@ -57,8 +60,6 @@ def run_generate(req: GenerateRequest, o: Output) -> None:
     prompts = list(prompt or [])
     own: list = [None] * len(prompts)  # per-prompt steering from the prompts file
     if prompts_file:
-        from ncpctl.inference.prompts import read_prompt_records
-
         records = read_prompt_records(prompts_file)
         prompts += [p for p, _ in records]
         own += [st for _, st in records]
@@ -67,16 +68,12 @@ def run_generate(req: GenerateRequest, o: Output) -> None:
 
     import torch
 
-    from ncpctl.checkpoint import load_model
-    from ncpctl.inference import SamplingParams, generate_texts
-
     try:
         params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 greedy=r.greedy, seed=seed, stop=list(r.stop or []), steps_per_block=r.steps_per_block,
                                 commit_per_step=r.commit_per_step)
     except ValueError as e:
         raise UserError(str(e)) from None
-    from ncpctl.interpret.steer import SteerSpec, resolve, specs_from
 
     common = [SteerSpec.parse(x) for x in steer or []]
     if save_steer:
@@ -89,8 +86,6 @@ def run_generate(req: GenerateRequest, o: Output) -> None:
     spec, spec_info = _speculative(loaded, r.draft, r.draft_tokens, o)
     steering = None
     if any(per_prompt):
-        from ncpctl.interpret.concept_table import names_for
-
         names = names_for(loaded, r.concept_table)
         steering = [[resolve(loaded.model, sp, names) for sp in specs] for specs in per_prompt]
     if seed is not None:
@@ -117,7 +112,6 @@ def _speculative(loaded, draft: str | None, k: int, o: Output):
     """(``Speculative``, its description for the output) for ``--draft``, or (None, None)."""
     if draft is None:
         return None, None
-    from ncpctl.inference.drafters import load_speculative
 
     spec, info = load_speculative(loaded, draft, k)
     if "draft_tokens_requested" in info:

@@ -12,7 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ncpctl.checkpoint import load_model, resolve
 from ncpctl.errors import UserError
+from ncpctl.inference import SamplingParams
+from ncpctl.inference.generate import fit_prompts
+from ncpctl.inference.prompts import read_prompts
+from ncpctl.interpret import trace as TR
+from ncpctl.interpret.concept_table import names_for
+from ncpctl.interpret.report import attribute_inputs, find_concept, read_concepts
 
 if TYPE_CHECKING:
     from ncpctl.output import Output
@@ -51,8 +58,6 @@ class InspectRequest:
 
 def inspect_checkpoint(req: InspectRequest, o: Output) -> None:
     """``ncpctl inspect``: the checks that need no model, then the mode the request names."""
-    from ncpctl.interpret.report import attribute_inputs, find_concept, read_concepts
-
     if req.find_concept is not None:
         return find_concept(o, req.checkpoint, req.find_concept, req.concept_table, req.top)
     sampling = dict(seed=req.seed, steps_per_block=req.steps_per_block, steer=req.steer)
@@ -78,14 +83,10 @@ def _checked_prompts(checkpoint: str, prompt: list[str] | None, prompts_file: st
                      corpus: list[str] | None, target: str | None, set_: list[str] | None) -> list[str]:
     """The prompts to inspect (--prompt, then --prompts-file), after the checks that need no
     model: a missing checkpoint and an empty request are reported together."""
-    from ncpctl.checkpoint import resolve
-
     if set_:
         raise UserError("--set does not apply to inspect", hint="use the options (see --help)")
     prompts = list(prompt or [])
     if prompts_file:
-        from ncpctl.inference.prompts import read_prompts
-
         prompts += read_prompts(prompts_file)
     problems = []
     try:
@@ -105,11 +106,6 @@ def generated(o: Output, checkpoint: str, prompts: list[str], n: int, *, top: in
               ig_steps: int | None, seed: int | None, temperature: float, steps_per_block: int | None,
               steer: list[str] | None, concept_table: str | None) -> None:
     """``--generate``: per prompt, a trace of its generation and the attributions of its tokens."""
-    from ncpctl.checkpoint import load_model
-    from ncpctl.inference import SamplingParams
-    from ncpctl.inference.generate import fit_prompts
-    from ncpctl.interpret import trace as TR
-    from ncpctl.interpret.concept_table import names_for
     from ncpctl.interpret.steer import SteerSpec, resolve
 
     specs = [SteerSpec.parse(x) for x in steer or []]

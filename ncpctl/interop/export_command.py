@@ -4,10 +4,12 @@ Face directory (``hf_export``) or in an author's own layout (``authors/steerling
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ncpctl.checkpoint import read_meta, resolve, run_dir_of, set_verify
 from ncpctl.errors import UserError
 
 if TYPE_CHECKING:
@@ -31,7 +33,6 @@ class ExportRequest:
 
 def run_export(req: ExportRequest, o: Output) -> None:
     """Export ``req.checkpoint`` to ``req.out`` (default RUN/export); its summary through ``o``."""
-    from ncpctl.checkpoint import read_meta, resolve, run_dir_of, set_verify
     from ncpctl.interop.hf_export import export
 
     checkpoint, out, dtype, max_shard_size, format_ = req.checkpoint, req.out, req.dtype, req.max_shard_size, req.format
@@ -54,7 +55,6 @@ def run_export(req: ExportRequest, o: Output) -> None:
     if format_ != "hf" and format_ not in formats:
         raise UserError(f"--format: {format_!r} is not one of hf, {', '.join(formats)}")
     if format_ in formats:  # ncpctl/interop/authors/<module>.py
-        import importlib
 
         export = importlib.import_module(f"ncpctl.interop.authors.{formats[format_]}").export
     extra = {"move_aside": True} if req.move_aside else {}

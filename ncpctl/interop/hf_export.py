@@ -44,6 +44,7 @@ process's umask mode (an earlier export's mode when it replaces one), never mkdt
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -55,10 +56,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ncpctl import __version__
+from ncpctl import __version__, manifest
 from ncpctl.checkpoint import load_model
 from ncpctl.checkpoint_files import eod_token
 from ncpctl.errors import UserError
+from ncpctl.fsutil import fsync_dir, fsync_tree
+from ncpctl.model.core.config import ConfigError, STRATEGIES
 
 REMOTE = Path(__file__).parent / "remote"
 MODEL_PACKAGE = Path(__file__).parents[1] / "model"
@@ -115,8 +118,6 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", veri
 
 def write_marker(tmp: Path, written_by: str, checkpoint: Path) -> None:
     """``MARKER`` in the finished export ``tmp``: every file's name, size and xxh3-128 checksum."""
-    from ncpctl import manifest
-
     files = sorted(p.name for p in tmp.iterdir())
     (tmp / MARKER).write_text(json.dumps({"written_by": written_by, "ncpctl_version": __version__,
                                           "checkpoint": str(checkpoint), "files": files,
@@ -162,8 +163,6 @@ def _changed(out: Path, marker: dict[str, Any], entries: list[Path]) -> str | No
     """What in the earlier export ``out`` differs from what its marker says export wrote (one
     phrase naming the files), or None: every entry a regular file of the recorded size and
     xxh3-128 checksum."""
-    from ncpctl import manifest
-
     recorded = marker.get("manifest")
     if marker.get("algorithm") != manifest.ALGORITHM or not isinstance(recorded, dict):
         return f"its {MARKER} records no checksums (an older ncpctl wrote it): its files may have changed since"
@@ -201,8 +200,6 @@ def put_in_place(tmp: Path, out: Path, move_aside: bool = False) -> Path | None:
     place; an empty directory is filled in place: the marker first (so that a crash leaves a
     directory the next export may replace) and ``config.json`` last (nothing loads until then).
     Returns where an earlier export the user changed was moved (``move_aside``), else None."""
-    from ncpctl.fsutil import fsync_dir, fsync_tree
-
     fsync_tree(tmp)
     how = existing(out, move_aside)
     if how == "empty":
@@ -275,7 +272,6 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
         if cfg.tie_embeddings:
             state.pop("lm_head.weight", None)
     else:
-        from ncpctl.model.core.config import ConfigError
         from ncpctl.model.families.hf import hf_architecture, hf_config, to_hf_state_dict
 
         try:
@@ -412,8 +408,6 @@ def remote_files() -> list[Shipped]:
 def _check_builtin(cfg) -> None:
     """Only built-in strategies travel with the export (a registered or imported class's code
     lives outside the model package)."""
-    from ncpctl.model.core.config import STRATEGIES
-
     c = cfg.concept
     for key, kind, name in (("model.backbone", "backbone", cfg.backbone), ("model.residual", "residual", cfg.residual),
                             ("model.objective", "objective", cfg.objective),
@@ -459,8 +453,6 @@ def _probe(cfg, seed: int = 0):
 
 
 def _verify(loaded, d: Path, dtype: str) -> dict[str, Any]:
-    import copy
-
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 

@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from ncpctl.errors import UserError
+from ncpctl.interop.authors import conceptlm, steerling
+from ncpctl.model.core.config import ConfigError
+from ncpctl.safe_load import load_pt, load_safetensors
 
 
 def is_hf_dir(path: str | Path) -> bool:
     """A Hugging Face model directory (not an ncpctl checkpoint, nor a ConceptLM authors' directory,
     which ``ncpctl.checkpoint`` opens as a checkpoint: authors/conceptlm.py)."""
-    from ncpctl.interop.authors import conceptlm
-
     p = Path(path)
     return (p / "config.json").is_file() and not (p / "ncpctl.json").is_file() and not conceptlm.detect(p)
 
@@ -37,8 +38,6 @@ def is_hf_dir(path: str | Path) -> bool:
 def read_hf_state_dict(directory: Path) -> dict[str, Any]:
     """The weights of a Hugging Face directory, loaded without running code (``ncpctl.safe_load``:
     safetensors, or ``pytorch_model.bin`` with weights_only); a damaged file is one line naming it."""
-    from ncpctl.safe_load import load_pt, load_safetensors
-
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     if single.is_file():
         return load_safetensors(single)
@@ -60,7 +59,6 @@ def read_hf_state_dict(directory: Path) -> dict[str, Any]:
 def _config(d: Path, concept: dict[str, Any] | None, model_overrides: dict[str, Any]):
     from transformers import AutoConfig
 
-    from ncpctl.model.core.config import ConfigError
     from ncpctl.model.families.hf import config_from_hf
 
     try:
@@ -85,11 +83,8 @@ def load_hf_pretrained(directory: str | Path, *, cfg: Any = None, concept: dict[
     fields (e.g. ``{"enabled": True, "k": 4, "encoder_layers": 1,
     "copy_concept_layers_from_base": True}``) and ``model_overrides``: other ``ModelConfig``
     fields (``extra_token_layers``, ``max_seq_len``, ``vocab_size``, ...)."""
-    from ncpctl.model.core.config import ConfigError
     from ncpctl.model.families.hf import fresh_keys, load_hf_state_dict
     from ncpctl.model.core.model import NCPModel
-
-    from ncpctl.interop.authors import steerling
 
     d = Path(directory)
     if steerling.detect(d):  # Steerling's own layout (issue 43)

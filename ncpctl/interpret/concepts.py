@@ -31,8 +31,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ncpctl.data.sources import ReadStats, iter_documents
 from ncpctl.errors import UserError
 from ncpctl.model.core.interventions import AddToDecoderInput, CodeEdit
+from ncpctl.model.designs.bottleneck.chunks import chunk_probs
+from ncpctl.recipe.schema import SourceSpec
 
 
 @dataclass
@@ -258,9 +261,6 @@ def _lift_tokens(model, windows: list[torch.Tensor], k: int, decode, batch: int)
 def corpus_windows(tokenizer, sources: Sequence[str], seq_len: int, limit: int) -> list[torch.Tensor]:
     """Up to ``limit`` windows (1, seq_len) of consecutive tokens from the documents of
     ``sources`` (``data.sources`` syntax), each document cut into whole windows in order."""
-    from ncpctl.data.sources import ReadStats, iter_documents
-    from ncpctl.recipe.schema import SourceSpec
-
     out: list[torch.Tensor] = []
     for path in sources:
         for docs in iter_documents(SourceSpec(path=path), ReadStats(), batch=64):
@@ -287,8 +287,6 @@ def bottleneck_report(model, ids: torch.Tensor, names: Sequence[str] | None, *, 
     of their term k_c (K_c . W_y) (and the ``top`` unknown ones), the concept share, and per label
     chunk the ``top`` concepts the known head detects (the OR over the chunk's tokens). ``attribution_error``: the largest
     |known + unknown + residual - logit| over positions (exact up to float rounding)."""
-    from ncpctl.model.designs.bottleneck.chunks import chunk_probs
-
     b = model.bottleneck
     out = model(ids, return_bottleneck=True)
     parts, logits = out.bottleneck, out.logits[0].float()  # (T, V)

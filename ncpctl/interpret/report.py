@@ -10,7 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ncpctl.checkpoint import load_model
 from ncpctl.errors import UserError
+from ncpctl.interpret import concept_table as CT
+from ncpctl.interpret.concept_table import names_for
 from ncpctl.interpret.report_human import clip, human_concepts, human_inputs
 
 if TYPE_CHECKING:
@@ -24,9 +27,7 @@ def read_concepts(o: Output, checkpoint: str, prompts: list[str], target: str | 
     --attribute-inputs, --generate or --find-concept."""
     import torch
 
-    from ncpctl.checkpoint import load_model
     from ncpctl.interpret import concepts as C, plots
-    from ncpctl.interpret.concept_table import names_for
 
     loaded = load_model(checkpoint)
     model, tok = loaded.model, loaded.tokenizer
@@ -118,7 +119,6 @@ def attribute_inputs(o: Output, checkpoint: str, prompts: list[str], target: str
     if concept is not None and target is not None:
         raise UserError("--concept and --target choose the output two ways: give one")
 
-    from ncpctl.checkpoint import load_model
     from ncpctl.interpret import inputs, plots
 
     loaded = load_model(checkpoint)
@@ -141,7 +141,6 @@ def attribute_inputs(o: Output, checkpoint: str, prompts: list[str], target: str
         if getattr(model, "bottleneck", None) is None:
             raise UserError("--concept reads the concept bottleneck's known concepts; this checkpoint has none "
                             "(model.bottleneck)")
-        from ncpctl.interpret.concept_table import names_for
 
         c_index = inputs.concept_index(names_for(loaded, table), concept, model.bottleneck.n)
     size = block_tokens or (model.objective.block if inputs.is_cdlm(model) else 16)
@@ -169,9 +168,6 @@ def attribute_inputs(o: Output, checkpoint: str, prompts: list[str], target: str
 
 def find_concept(o: Output, checkpoint: str, query: str, table: str | None, top: int | None) -> None:
     """``--find-concept``: the table's best matches with the tokens each promotes in the checkpoint."""
-    from ncpctl.checkpoint import load_model
-    from ncpctl.interpret import concept_table as CT
-
     if table is None:
         raise UserError("--find-concept searches a concept table: pass --concept-table FILE (Steerling's is "
                         "concept_labels.parquet on its hub page)")

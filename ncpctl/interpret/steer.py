@@ -41,6 +41,7 @@ or as a JSON/YAML file with the same keys (``SteerSpec.save`` writes one, ``unit
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import asdict, dataclass, fields
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ncpctl.errors import UserError
+from ncpctl.fsutil import atomic_write
 
 UNITS = ("logit", "norm")
 
@@ -78,8 +80,6 @@ class SteerSpec:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        from ncpctl.fsutil import atomic_write
-
         atomic_write(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
@@ -233,8 +233,6 @@ def _concept_index(direction: str, name: str, names: Sequence[str] | None, bottl
         raise UserError(f"steer: direction {direction!r}: the checkpoint records no concept names (train it on a "
                         f"dataset with data.labels, or name a --concept-table, or give #N)")
     if name not in names:
-        import difflib
-
         near = difflib.get_close_matches(name, list(names), n=1)
         listed = ", ".join(names) if len(names) <= 64 else "search them with inspect --find-concept"
         raise UserError(f"steer: direction {direction!r}: unknown concept {name!r}"

@@ -35,10 +35,15 @@ therefore explained in THAT state, not in the finished text nor at the block's f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+
+from ncpctl.interpret.inputs import Output, integrated_gradients
+from ncpctl.interpret.steer import BlockSteering, block_steering
+from ncpctl.model.designs.causal_diffusion.sampler import sample_blocks
 
 
 @dataclass
@@ -91,7 +96,6 @@ class Trace:
         """The steering interventions of a forward of ``rows`` copies of snapshot ``ids`` (1, T)."""
         if not self.steer:
             return []
-        from .steer import BlockSteering
 
         where = (ids == self.mask_id) & (torch.arange(ids.shape[1], device=ids.device) >= len(self.prompt))
         return BlockSteering([list(self.steer)] * rows).interventions(where.expand(rows, -1).clone(), [committed] * rows)
@@ -99,10 +103,6 @@ class Trace:
 
 def record(model, prompt: Sequence[int], params: Any, steer: Sequence[Any] = ()) -> Trace:
     """Sample ``prompt`` block by block (cached) and keep every commit group."""
-    from ncpctl.model.designs.causal_diffusion.sampler import sample_blocks
-
-    from .steer import block_steering
-
     ob = model.objective
     trace = Trace(list(prompt), ob.block, ob.mask_id, params.max_new_tokens, steer=list(steer))
 
@@ -166,8 +166,6 @@ def concept_attribution(model, trace: Trace, names: Sequence[str] | None = None,
 
 def _at(parts, pos: torch.Tensor):
     """The bottleneck parts (1, T, ...) at positions ``pos`` (P,): (1, P, ...)."""
-    import dataclasses
-
     take = {f.name: getattr(parts, f.name)[:, pos] for f in dataclasses.fields(parts)
             if isinstance(getattr(parts, f.name), torch.Tensor) and getattr(parts, f.name).dim() >= 2}
     return dataclasses.replace(parts, **take)
@@ -233,8 +231,6 @@ def input_attribution(model, trace: Trace, steps: int = 16, top: int = 5) -> dic
     """Per committed position: integrated gradients of its logit over its snapshot's inputs (from the
     [MASK] embedding), the ``top`` inputs by |IG|, their sum, the completeness error, and the logit
     at the input and with every input [MASK] (``value``, ``baseline_value``)."""
-    from .inputs import Output, integrated_gradients
-
     out = {}
     for g, grp in enumerate(trace.groups):
         ids = torch.tensor([trace.snapshot(g)], device=model.embed.weight.device)

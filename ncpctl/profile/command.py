@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ncpctl.errors import UserError
+from ncpctl.profile import DEFAULT_SECTIONS, SECTIONS
+from ncpctl.profile.load import load_for_profile
+from ncpctl.profile.render import render
+from ncpctl.profile.run import profile
 
 if TYPE_CHECKING:
     from ncpctl.output import Output
@@ -30,8 +34,6 @@ class ProfileRequest:
 
 def run_profile(req: ProfileRequest, out: Output) -> None:
     """Profile the recipe's model: the sections ``req.only`` names (default all but ops)."""
-    from ncpctl.profile import DEFAULT_SECTIONS, SECTIONS
-
     only, device, realised_ratio = req.only, req.device, req.realised_ratio
     sections = list(DEFAULT_SECTIONS)
     if only:
@@ -39,8 +41,6 @@ def run_profile(req: ProfileRequest, out: Output) -> None:
         bad = [s for s in sections if s not in SECTIONS]
         if bad or not sections:
             raise UserError(f"--only: unknown section(s) {', '.join(bad) or '(none)'}; choose from {', '.join(SECTIONS)}")
-
-    from ncpctl.profile.load import load_for_profile
 
     r, notes = load_for_profile(req.recipe, req.sets)
     for note in notes:
@@ -53,8 +53,6 @@ def run_profile(req: ProfileRequest, out: Output) -> None:
                              "model.concept.segmentation: dynamic (DLCM); fixed blocks have k")
     if realised_ratio is not None and not realised_ratio > 1:
         raise UserError(f"--realised-ratio: must be > 1 (tokens per concept), got {realised_ratio:g}")
-
-    from ncpctl.profile.run import profile
 
     if device is not None:
         import torch
@@ -70,8 +68,6 @@ def run_profile(req: ProfileRequest, out: Output) -> None:
     res["notes"] = notes
 
     def human(con) -> None:
-        from ncpctl.profile.render import render
-
         render(con, res)
 
     out.result({"command": "profile-kernels", **res}, human)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ncpctl.model.accounting.flops import _stack_flops, tokens_per_concept
 from ncpctl.model.core.config import ConfigError, ModelConfig
 from ncpctl.profile.timing import measure
 
@@ -47,7 +48,6 @@ def _fwd_bwd(fn, inputs):
 def layer_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, repeats: int) -> list[dict[str, Any]]:
     import torch
 
-    from ncpctl.model.accounting.flops import _stack_flops
     from ncpctl.model.core.layers import Block, Context
 
     blk = Block(cfg).to(device=device, dtype=dtype)
@@ -206,7 +206,6 @@ def kernels_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, w
     dev = torch.device(device)
     if grid is None:
         grid = GPU_GRID if dev.type == "cuda" else CPU_GRID
-    from ncpctl.model.accounting.flops import tokens_per_concept
 
     k = tokens_per_concept(_with_concept(cfg))
     rows = layer_rows(cfg, batch, seq_len, dev, dtype, warmup, repeats)

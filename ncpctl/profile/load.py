@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ncpctl.errors import UserError
+from ncpctl.model.core.config import build_config
 
 _FILE_KEYS = ("data.train_prefix", "data.val_prefix", "tokenizer.path")
 
@@ -31,7 +32,6 @@ def load_for_profile(path: str, sets: Iterable[str] = (), world_size: int | None
                      drop_missing_sets: bool = False):  # -> (Recipe, notes)
     """``drop_missing_sets``: a ``--set`` of a file key whose file is missing is dropped too (a
     sweep's ``--dry`` lists points whose shared data is tokenized later); otherwise it wins."""
-    from ncpctl.model.core.config import build_config
     from ncpctl.recipe import load_recipe
 
     sets = list(sets)

@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable
 
-from ncpctl.model.core.config import ConfigError, ModelConfig
+from ncpctl.model.core.config import ConfigError, ModelConfig, strategy
+from ncpctl.profile.step import make_step
 
 # launch nothing: allocation without initialisation, autograd-only aliases
 _FREE = ("_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
@@ -83,8 +84,6 @@ def training_step_ops(cfg: ModelConfig, batch: int, seq_len: int, seed: int = 0)
     """Operators of one fwd + bwd + AdamW step on CPU fp32 (after one warm-up step, so that lazily
     created optimizer state does not count)."""
     import torch
-
-    from ncpctl.profile.step import make_step
 
     _, step = make_step(cfg, batch, seq_len, torch.device("cpu"), torch.float32, seed=seed)
     step()
@@ -146,8 +145,6 @@ def per_layer(design: dict[str, Any], plain: dict[str, Any]) -> dict[str, float]
 
 def _causal(cfg: ModelConfig) -> bool:
     """Whether the model decodes on KV caches (its objective is causal)."""
-    from ncpctl.model.core.config import strategy
-
     return bool(strategy("objective", cfg.objective).causal)
 
 

@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ncpctl.model.core.layers import MLP, PlainResidual
+from ncpctl.profile.step import adamw
+
 
 class RefBlock(nn.Module):
     """GPT-NeoX's parallel block: x + attn(ln1(x)) + mlp(ln2(x)), partial rotary embeddings."""
@@ -76,8 +79,6 @@ class RefGPT(nn.Module):
     def from_ncp(cls, model: nn.Module) -> "RefGPT":
         """The same function as ``model``, an ncpctl base model (no concept path, plain residual, no
         bottleneck) of the neox family with fused [q; k; v] rows, parallel pre-norm blocks, biases."""
-        from ncpctl.model.core.layers import MLP, PlainResidual
-
         cfg = model.cfg
         blocks = model.token_layers()
         plain = (model.concept is None and model.bottleneck is None and model.pos_embed is None and model.crc is None
@@ -110,8 +111,6 @@ def reference_step(model: RefGPT, x: torch.Tensor, y: torch.Tensor, *, lr: float
     autocast bf16 forward (``bf16``), backward, foreach clipping to ``clip``, fused AdamW (lr, betas
     and weight decay as Pythia's recipe: 0.9 / 0.95, 0.01 on matrices). ``compile_backend``: each
     block compiled in place with it (None: eager)."""
-    from ncpctl.profile.step import adamw
-
     if compile_backend is not None:
         for blk in model.blocks:
             blk.compile(backend=compile_backend)

@@ -6,7 +6,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ncpctl.profile import DEFAULT_SECTIONS
-from ncpctl.profile.kernels import CPU_GRID, GPU_GRID, QUICK_GRID
+from ncpctl.profile.accounting import accounting_section, config_summary
+from ncpctl.profile.kernels import CPU_GRID, GPU_GRID, QUICK_GRID, kernels_section
+from ncpctl.profile.ops import ops_section
+from ncpctl.profile.render import plot_kernels
+from ncpctl.profile.step import step_section
+from ncpctl.profile.trace import trace_section
 
 
 def default_device() -> str:
@@ -32,8 +37,6 @@ def profile(
     ``quick``: the smallest grid, one repeat, no warm-up beyond one call (tests, smoke runs).
     ``realised_ratio``: the accounting of a dynamic segmentation at this measured tokens per concept.
     """
-    from ncpctl.profile.accounting import accounting_section, config_summary
-
     sections = list(only or DEFAULT_SECTIONS)
     cfg = recipe.model_config
     T, B = recipe.seq_len, recipe.train.micro_batch_size
@@ -70,28 +73,18 @@ def profile(
         step_reps = repeats or (10 if gpu else 3)
         grid, peak_reps = (GPU_GRID if gpu else CPU_GRID), 5
     if "kernels" in sections:
-        from ncpctl.profile.kernels import kernels_section
-
         log(f"kernels: micro-benchmarks on {dev} ({reps} repeats)")
         result["kernels"] = kernels_section(cfg, T, B, dev, dtype, warmup, reps, grid)
         if plot:
-            from ncpctl.profile.render import plot_kernels
-
             result["kernels"]["plots"] = [str(p) for p in plot_kernels(result["kernels"], out_dir)]
     if "step" in sections:
-        from ncpctl.profile.step import step_section
-
         log(f"step: fwd+bwd+AdamW, batch {B} x {T} on {dev} ({step_reps} repeats)")
         result["step"] = step_section(cfg, T, B, dev, dtype, warmup, step_reps, peak_reps)
     if "ops" in sections:
-        from ncpctl.profile.ops import ops_section
-
         T = min(T, 128)  # the count does not depend on the length past a few concepts
         log(f"ops: operators per training step and per decode step (CPU, batch 2 x {T}), recipe vs plain sibling")
         result["ops"] = ops_section(cfg, T, 2)
     if "trace" in sections:
-        from ncpctl.profile.trace import trace_section
-
         log(f"trace: torch.profiler over {1 if quick else 2} steps -> {out_dir / 'trace.json'}")
         result["trace"] = trace_section(cfg, T, B, dev, dtype, out_dir, steps=1 if quick else 2)
     return result

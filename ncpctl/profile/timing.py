@@ -12,9 +12,14 @@ profile-kernels`` and ``bench/`` alike.
 
 from __future__ import annotations
 
+import gc
+import json
+import os
+import re
 import statistics
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable
 
@@ -122,8 +127,6 @@ def _cpuinfo() -> str:
 def _max_clock_hz(cpuinfo: str) -> float | None:
     """The highest clock the system states: cpufreq's ``cpuinfo_max_freq``, the cores' ``cpu MHz``
     and a ``@ X.XXGHz`` in the model name (a virtual machine often states only the nominal one)."""
-    import re
-
     hz = [float(m) * 1e6 for m in re.findall(r"^cpu MHz\s*:\s*([\d.]+)", cpuinfo, re.MULTILINE)]
     hz += [float(m) * 1e9 for m in re.findall(r"@\s*([\d.]+)\s*GHz", cpuinfo)]
     try:
@@ -138,8 +141,6 @@ def cpu_isa_peak(threads: int, cpuinfo: str | None = None) -> tuple[float, str] 
     """An fp32 upper bound of ``threads`` cores from the instruction set and the clock: threads x
     clock x FLOP/cycle (two FMA pipes: 64 with AVX-512, 32 with AVX2+FMA, 16 with SSE), or None
     when /proc/cpuinfo says nothing."""
-    import re
-
     info = _cpuinfo() if cpuinfo is None else cpuinfo
     clock = _max_clock_hz(info)
     m = re.search(r"^flags\s*:(.*)$", info, re.MULTILINE)
@@ -181,10 +182,6 @@ def best_cpu_gemm(now: float, threads: int, cache: Path | None = None) -> float:
     each measurement runs under whatever load there is (load only makes it slower), so the maximum
     over runs approaches the machine's rate. Kept in ``$XDG_CACHE_HOME/ncpctl/cpu_peak.json``
     (``~/.cache``); an unwritable cache just means this run's number."""
-    import json
-    import os
-    import re
-
     if cache is None:
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ncpctl" / "cpu_peak.json"
     info = _cpuinfo()
@@ -219,8 +216,6 @@ def clocks(fn: Callable[[], Any]) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process) of one call, after a garbage collection: on a
     shared machine the CPU time is the work done, the wall time also holds the waits for cores
     other processes held."""
-    import gc
-
     gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
     fn()
@@ -238,8 +233,6 @@ def paired_ratios(a: list[float], b: list[float]) -> dict[str, float]:
 def package_version(package: str) -> str | None:
     """An installed distribution's version without importing it (a benchmark's environment record:
     DeepSpeed takes seconds to import), or None when it is not installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(package)
     except PackageNotFoundError:

@@ -7,8 +7,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from ncpctl.checkpoint import read_meta, resolve
 from ncpctl.errors import UserError
-from ncpctl.model.core.config import ConfigError, ModelConfig, build_config
+from ncpctl.interop.authors import steerling
+from ncpctl.interop.hf_import import is_hf_dir
+from ncpctl.model.core.config import ConfigError, ModelConfig, UNTRUSTED, build_config, from_checkpoint
+from ncpctl.model.families.hf import config_from_hf, hf_model_types
 
 Problem = tuple[str, str]  # (key path, message)
 
@@ -19,8 +23,6 @@ def init_from_model(train: Any, problems: list[Problem]) -> ModelConfig | None:
     A strategy only the checkpoint names is not imported but reported (issue 21)."""
     if train is None or not train.init_from:
         return None
-    from ncpctl.checkpoint import read_meta, resolve
-    from ncpctl.model.core.config import UNTRUSTED, from_checkpoint
 
     try:
         path = resolve(train.init_from)
@@ -38,7 +40,6 @@ def init_from_model(train: Any, problems: list[Problem]) -> ModelConfig | None:
 def init_from_hf(train: Any) -> bool:
     if train is None or not train.init_from:
         return False
-    from ncpctl.interop.hf_import import is_hf_dir  # light: no torch, no transformers
 
     return is_hf_dir(train.init_from)
 
@@ -48,8 +49,6 @@ def hf_init_config(model: Any, directory: str, problems: list[Problem]) -> Model
     recipe's explicit ``model`` keys, and the concept path of the recipe (``model.size``'s
     concept defaults + ``model.concept``); ``vocab_size`` is the HF model's. Problems are
     reported like any recipe problem, at load time; None when the config is impossible."""
-    from ncpctl.interop.authors import steerling
-
     if steerling.detect(directory):  # Steerling's own layout (issue 43)
         return steerling.init_config(model, directory, problems)
     cfg_file = Path(directory) / "config.json"
@@ -59,8 +58,6 @@ def hf_init_config(model: Any, directory: str, problems: list[Problem]) -> Model
         problems.extend((f"model.{k}", m) for k, m in e.problems)
         return None
     from transformers import AutoConfig  # only here: loading any other recipe stays light
-
-    from ncpctl.model.families.hf import config_from_hf, hf_model_types
 
     try:
         hf = AutoConfig.from_pretrained(str(directory), local_files_only=True)

@@ -8,13 +8,16 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from ncpctl.checkpoint import CHECKPOINTS, read_meta, resolve, run_dir_of
 from ncpctl.errors import UserError
-from ncpctl.model.core.config import ModelConfig
+from ncpctl.model.accounting.flops import training_flops_per_step
+from ncpctl.model.core.config import ModelConfig, segmentation_law
 from ncpctl.task_registry import unknown_tasks
 
 Problem = tuple[str, str]  # (key path, message)
@@ -39,8 +42,6 @@ class Budget:
 
     @property
     def max_steps(self) -> int:
-        from fractions import Fraction
-
         return math.floor(Fraction(self.value) / self.per_step)  # exact for a float budget of any size
 
     def record(self, steps: int, tokens: int, flops_per_step: int) -> dict[str, Any]:
@@ -58,8 +59,6 @@ def warmup_steps(steps: int | None, fraction: float, max_steps: int) -> int:
 
 def _no_concept_fits(cfg: Any, seq: int) -> tuple[str, str]:
     """The problem of a segmentation that closes no concept in train.seq_len tokens."""
-    from ncpctl.model.core.config import segmentation_law
-
     c = cfg.concept
     key = segmentation_law(c.segmentation).length_key
     if key is not None:
@@ -99,8 +98,6 @@ def _resolve_budget(train: Any, cfg: ModelConfig | None, seq: int | None, batch:
     elif key == "max_tokens":
         per, unit = batch * seq, f" tokens = global_batch_size {batch} x seq_len {seq}"
     else:
-        from ncpctl.model.accounting.flops import training_flops_per_step
-
         per = training_flops_per_step(cfg, seq, batch)
         unit = f" training FLOPs, attention counted in full, at global_batch_size {batch} x seq_len {seq}"
     budget = derived["budget"] = Budget(BUDGET_KEYS[key], value, per)
@@ -154,8 +151,6 @@ def decay_start(spec: str, run_dir: Path | None) -> tuple[dict[str, Any], str | 
     Once the branch has checkpoints of its own, the start they recorded, always: a run-directory spec
     would otherwise resolve to the stable run's newest checkpoint, which moves on as that run goes on,
     and so would the branch's schedule. A spec that no longer names the recorded start is refused."""
-    from ncpctl.checkpoint import CHECKPOINTS, read_meta, resolve
-
     if run_dir is not None and (run_dir / CHECKPOINTS).is_dir():
         try:
             recorded = read_meta(resolve(run_dir, pin_it=False))["decay_from"]
@@ -174,8 +169,6 @@ def decay_start(spec: str, run_dir: Path | None) -> tuple[dict[str, Any], str | 
 
 def _names(spec: str, path: str) -> bool:
     """Does ``spec`` (a checkpoint, its ``checkpoints/`` directory or its run directory) name ``path``?"""
-    from ncpctl.checkpoint import run_dir_of
-
     target = Path(os.path.abspath(path))
     return os.path.abspath(spec) in {str(target), str(target.parent), str(run_dir_of(target))}
 
@@ -184,8 +177,6 @@ def _stable_checkpoint(spec: str, run_dir: Path | None) -> tuple[dict[str, Any],
     """The start of a new decay branch: ``train.decay_from`` resolved to one concrete checkpoint (a run
     directory to its newest), or why it cannot start one: it must be a WSD run's (another run
     directory's), after its warmup and at or before the step its decay starts."""
-    from ncpctl.checkpoint import read_meta, resolve, run_dir_of
-
     try:
         path = resolve(spec, pin_it=False)
         if run_dir is not None and run_dir_of(path.resolve()) == run_dir.resolve():

@@ -39,6 +39,9 @@ from ncpctl.recipe.schema import (
     TokenizerSection,
     TrainSection,
 )
+from ncpctl import __version__
+from ncpctl.fsutil import atomic_write
+from ncpctl.model.accounting.flops import training_flops_per_step
 
 UINT16_LIMIT = 65536  # ids 0..65535 fit in uint16
 
@@ -84,8 +87,6 @@ class Recipe:
         """Training FLOPs of one optimizer step of this recipe (its model, seq_len and global batch):
         ``ncpctl.model.accounting.flops.training_flops_per_step``; every weight trains unless ``trainable``
         (name -> element count) says which do; ``realised_ratio``: a measured tokens per concept."""
-        from ncpctl.model.accounting.flops import training_flops_per_step
-
         return training_flops_per_step(self.model_config, self.seq_len, self.global_batch_size,
                                        trainable=trainable, realised_ratio=realised_ratio)
 
@@ -118,9 +119,6 @@ class Recipe:
 
     def write_resolved(self, directory: Path) -> Path:
         """Write ``recipe.resolved.yaml`` into ``directory`` (atomically, fsynced)."""
-        from ncpctl import __version__
-        from ncpctl.fsutil import atomic_write
-
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / "recipe.resolved.yaml"
         header = (

@@ -4,6 +4,7 @@ documented once. Regenerate with ``python -m ncpctl.recipe.reference``; a test c
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 import types
 import typing
@@ -12,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ncpctl.recipe.schema import SECTIONS, design_options
+from ncpctl.recipe.schema import HeldoutSource, MixComponent, SECTIONS, SourceSpec, design_options
 
 
 def _type_name(tp: Any) -> str:
@@ -78,19 +79,14 @@ def render() -> str:
         if section == "model":
             out += _option_rows()
         if section == "data":
-            from ncpctl.recipe.schema import SourceSpec
-
             out += ["", "Each entry of `data.sources` (a bare string is shorthand for `{path: ...}`):", "",
                     "| key | type | default | meaning |", "|---|---|---|---|"]
             out += _rows(SourceSpec, "")
-            from ncpctl.recipe.schema import MixComponent
 
             out += ["", "Each entry of `data.mix` (`sources` entries as those of `data.sources`):", "",
                     "| key | type | default | meaning |", "|---|---|---|---|"]
             out += _rows(MixComponent, "")
         if section == "eval":
-            from ncpctl.recipe.schema import HeldoutSource, SourceSpec
-
             out += ["", "Each entry of `eval.heldout`: the keys of a `data.sources` entry, plus:", "",
                     "| key | type | default | meaning |", "|---|---|---|---|"]
             out += [r for r in _rows(HeldoutSource, "") if r.split("`")[1] not in SourceSpec.model_fields]
@@ -101,8 +97,6 @@ def render() -> str:
 def main(argv: list[str]) -> Path:
     """``[--import MODULE ...] [OUT]``: import the modules (plugins that register designs with
     their own keys) and write the reference to OUT (default docs/recipes.md)."""
-    import importlib
-
     args = list(argv)
     while "--import" in args:
         i = args.index("--import")

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from ncpctl.model.core.config import ConceptConfig, ModelConfig, OPTIONS
 from ncpctl.model.designs.bottleneck.config import BottleneckConfig
-from ncpctl.model.core.config import ConceptConfig, ModelConfig
 from ncpctl.model.designs.causal_diffusion.config import DiffusionConfig
 
 
@@ -176,8 +176,6 @@ _ModelOverrides = _model_section(ModelConfig, "_ModelOverrides",
 def design_options() -> list[tuple[str, str, type]]:
     """(name, extension point, options dataclass) of every registered design that declares recipe
     keys (``options``, ncpctl.model.register), in registration order."""
-    from ncpctl.model.core.config import OPTIONS
-
     return [(name, kind, options) for name, (kind, options) in OPTIONS.items()]
 
 

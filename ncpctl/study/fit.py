@@ -37,7 +37,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ncpctl.errors import UserError
+from ncpctl.model.accounting.flops import FLOP_CONVENTION
 from ncpctl.study.cost import Cost
+from ncpctl.study.dlcm import fit_decay, fit_dlcm
 from ncpctl.study.isoflop import IsoFit, envelope_multiplier, fit_isoflop
 from ncpctl.study.law import EXPONENT_BOUNDS, FIRM_POINTS, N_PARAMS, Law, bootstrap_laws, fit_law
 from ncpctl.study.points import Point, budgets, families, values
@@ -239,8 +241,6 @@ def extrapolation(points: list[Point], opts: FitOptions) -> dict[str, Any]:
 
 def analyse(points: list[Point], opts: FitOptions, rng: np.random.Generator | None = None) -> dict[str, Any]:
     """Every analysis the points allow, as one JSON-able report (see the module docstring)."""
-    from ncpctl.model.accounting.flops import FLOP_CONVENTION
-
     rng = rng if rng is not None else np.random.default_rng(opts.seed)
     values(points, opts.metric)  # an unknown metric is refused before any fit
     if opts.exclude_embeddings:
@@ -306,8 +306,6 @@ def _column(points: Sequence[Point], col: str, why: str) -> np.ndarray:
 def _dlcm_parts(points: Sequence[Point], opts: FitOptions) -> dict[str, Any]:
     """With opts.dlcm, Eq. 22 (columns R and P); when the points carry ``stable_METRIC`` (``stable_loss``:
     the loss at the end of the WSD stable phase; the metric is then the decayed loss), the decay-phase law."""
-    from ncpctl.study.dlcm import fit_dlcm, fit_decay
-
     out: dict[str, Any] = {}
     N, D = np.array([p.N for p in points]), np.array([p.D for p in points])
     y = values(points, opts.metric)

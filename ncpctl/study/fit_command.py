@@ -9,6 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ncpctl.errors import UserError
+from ncpctl.study.fit import FitOptions, analyse
+from ncpctl.study.points import read_points, where_found
+from ncpctl.study.report import (ISOFLOP_COLUMNS, LAW_COLUMNS, LAW_NOTE, dlcm_lines, extrapolation_line, header,
+                                 isoflop_rows, law_rows, multiplier_line, notes, write)
+from ncpctl.study.transfer import TRANSFER_COLUMNS, analyse_transfer, transfer_rows, transfer_verdict
 
 if TYPE_CHECKING:
     from ncpctl.output import Output
@@ -39,10 +44,6 @@ class FitRequest:
 
 def run_fit(req: FitRequest, out: Output) -> None:
     """Fit the request's points; fit.json, fit.md and the plots to ``req.out`` (default ./fit)."""
-    from ncpctl.study.fit import FitOptions, analyse
-    from ncpctl.study.points import read_points, where_found
-    from ncpctl.study.report import write
-
     r = req
     metric, at_loss, at_budget, resamples = r.metric, r.at_loss, r.at_budget, r.resamples
     out_dir = Path(r.out) if r.out else Path("fit")
@@ -58,8 +59,6 @@ def run_fit(req: FitRequest, out: Output) -> None:
     for root, runs in found.items():  # where the run directories were found (any depth)
         out.info(f"[dim]{where_found(root, runs)}[/]")
     if r.transfer:
-        from ncpctl.study.transfer import analyse_transfer
-
         report = analyse_transfer(points, metric, r.lr_column, r.tolerance)
         write(report, points, out_dir, draw=not r.no_plots)
         out.result({"command": "fit", **report}, lambda con: human_transfer(con, report))
@@ -78,9 +77,6 @@ def run_fit(req: FitRequest, out: Output) -> None:
 def human(con, report: dict) -> None:
     """The laws, the IsoFLOP parabolas, the multiplier and the checks, for people."""
     from rich.table import Table
-
-    from ncpctl.study.report import (ISOFLOP_COLUMNS, LAW_COLUMNS, LAW_NOTE, dlcm_lines, extrapolation_line, header,
-                                     isoflop_rows, law_rows, multiplier_line, notes)
 
     con.print(f"[dim]{header(report)}[/]", soft_wrap=True)
     t = Table(title=f"{report['metric']}: L(N, D) = E + A/N^α + B/D^β (90% bootstrap intervals)", title_justify="left",
@@ -115,8 +111,6 @@ def human(con, report: dict) -> None:
 def human_transfer(con, report: dict) -> None:
     """The muP transfer view, for people."""
     from rich.table import Table
-
-    from ncpctl.study.transfer import TRANSFER_COLUMNS, transfer_rows, transfer_verdict
 
     t = report["transfer"]
     tab = Table(title=f"muP transfer: {report['metric']} against {t['lr_column']} per width", title_justify="left")

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ncpctl.errors import UserError
+
 N_PARAMS = 5
 MIN_POINTS = 2 * N_PARAMS  # fewer: refused (the fit interpolates its points)
 FIRM_POINTS = 3 * N_PARAMS  # fewer: fitted with a caution (the tiny study has 15 per family)
@@ -197,8 +199,6 @@ def _lm_steps(theta: np.ndarray, logN: np.ndarray, logD: np.ndarray, logL: np.nd
 
 
 def _check(N: np.ndarray, D: np.ndarray, L: np.ndarray) -> None:
-    from ncpctl.errors import UserError
-
     if len(L) < MIN_POINTS:
         raise UserError(f"the law L = E + A/N^α + B/D^β has {N_PARAMS} parameters: a fit needs at least "
                         f"{MIN_POINTS} points (twice its parameters), got {len(L)}",

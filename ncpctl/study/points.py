@@ -43,6 +43,9 @@ import numpy as np
 
 from ncpctl.errors import UserError
 from ncpctl.run_metrics import METRICS, realised_ratio, records  # noqa: F401 (this module's API)
+from ncpctl.model.accounting.flops import count_parameters
+from ncpctl.study.run_columns import run_columns
+from ncpctl.study.sweep import MANIFEST, RUNS
 
 REQUIRED = ("N", "D", "C")
 IDENTITY = ("tokenizer", "val_set")
@@ -158,8 +161,6 @@ def _identity(run: Path, recipe: Any) -> dict[str, str]:
 def family_of(run: Path) -> str:
     """A run directory's family: its parent's name; a sweep point's (``OUT/runs/NAME``, OUT holding the
     sweep's manifest) the sweep's, OUT's name: every sweep's points sit in a directory named ``runs``."""
-    from ncpctl.study.sweep import MANIFEST, RUNS
-
     parent = run.resolve().parent
     if parent.name == RUNS and (parent.parent / MANIFEST).is_file():
         return parent.parent.name
@@ -168,9 +169,7 @@ def family_of(run: Path) -> str:
 
 def read_run(run: Path, family_from_parent: bool = False) -> Point:
     """The point of one ``ncpctl pretrain`` run directory (see the module docstring)."""
-    from ncpctl.model.accounting.flops import count_parameters
     from ncpctl.recipe.load import load_recipe
-    from ncpctl.study.run_columns import run_columns
 
     resolved, log = run / "recipe.resolved.yaml", run / METRICS
     recipe = load_recipe(resolved)

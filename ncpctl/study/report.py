@@ -17,6 +17,7 @@ from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 from ncpctl.study.cost import Cost
 from ncpctl.study.law import Law
 from ncpctl.study.points import Point, values
+from ncpctl.study.transfer import TRANSFER_COLUMNS, transfer_rows, transfer_verdict
 
 
 def _g(v: Any, digits: int = 4) -> str:
@@ -267,8 +268,6 @@ def size_ticks(ax: Any, sizes: list[float]) -> None:
 
 def transfer_markdown(report: dict[str, Any]) -> str:
     """fit.md of ``--transfer``: the optimum per width and the verdict."""
-    from ncpctl.study.transfer import TRANSFER_COLUMNS, transfer_rows, transfer_verdict
-
     t = report["transfer"]
     cols = [c if c != "METRIC" else f"{report['metric']} at the optimum" for c in TRANSFER_COLUMNS]
     cols[cols.index("shift")] = "shift (grid steps)"

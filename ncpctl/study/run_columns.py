@@ -17,14 +17,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ncpctl.errors import UserError
+from ncpctl.model.accounting.flops import TRAIN_MULTIPLIER, exact_flops
+
 
 def run_columns(run: Path, recipe: Any, params: Any, steps: int, tokens: float,
                 ratio: float | None) -> dict[str, float]:
     """The columns above of run directory ``run`` (its point's settings, beside its validation metrics).
     ``params``: its ``count_parameters``; ``steps`` and ``tokens``: what its last training record says;
     ``ratio``: its realised R."""
-    from ncpctl.model.accounting.flops import TRAIN_MULTIPLIER, exact_flops
-
     cfg = recipe.model_config
     comps = params.components
     n_ne = params.total - comps["embeddings"] - comps["lm_head"]
@@ -59,7 +60,6 @@ def train_split_tokens(run: Path, recipe: Any) -> int | None:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     from ncpctl.data.indexed import IndexedDataset
-    from ncpctl.errors import UserError
 
     if not Path(f"{prefix}.bin").is_file():
         return None  # the data is gone: the epochs stay unknown

@@ -47,6 +47,8 @@ from typing import Any
 import yaml
 
 from ncpctl.errors import UserError
+from ncpctl.fsutil import atomic_write
+from ncpctl.profile.load import load_for_profile
 from ncpctl.study.sweep_names import Part, label, legacy_name, name_of
 
 TOP_KEYS = ("name", "base", "out", "ranks", "axes", "zip", "points", "fixed", "slurm", "timeout_min")
@@ -282,7 +284,6 @@ def resolve(sweep: Sweep, *, strict: bool) -> None:
     """Load every point's recipe whole (``strict``: as pretrain will, data files included; else as
     profile-kernels does, placeholder data paths tolerated), the first that fails in one error naming
     it, and fill each point's steps, FLOPs, tokens and the values its run must record."""
-    from ncpctl.profile.load import load_for_profile
     from ncpctl.recipe import load_recipe
     from ncpctl.recipe.load import set_keys
 
@@ -340,8 +341,6 @@ def child_recipe(sweep: Sweep, p: SweepPoint) -> str:
 
 
 def write_plan(sweep: Sweep) -> None:
-    from ncpctl.fsutil import atomic_write
-
     (sweep.out / "points").mkdir(parents=True, exist_ok=True)
     for p in sweep.points:
         text = child_recipe(sweep, p)
@@ -351,6 +350,4 @@ def write_plan(sweep: Sweep) -> None:
 
 
 def write_manifest(sweep: Sweep) -> None:
-    from ncpctl.fsutil import atomic_write
-
     atomic_write(sweep.out / MANIFEST, json.dumps(sweep.manifest(), indent=1, default=str) + "\n")

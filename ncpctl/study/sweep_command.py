@@ -6,11 +6,15 @@
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ncpctl.errors import UserError
+from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 from ncpctl.output import print_wide
+from ncpctl.study.sweep import EXECUTORS, read_sweep, resolve, write_plan
+from ncpctl.study.sweep_run import make_executor
 
 if TYPE_CHECKING:
     from ncpctl.output import Output
@@ -43,9 +47,6 @@ class SweepFailure:
 
 def run_sweep(req: SweepRequest, o: Output) -> SweepFailure | None:
     """Run (or with ``req.dry`` list) the sweep; the result through ``o``, or what did not finish."""
-    from ncpctl.study.sweep import EXECUTORS, read_sweep, resolve, write_plan
-    from ncpctl.study.sweep_run import make_executor
-
     executor, parallel, dry = req.executor, req.parallel, req.dry
     if executor not in EXECUTORS:
         raise UserError(f"--executor {executor}: unknown executor; choose from {', '.join(EXECUTORS)}")
@@ -65,8 +66,6 @@ def run_sweep(req: SweepRequest, o: Output) -> SweepFailure | None:
     unfinished = [p for p in sweep.points if p.status != "done"]
     data = {"command": "sweep", **sweep.manifest(), "totals": _totals(sweep)}
     if sweep.signum:
-        import signal
-
         stopped = [p.name for p in sweep.points if p.status == "interrupted"]
         return SweepFailure(data, 128 + sweep.signum, f"interrupted by {signal.Signals(sweep.signum).name}: "
               f"{len(stopped)} running point(s) stopped ({', '.join(stopped) or 'none'}); rerun the sweep to "
@@ -115,8 +114,6 @@ def _totals(sweep: Any) -> dict[str, Any]:
 
 def _table(sweep: Any, dry: bool = False) -> Any:
     from rich.table import Table
-
-    from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 
     t = Table(title=f"sweep {sweep.name}: {len(sweep.points)} points (base {sweep.base})"
               + (f"; training FLOPs: {FLOP_CONVENTION_SHORT}" if dry else ""), title_justify="left")

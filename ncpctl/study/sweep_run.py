@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from ncpctl.errors import UserError
+from ncpctl.runlock import holder
 from ncpctl.study.sweep import Sweep, SweepPoint, write_manifest
 from ncpctl.study.sweep_state import move_aside, refresh
 
@@ -74,8 +76,6 @@ def point_command(recipe: Path, ranks: int, break_lock: bool = False) -> list[st
 
 
 def _free_port(command: list[str]) -> list[str]:
-    import socket
-
     if "--master_port" in command and command[command.index("--master_port") + 1] == "0":
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -218,8 +218,6 @@ def _signal_jobs(jobs: dict[str, Any], executor: str, force: bool) -> None:
 
 def _start(sweep: Sweep) -> list[SweepPoint]:
     """The points to run: pending, failed and interrupted ones, and stale ones with ``rerun_stale``."""
-    from ncpctl.runlock import holder
-
     refresh(sweep)
     for p in sweep.points:
         if p.status == "done":

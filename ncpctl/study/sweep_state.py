@@ -23,6 +23,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from ncpctl import manifest
+from ncpctl.checkpoint import CHECKPOINTS, META, is_complete
+from ncpctl.runlock import holder
+from ncpctl.study.sweep import value_at
+
 if TYPE_CHECKING:
     from ncpctl.study.sweep import Sweep, SweepPoint
 
@@ -31,8 +36,6 @@ STALE = "stale"  # OUT/stale/NAME[.k]: a stale point's run, moved aside before i
 
 def final_checkpoint(run_dir: Path) -> tuple[int, Path | None]:
     """The step and directory of the run's newest complete checkpoint ((0, None): none)."""
-    from ncpctl.checkpoint import CHECKPOINTS, is_complete
-
     best: tuple[int, Path | None] = (0, None)
     for cand in (run_dir / CHECKPOINTS).glob("step_*"):
         m = re.fullmatch(r"step_(\d+)", cand.name)
@@ -52,10 +55,6 @@ def _show(v: Any) -> str:
 
 def stale_reason(p: "SweepPoint", checkpoint: Path, *, verify: bool) -> str | None:
     """Why the point's final ``checkpoint`` does not count as its result (None: it does)."""
-    from ncpctl import manifest
-    from ncpctl.checkpoint import META
-    from ncpctl.study.sweep import value_at
-
     if (checkpoint / manifest.MANIFEST).exists():
         problem = manifest.verify(checkpoint, sizes_only=not verify)
         if problem is not None:
@@ -77,8 +76,6 @@ def stale_reason(p: "SweepPoint", checkpoint: Path, *, verify: bool) -> str | No
 def _verdict(sweep: "Sweep", p: "SweepPoint", checkpoint: Path) -> str | None:
     """``stale_reason``, once per checkpoint and sweep run (a full ``--verify`` reads every byte); a
     checkpoint written again at the same path (a stale point trained again) is another one."""
-    from ncpctl.checkpoint import META
-
     try:
         st = (checkpoint / META).stat()
     except OSError:
@@ -111,8 +108,6 @@ def _progress(p: "SweepPoint") -> None:
 
 def refresh(sweep: "Sweep", running: Iterable[str] = ()) -> None:
     """Each point's status from its run directory (and the jobs this sweep runs)."""
-    from ncpctl.runlock import holder
-
     running = set(running)
     for p in sweep.points:
         _progress(p)

@@ -33,6 +33,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from ncpctl.train import downstream
+from ncpctl.train.stopping import downstream_or_failure
+
 POINTS = ("on_train_start", "on_step_begin", "on_step_end", "on_record", "on_evaluate", "wants_save",
           "on_train_end", "on_finish")
 
@@ -152,9 +155,6 @@ class Downstream(Callback):
     (``stopping.downstream_or_failure``); the checkpoint after it has the weights it scored."""
 
     def on_evaluate(self, run: Any, stop: Any, last: bool, save: Callable[[], None]) -> bool:
-        from ncpctl.train import downstream
-        from ncpctl.train.stopping import downstream_or_failure
-
         if not downstream.due(run.recipe.train, run.tot.step, last):
             return False
         rec = downstream_or_failure(run, stop, save)

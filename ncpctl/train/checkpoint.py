@@ -40,8 +40,12 @@ import torch
 from ncpctl import manifest
 # one reader for every command
 from ncpctl.checkpoint import CHECKPOINTS, META, find_in, is_complete, read_meta, read_weights  # noqa: F401
+from ncpctl.checkpoint import resolve as resolve_checkpoint, save_model_files
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write, disk_errors, fsync_tree
+from ncpctl.model.core.config import ConfigError, ModelConfig, from_checkpoint
+from ncpctl.safe_load import NUMPY_ARRAYS, load_pt
+from ncpctl.train.lora import merge_adapters, scalings
 from ncpctl.train.zero import Zero
 
 LATEST = "latest"
@@ -71,8 +75,6 @@ def latest_checkpoint(root: Path, warn: Any) -> Path | None:
 def resolve(spec: str, what: str, *, pin_it: bool = True) -> Path:
     """A user-given checkpoint (a ``step_*`` directory, a ``checkpoints`` directory or a run
     directory, then its ``latest``), via ``ncpctl.checkpoint.resolve``; errors name ``what``."""
-    from ncpctl.checkpoint import resolve as resolve_checkpoint
-
     try:
         return resolve_checkpoint(spec, pin_it=pin_it)
     except UserError as e:
@@ -95,8 +97,6 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
 
 
 def _with_defaults(saved: dict[str, Any], where: Path) -> dict[str, Any]:
-    from ncpctl.model.core.config import ConfigError, ModelConfig, from_checkpoint
-
     try:
         with from_checkpoint(where):  # imports no strategy only the checkpoint names
             return ModelConfig.from_dict(saved).to_dict()
@@ -194,7 +194,6 @@ def consolidated_weights(engine: Any, zero_stage: int, tie_embeddings: bool) -> 
         return None
     out = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
            for k, v in state.items()}
-    from ncpctl.train.lora import merge_adapters, scalings
 
     scale = scalings(engine.module)
     if scale:  # a LoRA run: the inference view is the plain model with the adapters merged in
@@ -211,8 +210,6 @@ def save(engine: Any, root: Path, step: int, meta: dict[str, Any], recipe: Any, 
     ``meta`` is the training state ncpctl.json records (step, tokens_seen, data state, ...);
     ``barrier()`` syncs ranks; ``fault(where, step)`` is the test hook (``ncpctl.train.faults.Faults``).
     """
-    from ncpctl.checkpoint import save_model_files
-
     tag = tag_for(step)
     path = root / tag
     with disk_errors(path):  # a full or read-only disk: one line naming the file, latest untouched
@@ -306,8 +303,6 @@ def _remove_unpinned(path: Path) -> None:
 def load_rng(path: Path, rank: int) -> None:
     """Rank ``rank``'s RNG states from checkpoint ``path`` (weights_only: a file that would run
     code is refused with one line); files from before issue 21 hold a numpy array, allowed here."""
-    from ncpctl.safe_load import NUMPY_ARRAYS, load_pt
-
     f = path / f"rng_rank{rank}.pt"
     if f.is_file():  # a different world size: the extra ranks keep their seeded state
         set_rng_state(load_pt(f, allow=NUMPY_ARRAYS))

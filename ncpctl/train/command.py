@@ -12,7 +12,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from ncpctl.checkpoint import set_verify
+from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 from ncpctl.output import Output
+from ncpctl.runlock import RunLock
+from ncpctl.train.display import detection_line, estimate_terms, loss_terms, term_text
 
 
 @contextlib.contextmanager
@@ -45,13 +49,11 @@ class StageRequest:
 def run_stage(req: StageRequest, out: Output) -> None:
     """Train the request's stage; rank 0 reports the summary through ``out``."""
     from ncpctl.recipe import load_recipe
-    from ncpctl.runlock import RunLock
 
     stage_name, r = req.stage, load_recipe(req.recipe, req.sets)
     # one writer per run.dir: rank 0 holds its lock (the launcher's other ranks run under it)
     lock = RunLock(r.run_dir, stage_name, warn=out.warn, break_lock=req.break_lock) if _rank() == 0 else None
     with lock or contextlib.nullcontext(), stdout_to_stderr():
-        from ncpctl.checkpoint import set_verify
         from ncpctl.train.loop import train
         from ncpctl.train.stages import make_stage
 
@@ -69,8 +71,6 @@ def _rank() -> int:
 
 def human(con: Any, s: dict[str, Any]) -> None:
     """The stage's summary for people (the JSON result is the summary itself)."""
-    from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
-
     state = "interrupted (checkpoint saved)" if s["interrupted"] else "done"
     con.print(f"{s['stage']} {state}: step {s['step']}/{s['max_steps']}, {s['tokens']:,} tokens, "
               f"{s['trainable_parameters']:,} of {s['parameters']:,} parameters trained")
@@ -81,15 +81,12 @@ def human(con: Any, s: dict[str, Any]) -> None:
                      if "flops_realised" in b else ""))
     val = s["val"]
     if val.get("loss") is not None:
-        from ncpctl.train.display import estimate_terms, loss_terms, term_text
-
         # the objective's term first (comparable across models), then the others, then the total
         terms = [term_text(val, k) for k in loss_terms(val)]
         line = f"val at step {s['val_step']}: " if s.get("val_step") is not None else "val: "
         line += ", ".join([*terms, f"total {val['loss']:.4f}"] if len(terms) > 1 else [f"loss {val['loss']:.4f}"])
         line += "".join(", " + t for t in estimate_terms(val))  # e.g. the CDLM's held-out ELBO
         if isinstance(val.get("concept_auc"), (int, float)):  # a bottleneck: held-out concept detection
-            from ncpctl.train.display import detection_line
 
             line += ", " + detection_line(val)
         if s.get("unigram_entropy") is not None:

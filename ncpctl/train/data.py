@@ -17,6 +17,7 @@ from ncpctl.data.indexed import IndexedDataset, paths
 from ncpctl.data.mix import MixLoader, normalised, open_parts
 from ncpctl.data.windows import WindowLoader
 from ncpctl.errors import UserError
+from ncpctl.interop.hf_import import is_hf_dir
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.hooks import Hooks, dataset_meta
 
@@ -138,8 +139,6 @@ def dataset(recipe: Recipe, split: str) -> IndexedDataset:
 def vocab_from(recipe: Recipe) -> tuple[str, str]:
     """Which recipe key set the model's vocabulary size (for messages: name only keys that exist
     and were used) and what to change: (origin, hint)."""
-    from ncpctl.interop.hf_import import is_hf_dir
-
     t, tok, n = recipe.train, recipe.tokenizer, recipe.model_config.vocab_size
     if recipe.model.vocab_size is not None:
         return "model.vocab_size", "raise model.vocab_size to the data tokenizer's vocabulary size"

@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ncpctl.checkpoint import LoadedModel
 from ncpctl.errors import UserError
+from ncpctl.evaluate.run import metrics, quiet_lm_eval, score
 
 SPLIT = "downstream"
 _TASK_MANAGERS: dict[tuple[str, ...], Any] = {}  # train.eval_tasks -> its lm-eval TaskManager (indexed once)
@@ -92,7 +94,6 @@ def prepare(run: Any) -> None:
     why = run.engine.module.objective.refusal("eval")
     if why:
         raise UserError(f"train.eval_tasks: {why}")
-    from ncpctl.evaluate.run import quiet_lm_eval
 
     quiet_lm_eval()
     _load(run)
@@ -102,7 +103,6 @@ def _live_lm(run: Any):
     """``NCPLM`` over the training module, with the run's tokenizer and resolved recipe."""
     from tokenizers import Tokenizer
 
-    from ncpctl.checkpoint import LoadedModel
     from ncpctl.evaluate.lm import NCPLM
     from ncpctl.train.checkpoint import tokenizer_file
 
@@ -117,7 +117,6 @@ def _live_lm(run: Any):
 
 def evaluate(run: Any) -> dict[str, Any]:
     """The in-loop evaluation on every rank (collective under ZeRO-3); returns the record (every rank)."""
-    from ncpctl.evaluate.run import metrics, score
     from ncpctl.train.checkpoint import rng_state, set_rng_state
 
     r, engine = run.recipe, run.engine  # ranks other than local rank 0 get no results from lm-eval: rank 0 logs

@@ -39,6 +39,7 @@ import torch
 
 from ncpctl.errors import UserError
 from ncpctl.fsutil import disk_errors
+from ncpctl.safe_load import DEEPSPEED_GLOBALS, deepspeed_loads_safely, load_pt
 from ncpctl.train.zero import Zero
 
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -168,8 +169,6 @@ def to_universal(src: Path, dst: Path, world: int, zero_stage: int, own: set[str
                                                 PARAM, PARAM_SHAPES, PARAM_SLICE_MAPPINGS,
                                                 SINGLE_PARTITION_OF_FP32_GROUPS)
 
-    from ncpctl.safe_load import DEEPSPEED_GLOBALS, load_pt
-
     models = sorted(src.glob("*model_states.pt"))
     if not models:
         raise UserError(f"{src}: no DeepSpeed model-state file: not a checkpoint the engine wrote", hint=HINT)
@@ -216,8 +215,6 @@ def load(engine: Any, src: Path, saved_world: int, zero_stage: int, work: Path, 
     """Resume ``engine`` (this run's M ranks) from checkpoint ``src`` saved by ``saved_world``
     ranks: rank 0 converts it into ``work`` (``to_universal``), every rank loads its partition
     through DeepSpeed's universal loader, then ``work`` is removed. Collective."""
-    from ncpctl.safe_load import DEEPSPEED_GLOBALS, deepspeed_loads_safely, load_pt
-
     changed = (f"world size changed ({saved_world} -> {d.world} ranks): {src} was saved by {saved_world}, "
                f"this run has {d.world}; ")
     if not any(OPTIM_FILE.match(p.name) for p in src.iterdir()):  # ZeRO 0 in fp32: one file holds every state

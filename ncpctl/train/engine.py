@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -44,9 +45,10 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
 from ncpctl.errors import UserError
 from ncpctl.model.core.head import liger_loss
 from ncpctl.recipe.load import Recipe
+from ncpctl.train.compiled import compile_blocks
 from ncpctl.train.optimizer import base_lrs, lr_schedule, make_optimizer, param_groups
-from ncpctl.train.zero import Zero, deepspeed_config, use_bf16
 from ncpctl.train.recompute import apply_activation_checkpointing
+from ncpctl.train.zero import Zero, deepspeed_config, use_bf16
 
 
 @dataclass
@@ -177,8 +179,6 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
     apply_activation_checkpointing(model, recipe.train.activation_checkpointing)
     if compiles(recipe.train.compile, on_gpu):
-        from ncpctl.train.compiled import compile_blocks
-
         compile_blocks(model, zero.stage, on_gpu, warn or info or (lambda m: None))
     bf16 = use_bf16(recipe, on_gpu)
     # stage 0 bf16: the fp32 weights, before DeepSpeed casts the model (its masters then come from bf16)
@@ -216,8 +216,6 @@ def quiet_deepspeed() -> None:
     """Drop the lines a user can do nothing about (issue 46 item 10): the untested-optimizer warning,
     and torch's FutureWarning on the collectives DeepSpeed's ZeRO calls (``all_gather_into_tensor``,
     ``reduce_scatter_tensor``: deprecated in torch, DeepSpeed's to change), once per call site."""
-    import warnings
-
     from deepspeed.utils import logger
 
     if not any(isinstance(f, _DropUntested) for f in logger.filters):

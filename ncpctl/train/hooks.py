@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from ncpctl.data import meta
 from ncpctl.model.registry import HOOKS
 from ncpctl.recipe.load import Recipe
 
@@ -108,8 +109,6 @@ def _classes() -> list[type[DesignHooks]]:
 def dataset_meta(ds: Any) -> tuple[Path, dict[str, Any] | None]:
     """The meta.json ``ncpctl tokenize`` writes beside a dataset's PREFIX.bin/.idx, and its
     contents (None when there is none: a dataset made elsewhere)."""
-    from ncpctl.data import meta
-
     path = Path(str(ds.bin_path)[: -len(".bin")]).parent / "meta.json"
     return path, meta.read(path)
 

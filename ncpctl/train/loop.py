@@ -43,6 +43,7 @@ from ncpctl import threads
 from ncpctl.errors import UserError
 from ncpctl.recipe.load import Recipe
 from ncpctl.train import checkpoint as ckpt
+from ncpctl.train.lora import describe
 from ncpctl.train.metrics import write_plots
 from ncpctl.train.packing import LOSS
 from ncpctl.train.prepare import Run, prepare
@@ -249,8 +250,6 @@ def _save(run: Run) -> None:
             "train_loss_step": tot.train_loss_step, "val_step": tot.val_step,
             "init_from": str(stage.init_from) if stage.init_from else None}
     if r.train.lora is not None and stage.name == "midtrain":
-        from ncpctl.train.lora import describe
-
         meta["lora"] = describe(r.train.lora)  # model.safetensors holds the adapters merged in
     tot.last_good = ckpt.save(run.engine, run.root, tot.step, meta, r, rank=run.d.rank,
                               keep_last=r.train.keep_last, barrier=run.d.barrier, fault=run.faults)

@@ -26,11 +26,13 @@ that carries them is ``ncpctl.train.zero``).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ncpctl.errors import UserError
+from ncpctl.model.designs.mup.module import hidden_linears
 from ncpctl.recipe.length import warmup_steps
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.zero import guard_in_optimizer
@@ -99,8 +101,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float, muon: bool = False
     it: the group's lr (and so the LambdaLR schedule, which multiplies each group's initial lr) is
     the module's base rate / s (``apply_mup``) and its AdamW epsilon train.eps / s. Every other group
     keeps lr_mult 1 and train.lr."""
-    from ncpctl.model.designs.mup.module import hidden_linears
-
     exempt = {id(p) for m in model.modules() if getattr(m, "no_weight_decay", False) for p in m.parameters()}
     hidden = {id(p) for p in muon_matrices(model).values()} if muon else set()
     module_of = {id(lin.weight): (kind, 1.0 / s) for lin, kind, s in hidden_linears(model).values()}
@@ -208,8 +208,6 @@ def schedule_change(old_train: dict[str, Any], recipe: Recipe, step: int) -> str
     """How resuming at ``step`` reshapes the learning-rate schedule the checkpoint trained with
     (``old_train``: the ``train`` section of its recipe.resolved.yaml): one line naming the keys
     that changed and the lr at ``step`` under the old and the new schedule; None when unchanged."""
-    from types import SimpleNamespace
-
     t = recipe.train
     try:
         total, warm = int(old_train["max_steps"]), old_train.get("warmup_steps")

@@ -28,9 +28,11 @@ from ncpctl.errors import UserError
 from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 from ncpctl.profile.timing import device_peak
 from ncpctl.recipe.load import Recipe
+from ncpctl.safe_load import deepspeed_loads_safely
 from ncpctl.train import checkpoint as ckpt, downstream, elastic, tracking
 from ncpctl.train.callbacks import Callbacks, build as build_callbacks
 from ncpctl.train.data import TrainData, open_data
+from ncpctl.train.display import TrainDisplay
 from ncpctl.train.engine import Dist, build_engine, follow_schedule, init_distributed, reset_hyperparameters
 from ncpctl.train.faults import FAULT_ENV, Faults
 from ncpctl.train.hooks import Hooks
@@ -220,8 +222,6 @@ def _recorded_train(src: Path) -> dict[str, Any]:
 def _restore(run: Run, meta: dict[str, Any]) -> None:
     """Resume: engine, RNG and counters from the checkpoint. midtrain ``load: all``: the optimizer
     state of init_from, with this recipe's hyperparameters and a fresh schedule."""
-    from ncpctl.safe_load import deepspeed_loads_safely
-
     t, tot, engine = run.recipe.train, run.tot, run.engine
     if run.resume_from is not None:
         src = run.resume_from
@@ -275,8 +275,6 @@ def _observe(run: Run, out: Any) -> None:
     peak, run.peak_source = device_peak(on_gpu)
     run.peak = d.sum(torch.tensor([peak], dtype=torch.float64)).item()
     if lead:
-        from ncpctl.train.display import TrainDisplay
-
         run.entropy = unigram_entropy(run.data.train_tokens(), r.model_config.vocab_size)
         display = TrainDisplay(out.err, run.stage.name)
         run.info(f"data: {run.data.loader.num_windows:,} train windows of {T} tokens, global batch {G} "

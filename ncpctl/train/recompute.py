@@ -30,13 +30,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ncpctl.model.core.layers import KVCache, RowsCache, Stack
+
 MODES = ("none", "full", "selective")
 _SUBCLASSES: dict[type, type] = {}
 
 
 def _is_cache(a: Any) -> bool:
-    from ncpctl.model.core.layers import KVCache, RowsCache
-
     return isinstance(a, (KVCache, RowsCache))
 
 
@@ -61,8 +61,6 @@ def recomputed(cls: type) -> type:
 def checkpointed_modules(model: nn.Module, mode: str) -> list[nn.Module]:
     """The modules ``mode`` runs under checkpoint: the blocks of every stack (``full``) or their
     attention, cross-attention and MLP sub-layers (``selective``); none for ``none``."""
-    from ncpctl.model.core.layers import Stack
-
     if mode not in MODES:
         raise ValueError(f"activation checkpointing {mode!r}: one of {', '.join(MODES)}")
     blocks = [blk for stack in model.modules() if isinstance(stack, Stack) for blk in stack]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,8 +19,14 @@ import numpy as np
 import torch
 
 from ncpctl.errors import UserError
+from ncpctl.interop.hf_import import is_hf_dir, load_hf_pretrained
+from ncpctl.model.core.model import NCPModel
 from ncpctl.recipe.load import Recipe
 from ncpctl.train import checkpoint as ckpt
+from ncpctl.train.designs.drafter import DraftTraining, drafter_config
+from ncpctl.train.hooks import Hooks
+from ncpctl.train.lora import apply_lora, lora_config
+from ncpctl.train.tracking import require
 
 @dataclass
 class Stage:
@@ -72,9 +79,6 @@ def _lora_setup(recipe: Recipe, name: str) -> Callable[[torch.nn.Module], None] 
     if recipe.train.load == "all":
         raise UserError(f"{recipe.path}: train.load: all restores the optimizer state of init_from's weights; a LoRA "
                         "run trains new adapters", hint="use train.load: weights")
-    from functools import partial
-
-    from ncpctl.train.lora import apply_lora, lora_config
 
     lora_config(spec)  # peft present, the section well-formed
     return partial(apply_lora, spec=spec)
@@ -82,9 +86,6 @@ def _lora_setup(recipe: Recipe, name: str) -> Callable[[torch.nn.Module], None] 
 
 def _drafter_stage(recipe: Recipe, init: Path) -> Stage:
     """``train-drafter``: the frozen target of ``train.init_from`` wrapped with a new drafter."""
-    from ncpctl.train.designs.drafter import DraftTraining, drafter_config
-    from ncpctl.train.hooks import Hooks
-
     t = recipe.train
     if t.drafter is None:
         raise UserError(f"{recipe.path}: train.drafter: `ncpctl train-drafter` trains a drafter; none given",
@@ -136,8 +137,6 @@ def make_stage(recipe: Recipe, name: str) -> Stage:
 
 
 def _build_stage(recipe: Recipe, name: str, lora: Callable[[torch.nn.Module], None] | None) -> Stage:
-    from ncpctl.train.tracking import require
-
     t = recipe.train
     require(recipe)  # train.wandb without wandb installed: one line naming the install command
     if name == "pretrain":
@@ -145,7 +144,6 @@ def _build_stage(recipe: Recipe, name: str, lora: Callable[[torch.nn.Module], No
     if not t.init_from:
         raise UserError(f"{recipe.path}: train.init_from: `ncpctl {name}` starts from a checkpoint; none given",
                         hint="--set train.init_from=runs/<run>/checkpoints/step_... (or a run directory)")
-    from ncpctl.interop.hf_import import is_hf_dir
 
     if name == "midtrain" and is_hf_dir(t.init_from):
         if t.load == "all":
@@ -170,8 +168,6 @@ def _build_stage(recipe: Recipe, name: str, lora: Callable[[torch.nn.Module], No
 def build_model(recipe: Recipe, stage: Stage, *, fresh: bool, info: Callable[[str], None]) -> torch.nn.Module:
     """The model, seeded alike on every rank, with the stage's set-up: its first weights (a
     checkpoint or a Hugging Face directory; none when resuming), then what it freezes."""
-    from ncpctl.model.core.model import NCPModel
-
     t, cfg = recipe.train, recipe.model_config
     random.seed(t.seed)
     np.random.seed(t.seed)
@@ -196,6 +192,4 @@ def build_model(recipe: Recipe, stage: Stage, *, fresh: bool, info: Callable[[st
 def _hf_model(directory: Path, cfg: Any, zero_concept_output: bool) -> torch.nn.Module:
     """The Hugging Face weights in ``cfg``, which the recipe loader resolved from the HF config
     plus the recipe's keys (``load_hf_pretrained`` runs its weight checks)."""
-    from ncpctl.interop.hf_import import load_hf_pretrained
-
     return load_hf_pretrained(directory, cfg=cfg, zero_concept_output=zero_concept_output)

@@ -26,6 +26,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ncpctl.errors import UserError
+from ncpctl.train import downstream
+
 
 class Abandoned(Exception):
     """An evaluation cut short by a stop signal (the loop saves at once)."""
@@ -86,8 +89,6 @@ def abandon_on_stop(module: torch.nn.Module, stop: Signals, d: Any) -> Iterator[
 
 def failure_line(e: BaseException) -> str:
     """An evaluation's error as one line: a ``UserError``'s problems, else the type and first line."""
-    from ncpctl.errors import UserError
-
     if isinstance(e, UserError):
         return "; ".join(e.problems)
     first = (str(e).strip().splitlines() or [""])[0]
@@ -98,9 +99,6 @@ def downstream_or_failure(run: Any, stop: Signals, save: Callable[[], None]) -> 
     """``ncpctl.train.downstream.evaluate(run)``: its record; a failure record (``error``) when it
     failed on some rank; None when a stop signal abandoned it. ``save()``: the checkpoint saved
     before an error that is not the user's (a bug) is raised."""
-    from ncpctl.errors import UserError
-    from ncpctl.train import downstream
-
     step, error, rec = run.tot.step, None, None
     try:
         with abandon_on_stop(run.engine.module, stop, run.d):

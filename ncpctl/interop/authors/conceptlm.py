@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ncpctl.errors import UserError
+from ncpctl.model.core.config import ConfigError, ModelConfig
 
 LAYOUT = "conceptlm"
 TRANSFORMERS = "4.51.0"  # the version their code pins (README: transformers==4.51)
@@ -247,8 +248,6 @@ def _problems(j: dict, bb: Backbone) -> list[tuple[str, str]]:
 
 def model_config(directory: str | Path):
     """The ``ModelConfig`` that computes what their code computes from ``directory``."""
-    from ncpctl.model.core.config import ConfigError, ModelConfig
-
     d = Path(directory)
     j = read_config(d)
     if j is None:
@@ -296,8 +295,6 @@ _FREE = {"name", "init", "init_std", "vocab_size", "pad_vocab_multiple", "mtp_de
 def export_problems(cfg) -> list[str]:
     """What keeps ``cfg`` from their layout: every key whose value their config cannot express
     (read back from the config ``their_config`` writes), with the value it would need."""
-    from ncpctl.model.core.config import ModelConfig
-
     try:
         bb = backbone_of(cfg)
     except UserError as e:

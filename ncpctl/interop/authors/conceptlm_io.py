@@ -18,6 +18,7 @@ from ncpctl.checkpoint_files import FORMAT, VERSION
 from ncpctl.errors import UserError
 from ncpctl.interop.authors.conceptlm import BACKBONES, LAYOUT, backbone_of, model_config, read_config
 from ncpctl.interop.hf_import import read_hf_state_dict
+from ncpctl.model.registry import family
 
 
 class _Reads(dict):
@@ -52,8 +53,6 @@ def from_authors(cfg, sd: dict) -> dict:
     """Our state dict (fp32) from theirs; a missing weight or one left over is a ``KeyError`` naming it."""
     import torch
 
-    from ncpctl.model.registry import family
-
     bb, fam, sd = backbone_of(cfg), family(cfg.backbone), _Reads(sd)
     out = {ours: sd[theirs] for ours, theirs in bb.top(cfg).items() if theirs in sd or not cfg.tie_embeddings}
     if "lm_head.weight" not in out:  # Llama with tie_word_embeddings may omit the tied head
@@ -81,8 +80,6 @@ def from_authors(cfg, sd: dict) -> dict:
 def to_authors(model) -> dict:
     """Their state dict of ``model`` (``export_problems`` empty): the unused heads zero, no cached_*."""
     import torch
-
-    from ncpctl.model.registry import family
 
     cfg = model.cfg
     bb, fam, sd = backbone_of(cfg), family(cfg.backbone), model.state_dict()

@@ -33,6 +33,8 @@ from typing import Any
 
 from ncpctl.checkpoint_files import LoadedModel
 from ncpctl.errors import UserError
+from ncpctl.interop.authors.tiktoken_bpe import tokenizer
+from ncpctl.model.core.config import ConfigError, ModelConfig, build_config, deep_merge
 
 MODEL_TYPES = ("causal_diffusion", "steerling")  # their config.json's model_type (package, Hugging Face)
 CLAMP = 15.0  # their ConceptHead clamps every concept logit to [-15, 15] (a constant in their code)
@@ -128,8 +130,6 @@ def config_dict(path: Path, arch: dict, concept: dict | None) -> dict[str, Any]:
 
 def model_config(path: str | Path, **overrides: Any):
     """The ``ModelConfig`` of a Steerling directory, with ``overrides`` (recipe keys) on top."""
-    from ncpctl.model.core.config import ConfigError, build_config, deep_merge
-
     path = Path(path)
     arch, concept = read_config(path)
     try:
@@ -261,8 +261,6 @@ def load(path: str | Path, *, with_tokenizer: bool = True):
     """``ncpctl.checkpoint.load_model`` of a Steerling directory: the model (eval mode, CPU, the
     files' dtype, mapped), its tokenizer (tiktoken_bpe.py; with_tokenizer: refused with one line when
     it has none) and its ``meta``."""
-    from ncpctl.model.core.config import ModelConfig
-
     path = Path(path)
     m = meta(path)
     cfg = ModelConfig.from_dict(m["model_config"])
@@ -272,8 +270,6 @@ def load(path: str | Path, *, with_tokenizer: bool = True):
 
 def tokenizer_of(path: str | Path):
     """The directory's tokenizer (tiktoken_bpe.py), refused with one line when it has none."""
-    from .tiktoken_bpe import tokenizer
-
     return tokenizer(Path(path), read_config(Path(path))[0], required=True)
 
 

@@ -20,7 +20,10 @@ from typing import Any, Callable
 
 import torch
 
+from ncpctl.data.labels import LabelSpans, lift_tokens
 from ncpctl.errors import UserError
+from ncpctl.model.designs.bottleneck.chunks import chunk_detection_at, chunk_labels, chunk_probs
+from ncpctl.model.designs.bottleneck.module import concept_auc
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.hooks import DesignHooks, dataset_meta, micro_split
 
@@ -80,8 +83,6 @@ def labels(recipe: Recipe, ds: Any) -> tuple[Any, list[str] | None]:
     """The concept labels of ``ds`` (``PREFIX.labels.npy``, ncpctl.data.labels): (LabelSpans, the
     vocabulary from meta.json or None). The bottleneck's ``concepts`` must equal the vocabulary's
     size, and teacher forcing is refused on document-level labels (``check_teacher_forcing``)."""
-    from ncpctl.data.labels import LabelSpans
-
     b = recipe.model_config.bottleneck
     prefix = str(ds.bin_path)[: -len(".bin")]
     meta_path, meta = dataset_meta(ds)
@@ -124,7 +125,6 @@ def set_lift_tokens(model: torch.nn.Module, recipe: Recipe, ds: Any, loader: Any
     bn = model.bottleneck
     if bn.bcfg.express_weight <= 0:
         return
-    from ncpctl.data.labels import lift_tokens
 
     # (tokens, labels) of the train split, or of each labelled data.mix component (their counts added)
     lift = lift_tokens(loader.label_streams(), bn.bcfg.lift_tokens, recipe.model_config.vocab_size)
@@ -139,9 +139,6 @@ def chunk_detection(cfg: Any, o: Any, labels: torch.Tensor) -> tuple[torch.Tenso
     over a chunk's tokens) against the chunk labels, both (B * chunks, n), on the CPU. Where the
     objective reads the concepts at some positions only (``BottleneckOutput.positions``: a Causal
     Diffusion LM's masked tokens), the OR over those, of the chunks that hold one, as its concept loss."""
-    from ncpctl.model.designs.bottleneck.chunks import chunk_labels, chunk_probs
-    from ncpctl.model.designs.bottleneck.chunks import chunk_detection_at
-
     chunk = cfg.bottleneck.chunk
     keep = o.bottleneck.positions
     if keep is not None:
@@ -156,8 +153,6 @@ def detection_auc(parts: list[tuple[torch.Tensor, torch.Tensor]], d: Any) -> dic
     interval, the pooled AUC beside its base rate) over every rank's chunks: AUC does not decompose
     over shards, so the (chunks, n) scores and labels of all ranks are gathered (zero-padded blocks,
     one sum) and every rank scores the whole split."""
-    from ncpctl.model.designs.bottleneck.module import concept_auc
-
     scores, labels = torch.cat([s for s, _ in parts]), torch.cat([lab for _, lab in parts])
     if d.world > 1:
         rows = int(d.max(torch.tensor([scores.shape[0]], dtype=torch.float64)).item())

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ncpctl.model.core.concept import nearest_code
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.hooks import DesignHooks
 
@@ -52,8 +53,6 @@ def code_hits(model: torch.nn.Module, co: Any) -> torch.Tensor:
     """(S, N) counts of the nearest code of each predicted concept ``co.pred`` (B, M, d), per
     segment; a row's padding concepts (``co.segments.valid`` false) are not counted."""
     import deepspeed
-
-    from ncpctl.model.core.concept import nearest_code
 
     cb = model.concept.codebook
     with deepspeed.zero.GatheredParameters(list(cb.parameters())):  # no-op below ZeRO-3

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ncpctl.errors import UserError
+from ncpctl.model.core.documents import document_refusal
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.hooks import DesignHooks, micro_split
 
@@ -22,7 +23,6 @@ class DocumentHooks(DesignHooks):
 
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
-        from ncpctl.model.core.documents import document_refusal
 
         why = document_refusal(recipe.model_config)
         if why is not None:

@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ncpctl.checkpoint import resolve
 from ncpctl.inference.block_drafter import TargetTap, block_concepts, check_target, pool_blocks, predicted_terms
-from ncpctl.model.designs.drafter.module import BlockDrafter, DrafterConfig
 from ncpctl.model.core.outputs import LogKey, NCPOutput
+from ncpctl.model.designs.drafter.module import BlockDrafter, DrafterConfig
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.hooks import DesignHooks
 
@@ -134,8 +135,6 @@ class DrafterHooks(DesignHooks):
         return recipe.train.drafter is not None
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        from ncpctl.checkpoint import resolve
-
         t = self.recipe.train
         return {"drafter": {"config": drafter_config(self.recipe).to_dict(), "target": t.init_from,
                             "target_checkpoint": str(resolve(t.init_from, pin_it=False)),

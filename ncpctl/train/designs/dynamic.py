@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ncpctl.data.windows import SourceMap
+from ncpctl.evaluate.concept_position import positions_in_concept
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.hooks import DesignHooks, dataset_meta, micro_split
 
@@ -90,8 +91,6 @@ def source_counts(o: Any, sources: torch.Tensor, n: int) -> torch.Tensor:
     micro-batch per source, from its inference segments (``Segments.closed`` (micro, T)) and each
     token's source (micro, T); tokens / concepts per source is validation's tokens per concept
     there (the global ratio, as DLCM Table 5, not a mean of window ratios)."""
-    from ncpctl.evaluate.concept_position import positions_in_concept
-
     starts = (positions_in_concept(o.concept.segments.closed) == 1).long().cpu().flatten()
     src = sources.flatten()
     return torch.stack([torch.zeros(n, dtype=torch.long).index_add_(0, src, starts),
