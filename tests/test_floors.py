@@ -24,9 +24,7 @@ NOT_YET = ("model",)  # folders of ncpctl/ whose files the private-name and in-f
 
 # Circles still to take apart; a circle not listed here fails, and so does a listed one that is
 # gone (take it off the list).
-KNOWN_CIRCLES = {
-    frozenset({"ncpctl.train.optimizer", "ncpctl.train.muon"}),  # GuardedAdamW <-> MuonAdamW
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 # Private names of ncpctl/model/ taken from outside it, until model/'s rooms make them public.
 WAITING_ON_MODEL = {
     ("inference/causal_diffusion.py", "_Cached"), ("inference/causal_diffusion.py", "_Recompute"),
@@ -46,7 +44,7 @@ NOT_MOVED_YET: dict[str, int] = {
     "interop/hf_import.py": 3, "interpret/concept_table.py": 1, "interpret/report.py": 2, "interpret/steer.py": 3,
     "profile/dlcm.py": 2, "profile/kernels.py": 3, "profile/load.py": 1, "profile/ops.py": 1, "profile/step.py": 1,
     "study/points.py": 2, "study/run_columns.py": 1, "study/sweep.py": 3, "study/sweep_command.py": 1,
-    "train/command.py": 3, "train/downstream.py": 4, "train/optimizer.py": 1, "train/rates.py": 2,
+    "train/command.py": 3, "train/downstream.py": 4, "train/rates.py": 2,
 }
 
 

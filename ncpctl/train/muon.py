@@ -53,7 +53,7 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 
 from ncpctl.errors import UserError
-from ncpctl.train.optimizer import GuardedAdamW
+from ncpctl.train.guarded import GuardedAdamW
 
 LR_SCALES = {
     "match_rms_adamw": 0.2,  # Moonlight: the update's RMS matches AdamW's (torch: adjust_lr_fn="match_rms_adamw")

@@ -14,7 +14,7 @@ that carries them is ``ncpctl.train.zero``).
   ``eps_mult`` (1/s of the module) ``apply_mup`` turns into the group's lr and AdamW epsilon,
   from the module's base rate (``base_lrs``: Sec. 6.1.1's eta_base_token, eta_base_concept and
   eta_base_others = ``train.mup_lr_token``, ``mup_lr_concept``, ``lr``).
-* ``GuardedAdamW``: torch AdamW that skips a step whose gradient is not finite. DeepSpeed's
+* ``GuardedAdamW`` (guarded.py, below this module and ``muon``): torch AdamW that skips a step whose gradient is not finite. DeepSpeed's
   ZeRO optimizers (stages 1-3) already skip such steps in fp32 (an invalid global norm marks
   an overflow); the plain stage-0 fp32 path does not, so there this optimizer clips, measures
   the norm and skips, and DeepSpeed's own clipping is switched off (same ``train.grad_clip``).
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
@@ -35,6 +35,8 @@ from ncpctl.errors import UserError
 from ncpctl.model.designs.mup.module import hidden_linears
 from ncpctl.recipe.length import warmup_steps
 from ncpctl.recipe.load import Recipe
+from ncpctl.train.guarded import GuardedAdamW
+from ncpctl.train.muon import MuonAdamW
 from ncpctl.train.zero import guard_in_optimizer
 
 
@@ -149,39 +151,6 @@ def apply_mup(groups: list[dict[str, Any]], lr: float, eps: float,
     return groups
 
 
-class GuardedAdamW(torch.optim.AdamW):
-    """AdamW that (optionally) clips and skips non-finite steps, the way DeepSpeed's ZeRO
-    optimizers do: ``overflow`` tells the engine the step was skipped (it then counts it and
-    does not advance the lr schedule), ``_global_grad_norm`` is the pre-clip norm it reports.
-
-    With ``guard=False`` (ZeRO stages: their wrapper guards, clips and measures) this is plain AdamW.
-    """
-
-    def __init__(self, params: Iterable[Any], *, guard: bool, max_norm: float, **kw: Any):
-        super().__init__(params, **kw)
-        self.guard, self.max_norm = guard, max_norm
-        self.overflow = False
-        self._global_grad_norm: float | None = None
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        if not self.guard:
-            return self._update(closure)
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
-        self._global_grad_norm = float(norm)  # before clipping, like DeepSpeed reports it
-        self.overflow = not math.isfinite(self._global_grad_norm)
-        if self.overflow:  # leave the weights and the moments untouched; the engine counts it
-            return None
-        if self.max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
-        return self._update(closure)
-
-    def _update(self, closure: Callable[[], Any] | None) -> Any:
-        """The update proper (AdamW here; ``MuonAdamW`` adds its Muon groups)."""
-        return super().step(closure)
-
-
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, on_gpu: bool) -> GuardedAdamW:
     """``train.optimizer``: AdamW on every group, or Muon on the hidden matrices + AdamW on the rest
     (``MuonAdamW``; after ``deepspeed.initialize`` call its ``bind(engine.optimizer)``)."""
@@ -193,7 +162,6 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, on_gpu: bool) -> Guar
         kw["fused"] = True
     if t.optimizer == "adamw":
         return GuardedAdamW(groups, **kw)
-    from ncpctl.train.muon import MuonAdamW
 
     if not any(g.get("muon") for g in groups):
         raise UserError(f"{recipe.path}: train.optimizer: muon: this model has no trainable hidden matrix to "
