@@ -94,6 +94,15 @@ def cli():
     return run_cli
 
 
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """Trained debug checkpoints (tests/evaluate/_fixtures.py) for the eval, generate, export and bench
+    tests: built once per test run for every xdist worker, read-only (a test that writes copies it)."""
+    from .evaluate._fixtures import shared_runs
+
+    yield from shared_runs(tmp_path_factory)
+
+
 def write_recipe(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
