@@ -14,6 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
+from tests.scheduling import (  # noqa: E402,F401 - hooks: which tests share a worker
+    pytest_collection_modifyitems, pytest_configure, pytest_unconfigure, pytest_xdist_make_scheduler)
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 
