@@ -66,6 +66,11 @@ def _tokenize_tiny(root: Path) -> None:
     proc = subprocess.run([*ncpctl_cmd(), "tokenize", str(recipe)], capture_output=True, text=True, env=ENV,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
+    # the offline ncp_* tasks' files, which an evaluation of a run on this data (in the loop, or
+    # `ncpctl eval` of its checkpoint) would otherwise write beside it: built here, every test only reads them
+    from ncpctl.evaluate.offline import build, data_dir_for
+
+    build(*data_dir_for(data=str(root / "run" / "data")))
 
 
 @pytest.fixture(scope="session")
