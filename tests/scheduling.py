@@ -3,7 +3,8 @@
 A test that uses a module-scoped fixture (a trained run, a loaded model) runs on the worker that
 runs the rest of its module's such tests: handed out one test at a time (xdist's ``load``), a
 module cut between the two workers builds its fixtures twice. Every other test is handed out on
-its own as a worker frees up, and the groups, largest first, go out before them.
+its own as a worker frees up, and the groups, largest first, go out before them, then the
+multi-process (``slow``) tests.
 
 xdist's own ``loadgroup`` reads ``xdist_group`` marks through the test ids, which pytest 9.2 no
 longer lets it change (pytest-dev/pytest-xdist#1386: the groups are silently ignored), so the
@@ -54,8 +55,12 @@ def module_groups(items: list[pytest.Item]) -> dict[str, str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     worker, path = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(ENV)
     if worker and path:  # set by a grouping controller; every worker collects the same tests: the same file
+        groups = module_groups(items)
+        # the multi-process tests (``slow``, 15-45 s each) go out first among the ungrouped ones, not
+        # last (tests/train sorts last): a long test started at the end keeps one worker busy alone
+        items.sort(key=lambda it: not (it.get_closest_marker("slow") and it.nodeid not in groups))
         tmp = f"{path}.{worker}"
-        Path(tmp).write_text(json.dumps(module_groups(items)))
+        Path(tmp).write_text(json.dumps(groups))
         os.replace(tmp, path)
 
 
