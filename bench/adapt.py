@@ -70,7 +70,7 @@ def _rss_kb() -> int:
 
 
 def _config():
-    from ncpctl.model.config import build_config
+    from ncpctl.model.core.config import build_config
 
     return build_config("ncp-archpreview-8.9b", **SHAPE)
 
@@ -79,7 +79,7 @@ def lora_rank(cfg) -> tuple[int, int]:
     """The rank whose LoRA count is closest to adapt-vq's, and that count (meta device)."""
     from functools import partial
 
-    from ncpctl.model.accounting import count_parameters
+    from ncpctl.model.accounting.flops import count_parameters
     from ncpctl.recipe.schema import LoraSection
     from ncpctl.train.lora import apply_lora
     from ncpctl.train.stages import freeze_all_but_codebook
@@ -109,7 +109,7 @@ def _arm(arm: str, cfg, seed: int = 0):
     """The arm's model, set up, and its ``step() -> seconds`` (one warm-up step already taken)."""
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.profile.step import training_step
     from ncpctl.profile.timing import timed
 
@@ -136,7 +136,7 @@ def memory_child(arm: str, threads: int) -> dict[str, Any]:
 
     import torch
 
-    from ncpctl.model.accounting import exact_flops
+    from ncpctl.model.accounting.flops import exact_flops
 
     torch.set_num_threads(threads)
     cfg = _config()

@@ -44,7 +44,7 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Callable[[], Any]], dict
     forward of the same micro-batch), facts about the shapes)."""
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.profile.step import random_windows, training_step
     from ncpctl.recipe import load_recipe
 

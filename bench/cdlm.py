@@ -70,7 +70,7 @@ def two_copy(model, T: int):
     """Swap ``model``'s token context for the 2T two-copy one (positions 0..T-1 twice)."""
     import torch
 
-    from ncpctl.model.layers import Context, rope
+    from ncpctl.model.core.layers import Context, rope
 
     pos = torch.cat([torch.arange(T), torch.arange(T)])[None]
     cos, sin = rope(pos, model.cfg, model.embed.weight.dtype)
@@ -88,8 +88,8 @@ def two_copy(model, T: int):
 def models(size: str, T: int, block: int) -> dict[str, Any]:
     import torch
 
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     ar = build_config(size, max_seq_len=T)
     cd = build_config(size, max_seq_len=T, objective="causal_diffusion",

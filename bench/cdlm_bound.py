@@ -1,5 +1,5 @@
 """Causal Diffusion LM likelihood bound: one two-copy forward per sample against one forward per
-block (issue 43 item 6; ``ncpctl.model.diffusion_elbo.estimates``, ``method``).
+block (issue 43 item 6; ``ncpctl.model.designs.causal_diffusion.module.estimates``, ``method``).
 
 A script, not a test. ``recipes/debug-cdlm.yaml``'s model (random weights: the speed does not
 depend on them; ``max_seq_len`` raised to ``--seq-len``), ``--batch`` random windows of
@@ -35,8 +35,8 @@ def build(T: int, size: str | None = None):
     import torch
     import yaml
 
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     r = yaml.safe_load(RECIPE.read_text())
     m = dict(r["model"])
@@ -50,7 +50,7 @@ def build(T: int, size: str | None = None):
 def measure(T: int, batch: int, samples: int, repeats: int, size: str | None) -> dict:
     import torch
 
-    from ncpctl.model.diffusion_elbo import estimates
+    from ncpctl.model.designs.causal_diffusion.module import estimates
 
     model = build(T, size)
     x = torch.randint(2, model.cfg.vocab_size, (batch, T), generator=torch.Generator().manual_seed(1))

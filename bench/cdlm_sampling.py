@@ -36,8 +36,8 @@ def build(prompt: int, new: int, size: str | None = None):
     import torch
     import yaml
 
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     r = yaml.safe_load(RECIPE.read_text())
     m = dict(r["model"])

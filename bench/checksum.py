@@ -61,7 +61,7 @@ def debug_save_share(directory: Path, saves: int) -> dict[str, float]:
     import torch
 
     from ncpctl import manifest
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe import load_recipe
     from ncpctl.train import checkpoint as ckpt
     from ncpctl.train.engine import build_engine, init_distributed
@@ -97,8 +97,8 @@ def debug_save_share(directory: Path, saves: int) -> dict[str, float]:
 def big_checkpoint(mb_s: float, ranks: int = 8) -> dict[str, float]:
     import torch
 
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     with torch.device("meta"):
         n = sum(p.numel() for p in NCPModel(build_config("ncp-archpreview-8.9b")).parameters())

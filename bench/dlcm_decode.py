@@ -13,7 +13,7 @@ boundary predictor starts at the identity, and what rate random states give depe
 (3.8 tokens per concept at d = 256, 256 at d = 1024), so the inference threshold is set to the
 (1 - 1/R) quantile of p on random tokens (``ncpctl.profile.dlcm.calibrate_threshold``), which realises R = 4 as a
 trained model's balance loss does (the realised value is printed). The concept
-step runs on a step only for the rows that closed a segment (ncpctl.model.decode), so at batch
+step runs on a step only for the rows that closed a segment (ncpctl.model.core.decode), so at batch
 1 it runs on about 1/R of the steps and at batch 8 on most steps, for a few rows: where
 decoding is bound by reading the weights (a GPU, or this CPU once the concept layers no longer
 fit its cache) a step where any row closes costs a whole read of the concept stack.
@@ -99,8 +99,8 @@ def paper_shape_weight_ratio(batches: list[int]) -> dict[str, float]:
     them for independent rows at rate 1/R."""
     import torch
 
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     def sizes(cfg) -> tuple[int, int]:
         with torch.device("meta"):

@@ -49,8 +49,8 @@ SHAPE: dict = {}  # d_model / n_layers / n_heads overrides from the command line
 
 
 def build(size: str, vocab: int, concept: bool, max_seq_len: int, seed: int = 0):
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     torch.manual_seed(seed)
     cfg = build_config(size, vocab_size=vocab, max_seq_len=max_seq_len, **SHAPE,

@@ -270,7 +270,7 @@ def _say(msg: str) -> None:
 def make_recipe(size: str, T: int, B: int, variant: str, zero_stage: int, env: Env, steps: int,
                 sets_after: tuple[str, ...] = ()) -> Any:
     """``recipes/debug.yaml`` with ``--set`` overrides (``sets_after`` last): the recipe ``ncpctl pretrain`` would load."""
-    from ncpctl.model.config import SIZES
+    from ncpctl.model.core.config import SIZES
     from ncpctl.recipe import load_recipe
 
     concept, extra = VARIANTS[variant]
@@ -287,7 +287,7 @@ def build_engine(recipe: Any, env: Env, seed: int = 0) -> Any:
     """The DeepSpeed engine as ``ncpctl pretrain`` builds it (``ncpctl.train.engine.build_engine``)."""
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.train.engine import build_engine as loop_engine
 
     torch.manual_seed(seed)
@@ -339,7 +339,7 @@ def _mem(env: Env, what: str) -> int | None:
 def train_section(sh: Shapes, env: Env) -> tuple[dict[str, Any], dict[str, Any]]:
     """Base, ConceptLM, PM and the plain-PyTorch reference at one shape, timed in alternating order.
     Returns (result, steps) with the step functions kept for the profiler (section 2)."""
-    from ncpctl.model.accounting import FLOP_CONVENTION, exact_flops
+    from ncpctl.model.accounting.flops import FLOP_CONVENTION, exact_flops
     from ncpctl.profile.step import engine_step
 
     T, B = sh.seq_len, sh.batch
@@ -395,7 +395,7 @@ def reference(cfg: Any, x: Any, y: Any, sh: Shapes, env: Env) -> Callable[[], An
     the weights a base engine starts from (seed 0) and its lr and clipping; ``.model`` holds the model."""
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.profile.reference import RefGPT, reference_step
 
     torch.manual_seed(0)
@@ -572,7 +572,7 @@ def _greedy(model: Any, prompts: Any, n_new: int, vocab: int, env: Env, static: 
     import torch
 
     from ncpctl.inference.cuda_graphs import GraphedSteps
-    from ncpctl.model.decode_static import StaticDecoder
+    from ncpctl.model.core.decode_static import StaticDecoder
 
     B, Tp = prompts.shape
     env.sync()
@@ -619,8 +619,8 @@ def decode_section(sh: Shapes, env: Env) -> dict[str, Any]:
     eager ``decode_step`` beside it, both against the full forward."""
     import torch
 
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     cfg = build_config(sh.decode_size, concept=dict(enabled=True))
     dtype = torch.bfloat16 if env.bf16 else torch.float32
@@ -678,7 +678,7 @@ def dlcm_section(sh: Shapes, env: Env) -> dict[str, Any]:
     (bench/dlcm_decode.py's models, in the section's dtype)."""
     import torch
 
-    from ncpctl.model.config import ConceptConfig
+    from ncpctl.model.core.config import ConceptConfig
     from ncpctl.profile.dlcm import models as dlcm_models
     from ncpctl.profile.dlcm import tokens_per_concept
     from ncpctl.profile.kernels import dlcm_rows, dlcm_speedup, faster_form
@@ -733,7 +733,7 @@ def _arch_recipe(sh: Shapes, variant: str, env: Env) -> Any:
 def archpreview_section(sh: Shapes, env: Env) -> dict[str, Any]:
     import torch
 
-    from ncpctl.model.accounting import exact_flops
+    from ncpctl.model.accounting.flops import exact_flops
     from ncpctl.profile.step import engine_step
 
     T, B = sh.seq_len, sh.batch
@@ -814,7 +814,7 @@ def flex_vs_sdpa(T: int, block: int, sh: Shapes, env: Env) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from ncpctl.model.patterns import BlockCausal
+    from ncpctl.model.core.patterns import BlockCausal
 
     dtype = torch.bfloat16 if env.bf16 else torch.float32
     B, H, hd = sh.batch, sh.cdlm_heads, 64
@@ -870,8 +870,7 @@ def flex_model_parity(model: Any, x: Any, env: Env) -> dict[str, Any]:
     tolerance. On the CPU both are the boolean path (``uses_flex`` False)."""
     import torch
 
-    from ncpctl.model import patterns
-
+    from ncpctl.model.core import patterns
     was = model.training
     model.eval()
     with torch.no_grad():
@@ -950,8 +949,7 @@ def fused_ce_section(sh: Shapes, env: Env) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from ncpctl.model import head as head_mod
-
+    from ncpctl.model.core import head as head_mod
     N, d, V = sh.fused_ce
     dtype = torch.bfloat16 if env.bf16 else torch.float32
     liger = head_mod.liger_loss()
@@ -1048,7 +1046,7 @@ def fused_ce_section(sh: Shapes, env: Env) -> dict[str, Any]:
 #    ``peak_above_bytes`` = ``torch.cuda.max_memory_allocated`` over the step minus what was
 #    allocated before it (activations + gradient buffers + the optimizer's transients) and
 #    ``forward_end_bytes`` = allocated after the forward minus before (what the forward saved, and
-#    the loss), next to ``ncpctl.model.accounting_memory.activation_memory`` for the same config,
+#    the loss), next to ``ncpctl.model.accounting.memory.activation_memory`` for the same config,
 #    T, batch and precision (flash SDPA): ``estimate_total_bytes`` / ``estimate_saved_bytes`` and
 #    the ratios measured / estimate (information, no check; None on the CPU). Then ``rounds``
 #    timed steps per mode, alternating: ``median_s``, ``over_none``.
@@ -1228,7 +1226,7 @@ def documents_part(engine: Any, recipe: Any, sh: Any, rs: RunShapes, env: Any) -
     """Part b: masked (packed documents) vs unmasked steps of one engine, and dynamo's graphs."""
     import torch
 
-    from ncpctl.model import patterns
+    from ncpctl.model.core import patterns
     from ncpctl.profile.step import random_windows
     from ncpctl.profile.timing import timed as timed_call
     from ncpctl.train.hooks import Hooks
@@ -1283,7 +1281,7 @@ def checkpointing_part(engine: Any, recipe: Any, sh: Any, rs: RunShapes, env: An
     """Part c: one engine, each checkpointing mode swapped in from outside; memory and step time."""
     import torch
 
-    from ncpctl.model.accounting_memory import activation_memory
+    from ncpctl.model.accounting.memory import activation_memory
     from ncpctl.profile.step import engine_step
     from ncpctl.train.recompute import apply_activation_checkpointing
 
@@ -1467,8 +1465,8 @@ def profile_decode(sh: Shapes, env: Env) -> dict[str, Any]:
     """Section 4's decode step (batch 1, bf16) with the concept path on and off."""
     import torch
 
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     dtype = torch.bfloat16 if env.bf16 else torch.float32
     out: dict[str, Any] = {}
@@ -1488,7 +1486,7 @@ def profile_decode(sh: Shapes, env: Env) -> dict[str, Any]:
             out[name]["greedy_ms_per_token"] = 1e3 * g["decode_s"] / 64
             if on:  # the step generation takes on CUDA: one replayed graph of the static step
                 from ncpctl.inference.cuda_graphs import GraphedSteps
-                from ncpctl.model.decode_static import StaticDecoder
+                from ncpctl.model.core.decode_static import StaticDecoder
 
                 _, state = model.prefill(prompts, [sh.prompt_len], max_len=sh.prompt_len + 48)
                 gs = GraphedSteps(model, state) if env.on_gpu else StaticDecoder(model, state)
@@ -1841,7 +1839,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ncpctl.cli._train import stdout_to_stderr  # DeepSpeed's stdout kept off the JSON
+    from ncpctl.train.command import stdout_to_stderr  # DeepSpeed's stdout kept off the JSON
 
     if not args.dry and not torch.cuda.is_available():
         print("error: no CUDA device (torch.cuda.is_available() is False); run this on a GPU, "

@@ -54,7 +54,7 @@ def child(arm: str, warmup: int, steps: int, threads: int) -> dict[str, Any]:
 
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe import load_recipe
     from ncpctl.train.compiled import compile_blocks
     from ncpctl.train.recompute import apply_activation_checkpointing

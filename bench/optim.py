@@ -60,7 +60,7 @@ def _stepper(args: argparse.Namespace, optimizer: str) -> tuple[Callable[[], flo
     """(one optimizer step over the accumulated micro-batches, the optimizer, the model)."""
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.profile.step import random_windows, training_step
     from ncpctl.train.config import make_optimizer
 

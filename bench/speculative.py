@@ -46,7 +46,7 @@ def _step_ms(model, B: int = 1, n: int = 1, Tp: int = 32, reps: int = 12) -> flo
     a Tp-token prompt (n = 1: a plain decoding step; n = K + 1: a verification forward)."""
     import torch
 
-    from ncpctl.model.decode import step_many
+    from ncpctl.model.core.decode import step_many
 
     x = torch.randint(0, model.cfg.vocab_size, (B, Tp))
     _, st = model.prefill(x, [Tp] * B, max_len=Tp + n * reps + n)

@@ -11,7 +11,7 @@ for every model (``torch.optim.AdamW(fused=True)``, HF Trainer's default on torc
                 Goal: median step time ratio <= 0.90.
   concept/pm    ConceptLM (E=1, C=2, k=4) vs its parameter-matched baseline (base + 2 token
                 layers) at the same shape: step-time ratio vs exact training-FLOPs ratio
-                (causal attention count, ``ncpctl.model.accounting``). Goal: within 0.02.
+                (causal attention count, ``ncpctl.model.accounting.flops``). Goal: within 0.02.
   flops/peak    ours' achieved FLOP/s (exact training FLOPs / median step time) over the
                 best rate of a 2048^3 fp32 GEMM on the same threads, measured between steps.
                 Goal: >= 0.70 (HF reaches about 0.55-0.65 here).
@@ -70,7 +70,7 @@ def _say(msg: str) -> None:
 def _ours(cfg, seed: int = 0):
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     torch.manual_seed(seed)
     return NCPModel(cfg)
@@ -140,10 +140,10 @@ def _print_kernels(kernels: dict[str, dict[str, float]]) -> None:
 def ours_vs_hf(size: str, B: int, T: int, rounds: int, profile_all: bool = False) -> dict[str, Any]:
     from transformers import GPTNeoXForCausalLM
 
-    from ncpctl.model.accounting import exact_flops
-    from ncpctl.model.config import build_config
+    from ncpctl.model.accounting.flops import exact_flops
+    from ncpctl.model.core.config import build_config
     from ncpctl.profile.step import next_token_batch
-    from ncpctl.model.hf import hf_config, to_hf_state_dict
+    from ncpctl.model.families.hf import hf_config, to_hf_state_dict
 
     cfg = build_config(size, max_seq_len=T)
     ours = _ours(cfg)
@@ -180,8 +180,8 @@ def ours_vs_hf(size: str, B: int, T: int, rounds: int, profile_all: bool = False
 
 
 def concept_vs_pm(size: str, B: int, T: int, rounds: int, profile_all: bool = False) -> dict[str, Any]:
-    from ncpctl.model.accounting import exact_flops
-    from ncpctl.model.config import build_config
+    from ncpctl.model.accounting.flops import exact_flops
+    from ncpctl.model.core.config import build_config
     from ncpctl.profile.step import next_token_batch
 
     cl = build_config(size, max_seq_len=T, concept=dict(enabled=True, k=4, encoder_layers=1, concept_layers=2))
@@ -209,8 +209,8 @@ def residuals_overhead(size: str, B: int, T: int, rounds: int) -> dict[str, Any]
     """NCP-ArchPreview's IRC + CRC (all three connections) over the same ConceptLM without them:
     a Llama-style body at ``size``'s shape (softmax code weights, E=1, C=2, k=4). Step-time
     ratio (goal <= 1.05) next to the exact FLOPs share of the two mixers."""
-    from ncpctl.model.accounting import exact_flops
-    from ncpctl.model.config import build_config
+    from ncpctl.model.accounting.flops import exact_flops
+    from ncpctl.model.core.config import build_config
     from ncpctl.profile.step import next_token_batch
 
     concept = dict(enabled=True, k=4, encoder_layers=1, concept_layers=2, code_weights="softmax")

@@ -40,8 +40,8 @@ def worker(tree: str, model: str, size: str, T: int, B: int, repeats: int = 1) -
     import torch
 
     import ncpctl
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     if not str(Path(ncpctl.__file__).resolve()).startswith(str(Path(tree).resolve())):
         raise SystemExit(f"imported ncpctl from {ncpctl.__file__}, not from {tree}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two seeds of two debug designs, evaluated during and after training, compared as seed arms
-# (the README's "Seeds and intervals" output; about 10 minutes on 2 busy CPU cores):
+# (the seed-arm output in docs/evaluation.md, "Seed arms"; about 10 minutes on 2 busy CPU cores):
 #
 #   examples/seed_arms.sh            # from the repository root; runs/ gets debug-s{1,2}, debug-base-s{1,2}
 #

@@ -29,7 +29,7 @@ from typing import Any
 from ncpctl.errors import UserError
 from ncpctl.fsutil import atomic_write, atomic_write_with
 from ncpctl.manifest import MANIFEST
-from ncpctl.model.config import ConfigError, ModelConfig, from_checkpoint
+from ncpctl.model.core.config import ConfigError, ModelConfig, from_checkpoint
 
 FORMAT = "ncpctl-checkpoint"
 VERSION = 1
@@ -344,7 +344,7 @@ def load_model(path: str | os.PathLike[str], *, with_tokenizer: bool = True) -> 
     import torch
 
     from ncpctl.interop.authors import steerling
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     directory = resolve(path)
     if steerling.detect(directory):  # the authors' layout (ncpctl/interop/authors/steerling.py)

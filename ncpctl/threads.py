@@ -6,7 +6,7 @@ thread spin, waiting for the next region, instead of sleeping. On a machine whos
 processes also use, a spinning thread holds a core that the thread it waits for needs, and every
 region ends at the pace of the scheduler: the demo's pretrain on 2 cores at load average 10-12
 ran at 0.20-0.25 steps/s, against 2.3-2.9 with passive waiting (idle threads sleep) and 1.1-1.5
-at one thread (README, "The two commands"). Passive waiting costs a wake-up per region, which a
+at one thread (docs/getting-started.md, "Threads on a busy machine"). Passive waiting costs a wake-up per region, which a
 quiet machine hardly notices.
 
 ``OMP_WAIT_POLICY`` is read once, when the OpenMP runtime loads with torch: the CLI sets it first

@@ -207,8 +207,8 @@ def test_steering_runs_on_a_bottleneck_checkpoint(bench, tmp_path) -> None:
     concepts (training one is ``ncpctl pretrain``'s business, tested with it)."""
     from ncpctl.checkpoint import save_model_files
     from ncpctl.data.labels import PYTHON_CONCEPTS
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     names = list(PYTHON_CONCEPTS)
     torch.manual_seed(0)

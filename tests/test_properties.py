@@ -1,6 +1,6 @@
 """Property-based tests (Hypothesis; issue 42 item 7) of everything ncpctl reads from a file or the
 command line: the recipe loader (YAML, ``extends``), ``--set``, a dataset's ``meta.json`` and
-``.idx``, a checkpoint's manifest and the sweep file. Each property is the promise of the README's
+``.idx``, a checkpoint's manifest and the sweep file. Each property is the promise of docs/reliability.md's
 "Reliability" section: whatever the input, the outcome is success or a ``UserError`` whose problems
 are single lines (exit 2, one line each, through the CLI wrapper), never another exception (an
 internal error), and nothing is written outside the directory the input names (an audit hook sees

@@ -1,12 +1,15 @@
-"""What README.md and docs/ promise, checked against the code and the tests that back it."""
+"""What README.md and the docs site (docs/, every page) promise, checked against the code and the tests
+that back it."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from .docs_site import SITE, site_text
+
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = SITE  # README.md and every docs/**/*.md
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -39,17 +42,17 @@ def test_readme_points_at_the_shipped_pipeline() -> None:
     import os
 
     script = REPO / "examples" / "pipeline.sh"
-    assert "examples/pipeline.sh" in (REPO / "README.md").read_text()
+    assert "examples/pipeline.sh" in site_text()
     assert script.is_file() and os.access(script, os.X_OK)
     assert "set -euo pipefail" in script.read_text()
 
 
 def test_readme_points_at_the_seed_arms_example() -> None:
-    """The README's seed-arm and in-loop evaluation output comes from examples/seed_arms.sh."""
+    """The docs' seed-arm and in-loop evaluation output comes from examples/seed_arms.sh."""
     import os
 
     script = REPO / "examples" / "seed_arms.sh"
-    readme = (REPO / "README.md").read_text()
+    readme = site_text()
     assert "examples/seed_arms.sh" in readme and script.is_file() and os.access(script, os.X_OK)
     text = script.read_text()
     assert "set -euo pipefail" in text and "recipes/debug.yaml" in text and (REPO / "recipes" / "debug.yaml").is_file()

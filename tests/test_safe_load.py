@@ -129,7 +129,7 @@ def test_generate_on_a_truncated_weights_file_exits_2_naming_it(tmp_path: Path) 
 EVIL_STRATEGY = """\
 from pathlib import Path
 Path({marker!r}).write_text("imported")
-from ncpctl.model.segment import FixedBlocks
+from ncpctl.model.core.segment import FixedBlocks
 
 
 class Seg(FixedBlocks):
@@ -151,8 +151,8 @@ def _checkpoint_naming(tmp_path: Path, target: str) -> tuple[Path, Path, Path]:
 
 def test_a_strategy_only_the_checkpoint_names_is_not_imported(tmp_path: Path, monkeypatch) -> None:
     from ncpctl.checkpoint import load_model
-    from ncpctl.model import config, registry
-
+    from ncpctl.model import registry
+    from ncpctl.model.core import config
     ck, plugins, marker = _checkpoint_naming(tmp_path, "ckpt_plugin_a:Seg")
     monkeypatch.syspath_prepend(str(plugins))
     monkeypatch.setattr(registry, "_TRUSTED", set())  # the registry holds the trusted import paths
@@ -167,7 +167,8 @@ def test_a_strategy_only_the_checkpoint_names_is_not_imported(tmp_path: Path, mo
 def test_midtrain_from_a_checkpoint_naming_a_strategy_reports_it(tmp_path: Path, monkeypatch) -> None:
     """A recipe with only train.init_from takes the model from the checkpoint: its import path is
     a recipe problem (one line, nothing imported) until the user names it."""
-    from ncpctl.model import config, registry
+    from ncpctl.model import registry
+    from ncpctl.model.core import config
     from ncpctl.recipe import load_recipe
 
     ck, plugins, marker = _checkpoint_naming(tmp_path, "ckpt_plugin_c:Seg")

@@ -1,7 +1,8 @@
 """What every subcommand shares: options (defined once), output, and error handling.
 
-Output contract: human-readable progress and messages go to stderr; the command's result
-goes to stdout — as one JSON object with ``--json``, as a human summary otherwise — so
+Output contract (``ncpctl.output.Output``, which each command hands its library entry point):
+human-readable progress and messages go to stderr; the command's result goes to stdout — as one
+JSON object with ``--json``, as a human summary otherwise — so
 ``ncpctl tokenize r.yaml --json | jq .tokens.train`` works in CI pipelines.
 Exit codes: 0 success, 2 user error (bad recipe, bad input), 1 internal failure.
 This module must stay light: ``ncpctl --help`` may not import torch or DeepSpeed.
@@ -21,6 +22,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from ncpctl.errors import EXIT_INTERNAL, EXIT_USER, UserError, disk_error
+from ncpctl.output import Output  # noqa: F401 (the commands build it; defined below the CLI, where the library reports through it)
 
 RecipeArg = Annotated[str, typer.Argument(help="Recipe YAML file (see recipes/).", show_default=False)]
 SetOpt = Annotated[
@@ -58,31 +60,6 @@ class GlobalState:
 
 
 STATE = GlobalState()
-
-
-class Output:
-    """stderr console for humans; ``result()`` for the one stdout result."""
-
-    def __init__(self, json_mode: bool):
-        from rich.console import Console
-
-        self.json = json_mode
-        self.err = Console(stderr=True, highlight=False)
-        self.err.soft_wrap = not self.err.is_terminal  # a log file (nohup, Slurm, | tee): one line per message
-        self.out = Console(highlight=False, soft_wrap=True)
-
-    def info(self, msg: str) -> None:
-        self.err.print(msg)
-
-    def warn(self, msg: str) -> None:
-        self.err.print(f"[yellow]warning:[/] {msg}")
-
-    def result(self, data: dict[str, Any], human: Callable[[Any], None] | None = None) -> None:
-        if self.json:
-            sys.stdout.write(json.dumps({"ok": True, **data}, default=str) + "\n")
-            sys.stdout.flush()
-        elif human is not None:
-            human(self.out)
 
 
 def command(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -158,7 +135,7 @@ def _trust_strategies(targets: list[str] | None) -> None:
     """``--strategy`` values: the import paths the user names, which a checkpoint may then use."""
     if not targets:
         return
-    from ncpctl.model.config import trust  # pure Python: no torch
+    from ncpctl.model.core.config import trust  # pure Python: no torch
 
     bad = [t for t in targets if t.count(":") != 1 or not all(t.split(":"))]
     if bad:
@@ -190,21 +167,3 @@ def report_failure(json_mode: bool, lines: list[str], hint: str | None, code: in
         sys.stderr.write(f"hint: {hint}\n")
     if json_mode:
         sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "errors": lines, "hint": hint}) + "\n")
-
-
-def print_wide(con: Any, renderable: Any) -> None:
-    """Print a table whole: piped or redirected, a table would be squeezed to the console's width
-    (the terminal's that stdin or stderr still is, or 80 columns) and its names cut; there it gets
-    the width it needs. rich caps both a measurement and ``print(width=)`` at the console's width,
-    so the table is measured against an unbounded width and printed with the console widened."""
-    if con.is_terminal:
-        con.print(renderable)
-        return
-    from rich.measure import Measurement
-
-    width = con.width
-    con.width = max(width, Measurement.get(con, con.options.update_width(1 << 16), renderable).maximum)
-    try:
-        con.print(renderable)
-    finally:
-        con.width = width

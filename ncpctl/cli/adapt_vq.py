@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ncpctl.cli._common import BreakLockOpt, DebugOpt, JsonOpt, NoVerifyOpt, RecipeArg, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import BreakLockOpt, DebugOpt, JsonOpt, NoVerifyOpt, Output, RecipeArg, SetOpt, StrategyOpt, command
 
 
 @command
@@ -14,6 +14,6 @@ def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debu
     Starts from `train.init_from` (NCP-ArchPreview §5.1). The codebook's trained part is its codes
     (`codebook: learned`) or its SimVQ transform; frozen weights stay bit-identical.
     """
-    from ncpctl.cli._train import run_stage
+    from ncpctl.train.command import StageRequest, run_stage
 
-    run_stage("adapt-vq", recipe, set_ or [], json_out, break_lock=break_lock, verify=not no_verify)
+    run_stage(StageRequest("adapt-vq", recipe, set_ or [], break_lock=break_lock, verify=not no_verify), Output(json_out))

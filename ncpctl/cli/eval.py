@@ -1,13 +1,15 @@
-"""`ncpctl eval`: evaluation through lm-evaluation-harness (ncpctl.evaluate), and `--compare`."""
+"""`ncpctl eval`: evaluation through lm-evaluation-harness (ncpctl.evaluate), and `--compare`.
+
+Parses the flags (two modes at once, or a mode's flag without its mode, is refused here) and calls
+``ncpctl.evaluate.entry.run_eval``: one library entry point per mode."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command, print_wide
+from ncpctl.cli._common import DebugOpt, JsonOpt, NoVerifyOpt, Output, SetOpt, StrategyOpt, TiktokenOpt, command
 from ncpctl.errors import UserError
 
 SpeculativeOpt = Annotated[Optional[str], typer.Option(
@@ -143,61 +145,17 @@ def main(
 
     With --compare: one table of several runs, from the results they already have.
     """
-    from ncpctl.checkpoint import set_verify
+    from ncpctl.evaluate.entry import EvalRequest, run_eval
 
-    set_verify(not no_verify)
     _check_flags(ctx)
-    out_ = Output(json_out)
-    names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None
-    log = _logger(out_)
-    from ncpctl.evaluate.settings import parse_gen_kwargs, parse_limit, parse_seed
-
-    limit_ = parse_limit(limit)
-    how = dict(seed=parse_seed(seed) if seed is not None else None, gen_kwargs=parse_gen_kwargs(gen_kwargs),
-               log_samples=log_samples, cache=not no_cache)
-    if compare:
-        _compare(out_, targets, set_, dict(tasks=names, heldout=heldout, limit=limit_, num_fewshot=num_fewshot,
-                                     batch_size=batch_size, out=out, window=window, log=log, level=level,
-                                     resamples=resamples, how=how))
-        return
-    if speculative is not None:
-        if isinstance(limit_, float):
-            raise UserError(f"--speculative: --limit {limit:g} is a fraction; it counts prompts here")
-        _speculative(out_, targets, speculative, horizon, prompts, limit_, new_tokens, batch_size, log)
-        return
-    if allow_code_execution:  # the opt-in reaches the code runner through the environment (as lm-eval's HF_ALLOW_CODE_EVAL)
-        _allow_code()
-    if code_task is not None:
-        _code(out_, targets, code_task, samples, out, batch_size, log)
-        return
-    if proxy is not None:
-        _proxy(out_, targets, proxy, against, out, batch_size, log)
-        return
-    if len(targets) != 1:
-        raise UserError(f"eval takes one TARGET, got {len(targets)}", hint="to compare runs: ncpctl eval --compare A B")
-    if concepts or base is not None:
-        _concepts(out_, targets[0], heldout, base, out)
-        return
-    from ncpctl.evaluate.run import evaluate, resolve_target, rich_table
-
-    t = resolve_target(targets[0], set_ or [], names, batch_size, limit_, num_fewshot, out, heldout=heldout,
-                       diffusion_samples=diffusion_samples, **how)
-    t.allow_code, t.noised_context = allow_code_execution, noised_context
-    summary = evaluate(t, log=log)
-    if summary is not None:  # None: a data-parallel evaluation's rank other than 0 (rank 0 writes and prints)
-        out_.result({"command": "eval", **summary}, lambda con: (print_wide(con, rich_table(summary)),
-                                                                 con.print(f"[dim]{_files_lines(summary)}[/]")))
-
-
-def _files_lines(summary: dict) -> str:
-    """Where the results went, and how many requests the model answered (the rest: the request cache)."""
-    files, here = summary["files"], Path(summary["files"]["json"]).parent
-    text = f"results: {files['json']}\nmarkdown: {files['markdown']}"
-    text += "".join(f"\nsamples: {here / rel}" for rel in (summary.get("samples") or {}).values())
-    n, scored = summary.get("requests"), summary.get("model_requests")
-    if n is not None and scored is not None and summary.get("cache"):
-        text += f"\nrequests: {n:,} ({scored:,} scored by the model, {n - scored:,} from the cache)"
-    return text
+    req = EvalRequest(
+        targets, compare=compare, tasks=tasks, heldout=heldout, limit=limit, batch_size=batch_size,
+        num_fewshot=num_fewshot, seed=seed, gen_kwargs=gen_kwargs, log_samples=log_samples, no_cache=no_cache,
+        diffusion_samples=diffusion_samples, noised_context=noised_context, window=window, level=level,
+        resamples=resamples, out=out, concepts=concepts, base=base, proxy=proxy, against=against,
+        code_task=code_task, samples=samples, allow_code_execution=allow_code_execution, speculative=speculative,
+        horizon=horizon, prompts=prompts, new_tokens=new_tokens, set_=set_, verify=not no_verify)
+    run_eval(req, Output(json_out))
 
 
 # eval's modes (one per call), and the flags that only one of them reads
@@ -207,12 +165,6 @@ MODE_FLAGS = {"window": ("--window", "compare"), "level": ("--level", "compare")
               "resamples": ("--resamples", "compare"), "horizon": ("--horizon", "speculative"),
               "prompts": ("--prompts", "speculative"), "new_tokens": ("--new-tokens", "speculative"),
               "samples": ("--samples", "code_task"), "against": ("--against", "proxy")}
-
-
-def _logger(out_: Output):
-    from rich.markup import escape
-
-    return lambda m: out_.info(f"[dim]{escape(m)}[/]")  # escape: a skipped task's error may hold [brackets]
 
 
 def _check_flags(ctx: typer.Context) -> None:
@@ -228,110 +180,3 @@ def _check_flags(ctx: typer.Context) -> None:
         if given(name) and not given(mode):
             raise UserError(f"eval: {flag} applies only with {MODES[mode]}; without it, it would be ignored",
                             hint=f"add {MODES[mode]}, or drop {flag}")
-
-
-def _compare(out_: Output, targets: list[str], set_: list[str] | None, kw: dict) -> None:
-    """``--compare``: ncpctl.evaluate.compare.compare, one table (seed arms and curves in its caption)."""
-    if set_:
-        raise UserError("--set does not apply to --compare", hint="each checkpoint carries its own recipe")
-    from ncpctl.evaluate.compare import compare as run_compare, rich_table as compare_table
-
-    payload = run_compare(targets, **kw)
-    out_.result({"command": "eval", "mode": "compare", **payload}, lambda con: (
-        print_wide(con, compare_table(payload)),
-        con.print("[dim]" + "\n".join(f"{k}: {v}" for k, v in payload["files"].items() if v) + "[/]"),
-    ))
-
-
-def _allow_code() -> None:
-    import os
-
-    from ncpctl.evaluate.code_exec import ALLOW_ENV
-
-    os.environ[ALLOW_ENV] = "1"
-
-
-def _speculative(out_: Output, targets: list[str], draft: str, horizon: int, prompts: str | None, limit: int | None,
-                 new_tokens: int, batch_size: int | None, log) -> None:
-    """``--speculative``: ncpctl.evaluate.speculative.speculative_mal on one checkpoint."""
-    from ncpctl.evaluate.speculative import rich_table, speculative_mal
-
-    if len(targets) != 1:
-        raise UserError(f"--speculative takes one TARGET (the checkpoint that verifies), got {len(targets)}")
-    payload = speculative_mal(targets[0], draft, horizon=horizon, prompts=prompts, limit=limit or 32,
-                              new_tokens=new_tokens, batch_size=batch_size or 1, log=log)
-    out_.result({"command": "eval", "mode": "speculative", **payload}, lambda con: print_wide(con, rich_table(payload)))
-
-
-def _code(out_: Output, targets: list[str], path: str, samples: int, out: str | None, batch_size: int | None,
-          log) -> None:
-    """``--code-task``: ncpctl.evaluate.code_exec.run_code_task on one checkpoint."""
-    from ncpctl.evaluate.code_exec import run_code_task
-
-    if len(targets) != 1:
-        raise UserError(f"--code-task takes one TARGET, got {len(targets)}")
-    res = run_code_task(targets[0], path, samples, (1, 10) if samples >= 10 else (1,), out=out,
-                        batch_size=batch_size or 8, log=log)
-
-    def human(con) -> None:
-        ks = [k for k in res if isinstance(k, str) and k.startswith("pass@")]
-        con.print(f"{path}: {len(res['problems'])} problems, n = {res['n']} samples each: "
-                  + ", ".join(f"{k} = {res[k]:.4f}" for k in ks) + " (unbiased estimator, Chen et al. 2021)")
-        for p in res["problems"]:
-            con.print(f"  {p['task_id']}: {p['correct']}/{p['n']} passed" + (
-                f"; failures: {'; '.join(p['failures'][:3])}" if p["failures"] else ""), markup=False)
-        con.print(f"[dim]{res['file']}[/]")
-
-    out_.result({"command": "eval", "mode": "code", **res}, human)
-
-
-def _proxy(out_: Output, targets: list[str], spec: str, against: str | None, out: str | None,
-           batch_size: int | None, log) -> None:
-    """``--proxy``: ncpctl.evaluate.proxy.evaluate_proxy on each TARGET, one table; the correlation view
-    with --against."""
-    from ncpctl.evaluate.proxy import evaluate_proxy, rich_tables
-
-    payload = evaluate_proxy(targets, spec, against=against, out=out, batch_size=batch_size or 8, log=log)
-    out_.result({"command": "eval", "mode": "proxy", **payload}, lambda con: [print_wide(con, t) for t in rich_tables(payload)])
-
-
-def _concepts(out_: Output, target: str, heldout: list[str] | None, base: str | None, out: str | None) -> None:
-    """``--concepts``: ncpctl.evaluate.concept_position.concept_report on the --heldout corpora, or
-    without them on the checkpoint's validation split, one corpus per data.sources entry."""
-    import json
-    from pathlib import Path
-
-    from ncpctl.checkpoint import resolve, run_dir_of
-    from ncpctl.evaluate.concept_position import concept_report
-    from ncpctl.evaluate.heldout import parse_spec
-    from ncpctl.fsutil import atomic_write
-
-    specs = [parse_spec(h) for h in heldout or []]
-    report = concept_report(target, specs, base=base)
-    ckpt = resolve(Path(target))
-    out_dir = Path(out) if out else (run_dir_of(ckpt) or ckpt) / "eval"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(out_dir / "concepts.json", json.dumps(report, indent=2) + "\n")
-    report["file"] = str(out_dir / "concepts.json")
-
-    def human(con) -> None:
-        from rich.table import Table
-
-        t = Table(title=f"tokens per concept (target R {report['target_ratio']:g}, threshold {report['threshold']:g})")
-        for col in ("corpus", "tokens", "concepts", "tokens per concept"):
-            t.add_column(col, justify="left" if col == "corpus" else "right")
-        for name, row in report["tokens_per_concept_by_source"].items():
-            t.add_row(name, f"{row['tokens']:,}", f"{row['concepts']:,}", f"{row['tokens_per_concept']:.2f}")
-        con.print(t)
-        f7 = report["loss_by_concept_position"]
-        t = Table(title="loss by position within the concept")
-        for col in ("position", "tokens", "DLCM", "base", "DLCM - base"):
-            t.add_column(col, justify="right")
-        for i, k in enumerate(f7["positions"]):
-            fmt = lambda v: "" if v is None or v != v else f"{v:.4f}"  # noqa: E731
-            t.add_row(str(k), f"{f7['counts'][i]:,}", fmt(f7["dlcm"][i]), fmt(f7["base"][i] if f7["base"] else None),
-                      fmt(f7["delta"][i] if f7["delta"] else None))
-        con.print(t)
-        con.print(f"[dim]{report['file']}[/]")
-
-    out_.result({"command": "eval", "mode": "concepts", **report}, human)

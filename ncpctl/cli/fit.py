@@ -1,15 +1,13 @@
 """`ncpctl fit`: scaling laws and compute multipliers from a table of runs or run directories
-(ncpctl.study)."""
+(the work: ncpctl.study.fit_command)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ncpctl.cli._common import DebugOpt, JsonOpt, Output, command
-from ncpctl.errors import UserError
 
 
 @command
@@ -78,89 +76,10 @@ def main(
     fit_isoflop.png to --out (--transfer: the transfer view and fit_transfer.png). Runs of different
     tokenizers or validation sets are refused.
     """
-    from ncpctl.study.fit import FitOptions, analyse
-    from ncpctl.study.points import read_points, where_found
-    from ncpctl.study.report import write
+    from ncpctl.study.fit_command import FitRequest, run_fit
 
-    out_ = Output(json_out)
-    if at_loss is not None and at_budget is not None:
-        raise UserError("--at-loss and --at-budget are alternatives: give one")
-    for name, v in (("--at-loss", at_loss), ("--at-budget", at_budget)):
-        if v is not None and not v > 0:
-            raise UserError(f"{name} must be positive, got {v:g}")
-    if transfer and dlcm:
-        raise UserError("--transfer and --dlcm are alternatives: the transfer view fits no scaling law")
-    found: dict = {}
-    points = read_points(inputs, family_from_parent, found)
-    for root, runs in found.items():  # where the run directories were found (any depth)
-        out_.info(f"[dim]{where_found(root, runs)}[/]")
-    if transfer:
-        from ncpctl.study.transfer import analyse_transfer
-
-        report = analyse_transfer(points, metric, lr_column, tolerance)
-        write(report, points, Path(out) if out else Path("fit"), draw=not no_plots)
-        out_.result({"command": "fit", **report}, lambda con: _human_transfer(con, report))
-        return
-    opts = FitOptions(metric=metric, resamples=resamples, seed=seed, baseline=baseline, family=family,
-                      at_loss=at_loss, at_budget=at_budget, holdout=tuple(holdout or ()), dlcm=dlcm,
-                      exclude_embeddings=exclude_embeddings)
-    out_.info(f"[dim]fitting {metric} of {len(points)} points ({resamples} bootstrap resamples)[/]")
-    report = analyse(points, opts)
-    for line in report["warnings"]:
-        out_.warn(line)
-    write(report, points, Path(out) if out else Path("fit"), draw=not no_plots)
-    out_.result({"command": "fit", **report}, lambda con: _human(con, report))
-
-
-def _human(con, report: dict) -> None:
-    from rich.table import Table
-
-    from ncpctl.study.report import (ISOFLOP_COLUMNS, LAW_COLUMNS, LAW_NOTE, dlcm_lines, extrapolation_line, header,
-                                     isoflop_rows, law_rows, multiplier_line, notes)
-
-    con.print(f"[dim]{header(report)}[/]", soft_wrap=True)
-    t = Table(title=f"{report['metric']}: L(N, D) = E + A/N^α + B/D^β (90% bootstrap intervals)", title_justify="left",
-              caption=LAW_NOTE, caption_justify="left")
-    for col in LAW_COLUMNS:  # folded, never cut: an interval's end is a number to read whole
-        t.add_column(col, justify="left" if col == "family" else "right", overflow="fold")
-    for row in law_rows(report):
-        t.add_row(*row)
-    con.print(t)
-    t = Table(title="IsoFLOP parabolas (* vertex outside the sampled sizes)", title_justify="left")
-    for col in ISOFLOP_COLUMNS:
-        t.add_column(col, justify="left" if col == "family" else "right", overflow="fold")
-    for name, fam in report["families"].items():
-        for row in isoflop_rows(name, fam["isoflop"]):
-            t.add_row(*row)
-    if t.row_count:
-        con.print(t)
-    for line in notes(report)[len(report["warnings"]):]:  # the warnings went to stderr already
-        con.print(line, soft_wrap=True)
-    for name, fam in report["families"].items():
-        con.print(extrapolation_line(name, fam["extrapolation"]), soft_wrap=True)
-        for line in dlcm_lines(name, fam):
-            con.print(line)
-    for key, approach in (("multiplier", "joint law"), ("multiplier_isoflop", "IsoFLOP envelopes")):
-        if key in report:
-            con.print(multiplier_line(report[key], approach), soft_wrap=True)
-    if report.get("plots_note"):
-        con.print(f"[dim]{report['plots_note']}[/]")
-    con.print("[dim]" + "\n".join(report["files"].values()) + "[/]")
-
-
-def _human_transfer(con, report: dict) -> None:
-    from rich.table import Table
-
-    from ncpctl.study.transfer import TRANSFER_COLUMNS, transfer_rows, transfer_verdict
-
-    t = report["transfer"]
-    tab = Table(title=f"muP transfer: {report['metric']} against {t['lr_column']} per width", title_justify="left")
-    for col in TRANSFER_COLUMNS:
-        tab.add_column(report["metric"] if col == "METRIC" else col, justify="left" if col in ("width", "method") else "right")
-    for row in transfer_rows(t):
-        tab.add_row(*row)
-    con.print(tab)
-    con.print(transfer_verdict(t), soft_wrap=True)
-    if report.get("plots_note"):
-        con.print(f"[dim]{report['plots_note']}[/]")
-    con.print("[dim]" + "\n".join(report["files"].values()) + "[/]")
+    run_fit(FitRequest(
+        inputs, metric=metric, baseline=baseline, family=family, at_loss=at_loss, at_budget=at_budget, holdout=holdout,
+        resamples=resamples, seed=seed, family_from_parent=family_from_parent, out=out, dlcm=dlcm, transfer=transfer,
+        lr_column=lr_column, tolerance=tolerance, exclude_embeddings=exclude_embeddings, no_plots=no_plots),
+        Output(json_out))

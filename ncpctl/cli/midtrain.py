@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ncpctl.cli._common import BreakLockOpt, DebugOpt, JsonOpt, NoVerifyOpt, RecipeArg, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import BreakLockOpt, DebugOpt, JsonOpt, NoVerifyOpt, Output, RecipeArg, SetOpt, StrategyOpt, command
 
 
 @command
@@ -13,6 +13,6 @@ def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debu
 
     `train.load: weights` starts a fresh optimizer; `all` also loads the checkpoint's optimizer state.
     """
-    from ncpctl.cli._train import run_stage
+    from ncpctl.train.command import StageRequest, run_stage
 
-    run_stage("midtrain", recipe, set_ or [], json_out, break_lock=break_lock, verify=not no_verify)
+    run_stage(StageRequest("midtrain", recipe, set_ or [], break_lock=break_lock, verify=not no_verify), Output(json_out))

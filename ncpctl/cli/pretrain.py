@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ncpctl.cli._common import BreakLockOpt, DebugOpt, JsonOpt, NoVerifyOpt, RecipeArg, SetOpt, command
+from ncpctl.cli._common import BreakLockOpt, DebugOpt, JsonOpt, NoVerifyOpt, Output, RecipeArg, SetOpt, command
 
 
 @command
@@ -14,6 +14,6 @@ def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debu
 
     `train.resume: auto` continues from the newest complete checkpoint; SIGINT/SIGTERM save and exit.
     """
-    from ncpctl.cli._train import run_stage
+    from ncpctl.train.command import StageRequest, run_stage
 
-    run_stage("pretrain", recipe, set_ or [], json_out, break_lock=break_lock, verify=not no_verify)
+    run_stage(StageRequest("pretrain", recipe, set_ or [], break_lock=break_lock, verify=not no_verify), Output(json_out))

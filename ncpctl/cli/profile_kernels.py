@@ -1,7 +1,7 @@
 """`ncpctl profile-kernels RECIPE`: where every FLOP and second goes (issue #6).
 
-Parses options, loads the recipe (data and tokenizer files are not needed: see
-``ncpctl.profile.load``) and calls ``ncpctl.profile.run.profile``.
+Parses options and calls ``ncpctl.profile.command.run_profile`` (which loads the recipe: data and
+tokenizer files are not needed, see ``ncpctl.profile.load``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ from typing import Annotated, Optional
 import typer
 
 from ncpctl.cli._common import DebugOpt, JsonOpt, Output, RecipeArg, SetOpt, command
-
-SECTIONS = ("accounting", "kernels", "step", "trace", "ops")  # = ncpctl.profile.SECTIONS (no torch import here)
-DEFAULT_SECTIONS = SECTIONS[:4]
 
 
 @command
@@ -44,48 +41,7 @@ def main(
     Results go to run.dir/profile (trace.json, PNGs with --plot); tables to stdout, or one
     JSON object with --json.
     """
-    from ncpctl.errors import UserError
+    from ncpctl.profile.command import ProfileRequest, run_profile
 
-    out = Output(json_out)
-    sections = list(DEFAULT_SECTIONS)
-    if only:
-        sections = [s.strip() for s in only.split(",") if s.strip()]
-        bad = [s for s in sections if s not in SECTIONS]
-        if bad or not sections:
-            raise UserError(f"--only: unknown section(s) {', '.join(bad) or '(none)'}; choose from {', '.join(SECTIONS)}")
-
-    from ncpctl.profile.load import load_for_profile
-
-    r, notes = load_for_profile(recipe, set_ or [])
-    for note in notes:
-        out.warn(note)
-
-    law = r.model_config.law
-    if realised_ratio is not None and not (law is not None and law.variable_length):
-        raise UserError("--realised-ratio: the recipe's model has no dynamic segmentation",
-                        hint="it applies to a segmentation whose segment lengths depend on the data, such as "
-                             "model.concept.segmentation: dynamic (DLCM); fixed blocks have k")
-    if realised_ratio is not None and not realised_ratio > 1:
-        raise UserError(f"--realised-ratio: must be > 1 (tokens per concept), got {realised_ratio:g}")
-
-    from ncpctl.profile.run import profile
-
-    if device is not None:
-        import torch
-
-        try:
-            dev = torch.device(device)
-        except RuntimeError as e:
-            raise UserError(f"--device: {device}: {e}") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"--device: {device}: no CUDA device here", hint="use --device cpu")
-    res = profile(r, sections, device=device, repeats=repeats, quick=quick, plot=plot,
-                  realised_ratio=realised_ratio, log=lambda msg: out.info(f"[dim]{msg}[/]"))
-    res["notes"] = notes
-
-    def human(con) -> None:
-        from ncpctl.profile.render import render
-
-        render(con, res)
-
-    out.result({"command": "profile-kernels", **res}, human)
+    run_profile(ProfileRequest(recipe, set_ or [], only=only, plot=plot, repeats=repeats, quick=quick, device=device,
+                               realised_ratio=realised_ratio), Output(json_out))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ncpctl.cli._common import BreakLockOpt, DebugOpt, JsonOpt, NoVerifyOpt, RecipeArg, SetOpt, StrategyOpt, command
+from ncpctl.cli._common import BreakLockOpt, DebugOpt, JsonOpt, NoVerifyOpt, Output, RecipeArg, SetOpt, StrategyOpt, command
 
 
 @command
@@ -14,6 +14,6 @@ def main(recipe: RecipeArg, set_: SetOpt = None, json_out: JsonOpt = False, debu
     The target's weights never change; checkpoints hold the drafter and name its target, so
     `ncpctl generate --draft CKPT` and `ncpctl eval --speculative CKPT` take them directly.
     """
-    from ncpctl.cli._train import run_stage
+    from ncpctl.train.command import StageRequest, run_stage
 
-    run_stage("train-drafter", recipe, set_ or [], json_out, break_lock=break_lock, verify=not no_verify)
+    run_stage(StageRequest("train-drafter", recipe, set_ or [], break_lock=break_lock, verify=not no_verify), Output(json_out))

@@ -11,7 +11,8 @@
 * ``ncpctl.evaluate.proxy``: capability proxies (``ncpctl eval --proxy``); ``proxy_build`` makes a set.
 * ``ncpctl.evaluate.uncertainty``: tokens-to-reach, window and seed aggregates, paired bootstrap.
 * ``ncpctl.evaluate.tasks/``: task YAMLs (``ncp_offline``; the ConceptLM paper groups; the paper tables).
-* ``ncpctl.evaluate.run``: ``evaluate(...)``, what ``ncpctl eval`` calls (``report``: its markdown and table).
+* ``ncpctl.evaluate.entry``: what ``ncpctl eval`` calls: ``run_eval(EvalRequest, out)``, one entry point per mode.
+* ``ncpctl.evaluate.run``: ``evaluate(...)``, lm-eval tasks of one checkpoint (``report``: its markdown and table).
 * ``ncpctl.evaluate.settings``: ``--seed``, ``--gen-kwargs``, fractional ``--limit``; per-task settings.
 * ``ncpctl.evaluate.samples``: logged samples (``--log-samples``), per-example scores read back.
 * ``ncpctl.evaluate.accumulate``: results of several evaluations of one checkpoint, merged by task.

@@ -415,7 +415,7 @@ def _shown(path: Any) -> str:
 
 
 def markdown(payload: dict[str, Any]) -> str:
-    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+    from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 
     cols = columns(payload)
     lines = ["# Comparison", "", f"| run | results | limit | evaluated now | tokens | parameters | training FLOPs "

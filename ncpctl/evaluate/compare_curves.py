@@ -182,8 +182,8 @@ def scale(e: Any) -> dict[str, Any]:
         out["training_flops"] = spent
         return out
     try:  # a checkpoint written before the loop recorded it
-        from ncpctl.model.accounting import training_flops_per_step
-        from ncpctl.model.config import ModelConfig
+        from ncpctl.model.accounting.flops import training_flops_per_step
+        from ncpctl.model.core.config import ModelConfig
 
         T = int((meta.get("recipe") or {}).get("train", {}).get("seq_len"))
         per_sequence = training_flops_per_step(ModelConfig.from_dict(meta["model_config"]), T, 1)
@@ -195,7 +195,7 @@ def scale(e: Any) -> dict[str, Any]:
 
 def scale_note(runs: list[dict[str, Any]]) -> list[str]:
     """One note when the runs differ in budget or size: each run's tokens, parameters and FLOPs."""
-    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+    from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 
     keys = ("tokens", "parameters", "training_flops")
     if len({tuple(r.get(k) for k in keys) for r in runs}) < 2:

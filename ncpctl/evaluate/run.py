@@ -34,7 +34,7 @@ its seed arms pair on (``ncpctl.evaluate.compare_arms``). ``--num-fewshot`` appl
 0-shot ones included (``set_shots``: lm-eval's own override skips a task whose config says 0).
 
 A checkpoint whose log-likelihoods are bounds (a Causal Diffusion LM: its held-out ELBO,
-``ncpctl.model.diffusion_elbo``) is scored with ``diffusion_samples`` Monte Carlo samples per
+``ncpctl.model.designs.causal_diffusion.module``) is scored with ``diffusion_samples`` Monte Carlo samples per
 request (``--diffusion-samples``); the results record ``likelihood`` (``kind``: ``exact`` or
 ``bound``, the estimator, samples and seed), each perplexity set is marked ``bound: true`` with
 ``nll_per_token`` and its Monte Carlo ``nll_stderr``, and the table and markdown say "bound"

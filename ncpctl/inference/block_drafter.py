@@ -1,4 +1,4 @@
-"""The block-parallel drafter (``ncpctl.model.drafter``) on a target: what it reads, in training
+"""The block-parallel drafter (``ncpctl.model.designs.drafter.module``) on a target: what it reads, in training
 and in speculative decoding alike, and its ``Drafter`` (drafters.py) for ``generate --draft``.
 
 ``TargetTap`` records, by forward hooks on the target's two token stacks, the residual stream
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ncpctl.model.drafter import BlockDrafter, DrafterConfig
+from ncpctl.model.designs.drafter.module import BlockDrafter, DrafterConfig
 
 from .drafters import Drafter, _draw_rows
 
@@ -96,7 +96,7 @@ def check_target(model, cfg: DrafterConfig, where: str) -> str | None:
     if diff:
         return f"{where} was trained for another target: {', '.join(diff)}"
     if cfg.concept_injection:
-        from ncpctl.model.segment import FixedBlocks
+        from ncpctl.model.core.segment import FixedBlocks
 
         if model.concept is None or not isinstance(model.concept.segmenter, FixedBlocks) \
                 or model.concept.segmenter.k != cfg.concept_k:

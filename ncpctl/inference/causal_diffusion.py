@@ -1,5 +1,5 @@
 """``generate`` for a Causal Diffusion LM (``model.objective: causal_diffusion``): text, stop strings,
-EOD and streaming around the block-wise sampler (ncpctl/model/block_sampler.py, which also travels
+EOD and streaming around the block-wise sampler (ncpctl/model/designs/causal_diffusion/sampler.py, which also travels
 with an exported CDLM: its docstring says how blocks are sampled, cached and batched, and which
 hooks steering and attribution use).
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from ncpctl.model.block_sampler import Commit, _Cached, _commit, _Recompute, sample_blocks, schedule
+from ncpctl.model.designs.causal_diffusion.sampler import Commit, _Cached, _commit, _Recompute, sample_blocks, schedule
 
 from .generate import Completion, SamplingParams, _cut, finish_rows, fit_prompts, releasable
 

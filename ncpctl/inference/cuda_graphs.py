@@ -2,7 +2,7 @@
 
 A cached decode step of pythia-160m is ~250 small kernels launched from Python: the first H200
 run measured 0.8 ms of kernels in 6-11 ms of wall time per step (docs/gpu/README.md). The static
-step (ncpctl/model/decode_static.py: fixed shapes, the write index on the device, no host sync)
+step (ncpctl/model/core/decode_static.py: fixed shapes, the write index on the device, no host sync)
 is captured once per generation and replayed for every later token, so a step costs one launch.
 
 ``GraphedSteps`` runs the steps of one decode state: the first step eagerly (on a side stream, as
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from ncpctl.model.decode_static import static_refusal, static_step
+from ncpctl.model.core.decode_static import static_refusal, static_step
 
 ENABLED = True  # generation on CUDA replays the decode step as a CUDA graph
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from ncpctl.model.layers import Context, KVCache, rope
-from ncpctl.model.patterns import step_masks
+from ncpctl.model.core.layers import Context, KVCache, rope
+from ncpctl.model.core.patterns import step_masks
 
 from .speculative import Cursor, draw, probs
 

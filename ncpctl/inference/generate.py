@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ncpctl.model.block_sampler import filter_logits  # noqa: F401  (next-token sampling shares it)
-from ncpctl.model.objective import CachedDecoding
+from ncpctl.model.designs.causal_diffusion.sampler import filter_logits  # noqa: F401  (next-token sampling shares it)
+from ncpctl.model.core.objective import CachedDecoding
 
 from . import cuda_graphs
 
@@ -111,7 +111,7 @@ def generate(
     """Continue each prompt (token ids, at least one each). ``decode`` turns ids into text
     (for stop strings and streaming); ``vocab_size`` hides padded-vocab rows; ``max_len``
     keeps only the last ``max_len - max_new_tokens`` prompt tokens; ``on_text(row, delta)``
-    streams new text as it becomes final; ``interventions`` (``ncpctl.model.interventions``:
+    streams new text as it becomes final; ``interventions`` (``ncpctl.model.core.interventions``:
     rows are this batch's rows, positions each row's own) apply to the prompt and every new token;
     ``logit_adjust(step, logits (B, V))`` edits the logits that pick new token ``step`` (0-based);
     ``speculative`` (a ``speculative.Speculative``): a drafter proposes tokens that the model

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from ncpctl.model.decode import restore, snapshot, step_many
+from ncpctl.model.core.decode import restore, snapshot, step_many
 
 from .generate import Rows, SamplingParams, filter_logits
 

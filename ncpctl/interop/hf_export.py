@@ -2,15 +2,19 @@
 
 * Base models (no concept path) become native ``GPTNeoXForCausalLM`` / ``LlamaForCausalLM``
   (``Qwen3ForCausalLM`` with per-head QK-norm; ``Olmo2ForCausalLM``, or ``Olmo3ForCausalLM``
-  with a sliding window, for post-norm blocks) / ``GPT2LMHeadModel`` through ``ncpctl.model.hf``.
+  with a sliding window, for post-norm blocks) / ``GPT2LMHeadModel`` through ``ncpctl.model.families.hf``.
 * ConceptLM models (and any model with Steerling's concept bottleneck, whose heads and concept
   embeddings travel with it: ``model.core`` attributes exactly) become ``NCPForCausalLM``: the HF adapter (``configuration_ncp.py``,
   ``modeling_ncp.py`` from ``ncpctl/interop/remote/``) and the modules of ``ncpctl/model/``
-  it imports (``model.py``, ``layers.py``, ..., found by following their relative imports)
-  are copied verbatim into the directory, and ``config.json`` maps them with ``auto_map``:
-  the modeling code exists once, and ``AutoModelForCausalLM.from_pretrained(DIR,
-  trust_remote_code=True)`` needs no ncpctl (transformers copies the files a module imports
-  with ``from .x import y``; the model package imports nothing outside itself). A model whose
+  it reaches (``core/model.py``, ``core/layers.py``, ..., found by following their imports and
+  the registry's import paths: the built-in designs' records) are copied into the directory,
+  flattened into one folder (``core/layers.py`` -> ``core_layers.py``, ``from
+  ncpctl.model.core.layers import`` -> ``from .core_layers import``: only import lines change),
+  and ``config.json`` maps them with ``auto_map``: the modeling code exists once, and
+  ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` needs no ncpctl
+  (transformers copies only the files a module imports with ``from .x import y``, so the adapter
+  also imports each module the registry names by path; the model package imports nothing
+  outside itself). A model whose
   segmentation, coupling or residual is not built in cannot be exported this way.
 
 Files: ``config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` +
@@ -47,6 +51,7 @@ import secrets
 import shutil
 import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,6 +61,13 @@ from ncpctl.errors import UserError
 REMOTE = Path(__file__).parent / "remote"
 MODEL_PACKAGE = Path(__file__).parents[1] / "model"
 _RELATIVE = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.MULTILINE)
+# the model package's imports in shipped code, made flat by the export: (indent, module)
+_MODEL_IMPORT = re.compile(r"^([ \t]*)from[ \t]+(ncpctl\.model(?:\.\w+)+)[ \t]+import[ \t]+", re.MULTILINE)
+# the registry's built-in import paths (".core.segment:FixedBlocks"), resolved in the exported folder
+_TARGET = re.compile(r"""(["'])\.((?:\w+\.)*\w+):(\w+)""")
+# any other import of ncpctl (or of a package-relative path) would not resolve in the export
+_OTHER_IMPORT = re.compile(r"^[ \t]*(from[ \t]+ncpctl\b.*|import[ \t]+ncpctl\b.*|from[ \t]+\.\w*\.\w.*)$", re.MULTILINE)
+_ADAPTER_NAMES = {"modeling_ncp.py", "configuration_ncp.py"}
 PROBE_TEXT = "def f(x):\n    return x + 1  # probe: ünïcode, tabs\tand  spaces\n"
 TOLERANCE = 1e-4  # max |logit difference| allowed, relative to max(1, max |logit|)
 # in every export: {"written_by", "ncpctl_version", "checkpoint", "files": [NAME], "algorithm": "xxh3_128",
@@ -259,14 +271,14 @@ def _write(loaded, d: Path, torch_dtype, max_shard_size) -> dict[str, Any]:
         if mask is not None:  # where transformers' diffusion LMs look for it (a CDLM's [MASK])
             config["mask_token_id"] = mask[1]
         (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for src in remote_files():
-            shutil.copyfile(src, d / src.name)
+        for shipped in remote_files():
+            (d / shipped.name).write_text(shipped.text)
         state = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}  # MTP: training only
         if cfg.tie_embeddings:
             state.pop("lm_head.weight", None)
     else:
-        from ncpctl.model.config import ConfigError
-        from ncpctl.model.hf import hf_architecture, hf_config, to_hf_state_dict
+        from ncpctl.model.core.config import ConfigError
+        from ncpctl.model.families.hf import hf_architecture, hf_config, to_hf_state_dict
 
         try:
             hf = hf_config(cfg)
@@ -314,27 +326,95 @@ def _remote(model) -> bool:
     return cfg.concept.enabled or cfg.bottleneck.enabled or not model.objective.causal
 
 
-def remote_files() -> list[Path]:
-    """The files of an exported NCP directory's code: the HF adapter and every module of the
-    model package it reaches through relative imports (``from .x import y``; transformers copies
-    exactly these, so the built-in backbone families are imported by ``family.py``)."""
-    todo, found = ["modeling_ncp"], {}
+@dataclass(frozen=True)
+class Shipped:
+    """One file of an exported NCP directory's code: its flat ``name`` (``core_layers.py``), the
+    ``source`` it is made from and its ``text`` (the source's, with only its imports made flat)."""
+
+    name: str
+    source: Path
+    text: str
+
+
+def flat_name(module: str) -> str:
+    """The exported file of model module ``module``: ``ncpctl.model.core.layers`` -> ``core_layers``
+    (transformers copies only the files of flat relative imports, ``from .x import y``)."""
+    rel = module.removeprefix("ncpctl.model").lstrip(".")
+    if not rel or module.split(".")[:2] != ["ncpctl", "model"]:
+        raise ValueError(f"{module}: not a module of the model package (the export ships only those)")
+    return rel.replace(".", "_")
+
+
+def _source(module: str) -> Path:
+    path = MODEL_PACKAGE.joinpath(*module.removeprefix("ncpctl.model.").split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _flatten(text: str, where: str, named: list[tuple[str, str]] | None = None) -> tuple[str, list[str]]:
+    """``text`` with its model-package imports (``from ncpctl.model.a.b import``) and the registry's
+    built-in import paths (``".a.b:Class"``) made flat, and the model modules they name (the import
+    paths' (module, name) also appended to ``named``)."""
+    found: list[str] = []
+
+    def imp(m: re.Match) -> str:
+        found.append(m.group(2))
+        return f"{m.group(1)}from .{flat_name(m.group(2))} import "
+
+    def target(m: re.Match) -> str:
+        module = f"ncpctl.model.{m.group(2)}"
+        if not _source(module).is_file():
+            return m.group(0)
+        found.append(module)
+        if named is not None:
+            named.append((module, m.group(3)))
+        return f"{m.group(1)}.{flat_name(module)}:{m.group(3)}"
+
+    text = _MODEL_IMPORT.sub(imp, text)
+    text = _TARGET.sub(target, text)
+    bad = _OTHER_IMPORT.search(text)
+    if bad:
+        raise ValueError(f"{where}: {bad.group(0).strip()!r}: exported code imports the model package only, "
+                         "as `from ncpctl.model.x.y import name`")
+    return text, found
+
+
+def remote_files() -> list[Shipped]:
+    """The files of an exported NCP directory's code: the HF adapter (``ncpctl/interop/remote/``)
+    and every module of the model package it reaches through its imports and the registry's
+    built-in import paths (the built-in designs and backbone families), flattened into one folder:
+    transformers' remote-code loader follows only ``from .x import y``."""
+    todo = [("remote", p.stem) for p in sorted(REMOTE.glob("*_ncp.py"))]
+    found: dict[str, Shipped] = {}
+    named: list[tuple[str, str]] = []  # (module, name) of the import paths the shipped code holds
     while todo:
-        name = todo.pop()
+        kind, module = todo.pop()
+        name = module if kind == "remote" else flat_name(module)
         if name in found:
             continue
-        path = REMOTE / f"{name}.py"
-        if not path.is_file():
-            path = MODEL_PACKAGE / f"{name}.py"
-        found[name] = path
-        todo += _RELATIVE.findall(path.read_text())
-    return sorted(found.values())
+        source = REMOTE / f"{name}.py" if kind == "remote" else _source(module)
+        text, reached = _flatten(source.read_text(), str(source), named)
+        if kind == "remote":  # the adapter's own files import each other relatively already
+            reached += [m for m in _RELATIVE.findall(source.read_text())]
+        found[name] = Shipped(f"{name}.py", source, text)
+        todo += [("remote", m) if (REMOTE / f"{m}.py").is_file() else ("model", m) for m in reached]
+    # transformers copies only what ``from .x import`` lines reach: the adapter imports the modules
+    # that the registry names by import path (the built-in strategies, the designs' records)
+    adapter = found["modeling_ncp"]
+    lines = [f"from .{flat_name(m)} import {n} as _named_{i}  # noqa: E402,F401"
+             for i, (m, n) in enumerate(sorted(set(named)))]
+    found["modeling_ncp"] = Shipped(adapter.name, adapter.source, adapter.text.rstrip() + "\n\n\n# the modules "
+                                    "the registry names by import path, so that transformers copies them\n"
+                                    + "\n".join(lines) + "\n")
+    clash = {s.name for s in found.values() if s.name in _ADAPTER_NAMES and s.source.parent != REMOTE}
+    if clash:
+        raise ValueError(f"model modules flatten onto the adapter's file names: {sorted(clash)}")
+    return sorted(found.values(), key=lambda s: s.name)
 
 
 def _check_builtin(cfg) -> None:
     """Only built-in strategies travel with the export (a registered or imported class's code
     lives outside the model package)."""
-    from ncpctl.model.config import STRATEGIES
+    from ncpctl.model.core.config import STRATEGIES
 
     c = cfg.concept
     for key, kind, name in (("model.backbone", "backbone", cfg.backbone), ("model.residual", "residual", cfg.residual),

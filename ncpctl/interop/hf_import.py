@@ -3,9 +3,9 @@
 
 Reads ``config.json`` (``GPTNeoXForCausalLM`` such as Pythia, ``LlamaForCausalLM``,
 ``Qwen3ForCausalLM``, ``Olmo2/3ForCausalLM``, ``GPT2LMHeadModel``: any model type a registered
-backbone family imports, ``ncpctl.model.hf.hf_model_types()``) and the weights (``model.safetensors``, sharded safetensors with an
+backbone family imports, ``ncpctl.model.families.hf.hf_model_types()``) and the weights (``model.safetensors``, sharded safetensors with an
 index, or ``pytorch_model.bin``), builds the ``ModelConfig`` with ``config_from_hf`` plus
-the caller's overrides, and loads the backbone with ``ncpctl.model.hf``. With a concept
+the caller's overrides, and loads the backbone with ``ncpctl.model.families.hf``. With a concept
 path (``concept={"enabled": True, ...}``) the encoder is the base's first E layers and
 the decoder the rest; the concept layers are fresh, or copied from the base's first C
 layers with ``concept.copy_concept_layers_from_base`` (ConceptLM 8B). With
@@ -60,8 +60,8 @@ def read_hf_state_dict(directory: Path) -> dict[str, Any]:
 def _config(d: Path, concept: dict[str, Any] | None, model_overrides: dict[str, Any]):
     from transformers import AutoConfig
 
-    from ncpctl.model.config import ConfigError
-    from ncpctl.model.hf import config_from_hf
+    from ncpctl.model.core.config import ConfigError
+    from ncpctl.model.families.hf import config_from_hf
 
     try:
         hf_cfg = AutoConfig.from_pretrained(str(d), local_files_only=True)
@@ -85,9 +85,9 @@ def load_hf_pretrained(directory: str | Path, *, cfg: Any = None, concept: dict[
     fields (e.g. ``{"enabled": True, "k": 4, "encoder_layers": 1,
     "copy_concept_layers_from_base": True}``) and ``model_overrides``: other ``ModelConfig``
     fields (``extra_token_layers``, ``max_seq_len``, ``vocab_size``, ...)."""
-    from ncpctl.model.config import ConfigError
-    from ncpctl.model.hf import fresh_keys, load_hf_state_dict
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import ConfigError
+    from ncpctl.model.families.hf import fresh_keys, load_hf_state_dict
+    from ncpctl.model.core.model import NCPModel
 
     from ncpctl.interop.authors import steerling
 

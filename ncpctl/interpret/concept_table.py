@@ -118,7 +118,7 @@ def search(concepts: list[Concept], query: str, *, limit: int = 10, head: str | 
 
 def top_tokens(model, concept: int, k: int = 10) -> list[tuple[int, float]]:
     """(token id, W_y . K_c / ||K_c||) of the ``k`` tokens known concept ``concept`` promotes most."""
-    from ncpctl.model.bottleneck import head_response
+    from ncpctl.model.designs.bottleneck.module import head_response
 
     if not 0 <= concept < model.bottleneck.n:
         raise UserError(f"concept #{concept} is not a known concept of this checkpoint (it has "

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from ncpctl.errors import UserError
-from ncpctl.model.interventions import AddToDecoderInput, CodeEdit
+from ncpctl.model.core.interventions import AddToDecoderInput, CodeEdit
 
 
 @dataclass
@@ -287,7 +287,7 @@ def bottleneck_report(model, ids: torch.Tensor, names: Sequence[str] | None, *, 
     of their term k_c (K_c . W_y) (and the ``top`` unknown ones), the concept share, and per label
     chunk the ``top`` concepts the known head detects (the OR over the chunk's tokens). ``attribution_error``: the largest
     |known + unknown + residual - logit| over positions (exact up to float rounding)."""
-    from ncpctl.model.bottleneck import chunk_probs
+    from ncpctl.model.designs.bottleneck.chunks import chunk_probs
 
     b = model.bottleneck
     out = model(ids, return_bottleneck=True)

@@ -1,7 +1,7 @@
 """Input attribution against the [MASK] baseline (``ncpctl inspect --attribute-inputs``, issue 23
 item 6): how much each input token (or block of tokens) contributes to one output of a forward.
 
-A Causal Diffusion LM (model/diffusion.py) is trained on inputs where any token may be [MASK], so
+A Causal Diffusion LM (model/designs/causal_diffusion/module.py) is trained on inputs where any token may be [MASK], so
 "this token is absent" has an in-distribution form: the token replaced by [MASK]. A zero embedding
 or a pad token is a state the model never saw. An autoregressive model never saw [MASK] either (its
 embedding row is untrained, when it exists at all), so it has no such baseline: the CLI refuses it

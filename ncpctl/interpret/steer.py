@@ -244,8 +244,8 @@ def _concept_index(direction: str, name: str, names: Sequence[str] | None, bottl
 
 def _head_response(model, e):
     """W_lm . e/||e|| over the real vocabulary (V,), and its peak (the largest entry): the steering
-    stage's definition (``ncpctl.model.bottleneck.head_response``; muP: W / s_token, as the logits)."""
-    from ncpctl.model.bottleneck import head_response
+    stage's definition (``ncpctl.model.designs.bottleneck.module.head_response``; muP: W / s_token, as the logits)."""
+    from ncpctl.model.designs.bottleneck.module import head_response
 
     resp, peak = head_response(model.logit_weight, e, model.cfg.vocab_size)
     return resp, float(peak)
@@ -300,7 +300,7 @@ def interventions_for(resolved: Sequence[Sequence[Resolved]], prompt_lengths: Se
 
 def _addition(r: Resolved, **where: Any):
     """The intervention adding ``r``'s vector at its site, applying where ``where`` says."""
-    from ncpctl.model.interventions import AddToDecoderInput, AddToReadout, AddToResidual
+    from ncpctl.model.core.interventions import AddToDecoderInput, AddToReadout, AddToResidual
 
     kind, layer = parse_site(r.spec.at)
     if kind == "readout":

@@ -2,7 +2,7 @@
 was committed (``ncpctl inspect --generate``): Steerling's ``DiffusionTrace``, its
 ``FaithfulConceptAttributor`` (per-token and chunk-level concept attribution, the logit
 contribution of known, unknown and residual parts) and its ``FaithfulOutputToInputAttributor``
-(input attribution by integrated gradients), on ncpctl's block sampler (ncpctl/model/block_sampler.py).
+(input attribution by integrated gradients), on ncpctl's block sampler (ncpctl/model/designs/causal_diffusion/sampler.py).
 
 A CDLM does not produce its tokens left to right: inside a block the most confident [MASK]s are
 committed first, each from a forward in which some of its block is still [MASK]. A token's logit is
@@ -99,7 +99,7 @@ class Trace:
 
 def record(model, prompt: Sequence[int], params: Any, steer: Sequence[Any] = ()) -> Trace:
     """Sample ``prompt`` block by block (cached) and keep every commit group."""
-    from ncpctl.model.block_sampler import sample_blocks
+    from ncpctl.model.designs.causal_diffusion.sampler import sample_blocks
 
     from .steer import block_steering
 
@@ -176,7 +176,7 @@ def _at(parts, pos: torch.Tensor):
 def _terms(parts, att, i: int) -> tuple:
     """Committed token i's (known concepts, their terms, activations, unknown concepts, terms,
     activations), each (J,): over all concepts of a dense head, over its top-k of a sparse one
-    (ncpctl/model/bottleneck_sparse.py); a top-k head's other concepts have no term."""
+    (ncpctl/model/designs/bottleneck/sparse.py); a top-k head's other concepts have no term."""
     if att.known_index is None:
         k_idx = torch.arange(att.per_concept.shape[-1])
         k_act = parts.k[0, i]

@@ -1,7 +1,14 @@
 """The NCP model: config (pure Python) and, imported lazily, the torch modules.
 
-``import ncpctl.model`` or ``ncpctl.model.config`` does not import torch; ``NCPModel`` and
+``import ncpctl.model`` or ``ncpctl.model.core.config`` does not import torch; ``NCPModel`` and
 friends load on first access.
+
+Rooms: ``core/`` (the config, layers, attention patterns, RoPE, the staged model, its concept path,
+outputs and decoding), ``families/`` (the backbone families, one module each, and the HF mapping),
+``designs/NAME/`` (one room per built-in design: its module, its config section with its cost and
+law, and ``spec.py``, the ``DesignSpec`` that ``registry.DESIGNS`` registers by one line; the
+strategy table, laws, costs, training hooks and config sections are derived from these records),
+``accounting/`` (exact FLOPs, backward, memory and parameter counts), ``registry.py``.
 
 Extension points (docs/architecture.md): a segmentation (subclass ``Segmenter``), a coupling
 (``Coupling``), a depth mixer (``Residual``), a training objective (``Objective``, declaring
@@ -20,39 +27,37 @@ from __future__ import annotations
 
 from typing import Any
 
-from ncpctl.model.config import (
-    SIZES, BottleneckConfig, ConceptConfig, ConfigError, ModelConfig, SegmentationLaw, build_config, option, register,
-    unregister,
-)
-from ncpctl.model.outputs import LogKey, NCPOutput
+from ncpctl.model.core.config import SIZES, ConceptConfig, ConfigError, ModelConfig, SegmentationLaw, build_config, option, register, unregister
+from ncpctl.model.designs.bottleneck.config import BottleneckConfig
+from ncpctl.model.core.outputs import LogKey, NCPOutput
 
 _LAZY = {
-    "NCPModel": "ncpctl.model.model",
-    "DecodeState": "ncpctl.model.decode",
-    "ConceptOutput": "ncpctl.model.concept",
-    "Segmenter": "ncpctl.model.segment",
-    "Segments": "ncpctl.model.segment",
-    "Closing": "ncpctl.model.segment",
-    "FixedBlocks": "ncpctl.model.segment",
-    "segment_means": "ncpctl.model.segment",
-    "DynamicSegmenter": "ncpctl.model.dynamic",
-    "Coupling": "ncpctl.model.coupling",
-    "Residual": "ncpctl.model.layers",
-    "Block": "ncpctl.model.layers",
-    "Context": "ncpctl.model.layers",
-    "Stack": "ncpctl.model.layers",
-    "Intervention": "ncpctl.model.interventions",
-    "CodeEdit": "ncpctl.model.interventions",
-    "AddToDecoderInput": "ncpctl.model.interventions",
-    "AddToResidual": "ncpctl.model.interventions",
-    "Objective": "ncpctl.model.objective",
-    "NextToken": "ncpctl.model.objective",
-    "Decoding": "ncpctl.model.objective",
-    "CachedDecoding": "ncpctl.model.objective",
-    "Pattern": "ncpctl.model.patterns",
-    "Causal": "ncpctl.model.patterns",
-    "BlockCausal": "ncpctl.model.patterns",
-    "Family": "ncpctl.model.family",
+    "NCPModel": "ncpctl.model.core.model",
+    "DecodeState": "ncpctl.model.core.decode",
+    "ConceptOutput": "ncpctl.model.core.concept",
+    "Segmenter": "ncpctl.model.core.segment",
+    "Segments": "ncpctl.model.core.segment",
+    "Closing": "ncpctl.model.core.segment",
+    "FixedBlocks": "ncpctl.model.core.segment",
+    "segment_means": "ncpctl.model.core.segment",
+    "DynamicSegmenter": "ncpctl.model.designs.dynamic.module",
+    "Coupling": "ncpctl.model.core.coupling",
+    "Residual": "ncpctl.model.core.layers",
+    "Block": "ncpctl.model.core.layers",
+    "Context": "ncpctl.model.core.layers",
+    "Stack": "ncpctl.model.core.layers",
+    "Intervention": "ncpctl.model.core.interventions",
+    "CodeEdit": "ncpctl.model.core.interventions",
+    "AddToDecoderInput": "ncpctl.model.core.interventions",
+    "AddToResidual": "ncpctl.model.core.interventions",
+    "Objective": "ncpctl.model.core.objective",
+    "NextToken": "ncpctl.model.core.objective",
+    "Decoding": "ncpctl.model.core.objective",
+    "CachedDecoding": "ncpctl.model.core.objective",
+    "Pattern": "ncpctl.model.core.patterns",
+    "Causal": "ncpctl.model.core.patterns",
+    "BlockCausal": "ncpctl.model.core.patterns",
+    "Family": "ncpctl.model.families.base",
 }
 
 __all__ = ["SIZES", "BottleneckConfig", "ConceptConfig", "ConfigError", "ModelConfig", "SegmentationLaw", "build_config", "register",

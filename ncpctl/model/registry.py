@@ -10,7 +10,10 @@ never imports a module it names (issue 21). A segmentation also declares its ``S
 instead of assuming a fixed k. A design that declares ``options`` (a dataclass of ``option``
 fields, config_base.py) gets the recipe keys ``model.options.NAME.KEY``.
 
-Stdlib only, like every config module: copied verbatim into exported Hugging Face directories.
+The built-in strategies, laws, costs, training hooks and config sections are derived from the
+built-in designs' records (``DesignSpec``, core/config_base.py), one line of ``DESIGNS`` each.
+
+Stdlib only, like every config module: copied into exported Hugging Face directories.
 """
 
 from __future__ import annotations
@@ -20,32 +23,58 @@ import contextvars
 import dataclasses
 from typing import Any
 
-from .config_base import ConfigError, SegmentationLaw
-from .config_dynamic import DYNAMIC
+from ncpctl.model.core.config_base import ConfigError, DesignSpec, SegmentationLaw
 
-# Fixed blocks of k tokens (ConceptLM): a trailing partial block is not pooled.
-FIXED_BLOCKS = SegmentationLaw(concepts=lambda c, T: T // c.k, tokens_per_concept=lambda c: float(c.k),
-                               length_key="k", pools_any_width=True)
+# The built-in designs: one registration line each, the import path of the record (a ``DesignSpec``)
+# its room declares. Everything below is derived from these records.
+DESIGNS: tuple[str, ...] = (
+    ".core.spec:BASE",
+    ".families.spec:SPEC",
+    ".designs.causal_diffusion.spec:SPEC",
+    ".designs.bottleneck.spec:SPEC",
+    ".designs.mup.spec:SPEC",
+    ".designs.mtp.spec:SPEC",
+    ".designs.residual.spec:SPEC",
+    ".designs.dynamic.spec:SPEC",
+    ".designs.cross_attention.spec:SPEC",
+    ".core.spec:CONCEPT",
+    ".core.spec:DOCUMENTS",
+    ".designs.drafter.spec:SPEC",
+)
+KINDS = ("segmentation", "coupling", "residual", "objective", "backbone")  # the extension points
 
 # Names of the extension points' strategies: name -> a class, a "module:attr" import path
 # (relative paths are resolved in this package) or, for segmentations, also its law.
-STRATEGIES: dict[str, dict[str, Any]] = {
-    "segmentation": {"fixed": ".segment:FixedBlocks", "dynamic": ".dynamic:DynamicSegmenter"},
-    "coupling": {"add": ".coupling:AddCoupling", "cross_attention": ".coupling:CrossAttentionCoupling"},
-    "residual": {"plain": ".layers:PlainResidual", "irc": ".residual:IRC", "block_attnres": ".residual:BlockAttnRes"},
-    "objective": {"next_token": ".objective:NextToken", "causal_diffusion": ".diffusion:CausalDiffusion"},
-    # backbone families (family.py): one module each
-    "backbone": {"neox": ".family_neox:NeoX", "llama": ".family_llama:Llama", "gpt2": ".family_gpt2:GPT2"},
-}
-LAWS: dict[str, SegmentationLaw] = {"fixed": FIXED_BLOCKS, "dynamic": DYNAMIC}
-# The cost model of the built-in strategies with matmuls of their own (accounting.py): torch-free
+STRATEGIES: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
+LAWS: dict[str, SegmentationLaw] = {}
+# The cost model of the built-in strategies with matmuls of their own (accounting): torch-free
 # classes in the design's config module. A registered class carries its own as the attribute ``cost``.
-COSTS: dict[tuple[str, str], str] = {
-    ("segmentation", "dynamic"): ".config_dynamic:Cost",
-    ("coupling", "cross_attention"): ".config_coupling:Cost",
-    ("residual", "irc"): ".config_residual:IrcCost",
-    ("residual", "block_attnres"): ".config_residual:AttnResCost",
-}
+COSTS: dict[tuple[str, str], str] = {}
+HOOKS: list[str] = []  # the built-in designs' training hooks, in the order they run (ncpctl.train.hooks)
+SPECS: list[DesignSpec] = []
+
+
+def sections(where: str) -> tuple[type, ...]:
+    """The config sections the built-in designs declare at ``where`` ("model" or "concept"), in order:
+    the bases of ``ModelConfig`` / ``ConceptConfig``."""
+    return tuple(c for spec in SPECS for c in getattr(spec, f"{where}_sections"))
+
+
+def derive() -> None:
+    """(Re)build the tables above from the records ``DESIGNS`` names (in place: their importers keep
+    the same objects; strategies registered at run time stay)."""
+    SPECS[:] = [_load(target) for target in DESIGNS]
+    names = [spec.name for spec in SPECS]
+    if len(set(names)) != len(names):
+        raise ValueError(f"registry.DESIGNS: a design is registered twice: {names}")
+    for spec in SPECS:
+        if not isinstance(spec, DesignSpec):
+            raise TypeError(f"registry.DESIGNS: {spec!r} is not a DesignSpec")
+        for kind, table in spec.strategies.items():
+            STRATEGIES[kind].update(table)
+        LAWS.update(spec.laws)
+        COSTS.update(spec.costs)
+    HOOKS[:] = [h for spec in SPECS for h in spec.hooks]
 
 
 def register(kind: str, name: str, cls: Any = None) -> Any:
@@ -155,6 +184,24 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(module, package=__package__ if module.startswith(".") else None), attr)
 
 
+_FAMILIES: dict[Any, Any] = {}
+
+
+def family(name: str) -> Any:
+    """The backbone family ``name`` (a ``Family``, families/base.py): a registered name or
+    ``package.module:Class`` (one instance per class). A ``ConfigError`` names an unknown family or a
+    class that is not a ``Family``. Here, below the families and the layers that ask it, so that
+    neither imports the other's module to find one."""
+    if not isinstance(name, str):
+        raise ConfigError([("backbone", f"must be a name, got {name!r}")])
+    cls = strategy("backbone", name)
+    if cls not in _FAMILIES:
+        if not (isinstance(cls, type) and getattr(cls, "is_family", False) is True):
+            raise ConfigError([("backbone", f"{name!r}: {cls!r} is not a Family subclass (ncpctl.model.families.base)")])
+        _FAMILIES[cls] = cls()
+    return _FAMILIES[cls]
+
+
 def segmentation_law(name: str) -> SegmentationLaw:
     """The law of segmentation ``name`` (a class named by import path declares it as ``law``)."""
     if name not in LAWS:
@@ -229,3 +276,6 @@ def design_cost(kind: str, name: str) -> Any:
             return None  # a built-in without a cost model: nothing of its own to count
         return getattr(strategy(kind, name), "cost", None)
     return _load(target)
+
+
+derive()

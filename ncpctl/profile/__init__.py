@@ -3,7 +3,7 @@
 Sections (each a function returning a JSON-ready dict; ``run.profile`` runs the chosen ones):
 
 * ``accounting``: parameters by component and training FLOPs per token / per step for the
-  recipe and its base and PM siblings, paper view and exact view (``ncpctl.model.accounting``).
+  recipe and its base and PM siblings, paper view and exact view (``ncpctl.model.accounting.flops``).
 * ``kernels``: timed micro-benchmarks (token vs concept layer, SDPA backends, the concept
   path's pooling/heads/codebook, the DLCM cross-attention trick over a grid).
 * ``step``: one full training step (fwd+bwd+AdamW), achieved FLOP/s vs a measured GEMM peak

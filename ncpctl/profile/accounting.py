@@ -9,7 +9,7 @@ Siblings (spec section 6, ConceptLM's three-way comparison):
 
 Each gets the paper view (ConceptLM App. C formula, concept layers at their own width
 ``d_concept``) and the exact view (real shapes, matmul FLOPs; attention counted in full, the one
-convention of budgets, fits and MFU: ``ncpctl.model.accounting.FLOP_CONVENTION``, with the
+convention of budgets, fits and MFU: ``ncpctl.model.accounting.flops.FLOP_CONVENTION``, with the
 causal-mask count, what flash kernels compute, under ``*_causal`` keys) side by side, plus its
 share of compute in the concept path. Pure arithmetic on the config apart from the parameter count, which
 builds the model on the meta device.
@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ncpctl.model.accounting import (FLOP_CONVENTION, at_realised_ratio, count_parameters, exact_flops, paper_flops,
+from ncpctl.model.accounting.flops import (FLOP_CONVENTION, at_realised_ratio, count_parameters, exact_flops, paper_flops,
                                      saving, tokens_per_concept)
-from ncpctl.model.accounting_memory import activation_memory
-from ncpctl.model.config import ConfigError, ModelConfig
+from ncpctl.model.accounting.memory import activation_memory
+from ncpctl.model.core.config import ConfigError, ModelConfig
 
 VARIANTS = ("recipe", "base", "pm")
 
@@ -99,7 +99,7 @@ def accounting_section(cfg: ModelConfig, seq_len: int, micro_batch: int = 1, glo
                        precision: str = "bf16") -> dict[str, Any]:
     """Paper and exact FLOPs, parameters, savings of ``recipe`` vs ``base`` and ``pm``.
     ``realised_ratio``: the recipe's dynamic segmentation costed at this measured tokens per
-    concept instead of its target R (``ncpctl.model.accounting.at_realised_ratio``); ``precision``
+    concept instead of its target R (``ncpctl.model.accounting.flops.at_realised_ratio``); ``precision``
     (fp32, bf16, fp16): the activations' dtype for the activation memory."""
     law = cfg.law  # a data-dependent segmentation is costed at its target tokens per concept (DLCM's R)
     target = law.tokens_per_concept(cfg.concept) if law is not None and law.variable_length else None

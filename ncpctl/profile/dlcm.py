@@ -15,7 +15,7 @@ def models(recipe: Path, d: int):
     and ``token`` (DLCM's encoder + decoder layers only). Random weights, seed 0."""
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe import load_recipe
 
     sets = [f"model.d_model={d}", f"model.concept.d_concept={2 * d}", f"model.n_heads={max(1, d // 64)}",

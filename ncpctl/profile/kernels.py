@@ -9,7 +9,7 @@
   heads + codebook (one Linear, one einsum), the causal shift, the nearest-code search.
 * ``dlcm``: DLCM's token -> concept attention (DLCM Table 6), the model's two declared forms
   (ncp-model.md section 8, ``concept.cross_attention``) as the model runs them
-  (``ncpctl.model.coupling``), on the same queries, concepts and irregular segments: token t
+  (``ncpctl.model.designs.cross_attention.module``), on the same queries, concepts and irregular segments: token t
   sees the concepts of the segments closed at t, never its own. ``per_concept``: queries
   (B,H,T,hd) against the M closed concepts' keys with a boolean (T, M) mask, each concept once;
   ``replicated``: concept j's K/V copied onto the tokens of segment j+1 and one plain causal
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ncpctl.model.config import ConfigError, ModelConfig
+from ncpctl.model.core.config import ConfigError, ModelConfig
 from ncpctl.profile.timing import measure
 
 GPU_GRID = {"seq_len": [2048, 4096, 8192, 16384], "hidden": [1024, 2048, 4096], "head_dim": 128}
@@ -47,8 +47,8 @@ def _fwd_bwd(fn, inputs):
 def layer_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, repeats: int) -> list[dict[str, Any]]:
     import torch
 
-    from ncpctl.model.accounting import _stack_flops
-    from ncpctl.model.layers import Block, Context
+    from ncpctl.model.accounting.flops import _stack_flops
+    from ncpctl.model.core.layers import Block, Context
 
     blk = Block(cfg).to(device=device, dtype=dtype)
     rows = []
@@ -102,7 +102,7 @@ def sdpa_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, repe
 def concept_rows(cfg: ModelConfig, B: int, T: int, device, dtype, warmup: int, repeats: int) -> list[dict[str, Any]]:
     import torch
 
-    from ncpctl.model.concept import ConceptModule, nearest_code
+    from ncpctl.model.core.concept import ConceptModule, nearest_code
 
     cfg = _with_concept(cfg)
     cm = ConceptModule(cfg).to(device=device, dtype=dtype)
@@ -164,12 +164,12 @@ def _segments(T: int, mean_len: int, gen) -> list[int]:
 
 
 def dlcm_rows(grid: dict[str, Any], k: int, device, dtype, warmup: int, repeats: int) -> list[dict[str, Any]]:
-    """The model's own two attention kernels (``ncpctl.model.coupling.per_concept_attention`` and
+    """The model's own two attention kernels (``ncpctl.model.designs.cross_attention.module.per_concept_attention`` and
     ``replicated_attention``, what ``CrossAttentionCoupling`` runs in a forward) on the same
     queries, concepts and irregular segments, forward, over the grid."""
     import torch
 
-    from ncpctl.model.coupling import per_concept_attention, replicated_attention
+    from ncpctl.model.designs.cross_attention.module import per_concept_attention, replicated_attention
 
     gen = torch.Generator().manual_seed(0)
     hd = grid["head_dim"]
@@ -206,7 +206,7 @@ def kernels_section(cfg: ModelConfig, seq_len: int, batch: int, device, dtype, w
     dev = torch.device(device)
     if grid is None:
         grid = GPU_GRID if dev.type == "cuda" else CPU_GRID
-    from ncpctl.model.accounting import tokens_per_concept
+    from ncpctl.model.accounting.flops import tokens_per_concept
 
     k = tokens_per_concept(_with_concept(cfg))
     rows = layer_rows(cfg, batch, seq_len, dev, dtype, warmup, repeats)

@@ -31,7 +31,7 @@ def load_for_profile(path: str, sets: Iterable[str] = (), world_size: int | None
                      drop_missing_sets: bool = False):  # -> (Recipe, notes)
     """``drop_missing_sets``: a ``--set`` of a file key whose file is missing is dropped too (a
     sweep's ``--dry`` lists points whose shared data is tokenized later); otherwise it wins."""
-    from ncpctl.model.config import build_config
+    from ncpctl.model.core.config import build_config
     from ncpctl.recipe import load_recipe
 
     sets = list(sets)

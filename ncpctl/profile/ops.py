@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable
 
-from ncpctl.model.config import ConfigError, ModelConfig
+from ncpctl.model.core.config import ConfigError, ModelConfig
 
 # launch nothing: allocation without initialisation, autograd-only aliases
 _FREE = ("_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
@@ -96,7 +96,7 @@ def decode_step_ops(cfg: ModelConfig, batch: int, prompt: int, seed: int = 0) ->
     warm-up step), CPU fp32, eval mode."""
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     torch.manual_seed(seed)
     model = NCPModel(cfg).eval()
@@ -146,7 +146,7 @@ def per_layer(design: dict[str, Any], plain: dict[str, Any]) -> dict[str, float]
 
 def _causal(cfg: ModelConfig) -> bool:
     """Whether the model decodes on KV caches (its objective is causal)."""
-    from ncpctl.model.config import strategy
+    from ncpctl.model.core.config import strategy
 
     return bool(strategy("objective", cfg.objective).causal)
 

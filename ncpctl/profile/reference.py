@@ -76,7 +76,7 @@ class RefGPT(nn.Module):
     def from_ncp(cls, model: nn.Module) -> "RefGPT":
         """The same function as ``model``, an ncpctl base model (no concept path, plain residual, no
         bottleneck) of the neox family with fused [q; k; v] rows, parallel pre-norm blocks, biases."""
-        from ncpctl.model.layers import MLP, PlainResidual
+        from ncpctl.model.core.layers import MLP, PlainResidual
 
         cfg = model.cfg
         blocks = model.token_layers()

@@ -1,7 +1,7 @@
 """``step`` section: one full training step (fwd + bwd + AdamW) of the recipe's model.
 
 Achieved FLOP/s = exact training FLOPs of the micro-batch (attention counted in full, the MFU
-convention of the training loop: ``ncpctl.model.accounting.FLOP_CONVENTION``; the causal-mask count
+convention of the training loop: ``ncpctl.model.accounting.flops.FLOP_CONVENTION``; the causal-mask count
 beside it as ``training_flops_causal``) / median step time. The denominator of the ratio: on a GPU
 the known dense bf16 peak of the device (MFU), on a CPU the measured rate of a square fp32
 GEMM on the same threads (what the cores can do on the model's dominant operation).
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ncpctl.model.accounting import FLOP_CONVENTION, exact_flops
-from ncpctl.model.config import ModelConfig
+from ncpctl.model.accounting.flops import FLOP_CONVENTION, exact_flops
+from ncpctl.model.core.config import ModelConfig
 from ncpctl.profile.timing import gemm_peak, known_bf16_peak, measure
 
 
@@ -96,7 +96,7 @@ def make_step(cfg: ModelConfig, batch: int, seq_len: int, device, dtype, seed: i
     """(model, step_fn): a random-token batch; the step is fwd + bwd + AdamW + zero_grad."""
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     torch.manual_seed(seed)
     model = NCPModel(cfg).to(device)

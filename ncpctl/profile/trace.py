@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ncpctl.fsutil import atomic_write_with
-from ncpctl.model.config import ModelConfig
+from ncpctl.model.core.config import ModelConfig
 from ncpctl.profile.step import make_step
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ncpctl.errors import UserError
-from ncpctl.model.config import ConfigError, ModelConfig, build_config
+from ncpctl.model.core.config import ConfigError, ModelConfig, build_config
 
 Problem = tuple[str, str]  # (key path, message)
 
@@ -20,7 +20,7 @@ def init_from_model(train: Any, problems: list[Problem]) -> ModelConfig | None:
     if train is None or not train.init_from:
         return None
     from ncpctl.checkpoint import read_meta, resolve
-    from ncpctl.model.config import UNTRUSTED, from_checkpoint
+    from ncpctl.model.core.config import UNTRUSTED, from_checkpoint
 
     try:
         path = resolve(train.init_from)
@@ -33,7 +33,7 @@ def init_from_model(train: Any, problems: list[Problem]) -> ModelConfig | None:
         return None
 
 
-# the HF model types ncpctl.model.hf.config_from_hf converts (checked first: it reads
+# the HF model types ncpctl.model.families.hf.config_from_hf converts (checked first: it reads
 # attributes such as intermediate_size that other configs, GPT-2's, do not have)
 def init_from_hf(train: Any) -> bool:
     if train is None or not train.init_from:
@@ -60,7 +60,7 @@ def hf_init_config(model: Any, directory: str, problems: list[Problem]) -> Model
         return None
     from transformers import AutoConfig  # only here: loading any other recipe stays light
 
-    from ncpctl.model.hf import config_from_hf, hf_model_types
+    from ncpctl.model.families.hf import config_from_hf, hf_model_types
 
     try:
         hf = AutoConfig.from_pretrained(str(directory), local_files_only=True)

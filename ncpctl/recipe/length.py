@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from ncpctl.errors import UserError
-from ncpctl.model.config import ModelConfig
+from ncpctl.model.core.config import ModelConfig
 
 Problem = tuple[str, str]  # (key path, message)
 
@@ -57,7 +57,7 @@ def warmup_steps(steps: int | None, fraction: float, max_steps: int) -> int:
 
 def _no_concept_fits(cfg: Any, seq: int) -> tuple[str, str]:
     """The problem of a segmentation that closes no concept in train.seq_len tokens."""
-    from ncpctl.model.config import segmentation_law
+    from ncpctl.model.core.config import segmentation_law
 
     c = cfg.concept
     key = segmentation_law(c.segmentation).length_key
@@ -98,7 +98,7 @@ def _resolve_budget(train: Any, cfg: ModelConfig | None, seq: int | None, batch:
     elif key == "max_tokens":
         per, unit = batch * seq, f" tokens = global_batch_size {batch} x seq_len {seq}"
     else:
-        from ncpctl.model.accounting import training_flops_per_step
+        from ncpctl.model.accounting.flops import training_flops_per_step
 
         per = training_flops_per_step(cfg, seq, batch)
         unit = f" training FLOPs, attention counted in full, at global_batch_size {batch} x seq_len {seq}"

@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ncpctl.errors import UserError
-from ncpctl.model.config import ConfigError, ModelConfig, build_config, deep_merge
+from ncpctl.model.core.config import ConfigError, ModelConfig, build_config, deep_merge
 from ncpctl.recipe.init_from import hf_init_config, init_from_hf, init_from_model
 from ncpctl.recipe.length import Budget, Problem, check_train, warmup_steps
 from ncpctl.recipe.reuse import expand_from_run
@@ -82,9 +82,9 @@ class Recipe:
 
     def flops_per_step(self, trainable: dict[str, int] | None = None, realised_ratio: float | None = None) -> int:
         """Training FLOPs of one optimizer step of this recipe (its model, seq_len and global batch):
-        ``ncpctl.model.accounting.training_flops_per_step``; every weight trains unless ``trainable``
+        ``ncpctl.model.accounting.flops.training_flops_per_step``; every weight trains unless ``trainable``
         (name -> element count) says which do; ``realised_ratio``: a measured tokens per concept."""
-        from ncpctl.model.accounting import training_flops_per_step
+        from ncpctl.model.accounting.flops import training_flops_per_step
 
         return training_flops_per_step(self.model_config, self.seq_len, self.global_batch_size,
                                        trainable=trainable, realised_ratio=realised_ratio)

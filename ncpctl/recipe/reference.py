@@ -69,7 +69,7 @@ def _option_rows() -> list[str]:
 
 def render() -> str:
     out = ["# Recipe reference", "",
-           "Generated from `ncpctl/recipe/schema.py` and `ncpctl/model/config.py` by "
+           "Generated from `ncpctl/recipe/schema.py` and `ncpctl/model/core/config.py` by "
            "`python -m ncpctl.recipe.reference`; do not edit by hand.", "",
            "Precedence: defaults < recipe YAML (a child over what it `extends:`) < `--set KEY.PATH=VALUE`.", ""]
     for section, model in SECTIONS.items():

@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from ncpctl.model.config import BottleneckConfig, ConceptConfig, DiffusionConfig, ModelConfig
+from ncpctl.model.designs.bottleneck.config import BottleneckConfig
+from ncpctl.model.core.config import ConceptConfig, ModelConfig
+from ncpctl.model.designs.causal_diffusion.config import DiffusionConfig
 
 
 class Section(BaseModel):
@@ -174,13 +176,13 @@ _ModelOverrides = _model_section(ModelConfig, "_ModelOverrides",
 def design_options() -> list[tuple[str, str, type]]:
     """(name, extension point, options dataclass) of every registered design that declares recipe
     keys (``options``, ncpctl.model.register), in registration order."""
-    from ncpctl.model.config import OPTIONS
+    from ncpctl.model.core.config import OPTIONS
 
     return [(name, kind, options) for name, (kind, options) in OPTIONS.items()]
 
 
 class ModelSection(_ModelOverrides):  # type: ignore[valid-type,misc]
-    size: str = Field("debug", description="Named size (see `ncpctl.model.config.SIZES`); every other key "
+    size: str = Field("debug", description="Named size (see `ncpctl.model.core.config.SIZES`); every other key "
                       "overrides it. `vocab_size` defaults to the tokenizer's.")
 
 
@@ -200,7 +202,7 @@ class LoraSection(Section):
 class DrafterSection(Section):
     k: int = Field(8, gt=0, description="Setting train.drafter makes `ncpctl train-drafter` train the block-parallel "
                    "drafter of NCP-ArchPreview Sec. 5.3 against the frozen target train.init_from "
-                   "(ncpctl.model.drafter): K, the tokens it proposes per round (its block size).")
+                   "(ncpctl.model.designs.drafter.module): K, the tokens it proposes per round (its block size).")
     layers: Optional[list[Annotated[int, Field(ge=0)]]] = Field(
         None, description="Target token layers whose outputs the drafter mixes; null = five spread evenly (the report's).")
     n_layers: int = Field(2, gt=0, description="Draft transformer layers (the target's width, heads and FFN).")
@@ -241,7 +243,7 @@ class TrainSection(Section):
         "resolved steps and the budget are in every checkpoint's ncpctl.json and the `--json` summary (`budget`).")
     max_flops: Optional[float] = Field(
         None, gt=0, description="A compute budget instead of max_steps: max_steps = floor(max_flops / F), F the exact "
-        "training FLOPs of one optimizer step (`ncpctl.model.accounting.exact_flops`: matmuls with the real shapes, "
+        "training FLOPs of one optimizer step (`ncpctl.model.accounting.flops.exact_flops`: matmuls with the real shapes, "
         "forward and backward, the MFU numerator; `ncpctl fit` counts a run's compute the same way). A stage that freezes weights (adapt-vq, LoRA) "
         "counts the backward it really does; a learned segmentation (DLCM) is planned at its target R, and the summary "
         "adds the FLOPs at the tokens per concept it realised (`budget.flops_realised`).")

@@ -1,7 +1,7 @@
 """The exact training cost of a family's shapes, and a fitted law's compute-optimal frontier under it.
 
 A point's compute is C = c(N) · D: c(N) the exact training FLOPs per token of its shape (full
-attention counted, ``ncpctl.model.accounting.FLOP_CONVENTION``). C / (N D) is not one constant per
+attention counted, ``ncpctl.model.accounting.flops.FLOP_CONVENTION``). C / (N D) is not one constant per
 family: the LM head, attention and a concept path cost per token what N alone does not say (the
 tiny study's shapes span 4.60-5.96 for the base, 4.28-5.16 for ConceptLM). ``Cost`` keeps c at
 each sampled shape (the median C / D of its points), interpolates it between the shapes in log-log

@@ -1,7 +1,7 @@
 """Scaling-law analyses of a set of runs (``ncpctl fit``): IsoFLOP parabolas, the joint law per
 family with bootstrap intervals, compute multipliers between two families, an extrapolation check.
 
-Compute is counted one way everywhere (``ncpctl.model.accounting.FLOP_CONVENTION``: every
+Compute is counted one way everywhere (``ncpctl.model.accounting.flops.FLOP_CONVENTION``: every
 attention score, as budgets and MFU count it), and each family's shapes at their exact cost per
 token (``ncpctl.study.cost``): C / (N D) is not one constant per family.
 
@@ -239,7 +239,7 @@ def extrapolation(points: list[Point], opts: FitOptions) -> dict[str, Any]:
 
 def analyse(points: list[Point], opts: FitOptions, rng: np.random.Generator | None = None) -> dict[str, Any]:
     """Every analysis the points allow, as one JSON-able report (see the module docstring)."""
-    from ncpctl.model.accounting import FLOP_CONVENTION
+    from ncpctl.model.accounting.flops import FLOP_CONVENTION
 
     rng = rng if rng is not None else np.random.default_rng(opts.seed)
     values(points, opts.metric)  # an unknown metric is refused before any fit

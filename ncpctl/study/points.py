@@ -9,7 +9,7 @@ Two inputs:
   settings ``lr``, ``lr_token``, ``lr_concept``, ``width`` and ``concept_width`` (the muP transfer
   view's, ``ncpctl.study.transfer``), and any number of metric columns (``loss`` and others);
 * run directories of ``ncpctl pretrain`` (or a directory holding them, e.g. a sweep's): N is the model's parameter count
-  (``ncpctl.model.accounting.count_parameters``, tied weights once), D the tokens of the last
+  (``ncpctl.model.accounting.flops.count_parameters``, tied weights once), D the tokens of the last
   training record of ``metrics.jsonl``, C the exact training FLOPs of those steps
   (``Recipe.flops_per_step()`` times the steps; a dynamic segmentation's at the
   mean tokens per concept its training records logged, not at the target R), the metrics those of the last
@@ -178,7 +178,7 @@ def family_of(run: Path) -> str:
 
 def read_run(run: Path, family_from_parent: bool = False) -> Point:
     """The point of one ``ncpctl pretrain`` run directory (see the module docstring)."""
-    from ncpctl.model.accounting import count_parameters
+    from ncpctl.model.accounting.flops import count_parameters
     from ncpctl.recipe.load import load_recipe
     from ncpctl.study.run_columns import run_columns
     from ncpctl.train.metrics import METRICS, records

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ncpctl.fsutil import atomic_write
-from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 from ncpctl.study.cost import Cost
 from ncpctl.study.law import Law
 from ncpctl.study.points import Point, values

@@ -23,7 +23,7 @@ def run_columns(run: Path, recipe: Any, params: Any, steps: int, tokens: float,
     """The columns above of run directory ``run`` (its point's settings, beside its validation metrics).
     ``params``: its ``count_parameters``; ``steps`` and ``tokens``: what its last training record says;
     ``ratio``: its realised R."""
-    from ncpctl.model.accounting import TRAIN_MULTIPLIER, exact_flops
+    from ncpctl.model.accounting.flops import TRAIN_MULTIPLIER, exact_flops
 
     cfg = recipe.model_config
     comps = params.components

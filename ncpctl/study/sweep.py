@@ -112,7 +112,7 @@ class Sweep:
 
 
 def _fail(path: Path, msg: str) -> UserError:
-    return UserError(f"{path}: {msg}", hint="see the sweep file format in `ncpctl sweep --help` or the README")
+    return UserError(f"{path}: {msg}", hint="see the sweep file format in `ncpctl sweep --help` or docs/scaling.md")
 
 
 def _key_list(path: Path, section: str, raw: Any) -> dict[str, list[Any]]:

@@ -94,7 +94,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
 
 
 def _with_defaults(saved: dict[str, Any], where: Path) -> dict[str, Any]:
-    from ncpctl.model.config import ConfigError, ModelConfig, from_checkpoint
+    from ncpctl.model.core.config import ConfigError, ModelConfig, from_checkpoint
 
     try:
         with from_checkpoint(where):  # imports no strategy only the checkpoint names

@@ -49,7 +49,7 @@ def compile_blocks(model: nn.Module, zero_stage: int, on_gpu: bool, warn: Callab
     sets ``compile_region`` (the depth mixers), in place with ``backend`` (before
     ``deepspeed.initialize``: at ZeRO-3 each becomes a leaf of its parameter hooks); returns how
     many, or 0 after one ``warn`` line when ``why_not`` says it cannot."""
-    from ncpctl.model.layers import Stack
+    from ncpctl.model.core.layers import Stack
 
     reason = why_not(on_gpu, backend)
     if reason is not None:

@@ -10,7 +10,7 @@
   in ``attn.qkv``; gate, up in a SwiGLU ``mlp.fc``), each orthogonalised on its own;
   ``ncpctl.train.muon.MuonAdamW`` is the optimizer.
 * decoupled muP (``model.mup_base_width``, DLCM Sec. 6.1): the hidden matrices of the token and
-  the concept module (``ncpctl.model.mup``) get groups of their own whose ``lr_mult`` and
+  the concept module (``ncpctl.model.designs.mup.module``) get groups of their own whose ``lr_mult`` and
   ``eps_mult`` (1/s of the module) ``apply_mup`` turns into the group's lr and AdamW epsilon,
   from the module's base rate (``base_lrs``: Sec. 6.1.1's eta_base_token, eta_base_concept and
   eta_base_others = ``train.mup_lr_token``, ``mup_lr_concept``, ``lr``).
@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ncpctl.errors import UserError
-from ncpctl.model.config import deep_merge
+from ncpctl.model.core.config import deep_merge
 from ncpctl.recipe.length import warmup_steps
 from ncpctl.recipe.load import Recipe
 
@@ -154,7 +154,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float, muon: bool = False
     it: the group's lr (and so the LambdaLR schedule, which multiplies each group's initial lr) is
     the module's base rate / s (``apply_mup``) and its AdamW epsilon train.eps / s. Every other group
     keeps lr_mult 1 and train.lr."""
-    from ncpctl.model.mup import hidden_linears
+    from ncpctl.model.designs.mup.module import hidden_linears
 
     exempt = {id(p) for m in model.modules() if getattr(m, "no_weight_decay", False) for p in m.parameters()}
     hidden = {id(p) for p in muon_matrices(model).values()} if muon else set()

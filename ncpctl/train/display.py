@@ -27,7 +27,7 @@ def _short(key: str) -> str:
 def term_text(rec: dict[str, Any], key: str, fmt: str = ".4f") -> str:
     """``ncp 184.1000 (rel 1.012)``: a loss term, with its relative figure when the record has one
     (``{term}_rel``, e.g. the NCP term over its targets' nearest codes': the term's level is the
-    codebook's reach, which grows with the targets' norm; ``ncpctl.model.concept``)."""
+    codebook's reach, which grows with the targets' norm; ``ncpctl.model.core.concept``)."""
     rel = rec.get(_short(key) + "_rel")
     return f"{_short(key)} {rec[key]:{fmt}}" + (f" (rel {rel:.3f})" if isinstance(rel, (int, float)) else "")
 
@@ -47,7 +47,7 @@ def estimate_terms(rec: dict[str, Any]) -> list[str]:
 def detection_line(val: dict[str, Any]) -> str:
     """The bottleneck's held-out detection in words: the macro AUC with its interval and the concepts
     it covers, and the pooled AUC never without its input-free base rate
-    (``ncpctl.model.bottleneck.concept_auc``)."""
+    (``ncpctl.model.designs.bottleneck.module.concept_auc``)."""
     n = val["concept_auc_concepts"] + val["concept_auc_skipped"]
     return (f"concept AUC {val['concept_auc']:.3f} [{val['concept_auc_low']:.3f}, {val['concept_auc_high']:.3f}] "
             f"(macro over {val['concept_auc_concepts']}/{n} concepts; pooled {val['concept_auc_pooled']:.3f}, "

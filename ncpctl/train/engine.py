@@ -42,7 +42,7 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
     os.environ["DS_ACCELERATOR"] = "cpu"
 
 from ncpctl.errors import UserError
-from ncpctl.model.head import liger_loss
+from ncpctl.model.core.head import liger_loss
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.config import base_lrs, deepspeed_config, lr_schedule, make_optimizer, param_groups, use_bf16
 from ncpctl.train.recompute import apply_activation_checkpointing
@@ -199,7 +199,7 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable
         info("precision: bf16" + (" (DeepSpeed's BF16_Optimizer: fp32 masters and gradient accumulation)"
                                   if type(engine.optimizer).__name__ == "BF16_Optimizer" else ""))
     if on_gpu and info is not None and liger_loss() is not None:
-        info("LM head loss: Liger Kernel's fused linear cross-entropy (ncpctl.model.head.USE_LIGER)")
+        info("LM head loss: Liger Kernel's fused linear cross-entropy (ncpctl.model.core.head.USE_LIGER)")
     return engine, bf16
 
 

@@ -3,7 +3,7 @@
 A design whose training needs more than its forward (data beside the tokens, a metric that must
 see every rank's validation at once, something to write into the checkpoint or plot) subclasses
 ``DesignHooks``, overrides the methods it needs (every one has a do-nothing default) and is
-listed in ``BUILTIN`` or given to ``register_hooks``. For each run the loop builds the hooks of
+named by its ``DesignSpec`` (``BUILTIN``) or given to ``register_hooks``. For each run the loop builds the hooks of
 every design whose ``applies(recipe)`` holds and calls them at four points:
 
     prepare      ``loader_args(split, ds, info)``: extra ``WindowLoader`` arguments for the train
@@ -33,12 +33,12 @@ from typing import Any, Callable
 
 import torch
 
+from ncpctl.model.registry import HOOKS
 from ncpctl.recipe.load import Recipe
 
-# the shipped designs' hooks, "module:Class" (imported when a run starts), in the order they run
-BUILTIN = ["ncpctl.train.designs.bottleneck:BottleneckHooks", "ncpctl.train.designs.dynamic:DynamicHooks",
-           "ncpctl.train.designs.codebook:CodebookHooks", "ncpctl.train.designs.documents:DocumentHooks",
-           "ncpctl.train.designs.drafter:DrafterHooks"]
+# the shipped designs' hooks, "module:Class" (imported when a run starts), in the order they run: their
+# DesignSpecs' (ncpctl.model.registry.DESIGNS)
+BUILTIN = HOOKS
 _registered: list[type["DesignHooks"]] = []
 
 

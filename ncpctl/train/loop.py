@@ -42,7 +42,7 @@ import yaml
 from ncpctl import threads
 from ncpctl.checkpoint import check_latest, elastic_dir
 from ncpctl.errors import UserError
-from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 from ncpctl.profile.timing import device_peak
 from ncpctl.recipe.load import Recipe
 from ncpctl.train import checkpoint as ckpt, downstream, elastic, tracking
@@ -435,7 +435,7 @@ def _observe(run: _Run, out: Any) -> None:
 
 
 def flops_per_step(recipe: Recipe, stage: Stage, model: torch.nn.Module, realised_ratio: float | None = None) -> int:
-    """Training FLOPs of one optimizer step, the MFU numerator (``ncpctl.model.accounting``): 3x
+    """Training FLOPs of one optimizer step, the MFU numerator (``ncpctl.model.accounting.flops``): 3x
     forward when every weight trains; for a stage that freezes weights (adapt-vq, LoRA) the
     backward autograd really computes, from the parameters that require grad."""
     trainable = None if stage.freeze is None else {  # ZeRO-3 partitions: ds_numel is the full size

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ncpctl.model.outputs import LogKey
+from ncpctl.model.core.outputs import LogKey
 
 LOSS = "loss"  # the weighted total: the one key the loop itself reads (non-finite check, train_loss)
 

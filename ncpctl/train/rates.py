@@ -84,5 +84,5 @@ def slow_line(was: float, now: float) -> str:
     """The one-line hint: how much slower, the load, what to look at."""
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     return (f"steps now take {now / was:.1f}x as long as this run's first ones ({now:.3g} s against {was:.3g} s); "
-            f"load average {load:.1f} on {cores} cores: other processes are using them (README, \"The two "
-            "commands\": threads on a busy machine)")
+            f"load average {load:.1f} on {cores} cores: other processes are using them (docs/getting-started.md: "
+            "threads on a busy machine)")

@@ -35,7 +35,7 @@ _SUBCLASSES: dict[type, type] = {}
 
 
 def _is_cache(a: Any) -> bool:
-    from ncpctl.model.layers import KVCache, RowsCache
+    from ncpctl.model.core.layers import KVCache, RowsCache
 
     return isinstance(a, (KVCache, RowsCache))
 
@@ -61,7 +61,7 @@ def recomputed(cls: type) -> type:
 def checkpointed_modules(model: nn.Module, mode: str) -> list[nn.Module]:
     """The modules ``mode`` runs under checkpoint: the blocks of every stack (``full``) or their
     attention, cross-attention and MLP sub-layers (``selective``); none for ``none``."""
-    from ncpctl.model.layers import Stack
+    from ncpctl.model.core.layers import Stack
 
     if mode not in MODES:
         raise ValueError(f"activation checkpointing {mode!r}: one of {', '.join(MODES)}")

@@ -170,7 +170,7 @@ def _build_stage(recipe: Recipe, name: str, lora: Callable[[torch.nn.Module], No
 def build_model(recipe: Recipe, stage: Stage, *, fresh: bool, info: Callable[[str], None]) -> torch.nn.Module:
     """The model, seeded alike on every rank, with the stage's set-up: its first weights (a
     checkpoint or a Hugging Face directory; none when resuming), then what it freezes."""
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     t, cfg = recipe.train, recipe.model_config
     random.seed(t.seed)

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ncpctl import threads
-from ncpctl.model.accounting import FLOP_CONVENTION
+from ncpctl.model.accounting.flops import FLOP_CONVENTION
 
 
 def summary(run: Any, *, interrupted: bool, plots: list[str]) -> dict[str, Any]:

@@ -128,7 +128,7 @@ def _run_dir(root: Path, name: str, steps: int, loss: float, tokenizer_sha: str,
 def test_run_directories_give_exact_counts_and_refuse_mixed_tokenizers(tmp_path: Path) -> None:
     """N is the model's parameter count, D the tokens of the last training record, C the exact
     training FLOPs of those steps; runs of two tokenizers are refused."""
-    from ncpctl.model.accounting import count_parameters, exact_flops
+    from ncpctl.model.accounting.flops import count_parameters, exact_flops
     from ncpctl.recipe.load import load_recipe
     from ncpctl.study.points import read_points
 
@@ -168,7 +168,7 @@ def test_a_sweeps_points_are_of_the_sweeps_family(tmp_path: Path) -> None:
 def test_a_dlcm_run_is_costed_at_its_realised_tokens_per_concept(tmp_path: Path) -> None:
     """A dynamic segmentation's FLOPs are those of the concepts it made (the training records'
     tokens_per_concept), not of the target R."""
-    from ncpctl.model.accounting import exact_flops
+    from ncpctl.model.accounting.flops import exact_flops
     from ncpctl.recipe.load import load_recipe
     from ncpctl.study.points import read_run
 
@@ -184,7 +184,7 @@ def test_a_run_directory_gives_nonembedding_costs_epochs_and_its_concept_share(t
     """Issue 40 items 5b, 7b, 7c: a run directory's point carries N and C without the embeddings and the
     LM head, its epochs over the training split, and a concept path's R and P (DLCM's, for --dlcm: the
     realised tokens per concept, the concept transformer's share of the non-embedding parameters)."""
-    from ncpctl.model.accounting import count_parameters, exact_flops
+    from ncpctl.model.accounting.flops import count_parameters, exact_flops
     from ncpctl.recipe.load import load_recipe
     from ncpctl.study.points import read_run
 

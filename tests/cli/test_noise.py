@@ -19,7 +19,7 @@ def test_help_shows_no_type_beside_flags() -> None:
 
 
 def test_a_cut_prompt_ends_in_an_ellipsis() -> None:
-    from ncpctl.cli.inspect_cmd import _human_inputs, clip
+    from ncpctl.interpret.report_human import clip, human_inputs as _human_inputs
 
     prompt = "def main(argv):\n    parser = argparse.ArgumentParser(description='a long description')\n"
     rows = [{"position": i, "text": "x" * 40 if i == 0 else "y", "occlusion": 0.5 - i / 10, "ig": None} for i in range(3)]

@@ -337,7 +337,7 @@ def test_an_up_to_date_run_does_not_report_a_rate_as_measured_now():
     """Issue 28 item 8: a cached tokenize printed the old run's tokens/s as if it had just encoded."""
     from rich.console import Console
 
-    from ncpctl.cli.tokenize import _human
+    from ncpctl.data.tokenize_command import human as _human
 
     meta = {"splits": {"train": {"documents": 3, "tokens": 99}}, "dtype": "uint16", "tokens_per_second": 1234,
             "tokenizer": {"vocab_size": 512, "trained": True, "eod_id": 0}}

@@ -40,7 +40,7 @@ def _recipe(root: Path, concept: bool) -> Path:
 def _train(recipe: Path, data_from: Path | None) -> Path:
     from ncpctl.checkpoint import save_model_files
     from ncpctl.data.indexed import IndexedDataset
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe import load_recipe
 
     r = load_recipe(recipe)

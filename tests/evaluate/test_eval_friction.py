@@ -1,6 +1,6 @@
 """Evaluation friction a newcomer met (issue 46 item 7): an unreachable hub is asked once and each
 hub task then fails at once with its one line (it cost a minute of retries per task); the `ncp_*` tasks
-on a run trained on a data.mix of corpora say what they read, as the README says."""
+on a run trained on a data.mix of corpora say what they read, as docs/evaluation.md says."""
 
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ ROWS = ["import os\nimport sys\n\nfor name in os.listdir(sys.argv[1]):\n    prin
 def random_ckpt(request, tmp_path_factory) -> Path:
     """The committed tiny checkpoint's config and tokenizer with fresh random weights."""
     from ncpctl.checkpoint import save_model_files
-    from ncpctl.model.config import ModelConfig
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import ModelConfig
+    from ncpctl.model.core.model import NCPModel
 
     mc = json.loads((FIXTURE / "ncpctl.json").read_text())["model_config"]
     mc = {**mc, "max_seq_len": SEQ, "concept": {**mc["concept"], "enabled": request.param == "concept"}}

@@ -47,7 +47,7 @@ def test_a_cdlm_answers_with_its_elbo_on_the_continuation_after_a_clean_context(
     mean of --diffusion-samples estimates of its ELBO, the continuation scored (noised) and the
     context clean (LLaDA-style), the same estimate as ``diffusion_elbo.estimates`` with its noise
     key; Monte Carlo variance accounted per task; is_greedy the one-shot argmax check."""
-    from ncpctl.model.diffusion_elbo import estimates, one_shot_greedy
+    from ncpctl.model.designs.causal_diffusion.module import estimates, one_shot_greedy
 
     cfg = tiny("llama", objective="causal_diffusion", diffusion=dict(block_size=4, mask_id=1))
     lm = _lm(cfg)
@@ -78,7 +78,7 @@ def test_noised_context_beside_the_bound_per_task():
 
     from ncpctl.errors import UserError
     from ncpctl.evaluate.run import perplexity_summary
-    from ncpctl.model.diffusion_elbo import noised_estimates
+    from ncpctl.model.designs.causal_diffusion.module import noised_estimates
 
     cfg = tiny("llama", objective="causal_diffusion", diffusion=dict(block_size=4, mask_id=1))
     loaded = SimpleNamespace(model=build(cfg, scale=0.3), config=cfg, tokenizer=_Tok(), meta={}, path=Path("toy"))

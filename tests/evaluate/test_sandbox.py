@@ -122,7 +122,7 @@ def test_a_passing_program_leaves_no_process_behind(path, tmp_path):
 
 def test_the_network_is_out_of_reach_only_with_namespaces(path, tmp_path):
     """What each path contains: with namespaces the program has no network (not even this host's
-    loopback); the subreaper path leaves the network as it is (the README says so)."""
+    loopback); the subreaper path leaves the network as it is (docs/reliability.md says so)."""
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)

@@ -1,4 +1,4 @@
-"""Issue 25 item 2: the block-parallel drafter of NCP-ArchPreview Sec. 5.3 (ncpctl/model/drafter.py,
+"""Issue 25 item 2: the block-parallel drafter of NCP-ArchPreview Sec. 5.3 (ncpctl/model/designs/drafter/module.py,
 ncpctl/inference/block_drafter.py, the train-drafter stage): Eq. 26's zero gate starts as the
 baseline, greedy speculative decoding with it equals plain greedy, decoding feeds it the states it
 is trained on, its concept reads only the last complete block of the verified prefix, and a drafter
@@ -16,7 +16,7 @@ import torch
 from ncpctl.inference import SamplingParams, generate
 from ncpctl.inference.block_drafter import BlockDraftRunner, TargetTap, block_concepts, pool_blocks
 from ncpctl.inference.speculative import Speculative
-from ncpctl.model.drafter import BlockDrafter, DrafterConfig
+from ncpctl.model.designs.drafter.module import BlockDrafter, DrafterConfig
 from ncpctl.train.designs.drafter import DraftTraining
 
 from ..conftest import run_cli

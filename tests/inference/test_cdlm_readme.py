@@ -1,7 +1,7 @@
-"""Issue 43 item 4: the README's "Using the released models" commands for Steerling's tools (on a Causal
-Diffusion LM with a concept bottleneck) run verbatim, in process, on a test checkpoint of that kind: each
-``ncpctl`` line of the section's code block, with the run directory mapped to the checkpoint and
-``concept_labels.csv`` to a tiny local concept table."""
+"""Issue 43 item 4: the docs' "Using the released models" commands (docs/released-models.md) for
+Steerling's tools (on a Causal Diffusion LM with a concept bottleneck) run verbatim, in process, on a
+test checkpoint of that kind: each ``ncpctl`` line of the section's code block, with the run directory
+mapped to the checkpoint and ``concept_labels.csv`` to a tiny local concept table."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import shlex
 
 import pytest
 
-from ..conftest import REPO
+from ..docs_site import section
 from .test_cdlm_steer import cli
 
-SECTION = "### Steerling's tools: generation, steering, attribution, concept search"
+SECTION = "Steerling's tools: generation, steering, attribution, concept search"
 TABLE = """concept_id,concept_name,concept_description,head,is_steerable
 0,function definition,A def statement,known,true
 1,exception handling,try / except blocks and raise statements: handling errors,known,true
@@ -22,9 +22,7 @@ TABLE = """concept_id,concept_name,concept_description,head,is_steerable
 
 
 def readme_commands() -> list[list[str]]:
-    text = (REPO / "README.md").read_text()
-    body = text[text.index(SECTION) + len(SECTION):]
-    body = body[: re.search(r"\n##+ ", body).start()]  # to the next heading
+    body = section(SECTION)  # to the next heading of its level, on whichever page of the docs holds it
     block = re.search(r"```bash\n(.*?)```", body, re.S).group(1)
     return [shlex.split(line)[1:] for line in block.splitlines() if line.startswith("ncpctl ")]
 

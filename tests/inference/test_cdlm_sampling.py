@@ -87,7 +87,7 @@ def test_one_token_per_step_when_steps_equal_the_block_size(model):
     ps = prompts(6)  # 2 prompt tokens in its last block: 2 + 4 + 4 new tokens over 3 blocks
     ps[0][5] = MASK
     calls, commits = [], []
-    import ncpctl.model.block_sampler as bs  # the sampler (ncpctl.inference.causal_diffusion re-exports it)
+    import ncpctl.model.designs.causal_diffusion.sampler as bs  # the sampler (ncpctl.inference.causal_diffusion re-exports it)
 
     real = bs._commit
 

@@ -1,5 +1,5 @@
 """Issue 43 item 4: steering a Causal Diffusion LM's block-wise sampling as Steerling's generator does
-(ncpctl/model/block_sampler.py's ``steer`` hook, ``ncpctl.interpret.steer.BlockSteering``): the
+(ncpctl/model/designs/causal_diffusion/sampler.py's ``steer`` hook, ``ncpctl.interpret.steer.BlockSteering``): the
 vector at the still-[MASK] positions of every forward, after every layer from L on (``decoder.L+``),
 while the row's committed tokens lie in [start, start + length), and the ReLU logit penalty; the
 cached sampler equals the full recomputation under steering; ``generate --steer`` on a CDLM."""
@@ -13,7 +13,7 @@ import torch
 
 from ncpctl.inference import SamplingParams
 from ncpctl.interpret.steer import BlockSteering, SteerSpec, block_steering, resolve
-from ncpctl.model.block_sampler import _Cached, sample_blocks
+from ncpctl.model.designs.causal_diffusion.sampler import _Cached, sample_blocks
 
 from ..model._helpers import build, tiny
 
@@ -84,7 +84,7 @@ def test_positional_interventions_apply_in_every_forward_cached_or_not(model):
     """``generate(..., interventions=...)`` on a CDLM (refused before issue 43): an intervention by
     position applies to every slot each forward computes, so the cached sampler (a finished block's
     keys and values computed with it) equals the full recomputation."""
-    from ncpctl.model.interventions import AddToDecoderInput, AddToResidual
+    from ncpctl.model.core.interventions import AddToDecoderInput, AddToResidual
 
     v = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(2))
     ivs = [AddToDecoderInput(start=3, length=6, vector=v), AddToResidual(start=9, vector=-v, layer=1, rows=[1])]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from ncpctl.inference import SamplingParams
 from ncpctl.interpret import concept_table as CT, trace as TR
 from ncpctl.interpret.steer import SteerSpec, block_steering, resolve
-from ncpctl.model.block_sampler import sample_blocks
+from ncpctl.model.designs.causal_diffusion.sampler import sample_blocks
 
 from ..conftest import REPO
 

@@ -60,7 +60,7 @@ def test_each_snapshot_is_the_state_its_tokens_were_committed_in(model, steered_
 def sample_tokens(model, tr) -> list[int]:  # noqa: F811
     """The same generation through ncpctl.inference.generate's sampler (no trace)."""
     from ncpctl.interpret.steer import block_steering
-    from ncpctl.model.block_sampler import sample_blocks
+    from ncpctl.model.designs.causal_diffusion.sampler import sample_blocks
 
     p = SamplingParams(max_new_tokens=11, seed=5, steps_per_block=2)
     return sample_blocks(model, [tr.prompt], p, vocab_size=V, steer=block_steering([tr.steer]))[0]

@@ -12,7 +12,7 @@ import torch
 
 from ncpctl.inference import SamplingParams, cuda_graphs, generate
 from ncpctl.inference.cuda_graphs import GraphedSteps
-from ncpctl.model.interventions import AddToDecoderInput
+from ncpctl.model.core.interventions import AddToDecoderInput
 
 from ..model._helpers import build, ragged_batch, tiny
 

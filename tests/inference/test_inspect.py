@@ -112,7 +112,7 @@ def test_code_dictionary(lm):
     with torch.no_grad():
         ids = torch.cat(wins[4:])
         e = C.code_direction(model.concept.codebook(), s, n)
-        from ncpctl.model.interventions import AddToDecoderInput
+        from ncpctl.model.core.interventions import AddToDecoderInput
 
         plus = torch.log_softmax(model(ids, interventions=[AddToDecoderInput(vector=e)]).logits, -1).mean((0, 1))
         gain = plus - torch.log_softmax(model(ids).logits, -1).mean((0, 1))
@@ -153,7 +153,7 @@ def test_the_human_report_signs_the_remainder_names_the_target_and_the_partial_b
     naming only the prompt, and a trailing partial block vanished without a word."""
     from rich.console import Console
 
-    from ncpctl.cli.inspect_cmd import _human
+    from ncpctl.interpret.report_human import human_concepts as _human
 
     seg = {"segment": 0, "top": [{"code": 3, "weight": 0.5}], "remainder": {"codes": 15, "weight": -5.42}}
     report = {"add": "raw", "prompts": [{

@@ -16,8 +16,8 @@ from scipy.stats import chi2
 from ncpctl.inference import SamplingParams, generate
 from ncpctl.inference.drafters import ModelDrafter, MtpDrafter
 from ncpctl.inference.speculative import Cursor, Speculative
-from ncpctl.model.interventions import AddToResidual, CodeEdit
-from ncpctl.model.layers import Context
+from ncpctl.model.core.interventions import AddToResidual, CodeEdit
+from ncpctl.model.core.layers import Context
 
 from ..conftest import run_cli
 from ..model._helpers import build, tiny

@@ -120,21 +120,42 @@ def test_cli_export_json(runs, tmp_path):
 
 def test_exported_code_is_the_model_package():
     """The export's modeling code is ncpctl's own model modules, copied: nothing imports ncpctl,
-    and every model module the adapter reaches is included."""
+    and every model module the adapter reaches is included (flattened into one folder, issue 44:
+    ``core/model.py`` ships as ``core_model.py``; only its import lines differ from the source)."""
     import re
 
-    files = {p.name: p for p in hf_export.remote_files()}
-    assert {"modeling_ncp.py", "configuration_ncp.py", "model.py", "layers.py", "concept.py", "segment.py",
-            "coupling.py", "decode.py", "head.py", "config.py", "dynamic.py"} <= set(files)
-    for name, path in files.items():
-        text = path.read_text()
+    files = {s.name: s for s in hf_export.remote_files()}
+    assert {"modeling_ncp.py", "configuration_ncp.py", "core_model.py", "core_layers.py", "core_concept.py",
+            "core_segment.py", "core_coupling.py", "core_decode.py", "core_head.py", "core_config.py",
+            "designs_dynamic_module.py"} <= set(files)
+    for name, shipped in files.items():
+        text = shipped.text
         assert not re.search(r"^\s*(from|import)\s+ncpctl\b", text, re.MULTILINE), name
         if name not in ("modeling_ncp.py", "configuration_ncp.py"):
-            assert path.parent == hf_export.MODEL_PACKAGE  # a copy, not a second implementation
+            assert shipped.source.is_relative_to(hf_export.MODEL_PACKAGE)  # a copy, not a second implementation
+            src = shipped.source.read_text().splitlines()
+            assert len(src) == len(text.splitlines())
+            changed = [(a, b) for a, b in zip(src, text.splitlines()) if a != b]
+            assert all(re.match(r"\s*from ncpctl\.model\.", a) or re.search(r"[\"']\.[\w.]+:", a)
+                       for a, _ in changed), changed[:3]
+
+
+def test_exported_code_is_flat():
+    """transformers' remote-code loader copies the files of ``from .x import y`` lines only
+    (``.x`` a sibling file): every relative import of the shipped code names a shipped file, and
+    none is a dotted path (``from .core.layers import`` would not be copied)."""
+    import re
+
+    files = {s.name: s.text for s in hf_export.remote_files()}
+    for name, text in files.items():
+        for target in re.findall(r"^\s*from\s+\.(\S+)\s+import", text, re.MULTILINE):
+            assert "." not in target and f"{target}.py" in files, (name, target)
+    with pytest.raises(ValueError, match="imports the model package only"):
+        hf_export._flatten("from ncpctl.errors import UserError\n", "x.py")
 
 
 def test_a_design_outside_the_package_is_not_exported():
-    from ncpctl.model.config import build_config
+    from ncpctl.model.core.config import build_config
 
     from ..model import toys  # noqa: F401  (registers the toy segmentation "alt23")
 
@@ -195,8 +216,8 @@ def test_dlcm_exports_through_remote_code(tmp_path, attention, width):
 def test_mup_base_model_exports_natively_with_the_divisor_folded(tmp_path):
     """Decoupled muP's logit divisor 1/s_token is folded into an untied native LM head (and
     multiplied back on import); a tied head cannot hold it: one error naming the key."""
-    from ncpctl.model.config import ConfigError
-    from ncpctl.model.hf import hf_config
+    from ncpctl.model.core.config import ConfigError
+    from ncpctl.model.families.hf import hf_config
 
     tok = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1_neox" / "tokenizer.json"  # 320 tokens
     cfg = tiny("neox", vocab_size=320, mup_base_width=8)  # s_token = 4
@@ -410,7 +431,7 @@ def test_cdlm_exports_through_remote_code_with_its_block_causal_forward(tmp_path
     save_model_files(tmp_path / "ck", model, step=0, tokens_seen=0, recipe=None, tokenizer_path=tok)
     info = export(tmp_path / "ck", tmp_path / "hf")
     assert info["remote_code"] and info["architecture"] == "NCPForCausalLM" and info["verify"]["max_abs_diff"] <= 1e-5
-    assert (tmp_path / "hf" / "diffusion.py").is_file() and info["mask_token"] == "<|mask|>"
+    assert (tmp_path / "hf" / "designs_causal_diffusion_module.py").is_file() and info["mask_token"] == "<|mask|>"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     w = torch.randint(2, 320, (2, 15), generator=torch.Generator().manual_seed(6))  # never <|mask|> (320)
     x, y = model.objective.keyed_batch(w, torch.tensor([3, 9]))  # [MASK]s in the input, targets where masked
@@ -438,9 +459,9 @@ def _generates_block_by_block_without_ncpctl(model, hf_dir: Path, mask: int, tmp
     remote code: with ncpctl hidden, greedy and seeded generation of ragged, left-padded prompts give
     ncpctl's tokens; a row stops at the end of the block where it produced EOS, padded after it."""
     from ncpctl.inference import SamplingParams
-    from ncpctl.model.block_sampler import sample_blocks
+    from ncpctl.model.designs.causal_diffusion.sampler import sample_blocks
 
-    assert (hf_dir / "block_sampler.py").is_file()
+    assert (hf_dir / "designs_causal_diffusion_sampler.py").is_file()
     ps = [torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 6)]
     want = {k: sample_blocks(model, ps, SamplingParams(max_new_tokens=7, **kw), vocab_size=321)
             for k, kw in (("greedy", dict(greedy=True)), ("seeded", dict(seed=3, top_k=50)))}

@@ -10,7 +10,7 @@ import transformers
 
 from ncpctl.checkpoint import save_model_files
 from ncpctl.interop.hf_export import export
-from ncpctl.model.config import build_config
+from ncpctl.model.core.config import build_config
 
 from ..model._helpers import build
 

@@ -12,7 +12,7 @@ from ncpctl.checkpoint import load_model
 from ncpctl.errors import UserError
 from ncpctl.interop.hf_export import export
 from ncpctl.interop.hf_import import is_hf_dir, load_hf_pretrained
-from ncpctl.model.hf import hf_config
+from ncpctl.model.families.hf import hf_config
 
 from ..model._helpers import tiny
 

@@ -87,7 +87,7 @@ def test_steered_forward_equals_theirs(interp):
     concept's unit direction added after every layer i >= inject_layer - 1 at the [MASK] slots) is
     ncpctl's ``--steer concept:NAME,strength=S logit`` vector (interpret/steer.py) added there."""
     from ncpctl.interpret.steer import SteerSpec, resolve
-    from ncpctl.model.interventions import AddToResidual
+    from ncpctl.model.core.interventions import AddToResidual
 
     loaded, ref = interp
     model, x = loaded.model, ref["input_ids"]
@@ -219,8 +219,8 @@ def test_released_concept_heads_run_without_dense_activations():
     result is the dense one's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ncpctl.model.bottleneck import ConceptBottleneck
-    from ncpctl.model.config import build_config
+    from ncpctl.model.designs.bottleneck.module import ConceptBottleneck
+    from ncpctl.model.core.config import build_config
 
     cfg = build_config("debug", d_model=256, n_heads=4, bottleneck=dict(
         enabled=True, concepts=33732, unknown=101196, rank=256, unknown_head="low_rank", top_k_known=32,
@@ -269,7 +269,7 @@ def test_the_8b_recipes_compute_what_the_release_config_does(recipe, tmp_path):
     """The keys that decide the function (not the training's: schedule, dropout, padding rows) of
     recipes/steerling-8b*.yaml equal those ncpctl imports from the release's config.json."""
     from ncpctl.interop.authors.steerling import model_config
-    from ncpctl.model.config import build_config
+    from ncpctl.model.core.config import build_config
     from ncpctl.recipe.load import _load_tree
 
     (tmp_path / "config.json").write_text(json.dumps(RELEASE))

@@ -8,8 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from ncpctl.model.config import ModelConfig
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.config import ModelConfig
+from ncpctl.model.core.model import NCPModel
 
 torch.set_num_threads(1)
 

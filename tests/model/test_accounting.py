@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ncpctl.model.accounting import (
+from ncpctl.model.accounting.flops import (
     PARAM_GROUPS,
     count_parameters,
     describe,
@@ -18,7 +18,7 @@ from ncpctl.model.accounting import (
     parameter_equivalent_layers,
     saving,
 )
-from ncpctl.model.config import build_config
+from ncpctl.model.core.config import build_config
 
 T_APPC, D_APPC = 8192, 4096
 
@@ -187,7 +187,7 @@ def test_to_dict_is_json():
 
 
 def test_import_does_not_need_torch():
-    code = "import sys, ncpctl.model.accounting; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, ncpctl.model.accounting.flops; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -317,7 +317,7 @@ def _stage_model(size: str, stage: str, **concept):
     """The real model of ``size`` set up as ``stage`` (full: nothing frozen but the SimVQ base)."""
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.train.stages import freeze_all_but_codebook
 
     torch.manual_seed(0)
@@ -344,7 +344,7 @@ def _trainable(model):
                                             "encoder-decoder", "concept-decoder"])),
                                         ("llama-debug", dict(residual="block_attnres", attnres_block=2))])
 def test_backward_with_every_weight_trained_is_the_3x_convention(size, extra):
-    from ncpctl.model.config import build_config as bc
+    from ncpctl.model.core.config import build_config as bc
 
     cfg = bc(size, concept=dict(enabled=True), **extra)
     names = {n: 1 for n in _meta_names(cfg)}
@@ -358,7 +358,7 @@ def test_backward_with_every_weight_trained_is_the_3x_convention(size, extra):
 def _meta_names(cfg):
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     with torch.device("meta"):
         return [n for n, _ in NCPModel(cfg).named_parameters()]
@@ -396,7 +396,7 @@ def test_mtp_training_flops_equal_torchs_flop_counter(trained):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     torch.manual_seed(0)
     cfg = build_config("debug", mtp_depth=2)
@@ -428,7 +428,7 @@ def test_adapt_vq_at_8_9b_backward_is_the_decoders_input_gradients():
     """adapt-vq (learned codebook): NTP's gradient reaches the heads through the decoder, so the
     decoder and LM head compute input gradients (no weight gradients); the heads a weight
     gradient only; the mix both operands; the encoder and concept layers nothing."""
-    from ncpctl.model.accounting import _stack_flops
+    from ncpctl.model.accounting.flops import _stack_flops
 
     cfg = build_config("ncp-archpreview-8.9b", concept=dict(codebook="learned"))
     T = 8192
@@ -447,7 +447,7 @@ def test_adapt_vq_at_8_9b_backward_is_the_decoders_input_gradients():
 def test_exact_flops_at_a_realised_ratio():
     """DLCM's concepts are counted at the target R (T // R); ``realised_ratio`` counts them at a
     measured tokens per concept instead: the same as the model with R replaced, parameters unchanged."""
-    from ncpctl.model.accounting import at_realised_ratio
+    from ncpctl.model.accounting.flops import at_realised_ratio
 
     cfg = build_config("debug", concept=dict(enabled=True, segmentation="dynamic", coupling="cross_attention",
                                              target_ratio=4))
@@ -480,8 +480,8 @@ def test_a_design_slots_parameters_are_their_own_group():
     were 'norms_other' (14.2M of dlcm-2.3b's), and so was the MTP head."""
     import torch
 
-    from ncpctl.model.accounting_params import _param_group
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.accounting.params import _param_group
+    from ncpctl.model.core.model import NCPModel
 
     from . import toys  # noqa: F401  (registers the toy coupling with a decoder sub-layer)
 

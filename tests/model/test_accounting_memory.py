@@ -1,4 +1,4 @@
-"""``activation_memory`` (ncpctl.model.accounting_memory) against what autograd really saves: the
+"""``activation_memory`` (ncpctl.model.accounting.memory) against what autograd really saves: the
 unique storages (not parameters) that ``saved_tensors_hooks`` sees in a training forward of the
 debug models, per activation-checkpointing mode. An estimator wrong by a sub-layer's internals
 (or by a factor) fails."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ncpctl.model.accounting import at_realised_ratio
-from ncpctl.model.accounting_memory import activation_memory
-from ncpctl.model.config import build_config
-from ncpctl.model.model import NCPModel
+from ncpctl.model.accounting.flops import at_realised_ratio
+from ncpctl.model.accounting.memory import activation_memory
+from ncpctl.model.core.config import build_config
+from ncpctl.model.core.model import NCPModel
 from ncpctl.recipe import load_recipe
 from ncpctl.train.recompute import apply_activation_checkpointing
 

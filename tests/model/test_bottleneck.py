@@ -11,11 +11,10 @@ import math
 import pytest
 import torch
 
-from ncpctl.model.bottleneck import (
-    causal_labels, chunk_bce, chunk_labels, chunk_probs, cross_covariance, detection_auc, fed_labels, top_k,
-)
-from ncpctl.model.config import ConfigError, build_config
-from ncpctl.model.model import NCPModel
+from ncpctl.model.designs.bottleneck.chunks import causal_labels, chunk_bce, chunk_labels, chunk_probs, fed_labels
+from ncpctl.model.designs.bottleneck.module import cross_covariance, detection_auc, top_k
+from ncpctl.model.core.config import ConfigError, build_config
+from ncpctl.model.core.model import NCPModel
 
 from ._helpers import build, check_cached_decode, ragged_batch, tiny, tokens
 
@@ -44,7 +43,7 @@ def span_labels(B: int, T: int, n: int, seed: int = 0, spans: int = 3) -> torch.
 def test_steerling_8b_sizes_and_the_low_rank_unknown_head():
     """Steerling-8B's module: n = 33,732, m = 3n = 101,196, rank 256, d = 4096; the released code's
     factorised g holds (d + m) r + m instead of d m + m."""
-    from ncpctl.model.accounting import count_parameters
+    from ncpctl.model.accounting.flops import count_parameters
 
     n, m, d, r = 33_732, 101_196, 4096, 256
     dense = build_config("llama3.1-8b", bottleneck=dict(enabled=True, concepts=n))
@@ -159,7 +158,7 @@ def test_the_headline_auc_is_per_concept_and_base_rates_alone_score_half():
     blind to the input) scores high pooled over (chunk, concept) pairs but exactly 0.5 per concept;
     concepts without a positive or a negative chunk are skipped and counted; the macro AUC is the
     mean of the per-concept AUCs with a bootstrap interval around it."""
-    from ncpctl.model.bottleneck import concept_auc
+    from ncpctl.model.designs.bottleneck.module import concept_auc
 
     g = torch.Generator().manual_seed(0)
     N, rates = 400, torch.tensor([0.6, 0.3, 0.1, 0.03, 0.0, 1.0])  # the last two: one class only
@@ -187,7 +186,7 @@ def test_the_detection_auc_of_two_ranks_is_that_of_their_union():
     rank reports the AUC keys of the whole split, whatever its share of the chunks."""
     import threading
 
-    from ncpctl.model.bottleneck import concept_auc
+    from ncpctl.model.designs.bottleneck.module import concept_auc
     from ncpctl.train.designs.bottleneck import detection_auc as _detection_auc
     from ncpctl.train.engine import Dist
 
@@ -257,7 +256,7 @@ def test_attribution_is_exact_with_readout_steering(dtype):
     attributed term, so known + unknown + residual + steering is the logit: to 1e-4 in fp32 (it missed
     by the steering term, ~2 logits here, before); in bf16 the terms (computed in fp32) sum to
     W_y . h_bar in fp32, and the bf16 logit is that rounded (2^-8 relative)."""
-    from ncpctl.model.interventions import AddToReadout
+    from ncpctl.model.core.interventions import AddToReadout
 
     cfg = bn_cfg(top_k_known=3)
     model = build(cfg, scale=0.2).to(dtype)
@@ -477,7 +476,7 @@ def test_accounting_params_and_flops_equal_torchs_counter(extra):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ncpctl.model.accounting import PARAM_GROUPS, count_parameters, exact_flops
+    from ncpctl.model.accounting.flops import PARAM_GROUPS, count_parameters, exact_flops
 
     concept = extra.pop("concept", None)
     cfg = build_config("debug", **({"concept": concept} if concept else {}),
@@ -556,7 +555,7 @@ def test_the_export_carries_the_bottleneck_and_attributes_without_ncpctl(tmp_pat
 
 
 def test_respond_and_express_losses():
-    from ncpctl.model.bottleneck import express_loss, respond_loss
+    from ncpctl.model.designs.bottleneck.module import express_loss, respond_loss
 
     z = torch.tensor([[[0.0, 2.0], [1.0, -1.0], [3.0, 0.5]]])  # (1, 3, 2)
     at = torch.tensor([[True, False, True]])
@@ -585,7 +584,7 @@ def test_hf_import_adds_a_fresh_bottleneck_with_the_bases_logits(tmp_path):
     import transformers
 
     from ncpctl.interop.hf_import import load_hf_pretrained
-    from ncpctl.model.hf import hf_config
+    from ncpctl.model.families.hf import hf_config
 
     torch.manual_seed(0)
     hf = transformers.GPTNeoXForCausalLM(hf_config(tiny("neox"))).eval()
@@ -603,7 +602,7 @@ STEER = dict(respond_weight=1.0, express_weight=1.0, steer_fraction=1.0, steer_s
 
 
 def test_per_row_respond_and_express_losses_and_missing_lift_tokens():
-    from ncpctl.model.bottleneck import express_loss, respond_loss
+    from ncpctl.model.designs.bottleneck.module import express_loss, respond_loss
 
     torch.manual_seed(0)
     z = torch.randn(2, 4, 3)
@@ -678,8 +677,8 @@ def test_an_injected_forward_is_the_intervened_forward_plus_the_stage_losses(at)
     explicit intervention (AddToDecoderInput / AddToResidual / AddToReadout with its ``where``
     slots), and its
     respond / express terms are recomputed from that forward's parts and logits."""
-    from ncpctl.model.bottleneck import express_loss, respond_loss
-    from ncpctl.model.interventions import AddToDecoderInput, AddToReadout, AddToResidual
+    from ncpctl.model.designs.bottleneck.module import express_loss, respond_loss
+    from ncpctl.model.core.interventions import AddToDecoderInput, AddToReadout, AddToResidual
 
     cfg = bn_cfg(**STEER, dropout=0.0, teacher_forcing_start=0.0, teacher_forcing_end=0.0, steer_at=at)
     model = build(cfg).double().train()
@@ -731,7 +730,7 @@ def test_the_respond_loss_teaches_the_network_not_only_the_head():
 
 
 def test_express_without_lift_tokens_and_where_in_decoding_are_errors():
-    from ncpctl.model.interventions import AddToDecoderInput
+    from ncpctl.model.core.interventions import AddToDecoderInput
 
     cfg = bn_cfg(**STEER)
     model = build(cfg).train()
@@ -782,7 +781,7 @@ def test_at_the_readout_the_express_loss_trains_only_the_heads_response_to_the_d
     """steer_at: readout: L_express's value is that of the injected logits, its gradient reaches the
     LM head only, as the gradient of the same loss through W v alone (v the injected vector), and
     none of the network below."""
-    from ncpctl.model.bottleneck import express_loss
+    from ncpctl.model.designs.bottleneck.module import express_loss
 
     cfg = bn_cfg(express_weight=1.0, steer_fraction=1.0, steer_at="readout", dropout=0.0,
                  teacher_forcing_start=0.0, teacher_forcing_end=0.0)

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ncpctl.model.bottleneck import fed_labels
-from ncpctl.model.bottleneck_positions import chunk_bce_at, held_at
-from ncpctl.model.config import ConfigError
-from ncpctl.model.interventions import AddToReadout
+from ncpctl.model.designs.bottleneck.chunks import fed_labels
+from ncpctl.model.designs.bottleneck.chunks import chunk_bce_at, held_at
+from ncpctl.model.core.config import ConfigError
+from ncpctl.model.core.interventions import AddToReadout
 
 from ._helpers import build, tiny, tokens
 

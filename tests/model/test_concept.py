@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ncpctl.model.concept import nearest_code, shift_blocks
-from ncpctl.model.config import build_config
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.concept import nearest_code, shift_blocks
+from ncpctl.model.core.config import build_config
+from ncpctl.model.core.model import NCPModel
 
 from ._helpers import build, check_causal, tiny, tokens
 
@@ -55,7 +55,7 @@ def test_model_adds_shifted_pred():
     # pooling: c[j] = mean(h[j*k : j*k+k]); pred comes from the concept stack on c
     c = h.reshape(2, -1, 32)[:, :8].reshape(2, 2, 4, 32).mean(2)
     cm = model.concept
-    from ncpctl.model.layers import Context, causal_masks, rope
+    from ncpctl.model.core.layers import Context, causal_masks, rope
 
     cos, sin = rope(torch.arange(2)[None], model.cfg, h.dtype)
     u = cm.layers(c, Context(cos, sin, causal_masks({None}, 2, c.device)))
@@ -184,7 +184,7 @@ def test_each_reduction_equals_its_formula(ncp, vq):
 def test_each_reduction_skips_padding_concepts(ncp, vq):
     """Rows with padding concepts (Segments.valid): each loss is its formula over the real concepts
     (NCP: the pairs whose both blocks are real), averaged over them."""
-    from ncpctl.model.concept import ConceptOutput, Segments
+    from ncpctl.model.core.concept import ConceptOutput, Segments
 
     cfg = tiny("neox", concept=dict(ncp_reduction=ncp, vq_reduction=vq))
     concept = build(cfg).concept
@@ -211,7 +211,7 @@ def test_each_reduction_skips_padding_concepts(ncp, vq):
 def test_default_reductions_are_the_previous_expressions_bit_for_bit():
     """ncp mean / sum_dim and vq mean compute exactly what they computed before the options (vq:
     its codebook term; the commitment term is logged apart since, commitment x that term)."""
-    from ncpctl.model.concept import ConceptOutput, Segments
+    from ncpctl.model.core.concept import ConceptOutput, Segments
 
     for ncp in ("mean", "sum_dim"):
         concept = build(tiny("neox", concept=dict(ncp_reduction=ncp))).concept
@@ -377,7 +377,7 @@ SPEC_DEFAULTS = dict(
 
 
 def test_design_choices_are_keys_with_spec_defaults(tmp_path):
-    from ncpctl.model.config import ConceptConfig
+    from ncpctl.model.core.config import ConceptConfig
     from ncpctl.recipe import load_recipe
 
     defaults = ConceptConfig()

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from ncpctl.model.coupling import CrossAttentionCoupling
+from ncpctl.model.designs.cross_attention.module import CrossAttentionCoupling
 
 from ._helpers import build, tiny, tokens
 
@@ -150,7 +150,7 @@ def test_a_token_never_sees_its_own_segments_concept(kind):
 def test_concept_smoothing_is_causal_and_starts_as_none():
     """z~_j = z_j + s * z_{j-1}: zero s at init (a fresh model), and with s set a concept's
     smoothed value depends on itself and the one before it only."""
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     cfg = tiny("llama", concept=dict(segmentation="dynamic", coupling="cross_attention"))
     assert torch.equal(NCPModel(cfg).concept.coupling.smooth, torch.zeros(32))
@@ -186,7 +186,7 @@ def test_the_recipe_chooses_the_function_not_the_machine(monkeypatch):
     ``torch.cuda.is_available`` mocked either way a recipe resolves to the same recipe, a config
     to the same function (equal logits), and a checkpoint's config written on one kind of machine
     builds that function on the other; a recorded replicated stays replicated."""
-    from ncpctl.model.config import ModelConfig
+    from ncpctl.model.core.config import ModelConfig
     from ncpctl.recipe import load_recipe
 
     from ..conftest import RECIPES
@@ -214,7 +214,7 @@ def test_the_recipe_chooses_the_function_not_the_machine(monkeypatch):
 
 def test_auto_is_refused_with_one_line():
     """The former ``auto`` (the machine chose the function) names the key and the two functions."""
-    from ncpctl.model.config import ConfigError
+    from ncpctl.model.core.config import ConfigError
 
     with pytest.raises(ConfigError) as e:
         tiny("llama", concept=dict(segmentation="dynamic", coupling="cross_attention", cross_attention="auto"))
@@ -239,7 +239,7 @@ def test_a_baseline_checkpoint_made_with_auto_on_cuda_still_continues():
     """dlcm-baseline-1.3b turns the concept path off under the 2.3B's coupling: ``auto`` recorded
     replicated there on a GPU, for a key the model never reads. The saved config, read as
     ``check_compatible`` reads it, equals the recipe's now (the unused key holds per_concept)."""
-    from ncpctl.model.config import ModelConfig
+    from ncpctl.model.core.config import ModelConfig
     from ncpctl.train.checkpoint import config_differences
 
     cfg = tiny("llama", concept=dict(enabled=False, segmentation="dynamic", coupling="cross_attention"))
@@ -254,8 +254,7 @@ def test_replicated_runs_one_plain_causal_attention(monkeypatch):
     head dim still a multiple of 8; per_concept passes its (B, 1, T, M) boolean mask."""
     import torch.nn.functional as F
 
-    from ncpctl.model import coupling as C
-
+    from ncpctl.model.designs.cross_attention import module as C
     calls = []
     real = F.scaled_dot_product_attention
 
@@ -277,8 +276,7 @@ def test_replicated_runs_one_plain_causal_attention(monkeypatch):
 def test_bf16_stays_near_the_reference_and_finite(kind):
     """In bf16 (what a GPU run uses) each form stays within bf16 rounding of its float64
     reference, and segment 0's tokens are exactly zero (the -_FAR key slots give no NaN)."""
-    from ncpctl.model import coupling as C
-
+    from ncpctl.model.designs.cross_attention import module as C
     closed = _random_closed(3, 40, seed=9)
     M = int(closed[:, -1].max())
     g = torch.Generator().manual_seed(1)

@@ -60,8 +60,7 @@ def test_cached_calls_on_a_gpu_avoid_cudnn_attention(monkeypatch):
 
     from torch.nn.attention import SDPBackend
 
-    from ncpctl.model import layers
-
+    from ncpctl.model.core import layers
     assert SDPBackend.CUDNN_ATTENTION not in layers.CACHED_BACKENDS
     gpu = SimpleNamespace(is_cuda=True)
     assert layers.cached_backends(gpu, True) == layers.CACHED_BACKENDS
@@ -99,7 +98,7 @@ def test_multi_token_step_equals_full_forward(name):
     """``decode.step_many`` (speculative decoding's verification: several tokens per row in one
     cached forward, concept blocks and DLCM boundaries closing inside the chunk) gives the full
     forward's logits at every position, for a ragged batch."""
-    from ncpctl.model.decode import step_many
+    from ncpctl.model.core.decode import step_many
 
     cfg = MULTI[name]
     model = build(cfg, scale=0.2)

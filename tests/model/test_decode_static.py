@@ -1,4 +1,4 @@
-"""The static-shape decode step (ncpctl/model/decode_static.py, issue 45 item 5): what a CUDA graph
+"""The static-shape decode step (ncpctl/model/core/decode_static.py, issue 45 item 5): what a CUDA graph
 replays on a GPU, run eagerly here. Every shipped design that decodes gives the full forward's
 logits at every new token of a ragged batch (float64, as tests/model/test_designs.py), keeps every
 state buffer at its address from step to step (a captured graph writes where it was captured), and
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ncpctl.model.decode import step
-from ncpctl.model.decode_static import StaticDecoder, static_refusal, static_step
+from ncpctl.model.core.decode import step
+from ncpctl.model.core.decode_static import StaticDecoder, static_refusal, static_step
 
 from ._helpers import build, ragged_batch, tiny
 from .test_bottleneck import bn_cfg

@@ -1,4 +1,4 @@
-"""`ncpctl.model.config.deep_merge`: the one deep merge (model sizes, recipe `extends:`,
+"""`ncpctl.model.core.config.deep_merge`: the one deep merge (model sizes, recipe `extends:`,
 `deepspeed.extra`), its copy semantics and origin hook, and that nobody keeps a second one."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import ncpctl.recipe.load
 import ncpctl.train.config
-from ncpctl.model import config as model_config
-from ncpctl.model.config import SIZES, build_config, deep_merge
+from ncpctl.model.core import config as model_config
+from ncpctl.model.core.config import SIZES, build_config, deep_merge
 
-PKG = Path(model_config.__file__).resolve().parents[1]
+PKG = Path(model_config.__file__).resolve().parents[2]  # ncpctl/ (config.py is model/core/config.py)
 
 
 def test_merges_nested_dicts_and_over_wins() -> None:
@@ -50,28 +50,35 @@ def test_one_merge_everywhere() -> None:
     """recipe/load.py and train/config.py use this function and define no merge of their own."""
     assert ncpctl.recipe.load.deep_merge is deep_merge
     assert ncpctl.train.config.deep_merge is deep_merge
-    for rel in ("recipe/load.py", "train/config.py", "model/config.py"):
+    for rel in ("recipe/load.py", "train/config.py", "model/core/config.py"):
         tree = ast.parse((PKG / rel).read_text())
         merges = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and "merge" in n.name.lower()]
-        assert merges == (["deep_merge", "merge_into"] if rel == "model/config.py" else []), (rel, merges)
+        assert merges == (["deep_merge", "merge_into"] if rel == "model/core/config.py" else []), (rel, merges)
 
 
 def test_model_config_imports_only_the_standard_library() -> None:
-    """The config modules are copied verbatim into exported HF directories and must import without
+    """The config modules are copied into exported HF directories and must import without
     torch (``ncpctl --help`` stays fast): config.py and every module it reaches by module-level
-    relative imports (the design sections, the registry) import only the standard library and
-    each other at module level."""
-    todo, seen = ["config"], set()
+    imports of the model package (the design sections, the registry, and the designs' records the
+    registry loads by import path, ``DESIGNS``) import only the standard library and each other at
+    module level (issue 44: absolute ``from ncpctl.model.x.y import``, made flat by the export)."""
+    from ncpctl.model.registry import DESIGNS
+
+    todo, seen = ["core.config"], set()
     while todo:
         name = todo.pop()
         if name in seen:
             continue
         seen.add(name)
-        top = ast.parse((PKG / "model" / f"{name}.py").read_text()).body
+        path = PKG / "model" / Path(*name.split("."))
+        top = ast.parse((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()).body
         names = {a.name.split(".")[0] for n in top if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module.split(".")[0] for n in top if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+        names |= {n.module.split(".")[0] for n in top if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
+                  and not n.module.startswith("ncpctl.model.")}
         assert names <= set(sys.stdlib_module_names) | {"__future__"}, (name, names)
-        relative = [n for n in top if isinstance(n, ast.ImportFrom) and n.level]
-        assert all(n.level == 1 and n.module for n in relative), name  # siblings only: `from .x import y`
-        todo += [n.module for n in relative]
-    assert {"config", "config_base", "registry", "config_dynamic"} <= seen
+        assert not [n for n in top if isinstance(n, ast.ImportFrom) and n.level], name  # the package's own: absolute
+        todo += [n.module.removeprefix("ncpctl.model.") for n in top
+                 if isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").startswith("ncpctl.model.")]
+        if name == "registry":
+            todo += [t.partition(":")[0][1:] for t in DESIGNS]
+    assert {"core.config", "core.config_base", "registry", "designs.dynamic.config", "designs.dynamic.spec"} <= seen

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from ncpctl.model.accounting import exact_flops
+from ncpctl.model.accounting.flops import exact_flops
 
 from ._helpers import build
 from .test_designs import DESIGNS

@@ -23,7 +23,7 @@ def scaled():
 
 
 def test_a_registered_key_is_read_from_a_recipe_and_reaches_the_module(scaled, tmp_path) -> None:
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe.load import load_recipe
 
     (tmp_path / "r.yaml").write_text(f"model:\n  size: debug\n  residual: {scaled}\n"

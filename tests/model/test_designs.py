@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.model import NCPModel
 
 from . import toy_families  # noqa: F401  (registers the toy backbone family "relu2")
 from . import toys  # noqa: F401  (registers the toy designs)
@@ -331,7 +331,7 @@ def test_block_attnres_starts_as_a_uniform_mean_not_the_plain_residual():
 
 
 def test_crc_needs_the_concept_path_and_a_pooling_segmentation():
-    from ncpctl.model.config import ConfigError
+    from ncpctl.model.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="they need the concept path"):
         tiny("llama", crc_connections=["encoder-decoder"])
@@ -342,7 +342,7 @@ def test_crc_needs_the_concept_path_and_a_pooling_segmentation():
 
 
 def test_bad_crc_mode_and_attnres_keys_are_config_errors():
-    from ncpctl.model.config import ConfigError
+    from ncpctl.model.core.config import ConfigError
 
     cases = [(dict(crc_mode="everywhere", crc_connections=["encoder-decoder"]), "crc_mode", "must be one of"),
              (dict(residual="block_attnres", attnres_block=0), "attnres_block", "positive integer"),
@@ -359,7 +359,7 @@ def test_bad_crc_mode_and_attnres_keys_are_config_errors():
 
 
 def test_unknown_or_wrong_strategies_are_config_errors():
-    from ncpctl.model.config import ConfigError
+    from ncpctl.model.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="unknown segmentation 'nope'"):
         tiny("neox", concept=dict(segmentation="nope"))

@@ -1,5 +1,5 @@
 """Issue 23, items 1-2: the Causal Diffusion LM objective (``model.objective: causal_diffusion``,
-ncpctl/model/diffusion.py): block-causal attention (a block never sees a later block, inside a
+ncpctl/model/designs/causal_diffusion/module.py): block-causal attention (a block never sees a later block, inside a
 block every position sees every other), one noisy copy whose loss counts the masked tokens only,
 at their own positions, and masks keyed on (global sample index, block) so that any batch
 composition (one rank or two, a resume) draws the same ones; its bad inputs."""
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ncpctl.model import BlockCausal, ConfigError
-from ncpctl.model.diffusion import CausalDiffusion
+from ncpctl.model.designs.causal_diffusion.module import CausalDiffusion
 
 from ._helpers import build, tiny, tokens
 
@@ -170,8 +170,7 @@ def test_flexattention_block_mask_equals_the_boolean_mask(monkeypatch, window):
     forced on here (FlexAttention's CPU forward is a reference implementation), the model's
     logits equal those of the boolean-mask SDPA path, with a window too, and the BlockMask is
     built once per shape."""
-    from ncpctl.model import patterns
-
+    from ncpctl.model.core import patterns
     cfg = tiny("llama", objective="causal_diffusion", diffusion=dict(block_size=BLOCK, mask_id=MASK),
                sliding_window=window)
     model = build(cfg, scale=0.3).eval()
@@ -191,8 +190,8 @@ def test_flexattention_block_mask_equals_the_boolean_mask(monkeypatch, window):
 def test_flexattention_that_cannot_run_falls_back_to_the_boolean_mask(monkeypatch):
     """A FlexAttention failure (no Triton, an unsupported GPU) never fails the run: the layer
     uses the boolean mask, one warning says why, and FlexAttention stays off for the process."""
-    from ncpctl.model import layers, patterns
-
+    from ncpctl.model.core import layers
+    from ncpctl.model.core import patterns
     model = build(cdlm(), scale=0.3).eval()
     x = tokens(model.cfg, 2, 16)
     with torch.no_grad():
@@ -217,7 +216,7 @@ def test_the_1_over_t_weighting_is_named_for_what_it_is_and_refused_under_the_ga
     without the curriculum's 1/q(t)). It is ``inverse_t`` now (a checkpoint's old name reads as it),
     refused with gaussian by key; the validation bound defaults to 4 Monte Carlo samples (2 give an
     interval with one degree of freedom)."""
-    from ncpctl.model.config_diffusion import DiffusionConfig
+    from ncpctl.model.designs.causal_diffusion.config import DiffusionConfig
 
     assert cdlm(weighting="elbo").diffusion.weighting == "inverse_t"
     with pytest.raises(ConfigError) as e:

@@ -1,4 +1,4 @@
-"""Issue 23 item 4: the held-out ELBO of a Causal Diffusion LM (ncpctl/model/diffusion_elbo.py).
+"""Issue 23 item 4: the held-out ELBO of a Causal Diffusion LM (ncpctl/model/designs/causal_diffusion/module.py).
 
 The Monte Carlo estimator equals the bound computed exactly by enumeration (every mask of every
 block, t integrated out: a mask of k of a block's n scored positions has the 1/t-weighted
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ncpctl.model.diffusion_elbo import estimates, one_shot_greedy, summarise
+from ncpctl.model.designs.causal_diffusion.module import estimates, one_shot_greedy, summarise
 
 from ._helpers import build, tiny
 
@@ -178,7 +178,7 @@ def test_the_two_copy_forward_gives_the_per_block_estimate_with_the_same_masks(w
 
 
 def test_the_bound_bench_runs_at_its_smallest_size(capsys):
-    """bench/cdlm_bound.py (the README's speed-up) at one short window, in process: the two methods
+    """bench/cdlm_bound.py (the speed-up in docs/designs/steerling.md) at one short window, in process: the two methods
     agree."""
     import importlib.util
     import json
@@ -199,7 +199,7 @@ def test_the_noised_context_estimate_conditions_later_blocks_on_noised_ones(mode
     conditions). On the first block (no earlier block) it IS the bound, sample by sample; on later
     blocks it conditions on noised earlier blocks, so it differs from the clean-context bound (here
     by more than 3 standard errors of the paired difference)."""
-    from ncpctl.model.diffusion_elbo import noised_estimates
+    from ncpctl.model.designs.causal_diffusion.module import noised_estimates
 
     x = torch.randint(2, V, (2, L), generator=torch.Generator().manual_seed(9))
     first = torch.zeros_like(x, dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""Packed documents (``data.document_mask``, ncpctl/model/documents.py): attention, positions and
+"""Packed documents (``data.document_mask``, ncpctl/model/core/documents.py): attention, positions and
 concept segments stay inside each document of a window."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ncpctl.model import patterns
-from ncpctl.model.documents import document_refusal
-from ncpctl.model.patterns import BlockCausal, Causal, dense_mask, document_mod, document_positions
+from ncpctl.model.core import patterns
+from ncpctl.model.core.documents import document_refusal
+from ncpctl.model.core.patterns import BlockCausal, Causal, dense_mask, document_mod, document_positions
 
 from ._helpers import build, tiny, tokens
 
@@ -143,7 +143,7 @@ def test_document_mask_mod_is_the_boolean_mask_and_flexattention_runs_it(pattern
 
 
 def test_models_that_cannot_keep_documents_apart_say_why():
-    from ncpctl.model.config import ModelConfig
+    from ncpctl.model.core.config import ModelConfig
 
     cdlm = tiny("llama", objective="causal_diffusion", diffusion=dict(block_size=4, mask_id=3))
     assert "causal objectives only" in document_refusal(cdlm)
@@ -201,8 +201,7 @@ def test_compiled_flexattention_is_not_recompiled_for_each_batchs_documents(monk
     from torch.nn.attention.flex_attention import create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as flex
 
-    from ncpctl.model import layers
-
+    from ncpctl.model.core import layers
     torch._dynamo.reset()
     counters.clear()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))

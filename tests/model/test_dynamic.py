@@ -1,4 +1,4 @@
-"""DLCM's dynamic segmentation (ncpctl/model/dynamic.py): the boundary predictor against its
+"""DLCM's dynamic segmentation (ncpctl/model/designs/dynamic/module.py): the boundary predictor against its
 formula, identity init, p_0 = 1, the inference threshold, sampling keyed by the global sample
 index, gradients (the LM loss never reaches W_q / W_k, the balance loss does), Eq. 10 and its
 gradient, global vs per-sequence balance, the previous step's global F, one process vs two
@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from ncpctl.model.config import ConfigError
-from ncpctl.model.dynamic import DynamicSegmenter, balance_loss, keyed_uniform
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.config import ConfigError
+from ncpctl.model.designs.dynamic.module import DynamicSegmenter, balance_loss, keyed_uniform
+from ncpctl.model.core.model import NCPModel
 
 from ._helpers import build, ragged_batch, tiny, tokens
 
@@ -164,7 +164,7 @@ def test_balance_loss_formula_and_gradient():
 
 
 def _terms(seg: DynamicSegmenter, p: torch.Tensor, b: torch.Tensor):
-    from ncpctl.model.segment import Segments
+    from ncpctl.model.core.segment import Segments
 
     s = Segments(torch.zeros(p.shape[0], 0, 4), torch.zeros(1, 0))
     seg._terms(s, p, b)
@@ -304,7 +304,7 @@ def test_the_law_sizes_caches_and_the_cost_model():
 
 
 def test_accounting_counts_the_predictor_and_the_cross_attention_at_the_target_ratio():
-    from ncpctl.model.accounting import exact_flops
+    from ncpctl.model.accounting.flops import exact_flops
 
     T, d = 64, 32
     plain = exact_flops(dlcm(), T).components
@@ -325,7 +325,7 @@ def test_only_a_keyed_segmentation_asks_the_loop_for_sample_ids():
 def test_a_wider_concept_transformer_is_lifted_by_w_up():
     """DLCM Sec. 3.3.2: pooled concepts (d) -> W_up -> a concept transformer at d_concept with its own
     heads; the heads read the wide states; parameters and FLOPs are counted at that width."""
-    from ncpctl.model.accounting import count_parameters, exact_flops
+    from ncpctl.model.accounting.flops import count_parameters, exact_flops
 
     cfg = dlcm(d_concept=64, coupling="cross_attention")
     cc = cfg.concept_cfg
@@ -353,7 +353,7 @@ def test_long_segments_pool_accurately_in_bf16():
     """A 600-token segment in bf16 (a GPU run's dtype): the forward's pooled mean (one GEMM with
     fp32 accumulation) and the decode step's running sum (kept in fp32) both give the segment's
     mean to bf16 rounding; summed in bf16 the count would stop at 256 (256 + 1 = 256 there)."""
-    from ncpctl.model.segment import segment_means
+    from ncpctl.model.core.segment import segment_means
 
     g = torch.Generator().manual_seed(0)
     d, n = 16, 600

@@ -1,4 +1,4 @@
-"""Backbone families as records (ncpctl/model/family.py): a toy family added only through the
+"""Backbone families as records (ncpctl/model/families/base.py): a toy family added only through the
 public API (tests/model/toy_families.py) gets its defaults, its own checks and its norm and MLP
 in every block and stack, by name and by import path; a family without a Hugging Face model is
 refused by name on export and import; an unknown family is a ConfigError naming ``backbone``.
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ncpctl.model import ConfigError, Family, ModelConfig
-from ncpctl.model.hf import config_from_hf, from_hf_state_dict, hf_config, hf_model_types, to_hf_state_dict
-from ncpctl.model.layers import MLP, RMSNorm
+from ncpctl.model.families.hf import config_from_hf, from_hf_state_dict, hf_config, hf_model_types, to_hf_state_dict
+from ncpctl.model.core.layers import MLP, RMSNorm
 
 from . import toy_families as toy
 from ._helpers import build, tiny, tokens
@@ -69,7 +69,7 @@ def test_a_registered_family_can_import_hugging_face_models():
     from transformers import GPT2Config
 
     from ncpctl.model import register
-    from ncpctl.model.config import STRATEGIES
+    from ncpctl.model.core.config import STRATEGIES
 
     class Fake:
         model_type = "toy_lm"
@@ -108,7 +108,7 @@ def test_old_configs_keep_their_backbone_values():
 @pytest.mark.parametrize("name", ["neox", "llama", "gpt2", "relu2"])
 def test_mlp_matrices_counts_the_mlp_weights(name):
     """The torch-free count the cost model reads is the built MLP's (d x ffn_dim matrices)."""
-    from ncpctl.model.family import family
+    from ncpctl.model.registry import family
 
     cfg = tiny(name)
     mlp = build(cfg).decoder[0].mlp
@@ -117,8 +117,8 @@ def test_mlp_matrices_counts_the_mlp_weights(name):
 
 
 def test_the_built_in_families_travel_with_exported_code():
-    """Exported remote code imports the built-in families through relative imports (family.py's)."""
+    """Exported remote code imports the built-in families (the registry's import paths, flattened)."""
     from ncpctl.interop import hf_export
 
     files = {p.name for p in hf_export.remote_files()}
-    assert {"family.py", "family_neox.py", "family_llama.py", "family_gpt2.py"} <= files
+    assert {"families_base.py", "families_neox.py", "families_llama.py", "families_gpt2.py"} <= files

@@ -7,16 +7,16 @@ import pytest
 import torch
 import transformers
 
-from ncpctl.model.config import ConfigError, build_config
-from ncpctl.model.hf import (
+from ncpctl.model.core.config import ConfigError, build_config
+from ncpctl.model.families.hf import (
     config_from_hf,
     from_hf_state_dict,
     hf_config,
     load_hf_state_dict,
     to_hf_state_dict,
 )
-from ncpctl.model.layers import attn_mask
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.layers import attn_mask
+from ncpctl.model.core.model import NCPModel
 
 from ._helpers import build, hf_model, tiny, tokens
 

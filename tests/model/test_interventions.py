@@ -1,4 +1,4 @@
-"""Interventions (ncpctl/model/interventions.py): each kind is honoured identically by the
+"""Interventions (ncpctl/model/core/interventions.py): each kind is honoured identically by the
 full forward and by incremental decoding (ragged batch), does what it says (a code edit
 removes exactly that code's term from pred; additions land where and when they should), and
 the decoder re-run from a forward's decoder input reproduces its logits."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ncpctl.model.layers import Attention, Block, Context, Stack, apply_rope, causal_masks, rope
+from ncpctl.model.core.layers import Attention, Block, Context, Stack, apply_rope, causal_masks, rope
 
 from ._helpers import tiny
 
@@ -104,7 +104,7 @@ def test_a_rows_view_of_a_kv_cache_writes_and_reads_those_rows_only(at):
     """``KVCache.rows``: a write through rows (2, 0) lands where writing those rows of the whole
     cache would, leaves row 1 alone, and reads back exactly those rows; a view past capacity
     grows the shared buffers."""
-    from ncpctl.model.layers import KVCache
+    from ncpctl.model.core.layers import KVCache
 
     torch.manual_seed(0)
     B, H, hd = 3, 2, 4

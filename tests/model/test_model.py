@@ -59,7 +59,7 @@ def test_layer_naming_and_tying():
 
 def test_config_import_does_not_need_torch():
     code = (
-        "import sys; import ncpctl.model.config, ncpctl.model; "
+        "import sys; import ncpctl.model.core.config, ncpctl.model; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -123,7 +123,7 @@ def test_extra_token_layers_are_inserted_where_asked():
     """PM's extra layers at extra_token_layers_at: the base's layers keep their order around them."""
     import torch
 
-    from ncpctl.model.hf import from_hf_state_dict, hf_config, to_hf_state_dict
+    from ncpctl.model.families.hf import from_hf_state_dict, hf_config, to_hf_state_dict
 
     base = build(tiny("llama", n_layers=3))
     sd = to_hf_state_dict(base)

@@ -1,4 +1,4 @@
-"""Multi-token prediction (ncpctl/model/mtp.py; NCP-ArchPreview Sec. 5.2): depth k predicts
+"""Multi-token prediction (ncpctl/model/designs/mtp/module.py; NCP-ArchPreview Sec. 5.2): depth k predicts
 x[t+k+1] from the previous depth and embed(x[t+k]) through one layer and the shared head, its
 loss is weighted into the total in training only, shifts across an end-of-document token are
 not scored, the weight follows its schedule, and the export keeps the main head alone."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ncpctl.model.config import ConfigError
-from ncpctl.model.head import top1_hits
-from ncpctl.model.layers import Context
+from ncpctl.model.core.config import ConfigError
+from ncpctl.model.core.head import top1_hits
+from ncpctl.model.core.layers import Context
 
 from ._helpers import build, tiny, tokens
 

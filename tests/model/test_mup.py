@@ -1,4 +1,4 @@
-"""Decoupled muP (DLCM Sec. 6.1; ncpctl/model/mup.py): the coordinate check (activation scales
+"""Decoupled muP (DLCM Sec. 6.1; ncpctl/model/designs/mup/module.py): the coordinate check (activation scales
 after a few AdamW steps stay flat as the token and concept widths double twice, and grow without
 muP), the keys' validation, the init, the logit divisor on every path, the optimizer groups."""
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ncpctl.errors import UserError
-from ncpctl.model.config import ConfigError, build_config
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.config import ConfigError, build_config
+from ncpctl.model.core.model import NCPModel
 from ncpctl.recipe.load import load_recipe
 from ncpctl.train.config import apply_mup, lr_schedule, make_optimizer, param_groups
 
@@ -241,7 +241,7 @@ def test_base_rates_need_mup() -> None:
 def test_which_matrices_are_hidden() -> None:
     """The fan-in rule (mup.py): W_up and the coupling are token-hidden, the concept heads
     concept-hidden; the LM head, codebook, bottleneck K / A B and its rank-r factor are not."""
-    from ncpctl.model.mup import hidden_linears
+    from ncpctl.model.designs.mup.module import hidden_linears
 
     cfg = tiny("llama", mup_base_width=16, bottleneck=dict(enabled=True, concepts=6, unknown_head="low_rank"),
                concept=dict(segmentation="dynamic", coupling="cross_attention", d_concept=64))

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ncpctl.model import BlockCausal, Causal, ModelConfig, NextToken
-from ncpctl.model.layers import attn_mask, causal_masks
-from ncpctl.model.patterns import kernel_masks
+from ncpctl.model.core.layers import attn_mask, causal_masks
+from ncpctl.model.core.patterns import kernel_masks
 from ncpctl.inference import SamplingParams, generate
 
 from . import toy_objectives as toys

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ncpctl.model import NCPModel
-from ncpctl.model.accounting import exact_flops
-from ncpctl.model.config import ModelConfig, build_config
+from ncpctl.model.accounting.flops import exact_flops
+from ncpctl.model.core.config import ModelConfig, build_config
 from ncpctl.recipe.load import _load_tree
 
 from ..conftest import RECIPES

@@ -1,4 +1,4 @@
-"""Attention stability diagnostics (ncpctl/model/stability.py; NCP-ArchPreview Sec. 4.6): the
+"""Attention stability diagnostics (ncpctl/model/core/stability.py; NCP-ArchPreview Sec. 4.6): the
 max attention logit and max per-head q / k norms equal a direct reference that materialises the
 logits with explicitly built masks (causal, sliding window, padding), for GQA and every QK-norm;
 they are taken from the very q and k SDPA gets; and computing them changes nothing in training."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ncpctl.model.layers import Attention, attn_mask
-from ncpctl.model.stability import attention_maxima
+from ncpctl.model.core.layers import Attention, attn_mask
+from ncpctl.model.core.stability import attention_maxima
 
 from ._helpers import build, tiny, tokens
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ncpctl.model.config import build_config
+from ncpctl.model.core.config import build_config
 from ncpctl.profile.accounting import accounting_section, siblings
 
 from ..conftest import RECIPES, run_cli
@@ -103,8 +103,8 @@ def test_gpt2_124m_base_recipe_counts_hfs_parameters(cli):
     siblings' counts."""
     import json
 
-    from ncpctl.model.accounting import count_parameters
-    from ncpctl.model.config import build_config
+    from ncpctl.model.accounting.flops import count_parameters
+    from ncpctl.model.core.config import build_config
 
     r = cli("profile-kernels", str(RECIPES / "gpt2-124m-base.yaml"), "--only", "accounting", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -130,7 +130,7 @@ def test_one_flop_convention_for_budgets_fits_and_mfu() -> None:
     import torch
     from rich.console import Console
 
-    from ncpctl.cli._train import _human
+    from ncpctl.train.command import human as _human
     from ncpctl.profile.load import load_for_profile
     from ncpctl.profile.render import render
     from ncpctl.profile.step import step_section

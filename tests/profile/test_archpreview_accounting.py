@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ncpctl.model.accounting import count_parameters, exact_flops
+from ncpctl.model.accounting.flops import count_parameters, exact_flops
 from ncpctl.recipe import load_recipe
 
 from ..conftest import RECIPES, run_cli
@@ -34,7 +34,7 @@ PLAIN, PLAIN_UNPADDED = 8_935_055_360, 8_934_449_152
 IRC_CRC, IRC_CRC_UNPADDED = 8_946_089_476, 8_945_483_268
 DYNAMIC_RESIDUALS = 11_034_116
 BASE_32, PM_40 = 7_298_617_344, 8_917_749_760
-# IRC and CRC matmul FLOPs of one 8192-token forward (ncpctl.model.accounting), and their share
+# IRC and CRC matmul FLOPs of one 8192-token forward (ncpctl.model.accounting.flops), and their share
 RESIDUAL_FLOPS = {"residual.irc": 94_318_886_912, "residual.crc": 105_731_063_808}
 RESIDUAL_SHARE = 0.0014060324953376222  # 0.14% (the paper's 1B: +0.051%; see test_archpreview_recipes)
 PLAIN_SETS = ["--set", "model.residual=plain", "--set", "model.crc_connections=[]"]

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ncpctl.model.config import build_config
-from ncpctl.model.layers import apply_rope, rope
-from ncpctl.model.head import LMHead, block_rows, cross_entropy
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.config import build_config
+from ncpctl.model.core.layers import apply_rope, rope
+from ncpctl.model.core.head import LMHead, block_rows, cross_entropy
+from ncpctl.model.core.model import NCPModel
 
 
 def _hf_rope(x, cos, sin):  # HF apply_rotary_pos_emb on the first rotary dims
@@ -175,8 +175,7 @@ def test_liger_loss_is_optional_and_used_only_on_a_gpu(monkeypatch, request) -> 
     import importlib.util
     from types import SimpleNamespace
 
-    from ncpctl.model import head as head_mod
-
+    from ncpctl.model.core import head as head_mod
     real = head_mod.liger_loss
     request.addfinalizer(real.cache_clear)  # the cached answer of this process, not this test's fakes
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)

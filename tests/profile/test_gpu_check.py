@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from ncpctl.model.accounting import exact_flops
-from ncpctl.model.accounting_memory import activation_memory
-from ncpctl.model.config import build_config
+from ncpctl.model.accounting.flops import exact_flops
+from ncpctl.model.accounting.memory import activation_memory
+from ncpctl.model.core.config import build_config
 
 from ..conftest import REPO
 

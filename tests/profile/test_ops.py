@@ -9,8 +9,8 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from ncpctl.model.layers import inv_freq, rope
-from ncpctl.model.residual import mix_depths
+from ncpctl.model.core.layers import inv_freq, rope
+from ncpctl.model.designs.residual.module import mix_depths
 from ncpctl.profile.load import load_for_profile
 from ncpctl.profile.ops import count_ops, ops_section, training_step_ops
 from ncpctl.train.muon import newton_schulz_batched
@@ -97,7 +97,7 @@ def test_on_a_gpu_adamw_is_one_fused_kernel_and_steps_as_the_loop_does() -> None
     float rounding (two steps of lr 3e-3: within 1% of one step's size; 7e-6 measured)."""
     import copy
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe import load_recipe
     from ncpctl.train.config import make_optimizer
 

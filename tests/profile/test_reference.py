@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ncpctl.model.config import build_config
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.config import build_config
+from ncpctl.model.core.model import NCPModel
 from ncpctl.profile.reference import RefGPT
 from ncpctl.profile.step import next_token_batch
 

@@ -1,6 +1,6 @@
 """The 8B recipes are set up for a real cluster run (issue 27): each trains on a ``data.mix`` (one
 component where the paper names one corpus or gives no weights) and checkpoints activations, which
-at their sequence lengths dominate an 80 GB GPU (README, "How much it saves at 8B")."""
+at their sequence lengths dominate an 80 GB GPU (docs/training.md, "How much it saves at 8B")."""
 from __future__ import annotations
 
 from pathlib import Path

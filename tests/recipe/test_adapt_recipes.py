@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ncpctl.model.accounting import count_parameters
+from ncpctl.model.accounting.flops import count_parameters
 from ncpctl.recipe import load_recipe
 from ncpctl.train.stages import make_stage
 from tests.train.conftest import ENV, tiny_data, weights  # noqa: F401 - the shared tokenized test corpus
@@ -78,7 +78,7 @@ def test_bench_picks_the_rank_the_recipe_gives() -> None:
     import importlib.util
 
     pytest.importorskip("peft")
-    from ncpctl.model.config import build_config
+    from ncpctl.model.core.config import build_config
 
     spec = importlib.util.spec_from_file_location("bench_adapt", RECIPES.parent / "bench" / "adapt.py")
     bench = importlib.util.module_from_spec(spec)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ncpctl.model.accounting import exact_flops
+from ncpctl.model.accounting.flops import exact_flops
 from ncpctl.recipe import load_recipe
 from tests.train.conftest import ENV, tiny_data  # noqa: F401 - the shared tokenized test corpus
 
@@ -124,8 +124,8 @@ def test_vq_loss_is_eq21(name: str, tree: Path, olmo_like: list[str]) -> None:
     hand; the commitment term is logged apart, and 0."""
     import torch
 
-    from ncpctl.model.concept import ConceptOutput, Segments
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.concept import ConceptOutput, Segments
+    from ncpctl.model.core.model import NCPModel
 
     from ..model._helpers import tiny
 
@@ -204,7 +204,7 @@ def test_point_changes_only_its_keys(name: str, tree: Path, olmo_like: list[str]
 def test_table2_block_counts(tree: Path, olmo_like: list[str]) -> None:
     """Table 2: parameters / compute per token in blocks: vanilla 32/32, computation-aligned 34/34,
     size-aligned 40/40, and NCP-ArchPreview (+CM, +Residual, +NCP) 16+8+16 = 40 / 16+8/4+16 = 34."""
-    from ncpctl.model.accounting import parameter_equivalent_layers
+    from ncpctl.model.accounting.flops import parameter_equivalent_layers
 
     want = {"vanilla-32": (32, 32), "vanilla-34": (34, 34), "vanilla-40": (40, 40), "cm": (40, 34),
             "residual": (40, 34), "ncp": (40, 34)}

@@ -102,7 +102,7 @@ def test_steerling_8b_recipe_has_the_public_configurations_shape(tmp_path: Path)
     64, SwiGLU 4x, tied embeddings, no biases) and its tokenizer (<|mask|> = 100280), with the concept
     bottleneck on (issue 23 item 5): ~8.06B backbone + 0.33B concept module."""
     from ncpctl.data.indexed import IndexedDatasetWriter
-    from ncpctl.model.accounting_params import count_parameters
+    from ncpctl.model.accounting.params import count_parameters
 
     for split in ("train", "val"):
         with IndexedDatasetWriter(tmp_path / split, "int32") as w:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ncpctl.model.accounting import count_parameters, exact_flops
+from ncpctl.model.accounting.flops import count_parameters, exact_flops
 from ncpctl.recipe import load_recipe
 
 from ..conftest import RECIPES, run_cli

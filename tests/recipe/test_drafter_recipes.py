@@ -55,7 +55,7 @@ def test_the_debug_pair_differs_only_in_the_injection(tmp_path: Path, tiny_data:
 
 
 def test_the_1_1b_pair_has_the_report_shape(tmp_path: Path, stage1_config: dict) -> None:
-    from ncpctl.model.drafter import BlockDrafter
+    from ncpctl.model.designs.drafter.module import BlockDrafter
     from ncpctl.train.designs.drafter import drafter_config
 
     sets = [*_stand_ins(tmp_path / "files", 100278, "int32"),

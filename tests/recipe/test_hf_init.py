@@ -27,8 +27,8 @@ train: {{max_steps: 2, micro_batch_size: 2, seq_len: 32, init_from: {init}}}
 @pytest.fixture(scope="module")
 def neox_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny GPT-NeoX with d_model 96 (the recipe's `debug` size has 64) and 640 tokens."""
-    from ncpctl.model.config import build_config
-    from ncpctl.model.hf import hf_config
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.families.hf import hf_config
 
     d = tmp_path_factory.mktemp("hf") / "neox"
     torch.manual_seed(0)

@@ -333,7 +333,7 @@ def test_llama_arms_differ_in_their_keys(llama_like: list[str]) -> None:
 # ----------------------------------------------------------------------------- the authors' code
 
 
-# what the ConceptLM recipes keep on purpose where the authors' code differs (README "Using the
+# what the ConceptLM recipes keep on purpose where the authors' code differs (docs/released-models.md, "Using the
 # released models"): GPT-2's SimVQ transform is the paper's MLP (their code keeps SimVQ's Linear), and
 # the main 8B arm lets NTP train the concept path (their Llama code detaches it: the -detach arm)
 KEPT = {"gpt2": {"codebook_transform"}, "llama": {"detach_added_concept"}}

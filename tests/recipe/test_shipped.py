@@ -89,7 +89,7 @@ def test_debug_recipe() -> None:
 
 
 def test_debug_mix_recipe() -> None:
-    """The debug model on a weighted mixture of three built-in corpora (run once: README)."""
+    """The debug model on a weighted mixture of three built-in corpora (run once: docs/data.md)."""
     r = load_recipe(RECIPES / "debug-mix.yaml", need_sources=True)
     assert [(c.name, c.weight) for c in r.data.mix] == [("pydantic", 0.5), ("cli", 0.3), ("networkx", 0.2)]
     assert not r.data.sources and all(c.sources and c.prefix is None for c in r.data.mix)

@@ -1,7 +1,7 @@
 """Issue 40, "Scaling fits you can publish": intervals that count a family that never reaches the
 loss as worse, bootstrap refits from the grid, the exact per-shape cost, non-embedding N and C, a
 fit reading its own fit.json, approach 2's multiplier, IsoFLOP intervals, vertices outside the
-sizes; and the tiny study's README numbers refitted from the stored points."""
+sizes; and the tiny study's numbers in docs/scaling.md refitted from the stored points."""
 
 from __future__ import annotations
 
@@ -169,9 +169,9 @@ def test_the_readme_reports_the_refitted_tiny_study() -> None:
     says that an LM head both families share pulls the multiplier toward 1."""
     rep = json.loads(STUDY.read_text())
     assert rep["flop_convention"].startswith("full attention") and "multiplier_isoflop" in rep
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### A scaling study at our scale"):]
-    section = section[:section.index("\n## ")]
+    from ..docs_site import section as docs_section
+
+    section = docs_section("A scaling study at our scale (`recipes/scaling/`)")  # docs/scaling.md
     m = rep["multiplier"]
     said = re.search(r"Compute multiplier of ConceptLM against the base: ([0-9.]+), 90% interval \[([0-9.]+), "
                      r"([0-9.]+)\]", section)

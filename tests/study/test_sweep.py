@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ncpctl.model.accounting import exact_flops
+from ncpctl.model.accounting.flops import exact_flops
 from ncpctl.profile.load import load_for_profile
 
 from ..conftest import RECIPES, run_cli

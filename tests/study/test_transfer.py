@@ -141,7 +141,7 @@ def test_a_transfer_sweep_point_trains_each_group_at_its_rate_over_s() -> None:
     """A debug-mup-transfer point at width 128 (s_token = 128/64, s_concept = 256/64: debug-dlcm's one
     base width 64): the token and concept modules' hidden matrices at the swept base rate / s,
     everything else at the base rate."""
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.profile.load import load_for_profile
     from ncpctl.study.sweep import read_sweep
     from ncpctl.train.config import make_optimizer

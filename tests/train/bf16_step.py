@@ -44,7 +44,7 @@ def masters(wrapper) -> list[torch.Tensor]:
 def run_stage(stage: int, d) -> dict:
     import deepspeed
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.train.engine import build_engine
 
     recipe = load_recipe(RECIPES / "debug.yaml", [
@@ -71,7 +71,7 @@ def run_stage(stage: int, d) -> dict:
 
 
 def _zero1(d, sets: tuple[str, ...] = ()):
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.train.engine import build_engine
 
     recipe = load_recipe(RECIPES / "debug.yaml", [

@@ -28,8 +28,8 @@ def logical_rows(model: torch.nn.Module) -> dict[int, tuple[int, ...]]:
     """``id(weight) -> row counts`` of each fused Linear, read from the modules' own sizes by the
     layouts their docs give (not from ``fused_rows``): ``attn.qkv`` = [q (H hd); k (Hkv hd);
     v (Hkv hd)], a SwiGLU ``mlp.fc`` = [gate; up], DLCM's cross-attention ``wkv`` = [k; v]."""
-    from ncpctl.model.coupling import CrossAttentionCoupling
-    from ncpctl.model.layers import MLP, Attention
+    from ncpctl.model.designs.cross_attention.module import CrossAttentionCoupling
+    from ncpctl.model.core.layers import MLP, Attention
 
     out = {}
     for m in model.modules():
@@ -105,7 +105,7 @@ def gather_buckets(optimizer) -> int:
 
 
 def run_stage(stage: int, steps: int, sets: list[str], d) -> dict:
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.train.engine import build_engine as _build_engine
 
     recipe = load_recipe(RECIPES / "debug.yaml", [

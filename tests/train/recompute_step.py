@@ -42,7 +42,7 @@ def run_mode(design: str, stage: int, mode: str, d, backend: str = "eager") -> t
 
     from deepspeed.utils import safe_get_full_grad
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.train import compiled
     from ncpctl.train.engine import build_engine
 

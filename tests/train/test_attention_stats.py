@@ -95,7 +95,7 @@ def check_two_ranks_log_the_max_over_both_ranks(recipe: Path, run_dir: Path) -> 
 
     from ncpctl.data.indexed import IndexedDataset
     from ncpctl.data.windows import WindowLoader
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe import load_recipe
 
     recs = metrics(run_dir, "stability")

@@ -46,7 +46,7 @@ def test_bf16_keeps_fp32_masters_and_adamw_first_step_at_every_zero_stage(engine
 
 def test_bf16_zero1_skips_a_nonfinite_step_and_resumes_exactly(engines) -> None:
     """bf16 at ZeRO-1 is DeepSpeed's BF16_Optimizer (no per-tensor overflow pass; issue 45): the
-    README's promise holds (a NaN loss's step is not applied, the weights and fp32 masters stay
+    promise in docs/training.md holds (a NaN loss's step is not applied, the weights and fp32 masters stay
     finite), and a checkpoint it wrote resumes bit for bit (weights, masters, the next losses), also
     through the universal checkpoint that a resume on another number of ranks converts it to.
     The switch it replaces, ``bf16.check_grad_overflow: false`` on the ZeRO optimizer, applies the

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from ncpctl.errors import UserError
-from ncpctl.model.accounting import exact_flops
+from ncpctl.model.accounting.flops import exact_flops
 from ncpctl.recipe import load_recipe
 
 from ..conftest import RECIPES

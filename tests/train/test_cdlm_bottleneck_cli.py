@@ -17,8 +17,9 @@ from ncpctl.data.indexed import IndexedDataset
 from ncpctl.data.labels import LabelSpans
 from ncpctl.data.tokenize import tokenize
 from ncpctl.data.windows import WindowLoader
-from ncpctl.model.bottleneck import chunk_labels, chunk_probs, concept_auc
-from ncpctl.model.bottleneck_positions import chunk_detection_at
+from ncpctl.model.designs.bottleneck.chunks import chunk_labels, chunk_probs
+from ncpctl.model.designs.bottleneck.module import concept_auc
+from ncpctl.model.designs.bottleneck.chunks import chunk_detection_at
 from ncpctl.recipe import load_recipe
 
 from ..conftest import RECIPES

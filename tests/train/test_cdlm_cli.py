@@ -18,7 +18,7 @@ import torch
 from ncpctl.data.indexed import IndexedDataset
 from ncpctl.data.tokenize import tokenize
 from ncpctl.data.windows import WindowLoader
-from ncpctl.model.diffusion_elbo import estimates, summarise
+from ncpctl.model.designs.causal_diffusion.module import estimates, summarise
 from ncpctl.recipe import load_recipe
 
 from .conftest import metrics, ncpctl, result

@@ -59,7 +59,7 @@ def test_a_checkpoint_from_before_a_new_config_key_is_compatible(tmp_path: Path)
     import pytest
 
     from ncpctl.errors import UserError
-    from ncpctl.model.config import build_config
+    from ncpctl.model.core.config import build_config
 
     cfg = build_config("debug", concept=dict(enabled=True)).to_dict()
     old = {**cfg, "concept": {k: v for k, v in cfg["concept"].items() if k != "vq_reduction"}}

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.model import NCPModel
 from ncpctl.recipe import load_recipe
 from ncpctl.train.compiled import compile_blocks, why_not
 

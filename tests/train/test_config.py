@@ -69,7 +69,7 @@ def test_warmup_then_cosine_to_min_lr() -> None:
 
 
 def test_weight_decay_groups_and_frozen_parameters() -> None:
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     r = recipe()
     model = NCPModel(r.model_config)
@@ -87,7 +87,7 @@ def test_weight_decay_groups_and_frozen_parameters() -> None:
 
 
 def test_depth_mixer_parameters_are_not_decayed() -> None:
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from tests.model import toys  # noqa: F401  (registers the toy mixer "dense": Linear layers)
     from tests.model._helpers import tiny
 
@@ -147,7 +147,7 @@ def test_fault_hook_is_strict_and_inert_when_unset() -> None:
 
 def test_optimizer_gets_the_recipes_hyperparameters() -> None:
     """betas, eps, weight decay, lr and clipping reach the optimizer and DeepSpeed unchanged."""
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     sets = ("train.betas=[0.8, 0.9]", "train.eps=1e-6", "train.weight_decay=0.05", "train.lr=2e-3",
             "train.grad_clip=0.7")

@@ -92,7 +92,7 @@ def test_the_summary_labels_each_figure_with_its_step_leads_with_the_objectives_
     """Issue 28 item 1: after Ctrl-C the validation is older than the last step (say so); an
     ArchPreview total summed over d must not lead (the NTP term first, the total last); the
     bottleneck's detection is shown; MFU states the peak it divides by."""
-    from ncpctl.cli._train import _human
+    from ncpctl.train.command import human as _human
 
     s = {"stage": "pretrain", "interrupted": True, "step": 69, "max_steps": 100, "tokens": 1000,
          "trainable_parameters": 10, "parameters": 10, "unigram_entropy": 6.5, "train_loss": 6.1,

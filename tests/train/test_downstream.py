@@ -60,7 +60,7 @@ def test_zero3_on_one_rank_evaluates_in_the_loop(make_recipe, tmp_path: Path) ->
 
 def test_the_evaluation_puts_back_the_rng_state_and_train_mode(make_recipe) -> None:
     """lm-eval reseeds Python, numpy and torch: the in-loop evaluation restores all three."""
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe import load_recipe
     from ncpctl.train import downstream
     from ncpctl.train.engine import Dist

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ncpctl.errors import UserError
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.model import NCPModel
 from ncpctl.recipe import load_recipe
 from ncpctl.train.engine import Dist, build_engine
 from tests.conftest import RECIPES

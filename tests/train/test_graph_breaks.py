@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from ncpctl.model.layers import Stack
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.layers import Stack
+from ncpctl.model.core.model import NCPModel
 from ncpctl.profile.load import load_for_profile
 
 from ..conftest import RECIPES

@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("peft")
 
-from ncpctl.model.accounting import count_parameters  # noqa: E402
-from ncpctl.model.config import build_config  # noqa: E402
-from ncpctl.model.model import NCPModel  # noqa: E402
+from ncpctl.model.accounting.flops import count_parameters  # noqa: E402
+from ncpctl.model.core.config import build_config  # noqa: E402
+from ncpctl.model.core.model import NCPModel  # noqa: E402
 from ncpctl.recipe.schema import LoraSection  # noqa: E402
 from ncpctl.train.lora import apply_lora, merge_adapters, scalings  # noqa: E402
 from ncpctl.train.stages import freeze_all_but_codebook  # noqa: E402

@@ -37,7 +37,7 @@ def recipe(*sets: str, world_size: int = 1):
 
 
 def test_muon_takes_exactly_the_hidden_matrices_of_the_debug_model() -> None:
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     r = recipe()
     model = NCPModel(r.model_config)
@@ -62,7 +62,7 @@ def test_muon_takes_exactly_the_hidden_matrices_of_the_debug_model() -> None:
 
 
 def test_depth_mixers_and_tied_embeddings_stay_on_adamw() -> None:
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from tests.model import toys  # noqa: F401  (registers the toy mixer "dense": Linear layers)
     from tests.model._helpers import tiny
 
@@ -77,7 +77,7 @@ def test_depth_mixers_and_tied_embeddings_stay_on_adamw() -> None:
 def test_archpreview_parts_by_rule() -> None:
     """IRC and CRC mixers stay on AdamW (mixing coefficients); the MTP projection and its layer are
     hidden matrices (d -> d features), so Muon takes them; listed by name."""
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     r = recipe("model.residual=irc", "model.crc_connections=[encoder-concept,encoder-decoder,concept-decoder]",
                "model.mtp_depth=1")
@@ -99,7 +99,7 @@ def test_archpreview_parts_by_rule() -> None:
 def test_table3_mixers_stay_on_adamw_without_decay(sets: list[str]) -> None:
     """The input-level CRC's and Block AttnRes's parameters (pseudo-queries and key norms: 2-D
     (n + 1, d) tensors, not Linears) are mixing coefficients: AdamW, no weight decay."""
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     r = recipe(*sets)
     model = NCPModel(r.model_config)
@@ -114,7 +114,7 @@ def test_table3_mixers_stay_on_adamw_without_decay(sets: list[str]) -> None:
 def test_fused_matrices_are_split_into_their_logical_matrices() -> None:
     """Per-matrix Muon: the row blocks of each fused Linear, by name. GQA's qkv = [q (4 x 16);
     k (2 x 16); v (2 x 16)], SwiGLU's fc = [gate (ffn); up (ffn)], DLCM's cross-attention wkv = [k; v]."""
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.train.config import fused_rows
 
     r = recipe(*GQA)
@@ -130,7 +130,7 @@ def test_fused_matrices_are_split_into_their_logical_matrices() -> None:
 def test_step_is_torch_muon_plus_adamw(scale: str) -> None:
     """Without DeepSpeed (stage 0 fp32, the guard on): 3 steps, bit for bit the reference, which is
     torch.optim.Muon on q, k, v, gate and up as matrices of their own (each scaled by its shape)."""
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     r = recipe("deepspeed.zero_stage=0", "train.grad_clip=0", "model.max_seq_len=64", "train.seq_len=32",
                f"train.muon_lr_scale={scale}", "train.muon_momentum=0.9", *GQA)

@@ -6,7 +6,7 @@ distance to the codebook (NCP ~ S x VQ throughout). ``ncp_rel`` = the term over 
 own nearest codes' (the same reduction) shows what the concept module learns: it falls toward 1
 (as close as the nearest code) while the raw term follows the targets' norm. Its relative to the
 targets' variance would not do (their spread collapses to ~0.2 at step 30 while their offset from
-the codes is ~11): README, "Training", the NCP term."""
+the codes is ~11): docs/designs/archpreview.md, "Reading the NCP term"."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from ..conftest import RECIPES
 
 
 def test_ncp_rel_is_the_term_over_the_nearest_codes() -> None:
-    from ncpctl.model.concept import nearest_code
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.concept import nearest_code
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
 
     cfg = build_config("llama-debug", n_layers=4, max_seq_len=32, concept=dict(
         enabled=True, k=4, encoder_layers=2, concept_layers=1, segments=4, codes=16, codebook="learned",
@@ -46,10 +46,10 @@ def test_ncp_rel_is_the_term_over_the_nearest_codes() -> None:
 
 def test_on_debug_archpreview_the_relative_figure_falls(tiny_data: Path) -> None:
     """The 150-step run in small (the same recipe and optimizer: Muon + AdamW, its schedule; 24
-    steps of 4 x 32 tokens): ``ncp_rel`` falls from ~1.15 toward 1. The full run (README): 1.146
+    steps of 4 x 32 tokens): ``ncp_rel`` falls from ~1.15 toward 1. The full run (docs/designs/archpreview.md): 1.146
     at step 1, 1.012 at step 150, while the raw term went 105 -> 406 (step 100) -> 184."""
     from ncpctl.data.indexed import IndexedDataset
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe import load_recipe
     from ncpctl.train.config import lr_schedule, make_optimizer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ncpctl.model.outputs import LogKey, NCPOutput
+from ncpctl.model.core.outputs import LogKey, NCPOutput
 from ncpctl.train.packing import StepPacking
 
 KEYS = [LogKey("loss"), LogKey("ntp_loss"), LogKey("aux_loss"), LogKey("usage", 3, per="segment"),
@@ -78,8 +78,8 @@ def test_injected_loss_missing_keys_and_size_checks() -> None:
 @pytest.mark.parametrize("concept", [False, True])
 def test_shipped_models_log_what_they_always_did(concept: bool) -> None:
     """The debug model's keys give today's train and val records, with values from its forward."""
-    from ncpctl.model.config import build_config
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.train.loop import FLAGS, RECORD_FIELDS
 
     torch.manual_seed(0)

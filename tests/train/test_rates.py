@@ -1,6 +1,6 @@
 """The run's clock (``ncpctl.train.rates``, issue 46 items 1 and 6): a compiling first step is said
 out loud and kept out of steps/s; a run whose steps slow far below its own first ones says so once.
-The thread policy itself (``ncpctl.threads``) is measured in the README, not here: it depends on
+The thread policy itself (``ncpctl.threads``) is measured in docs/getting-started.md, not here: it depends on
 what else the machine runs."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_the_summary_reports_compilation_apart_from_the_rates() -> None:
 
     from rich.console import Console
 
-    from ncpctl.cli._train import _human
+    from ncpctl.train.command import human as _human
 
     s = {"stage": "pretrain", "interrupted": False, "step": 20, "max_steps": 20, "tokens": 1000,
          "trainable_parameters": 10, "parameters": 10, "val": {}, "steps_per_s": 4.0, "tokens_per_s": 8000.0,
@@ -68,7 +68,7 @@ def test_the_summary_reports_compilation_apart_from_the_rates() -> None:
          "nonfinite_steps": 0, "checkpoint": None, "compile_s": 52.25}
     buf = io.StringIO()
     _human(Console(file=buf, width=400, force_terminal=False), s)
-    from ncpctl.model.accounting import FLOP_CONVENTION_SHORT
+    from ncpctl.model.accounting.flops import FLOP_CONVENTION_SHORT
 
     assert (f"4.00 steps/s, 8,000 tokens/s, MFU 10.0% (mean over 19 steps, {FLOP_CONVENTION_SHORT}) of 100 GFLOP/s "
             "(x); compilation 52.2 s (the first step, not in these rates)") in buf.getvalue()

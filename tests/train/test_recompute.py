@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.model import NCPModel
 from ncpctl.recipe import load_recipe
 from ncpctl.train.recompute import apply_activation_checkpointing
 

@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 
 from ncpctl.errors import UserError
-from ncpctl.model.accounting import exact_flops
+from ncpctl.model.accounting.flops import exact_flops
 from ncpctl.recipe import load_recipe
 from ncpctl.train.loop import flops_per_step
 from ncpctl.train.stages import Stage, freeze_all_but_codebook, make_stage
@@ -33,7 +33,7 @@ def test_lora_refuses_the_optimizer_state_of_a_full_run() -> None:
 
 
 def test_flops_per_step_counts_the_backward_of_the_stage() -> None:
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     r = recipe()
     T, G = r.seq_len, r.global_batch_size
@@ -48,7 +48,7 @@ def test_flops_per_step_counts_the_backward_of_the_stage() -> None:
 
 def test_lora_stage_counts_its_adapters() -> None:
     pytest.importorskip("peft")
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
     from ncpctl.recipe.schema import LoraSection
     from ncpctl.train.lora import apply_lora
 

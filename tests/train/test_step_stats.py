@@ -22,7 +22,7 @@ from .conftest import ENV, metrics, result
 SCRIPT = '''
 import json, sys
 import torch
-from ncpctl.model.model import NCPModel
+from ncpctl.model.core.model import NCPModel
 
 LOG = sys.argv.pop(1)
 _forward = NCPModel.forward

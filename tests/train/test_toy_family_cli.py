@@ -30,7 +30,7 @@ def test_toy_family_resumes_bit_identically_and_is_not_exported(make_recipe, tmp
 
     from ncpctl.errors import UserError
     from ncpctl.interop.hf_export import export
-    from ncpctl.model.config import trust
+    from ncpctl.model.core.config import trust
 
     trust(PATH)  # as --strategy does
     out = tmp_path / "hf"

@@ -60,7 +60,7 @@ def test_toy_objective_trains_evaluates_and_generates_through_the_cli(make_recip
                         env=ENV))["completions"][0]
 
     from ncpctl.checkpoint import load_model
-    from ncpctl.model.config import trust
+    from ncpctl.model.core.config import trust
 
     trust(path)
     loaded = load_model(ck)

@@ -278,8 +278,8 @@ def test_midtrain_from_a_hugging_face_directory(make_recipe, tmp_path: Path) -> 
     zero_concept_output the first loss is the base model's own loss."""
     import transformers
 
-    from ncpctl.model.config import build_config
-    from ncpctl.model.hf import hf_config
+    from ncpctl.model.core.config import build_config
+    from ncpctl.model.families.hf import hf_config
 
     cfg = build_config("debug", vocab_size=512, max_seq_len=64)  # concept off: the HF base
     torch.manual_seed(0)

@@ -247,7 +247,7 @@ def _problems(j: dict, bb: Backbone) -> list[tuple[str, str]]:
 
 def model_config(directory: str | Path):
     """The ``ModelConfig`` that computes what their code computes from ``directory``."""
-    from ncpctl.model.config import ConfigError, ModelConfig
+    from ncpctl.model.core.config import ConfigError, ModelConfig
 
     d = Path(directory)
     j = read_config(d)
@@ -296,7 +296,7 @@ _FREE = {"name", "init", "init_std", "vocab_size", "pad_vocab_multiple", "mtp_de
 def export_problems(cfg) -> list[str]:
     """What keeps ``cfg`` from their layout: every key whose value their config cannot express
     (read back from the config ``their_config`` writes), with the value it would need."""
-    from ncpctl.model.config import ModelConfig
+    from ncpctl.model.core.config import ModelConfig
 
     try:
         bb = _backbone_of(cfg)

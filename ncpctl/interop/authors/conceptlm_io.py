@@ -53,7 +53,7 @@ def from_authors(cfg, sd: dict) -> dict:
     """Our state dict (fp32) from theirs; a missing weight or one left over is a ``KeyError`` naming it."""
     import torch
 
-    from ncpctl.model.family import family
+    from ncpctl.model.registry import family
 
     bb, fam, sd = _backbone_of(cfg), family(cfg.backbone), _Reads(sd)
     out = {ours: sd[theirs] for ours, theirs in bb.top(cfg).items() if theirs in sd or not cfg.tie_embeddings}
@@ -83,7 +83,7 @@ def to_authors(model) -> dict:
     """Their state dict of ``model`` (``export_problems`` empty): the unused heads zero, no cached_*."""
     import torch
 
-    from ncpctl.model.family import family
+    from ncpctl.model.registry import family
 
     cfg = model.cfg
     bb, fam, sd = _backbone_of(cfg), family(cfg.backbone), model.state_dict()

@@ -21,8 +21,8 @@ What ncpctl builds computes their function (tests/interop/test_steerling.py, aga
 code made: tools/reference/steerling.py): a ``llama`` backbone with post-norm, per-head QK-norm,
 ``clip_qkv``, full RoPE, ``objective: causal_diffusion``; the concept bottleneck without biases, logits
 clamped to +-15, their top-k, the factorised unknown head; no vocabulary padding (their logits have
-exactly ``vocab_size`` columns). The differences kept on purpose are listed in the README ("Using the
-released models").
+exactly ``vocab_size`` columns). The differences kept on purpose are listed in docs/released-models.md
+("Using the released models").
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def config_dict(path: Path, arch: dict, concept: dict | None) -> dict[str, Any]:
 
 def model_config(path: str | Path, **overrides: Any):
     """The ``ModelConfig`` of a Steerling directory, with ``overrides`` (recipe keys) on top."""
-    from ncpctl.model.config import ConfigError, build_config, deep_merge
+    from ncpctl.model.core.config import ConfigError, build_config, deep_merge
 
     path = Path(path)
     arch, concept = read_config(path)
@@ -218,7 +218,7 @@ def load_into(cfg, path: Path, *, train: bool = False):
     sharing their pages (``train``: fp32 copies, train mode, for ``train.init_from``)."""
     import torch
 
-    from ncpctl.model.model import NCPModel
+    from ncpctl.model.core.model import NCPModel
 
     sd = state_dict(cfg, path)
     dtypes = {v.dtype for v in sd.values()}
@@ -261,7 +261,7 @@ def load(path: str | Path, *, with_tokenizer: bool = True):
     files' dtype, mapped), its tokenizer (tiktoken_bpe.py; with_tokenizer: refused with one line when
     it has none) and its ``meta``."""
     from ncpctl.checkpoint import LoadedModel
-    from ncpctl.model.config import ModelConfig
+    from ncpctl.model.core.config import ModelConfig
 
     path = Path(path)
     m = meta(path)

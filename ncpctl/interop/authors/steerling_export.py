@@ -30,8 +30,8 @@ PAD = 16  # their ConceptHead pads its rows to a multiple of pad_multiple (16)
 
 def refusals(model) -> list[str]:
     """Why their code cannot compute this model's function (empty: it can)."""
-    from ncpctl.model.diffusion import CausalDiffusion
-    from ncpctl.model.layers import MLP, Block, PlainResidual, RMSNorm
+    from ncpctl.model.designs.causal_diffusion.module import CausalDiffusion
+    from ncpctl.model.core.layers import MLP, Block, PlainResidual, RMSNorm
 
     cfg, out = model.cfg, []
     blk = model.decoder[0] if len(model.decoder) else None

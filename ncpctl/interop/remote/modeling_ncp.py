@@ -1,8 +1,9 @@
 """NCP / ConceptLM causal LM for HF transformers (``trust_remote_code=True``).
 
-Written by ``ncpctl export`` next to a verbatim copy of ncpctl's model package (``model.py``,
-``layers.py``, ``concept.py``, ``decode.py``, ...: the same modeling code ncpctl trains, not a
-second implementation). This file only adapts it to transformers: the HF config, the
+Written by ``ncpctl export`` next to a copy of ncpctl's model package, flattened into one folder
+(``core/model.py`` -> ``core_model.py``, ``from ncpctl.model.core.layers import`` -> ``from
+.core_layers import``: transformers resolves only flat relative imports; the same modeling code
+ncpctl trains, not a second implementation). This file only adapts it to transformers: the HF config, the
 ``attention_mask`` convention, ``generate``'s cache protocol and the output type. It needs
 torch and transformers; nothing here or in the copied modules imports ncpctl.
 
@@ -23,7 +24,7 @@ A Causal Diffusion LM (``objective: causal_diffusion``) exports through this ada
 forward is the model's, with its block-causal attention (a position sees its whole block), so
 its logits are ncpctl's; ``labels`` are aligned with ``input_ids`` (the original tokens at the
 [MASK] positions, -100 elsewhere: no shift). Its ``generate`` is block-wise sampling, ncpctl's own
-sampler (``block_sampler.py``, copied with the model package): ``model.generate(input_ids,
+sampler (``designs/causal_diffusion/sampler.py``, shipped with the model package): ``model.generate(input_ids,
 attention_mask=..., max_new_tokens=..., do_sample=..., temperature=..., top_k=..., top_p=...)`` plus
 ``steps_per_block``, ``commit_per_step`` and ``seed`` (row b samples with seed + b), left padding
 allowed, each row ending at the end of the block where it produced ``eos_token_id`` (the tokens after
@@ -42,10 +43,11 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .block_sampler import sample_blocks
-from .config import ModelConfig
+from ncpctl.model.core.config import ModelConfig
+from ncpctl.model.core.model import NCPModel
+from ncpctl.model.designs.causal_diffusion.sampler import sample_blocks
+
 from .configuration_ncp import NCPConfig
-from .model import NCPModel
 
 
 class NCPCache:

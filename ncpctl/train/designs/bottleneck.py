@@ -1,4 +1,4 @@
-"""Steerling's concept bottleneck in a training run (``ncpctl.model.bottleneck``; hooks:
+"""Steerling's concept bottleneck in a training run (``ncpctl.model.designs.bottleneck.module``; hooks:
 ``ncpctl.train.hooks``).
 
 prepare      each split's concept labels (``PREFIX.labels.npy``, ncpctl.data.labels) for its
@@ -100,7 +100,7 @@ def labels(recipe: Recipe, ds: Any) -> tuple[Any, list[str] | None]:
 
 
 def check_teacher_forcing(recipe: Recipe, meta: dict[str, Any], meta_path: Path) -> None:
-    """Teacher forcing feeds a position the labels of the chunk before it (ncpctl.model.bottleneck.
+    """Teacher forcing feeds a position the labels of the chunk before it (ncpctl.model.designs.bottleneck.module.
     fed_labels); a document-level label sits on every token of its document, so feeding it shows
     each position its document's future: refused. A ``field`` dataset from before
     ``labels.document_level`` was recorded may hold them: refused too, until it is tokenized again."""
@@ -139,8 +139,8 @@ def chunk_detection(cfg: Any, o: Any, labels: torch.Tensor) -> tuple[torch.Tenso
     over a chunk's tokens) against the chunk labels, both (B * chunks, n), on the CPU. Where the
     objective reads the concepts at some positions only (``BottleneckOutput.positions``: a Causal
     Diffusion LM's masked tokens), the OR over those, of the chunks that hold one, as its concept loss."""
-    from ncpctl.model.bottleneck import chunk_labels, chunk_probs
-    from ncpctl.model.bottleneck_positions import chunk_detection_at
+    from ncpctl.model.designs.bottleneck.chunks import chunk_labels, chunk_probs
+    from ncpctl.model.designs.bottleneck.chunks import chunk_detection_at
 
     chunk = cfg.bottleneck.chunk
     keep = o.bottleneck.positions
@@ -152,11 +152,11 @@ def chunk_detection(cfg: Any, o: Any, labels: torch.Tensor) -> tuple[torch.Tenso
 
 
 def detection_auc(parts: list[tuple[torch.Tensor, torch.Tensor]], d: Any) -> dict[str, float]:
-    """The held-out detection keys (``ncpctl.model.bottleneck.concept_auc``: the macro AUC with its
+    """The held-out detection keys (``ncpctl.model.designs.bottleneck.module.concept_auc``: the macro AUC with its
     interval, the pooled AUC beside its base rate) over every rank's chunks: AUC does not decompose
     over shards, so the (chunks, n) scores and labels of all ranks are gathered (zero-padded blocks,
     one sum) and every rank scores the whole split."""
-    from ncpctl.model.bottleneck import concept_auc
+    from ncpctl.model.designs.bottleneck.module import concept_auc
 
     scores, labels = torch.cat([s for s, _ in parts]), torch.cat([lab for _, lab in parts])
     if d.world > 1:

@@ -1,4 +1,4 @@
-"""The concept codebook in a training run (``ncpctl.model.concept``; hooks: ``ncpctl.train.hooks``).
+"""The concept codebook in a training run (``ncpctl.model.core.concept``; hooks: ``ncpctl.train.hooks``).
 
 evaluation   with ``train.plots``, the final validation counts, per codebook segment, how often
              each code is the nearest code of a predicted concept (ConceptLM Fig. 5).
@@ -53,7 +53,7 @@ def code_hits(model: torch.nn.Module, co: Any) -> torch.Tensor:
     segment; a row's padding concepts (``co.segments.valid`` false) are not counted."""
     import deepspeed
 
-    from ncpctl.model.concept import nearest_code
+    from ncpctl.model.core.concept import nearest_code
 
     cb = model.concept.codebook
     with deepspeed.zero.GatheredParameters(list(cb.parameters())):  # no-op below ZeRO-3

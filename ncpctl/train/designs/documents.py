@@ -1,4 +1,4 @@
-"""Packed documents kept apart (``data.document_mask``; ncpctl.model.documents) in a training run
+"""Packed documents kept apart (``data.document_mask``; ncpctl.model.core.documents) in a training run
 (hooks: ``ncpctl.train.hooks``).
 
 prepare      refuses, before any heavy work, a model that cannot keep documents apart (a
@@ -22,7 +22,7 @@ class DocumentHooks(DesignHooks):
 
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
-        from ncpctl.model.documents import document_refusal
+        from ncpctl.model.core.documents import document_refusal
 
         why = document_refusal(recipe.model_config)
         if why is not None:

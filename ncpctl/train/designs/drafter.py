@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ncpctl.inference.block_drafter import TargetTap, block_concepts, check_target, pool_blocks, predicted_terms
-from ncpctl.model.drafter import BlockDrafter, DrafterConfig
-from ncpctl.model.outputs import LogKey, NCPOutput
+from ncpctl.model.designs.drafter.module import BlockDrafter, DrafterConfig
+from ncpctl.model.core.outputs import LogKey, NCPOutput
 from ncpctl.recipe.load import Recipe
 from ncpctl.train.hooks import DesignHooks
 

@@ -1,4 +1,4 @@
-"""DLCM's learned (dynamic) segments in a training run (``ncpctl.model.dynamic``; hooks:
+"""DLCM's learned (dynamic) segments in a training run (``ncpctl.model.designs.dynamic.module``; hooks:
 ``ncpctl.train.hooks``).
 
 prepare      the validation split's token sources (``SourceMap`` from meta.json's

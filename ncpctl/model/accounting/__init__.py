@@ -1,0 +1,1 @@
+"""Exact counts: FLOPs (forward, backward), memory, parameters."""

@@ -1,0 +1,1 @@
+"""The staged model: config, layers, attention, RoPE, the concept path, outputs, decoding."""
