@@ -41,6 +41,9 @@ demo() {
 case "${1:-}" in
   setup) setup ;;
   demo) setup; shift; demo "$@" ;;
-  test) setup; shift; exec "$VENV/bin/python" -m pytest -n 2 -q "$@" ;;
+  # --durations=15: CI's output ends with the 15 slowest tests (the suite's time budget is watched);
+  # --dist loadgroup: a module's tests that share a module-scoped fixture stay on one worker
+  # (tests/conftest.py marks them), so the fixture is built once, not once per worker
+  test) setup; shift; exec "$VENV/bin/python" -m pytest -n 2 --dist loadgroup -q --durations=15 "$@" ;;
   *) sed -n '2,8p' "$0" >&2; exit 2 ;;
 esac

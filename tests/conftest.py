@@ -14,6 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
+from tests.scheduling import (  # noqa: E402,F401 - hooks: which tests share a worker
+    pytest_collection_modifyitems, pytest_configure, pytest_unconfigure, pytest_xdist_make_scheduler)
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 
@@ -92,6 +95,15 @@ def run_without_ncpctl(code: str, tmp_path: Path, timeout: float = 180) -> str:
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """Trained debug checkpoints (tests/evaluate/_fixtures.py) for the eval, generate, export and bench
+    tests: built once per test run for every xdist worker, read-only (a test that writes copies it)."""
+    from .evaluate._fixtures import shared_runs
+
+    yield from shared_runs(tmp_path_factory)
 
 
 def write_recipe(path: Path, text: str) -> Path:

@@ -33,14 +33,6 @@ BENCH = REPO / "bench"
 ELSEWHERE = {"gpu_check", "replicate_conceptlm", "run_all", "cdlm_bound"}  # cdlm_bound: tests/model/test_diffusion_elbo.py
 
 
-@pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """The trained debug checkpoints tests/evaluate and tests/inference share (made once a session)."""
-    from .evaluate._fixtures import make_runs
-
-    return make_runs(tmp_path_factory.getbasetemp() / "ncp-debug-runs")
-
-
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(f"_bench_smoke_{name}", BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)

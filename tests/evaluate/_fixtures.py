@@ -3,18 +3,22 @@
 `ncpctl tokenize` (the real entry point) on a slice of the built-in corpus, then a few
 hundred AdamW steps in-process so that scores mean something, saved with
 `ncpctl.checkpoint.save_model_files` as run.dir/checkpoints/step_N (+ `latest`).
-Both a ConceptLM (the debug recipe's model) and a base model are trained.
+Both a ConceptLM (the debug recipe's model) and a base model are trained, once per test run for
+all xdist workers (tests/shared.py).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..conftest import run_cli
+from ..shared import shared
 
 STEPS = 200
 SEQ = 128
@@ -71,16 +75,31 @@ def _train(recipe: Path, data_from: Path | None) -> Path:
     return ck
 
 
-def make_runs(root: Path) -> dict[str, Path]:
-    """{"concept": checkpoint dir, "base": checkpoint dir, "recipe": concept recipe}; cached in root."""
-    done = root / "done"
-    ck = {"concept": root / "concept" / "checkpoints" / f"step_{STEPS:07d}",
-          "base": root / "base" / "checkpoints" / f"step_{STEPS:07d}", "recipe": root / "concept.yaml"}
-    if done.is_file():
-        return ck
-    root.mkdir(parents=True, exist_ok=True)
+def make_runs(root: Path) -> None:
+    """Train both runs into ``root`` (an empty directory)."""
     torch.set_num_threads(1)  # the test machine has 2 shared cores: more threads only contend
     c = _train(_recipe(root, True), None)
     _train(_recipe(root, False), c.parent.parent / "data")
-    done.write_text("ok\n")
-    return ck
+
+
+def shared_runs(factory) -> Iterator[dict[str, Path]]:
+    """Generator for the session fixture ``runs``: {"concept": checkpoint dir, "base": checkpoint
+    dir, "recipe": concept recipe}, trained once per test run for every xdist worker; read-only
+    (a test that evaluates into a run, or changes it, copies it first)."""
+    for root in shared(factory, "debug-runs", make_runs, Path(__file__)):
+        yield {"concept": root / "concept" / "checkpoints" / f"step_{STEPS:07d}",
+               "base": root / "base" / "checkpoints" / f"step_{STEPS:07d}", "recipe": root / "concept.yaml"}
+
+
+def own_copy(runs: dict[str, Path], kind: str, dst: Path) -> Path:
+    """A copy of the shared run ``kind`` (its checkpoint, data link and recipe) at ``dst``, for a test
+    that writes into the run (an evaluation's results, request cache and offline task files go to
+    run.dir/eval/); returns the copy's checkpoint. ``kind`` "recipe": the concept run, and a recipe
+    at ``dst``.yaml whose run.dir is the copy (returned instead)."""
+    src = runs["concept" if kind == "recipe" else kind]
+    shutil.copytree(src.parent.parent, dst, symlinks=True, ignore=shutil.ignore_patterns("eval"))
+    if kind != "recipe":
+        return dst / "checkpoints" / src.name
+    recipe = dst.with_suffix(".yaml")
+    recipe.write_text(runs["recipe"].read_text().replace(str(src.parent.parent), str(dst)))
+    return recipe

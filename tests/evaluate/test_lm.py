@@ -18,6 +18,7 @@ from ncpctl.evaluate.lm import NCPLM
 from ncpctl.evaluate.run import evaluate, resolve_target
 
 from ..conftest import run_cli
+from ._fixtures import own_copy
 
 torch.set_num_threads(1)
 
@@ -91,8 +92,8 @@ def test_generate_until_is_greedy_full_forward(runs):
         assert o == ref.split("\n\n\n")[0], (c, o, ref)
 
 
-def test_offline_tasks_in_process(runs):
-    t = resolve_target(str(runs["concept"]), [], ["ncp_offline"], 8, 6, None, None)
+def test_offline_tasks_in_process(runs, tmp_path):
+    t = resolve_target(str(own_copy(runs, "concept", tmp_path / "run")), [], ["ncp_offline"], 8, 6, None, None)
     s = evaluate(t)
     assert set(s["results"]) == {"ncp_heldout_ppl", "ncp_cloze", "ncp_last_ident"}
     ppl = s["results"]["ncp_heldout_ppl"]
@@ -107,9 +108,9 @@ def test_offline_tasks_in_process(runs):
     assert "ncp_heldout_ppl" in md and "token-weighted" in md and "mean of per-set" in md
 
 
-def test_cli_eval_recipe_json(runs):
+def test_cli_eval_recipe_json(runs, tmp_path):
     """The real entry point with a recipe: its eval section (tasks: [ncp_offline], limit 8)."""
-    r = run_cli("eval", str(runs["recipe"]), "--limit", "4", "--json")
+    r = run_cli("eval", str(own_copy(runs, "recipe", tmp_path / "run")), "--limit", "4", "--json")
     assert r.returncode == 0, r.stderr
     assert "it/s]" not in r.stderr and "%|" not in r.stderr, r.stderr  # issue 46 item 10: no lm-eval bars
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -118,8 +119,9 @@ def test_cli_eval_recipe_json(runs):
     assert out["files"]["json"].endswith(".json")
 
 
-def test_hub_task_fails_with_one_line_naming_it(runs):
-    r = run_cli("eval", str(runs["concept"]), "--tasks", "arc_easy,ncp_cloze", "--limit", "2")
+def test_hub_task_fails_with_one_line_naming_it(runs, tmp_path):
+    ck = own_copy(runs, "concept", tmp_path / "run")
+    r = run_cli("eval", str(ck), "--tasks", "arc_easy,ncp_cloze", "--limit", "2")
     assert r.returncode == 2
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "arc_easy" in errors[0] and "Traceback" not in r.stderr, r.stderr
@@ -127,9 +129,10 @@ def test_hub_task_fails_with_one_line_naming_it(runs):
 
 def test_through_the_lm_eval_command_line(runs, tmp_path):
     """lm-eval's own CLI (`python -m ncpctl.evaluate` = lm_eval with --model ncpctl registered)."""
+    ck = own_copy(runs, "concept", tmp_path / "run")  # the offline tasks' files are written into the run
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-m", "ncpctl.evaluate", "run", "--model", "ncpctl", "--model_args",
-                        f"checkpoint={runs['concept']}", "--tasks", "ncp_offline", "--limit", "3", "--device", "cpu",
+                        f"checkpoint={ck}", "--tasks", "ncp_offline", "--limit", "3", "--device", "cpu",
                         "--output_path", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     files = list((tmp_path / "out").rglob("results_*.json"))
@@ -137,7 +140,7 @@ def test_through_the_lm_eval_command_line(runs, tmp_path):
     res = json.loads(files[0].read_text())["results"]
     assert {"ncp_heldout_ppl", "ncp_cloze", "ncp_last_ident"} <= set(res)
     bad = subprocess.run([sys.executable, "-m", "ncpctl.evaluate", "run", "--model", "ncpctl", "--model_args",
-                          f"checkpoint={runs['concept']}", "--batch_size", "lots", "--tasks", "ncp_offline",
+                          f"checkpoint={ck}", "--batch_size", "lots", "--tasks", "ncp_offline",
                           "--device", "cpu"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "error: batch_size='lots': expected a positive integer or auto" in bad.stderr

@@ -47,7 +47,7 @@ def test_on_leaf_sees_every_value_taken_from_over() -> None:
 
 
 def test_one_merge_everywhere() -> None:
-    """recipe/load.py and train/zero.py (the DeepSpeed config) use this function and define no merge of their own."""
+    """recipe/load.py and train/zero.py use this function and define no merge of their own."""
     assert ncpctl.recipe.load.deep_merge is deep_merge
     assert ncpctl.train.zero.deep_merge is deep_merge
     for rel in ("recipe/load.py", "train/zero.py", "model/core/config.py"):
@@ -57,21 +57,28 @@ def test_one_merge_everywhere() -> None:
 
 
 def test_model_config_imports_only_the_standard_library() -> None:
-    """The config modules are copied verbatim into exported HF directories and must import without
+    """The config modules are copied into exported HF directories and must import without
     torch (``ncpctl --help`` stays fast): config.py and every module it reaches by module-level
-    relative imports (the design sections, the registry) import only the standard library and
-    each other at module level."""
-    todo, seen = ["config"], set()
+    imports of the model package (the design sections, the registry, and the designs' records the
+    registry loads by import path, ``DESIGNS``) import only the standard library and each other at
+    module level (issue 44: absolute ``from ncpctl.model.x.y import``, made flat by the export)."""
+    from ncpctl.model.registry import DESIGNS
+
+    todo, seen = ["core.config"], set()
     while todo:
         name = todo.pop()
         if name in seen:
             continue
         seen.add(name)
-        top = ast.parse((PKG / "model" / f"{name}.py").read_text()).body
+        path = PKG / "model" / Path(*name.split("."))
+        top = ast.parse((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()).body
         names = {a.name.split(".")[0] for n in top if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module.split(".")[0] for n in top if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+        names |= {n.module.split(".")[0] for n in top if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
+                  and not n.module.startswith("ncpctl.model.")}
         assert names <= set(sys.stdlib_module_names) | {"__future__"}, (name, names)
-        relative = [n for n in top if isinstance(n, ast.ImportFrom) and n.level]
-        assert all(n.level == 1 and n.module for n in relative), name  # siblings only: `from .x import y`
-        todo += [n.module for n in relative]
-    assert {"config", "config_base", "registry", "config_dynamic"} <= seen
+        assert not [n for n in top if isinstance(n, ast.ImportFrom) and n.level], name  # the package's own: absolute
+        todo += [n.module.removeprefix("ncpctl.model.") for n in top
+                 if isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").startswith("ncpctl.model.")]
+        if name == "registry":
+            todo += [t.partition(":")[0][1:] for t in DESIGNS]
+    assert {"core.config", "core.config_base", "registry", "designs.dynamic.config", "designs.dynamic.spec"} <= seen

@@ -1,5 +1,5 @@
-"""Fixtures for the training tests: one tiny tokenized dataset per test session (per xdist
-worker), tiny recipes (debug size, seq_len 32, global batch 8), and helpers to run the real
+"""Fixtures for the training tests: one tiny tokenized dataset per test run (shared by the xdist
+workers), tiny recipes (debug size, seq_len 32, global batch 8), and helpers to run the real
 ``ncpctl`` entry point (optionally under the ``deepspeed`` launcher) and read what a run wrote.
 
 Faults (NaN losses, a SIGKILL inside a checkpoint write, a pause per step) are injected through
@@ -15,12 +15,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import ncpctl_cmd
+from tests.shared import shared
 
 # One thread per process: only then are runs bit-identical (with more threads the CPU kernels'
 # reduction order varies and two runs differ at ~1e-6), and two xdist workers (or two ranks)
@@ -57,17 +59,26 @@ deepspeed:
 """
 
 
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``run/data`` of the built-in corpus cut to 60 documents, 512-token BPE (a few seconds)."""
-    root = tmp_path_factory.mktemp("tiny_data")
+def _tokenize_tiny(root: Path) -> None:
     recipe = root / "tiny.yaml"
     recipe.write_text(f"data:\n  sources: [builtin:python-stdlib]\n  max_documents: 60\n  val_fraction: 0.1\n"
                       f"tokenizer:\n  vocab_size: 512\nrun:\n  dir: {root / 'run'}\n")
     proc = subprocess.run([*ncpctl_cmd(), "tokenize", str(recipe)], capture_output=True, text=True, env=ENV,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return root / "run" / "data"
+    # the offline ncp_* tasks' files, which an evaluation of a run on this data (in the loop, or
+    # `ncpctl eval` of its checkpoint) would otherwise write beside it: built here, every test only reads them
+    from ncpctl.evaluate.offline import build, data_dir_for
+
+    build(*data_dir_for(data=str(root / "run" / "data")))
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``run/data`` of the built-in corpus cut to 60 documents, 512-token BPE (a few seconds): made
+    once per test run for every xdist worker, read-only (tests/shared.py; a test that writes copies it)."""
+    for root in shared(tmp_path_factory, "tiny-data", _tokenize_tiny, Path(__file__)):
+        yield root / "run" / "data"
 
 
 @pytest.fixture
