@@ -45,7 +45,7 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
 from ncpctl.errors import UserError
 from ncpctl.model.core.head import liger_loss
 from ncpctl.recipe.load import Recipe
-from ncpctl.train.compiled import compile_blocks
+from ncpctl.train import compiled  # compiled.compile_blocks looked up when called (tests/train/recompute_step.py picks its backend)
 from ncpctl.train.optimizer import base_lrs, lr_schedule, make_optimizer, param_groups
 from ncpctl.train.recompute import apply_activation_checkpointing
 from ncpctl.train.zero import Zero, deepspeed_config, use_bf16
@@ -179,7 +179,7 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, d: Dist, info: Callable
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(recipe))
     apply_activation_checkpointing(model, recipe.train.activation_checkpointing)
     if compiles(recipe.train.compile, on_gpu):
-        compile_blocks(model, zero.stage, on_gpu, warn or info or (lambda m: None))
+        compiled.compile_blocks(model, zero.stage, on_gpu, warn or info or (lambda m: None))
     bf16 = use_bf16(recipe, on_gpu)
     # stage 0 bf16: the fp32 weights, before DeepSpeed casts the model (its masters then come from bf16)
     fp32_init = ({id(p): p.detach().clone() for p in model.parameters() if p.requires_grad}
