@@ -40,8 +40,12 @@ def worker(tree: str, model: str, size: str, T: int, B: int, repeats: int = 1) -
     import torch
 
     import ncpctl
-    from ncpctl.model.core.config import build_config
-    from ncpctl.model.core.model import NCPModel
+    try:  # the model's rooms (issue 44); a tree from before them has the flat modules
+        from ncpctl.model.core.config import build_config
+        from ncpctl.model.core.model import NCPModel
+    except ModuleNotFoundError:
+        from ncpctl.model.config import build_config  # type: ignore[no-redef]
+        from ncpctl.model.model import NCPModel  # type: ignore[no-redef]
 
     if not str(Path(ncpctl.__file__).resolve()).startswith(str(Path(tree).resolve())):
         raise SystemExit(f"imported ncpctl from {ncpctl.__file__}, not from {tree}")
